@@ -1,0 +1,30 @@
+# Two commands do all the set-up: `make demo` and `make test`. Each creates .venv on first use
+# and reinstalls only when pyproject.toml or the constraints change (the stamp file).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+# Without an NVIDIA driver, pin the CPU build of torch so pip never downloads a multi-GB CUDA
+# build; with one, let pip keep (or pick) the CUDA build. Override with CONSTRAINTS=... .
+CONSTRAINTS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constraints/cpu.txt)
+
+.PHONY: test demo lint bench clean
+
+$(STAMP): pyproject.toml constraints/cpu.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check $(CONSTRAINTS) -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check offload worker coordinator tests bench
+	$(PY) -m pytest
+
+demo: $(STAMP)
+	$(VENV)/bin/offloadctl demo
+
+bench: $(STAMP)
+	$(PY) bench/prefetch_overlap.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,1 @@
+"""The driver: checkpoint index, planner, launcher, pipeline, telemetry, recovery; `offloadctl`."""

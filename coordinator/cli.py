@@ -1,0 +1,5 @@
+"""offloadctl: placeholder until the demo is written."""
+
+
+def main() -> int:
+    return 0

@@ -1,0 +1,56 @@
+"""Node-local weight offloading (torch only, never ray).
+
+Pin policy and node probe, an exact-size pinned arena, and the prefetch / UVA / no-op
+offloaders. See `create_offloader` for the entry point.
+"""
+
+from offload.arena import PinnedArena, TensorSpec
+from offload.base import BaseOffloader, NoopOffloader, OffloadError, OffloadStats
+from offload.config import OffloadConfig
+from offload.factory import create_offloader
+from offload.policy import (
+    PIN_ENV,
+    VLLM_DISABLE_PIN_ENV,
+    PinDecision,
+    PinningUnavailableError,
+    decide_pinning,
+)
+from offload.probe import DeviceInfo, NodeProbe, probe_node
+
+# The backends load on first use (PEP 562), as the factory does.
+_LAZY = {
+    "PrefetchOffloader": "offload.prefetch",
+    "UVAOffloader": "offload.uva",
+    "OffloadUnavailableError": "offload.uva",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'offload' has no attribute {name!r}")
+
+
+__all__ = [
+    "PIN_ENV",
+    "VLLM_DISABLE_PIN_ENV",
+    "BaseOffloader",
+    "DeviceInfo",
+    "NodeProbe",
+    "NoopOffloader",
+    "OffloadConfig",
+    "OffloadError",
+    "OffloadStats",
+    "OffloadUnavailableError",
+    "PinDecision",
+    "PinnedArena",
+    "PinningUnavailableError",
+    "PrefetchOffloader",
+    "TensorSpec",
+    "UVAOffloader",
+    "create_offloader",
+    "decide_pinning",
+    "probe_node",
+]

@@ -1,0 +1,162 @@
+"""The offloader interface, its statistics, and the null offloader.
+
+Offloading is a reversible transform applied to modules that are already built: the model code
+knows nothing about it. `wrap_modules` takes the layers in execution order and changes them in
+place (hooks and parameter storage, never their `forward`); `detach` puts every parameter back
+on the device and removes every hook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from offload.policy import PinDecision
+
+# Set on each wrapped module so a second offloader (or the same one twice) refuses it.
+_MARK = "_offload_coordinator_owner"
+
+
+class OffloadError(RuntimeError):
+    """Misuse of an offloader: wrapping twice, a module already offloaded, a shared weight."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadStats:
+    backend: str
+    offloaded_layers: int = 0
+    offloaded_bytes: int = 0  # weight bytes living in host memory
+    resident_bytes: int = 0  # weight bytes of wrapped modules that stay on the device
+    buffer_bytes: int = 0  # device bytes of prefetch slots
+    host_bytes: int = 0  # host bytes allocated for the offloaded weights (arena + page slack)
+    pinned_bytes: int = 0
+    pageable_bytes: int = 0
+    copies: int = 0  # host-to-device copies issued
+    copied_bytes: int = 0
+    copy_s: float = 0.0  # time the copy engine spent copying
+    stall_s: float = 0.0  # time the compute side waited for a copy
+    sync_loads: int = 0  # copies issued on demand because no prefetch was in flight
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def param_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+class BaseOffloader(ABC):
+    """Lifecycle: `wrap_modules(layers)` once, `post_init()`, forwards, `detach()`."""
+
+    backend: str = "base"
+
+    def __init__(self) -> None:
+        self._modules: list[nn.Module] = []
+        self.pin_decision: PinDecision | None = None
+        self.backend_reason = ""  # set by create_offloader: why this backend
+
+    @property
+    def wrapped(self) -> bool:
+        return bool(self._modules)
+
+    def wrap_modules(self, modules: Sequence[nn.Module]) -> list[nn.Module]:
+        """Offload (some of) `modules`, given in execution order; returns them, changed in place."""
+        modules = list(modules)
+        if self._modules:
+            raise OffloadError(
+                f"{type(self).__name__}.wrap_modules was already called; call detach() first "
+                "or use a new offloader"
+            )
+        if not modules:
+            raise ValueError("wrap_modules needs at least one module")
+        self._check_unclaimed(modules)
+        self._wrap(modules)
+        for module in modules:
+            setattr(module, _MARK, type(self).__name__)
+        self._modules = modules
+        return modules
+
+    def post_init(self) -> None:  # noqa: B027 - an optional hook, a no-op by default
+        """Called once all modules are wrapped and their weights are final. Default: nothing."""
+
+    def detach(self) -> None:
+        """Restore every wrapped module: parameters back on the device, hooks removed."""
+        if not self._modules:
+            return
+        self._detach()
+        for module in self._modules:
+            if hasattr(module, _MARK):
+                delattr(module, _MARK)
+        self._modules = []
+
+    def close(self) -> None:
+        self.detach()
+
+    def __enter__(self) -> BaseOffloader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @abstractmethod
+    def _wrap(self, modules: list[nn.Module]) -> None: ...
+
+    @abstractmethod
+    def _detach(self) -> None: ...
+
+    @abstractmethod
+    def stats(self) -> OffloadStats: ...
+
+    @staticmethod
+    def _check_unclaimed(modules: list[nn.Module]) -> None:
+        owners: dict[int, int] = {}
+        for index, module in enumerate(modules):
+            for sub in module.modules():
+                owner = getattr(sub, _MARK, None)
+                if owner is not None:
+                    raise OffloadError(
+                        f"module {index} ({type(module).__name__}) is already offloaded by a "
+                        f"{owner}; detach() that offloader before wrapping it again"
+                    )
+            for name, param in module.named_parameters():
+                if id(param) in owners and owners[id(param)] != index:
+                    raise OffloadError(
+                        f"parameter {name!r} of module {index} is shared with module "
+                        f"{owners[id(param)]}; tied weights cannot be offloaded per layer"
+                    )
+                owners[id(param)] = index
+
+
+class NoopOffloader(BaseOffloader):
+    """Offloads nothing, on purpose: the null object for `backend='none'`."""
+
+    backend = "none"
+
+    def _wrap(self, modules: list[nn.Module]) -> None:
+        pass
+
+    def _detach(self) -> None:
+        pass
+
+    def stats(self) -> OffloadStats:
+        return OffloadStats(
+            backend=self.backend, resident_bytes=sum(param_bytes(m) for m in self._modules)
+        )
+
+
+def require_inference(module_index: int, args: tuple, kwargs: dict) -> None:
+    """Offloaded weights are overwritten by the next layer's copy, so autograd must not save
+    them for a backward pass: refuse inputs that require grad while grad mode is on."""
+    if not torch.is_grad_enabled():
+        return
+    values = list(args) + list(kwargs.values())
+    if any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
+        raise OffloadError(
+            f"offloaded layer {module_index} was called with inputs that require grad; "
+            "offloading is inference-only: run under torch.no_grad() or torch.inference_mode()"
+        )

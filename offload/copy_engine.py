@@ -1,0 +1,225 @@
+"""Copy engines: who moves bytes from host memory into device slots, concurrently with compute.
+
+Both engines expose the same four operations, so the prefetch logic above them is identical on
+a GPU and on the CPU (where it is tested and benchmarked):
+
+- `fence()`: a marker of "all compute issued so far"; a copy submitted `after` it must not start
+  writing before that compute is done (the slot it overwrites may still be read).
+- `submit(dst, src, after=...)`: start copying, return a ticket.
+- `wait(ticket)`: make the compute side wait until that copy has landed.
+- `synchronize()`: wait for every copy (before detach or close).
+
+`CudaCopyEngine` uses a side stream and events. `ThreadCopyEngine` uses one background thread
+doing `memmove`, the CPU's stand-in for a DMA engine: a single queue, FIFO, so two copies into
+the same slot land in the order they were submitted, as on a CUDA stream.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from concurrent import futures
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+# A copy of one layer takes milliseconds; a wait this long means the copy thread is wedged.
+COPY_WAIT_TIMEOUT_S = 300.0
+# Timing events are folded into the totals once this many are pending (one sync per fold), so a
+# long-running server does not accumulate them without bound.
+MAX_PENDING_TIMING_EVENTS = 4096
+
+
+@dataclass(slots=True)
+class CopyTotals:
+    copies: int = 0
+    copied_bytes: int = 0
+    copy_s: float = 0.0
+    stall_s: float = 0.0
+
+
+class CopyEngine(ABC):
+    def __init__(self) -> None:
+        self.totals = CopyTotals()
+
+    @abstractmethod
+    def fence(self) -> object | None: ...
+
+    @abstractmethod
+    def submit(self, dst: torch.Tensor, src: torch.Tensor, *, after: object | None) -> object: ...
+
+    @abstractmethod
+    def wait(self, ticket: object) -> None: ...
+
+    @abstractmethod
+    def synchronize(self) -> None: ...
+
+    def read_totals(self) -> CopyTotals:
+        return dataclasses.replace(self.totals)
+
+    def close(self) -> None:
+        self.synchronize()
+
+
+class ThreadCopyEngine(CopyEngine):
+    """Copies on one daemon thread. Compute on the CPU is synchronous in the caller's thread, so
+    by the time a copy is submitted the compute before it is done: `fence()` is None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._last: Future | None = None
+        self._thread = threading.Thread(target=self._run, name="offload-copy", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            dst, src, future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                start = time.perf_counter()
+                _copy_bytes(dst, src)
+                elapsed = time.perf_counter() - start
+                with self._lock:
+                    self.totals.copy_s += elapsed
+                future.set_result(None)
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def fence(self) -> None:
+        return None
+
+    def submit(self, dst: torch.Tensor, src: torch.Tensor, *, after: object | None) -> Future:
+        if not self._thread.is_alive():
+            raise RuntimeError("the copy engine is closed")
+        future: Future = Future()
+        with self._lock:
+            self.totals.copies += 1
+            self.totals.copied_bytes += src.nbytes
+        self._jobs.put((dst, src, future))
+        self._last = future
+        return future
+
+    def wait(self, ticket: Future) -> None:
+        if ticket.done():
+            ticket.result()  # re-raise a failed copy
+            return
+        start = time.perf_counter()
+        ticket.result(timeout=COPY_WAIT_TIMEOUT_S)
+        with self._lock:
+            self.totals.stall_s += time.perf_counter() - start
+
+    def synchronize(self) -> None:
+        # Waits for completion only: a failed copy raises at the `wait` for its ticket, and the
+        # arena, not the slot, stays the source of truth for detach.
+        if self._last is not None:
+            done, _ = futures.wait([self._last], timeout=COPY_WAIT_TIMEOUT_S)
+            if not done:
+                raise TimeoutError(f"copy engine did not drain within {COPY_WAIT_TIMEOUT_S} s")
+
+    def read_totals(self) -> CopyTotals:
+        with self._lock:
+            return super().read_totals()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self.synchronize()
+            self._jobs.put(None)
+            self._thread.join(timeout=COPY_WAIT_TIMEOUT_S)
+
+
+def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """memmove for contiguous CPU bytes: one thread, no intra-op pool fighting the compute
+    threads for cores, and ctypes releases the GIL for the call."""
+    if (
+        dst.device.type == "cpu"
+        and src.device.type == "cpu"
+        and dst.is_contiguous()
+        and src.is_contiguous()
+        and dst.nbytes == src.nbytes
+    ):
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.nbytes)
+    else:
+        dst.copy_(src)
+
+
+class CudaCopyEngine(CopyEngine):
+    """Copies on a side stream. Ordering, all on the GPU, none of it blocking the host:
+    copy stream waits on the compute fence -> copies -> records `done`; the compute stream
+    waits on `done` before the layer's kernels. Timing events are read lazily in
+    `read_totals()`, which synchronises, so the hot path never blocks on them."""
+
+    def __init__(self, device: torch.device, *, timing: bool = True) -> None:
+        super().__init__()
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self.timing = timing
+        self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def _event(self) -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=self.timing)
+
+    def fence(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def submit(
+        self, dst: torch.Tensor, src: torch.Tensor, *, after: object | None
+    ) -> torch.cuda.Event:
+        done = self._event()
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)
+            start = self._event() if self.timing else None
+            if start is not None:
+                start.record(self.stream)
+            dst.copy_(src, non_blocking=True)
+            done.record(self.stream)
+        if start is not None:
+            self._copy_events.append((start, done))
+        self.totals.copies += 1
+        self.totals.copied_bytes += src.nbytes
+        return done
+
+    def wait(self, ticket: torch.cuda.Event) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        if self.timing:
+            before = self._event()
+            before.record(compute)
+        compute.wait_event(ticket)
+        if self.timing:
+            after = self._event()
+            after.record(compute)
+            self._stall_events.append((before, after))
+            if len(self._stall_events) > MAX_PENDING_TIMING_EVENTS:
+                self.read_totals()
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def read_totals(self) -> CopyTotals:
+        if self._copy_events or self._stall_events:
+            torch.cuda.synchronize(self.device)
+            self.totals.copy_s += sum(a.elapsed_time(b) for a, b in self._copy_events) / 1e3
+            self.totals.stall_s += sum(a.elapsed_time(b) for a, b in self._stall_events) / 1e3
+            self._copy_events.clear()
+            self._stall_events.clear()
+        return super().read_totals()
+
+
+def make_copy_engine(device: torch.device) -> CopyEngine:
+    if device.type == "cuda":
+        return CudaCopyEngine(device)
+    return ThreadCopyEngine()

@@ -1,0 +1,103 @@
+"""Choosing the parameters to offload and moving them into one arena, layer by layer.
+
+Shared by the prefetch and UVA backends: both offload the same parameters and keep them in the
+same exact-size arena; they differ only in how the device reaches them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from offload.arena import PinnedArena, TensorSpec
+from offload.base import OffloadError
+from offload.config import OffloadConfig
+from offload.policy import PinDecision, decide_pinning
+from offload.probe import NodeProbe
+
+
+@dataclass(slots=True)
+class OffloadedLayer:
+    """One offloaded module: its parameters in arena order and its byte span in the arena."""
+
+    index: int  # position among the wrapped modules (execution order)
+    module: nn.Module
+    params: list[tuple[str, nn.Parameter]]
+    keys: list[str]  # arena keys, f"{index}.{name}"
+    start: int = 0
+    end: int = 0
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for _, p in self.params)
+
+
+def select_offloaded(modules: list[nn.Module], config: OffloadConfig) -> list[OffloadedLayer]:
+    """The layers and parameters `config` offloads, checked for weights tied across modules."""
+    layers = []
+    for index in config.select_layers(len(modules)):
+        params = [
+            (name, param)
+            for name, param in modules[index].named_parameters()
+            if config.matches_param(name)
+        ]
+        if params:
+            layers.append(
+                OffloadedLayer(
+                    index=index,
+                    module=modules[index],
+                    params=params,
+                    keys=[f"{index}.{name}" for name, _ in params],
+                )
+            )
+    if not layers:
+        raise ValueError(
+            f"OffloadConfig selects no parameters among {len(modules)} modules "
+            f"(layers={config.select_layers(len(modules))}, param_filter={config.param_filter!r}); "
+            "use backend='none' to offload nothing"
+        )
+    offloaded = {id(p): layer.index for layer in layers for _, p in layer.params}
+    for index, module in enumerate(modules):
+        for name, param in module.named_parameters():
+            owner = offloaded.get(id(param))
+            if owner is not None and owner != index:
+                raise OffloadError(
+                    f"parameter {name!r} of module {index} is the same tensor as an offloaded "
+                    f"parameter of module {owner} (tied weights); exclude it with param_filter "
+                    "or do not offload that layer"
+                )
+    return layers
+
+
+def decide_for_device(
+    env: Mapping[str, str], probe: NodeProbe, planned_bytes: int, device: torch.device
+) -> PinDecision:
+    """The pin decision for offloading to `device`: a CPU device is judged as a node without
+    CUDA, so `OFFLOAD_PIN_MEMORY=on` is refused there as on any node that cannot pin."""
+    if device.type != "cuda":
+        probe = dataclasses.replace(probe, cuda_available=False, devices=())
+    return decide_pinning(env, probe, planned_bytes=planned_bytes)
+
+
+def move_to_arena(layers: list[OffloadedLayer], *, pin: bool) -> PinnedArena:
+    """Copy every selected parameter into a new arena; record each layer's byte span."""
+    specs = [
+        TensorSpec(key, tuple(p.shape), p.dtype)
+        for layer in layers
+        for key, (_, p) in zip(layer.keys, layer.params, strict=True)
+    ]
+    arena = PinnedArena(specs, pin=pin)
+    try:
+        with torch.no_grad():
+            for layer in layers:
+                for key, (_, param) in zip(layer.keys, layer.params, strict=True):
+                    arena[key].copy_(param.detach())
+                layer.start, layer.end = arena.span(layer.keys)
+    except BaseException:
+        arena.close()
+        raise
+    return arena

@@ -1,0 +1,164 @@
+"""What this node is, as far as pinning host memory is concerned.
+
+`probe_node()` looks at CUDA devices, the kernel (WSL), host memory and RLIMIT_MEMLOCK. Every
+step runs on its own: a step that fails records why in `NodeProbe.errors` and leaves its fields
+at their "unknown" value, so a broken driver or a missing /proc never crashes the caller.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import platform
+import resource
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+# CUdevice_attribute values from cuda.h (stable across CUDA 10..13).
+_CU_ATTR_PAGEABLE_MEMORY_ACCESS = 88
+_CU_ATTR_HOST_REGISTER_SUPPORTED = 99
+_CU_ATTR_PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES = 100
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceInfo:
+    """One CUDA device. Attribute fields are None when the driver could not be asked."""
+
+    index: int
+    name: str
+    capability: tuple[int, int]
+    total_memory_bytes: int
+    integrated: bool
+    # The GPU reads pageable host memory through the host's page tables (ATS): GH200/GB200
+    # class parts with a coherent CPU-GPU link. Pinning buys nothing there and costs memory.
+    pageable_memory_access_uses_host_page_tables: bool | None = None
+    pageable_memory_access: bool | None = None
+    host_register_supported: bool | None = None
+
+    @property
+    def coherent_unified_memory(self) -> bool:
+        return bool(self.pageable_memory_access_uses_host_page_tables)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeProbe:
+    """A snapshot of one node. Build one by hand in tests; `probe_node()` fills it for real."""
+
+    cuda_available: bool = False
+    devices: tuple[DeviceInfo, ...] = ()
+    is_wsl: bool = False
+    host_total_bytes: int | None = None
+    host_available_bytes: int | None = None
+    # None means unlimited (RLIM_INFINITY) or unknown; see `errors` to tell them apart.
+    memlock_limit_bytes: int | None = None
+    cpu_arch: str = ""
+    errors: tuple[str, ...] = field(default=())
+
+    @property
+    def any_integrated(self) -> bool:
+        return any(d.integrated for d in self.devices)
+
+    @property
+    def any_coherent_unified_memory(self) -> bool:
+        return any(d.coherent_unified_memory for d in self.devices)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _cuda_driver_attributes(index: int) -> dict[str, bool]:
+    """Ask the CUDA driver (libcuda, always present with a driver) for ATS-related attributes.
+
+    torch exposes device properties but not these attributes, so we call cuDeviceGetAttribute
+    through ctypes. torch has already initialised the driver when CUDA is available.
+    """
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    device = ctypes.c_int()
+    if libcuda.cuDeviceGet(ctypes.byref(device), index) != 0:
+        raise RuntimeError(f"cuDeviceGet({index}) failed")
+    out = {}
+    for name, attr in (
+        ("pageable_memory_access", _CU_ATTR_PAGEABLE_MEMORY_ACCESS),
+        ("host_register_supported", _CU_ATTR_HOST_REGISTER_SUPPORTED),
+        (
+            "pageable_memory_access_uses_host_page_tables",
+            _CU_ATTR_PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES,
+        ),
+    ):
+        value = ctypes.c_int()
+        rc = libcuda.cuDeviceGetAttribute(ctypes.byref(value), attr, device)
+        if rc != 0:
+            raise RuntimeError(f"cuDeviceGetAttribute({attr}) failed with CUresult {rc}")
+        out[name] = bool(value.value)
+    return out
+
+
+def _probe_cuda(fields: dict, errors: list[str]) -> None:
+    available = torch.cuda.is_available()
+    fields["cuda_available"] = available
+    if not available:
+        return
+    devices = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        attrs: dict[str, bool] = {}
+        try:
+            attrs = _cuda_driver_attributes(index)
+        except Exception as exc:  # a missing libcuda or an old driver: record, go on
+            errors.append(f"cuda device {index} attributes: {exc}")
+        devices.append(
+            DeviceInfo(
+                index=index,
+                name=props.name,
+                capability=(props.major, props.minor),
+                total_memory_bytes=props.total_memory,
+                integrated=bool(getattr(props, "is_integrated", False)),
+                **attrs,
+            )
+        )
+    fields["devices"] = tuple(devices)
+
+
+def _probe_wsl(fields: dict, errors: list[str]) -> None:
+    release = platform.uname().release.lower()
+    fields["is_wsl"] = "microsoft" in release or "wsl" in release
+
+
+def _probe_host_memory(fields: dict, errors: list[str]) -> None:
+    mem = psutil.virtual_memory()
+    fields["host_total_bytes"] = int(mem.total)
+    fields["host_available_bytes"] = int(mem.available)
+
+
+def _probe_memlock(fields: dict, errors: list[str]) -> None:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    fields["memlock_limit_bytes"] = None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def _probe_arch(fields: dict, errors: list[str]) -> None:
+    fields["cpu_arch"] = platform.machine()
+
+
+ProbeStep = Callable[[dict, list], None]
+PROBE_STEPS: dict[str, ProbeStep] = {
+    "cuda": _probe_cuda,
+    "wsl": _probe_wsl,
+    "host_memory": _probe_host_memory,
+    "memlock": _probe_memlock,
+    "cpu_arch": _probe_arch,
+}
+
+
+def probe_node(steps: dict[str, ProbeStep] | None = None) -> NodeProbe:
+    """Probe this node. Never raises: a failing step is recorded in `errors` with its cause."""
+    fields: dict = {}
+    errors: list[str] = []
+    for name, step in (PROBE_STEPS if steps is None else steps).items():
+        try:
+            step(fields, errors)
+        except Exception as exc:
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
+    return NodeProbe(**fields, errors=tuple(errors))

@@ -1,0 +1,50 @@
+"""Small models and independent measurements shared by the offload tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def block_stack(num_layers: int, hidden: int = 16, *, seed: int = 0) -> list[nn.Module]:
+    """Linear/GELU/LayerNorm blocks with deterministic random weights."""
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(num_layers):
+        block = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.LayerNorm(hidden))
+        with torch.no_grad():  # LayerNorm starts at 1/0: make its weights matter too
+            block[2].weight.normal_()
+            block[2].bias.normal_()
+        layers.append(block.eval())
+    return layers
+
+
+def run_stack(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        for layer in layers:
+            x = layer(x)
+    return x
+
+
+def storage_bytes(modules: list[nn.Module]) -> int:
+    """Bytes of the distinct storages behind the modules' parameters: the memory they hold,
+    measured from the tensors themselves rather than from the offloader's own accounting."""
+    storages = {}
+    for module in modules:
+        for param in module.parameters():
+            storage = param.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def expected_offloaded_bytes(
+    modules: list[nn.Module], layers: tuple[int, ...], pattern=None
+) -> int:
+    import re
+
+    return sum(
+        p.numel() * p.element_size()
+        for i in layers
+        for name, p in modules[i].named_parameters()
+        if pattern is None or re.search(pattern, name)
+    )

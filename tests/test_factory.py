@@ -1,0 +1,63 @@
+"""create_offloader: backend choice and its reasons, the null offloader, UVA without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import block_stack, run_stack
+from test_policy import GH200, X86_H100
+
+from offload import (
+    NoopOffloader,
+    OffloadConfig,
+    OffloadUnavailableError,
+    PrefetchOffloader,
+    create_offloader,
+)
+from offload.factory import choose_backend
+
+
+def test_auto_on_cpu_is_prefetch_with_a_reason() -> None:
+    offloader = create_offloader(OffloadConfig(layers=(0,)), device="cpu", env={})
+    assert isinstance(offloader, PrefetchOffloader)
+    assert "CPU device" in offloader.backend_reason
+
+
+@pytest.mark.parametrize(
+    ("probe", "backend", "why"),
+    [(GH200, "uva", "coherent unified memory"), (X86_H100, "prefetch", "discrete GPU")],
+)
+def test_auto_on_cuda_follows_the_probe(probe, backend: str, why: str) -> None:
+    chosen, reason = choose_backend(OffloadConfig(layers=(0,)), torch.device("cuda"), probe)
+    assert chosen == backend and why in reason
+
+
+def test_explicit_backend_is_kept() -> None:
+    chosen, reason = choose_backend(
+        OffloadConfig(backend="prefetch", layers=(0,)), torch.device("cuda"), GH200
+    )
+    assert (chosen, reason) == ("prefetch", "backend=prefetch requested")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_uva_without_cuda_is_a_clear_error() -> None:
+    with pytest.raises(OffloadUnavailableError, match="backend='prefetch' or 'auto'"):
+        create_offloader(OffloadConfig(backend="uva", layers=(0,)), device="cpu", env={})
+
+
+def test_none_offloads_nothing_and_says_so() -> None:
+    modules = block_stack(3)
+    x = torch.randn(2, 16)
+    reference = run_stack(modules, x)
+    offloader = create_offloader(OffloadConfig(backend="none"), device="cpu", env={})
+    assert (
+        isinstance(offloader, NoopOffloader) and "nothing is offloaded" in offloader.backend_reason
+    )
+    offloader.wrap_modules(modules)
+    assert torch.equal(run_stack(modules, x), reference)
+    stats = offloader.stats()
+    total = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+    assert (stats.backend, stats.offloaded_bytes, stats.resident_bytes, stats.copies) == (
+        "none", 0, total, 0,
+    )  # fmt: skip
+    offloader.detach()

@@ -1,0 +1,45 @@
+"""Imports flow coordinator -> worker -> offload, checked in fresh interpreters."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _modules_after_import(module: str) -> set[str]:
+    code = f"import sys, {module}; print('\\n'.join(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    return set(out.stdout.split())
+
+
+def _top_level(modules: set[str]) -> set[str]:
+    return {name.split(".")[0] for name in modules}
+
+
+@pytest.mark.parametrize(
+    ("module", "forbidden"),
+    [
+        ("offload", {"ray", "worker", "coordinator"}),
+        # Every backend too: the package imports them lazily, so import them explicitly.
+        ("offload.prefetch, offload.uva, offload.factory", {"ray", "worker", "coordinator"}),
+        ("worker", {"coordinator"}),
+    ],
+)
+def test_import_does_not_pull_in_upper_layers(module: str, forbidden: set[str]) -> None:
+    loaded = _top_level(_modules_after_import(module))
+    assert module.split(".")[0] in loaded  # the import really happened
+    assert not (loaded & forbidden), f"importing {module} loaded {sorted(loaded & forbidden)}"
+
+
+def test_public_api_of_offload() -> None:
+    import offload
+
+    for name in (
+        "decide_pinning", "probe_node", "create_offloader", "OffloadConfig", "PrefetchOffloader",
+        "UVAOffloader", "NoopOffloader", "PinnedArena", "PinDecision", "NodeProbe",
+    ):  # fmt: skip
+        assert getattr(offload, name) is not None, name
