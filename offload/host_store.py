@@ -73,6 +73,26 @@ def select_offloaded(modules: list[nn.Module], config: OffloadConfig) -> list[Of
     return layers
 
 
+def set_param_data(layer: OffloadedLayer, position: int, data: torch.Tensor) -> nn.Parameter:
+    """Point parameter `position` of `layer` at `data` and return the live parameter.
+
+    A real parameter keeps its identity (`param.data = data`), so references to it stay valid.
+    A meta parameter (weights still to be loaded) cannot take real data in place, so a new
+    Parameter replaces it in its owner module, and in `layer.params`.
+    """
+    name, param = layer.params[position]
+    if param.device.type != "meta":
+        param.data = data
+        param.requires_grad_(False)
+        return param
+    owner_name, _, leaf = name.rpartition(".")
+    owner = layer.module.get_submodule(owner_name) if owner_name else layer.module
+    new = nn.Parameter(data, requires_grad=False)
+    owner._parameters[leaf] = new
+    layer.params[position] = (name, new)
+    return new
+
+
 def decide_for_device(
     env: Mapping[str, str], probe: NodeProbe, planned_bytes: int, device: torch.device
 ) -> PinDecision:
@@ -95,7 +115,10 @@ def move_to_arena(layers: list[OffloadedLayer], *, pin: bool) -> PinnedArena:
         with torch.no_grad():
             for layer in layers:
                 for key, (_, param) in zip(layer.keys, layer.params, strict=True):
-                    arena[key].copy_(param.detach())
+                    # A parameter on the meta device has no data yet: a loader writes it into
+                    # the arena afterwards (see `host_tensors()`), with no device copy at all.
+                    if param.device.type != "meta":
+                        arena[key].copy_(param.detach())
                 layer.start, layer.end = arena.span(layer.keys)
     except BaseException:
         arena.close()

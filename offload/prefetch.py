@@ -29,7 +29,13 @@ from offload.arena import ARENA_ALIGNMENT_BYTES, PinnedArena
 from offload.base import BaseOffloader, OffloadStats, param_bytes, require_inference
 from offload.config import OffloadConfig
 from offload.copy_engine import CopyEngine, make_copy_engine
-from offload.host_store import OffloadedLayer, decide_for_device, move_to_arena, select_offloaded
+from offload.host_store import (
+    OffloadedLayer,
+    decide_for_device,
+    move_to_arena,
+    select_offloaded,
+    set_param_data,
+)
 from offload.probe import NodeProbe, probe_node
 
 
@@ -110,14 +116,13 @@ class PrefetchOffloader(BaseOffloader):
             self._hooks.append(layer.module.register_forward_hook(self._make_post_hook(layer)))
 
     def _point_params_at_slot(self, layer: OffloadedLayer, slot: torch.Tensor) -> None:
-        for key, (_, param) in zip(layer.keys, layer.params, strict=True):
+        for position, (key, (_, param)) in enumerate(zip(layer.keys, layer.params, strict=True)):
             # Offsets within a layer are the same in the arena and in its slot.
             offset = self._arena.offset(key) - layer.start
             view = slot[offset : offset + param.numel() * param.element_size()]
-            # The parameter object stays the same (references to it remain valid); its storage
-            # becomes a fixed view into the slot, and the original device tensor is freed.
-            param.data = view.view(param.dtype).view(param.shape)
-            param.requires_grad_(False)
+            # The parameter becomes a fixed view into the slot; the original device tensor is
+            # freed (see set_param_data for parameters still on the meta device).
+            set_param_data(layer, position, view.view(param.dtype).view(param.shape))
 
     def post_init(self) -> None:
         """Start copying the first K offloaded layers, so the first forward does not stall."""
@@ -161,8 +166,8 @@ class PrefetchOffloader(BaseOffloader):
         self._engine.synchronize()
         with torch.no_grad():
             for layer in self._layers:
-                for key, (_, param) in zip(layer.keys, layer.params, strict=True):
-                    param.data = self._arena[key].to(self.device, copy=True)
+                for position, key in enumerate(layer.keys):
+                    set_param_data(layer, position, self._arena[key].to(self.device, copy=True))
         self._engine.close()
         self._engine = None  # the offloader owns its engine; a later wrap makes a new one
         self._arena.close()

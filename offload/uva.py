@@ -18,7 +18,13 @@ from torch import nn
 from offload.arena import PinnedArena
 from offload.base import BaseOffloader, OffloadStats, param_bytes, require_inference
 from offload.config import OffloadConfig
-from offload.host_store import OffloadedLayer, decide_for_device, move_to_arena, select_offloaded
+from offload.host_store import (
+    OffloadedLayer,
+    decide_for_device,
+    move_to_arena,
+    select_offloaded,
+    set_param_data,
+)
 from offload.probe import NodeProbe, probe_node
 
 
@@ -99,11 +105,12 @@ class UVAOffloader(BaseOffloader):
         self._arena = arena
         self._layers = layers
         for layer in layers:
-            for key, (_, param) in zip(layer.keys, layer.params, strict=True):
+            for position, (key, (_, param)) in enumerate(
+                zip(layer.keys, layer.params, strict=True)
+            ):
                 offset = arena.offset(key)
                 view = flat[offset : offset + param.numel() * param.element_size()]
-                param.data = view.view(param.dtype).view(param.shape)
-                param.requires_grad_(False)
+                set_param_data(layer, position, view.view(param.dtype).view(param.shape))
             self._hooks.append(
                 layer.module.register_forward_pre_hook(
                     lambda m, a, k, i=layer.index: require_inference(i, a, k), with_kwargs=True
@@ -117,8 +124,8 @@ class UVAOffloader(BaseOffloader):
         torch.cuda.synchronize(self.device)  # kernels may still read the host memory
         with torch.no_grad():
             for layer in self._layers:
-                for key, (_, param) in zip(layer.keys, layer.params, strict=True):
-                    param.data = self._arena[key].to(self.device, copy=True)
+                for position, key in enumerate(layer.keys):
+                    set_param_data(layer, position, self._arena[key].to(self.device, copy=True))
         self._arena.close()
         self._arena = None
         self._layers = []

@@ -246,3 +246,26 @@ def test_wrap_again_after_detach_uses_a_fresh_copy_engine() -> None:
         offloader.post_init()
         assert torch.equal(run_stack(modules, x), reference)
         offloader.detach()
+
+
+def test_meta_layers_are_loaded_straight_into_the_arena() -> None:
+    """The worker's path: layers built on the meta device, wrapped (no weights exist yet),
+    then their bytes written into the arena; no full copy of the weights on the device."""
+    reference = block_stack(4, HIDDEN, seed=3)
+    x = torch.randn(2, HIDDEN)
+    expected = run_stack(reference, x)
+    with torch.device("meta"):
+        modules = block_stack(4, HIDDEN, seed=3)
+    for i in (0, 2):  # the resident ones get real memory and their weights
+        modules[i] = modules[i].to_empty(device="cpu")
+        modules[i].load_state_dict(reference[i].state_dict())
+    with PrefetchOffloader(OffloadConfig(layers=(1, 3)), device="cpu", env={}) as offloader:
+        offloader.wrap_modules(modules)
+        assert not any(p.is_meta for m in modules for p in m.parameters())
+        store = offloader.host_tensors()
+        for i in (1, 3):
+            for name, param in reference[i].named_parameters():
+                store[f"{i}.{name}"].copy_(param.detach())
+        offloader.post_init()
+        assert torch.equal(run_stack(modules, x), expected)
+    assert torch.equal(run_stack(modules, x), expected)  # detached: real, resident weights

@@ -1,0 +1,57 @@
+"""What the planner knows of the cluster: nodes, their GPUs and budgets. Plain frozen values,
+built from Ray's view of the cluster by the launcher or by hand in tests and `offloadctl plan`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GpuInfo:
+    index: int  # GPU index within its node
+    memory_bytes: int  # device bytes available for this stage's weights, slots and reserve
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes <= 0:
+            raise ValueError(f"GpuInfo.memory_bytes={self.memory_bytes} must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeInfo:
+    node_id: str
+    hostname: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    gpus: tuple[GpuInfo, ...] = ()
+    host_budget_bytes: int = 0  # host memory this job may fill with offloaded weights
+    pinned_budget_bytes: int = 0  # of which may be pinned (only counts when `pin` is True)
+    pin: bool = False  # the node's pin decision for the offloaded weights
+    link_bytes_per_s: float | None = None  # host-to-device bandwidth, when measured
+
+    def __post_init__(self) -> None:
+        if self.host_budget_bytes < 0 or self.pinned_budget_bytes < 0:
+            raise ValueError(
+                f"NodeInfo({self.node_id}): host_budget_bytes and pinned_budget_bytes must be "
+                f">= 0, got {self.host_budget_bytes} and {self.pinned_budget_bytes}"
+            )
+
+    @property
+    def offload_budget_bytes(self) -> int:
+        """Bytes of offloaded weights this node can hold: pinned ones count against both
+        budgets, pageable ones against the host budget only."""
+        if self.pin:
+            return min(self.host_budget_bytes, self.pinned_budget_bytes)
+        return self.host_budget_bytes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterSnapshot:
+    nodes: tuple[NodeInfo, ...]
+
+    def __post_init__(self) -> None:
+        ids = [n.node_id for n in self.nodes]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"ClusterSnapshot: duplicate node ids in {ids}")
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(len(n.gpus) for n in self.nodes)

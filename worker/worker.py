@@ -1,0 +1,233 @@
+"""The per-GPU worker: a plain class, made a Ray actor by the launcher (`ray.remote(StageWorker)`),
+so tests can also drive it in-process.
+
+Lifecycle: `prepare()` builds the stage on the meta device, gives resident layers real memory
+and wraps the offloaded ones (their weights get arena space, no data yet); `load_chunk(i)` reads
+one group of layers from the checkpoint straight into place (the driver shows progress between
+chunks); `finish_load()` starts the prefetch and checks the device budget; then `forward(x)`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import time
+
+import psutil
+import torch
+from torch import nn
+
+from offload import OffloadConfig, create_offloader, probe_node
+from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV
+from worker.loader import TensorReader
+from worker.spec import StageSpec
+from worker.stage import Stage, hf_config_from_dict
+
+LOAD_CHUNK_BYTES = 64 * 2**20  # progress granularity
+
+
+class WorkerError(RuntimeError):
+    """A worker could not load or run its stage; the message says which stage and why."""
+
+
+def _storage_bytes(module: nn.Module) -> int:
+    storages = {}
+    for param in module.parameters():
+        if not param.is_meta:
+            storage = param.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+class StageWorker:
+    def __init__(
+        self,
+        spec: StageSpec,
+        *,
+        device: str | None = None,
+        gpu_memory_bytes: int | None = None,
+        num_threads: int | None = None,
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        self.spec = spec
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.gpu_memory_bytes = gpu_memory_bytes
+        self.attn_implementation = attn_implementation
+        self.probe = probe_node()
+        self.stage: Stage | None = None
+        self.offloader = None
+        self._modules: dict[str, nn.Module] = {}
+        self._reader = TensorReader(spec.checkpoint_dir)
+        self._layer_specs = {layer.name: layer for layer in spec.layers}
+        self._chunks: list[list[str]] = []
+        self._load_s = 0.0
+        self._forward_s = 0.0
+        self._forwards = 0
+
+    def _where(self) -> str:
+        return f"stage {self.spec.stage} on {socket.gethostname()}"
+
+    # loading
+    def prepare(self) -> list[int]:
+        """Build the stage and place every parameter; returns the byte size of each chunk."""
+        start = time.perf_counter()
+        spec = self.spec
+        hf_config = hf_config_from_dict(spec.config, self.attn_implementation)
+        decoders = [layer.index for layer in spec.layers if layer.kind == "decoder"]
+        kinds = {layer.kind for layer in spec.layers}
+        self.stage = Stage(hf_config, decoders, has_embed="embed" in kinds, has_head="head" in kinds,
+                           device=self.device)  # fmt: skip
+        self._modules = self.stage.layer_modules()
+        names = list(self._modules)
+        unknown = sorted(set(spec.offloaded) - set(names))
+        if unknown:
+            raise WorkerError(f"{self._where()}: offloaded layers {unknown} are not in this stage")
+        for name, module in self._modules.items():
+            if name not in spec.offloaded:
+                module.to_empty(device=self.device)
+        if spec.offloaded:
+            config = OffloadConfig(
+                backend=spec.backend,
+                layers=tuple(names.index(n) for n in spec.offloaded),
+                prefetch_step=spec.prefetch_step,
+            )
+        else:
+            config = OffloadConfig(backend="none")
+        self.offloader = create_offloader(config, device=self.device, probe=self.probe)
+        self.offloader.wrap_modules(list(self._modules.values()))
+        self._chunks = self._make_chunks()
+        self._load_s += time.perf_counter() - start
+        return [sum(self._layer_specs[n].nbytes for n in chunk) for chunk in self._chunks]
+
+    def _make_chunks(self) -> list[list[str]]:
+        chunks: list[list[str]] = [[]]
+        size = 0
+        for layer in self.spec.layers:
+            if chunks[-1] and size + layer.nbytes > LOAD_CHUNK_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(layer.name)
+            size += layer.nbytes
+        return chunks
+
+    def _destination(self, layer_name: str, tensor_name: str) -> torch.Tensor:
+        """Where a checkpoint tensor goes: the arena for offloaded layers, else the parameter."""
+        if layer_name == "head" and tensor_name.startswith("model.embed_tokens."):
+            tensor_name = "lm_head." + tensor_name.removeprefix("model.embed_tokens.")  # tied
+        local = self._local_param_name(layer_name, tensor_name)
+        if layer_name in self.spec.offloaded:
+            index = list(self._modules).index(layer_name)
+            return self.offloader.host_tensors()[f"{index}.{local}"]
+        return self._modules[layer_name].get_parameter(local).data
+
+    @staticmethod
+    def _local_param_name(layer_name: str, tensor_name: str) -> str:
+        if layer_name == "embed":
+            return tensor_name.removeprefix("model.embed_tokens.")
+        if layer_name == "head":  # the head module is ModuleList([norm, lm_head])
+            if tensor_name.startswith("model.norm."):
+                return "0." + tensor_name.removeprefix("model.norm.")
+            return "1." + tensor_name.removeprefix("lm_head.")
+        return tensor_name.removeprefix(f"model.{layer_name}.")
+
+    def load_chunk(self, index: int) -> int:
+        """Read chunk `index` from disk into place; returns the bytes read."""
+        start = time.perf_counter()
+        before = self._reader.stats.bytes_read
+        try:
+            with torch.no_grad():
+                for layer_name in self._chunks[index]:
+                    for tensor in self._layer_specs[layer_name].tensors:
+                        self._reader.read_into(tensor, self._destination(layer_name, tensor.name))
+        except (OSError, ValueError, KeyError) as exc:
+            raise WorkerError(f"{self._where()}: loading failed: {exc}") from exc
+        self._load_s += time.perf_counter() - start
+        return self._reader.stats.bytes_read - before
+
+    def finish_load(self) -> dict:
+        self._reader.close()
+        self.offloader.post_init()
+        device_bytes = self.device_bytes()
+        if self.gpu_memory_bytes is not None and device_bytes > self.gpu_memory_bytes:
+            raise WorkerError(
+                f"{self._where()}: holds {device_bytes} device bytes, over its budget of "
+                f"{self.gpu_memory_bytes}; offload more layers or raise --gpu-memory"
+            )
+        return self.report()
+
+    def load(self) -> dict:
+        """prepare + every chunk + finish, for callers that need no progress."""
+        for index in range(len(self.prepare())):
+            self.load_chunk(index)
+        return self.finish_load()
+
+    # running
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stage is None:
+            raise WorkerError(f"{self._where()}: forward before load")
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = self.stage(x.to(self.device))
+        out = out.cpu()
+        self._forward_s += time.perf_counter() - start
+        self._forwards += 1
+        return out
+
+    # reporting
+    def device_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        # CPU stand-in for a GPU: the bytes behind the stage's parameters (resident + slots)
+        return _storage_bytes(self.stage) if self.stage is not None else 0
+
+    def _pin_origin(self) -> str:
+        decision = self.offloader.pin_decision if self.offloader is not None else None
+        if decision is None:
+            return "none"
+        if decision.source in (PIN_ENV, VLLM_DISABLE_PIN_ENV):
+            return "job override" if decision.source in self.spec.env else "node environment"
+        return "probe"
+
+    def report(self) -> dict:
+        stats = self.offloader.stats().to_dict() if self.offloader is not None else {}
+        decision = getattr(self.offloader, "pin_decision", None)
+        vm = psutil.virtual_memory()
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+        else:
+            total = self.gpu_memory_bytes or 0
+            free = max(total - self.device_bytes(), 0)
+        return {
+            "stage": self.spec.stage,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "cpu_arch": platform.machine(),
+            "device": str(self.device),
+            "layers": [layer.name for layer in self.spec.layers],
+            "offloaded": list(self.spec.offloaded),
+            "backend": self.offloader.backend if self.offloader else "none",
+            "backend_reason": getattr(self.offloader, "backend_reason", ""),
+            "pin": decision.to_dict() if decision else None,
+            "pin_origin": self._pin_origin(),
+            "env": {k: os.environ[k] for k in (PIN_ENV, VLLM_DISABLE_PIN_ENV) if k in os.environ},
+            "device_total_bytes": total,
+            "device_used_bytes": self.device_bytes(),
+            "device_free_bytes": free,
+            "host_rss_bytes": psutil.Process().memory_info().rss,
+            "host_available_bytes": vm.available,
+            "bytes_read": self._reader.stats.bytes_read,
+            "load_s": self._load_s,
+            "forward_s": self._forward_s,
+            "forwards": self._forwards,
+            "stats": stats,
+            "probe_errors": list(self.probe.errors),
+        }
+
+    def close(self) -> None:
+        self._reader.close()
+        if self.offloader is not None:
+            self.offloader.close()
+        self.stage = None
