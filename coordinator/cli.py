@@ -1,9 +1,27 @@
-"""offloadctl: the command line of offload-coordinator."""
+"""offloadctl: plan, load and run a checkpoint across a Ray cluster's GPUs with offloading.
+
+    offloadctl make-checkpoint ckpt/ --arch llama --layers 8
+    offloadctl plan --checkpoint ckpt/ --gpus 3 --gpu-memory 8MiB
+    offloadctl run  --checkpoint ckpt/ --gpus 3 --gpu-memory 8MiB --check
+    offloadctl node-demo          # the node-local offloader alone, timed
+
+Every job flag can also come from a YAML file (--config job.yaml; flags win). Errors in the
+checkpoint, the config or the plan are printed as one message, without a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import os
 import sys
+import time
+
+from coordinator.checkpoint import CheckpointError
+from coordinator.config import ConfigError, JobConfig, load_job_config, parse_bytes
+
+EXIT_MISMATCH = 1
+EXIT_ERROR = 2
 
 
 def _positive(text: str) -> int:
@@ -13,10 +31,83 @@ def _positive(text: str) -> int:
     return value
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_job_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML job file; flags override its values")
+    parser.add_argument("--checkpoint", help="checkpoint directory (safetensors + config.json)")
+    parser.add_argument("--address", help="join a Ray cluster ('auto' or host:port); "
+                        "default: RAY_ADDRESS, else an embedded local Ray")  # fmt: skip
+    parser.add_argument("--gpus", type=int, help="embedded Ray: logical GPUs to create")
+    parser.add_argument("--gpu-memory", type=_size, dest="gpu_memory_bytes",
+                        help="per-GPU budget, e.g. 8MiB (required without CUDA)")  # fmt: skip
+    parser.add_argument("--host-memory", type=_size, dest="host_memory_bytes",
+                        help="per-node host budget for offloaded weights")  # fmt: skip
+    parser.add_argument("--reserve", type=_size, dest="reserve_bytes",
+                        help="per-GPU bytes kept free for activations")  # fmt: skip
+    parser.add_argument("--prefetch-step", type=_positive, dest="prefetch_step")
+    parser.add_argument("--backend", choices=("auto", "prefetch", "uva"))
+    parser.add_argument("--cpus-per-worker", type=_positive, dest="cpus_per_worker")
+
+
+_JOB_FIELDS = ("checkpoint", "address", "gpus", "gpu_memory_bytes", "host_memory_bytes",
+               "reserve_bytes", "prefetch_step", "backend", "cpus_per_worker")  # fmt: skip
+
+
+def _job_config(args: argparse.Namespace) -> JobConfig:
+    values = {name: getattr(args, name) for name in _JOB_FIELDS}
+    if args.config:
+        return load_job_config(args.config, **values)
+    from coordinator.config import job_config_from_dict
+
+    return job_config_from_dict({k: v for k, v in values.items() if v is not None},
+                                where="command line")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="offloadctl", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="offloadctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="offload a stack of layers on this node and time it")
+
+    make = commands.add_parser("make-checkpoint", help="write a random-weight HF checkpoint")
+    make.add_argument("out", help="output directory (must be empty unless --force)")
+    make.add_argument("--arch", default="llama", choices=("llama", "qwen2"))
+    make.add_argument("--layers", type=_positive, default=8, dest="num_layers")
+    make.add_argument("--hidden-size", type=_positive, default=256)
+    make.add_argument("--heads", type=_positive, default=8, dest="num_heads")
+    make.add_argument("--kv-heads", type=_positive, default=4, dest="num_kv_heads")
+    make.add_argument("--intermediate-size", type=_positive, default=512)
+    make.add_argument("--vocab", type=_positive, default=1024, dest="vocab_size")
+    make.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    make.add_argument("--tie-embeddings", action="store_true")
+    make.add_argument("--shard-size", type=_size, default=2 * 2**20, dest="max_shard_bytes")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--force", action="store_true", help="write into a non-empty directory")
+
+    plan = commands.add_parser("plan", help="show the placement plan (no Ray needed)")
+    _add_job_flags(plan)
+    plan.add_argument("--nodes", type=_positive, default=1, help="identical nodes to plan for")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    for name, text in (("load", "load the model across the cluster and report each stage"),
+                       ("run", "load, run a forward pass, print a logits checksum")):  # fmt: skip
+        sub = commands.add_parser(name, help=text)
+        _add_job_flags(sub)
+        if name == "run":
+            sub.add_argument("--input-ids", help="comma-separated token ids (default: random)")
+            sub.add_argument("--batch", type=_positive, default=2)
+            sub.add_argument("--seq-len", type=_positive, default=16)
+            sub.add_argument("--seed", type=int, default=0)
+            sub.add_argument("--check", action="store_true",
+                             help="compare with transformers in one process; exit 1 on mismatch")  # fmt: skip
+
+    demo = commands.add_parser("node-demo", help="the node-local offloader alone, timed")
     demo.add_argument("--layers", type=_positive, default=8)
     demo.add_argument("--hidden", type=_positive, default=1024)
     demo.add_argument("--batch", type=_positive, default=16)
@@ -25,13 +116,135 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _progress(done: int, total: int) -> None:
+    width = 30
+    filled = int(width * done / total) if total else width
+    end = "\n" if done >= total else ""
+    print(f"\rloading [{'#' * filled}{'.' * (width - filled)}] {done / 2**20:8.1f} / "
+          f"{total / 2**20:.1f} MiB", end=end, file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _stage_table(reports: list[dict]) -> str:
+    from coordinator.planner import format_bytes, layer_range
+
+    rows = [("stage", "host", "device", "layers", "resident", "offloaded", "pin", "decided by")]
+    for r in reports:
+        pin = r["pin"] or {"pin": False, "reason": "", "source": ""}
+        rows.append((
+            str(r["stage"]), r["hostname"], r["device"], layer_range(r["layers"]),
+            format_bytes(r["stats"].get("resident_bytes", 0)),
+            f"{format_bytes(r['stats'].get('offloaded_bytes', 0))} ({len(r['offloaded'])})",
+            "on" if pin["pin"] else "off", f"{r['pin_origin']}: {pin['source']}: {pin['reason']}",
+        ))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
+        for row in rows
+    )
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from coordinator.checkpoint import load_index
+    from coordinator.cluster import ClusterSnapshot, GpuInfo, NodeInfo
+    from coordinator.planner import PlanOptions, plan
+    from offload import decide_pinning, probe_node
+
+    config = _job_config(args)
+    if not config.gpus or not config.gpu_memory_bytes:
+        raise ConfigError("plan without Ray needs --gpus (per node) and --gpu-memory")
+    index = load_index(config.checkpoint)
+    probe = probe_node()
+    host = config.host_memory_bytes or int((probe.host_available_bytes or 0) * 0.8)
+    pin = decide_pinning(os.environ, probe).pin
+    nodes = tuple(
+        NodeInfo(node_id=f"node-{n}", hostname=f"node-{n}", host_budget_bytes=host,
+                 pinned_budget_bytes=host, pin=pin,
+                 gpus=tuple(GpuInfo(index=i, memory_bytes=config.gpu_memory_bytes)
+                            for i in range(config.gpus)))
+        for n in range(args.nodes)
+    )  # fmt: skip
+    the_plan = plan(index.layers, ClusterSnapshot(nodes=nodes),
+                    PlanOptions(reserve_bytes=config.reserve_bytes,
+                                prefetch_step=config.prefetch_step))  # fmt: skip
+    print(the_plan.to_json() if args.json else the_plan.summary())
+    return 0
+
+
+def _cmd_load_or_run(args: argparse.Namespace) -> int:
+    import torch
+
+    from coordinator.job import launch
+
+    config = _job_config(args)
+    started = time.perf_counter()
+    with launch(config, progress=_progress) as job:
+        load_s = time.perf_counter() - started
+        print(job.plan.summary())
+        print(_stage_table(job.load_reports))
+        print(f"loaded {job.index.total_bytes / 2**20:.1f} MiB on {len(job.workers)} workers in "
+              f"{load_s:.1f} s")  # fmt: skip
+        if args.command == "load":
+            if job.session.owned:
+                print("note: on the embedded Ray the load lives for this process only; it is "
+                      "released now")  # fmt: skip
+            return 0
+        if args.input_ids:
+            ids = torch.tensor([[int(t) for t in args.input_ids.split(",")]])
+        else:
+            generator = torch.Generator().manual_seed(args.seed)
+            ids = torch.randint(0, job.index.config["vocab_size"], (args.batch, args.seq_len),
+                                generator=generator)  # fmt: skip
+        job.forward(ids)  # warm-up: first calls import and allocate
+        start = time.perf_counter()
+        logits = job.forward(ids)
+        forward_ms = (time.perf_counter() - start) * 1e3
+        digest = hashlib.sha256(logits.numpy().tobytes()).hexdigest()[:16]
+        print(f"logits {list(logits.shape)}: sum {float(logits.double().sum()):.6f}, "
+              f"sha256 {digest}; forward {forward_ms:.1f} ms")  # fmt: skip
+        if not args.check:
+            return 0
+        from coordinator.reference import reference_logits
+
+        expected = reference_logits(config.checkpoint, ids,
+                                    attn_implementation=config.attn_implementation,
+                                    num_threads=config.cpus_per_worker)  # fmt: skip
+        if torch.equal(logits, expected):
+            print("check: logits are bitwise equal to transformers in one process")
+            return 0
+        diff = float((logits - expected).abs().max())
+        print(f"check FAILED: max abs difference {diff:.3e} from transformers in one process")
+        return EXIT_MISMATCH
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        from coordinator.demo import run_demo
+    from coordinator.launcher import LaunchError
+    from coordinator.planner import PlanError
 
-        return run_demo(num_layers=args.layers, hidden=args.hidden, batch=args.batch,
-                        step=args.step, repeats=args.repeats)  # fmt: skip
+    try:
+        if args.command == "make-checkpoint":
+            from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+
+            fields = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                      "intermediate_size", "vocab_size", "dtype", "max_shard_bytes", "seed")  # fmt: skip
+            shape = CheckpointShape(**{f: getattr(args, f) for f in fields},
+                                    tie_embeddings=args.tie_embeddings)  # fmt: skip
+            out = make_checkpoint(args.out, shape, force=args.force)
+            print(f"wrote a random-weight {shape.arch} checkpoint to {out}")
+            return 0
+        if args.command == "plan":
+            return _cmd_plan(args)
+        if args.command in ("load", "run"):
+            return _cmd_load_or_run(args)
+        if args.command == "node-demo":
+            from coordinator.demo import run_demo
+
+            return run_demo(num_layers=args.layers, hidden=args.hidden, batch=args.batch,
+                            step=args.step, repeats=args.repeats)  # fmt: skip
+    except (CheckpointError, ConfigError, PlanError, LaunchError, FileExistsError,
+            ValueError) as exc:  # fmt: skip
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
     raise AssertionError(args.command)
 
 

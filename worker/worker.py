@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from offload import OffloadConfig, create_offloader, probe_node
-from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV
+from offload.host_store import decide_for_device
+from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV, PinDecision
 from worker.loader import TensorReader
 from worker.spec import StageSpec
 from worker.stage import Stage, hf_config_from_dict
@@ -184,16 +185,27 @@ class StageWorker:
         return _storage_bytes(self.stage) if self.stage is not None else 0
 
     def _pin_origin(self) -> str:
-        decision = self.offloader.pin_decision if self.offloader is not None else None
+        decision = self.pin_decision()
         if decision is None:
             return "none"
         if decision.source in (PIN_ENV, VLLM_DISABLE_PIN_ENV):
             return "job override" if decision.source in self.spec.env else "node environment"
         return "probe"
 
+    def pin_decision(self) -> PinDecision | None:
+        """The offloader's decision; for a stage that offloads nothing, what the node's policy
+        would decide (so every stage reports one)."""
+        decision = getattr(self.offloader, "pin_decision", None)
+        if decision is None:
+            try:
+                decision = decide_for_device(os.environ, self.probe, 0, self.device)
+            except (ValueError, RuntimeError) as exc:
+                decision = PinDecision(pin=False, reason=f"invalid setting: {exc}", source="error")
+        return decision
+
     def report(self) -> dict:
         stats = self.offloader.stats().to_dict() if self.offloader is not None else {}
-        decision = getattr(self.offloader, "pin_decision", None)
+        decision = self.pin_decision()
         vm = psutil.virtual_memory()
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)

@@ -1,0 +1,188 @@
+"""The job configuration: one frozen `JobConfig`, from CLI flags or a YAML file (same fields).
+
+Per-node overrides put environment variables on the workers of matching nodes through Ray's
+`runtime_env`; only an allowlist of variables may be set that way, so a job file cannot change
+arbitrary process settings on the cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+# Prefixes of variables a job may set on its workers.
+OVERRIDE_ALLOWED_PREFIXES = ("OFFLOAD_", "VLLM_WEIGHT_OFFLOADING_")
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}  # fmt: skip
+
+
+class ConfigError(ValueError):
+    """A job configuration that cannot run; the message names the key and the fix."""
+
+
+def parse_bytes(value: str | int, *, field_name: str = "size") -> int:
+    """'512MiB', '1.5GB', '1000' or an int -> bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ConfigError(f"{field_name}={value} must be >= 0")
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise ConfigError(
+            f"{field_name}={value!r} is not a size; write e.g. 512MiB, 1.5GB or a byte count"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeMatch:
+    """Selects nodes; every given criterion must hold."""
+
+    labels: dict[str, str] = field(default_factory=dict)
+    hostname: str | None = None  # a glob, e.g. "gh200-*"
+    node_id: str | None = None
+
+    def matches(self, *, node_id: str, hostname: str, labels: dict[str, str]) -> bool:
+        if self.node_id is not None and self.node_id != node_id:
+            return False
+        if self.hostname is not None and not fnmatch.fnmatchcase(hostname, self.hostname):
+            return False
+        return all(labels.get(k) == v for k, v in self.labels.items())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Override:
+    match: NodeMatch
+    env: dict[str, str]
+
+    def __post_init__(self) -> None:
+        if not self.env:
+            raise ConfigError("an override needs at least one variable in env")
+        for name, value in self.env.items():
+            if not name.startswith(OVERRIDE_ALLOWED_PREFIXES):
+                raise ConfigError(
+                    f"override variable {name!r} is not allowed; a job may only set variables "
+                    f"starting with {', '.join(OVERRIDE_ALLOWED_PREFIXES)}"
+                )
+            if not isinstance(value, str):
+                raise ConfigError(f"override {name}={value!r}: values must be strings")
+
+
+def env_for_node(
+    overrides: tuple[Override, ...], *, node_id: str, hostname: str, labels: dict[str, str]
+) -> dict[str, str]:
+    """The variables the job sets on one node's workers; later overrides win."""
+    env: dict[str, str] = {}
+    for override in overrides:
+        if override.match.matches(node_id=node_id, hostname=hostname, labels=labels):
+            env.update(override.env)
+    return env
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobConfig:
+    checkpoint: str
+    address: str | None = None  # None: an embedded local Ray; "auto" or host:port: join one
+    gpus: int = 0  # embedded Ray only: logical GPUs to create (0: the real ones)
+    gpu_memory_bytes: int | None = None  # per-GPU budget (required without CUDA)
+    host_memory_bytes: int | None = None  # per-node budget for offloaded weights
+    reserve_bytes: int = 0  # per GPU, for activations
+    prefetch_step: int = 1
+    backend: str = "auto"
+    overrides: tuple[Override, ...] = ()
+    cpus_per_worker: int = 1
+    attn_implementation: str = "sdpa"
+    load_timeout_s: float = 900.0
+    forward_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not self.checkpoint:
+            raise ConfigError("checkpoint: a checkpoint directory is required")
+        for name in ("gpus", "reserve_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
+        for name in ("gpu_memory_bytes", "host_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name}={value} must be > 0")
+        if not 1 <= self.prefetch_step <= 64:
+            raise ConfigError(f"prefetch_step={self.prefetch_step} must be in 1..64")
+        if self.cpus_per_worker < 1:
+            raise ConfigError(f"cpus_per_worker={self.cpus_per_worker} must be >= 1")
+        if self.backend not in ("auto", "prefetch", "uva"):
+            raise ConfigError(f"backend={self.backend!r} must be auto, prefetch or uva")
+        if self.gpus and self.address is not None:
+            raise ConfigError(
+                f"gpus={self.gpus} creates logical GPUs on an embedded Ray; it cannot be combined "
+                f"with address={self.address!r}, whose GPUs are real"
+            )
+        for name in ("load_timeout_s", "forward_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")
+
+
+_SIZE_FIELDS = {"gpu_memory_bytes", "host_memory_bytes", "reserve_bytes"}
+FIELD_NAMES = tuple(f.name for f in dataclasses.fields(JobConfig))
+
+
+def _unknown_key(key: str, valid: tuple[str, ...], where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(valid)}"
+    return ConfigError(f"{where}: unknown key {key!r}{hint}")
+
+
+def _override_from_dict(raw: object, where: str) -> Override:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: an override is a mapping with 'match' and 'env'")
+    for key in raw:
+        if key not in ("match", "env"):
+            raise _unknown_key(key, ("match", "env"), where)
+    match = raw.get("match") or {}
+    if not isinstance(match, dict):
+        raise ConfigError(f"{where}.match: expected a mapping")
+    for key in match:
+        if key not in ("labels", "hostname", "node_id"):
+            raise _unknown_key(key, ("labels", "hostname", "node_id"), f"{where}.match")
+    env = {str(k): str(v) for k, v in (raw.get("env") or {}).items()}
+    return Override(match=NodeMatch(**match), env=env)
+
+
+def job_config_from_dict(raw: dict, *, where: str = "job config") -> JobConfig:
+    """Build a JobConfig from plain data (YAML), naming the closest key for a typo."""
+    values = {}
+    for key, value in raw.items():
+        if key not in FIELD_NAMES:
+            raise _unknown_key(key, FIELD_NAMES, where)
+        if key in _SIZE_FIELDS and value is not None:
+            value = parse_bytes(value, field_name=key)
+        if key == "overrides":
+            value = tuple(
+                _override_from_dict(item, f"{where}: overrides[{i}]")
+                for i, item in enumerate(value or [])
+            )
+        values[key] = value
+    try:
+        return JobConfig(**values)
+    except TypeError as exc:  # a required field missing
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def load_job_config(path: str | Path, **cli_values: object) -> JobConfig:
+    """Read a YAML job file; values given on the command line (not None) win over the file."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read job config: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a job config is a mapping of keys to values")
+    raw.update({k: v for k, v in cli_values.items() if v is not None})
+    return job_config_from_dict(raw, where=str(path))

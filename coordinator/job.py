@@ -1,0 +1,127 @@
+"""The Python API: `launch(JobConfig(...))` -> a running `Job` (a context manager).
+
+    with launch(JobConfig(checkpoint="ckpt/", gpus=3, gpu_memory_bytes=...)) as job:
+        print(job.plan.summary())
+        logits = job.forward(input_ids)
+
+The pipeline passes hidden states from stage to stage as Ray object refs: the driver only
+chains the calls and fetches the final logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import ray
+import torch
+
+from coordinator.checkpoint import CheckpointIndex, load_index
+from coordinator.config import JobConfig
+from coordinator.launcher import (
+    LaunchError,
+    RaySession,
+    WorkerHandle,
+    connect,
+    kill_workers,
+    load_workers,
+    probe_cluster,
+    start_workers,
+)
+from coordinator.planner import Plan, PlanOptions, plan
+from worker.spec import StageSpec
+
+TELEMETRY_TIMEOUT_S = 60.0
+
+
+def stage_specs(config: JobConfig, index: CheckpointIndex, the_plan: Plan,
+                envs: dict[str, dict[str, str]]) -> list[StageSpec]:  # fmt: skip
+    by_name = {layer.name: layer for layer in index.layers}
+    return [
+        StageSpec(
+            stage=s.stage,
+            num_stages=len(the_plan.stages),
+            checkpoint_dir=str(index.root.resolve()),
+            config=index.config,
+            layers=tuple(by_name[name] for name in s.layers),
+            offloaded=s.offloaded,
+            prefetch_step=s.prefetch_step,
+            backend=config.backend,
+            env=envs.get(s.node_id, {}),
+        )
+        for s in the_plan.stages
+    ]
+
+
+@dataclass
+class Job:
+    config: JobConfig
+    index: CheckpointIndex
+    plan: Plan
+    workers: list[WorkerHandle]
+    session: RaySession
+    load_reports: list[dict] = field(default_factory=list)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits for `input_ids` (batch, seq), computed stage by stage across the cluster."""
+        if not self.workers:
+            raise RuntimeError("the job is closed")
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(
+                f"input_ids must be a 2-D integer tensor (batch, seq), got "
+                f"{input_ids.dtype}{list(input_ids.shape)}"
+            )
+        vocab = self.index.config.get("vocab_size")
+        if vocab and int(input_ids.max()) >= vocab:
+            raise ValueError(f"token id {int(input_ids.max())} is out of the vocabulary ({vocab})")
+        ref = ray.put(input_ids)
+        for handle in self.workers:
+            ref = handle.actor.forward.remote(ref)
+        try:
+            return ray.get(ref, timeout=self.config.forward_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"forward did not finish within {self.config.forward_timeout_s:.0f} s "
+                "(forward_timeout_s)"
+            ) from None
+
+    def telemetry(self) -> list[dict]:
+        refs = [h.actor.report.remote() for h in self.workers]
+        return ray.get(refs, timeout=TELEMETRY_TIMEOUT_S)
+
+    def close(self) -> None:
+        kill_workers(self.workers)
+        self.workers = []
+        self.session.close()
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def launch(config: JobConfig, *, progress: Callable[[int, int], None] | None = None) -> Job:
+    """Index, probe, plan, start and load. On any failure everything started is released."""
+    index = load_index(config.checkpoint)
+    session = connect(config)
+    handles: list[WorkerHandle] = []
+    try:
+        snapshot, envs = probe_cluster(config)
+        options = PlanOptions(
+            reserve_bytes=config.reserve_bytes, prefetch_step=config.prefetch_step
+        )
+        the_plan = plan(index.layers, snapshot, options)
+        specs = stage_specs(config, index, the_plan, envs)
+        placements = [(s.node_id, s.hostname) for s in the_plan.stages]
+        handles = start_workers(config, specs, placements)
+        reports = load_workers(handles, config.load_timeout_s, progress)
+        return Job(config=config, index=index, plan=the_plan, workers=handles,
+                   session=session, load_reports=reports)  # fmt: skip
+    except BaseException:
+        kill_workers(handles)
+        session.close()
+        raise
+
+
+__all__ = ["Job", "LaunchError", "launch"]

@@ -1,0 +1,236 @@
+"""Starting the workers of a plan on a Ray cluster, and cleaning up on every failure.
+
+Steps: connect (embedded local Ray, or join one), probe every GPU node with a short task that
+runs with the job's overrides for that node (so its pin decision is the workers' decision),
+plan, then one `StageWorker` actor per stage, pinned to its node, loading its share with
+progress. Any failure kills every actor started so far and stops an embedded Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from coordinator.cluster import ClusterSnapshot, GpuInfo, NodeInfo
+from coordinator.config import ConfigError, JobConfig, env_for_node
+from worker.spec import StageSpec
+from worker.worker import StageWorker
+
+PROBE_TIMEOUT_S = 120.0  # one probe task per node; includes starting a Ray worker process
+KILL_TIMEOUT_S = 30.0
+# Default share of a node's available host memory the job may fill with offloaded weights.
+HOST_BUDGET_FRACTION = 0.8
+# Default share of a real GPU's memory the planner may use (the rest: CUDA context, allocator).
+GPU_BUDGET_FRACTION = 0.9
+
+
+class LaunchError(RuntimeError):
+    """Starting or loading the workers failed; everything started has been released."""
+
+
+@dataclass(slots=True)
+class RaySession:
+    """A connection to Ray; `owned` when we started an embedded local cluster."""
+
+    owned: bool
+
+    def close(self) -> None:
+        if self.owned and ray.is_initialized():
+            ray.shutdown()
+
+
+def connect(config: JobConfig) -> RaySession:
+    address = config.address or os.environ.get("RAY_ADDRESS")
+    if ray.is_initialized():
+        return RaySession(owned=False)
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        return RaySession(owned=False)
+    # Embedded: logical GPUs when asked for (CPU-simulated), enough CPUs for one per worker.
+    num_gpus = config.gpus or None
+    cpus = max(os.cpu_count() or 1, (config.gpus or 1) * config.cpus_per_worker)
+    ray.init(num_cpus=cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)  # fmt: skip
+    return RaySession(owned=True)
+
+
+@ray.remote(num_cpus=0, max_calls=1)  # max_calls=1: a process that touched CUDA exits after
+def _probe_task(planned_bytes: int = 0) -> dict:
+    import socket
+
+    from offload import decide_pinning, probe_node
+
+    probe = probe_node()
+    env = dict(os.environ)
+    try:
+        decision = decide_pinning(env, probe, planned_bytes=planned_bytes).to_dict()
+        error = None
+    except (ValueError, RuntimeError) as exc:
+        decision, error = None, str(exc)
+    return {"hostname": socket.gethostname(), "probe": probe, "pin": decision, "error": error}
+
+
+def _gpu_nodes() -> list[dict]:
+    nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) >= 1]
+    return sorted(nodes, key=lambda n: (n["NodeManagerHostname"], n["NodeID"]))
+
+
+def probe_cluster(config: JobConfig) -> tuple[ClusterSnapshot, dict[str, dict]]:
+    """A snapshot of every alive GPU node, and each node's job env overrides."""
+    nodes = _gpu_nodes()
+    if not nodes:
+        raise LaunchError(
+            "the Ray cluster has no GPU nodes; on a machine without GPUs use --gpus N with "
+            "--gpu-memory to simulate them"
+        )
+    envs = {}
+    refs = []
+    for node in nodes:
+        labels = {k: v for k, v in node.get("Labels", {}).items() if not k.startswith("ray.io/")}
+        env = env_for_node(config.overrides, node_id=node["NodeID"],
+                           hostname=node["NodeManagerHostname"], labels=labels)  # fmt: skip
+        envs[node["NodeID"]] = env
+        options = {
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+        }
+        if env:
+            options["runtime_env"] = {"env_vars": env}
+        refs.append(_probe_task.options(**options).remote())
+    results = ray.get(refs, timeout=PROBE_TIMEOUT_S)
+    infos = []
+    for node, result in zip(nodes, results, strict=True):
+        if result["error"]:
+            raise ConfigError(
+                f"node {result['hostname']} ({node['NodeID'][:8]}): {result['error']}"
+            )
+        infos.append(_node_info(config, node, result))
+    return ClusterSnapshot(nodes=tuple(infos)), envs
+
+
+def _node_info(config: JobConfig, node: dict, result: dict) -> NodeInfo:
+    probe = result["probe"]
+    num_gpus = int(node["Resources"]["GPU"])
+    if config.gpu_memory_bytes is not None:
+        budgets = [config.gpu_memory_bytes] * num_gpus
+    elif probe.devices:
+        budgets = [
+            int(d.total_memory_bytes * GPU_BUDGET_FRACTION) for d in probe.devices[:num_gpus]
+        ]
+    else:
+        raise ConfigError(
+            f"node {result['hostname']} has {num_gpus} GPUs that are not CUDA devices (simulated); "
+            "give their memory with --gpu-memory"
+        )
+    available = probe.host_available_bytes or 0
+    host = config.host_memory_bytes or int(available * HOST_BUDGET_FRACTION)
+    from offload.policy import PIN_HEADROOM_FRACTION
+
+    return NodeInfo(
+        node_id=node["NodeID"],
+        hostname=result["hostname"],
+        labels={k: v for k, v in node.get("Labels", {}).items() if not k.startswith("ray.io/")},
+        gpus=tuple(GpuInfo(index=i, memory_bytes=b) for i, b in enumerate(budgets)),
+        host_budget_bytes=host,
+        pinned_budget_bytes=int(available * PIN_HEADROOM_FRACTION),
+        pin=bool(result["pin"]["pin"]),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerHandle:
+    """An actor and what it was started for."""
+
+    actor: ray.actor.ActorHandle
+    spec: StageSpec
+    node_id: str
+    hostname: str
+
+
+def start_workers(
+    config: JobConfig, specs: list[StageSpec], placements: list[tuple[str, str]]
+) -> list[WorkerHandle]:
+    remote_cls = ray.remote(StageWorker)
+    handles: list[WorkerHandle] = []
+    try:
+        for spec, (node_id, hostname) in zip(specs, placements, strict=True):
+            options = {
+                "num_gpus": 1,
+                "num_cpus": config.cpus_per_worker,
+                "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
+                "max_restarts": 0,
+            }
+            if spec.env:
+                options["runtime_env"] = {"env_vars": dict(spec.env)}
+            actor = remote_cls.options(**options).remote(
+                spec,
+                gpu_memory_bytes=config.gpu_memory_bytes,
+                num_threads=config.cpus_per_worker,
+                attn_implementation=config.attn_implementation,
+            )
+            handles.append(WorkerHandle(actor=actor, spec=spec, node_id=node_id, hostname=hostname))
+    except BaseException:
+        kill_workers(handles)
+        raise
+    return handles
+
+
+def load_workers(
+    handles: list[WorkerHandle],
+    timeout_s: float,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[dict]:
+    """prepare -> every chunk -> finish on all workers at once; `progress(done, total)` bytes."""
+    deadline = time.monotonic() + timeout_s
+
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise LaunchError(f"loading did not finish within {timeout_s:.0f} s (load_timeout_s)")
+        return remaining
+
+    chunk_sizes = _get([h.actor.prepare.remote() for h in handles], left(), handles)
+    total = sum(sum(sizes) for sizes in chunk_sizes)
+    pending = {}
+    for handle, sizes in zip(handles, chunk_sizes, strict=True):
+        for index in range(len(sizes)):
+            pending[handle.actor.load_chunk.remote(index)] = handle
+    done = 0
+    if progress:
+        progress(0, total)
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=left())
+        for ref in ready:
+            handle = pending.pop(ref)
+            done += _get([ref], left(), [handle])[0]
+            if progress:
+                progress(done, total)
+    return _get([h.actor.finish_load.remote() for h in handles], left(), handles)
+
+
+def _get(refs: list, timeout_s: float, handles: list[WorkerHandle]) -> list:
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise LaunchError(f"workers did not answer within {timeout_s:.0f} s") from None
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+        raise LaunchError(f"a worker failed: {cause}") from None
+    except ray.exceptions.RayActorError as exc:
+        hosts = ", ".join(sorted({h.hostname for h in handles}))
+        raise LaunchError(f"a worker died (on {hosts}): {exc}") from None
+
+
+def kill_workers(handles: list[WorkerHandle]) -> None:
+    for handle in handles:
+        try:
+            ray.kill(handle.actor, no_restart=True)
+        except Exception as exc:  # already dead: nothing to release
+            print(
+                f"note: could not kill worker of stage {handle.spec.stage}: {exc}", file=sys.stderr
+            )
