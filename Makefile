@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # build; with one, let pip keep (or pick) the CUDA build. Override with CONSTRAINTS=... .
 CONSTRAINTS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constraints/cpu.txt)
 
-.PHONY: test demo lint bench clean
+.PHONY: test demo bench clean
 
 $(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,11 +20,18 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check offload worker coordinator tests bench
 	$(PY) -m pytest
 
-demo: $(STAMP)
-	$(VENV)/bin/offloadctl demo
+# The main job on the embedded Ray: a random-weight llama checkpoint, planned over 3 logical
+# GPUs of 6 MiB each (so two stages offload layers), run, and checked bitwise against
+# transformers in one process.
+DEMO_CKPT := out/demo-ckpt
+$(DEMO_CKPT)/config.json: $(STAMP)
+	$(VENV)/bin/offloadctl make-checkpoint $(DEMO_CKPT) --force --layers 8
+
+demo: $(DEMO_CKPT)/config.json
+	$(VENV)/bin/offloadctl run --checkpoint $(DEMO_CKPT) --gpus 3 --gpu-memory 6MiB --check
 
 bench: $(STAMP)
 	$(PY) bench/prefetch_overlap.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) out .pytest_cache .ruff_cache .hypothesis

@@ -161,7 +161,7 @@ def _tensor_files(root: Path) -> dict[str, str]:
     raise CheckpointError(f"{root}: no {SINGLE_FILE} and no {INDEX_FILE}")
 
 
-def _layer_of(tensor: str) -> tuple[str, str, int | None]:
+def _layer_of(tensor: str, file: str) -> tuple[str, str, int | None]:
     match = _DECODER.match(tensor)
     if match:
         index = int(match.group(1))
@@ -171,7 +171,7 @@ def _layer_of(tensor: str) -> tuple[str, str, int | None]:
     if tensor.startswith(_HEAD):
         return "head", "head", None
     raise CheckpointError(
-        f"tensor {tensor!r} belongs to no pipeline layer (expected model.embed_tokens.*, "
+        f"{file}: tensor {tensor!r} belongs to no pipeline layer (expected model.embed_tokens.*, "
         "model.layers.N.*, model.norm.* or lm_head.*)"
     )
 
@@ -181,6 +181,9 @@ def load_index(root: str | os.PathLike) -> CheckpointIndex:
     root = Path(root)
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a directory")
+    # Weights first: a pickle-only directory must hear why it is refused, not that it lacks
+    # config.json (adding one would only lead to the pickle refusal).
+    weight_map = _tensor_files(root)
     config_path = root / "config.json"
     try:
         config = json.loads(config_path.read_text())
@@ -188,7 +191,6 @@ def load_index(root: str | os.PathLike) -> CheckpointIndex:
         raise CheckpointError(f"{root}: config.json is missing") from None
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"config.json: not valid JSON ({exc})") from None
-    weight_map = _tensor_files(root)
     files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
     tensors: dict[str, TensorSlice] = {}
     for file in files:
@@ -225,7 +227,7 @@ def load_index(root: str | os.PathLike) -> CheckpointIndex:
 def _group_layers(tensors: dict[str, TensorSlice]) -> list[LayerSpec]:
     groups: dict[str, tuple[str, int | None, list[TensorSlice]]] = {}
     for name in sorted(tensors):
-        layer, kind, index = _layer_of(name)
+        layer, kind, index = _layer_of(name, tensors[name].file)
         groups.setdefault(layer, (kind, index, []))[2].append(tensors[name])
     order = {"embed": 0, "decoder": 1, "head": 2}
     layers = [

@@ -1,0 +1,68 @@
+"""Three simulated nodes on one machine (ray.cluster_utils.Cluster), differing in labels and in
+environment: each worker's pin decision comes from the rule the precedence says, and the
+pipeline output still equals transformers in one process."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+from ray.cluster_utils import Cluster
+
+from coordinator.checkpoint import load_index
+from coordinator.config import JobConfig, NodeMatch, Override
+from coordinator.job import launch
+from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.reference import reference_logits
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A CPU head (the driver's node) and three one-GPU nodes:
+    plain    - nothing set: the probe decides;
+    env-off  - OFFLOAD_PIN_MEMORY=off in the node's own environment;
+    override - OFFLOAD_PIN_MEMORY=off in its environment too, but the job overrides it."""
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    try:
+        c.add_node(num_cpus=1, num_gpus=1, labels={"pool": "plain"})
+        c.add_node(num_cpus=1, num_gpus=1, labels={"pool": "env-off"},
+                   env_vars={"OFFLOAD_PIN_MEMORY": "off"})  # fmt: skip
+        c.add_node(num_cpus=1, num_gpus=1, labels={"pool": "override"},
+                   env_vars={"OFFLOAD_PIN_MEMORY": "off"})  # fmt: skip
+        ray.init(address=c.address, log_to_driver=False)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def test_pin_decisions_follow_precedence_and_output_matches(cluster, tmp_path) -> None:
+    checkpoint = str(make_checkpoint(tmp_path / "ckpt", CheckpointShape(
+        num_layers=6, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
+        vocab_size=128, max_shard_bytes=200_000)))  # fmt: skip
+    index = load_index(checkpoint)
+    decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
+    config = JobConfig(
+        checkpoint=checkpoint,
+        address=cluster.address,
+        gpu_memory_bytes=index.total_bytes // 3 - decoder // 4,  # forces some offloading
+        # "0" rather than "off": the decision's reason shows whose setting won.
+        overrides=(Override(match=NodeMatch(labels={"pool": "override"}),
+                            env={"OFFLOAD_PIN_MEMORY": "0"}),),  # fmt: skip
+    )
+    with launch(config) as job:
+        assert len(job.plan.stages) == 3
+        ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(2))
+        logits = job.forward(ids)
+        reports = {r["stage"]: r for r in job.telemetry()}
+        labels = {n["NodeID"]: n["Labels"] for n in ray.nodes()}
+        by_pool = {labels[s.node_id]["pool"]: reports[s.stage] for s in job.plan.stages}
+    assert set(by_pool) == {"plain", "env-off", "override"}
+    plain, env_off, override = by_pool["plain"], by_pool["env-off"], by_pool["override"]
+    assert (plain["pin"]["source"], plain["pin_origin"]) == ("probe.cuda", "probe")
+    assert (env_off["pin"]["source"], env_off["pin_origin"]) == ("OFFLOAD_PIN_MEMORY", "node environment")
+    assert env_off["pin"]["reason"].startswith("OFFLOAD_PIN_MEMORY=off")
+    assert (override["pin"]["source"], override["pin_origin"]) == ("OFFLOAD_PIN_MEMORY", "job override")
+    assert override["pin"]["reason"].startswith("OFFLOAD_PIN_MEMORY=0")
+    assert not any(r["pin"]["pin"] for r in by_pool.values())
+    assert torch.equal(logits, reference_logits(checkpoint, ids, num_threads=1))

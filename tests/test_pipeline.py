@@ -1,0 +1,115 @@
+"""The main job on an embedded Ray with logical GPUs: load across >= 3 stages with offloading,
+logits bitwise equal to transformers in one process; failures release everything."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+
+from coordinator.checkpoint import load_index
+from coordinator.config import JobConfig
+from coordinator.job import launch
+from coordinator.launcher import LaunchError
+from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.reference import reference_logits
+
+NUM_GPUS = 3
+SHAPES = {
+    # sharded llama; tied-embedding qwen2 in one file
+    "llama": CheckpointShape(arch="llama", num_layers=6, hidden_size=64, num_heads=4,
+                             num_kv_heads=2, intermediate_size=128, vocab_size=128,
+                             max_shard_bytes=200_000),
+    "qwen2": CheckpointShape(arch="qwen2", num_layers=5, hidden_size=64, num_heads=4,
+                             num_kv_heads=2, intermediate_size=128, vocab_size=128,
+                             tie_embeddings=True, max_shard_bytes=10**8),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def embedded_ray():
+    """One embedded Ray for the module: jobs on it leave it running (they did not start it)."""
+    ray.init(num_cpus=4, num_gpus=NUM_GPUS, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def assert_gpus_released(timeout_s: float = 60.0) -> None:
+    """ray.kill is asynchronous: wait (bounded) until every logical GPU is free again."""
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("GPU", 0) != NUM_GPUS:
+        assert time.monotonic() < deadline, f"GPUs still held: {ray.available_resources()}"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: str(make_checkpoint(root / name, shape)) for name, shape in SHAPES.items()}
+
+
+def budget_forcing_offload(checkpoint: str) -> int:
+    """Per-GPU bytes below a third of the model, so the GPUs together cannot hold it resident,
+    yet enough for the embedding or head plus one prefetch slot."""
+    index = load_index(checkpoint)
+    decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
+    budget = index.total_bytes // NUM_GPUS - decoder // 4
+    assert budget * NUM_GPUS < index.total_bytes
+    return budget
+
+
+@pytest.mark.parametrize("arch", sorted(SHAPES))
+def test_pipeline_matches_transformers(embedded_ray, checkpoints, arch: str) -> None:
+    checkpoint = checkpoints[arch]
+    config = JobConfig(checkpoint=checkpoint, gpu_memory_bytes=budget_forcing_offload(checkpoint))
+    seen: list[tuple[int, int]] = []
+    with launch(config, progress=lambda done, total: seen.append((done, total))) as job:
+        assert len(job.plan.stages) >= 3
+        assert any(stage.offloaded for stage in job.plan.stages)
+        ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
+        logits = job.forward(ids)
+        again = job.forward(ids)  # a second pass through the prefetch schedule
+        reports = job.telemetry()
+    expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
+    # Same ops, same weights, one thread on both sides: bitwise equal.
+    assert torch.equal(logits, expected) and torch.equal(again, expected)
+    assert seen[-1][0] == seen[-1][1] == load_index(checkpoint).total_bytes
+    for report, stage in zip(reports, job.plan.stages, strict=True):
+        share = sum(layer.nbytes for layer in load_index(checkpoint).layers
+                    if layer.name in stage.layers)  # fmt: skip
+        assert report["bytes_read"] == share  # each worker read exactly its own tensors
+        assert report["offloaded"] == list(stage.offloaded)
+        if stage.offloaded:
+            assert report["stats"]["offloaded_bytes"] > 0 and report["stats"]["copies"] > 0
+        assert report["device_used_bytes"] <= config.gpu_memory_bytes
+        assert report["pin"]["source"] == "probe.cuda"
+    assert_gpus_released()
+
+
+def test_worker_failure_releases_every_actor(embedded_ray, checkpoints) -> None:
+    config = JobConfig(checkpoint=checkpoints["llama"], gpu_memory_bytes=10**8,
+                       attn_implementation="no-such-attention")  # fmt: skip
+    with pytest.raises(LaunchError, match="no-such-attention"):
+        launch(config)
+    assert_gpus_released()
+
+
+def test_infeasible_plan_starts_nothing(embedded_ray, checkpoints) -> None:
+    from coordinator.planner import PlanError
+
+    with pytest.raises(PlanError, match="gpu-memory"):
+        launch(JobConfig(checkpoint=checkpoints["llama"], gpu_memory_bytes=1000))
+    assert_gpus_released()
+
+
+def test_forward_rejects_bad_input(embedded_ray, checkpoints) -> None:
+    config = JobConfig(checkpoint=checkpoints["qwen2"], gpu_memory_bytes=10**8)
+    with launch(config) as job:
+        with pytest.raises(ValueError, match="out of the vocabulary"):
+            job.forward(torch.tensor([[1, 500]]))
+        with pytest.raises(ValueError, match="2-D integer"):
+            job.forward(torch.zeros(3))
+    with pytest.raises(RuntimeError, match="closed"):
+        job.forward(torch.tensor([[1, 2]]))
