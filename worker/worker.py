@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import platform
+import resource
 import socket
 import time
 
@@ -229,6 +230,7 @@ class StageWorker:
             "device_used_bytes": self.device_bytes(),
             "device_free_bytes": free,
             "host_rss_bytes": psutil.Process().memory_info().rss,
+            "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "host_available_bytes": vm.available,
             "bytes_read": self._reader.stats.bytes_read,
             "load_s": self._load_s,
