@@ -147,6 +147,13 @@ def _tensor_files(root: Path) -> dict[str, str]:
             raise CheckpointError(f"{INDEX_FILE}: invalid index ({exc})") from None
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{INDEX_FILE}: weight_map is empty or not an object")
+        for tensor, file in weight_map.items():
+            # Shards are plain file names beside the index: never a path out of the directory.
+            if not isinstance(file, str) or Path(file).name != file or file in (".", ".."):
+                raise CheckpointError(
+                    f"{INDEX_FILE}: tensor {tensor!r} maps to {file!r}, which is not a file name "
+                    "in the checkpoint directory"
+                )
         return weight_map
     if (root / SINGLE_FILE).exists():
         return {}
@@ -211,8 +218,10 @@ def load_index(root: str | os.PathLike) -> CheckpointIndex:
             header = {t: s for t, s in header.items() if weight_map.get(t) == file}
         tensors.update(header)
     layers = _group_layers(tensors)
-    tied = bool(config.get("tie_word_embeddings", False)) and "lm_head.weight" not in tensors
-    _check_against_config(config, tensors, layers, tied)
+    expected, ties_embeddings = expected_shapes(config)
+    # Tied per the architecture's own default when config.json does not say.
+    tied = ties_embeddings and "lm_head.weight" not in tensors
+    _check_against_config(config, expected, tensors, layers, tied)
     if tied:  # the head reads the embedding matrix: give it those bytes too
         head = next(layer for layer in layers if layer.kind == "head")
         embed = tensors["model.embed_tokens.weight"]
@@ -238,9 +247,9 @@ def _group_layers(tensors: dict[str, TensorSlice]) -> list[LayerSpec]:
     return layers
 
 
-def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+def expected_shapes(config: dict) -> tuple[dict[str, tuple[int, ...]], bool]:
     """Parameter shapes of the architecture `config` describes, from the model class itself
-    built on the meta device (no memory, no weights)."""
+    built on the meta device (no memory, no weights), and whether it ties its embeddings."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -252,13 +261,17 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         ) from None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    return {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    return shapes, bool(getattr(hf_config, "tie_word_embeddings", False))
 
 
 def _check_against_config(
-    config: dict, tensors: dict[str, TensorSlice], layers: list[LayerSpec], tied: bool
+    config: dict,
+    expected: dict[str, tuple[int, ...]],
+    tensors: dict[str, TensorSlice],
+    layers: list[LayerSpec],
+    tied: bool,
 ) -> None:
-    expected = expected_shapes(config)
     for name, tensor in tensors.items():
         if name not in expected:
             continue  # e.g. rotary inv_freq saved by old exports: harmless, not loaded

@@ -340,6 +340,15 @@ def test_index_lists_tensor_absent_from_its_file(llama_copy: Path) -> None:
     assert shard in message and "'model.layers.0.self_attn.ghost.weight'" in message
 
 
+@pytest.mark.parametrize("target", ["../outside.safetensors", "/etc/passwd", "sub/x.safetensors", 7])
+def test_index_cannot_point_outside_the_directory(llama_copy: Path, target: object) -> None:
+    index = json.loads((llama_copy / INDEX_FILE).read_text())
+    index["weight_map"]["model.norm.weight"] = target
+    (llama_copy / INDEX_FILE).write_text(json.dumps(index))
+    message = load_error(llama_copy)
+    assert "'model.norm.weight'" in message and "not a file name" in message
+
+
 @pytest.mark.parametrize("content", ["not json", "{}", '{"metadata": {}}'])
 def test_invalid_index_file(llama_copy: Path, content: str) -> None:
     (llama_copy / INDEX_FILE).write_text(content)
