@@ -340,7 +340,9 @@ def test_index_lists_tensor_absent_from_its_file(llama_copy: Path) -> None:
     assert shard in message and "'model.layers.0.self_attn.ghost.weight'" in message
 
 
-@pytest.mark.parametrize("target", ["../outside.safetensors", "/etc/passwd", "sub/x.safetensors", 7])
+@pytest.mark.parametrize(
+    "target", ["../outside.safetensors", "/etc/passwd", "sub/x.safetensors", 7]
+)
 def test_index_cannot_point_outside_the_directory(llama_copy: Path, target: object) -> None:
     index = json.loads((llama_copy / INDEX_FILE).read_text())
     index["weight_map"]["model.norm.weight"] = target

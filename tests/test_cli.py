@@ -1,24 +1,115 @@
-"""offloadctl: the demo runs end to end and reports what it decided."""
+"""offloadctl without Ray: make-checkpoint, plan, node-demo, and errors without tracebacks."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from coordinator.cli import main
+from coordinator.cli import EXIT_ERROR, main
+
+TINY = ["--layers", "4", "--hidden-size", "32", "--heads", "4", "--kv-heads", "2",
+        "--intermediate-size", "64", "--vocab", "64"]  # fmt: skip
 
 
-def test_demo_reports_decision_bytes_and_timings(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--layers", "3", "--hidden", "512", "--batch", "2", "--repeats", "2"]) == 0
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("cli") / "ckpt"
+    assert main(["make-checkpoint", str(out), *TINY]) == 0
+    return str(out)
+
+
+def test_node_demo_reports_decision_bytes_and_timings(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(["node-demo", "--layers", "3", "--hidden", "512", "--batch", "2", "--repeats", "2"])
+        == 0
+    )
     out = capsys.readouterr().out
-    assert "pin decision: pin=False (source: probe.cuda)" in out or "pin=True" in out
+    assert "pin decision: pin=" in out and "(source: " in out
     assert "3 layers, 3.0 MiB offloaded" in out  # 3 x (512*512+512) fp32 = 3.0 MiB
     for mode in ("resident", "prefetch", "synchronous"):
         assert f"{mode}:" in out
     assert "outputs identical" in out
 
 
-def test_bad_arguments_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_text_and_json(checkpoint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    assert main(["plan", "--checkpoint", checkpoint, "--gpus", "2", "--gpu-memory", "60KiB"]) == 0
+    text = capsys.readouterr().out
+    assert "bottleneck" in text and "layers." in text
+    assert main(["plan", "--checkpoint", checkpoint, "--gpus", "2", "--gpu-memory", "60KiB",
+                 "--nodes", "2", "--json"]) == 0  # fmt: skip
+    plan = json.loads(capsys.readouterr().out)
+    covered = [name for stage in plan["stages"] for name in stage["layers"]]
+    assert covered == ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]
+    assert all(s["device_bytes"] <= 60 * 1024 for s in plan["stages"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--checkpoint", "CKPT", "--gpus", "2", "--gpu-memory", "1KiB"], "raise --gpu-memory"),
+        (["plan", "--checkpoint", "CKPT"], "needs --gpus"),
+        (["plan", "--checkpoint", "/nonexistent", "--gpus", "1", "--gpu-memory", "1MiB"], "not a directory"),
+        (["make-checkpoint", "CKPT"], "not empty"),
+        (["make-checkpoint", "NEW", "--heads", "3"], "hidden_size=256 must be a multiple of num_heads=3"),
+    ],
+)  # fmt: skip
+def test_errors_are_one_line_without_traceback(
+    checkpoint: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    message: str,
+) -> None:
+    argv = [a.replace("CKPT", checkpoint).replace("NEW", str(tmp_path / "new")) for a in argv]
+    assert main(argv) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_yaml_typo_is_reported(checkpoint: str, tmp_path: Path, capsys) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text(f"checkpoint: {checkpoint}\ngpus: 2\ngpu_memroy_bytes: 1MiB\n")
+    assert main(["plan", "--config", str(job)]) == EXIT_ERROR
+    assert "did you mean 'gpu_memory_bytes'" in capsys.readouterr().err
+
+
+def test_bad_flag_values_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
-        main(["demo", "--layers", "0"])
+        main(["node-demo", "--layers", "0"])
     assert info.value.code == 2
     assert "must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--checkpoint", "x", "--gpu-memory", "lots"])
+    assert "is not a size" in capsys.readouterr().err
+
+
+def test_run_check_mismatch_exits_1(monkeypatch, capsys) -> None:
+    """The --check plumbing on its own: a job whose logits differ from the reference."""
+    import contextlib
+
+    import torch
+
+    import coordinator.job
+    import coordinator.reference
+
+    class FakeJob:
+        index = type("Index", (), {"config": {"vocab_size": 10}, "total_bytes": 0})()
+        plan = type("Plan", (), {"summary": lambda self: "plan"})()
+        load_reports = ()
+        workers = ()
+        session = type("Session", (), {"owned": True})()
+
+        def forward(self, ids):
+            return torch.zeros(ids.shape[0], ids.shape[1], 10)
+
+    monkeypatch.setattr(
+        coordinator.job, "launch", lambda config, progress: contextlib.nullcontext(FakeJob())
+    )
+    monkeypatch.setattr(
+        coordinator.reference, "reference_logits", lambda *a, **k: torch.full((2, 16, 10), 1e-3)
+    )
+    assert main(["run", "--checkpoint", "x", "--check"]) == 1
+    assert "check FAILED: max abs difference 1.000e-03" in capsys.readouterr().out

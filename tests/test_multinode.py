@@ -47,8 +47,9 @@ def test_pin_decisions_follow_precedence_and_output_matches(cluster, tmp_path) -
         address=cluster.address,
         gpu_memory_bytes=index.total_bytes // 3 - decoder // 4,  # forces some offloading
         # "0" rather than "off": the decision's reason shows whose setting won.
-        overrides=(Override(match=NodeMatch(labels={"pool": "override"}),
-                            env={"OFFLOAD_PIN_MEMORY": "0"}),),  # fmt: skip
+        overrides=(
+            Override(match=NodeMatch(labels={"pool": "override"}), env={"OFFLOAD_PIN_MEMORY": "0"}),
+        ),
     )
     with launch(config) as job:
         assert len(job.plan.stages) == 3
@@ -60,9 +61,15 @@ def test_pin_decisions_follow_precedence_and_output_matches(cluster, tmp_path) -
     assert set(by_pool) == {"plain", "env-off", "override"}
     plain, env_off, override = by_pool["plain"], by_pool["env-off"], by_pool["override"]
     assert (plain["pin"]["source"], plain["pin_origin"]) == ("probe.cuda", "probe")
-    assert (env_off["pin"]["source"], env_off["pin_origin"]) == ("OFFLOAD_PIN_MEMORY", "node environment")
+    assert (env_off["pin"]["source"], env_off["pin_origin"]) == (
+        "OFFLOAD_PIN_MEMORY",
+        "node environment",
+    )
     assert env_off["pin"]["reason"].startswith("OFFLOAD_PIN_MEMORY=off")
-    assert (override["pin"]["source"], override["pin_origin"]) == ("OFFLOAD_PIN_MEMORY", "job override")
+    assert (override["pin"]["source"], override["pin_origin"]) == (
+        "OFFLOAD_PIN_MEMORY",
+        "job override",
+    )
     assert override["pin"]["reason"].startswith("OFFLOAD_PIN_MEMORY=0")
     assert not any(r["pin"]["pin"] for r in by_pool.values())
     assert torch.equal(logits, reference_logits(checkpoint, ids, num_threads=1))

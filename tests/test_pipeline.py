@@ -113,3 +113,16 @@ def test_forward_rejects_bad_input(embedded_ray, checkpoints) -> None:
             job.forward(torch.zeros(3))
     with pytest.raises(RuntimeError, match="closed"):
         job.forward(torch.tensor([[1, 2]]))
+
+
+def test_offloadctl_run_check(embedded_ray, checkpoints, capsys) -> None:
+    from coordinator.cli import main
+
+    budget = budget_forcing_offload(checkpoints["llama"])
+    argv = ["run", "--checkpoint", checkpoints["llama"], "--gpu-memory", str(budget),
+            "--seq-len", "7", "--check"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "check: logits are bitwise equal" in out
+    assert "pin" in out and "probe.cuda" in out  # the per-stage table with each decision
+    assert_gpus_released()

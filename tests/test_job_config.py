@@ -1,0 +1,119 @@
+"""Job configuration: sizes, YAML files, unknown keys, per-node overrides and their allowlist."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from coordinator.config import (
+    ConfigError,
+    JobConfig,
+    NodeMatch,
+    Override,
+    env_for_node,
+    job_config_from_dict,
+    load_job_config,
+    parse_bytes,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("1000", 1000), (4096, 4096), ("6MiB", 6 * 2**20), ("1.5 GiB", 3 * 2**29), ("2gb", 2 * 10**9),
+     ("512k", 512_000), ("0", 0)],
+)  # fmt: skip
+def test_parse_bytes(text: str | int, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "5 MiBs", "-1", "1e3", "MiB", -5])
+def test_parse_bytes_rejects_garbage(text: str | int) -> None:
+    with pytest.raises(ConfigError, match="gpu_memory_bytes"):
+        parse_bytes(text, field_name="gpu_memory_bytes")
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_yaml_job_with_overrides(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+checkpoint: ckpt/
+gpu_memory_bytes: 6MiB
+prefetch_step: 2
+overrides:
+  - match: {labels: {gpu: gh200}}
+    env: {OFFLOAD_PIN_MEMORY: "off"}
+  - match: {hostname: "edge-*"}
+    env: {VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY: 1}
+""",
+    )
+    config = load_job_config(path)
+    assert config.gpu_memory_bytes == 6 * 2**20 and config.prefetch_step == 2
+    assert config.overrides[0] == Override(
+        match=NodeMatch(labels={"gpu": "gh200"}), env={"OFFLOAD_PIN_MEMORY": "off"}
+    )
+    assert config.overrides[1].env == {"VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY": "1"}
+
+
+def test_command_line_values_win_over_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "checkpoint: a/\nprefetch_step: 2\ngpus: 2\n")
+    config = load_job_config(path, prefetch_step=3, gpus=None, checkpoint=None)
+    assert (config.checkpoint, config.prefetch_step, config.gpus) == ("a/", 3, 2)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("checkpoint: a/\ngpu_memory: 5MiB\n", "unknown key 'gpu_memory'; did you mean 'gpu_memory_bytes'"),
+        ("checkpoint: a/\nprefetch: 2\n", "did you mean 'prefetch_step'"),
+        ("checkpoint: a/\nzzz: 1\n", "valid keys: checkpoint"),
+        ("checkpoint: a/\noverrides:\n  - mach: {}\n    env: {OFFLOAD_X: '1'}\n", "did you mean 'match'"),
+        ("checkpoint: a/\noverrides:\n  - match: {label: {}}\n    env: {OFFLOAD_X: '1'}\n",
+         "did you mean 'labels'"),
+        ("checkpoint: a/\noverrides:\n  - match: {}\n    env: {PATH: /evil}\n",
+         "'PATH' is not allowed"),
+        ("checkpoint: a/\noverrides:\n  - match: {}\n    env: {}\n", "at least one variable"),
+        ("checkpoint: a/\ngpu_memory_bytes: much\n", "gpu_memory_bytes='much' is not a size"),
+        ("- just\n- a list\n", "a mapping"),
+        ("gpus: 2\n", "checkpoint"),
+        ("checkpoint: a/\nprefetch_step: 0\n", "prefetch_step=0"),
+        ("checkpoint: a/\nbackend: gpu\n", "backend='gpu'"),
+        ("checkpoint: a/\ngpus: 2\naddress: auto\n", "cannot be combined"),
+        ("checkpoint: [unclosed\n", "cannot read job config"),
+    ],
+)  # fmt: skip
+def test_bad_job_files_name_the_key(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_job_config(write(tmp_path, text))
+    assert message in str(info.value)
+
+
+def test_env_for_node_matches_and_later_overrides_win() -> None:
+    overrides = (
+        Override(match=NodeMatch(labels={"gpu": "gh200"}), env={"OFFLOAD_PIN_MEMORY": "off"}),
+        Override(match=NodeMatch(hostname="gh-*"), env={"OFFLOAD_PIN_MEMORY": "auto"}),
+        Override(match=NodeMatch(node_id="abc"), env={"OFFLOAD_OTHER": "1"}),
+    )
+    assert env_for_node(overrides, node_id="x", hostname="h100-1", labels={"gpu": "h100"}) == {}
+    assert env_for_node(overrides, node_id="x", hostname="h100-1", labels={"gpu": "gh200"}) == {
+        "OFFLOAD_PIN_MEMORY": "off"
+    }
+    assert env_for_node(overrides, node_id="abc", hostname="gh-7", labels={"gpu": "gh200"}) == {
+        "OFFLOAD_PIN_MEMORY": "auto", "OFFLOAD_OTHER": "1"
+    }  # fmt: skip
+    both = NodeMatch(labels={"gpu": "gh200"}, hostname="gh-*")  # every criterion must hold
+    assert not both.matches(node_id="x", hostname="h100-1", labels={"gpu": "gh200"})
+
+
+def test_job_config_validates_fields() -> None:
+    with pytest.raises(ConfigError, match="gpu_memory_bytes=0"):
+        JobConfig(checkpoint="a", gpu_memory_bytes=0)
+    with pytest.raises(ConfigError, match="cpus_per_worker"):
+        JobConfig(checkpoint="a", cpus_per_worker=0)
+    assert job_config_from_dict({"checkpoint": "a", "reserve_bytes": "1KiB"}).reserve_bytes == 1024
