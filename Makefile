@@ -31,7 +31,10 @@ demo: $(DEMO_CKPT)/config.json
 	$(VENV)/bin/offloadctl run --checkpoint $(DEMO_CKPT) --gpus 3 --gpu-memory 6MiB --check
 
 bench: $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check $(CONSTRAINTS) -e '.[test,bench]'
 	$(PY) bench/prefetch_overlap.py
+	$(PY) bench/planner.py
+	$(PY) bench/load.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,327 @@
+"""The planner's exact search: which contiguous layer ranges go to which GPUs, and which layers
+of each range are offloaded, so that every stage finishes within a bottleneck time T.
+
+Pure integer and float arithmetic on layer sizes and budgets; `coordinator.planner` wraps it in
+the public types. Why the search is exact, in four steps:
+
+1. Sub-ranges are never harder. If a range [a, b) fits a GPU within T with O offloaded bytes,
+   any sub-range fits with at most O: drop the removed layers from the offload set, and the
+   weight bytes, resident bytes, slot bytes and offloaded bytes can only shrink.
+2. Per range, fewer offloaded bytes are always better: every constraint bounds them from above
+   (transfer time, the node's host budget) except device memory, which only asks for a subset
+   that fits. So each range has one cost, the minimal offloaded bytes `offload_bytes(a, b, gpu)`.
+   That is a bounded knapsack (minimal subset sum above a target, with the largest chosen layer
+   setting the slot size); equal decoder sizes, the usual case, have a closed form, and mixed
+   sizes are enumerated by size class (polynomial for a fixed number of distinct sizes).
+3. Nodes have independent host budgets, and by (1) starting later never hurts, so each node
+   takes the furthest reach it can (greedy across nodes). Within a node the host budget couples
+   its GPUs, so there a greedy max-prefix can be wrong (a long range that offloads can starve the
+   next GPU). We first try the per-GPU greedy, which is optimal when the budget does not bind;
+   otherwise a DP keeps the Pareto front of (position reached, host bytes used) GPU by GPU.
+4. Feasibility is monotone in T, and a plan's stage times are the floats W / C and O / B.
+   `Search.solve` bisects over the bit patterns of non-negative floats, so it finds the
+   smallest float T that is feasible: exactly the best bottleneck under this cost model.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from bisect import bisect_right
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate, pairwise
+
+# A byte cap beyond any real model or budget (9 PB); above it, byte counts are inexact floats.
+_UNLIMITED = 1 << 53
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLimits:
+    gpu_memory_bytes: tuple[int, ...]  # the node's GPUs in pipeline order
+    offload_budget_bytes: int
+    link_bytes_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    node: int  # index into the node list
+    gpu: int  # position of the GPU within its node's list
+    start: int  # layer range [start, end)
+    end: int
+
+
+def float_bits(x: float) -> int:
+    """Order-preserving integer for a non-negative float (IEEE 754 bit pattern)."""
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def bits_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+def byte_cap(t_s: float, bytes_per_s: float) -> int:
+    """The most bytes whose time `bytes / bytes_per_s` is <= t_s, in the same float arithmetic
+    the plan reports, so that the search and the reported stage times agree exactly."""
+    if math.isinf(t_s) or t_s * bytes_per_s >= _UNLIMITED:
+        return _UNLIMITED
+    cap = math.floor(t_s * bytes_per_s)
+    while cap >= 0 and cap / bytes_per_s > t_s:
+        cap -= 1
+    while (cap + 1) / bytes_per_s <= t_s:
+        cap += 1
+    return cap
+
+
+def min_cover(
+    pool: Sequence[tuple[int, int]], target: int
+) -> tuple[int, int, dict[int, int]] | None:
+    """Smallest (sum, count) of a sub-multiset of `pool` [(size, how many)] whose sum is >=
+    target, with how many of each size it takes; None if even all of it is too little."""
+    pool = sorted(pool, reverse=True)
+    suffix = list(accumulate((s * c for s, c in reversed(pool)), initial=0))[::-1]
+    best: list[tuple[int, int, tuple[int, ...]]] = []
+    taken = [0] * len(pool)
+
+    def visit(i: int, acc: int, num: int) -> None:
+        if acc >= target:
+            if not best or (acc, num) < best[0][:2]:
+                best[:] = [(acc, num, tuple(taken))]
+            return
+        if acc + suffix[i] < target or (best and acc >= best[0][0]):
+            return
+        size, count = pool[i]
+        if i == len(pool) - 1:  # the smallest size: take just enough of it
+            need = -(-(target - acc) // size)
+            taken[i] = need
+            visit(i + 1, acc + need * size, num + need)
+            taken[i] = 0
+            return
+        for q in range(count + 1):
+            taken[i] = q
+            visit(i + 1, acc + q * size, num + q)
+            if acc + q * size >= target:
+                break
+        taken[i] = 0
+
+    visit(0, 0, 0)
+    if not best:
+        return None
+    total, num, counts = best[0]
+    return total, num, {s: q for (s, _), q in zip(pool, counts, strict=True) if q}
+
+
+def min_offload(
+    sizes: Sequence[int], deficit: int, prefetch_step: int
+) -> tuple[int, dict[int, int]] | None:
+    """Fewest offloaded bytes (then fewest layers) from `sizes` that free `deficit` device bytes,
+    as {size: how many}; None if impossible.
+
+    Offloading S frees sum(S) resident bytes but costs min(p, |S|) * max(S) slot bytes, so with
+    deficit > 0 it needs |S| > p and sum(S) - p * max(S) >= deficit. We try each size x as the
+    largest offloaded one: the rest, all of size <= x, must sum to >= deficit + (p - 1) * x.
+    """
+    if deficit <= 0:
+        return 0, {}
+    classes = sorted(Counter(s for s in sizes if s > 0).items())
+    best: tuple[int, int, dict[int, int]] | None = None
+    for j, (largest, count) in enumerate(classes):
+        if best is not None and deficit + prefetch_step * largest > best[0]:
+            break  # sum(S) >= deficit + p * max(S): larger maxima only cost more
+        pool = [*classes[:j], (largest, count - 1)]
+        got = min_cover(pool, deficit + (prefetch_step - 1) * largest)
+        if got is None:
+            continue
+        rest, num, choice = got
+        choice[largest] = choice.get(largest, 0) + 1
+        if best is None or (rest + largest, num + 1) < best[:2]:
+            best = (rest + largest, num + 1, dict(choice))
+    return None if best is None else (best[0], best[2])
+
+
+class Search:
+    """Placement of one model on one cluster for a given bottleneck T (see the module doc)."""
+
+    def __init__(
+        self,
+        sizes: Sequence[int],
+        offloadable: Sequence[bool],
+        nodes: Sequence[NodeLimits],
+        *,
+        reserve_bytes: int,
+        prefetch_step: int,
+        compute_bytes_per_s: float,
+    ) -> None:
+        self.num_layers = len(sizes)
+        self.nodes = tuple(nodes)
+        self.reserve_bytes = reserve_bytes
+        self.prefetch_step = prefetch_step
+        self.compute_bytes_per_s = compute_bytes_per_s
+        self.prefix = list(accumulate(sizes, initial=0))
+        # Offloadable size per position, 0 for layers that must stay resident.
+        self.movable = [s if ok and s > 0 else 0 for s, ok in zip(sizes, offloadable, strict=True)]
+        self.num_movable = list(accumulate((s > 0 for s in self.movable), initial=0))
+        distinct = {s for s in self.movable if s > 0}
+        self.uniform = distinct.pop() if len(distinct) == 1 else None
+        self._memo: dict[tuple[int, int, int], tuple[int, dict[int, int]] | None] = {}
+
+    # -- one range on one GPU ------------------------------------------------------------------
+
+    def _choice(self, start: int, end: int, memory_bytes: int) -> tuple[int, dict[int, int]] | None:
+        deficit = self.prefix[end] - self.prefix[start] + self.reserve_bytes - memory_bytes
+        if deficit <= 0:
+            return 0, {}
+        if self.uniform is not None:  # equal sizes: k * s - p * s >= deficit
+            num = self.prefetch_step + -(-deficit // self.uniform)
+            if num > self.num_movable[end] - self.num_movable[start]:
+                return None
+            return num * self.uniform, {self.uniform: num}
+        key = (start, end, memory_bytes)
+        if key not in self._memo:
+            self._memo[key] = min_offload(self.movable[start:end], deficit, self.prefetch_step)
+        return self._memo[key]
+
+    def offload_bytes(self, start: int, end: int, memory_bytes: int) -> int | None:
+        """Minimal offloaded bytes for layers [start, end) on a GPU; None if they cannot fit."""
+        choice = self._choice(start, end, memory_bytes)
+        return None if choice is None else choice[0]
+
+    def offloaded_positions(self, start: int, end: int, memory_bytes: int) -> list[int]:
+        """Which layers to offload: per size class, spread evenly through the range so that
+        compute sits between the copies (e.g. every other layer when half are offloaded)."""
+        choice = self._choice(start, end, memory_bytes)
+        assert choice is not None, "offloaded_positions of an infeasible range"
+        chosen: list[int] = []
+        for size, num in choice[1].items():
+            same = [i for i in range(start, end) if self.movable[i] == size]
+            chosen += [same[(2 * i + 1) * len(same) // (2 * num)] for i in range(num)]
+        return sorted(chosen)
+
+    def _fits(
+        self, start: int, memory_bytes: int, weight_cap: int, offload_cap: int
+    ) -> list[tuple[int, int]]:
+        """(end, offloaded bytes) for the furthest end with nothing offloaded, then for each
+        further end that still fits. Offloaded bytes never decrease with the end (step 1), so
+        the scan stops at the first misfit. The hot loop of the search: equal sizes inline."""
+        prefix, base = self.prefix, self.prefix[start]
+        room = memory_bytes - self.reserve_bytes
+        if room < 0:
+            return [(start, 0)]
+        end = max(start, bisect_right(prefix, base + min(weight_cap, room), lo=start) - 1)
+        fits = [(end, 0)]
+        size, step, movable = self.uniform, self.prefetch_step, self.num_movable
+        while end < self.num_layers and prefix[end + 1] - base <= weight_cap:
+            if size is not None:  # k * s - p * s >= deficit, see min_offload
+                num = step + (prefix[end + 1] - base - room + size - 1) // size
+                cost = num * size if num <= movable[end + 1] - movable[start] else None
+            else:
+                cost = self.offload_bytes(start, end + 1, memory_bytes)
+            if cost is None or cost > offload_cap:
+                break
+            end += 1
+            fits.append((end, cost))
+        return fits
+
+    # -- one node ------------------------------------------------------------------------------
+
+    def _node_reach(
+        self, node: NodeLimits, start: int, weight_cap: int, offload_cap: int
+    ) -> tuple[int, list[tuple[int, int]]]:
+        """Furthest layer the node's GPUs can cover from `start`, and their ranges."""
+        ranges: list[tuple[int, int]] = []
+        pos, used = start, 0
+        for memory in node.gpu_memory_bytes:  # per-GPU greedy, host budget ignored
+            end, cost = self._fits(pos, memory, weight_cap, offload_cap)[-1]
+            ranges.append((pos, end))
+            pos, used = end, used + cost
+        if used <= node.offload_budget_bytes:
+            return pos, ranges
+
+        # The budget binds: Pareto front {position: least host bytes}, one step per GPU.
+        front = {start: 0}
+        parents: list[dict[int, int]] = []
+        for memory in node.gpu_memory_bytes:
+            best: dict[int, tuple[int, int]] = {}  # end -> (host bytes, start)
+            for begin, cost in front.items():
+                cap = min(offload_cap, node.offload_budget_bytes - cost)
+                for end, extra in [(begin, 0), *self._fits(begin, memory, weight_cap, cap)]:
+                    if end not in best or cost + extra < best[end][0]:  # (begin, 0): GPU unused
+                        best[end] = (cost + extra, begin)
+            front, parent, least = {}, {}, None
+            for end in sorted(best, reverse=True):  # keep only undominated states
+                cost, begin = best[end]
+                if least is None or cost < least:
+                    front[end], parent[end], least = cost, begin, cost
+            parents.append(parent)
+        pos = end = max(front)
+        ranges = []
+        for parent in reversed(parents):
+            ranges.append((parent[end], end))
+            end = parent[end]
+        return pos, ranges[::-1]
+
+    # -- the whole pipeline --------------------------------------------------------------------
+
+    def _caps(self, t_s: float) -> tuple[int, list[int]]:
+        return byte_cap(t_s, self.compute_bytes_per_s), [
+            min(byte_cap(t_s, n.link_bytes_per_s), n.offload_budget_bytes) for n in self.nodes
+        ]
+
+    def place(self, t_s: float) -> tuple[int, list[Placement]]:
+        """Furthest layer reachable with every stage time <= t_s, and the stages that reach it."""
+        weight_cap, offload_caps = self._caps(t_s)
+        pos, placements = 0, []
+        for n, node in enumerate(self.nodes):
+            if pos == self.num_layers:
+                break
+            pos, ranges = self._node_reach(node, pos, weight_cap, offload_caps[n])
+            placements += [Placement(n, g, a, b) for g, (a, b) in enumerate(ranges) if b > a]
+        return pos, placements
+
+    def _next_change(self, t_s: float) -> float:
+        """The smallest time above t_s at which a byte cap grows: every time in between gives
+        the same caps, hence the same answer."""
+        weight_cap, offload_caps = self._caps(t_s)
+        times = [(weight_cap + 1) / self.compute_bytes_per_s]
+        for node, cap in zip(self.nodes, offload_caps, strict=True):
+            if cap < node.offload_budget_bytes:
+                times.append((cap + 1) / node.link_bytes_per_s)
+        return min(times)
+
+    def solve(self) -> tuple[int, list[Placement]]:
+        """The placement with the smallest bottleneck; if even unlimited time does not place
+        every layer, how far it got and the stages that got there."""
+        reached, best = self.place(math.inf)  # memory and budgets only
+        if reached < self.num_layers:
+            return reached, best
+        # Bisect over float bit patterns: below `lo` nothing fits (the largest layer's compute
+        # time alone exceeds it); `hi` is the bottleneck of a plan in hand. A feasible probe
+        # lowers `hi` to the bottleneck of the plan it found (<= the probe), and is followed by
+        # a probe just below that: the found bottleneck is often already the optimum, which
+        # this proves at once instead of creeping up to it from below. At most two such probes
+        # in a row, so the number of probes stays logarithmic. An infeasible probe raises `lo`
+        # to just below the next time at which a byte cap changes.
+        biggest = max(b - a for a, b in pairwise(self.prefix))
+        lo = float_bits(biggest / self.compute_bytes_per_s) - 1
+        hi = float_bits(self.bottleneck_s(best))
+        feasible = 0  # feasible probes in a row: the 1st and 2nd are followed by a check
+        while hi - lo > 1:
+            mid = hi - 1 if feasible % 3 else (lo + hi) // 2
+            reached, placements = self.place(bits_float(mid))
+            if reached == self.num_layers:
+                best, hi = placements, float_bits(self.bottleneck_s(placements))
+                feasible += 1
+            else:
+                lo, feasible = max(mid, float_bits(self._next_change(bits_float(mid))) - 1), 0
+        return self.num_layers, best
+
+    def stage_times(self, p: Placement) -> tuple[float, float]:
+        node = self.nodes[p.node]
+        offloaded = self.offload_bytes(p.start, p.end, node.gpu_memory_bytes[p.gpu])
+        assert offloaded is not None
+        weights = self.prefix[p.end] - self.prefix[p.start]
+        return weights / self.compute_bytes_per_s, offloaded / node.link_bytes_per_s
+
+    def bottleneck_s(self, placements: Sequence[Placement]) -> float:
+        return max((max(self.stage_times(p)) for p in placements), default=0.0)

@@ -1,0 +1,372 @@
+"""The planner: a pure function from (layers, cluster snapshot, options) to a frozen `Plan`.
+
+It assigns contiguous layer ranges to GPUs and picks which decoder layers of each range are
+offloaded to host memory, under each GPU's memory, each node's offload budget and a simple cost
+model, minimising the slowest stage (the pipeline's bottleneck). No Ray here: the launcher
+builds the `ClusterSnapshot`, `offloadctl plan` and the tests build one by hand.
+
+Cost model, per stage: compute_s = all its weight bytes / compute_bytes_per_s; transfer_s =
+its offloaded bytes / the node's host-to-device bandwidth; the copies overlap compute, so the
+stage takes max(compute_s, transfer_s). The search (`coordinator.plan_search`) returns the
+exact optimum of this model; its module doc gives the argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.cluster import ClusterSnapshot, GpuInfo, NodeInfo
+from coordinator.plan_search import NodeLimits, Placement, Search
+from worker.spec import LayerSpec
+
+MAX_PREFETCH_STEP = 64
+KNOBS = (
+    "add GPUs, raise --gpu-memory, raise the node's host budget, lower prefetch_step, "
+    "lower reserve_bytes"
+)
+_JSON_VERSION = 1
+
+
+class PlanError(ValueError):
+    """The layers cannot be placed on this cluster; the message has the numbers and the knobs."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_rate(value: Any) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanOptions:
+    """The planner's knobs and its cost model's rates."""
+
+    reserve_bytes: int = 0  # per GPU, kept free for activations and workspace
+    prefetch_step: int = 1  # device slots per offloading stage
+    compute_bytes_per_s: float = 200e9  # weight bytes a stage computes through per second
+    default_link_bytes_per_s: float = 25e9  # host-to-device, for nodes that did not measure it
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.reserve_bytes) or self.reserve_bytes < 0:
+            raise ValueError(
+                f"PlanOptions.reserve_bytes={self.reserve_bytes!r} must be an int >= 0"
+            )
+        if not _is_int(self.prefetch_step) or not 1 <= self.prefetch_step <= MAX_PREFETCH_STEP:
+            raise ValueError(
+                f"PlanOptions.prefetch_step={self.prefetch_step!r} must be an int in "
+                f"1..{MAX_PREFETCH_STEP}"
+            )
+        for name in ("compute_bytes_per_s", "default_link_bytes_per_s"):
+            value = getattr(self, name)
+            if not _is_rate(value):
+                raise ValueError(f"PlanOptions.{name}={value!r} must be a finite number > 0")
+
+
+DEFAULT_OPTIONS = PlanOptions()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagePlan:
+    """One pipeline stage: a GPU, its contiguous layers, and which of them are offloaded."""
+
+    stage: int
+    node_id: str
+    hostname: str
+    gpu_index: int
+    layers: tuple[str, ...]  # contiguous, in model order
+    offloaded: tuple[str, ...]  # decoder layers of this stage kept in host memory
+    prefetch_step: int
+    resident_bytes: int
+    slot_bytes: int  # min(prefetch_step, len(offloaded)) slots of the largest offloaded layer
+    offloaded_bytes: int
+    device_bytes: int  # resident + slots + reserve
+    pinned: bool  # the node's pin decision for the offloaded weights
+    compute_s: float
+    transfer_s: float
+    time_s: float  # max(compute_s, transfer_s): the copies overlap compute
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """The stages in pipeline order; `bottleneck_s` is the slowest stage's time."""
+
+    stages: tuple[StagePlan, ...]
+    options: PlanOptions
+    bottleneck_s: float
+    total_bytes: int
+
+    @property
+    def bottleneck_stage(self) -> int:
+        return max(self.stages, key=lambda s: s.time_s).stage
+
+    def to_json(self) -> str:
+        return json.dumps({"version": _JSON_VERSION, **dataclasses.asdict(self)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        data = json.loads(text)
+        if data.pop("version", None) != _JSON_VERSION:
+            raise ValueError(f"Plan.from_json: expected version {_JSON_VERSION}")
+        stages = tuple(
+            StagePlan(**{**s, "layers": tuple(s["layers"]), "offloaded": tuple(s["offloaded"])})
+            for s in data["stages"]
+        )
+        return cls(
+            stages=stages,
+            options=PlanOptions(**data["options"]),
+            bottleneck_s=data["bottleneck_s"],
+            total_bytes=data["total_bytes"],
+        )
+
+    def summary(self) -> str:
+        """A table of the stages, with the bottleneck marked."""
+        columns = "stage node gpu layers resident offloaded slots device compute transfer time"
+        head = (*columns.split(), "")
+        rows = [head]
+        slowest = self.bottleneck_stage if self.stages else -1
+        for s in self.stages:
+            rows.append(
+                (
+                    str(s.stage),
+                    # Ray node ids are 56 hex digits: 8 identify a node in any real cluster.
+                    f"{s.hostname} ({s.node_id[:8]})" if s.hostname else s.node_id[:8],
+                    str(s.gpu_index),
+                    layer_range(s.layers),
+                    format_bytes(s.resident_bytes),
+                    f"{format_bytes(s.offloaded_bytes)} ({len(s.offloaded)})",
+                    format_bytes(s.slot_bytes),
+                    format_bytes(s.device_bytes),
+                    format_seconds(s.compute_s),
+                    format_seconds(s.transfer_s),
+                    format_seconds(s.time_s),
+                    "<- bottleneck" if s.stage == slowest else "",
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = [
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+        ]
+        nodes = len({s.node_id for s in self.stages})
+        title = (
+            f"plan: {len(self.stages)} stages on {nodes} node(s), "
+            f"{format_bytes(self.total_bytes)} of weights, prefetch_step "
+            f"{self.options.prefetch_step}, reserve {format_bytes(self.options.reserve_bytes)}"
+        )
+        if self.stages:
+            s = self.stages[slowest]
+            bound = "transfer" if s.transfer_s > s.compute_s else "compute"
+            title += f"; bottleneck: stage {slowest}, {format_seconds(s.time_s)} ({bound}-bound)"
+        return "\n".join([title, *lines])
+
+
+def plan(
+    layers: Sequence[LayerSpec], cluster: ClusterSnapshot, options: PlanOptions = DEFAULT_OPTIONS
+) -> Plan:
+    """The placement with the smallest bottleneck stage time under the cost model above.
+
+    GPUs form the pipeline in the order given: nodes in order, each node's GPUs in order. Each
+    used GPU runs one contiguous, non-empty range of layers; a GPU may be left unused (skipped)
+    when the optimum does not need it or it cannot hold anything, so the plan can have fewer
+    stages than the cluster has GPUs. Embedding and head stay resident; a stage offloads the
+    fewest bytes of decoder layers that make it fit. Raises `PlanError` when nothing fits.
+    """
+    _check_layers(layers)
+    gpus = [(node, gpu) for node in cluster.nodes for gpu in node.gpus]
+    if not gpus:
+        raise PlanError(f"the cluster has no GPUs ({len(cluster.nodes)} node(s)): add GPUs")
+    for node in cluster.nodes:
+        if node.link_bytes_per_s is not None and not _is_rate(node.link_bytes_per_s):
+            raise PlanError(
+                f"node {node.node_id}: link_bytes_per_s={node.link_bytes_per_s!r} must be a "
+                "finite number > 0 (or None to use PlanOptions.default_link_bytes_per_s)"
+            )
+    _check_largest_layer(layers, gpus, options)
+
+    limits = [
+        NodeLimits(
+            gpu_memory_bytes=tuple(g.memory_bytes for g in node.gpus),
+            offload_budget_bytes=node.offload_budget_bytes,
+            link_bytes_per_s=node.link_bytes_per_s or options.default_link_bytes_per_s,
+        )
+        for node in cluster.nodes
+    ]
+    search = Search(
+        [layer.nbytes for layer in layers],
+        [layer.kind == "decoder" for layer in layers],
+        limits,
+        reserve_bytes=options.reserve_bytes,
+        prefetch_step=options.prefetch_step,
+        compute_bytes_per_s=options.compute_bytes_per_s,
+    )
+    reached, best = search.solve()
+    if reached < len(layers):
+        raise _unplaceable(layers, cluster, options, reached, best)
+    return _build(layers, cluster, options, search, best)
+
+
+def _build(
+    layers: Sequence[LayerSpec],
+    cluster: ClusterSnapshot,
+    options: PlanOptions,
+    search: Search,
+    placements: Sequence[Placement],
+) -> Plan:
+    stages = []
+    for i, p in enumerate(placements):
+        node = cluster.nodes[p.node]
+        gpu = node.gpus[p.gpu]
+        moved = search.offloaded_positions(p.start, p.end, gpu.memory_bytes)
+        weights = sum(layers[j].nbytes for j in range(p.start, p.end))
+        offloaded = sum(layers[j].nbytes for j in moved)
+        slots = min(options.prefetch_step, len(moved)) * max(
+            (layers[j].nbytes for j in moved), default=0
+        )
+        device = weights - offloaded + slots + options.reserve_bytes
+        assert device <= gpu.memory_bytes, (p, device, gpu.memory_bytes)
+        compute_s, transfer_s = search.stage_times(p)
+        stages.append(
+            StagePlan(
+                stage=i,
+                node_id=node.node_id,
+                hostname=node.hostname,
+                gpu_index=gpu.index,
+                layers=tuple(layers[j].name for j in range(p.start, p.end)),
+                offloaded=tuple(layers[j].name for j in moved),
+                prefetch_step=options.prefetch_step,
+                resident_bytes=weights - offloaded,
+                slot_bytes=slots,
+                offloaded_bytes=offloaded,
+                device_bytes=device,
+                pinned=node.pin,
+                compute_s=compute_s,
+                transfer_s=transfer_s,
+                time_s=max(compute_s, transfer_s),
+            )
+        )
+    return Plan(
+        stages=tuple(stages),
+        options=options,
+        bottleneck_s=max(s.time_s for s in stages),
+        total_bytes=sum(layer.nbytes for layer in layers),
+    )
+
+
+# -- input checks and error messages ------------------------------------------------------------
+
+
+def _check_layers(layers: Sequence[LayerSpec]) -> None:
+    if not layers:
+        raise PlanError("no layers to place")
+    names = [layer.name for layer in layers]
+    if len(set(names)) != len(names):
+        raise PlanError(f"duplicate layer names in {names}")
+    for i, layer in enumerate(layers):
+        if layer.kind not in ("embed", "decoder", "head"):
+            raise PlanError(f"layer {layer.name!r}: kind={layer.kind!r} is not embed/decoder/head")
+        if (layer.kind == "embed" and i != 0) or (layer.kind == "head" and i != len(layers) - 1):
+            raise PlanError(
+                f"layer {layer.name!r} ({layer.kind}) is at position {i} of {len(layers)}"
+            )
+
+
+def _check_largest_layer(
+    layers: Sequence[LayerSpec], gpus: list[tuple[NodeInfo, GpuInfo]], options: PlanOptions
+) -> None:
+    """Every layer needs its own bytes on one device: resident, or as an offloading slot."""
+    node, gpu = max(gpus, key=lambda ng: ng[1].memory_bytes)
+    big = max(layers, key=lambda layer: layer.nbytes)
+    need = big.nbytes + options.reserve_bytes
+    why = (
+        "offloaded, a decoder layer still needs a device slot of its size"
+        if big.kind == "decoder"
+        else f"the {big.kind} is never offloaded"
+    )
+    if need > gpu.memory_bytes:
+        raise PlanError(
+            f"layer {big.name!r} needs {need} bytes on one GPU ({format_bytes(big.nbytes)} of "
+            f"weights + reserve_bytes {options.reserve_bytes}; {why}), but the largest GPU "
+            f"(node {node.node_id}, GPU {gpu.index}) has {gpu.memory_bytes} bytes: raise "
+            "--gpu-memory, lower reserve_bytes, or add larger GPUs"
+        )
+
+
+def _unplaceable(
+    layers: Sequence[LayerSpec],
+    cluster: ClusterSnapshot,
+    options: PlanOptions,
+    reached: int,
+    placements: Sequence[Placement],
+) -> PlanError:
+    left = sum(layer.nbytes for layer in layers[reached:])
+    device_total = sum(
+        max(0, g.memory_bytes - options.reserve_bytes) for n in cluster.nodes for g in n.gpus
+    )
+    host = sum(n.offload_budget_bytes for n in cluster.nodes)
+    where = "before any GPU took a layer"
+    if placements:
+        last = placements[-1]
+        node = cluster.nodes[last.node]
+        gpu = node.gpus[last.gpu]
+        where = (
+            f"after node {node.node_id} GPU {gpu.index} ({gpu.memory_bytes} bytes; the node's "
+            f"offload budget is {node.offload_budget_bytes} bytes)"
+        )
+    return PlanError(
+        f"the layers do not fit: placed {reached} of {len(layers)} layers, stopping {where}; "
+        f"{left} bytes from layer {layers[reached].name!r} on are left. Needed "
+        f"{sum(layer.nbytes for layer in layers)} bytes of weights; available "
+        f"{device_total} bytes of GPU memory (less reserve_bytes {options.reserve_bytes} per GPU) "
+        f"on {cluster.num_gpus} GPUs plus {host} bytes of host offload budget on "
+        f"{len(cluster.nodes)} node(s), less {options.prefetch_step} slot(s) per offloading GPU: "
+        f"{KNOBS}"
+    )
+
+
+# -- formatting -------------------------------------------------------------------------------
+
+
+def format_bytes(num: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(num) >= scale:
+            return f"{num / scale:.2f} {unit}"
+    return f"{num} B"
+
+
+def format_seconds(t_s: float) -> str:
+    return f"{t_s:.3f} s" if t_s >= 1 else f"{t_s * 1e3:.3f} ms"
+
+
+def layer_range(names: Sequence[str]) -> str:
+    """'embed,layers.0-5' for embed, layers.0 .. layers.5; runs of decoders are collapsed."""
+    parts: list[str] = []
+    run: list[int] = []
+
+    def flush() -> None:
+        if run:
+            parts.append(f"layers.{run[0]}" + (f"-{run[-1]}" if len(run) > 1 else ""))
+            run.clear()
+
+    for name in names:
+        prefix, _, index = name.rpartition(".")
+        if prefix == "layers" and index.isdigit() and (not run or int(index) == run[-1] + 1):
+            run.append(int(index))
+            continue
+        flush()
+        if prefix == "layers" and index.isdigit():
+            run.append(int(index))
+        else:
+            parts.append(name)
+    flush()
+    return ",".join(parts)
