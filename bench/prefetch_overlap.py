@@ -118,7 +118,8 @@ def overlap_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
         for batch in args.batch:
             x = torch.randn(batch, args.hidden, device=device)
             fns = {
-                mode: (lambda layers=layers, x=x: forward(layers, x)) for mode, layers in stacks.items()
+                mode: (lambda layers=layers, x=x: forward(layers, x))
+                for mode, layers in stacks.items()
             }
             fns["copy"] = copy_fn
             stall_before = {m: o.stats().stall_s for m, o in offloaders.items()}
