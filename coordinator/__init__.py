@@ -1,1 +1,31 @@
-"""The driver: checkpoint index, planner, launcher, pipeline, telemetry, recovery; `offloadctl`."""
+"""The driver: checkpoint index, planner, launcher, pipeline; the `offloadctl` CLI.
+
+from coordinator import JobConfig, launch
+
+with launch(JobConfig(checkpoint="ckpt/", gpus=3, gpu_memory_bytes=6 << 20)) as job:
+    logits = job.forward(input_ids)
+"""
+
+# Loaded on first use (PEP 562), so `offloadctl plan` and `import coordinator.config` do not
+# pay for importing Ray.
+_LAZY = {
+    "launch": "coordinator.job",
+    "Job": "coordinator.job",
+    "JobConfig": "coordinator.config",
+    "Override": "coordinator.config",
+    "NodeMatch": "coordinator.config",
+    "plan": "coordinator.planner",
+    "Plan": "coordinator.planner",
+    "PlanOptions": "coordinator.planner",
+    "load_index": "coordinator.checkpoint",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'coordinator' has no attribute {name!r}")

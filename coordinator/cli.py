@@ -127,12 +127,13 @@ def _progress(done: int, total: int) -> None:
 def _stage_table(reports: list[dict]) -> str:
     from coordinator.planner import format_bytes, layer_range
 
-    rows = [("stage", "host", "device", "layers", "resident", "offloaded", "pin", "decided by")]
+    rows = [("stage", "host", "gpu", "device", "layers", "resident", "offloaded", "pin",
+             "decided by")]  # fmt: skip
     for r in reports:
         pin = r["pin"] or {"pin": False, "reason": "", "source": ""}
         rows.append((
-            str(r["stage"]), r["hostname"], r["device"], layer_range(r["layers"]),
-            format_bytes(r["stats"].get("resident_bytes", 0)),
+            str(r["stage"]), r["hostname"], r.get("gpu") or "-", r["device"],
+            layer_range(r["layers"]), format_bytes(r["stats"].get("resident_bytes", 0)),
             f"{format_bytes(r['stats'].get('offloaded_bytes', 0))} ({len(r['offloaded'])})",
             "on" if pin["pin"] else "off", f"{r['pin_origin']}: {pin['source']}: {pin['reason']}",
         ))  # fmt: skip

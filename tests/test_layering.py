@@ -43,3 +43,11 @@ def test_public_api_of_offload() -> None:
         "UVAOffloader", "NoopOffloader", "PinnedArena", "PinDecision", "NodeProbe",
     ):  # fmt: skip
         assert getattr(offload, name) is not None, name
+
+
+def test_coordinator_api_is_importable_from_the_package() -> None:
+    import coordinator
+    from coordinator.job import launch
+
+    assert coordinator.launch is launch
+    assert coordinator.JobConfig.__module__ == "coordinator.config"

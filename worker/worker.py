@@ -219,6 +219,8 @@ class StageWorker:
             "pid": os.getpid(),
             "cpu_arch": platform.machine(),
             "device": str(self.device),
+            # Ray gives each actor its GPU through CUDA_VISIBLE_DEVICES (logical GPUs too).
+            "gpu": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
             "layers": [layer.name for layer in self.spec.layers],
             "offloaded": list(self.spec.offloaded),
             "backend": self.offloader.backend if self.offloader else "none",
