@@ -169,7 +169,7 @@ def rss_growth(args: argparse.Namespace) -> dict:
     )
     offloader.wrap_modules(layers)
     offloader.post_init()  # the slots are written, so their pages count
-    offloader._engine.synchronize()
+    offloader.synchronize()
     after = process.memory_info().rss
     stats = offloader.stats()
     offloader.detach()

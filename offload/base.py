@@ -84,6 +84,9 @@ class BaseOffloader(ABC):
     def post_init(self) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """Called once all modules are wrapped and their weights are final. Default: nothing."""
 
+    def synchronize(self) -> None:  # noqa: B027 - an optional hook, a no-op by default
+        """Wait until every copy issued so far has landed. Default: nothing is in flight."""
+
     def detach(self) -> None:
         """Restore every wrapped module: parameters back on the device, hooks removed."""
         if not self._modules:

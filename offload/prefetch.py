@@ -131,6 +131,10 @@ class PrefetchOffloader(BaseOffloader):
             if self._owner[slot] is not layer:
                 self._load(layer, after=self._engine.fence())
 
+    def synchronize(self) -> None:
+        if self._engine is not None:
+            self._engine.synchronize()
+
     def _load(self, layer: OffloadedLayer, *, after: object | None) -> None:
         slot = self._slot_of[layer.index]
         src = self._arena.bytes(layer.start, layer.end)

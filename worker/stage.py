@@ -24,6 +24,13 @@ def hf_config_from_dict(config: dict, attn_implementation: str):
     return hf_config
 
 
+def model_class_for(hf_config) -> type:
+    """The causal-LM class of `hf_config` (importing its modeling module)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+
+
 class Stage(nn.Module):
     """Layers `decoder_indices` of the model, plus embedding / head when asked."""
 
@@ -37,11 +44,9 @@ class Stage(nn.Module):
         device: torch.device,
     ) -> None:
         super().__init__()
-        from transformers import AutoModelForCausalLM
-
         self.config = hf_config
         with torch.device("meta"):
-            full = AutoModelForCausalLM.from_config(hf_config)
+            full = model_class_for(hf_config)(hf_config)
         inner = full.model
         self.decoder_indices = list(decoder_indices)
         self.embed_tokens = inner.embed_tokens if has_embed else None

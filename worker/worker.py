@@ -24,7 +24,7 @@ from offload.host_store import decide_for_device
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV, PinDecision
 from worker.loader import TensorReader
 from worker.spec import StageSpec
-from worker.stage import Stage, hf_config_from_dict
+from worker.stage import Stage, hf_config_from_dict, model_class_for
 
 LOAD_CHUNK_BYTES = 64 * 2**20  # progress granularity
 
@@ -59,6 +59,12 @@ class StageWorker:
         self.gpu_memory_bytes = gpu_memory_bytes
         self.attn_implementation = attn_implementation
         self.probe = probe_node()
+        # Import the model's transformers modules now, with the process start, so `load_s`
+        # measures loading (building the stage and reading its bytes) and nothing else.
+        start = time.perf_counter()
+        self._hf_config = hf_config_from_dict(spec.config, attn_implementation)
+        model_class_for(self._hf_config)
+        self.init_s = time.perf_counter() - start
         self.stage: Stage | None = None
         self.offloader = None
         self._modules: dict[str, nn.Module] = {}
@@ -77,7 +83,7 @@ class StageWorker:
         """Build the stage and place every parameter; returns the byte size of each chunk."""
         start = time.perf_counter()
         spec = self.spec
-        hf_config = hf_config_from_dict(spec.config, self.attn_implementation)
+        hf_config = self._hf_config
         decoders = [layer.index for layer in spec.layers if layer.kind == "decoder"]
         kinds = {layer.kind for layer in spec.layers}
         self.stage = Stage(hf_config, decoders, has_embed="embed" in kinds, has_head="head" in kinds,
@@ -151,7 +157,12 @@ class StageWorker:
 
     def finish_load(self) -> dict:
         self._reader.close()
+        start = time.perf_counter()
         self.offloader.post_init()
+        # Ready means ready: the first prefetches have landed, so the memory reported (and the
+        # first forward's latency) is that of the steady state.
+        self.offloader.synchronize()
+        self._load_s += time.perf_counter() - start
         device_bytes = self.device_bytes()
         if self.gpu_memory_bytes is not None and device_bytes > self.gpu_memory_bytes:
             raise WorkerError(
@@ -235,6 +246,7 @@ class StageWorker:
             "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "host_available_bytes": vm.available,
             "bytes_read": self._reader.stats.bytes_read,
+            "init_s": self.init_s,
             "load_s": self._load_s,
             "forward_s": self._forward_s,
             "forwards": self._forwards,
