@@ -16,6 +16,10 @@ from pathlib import Path
 
 import yaml
 
+from offload.policy import PIN_ENV, parse_pin_mode
+
+# The node label that sets a node's pin policy (on | off | auto), e.g. in cluster.yaml.
+PIN_LABEL = "offload-pin-memory"
 # Prefixes of variables a job may set on its workers.
 OVERRIDE_ALLOWED_PREFIXES = ("OFFLOAD_", "VLLM_WEIGHT_OFFLOADING_")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
@@ -79,12 +83,37 @@ class Override:
 def env_for_node(
     overrides: tuple[Override, ...], *, node_id: str, hostname: str, labels: dict[str, str]
 ) -> dict[str, str]:
-    """The variables the job sets on one node's workers; later overrides win."""
+    """The variables the job's overrides set on one node's workers; later overrides win."""
     env: dict[str, str] = {}
     for override in overrides:
         if override.match.matches(node_id=node_id, hostname=hostname, labels=labels):
             env.update(override.env)
     return env
+
+
+def node_env(
+    overrides: tuple[Override, ...], *, node_id: str, hostname: str, labels: dict[str, str]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """(env, origin of each variable) for one node's workers.
+
+    Precedence: the job's override > the node's `offload-pin-memory` label > the node's own
+    environment (inherited by the workers, so not listed here) > the probe.
+    """
+    env: dict[str, str] = {}
+    origins: dict[str, str] = {}
+    if PIN_LABEL in labels:
+        value = labels[PIN_LABEL]
+        try:
+            parse_pin_mode(value, variable=f"label {PIN_LABEL}")
+        except ValueError as exc:
+            raise ConfigError(f"node {hostname} ({node_id[:8]}): {exc}") from None
+        env[PIN_ENV] = value
+        origins[PIN_ENV] = "node label"
+    for name, value in env_for_node(overrides, node_id=node_id, hostname=hostname,
+                                    labels=labels).items():  # fmt: skip
+        env[name] = value
+        origins[name] = "job override"
+    return env, origins
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -35,7 +35,7 @@ TELEMETRY_TIMEOUT_S = 60.0
 
 
 def stage_specs(config: JobConfig, index: CheckpointIndex, the_plan: Plan,
-                envs: dict[str, dict[str, str]]) -> list[StageSpec]:  # fmt: skip
+                envs: dict[str, tuple[dict, dict]]) -> list[StageSpec]:  # fmt: skip
     by_name = {layer.name: layer for layer in index.layers}
     return [
         StageSpec(
@@ -47,7 +47,8 @@ def stage_specs(config: JobConfig, index: CheckpointIndex, the_plan: Plan,
             offloaded=s.offloaded,
             prefetch_step=s.prefetch_step,
             backend=config.backend,
-            env=envs.get(s.node_id, {}),
+            env=envs.get(s.node_id, ({}, {}))[0],
+            env_origins=envs.get(s.node_id, ({}, {}))[1],
         )
         for s in the_plan.stages
     ]

@@ -18,7 +18,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from coordinator.cluster import ClusterSnapshot, GpuInfo, NodeInfo
-from coordinator.config import ConfigError, JobConfig, env_for_node
+from coordinator.config import ConfigError, JobConfig, node_env
 from worker.spec import StageSpec
 from worker.worker import StageWorker
 
@@ -81,8 +81,9 @@ def _gpu_nodes() -> list[dict]:
     return sorted(nodes, key=lambda n: (n["NodeManagerHostname"], n["NodeID"]))
 
 
-def probe_cluster(config: JobConfig) -> tuple[ClusterSnapshot, dict[str, dict]]:
-    """A snapshot of every alive GPU node, and each node's job env overrides."""
+def probe_cluster(config: JobConfig) -> tuple[ClusterSnapshot, dict[str, tuple[dict, dict]]]:
+    """A snapshot of every alive GPU node, and per node the env its workers get from the job
+    (labels and overrides) with the origin of each variable."""
     nodes = _gpu_nodes()
     if not nodes:
         raise LaunchError(
@@ -93,9 +94,9 @@ def probe_cluster(config: JobConfig) -> tuple[ClusterSnapshot, dict[str, dict]]:
     refs = []
     for node in nodes:
         labels = {k: v for k, v in node.get("Labels", {}).items() if not k.startswith("ray.io/")}
-        env = env_for_node(config.overrides, node_id=node["NodeID"],
-                           hostname=node["NodeManagerHostname"], labels=labels)  # fmt: skip
-        envs[node["NodeID"]] = env
+        env, origins = node_env(config.overrides, node_id=node["NodeID"],
+                                hostname=node["NodeManagerHostname"], labels=labels)  # fmt: skip
+        envs[node["NodeID"]] = (env, origins)
         options = {
             "scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
         }

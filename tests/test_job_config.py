@@ -14,6 +14,7 @@ from coordinator.config import (
     env_for_node,
     job_config_from_dict,
     load_job_config,
+    node_env,
     parse_bytes,
 )
 
@@ -117,3 +118,24 @@ def test_job_config_validates_fields() -> None:
     with pytest.raises(ConfigError, match="cpus_per_worker"):
         JobConfig(checkpoint="a", cpus_per_worker=0)
     assert job_config_from_dict({"checkpoint": "a", "reserve_bytes": "1KiB"}).reserve_bytes == 1024
+
+
+def test_node_env_precedence_override_over_label() -> None:
+    overrides = (Override(match=NodeMatch(labels={"pool": "b"}), env={"OFFLOAD_PIN_MEMORY": "on"}),)
+    labelled = {"offload-pin-memory": "off"}
+    assert node_env(overrides, node_id="n", hostname="h", labels=labelled) == (
+        {"OFFLOAD_PIN_MEMORY": "off"}, {"OFFLOAD_PIN_MEMORY": "node label"}
+    )  # fmt: skip
+    assert node_env(overrides, node_id="n", hostname="h", labels={**labelled, "pool": "b"}) == (
+        {"OFFLOAD_PIN_MEMORY": "on"}, {"OFFLOAD_PIN_MEMORY": "job override"}
+    )  # fmt: skip
+    assert node_env(overrides, node_id="n", hostname="h", labels={}) == ({}, {})
+
+
+def test_invalid_pin_label_names_the_node_and_label() -> None:
+    with pytest.raises(
+        ConfigError, match=r"node gh-3 \(abcdef12\): label offload-pin-memory='sometimes'"
+    ):
+        node_env(
+            (), node_id="abcdef1234", hostname="gh-3", labels={"offload-pin-memory": "sometimes"}
+        )

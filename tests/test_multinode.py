@@ -1,6 +1,7 @@
-"""Three simulated nodes on one machine (ray.cluster_utils.Cluster), differing in labels and in
-environment: each worker's pin decision comes from the rule the precedence says, and the
-pipeline output still equals transformers in one process."""
+"""Four simulated nodes on one machine (ray.cluster_utils.Cluster), differing in labels and in
+environment: each worker's pin decision comes from the level the precedence says
+(job override > node label > node environment > probe), and the pipeline output still equals
+transformers in one process."""
 
 from __future__ import annotations
 
@@ -18,17 +19,19 @@ from coordinator.reference import reference_logits
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A CPU head (the driver's node) and three one-GPU nodes:
+    """A CPU head (the driver's node) and four one-GPU nodes:
     plain    - nothing set: the probe decides;
     env-off  - OFFLOAD_PIN_MEMORY=off in the node's own environment;
-    override - OFFLOAD_PIN_MEMORY=off in its environment too, but the job overrides it."""
+    labelled - the offload-pin-memory=off label, over OFFLOAD_PIN_MEMORY=auto in its environment;
+    override - the same label and environment, and the job overrides both."""
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
     try:
         c.add_node(num_cpus=1, num_gpus=1, labels={"pool": "plain"})
         c.add_node(num_cpus=1, num_gpus=1, labels={"pool": "env-off"},
                    env_vars={"OFFLOAD_PIN_MEMORY": "off"})  # fmt: skip
-        c.add_node(num_cpus=1, num_gpus=1, labels={"pool": "override"},
-                   env_vars={"OFFLOAD_PIN_MEMORY": "off"})  # fmt: skip
+        for pool in ("labelled", "override"):
+            c.add_node(num_cpus=1, num_gpus=1, labels={"pool": pool, "offload-pin-memory": "off"},
+                       env_vars={"OFFLOAD_PIN_MEMORY": "auto"})  # fmt: skip
         ray.init(address=c.address, log_to_driver=False)
         yield c
     finally:
@@ -45,21 +48,30 @@ def test_pin_decisions_follow_precedence_and_output_matches(cluster, tmp_path) -
     config = JobConfig(
         checkpoint=checkpoint,
         address=cluster.address,
-        gpu_memory_bytes=index.total_bytes // 3 - decoder // 4,  # forces some offloading
+        # Room for two decoder layers per GPU, and host memory for one offloaded layer per
+        # node: the six layers need all four GPUs.
+        gpu_memory_bytes=2 * decoder + 4096,
+        host_memory_bytes=decoder,
         # "0" rather than "off": the decision's reason shows whose setting won.
         overrides=(
             Override(match=NodeMatch(labels={"pool": "override"}), env={"OFFLOAD_PIN_MEMORY": "0"}),
         ),
     )
     with launch(config) as job:
-        assert len(job.plan.stages) == 3
+        assert len(job.plan.stages) == 4
         ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(2))
         logits = job.forward(ids)
         reports = {r["stage"]: r for r in job.telemetry()}
         labels = {n["NodeID"]: n["Labels"] for n in ray.nodes()}
         by_pool = {labels[s.node_id]["pool"]: reports[s.stage] for s in job.plan.stages}
-    assert set(by_pool) == {"plain", "env-off", "override"}
+    assert set(by_pool) == {"plain", "env-off", "labelled", "override"}
     plain, env_off, override = by_pool["plain"], by_pool["env-off"], by_pool["override"]
+    labelled = by_pool["labelled"]
+    assert (labelled["pin"]["source"], labelled["pin_origin"]) == (
+        "OFFLOAD_PIN_MEMORY",
+        "node label",
+    )
+    assert labelled["pin"]["reason"].startswith("OFFLOAD_PIN_MEMORY=off")
     assert (plain["pin"]["source"], plain["pin_origin"]) == ("probe.cuda", "probe")
     assert (env_off["pin"]["source"], env_off["pin_origin"]) == (
         "OFFLOAD_PIN_MEMORY",

@@ -77,7 +77,8 @@ class StageSpec:
     offloaded: tuple[str, ...] = ()  # layer names kept in host memory
     prefetch_step: int = 1
     backend: str = "auto"
-    env: dict[str, str] = field(default_factory=dict)  # job overrides, for the report
+    env: dict[str, str] = field(default_factory=dict)  # set on this worker by the job
+    env_origins: dict[str, str] = field(default_factory=dict)  # "job override" | "node label"
 
     @property
     def is_first(self) -> bool:

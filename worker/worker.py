@@ -201,7 +201,9 @@ class StageWorker:
         if decision is None:
             return "none"
         if decision.source in (PIN_ENV, VLLM_DISABLE_PIN_ENV):
-            return "job override" if decision.source in self.spec.env else "node environment"
+            if decision.source in self.spec.env:
+                return self.spec.env_origins.get(decision.source, "job override")
+            return "node environment"
         return "probe"
 
     def pin_decision(self) -> PinDecision | None:
