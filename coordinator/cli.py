@@ -3,6 +3,7 @@
     offloadctl make-checkpoint ckpt/ --arch llama --layers 8
     offloadctl plan --checkpoint ckpt/ --gpus 3 --gpu-memory 8MiB
     offloadctl run  --checkpoint ckpt/ --gpus 3 --gpu-memory 8MiB --check
+    offloadctl check-cluster cluster.yaml   # validate a launcher config offline
     offloadctl node-demo          # the node-local offloader alone, timed
 
 Every job flag can also come from a YAML file (--config job.yaml; flags win). Errors in the
@@ -106,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--seed", type=int, default=0)
             sub.add_argument("--check", action="store_true",
                              help="compare with transformers in one process; exit 1 on mismatch")  # fmt: skip
+
+    check = commands.add_parser("check-cluster", help="validate a Ray cluster-launcher config")
+    check.add_argument("path", help="e.g. cluster.yaml")
 
     demo = commands.add_parser("node-demo", help="the node-local offloader alone, timed")
     demo.add_argument("--layers", type=_positive, default=8)
@@ -237,6 +241,16 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_plan(args)
         if args.command in ("load", "run"):
             return _cmd_load_or_run(args)
+        if args.command == "check-cluster":
+            from coordinator.cluster_config import check_cluster_config
+
+            result = check_cluster_config(args.path)
+            for warning in result.warnings:
+                print(f"warning: {warning}")
+            for error in result.errors:
+                print(f"error: {error}")
+            print(f"{args.path}: {'ok' if result.ok else f'{len(result.errors)} problem(s)'}")
+            return 0 if result.ok else EXIT_MISMATCH
         if args.command == "node-demo":
             from coordinator.demo import run_demo
 
