@@ -205,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-mib", type=int, default=64, help="max shard size")
     parser.add_argument("--repeats", type=int, default=5, help="safetensors baseline runs")
     parser.add_argument("--one-worker-runs", type=int, default=3, help="1-worker jobs (median)")
+    parser.add_argument(
+        "--worker-cpus", type=int, default=torch.get_num_threads(),
+        help="CPUs (and read threads) of the single worker; default: the baseline's threads",
+    )  # fmt: skip
     parser.add_argument("--workers", type=int, default=3, help="logical GPUs, offloading phase")
     parser.add_argument(
         "--budget-fraction",
@@ -261,7 +265,9 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
     base_s = result["baseline"]["median_s"]
 
     # One worker, everything resident: one embedded Ray for all runs (each job leaves it up).
-    one = JobConfig(checkpoint=str(checkpoint), gpus=1, gpu_memory_bytes=total + 64 * MIB)
+    # Same CPU budget as the baseline, whose fresh interpreter uses torch's default threads.
+    one = JobConfig(checkpoint=str(checkpoint), gpus=1, gpu_memory_bytes=total + 64 * MIB,
+                    cpus_per_worker=args.worker_cpus)  # fmt: skip
     session = connect(one)
     try:
         runs = [run_job(one, index) for _ in range(args.one_worker_runs)]
@@ -270,6 +276,7 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
     load_s = [max(w["load_s"] for w in r["workers"]) for r in runs]
     read_s = [r["read_phase_s"] for r in runs]
     result["one_worker"] = {
+        "cpus_per_worker": args.worker_cpus,
         "runs": runs,
         "load_s": load_s,
         "median_load_s": statistics.median(load_s),
@@ -378,7 +385,7 @@ def report(result: dict) -> None:
         f"{base['lazy_load_file_median_s']:7.3f} s"
     )
     print(
-        f"  1 worker, worker-side load_s                   : {one['median_load_s']:7.3f} s "
+        f"  1 worker, {one['cpus_per_worker']} CPUs, worker-side load_s           : {one['median_load_s']:7.3f} s "
         f"{total / one['median_load_s'] / 1e9:5.2f} GB/s (runs {runs(one['load_s'])})"
     )
     print(

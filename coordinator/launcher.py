@@ -19,6 +19,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from coordinator.cluster import ClusterSnapshot, GpuInfo, NodeInfo
 from coordinator.config import ConfigError, JobConfig, node_env
+from offload.policy import PIN_HEADROOM_FRACTION
 from worker.spec import StageSpec
 from worker.worker import StageWorker
 
@@ -130,8 +131,6 @@ def _node_info(config: JobConfig, node: dict, result: dict) -> NodeInfo:
         )
     available = probe.host_available_bytes or 0
     host = config.host_memory_bytes or int(available * HOST_BUDGET_FRACTION)
-    from offload.policy import PIN_HEADROOM_FRACTION
-
     return NodeInfo(
         node_id=node["NodeID"],
         hostname=result["hostname"],

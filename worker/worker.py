@@ -68,7 +68,8 @@ class StageWorker:
         self.stage: Stage | None = None
         self.offloader = None
         self._modules: dict[str, nn.Module] = {}
-        self._reader = TensorReader(spec.checkpoint_dir)
+        # Read with as many threads as the worker has CPUs (Ray's num_cpus for the actor).
+        self._reader = TensorReader(spec.checkpoint_dir, threads=num_threads or 1)
         self._layer_specs = {layer.name: layer for layer in spec.layers}
         self._chunks: list[list[str]] = []
         self._load_s = 0.0
@@ -147,9 +148,11 @@ class StageWorker:
         before = self._reader.stats.bytes_read
         try:
             with torch.no_grad():
-                for layer_name in self._chunks[index]:
-                    for tensor in self._layer_specs[layer_name].tensors:
-                        self._reader.read_into(tensor, self._destination(layer_name, tensor.name))
+                self._reader.read_many([
+                    (tensor, self._destination(layer_name, tensor.name))
+                    for layer_name in self._chunks[index]
+                    for tensor in self._layer_specs[layer_name].tensors
+                ])  # fmt: skip
         except (OSError, ValueError, KeyError) as exc:
             raise WorkerError(f"{self._where()}: loading failed: {exc}") from exc
         self._load_s += time.perf_counter() - start
