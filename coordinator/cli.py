@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                        ("run", "load, run a forward pass, print a logits checksum")):  # fmt: skip
         sub = commands.add_parser(name, help=text)
         _add_job_flags(sub)
+        sub.add_argument("--memory-json", metavar="FILE",
+                         help="write each GPU's and node's memory snapshot as JSON")  # fmt: skip
+        sub.add_argument("--plot", metavar="FILE.png",
+                         help="draw per-GPU and per-node memory as stacked bars")  # fmt: skip
         if name == "run":
             sub.add_argument("--input-ids", help="comma-separated token ids (default: random)")
             sub.add_argument("--batch", type=_positive, default=2)
@@ -148,6 +152,22 @@ def _stage_table(reports: list[dict]) -> str:
     )
 
 
+def _report_memory(job, args: argparse.Namespace) -> None:
+    import json
+
+    from coordinator import telemetry
+
+    reports = job.telemetry()
+    print(telemetry.render(reports))
+    if args.memory_json:
+        with open(args.memory_json, "w") as f:
+            json.dump(telemetry.summary(reports), f, indent=1)
+        print(f"memory snapshot written to {args.memory_json}")
+    if args.plot:
+        telemetry.plot(reports, args.plot)
+        print(f"memory plot written to {args.plot}")
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from coordinator.checkpoint import load_index
     from coordinator.cluster import ClusterSnapshot, GpuInfo, NodeInfo
@@ -188,6 +208,8 @@ def _cmd_load_or_run(args: argparse.Namespace) -> int:
         print(_stage_table(job.load_reports))
         print(f"loaded {job.index.total_bytes / 2**20:.1f} MiB on {len(job.workers)} workers in "
               f"{load_s:.1f} s")  # fmt: skip
+        if args.command == "load" or args.memory_json or args.plot:
+            _report_memory(job, args)
         if args.command == "load":
             if job.session.owned:
                 print("note: on the embedded Ray the load lives for this process only; it is "

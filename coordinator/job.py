@@ -62,6 +62,7 @@ class Job:
     workers: list[WorkerHandle]
     session: RaySession
     load_reports: list[dict] = field(default_factory=list)
+    _exporter: object | None = field(default=None, repr=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits for `input_ids` (batch, seq), computed stage by stage across the cluster."""
@@ -87,8 +88,19 @@ class Job:
             ) from None
 
     def telemetry(self) -> list[dict]:
+        """A fresh memory snapshot from every worker (see StageWorker.report)."""
         refs = [h.actor.report.remote() for h in self.workers]
         return ray.get(refs, timeout=TELEMETRY_TIMEOUT_S)
+
+    def export_metrics(self) -> list[dict]:
+        """Snapshot every worker and publish the numbers as Ray gauges (Prometheus)."""
+        from coordinator.telemetry import MetricsExporter
+
+        if self._exporter is None:
+            self._exporter = MetricsExporter()
+        reports = self.telemetry()
+        self._exporter.export(reports)
+        return reports
 
     def close(self) -> None:
         kill_workers(self.workers)

@@ -3,7 +3,11 @@ logits bitwise equal to transformers in one process; failures release everything
 
 from __future__ import annotations
 
+import json
+import re
+import socket
 import time
+import urllib.request
 
 import pytest
 import ray
@@ -17,6 +21,15 @@ from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.reference import reference_logits
 
 NUM_GPUS = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+METRICS_PORT = _free_port()
 SHAPES = {
     # sharded llama; tied-embedding qwen2 in one file
     "llama": CheckpointShape(arch="llama", num_layers=6, hidden_size=64, num_heads=4,
@@ -31,7 +44,9 @@ SHAPES = {
 @pytest.fixture(scope="module")
 def embedded_ray():
     """One embedded Ray for the module: jobs on it leave it running (they did not start it)."""
-    ray.init(num_cpus=4, num_gpus=NUM_GPUS, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=4, num_gpus=NUM_GPUS, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=METRICS_PORT,
+             _system_config={"metrics_report_interval_ms": 500})  # fmt: skip
     yield
     ray.shutdown()
 
@@ -42,6 +57,21 @@ def assert_gpus_released(timeout_s: float = 60.0) -> None:
     while ray.available_resources().get("GPU", 0) != NUM_GPUS:
         assert time.monotonic() < deadline, f"GPUs still held: {ray.available_resources()}"
         time.sleep(0.2)
+
+
+def scrape_gauges(name: str, expected: dict[str, float], timeout_s: float = 30.0) -> dict:
+    """stage -> value of Ray gauge `name` on this node's Prometheus endpoint, polled (bounded)
+    until it shows `expected`: Ray exports every metrics_report_interval_ms, and an earlier
+    job in this module may have set the same gauge."""
+    ip = ray.util.get_node_ip_address()
+    pattern = re.compile(r"^ray_" + name + r'\{[^}]*stage="(\d+)"[^}]*\} (\S+)$', re.M)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(f"http://{ip}:{METRICS_PORT}/metrics", timeout=10) as r:
+            found = {stage: float(v) for stage, v in pattern.findall(r.read().decode())}
+        if found == expected or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +101,15 @@ def test_pipeline_matches_transformers(embedded_ray, checkpoints, arch: str) -> 
         ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
         logits = job.forward(ids)
         again = job.forward(ids)  # a second pass through the prefetch schedule
-        reports = job.telemetry()
+        reports = job.export_metrics()
+        expected_gauges = {str(r["stage"]): float(r["stats"]["offloaded_bytes"]) for r in reports}
+        scraped = scrape_gauges("offload_offloaded_weight_bytes", expected_gauges)
     expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
     # Same ops, same weights, one thread on both sides: bitwise equal.
     assert torch.equal(logits, expected) and torch.equal(again, expected)
     assert seen[-1][0] == seen[-1][1] == load_index(checkpoint).total_bytes
+    # Prometheus sees what the workers reported, per stage.
+    assert scraped == expected_gauges
     for report, stage in zip(reports, job.plan.stages, strict=True):
         share = sum(layer.nbytes for layer in load_index(checkpoint).layers
                     if layer.name in stage.layers)  # fmt: skip
@@ -115,14 +149,19 @@ def test_forward_rejects_bad_input(embedded_ray, checkpoints) -> None:
         job.forward(torch.tensor([[1, 2]]))
 
 
-def test_offloadctl_run_check(embedded_ray, checkpoints, capsys) -> None:
+def test_offloadctl_run_check(embedded_ray, checkpoints, capsys, tmp_path) -> None:
     from coordinator.cli import main
 
     budget = budget_forcing_offload(checkpoints["llama"])
+    plot = tmp_path / "memory.png"
     argv = ["run", "--checkpoint", checkpoints["llama"], "--gpu-memory", str(budget),
-            "--seq-len", "7", "--check"]  # fmt: skip
+            "--seq-len", "7", "--check", "--plot", str(plot),
+            "--memory-json", str(tmp_path / "memory.json")]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "check: logits are bitwise equal" in out
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    memory = json.loads((tmp_path / "memory.json").read_text())
+    assert len(memory["gpus"]) == 3 and memory["nodes"][0]["workers_rss_bytes"] > 0
     assert "pin" in out and "probe.cuda" in out  # the per-stage table with each decision
     assert_gpus_released()

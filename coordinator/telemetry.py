@@ -1,0 +1,213 @@
+"""Where memory goes on every GPU and node: aggregation of worker snapshots, a table, Ray
+metrics (scraped by Prometheus from each node's metrics endpoint) and a plot.
+
+The worker's `report()` is the snapshot; everything here is a pure function of a list of them,
+except `MetricsExporter`, which owns the Ray gauges, and `plot`, which writes a PNG.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+from coordinator.planner import format_bytes, layer_range
+
+METRIC_PREFIX = "offload_"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GpuRow:
+    stage: int
+    hostname: str
+    gpu: str
+    layers: str
+    device_total_bytes: int
+    device_used_bytes: int
+    device_free_bytes: int
+    resident_bytes: int
+    buffer_bytes: int
+    offloaded_bytes: int
+    pinned_bytes: int
+    pageable_bytes: int
+    copies: int
+    copied_bytes: int
+    copy_s: float
+    stall_s: float
+    pin: bool
+    pin_source: str
+    pin_reason: str
+    pin_origin: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeRow:
+    hostname: str
+    stages: tuple[int, ...]
+    host_available_bytes: int
+    workers_rss_bytes: int
+    pinned_bytes: int
+    pageable_bytes: int
+
+
+def gpu_rows(reports: list[dict]) -> list[GpuRow]:
+    rows = []
+    for r in sorted(reports, key=lambda r: r["stage"]):
+        stats = r.get("stats") or {}
+        pin = r.get("pin") or {"pin": False, "source": "", "reason": ""}
+        rows.append(
+            GpuRow(
+                stage=r["stage"], hostname=r["hostname"], gpu=r.get("gpu") or "-",
+                layers=layer_range(r["layers"]),
+                device_total_bytes=r["device_total_bytes"],
+                device_used_bytes=r["device_used_bytes"],
+                device_free_bytes=r["device_free_bytes"],
+                resident_bytes=stats.get("resident_bytes", 0),
+                buffer_bytes=stats.get("buffer_bytes", 0),
+                offloaded_bytes=stats.get("offloaded_bytes", 0),
+                pinned_bytes=stats.get("pinned_bytes", 0),
+                pageable_bytes=stats.get("pageable_bytes", 0),
+                copies=stats.get("copies", 0), copied_bytes=stats.get("copied_bytes", 0),
+                copy_s=stats.get("copy_s", 0.0), stall_s=stats.get("stall_s", 0.0),
+                pin=bool(pin["pin"]), pin_source=pin["source"], pin_reason=pin["reason"],
+                pin_origin=r.get("pin_origin", ""),
+            )
+        )  # fmt: skip
+    return rows
+
+
+def node_rows(reports: list[dict]) -> list[NodeRow]:
+    """Per node: the host memory its workers hold. Workers of one node report the same
+    `host_available_bytes` (sampled at slightly different times): the smallest is kept."""
+    by_host: dict[str, list[dict]] = defaultdict(list)
+    for r in reports:
+        by_host[r["hostname"]].append(r)
+    rows = []
+    for hostname, items in sorted(by_host.items()):
+        stats = [i.get("stats") or {} for i in items]
+        rows.append(
+            NodeRow(
+                hostname=hostname,
+                stages=tuple(sorted(i["stage"] for i in items)),
+                host_available_bytes=min(i["host_available_bytes"] for i in items),
+                workers_rss_bytes=sum(i["host_rss_bytes"] for i in items),
+                pinned_bytes=sum(s.get("pinned_bytes", 0) for s in stats),
+                pageable_bytes=sum(s.get("pageable_bytes", 0) for s in stats),
+            )
+        )
+    return rows
+
+
+def summary(reports: list[dict]) -> dict:
+    """JSON-ready: per GPU and per node."""
+    return {
+        "gpus": [asdict(row) for row in gpu_rows(reports)],
+        "nodes": [asdict(row) for row in node_rows(reports)],
+    }
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in rows)  # fmt: skip
+
+
+def render(reports: list[dict]) -> str:
+    gpus = [("stage", "host", "gpu", "layers", "device used/total", "resident", "slots",
+             "offloaded (pinned)", "copies", "stall", "pin")]  # fmt: skip
+    for g in gpu_rows(reports):
+        gpus.append((
+            str(g.stage), g.hostname, g.gpu, g.layers,
+            f"{format_bytes(g.device_used_bytes)} / {format_bytes(g.device_total_bytes)}",
+            format_bytes(g.resident_bytes), format_bytes(g.buffer_bytes),
+            f"{format_bytes(g.offloaded_bytes)} ({format_bytes(g.pinned_bytes)})",
+            str(g.copies), f"{g.stall_s * 1e3:.1f} ms",
+            f"{'on' if g.pin else 'off'} ({g.pin_origin}: {g.pin_source})",
+        ))  # fmt: skip
+    nodes = [("node", "stages", "host available", "workers RSS", "pinned", "pageable")]
+    for n in node_rows(reports):
+        nodes.append((
+            n.hostname, ",".join(map(str, n.stages)), format_bytes(n.host_available_bytes),
+            format_bytes(n.workers_rss_bytes), format_bytes(n.pinned_bytes),
+            format_bytes(n.pageable_bytes),
+        ))  # fmt: skip
+    return _table(gpus) + "\n\n" + _table(nodes)
+
+
+# (metric name, description, GpuRow field)
+GPU_GAUGES = (
+    ("device_used_bytes", "Device memory in use on the GPU", "device_used_bytes"),
+    ("device_total_bytes", "Device memory of the GPU (or its simulated budget)", "device_total_bytes"),
+    ("resident_weight_bytes", "Weight bytes resident on the GPU", "resident_bytes"),
+    ("prefetch_buffer_bytes", "Device bytes of prefetch slots", "buffer_bytes"),
+    ("offloaded_weight_bytes", "Weight bytes offloaded to host memory", "offloaded_bytes"),
+    ("pinned_weight_bytes", "Offloaded weight bytes in pinned host memory", "pinned_bytes"),
+    ("pageable_weight_bytes", "Offloaded weight bytes in pageable host memory", "pageable_bytes"),
+    ("copies", "Host-to-device copies issued so far", "copies"),
+    ("stall_seconds", "Seconds the compute side waited for copies so far", "stall_s"),
+    ("pin_memory", "1 if the node pins offloaded weights", "pin"),
+)  # fmt: skip
+
+
+class MetricsExporter:
+    """Ray gauges, tagged with node, GPU and stage. Created in the driver; Ray exports them on
+    the node's metrics endpoint for Prometheus."""
+
+    def __init__(self) -> None:
+        from ray.util.metrics import Gauge
+
+        tags = ("node", "gpu", "stage")
+        self._gauges = {
+            field: Gauge(METRIC_PREFIX + name, description=text, tag_keys=tags)
+            for name, text, field in GPU_GAUGES
+        }
+
+    def export(self, reports: list[dict]) -> None:
+        for row in gpu_rows(reports):
+            tags = {"node": row.hostname, "gpu": row.gpu, "stage": str(row.stage)}
+            for field, gauge in self._gauges.items():
+                gauge.set(float(getattr(row, field)), tags=tags)
+
+
+def plot(reports: list[dict], path: str) -> None:
+    """Per GPU: stacked resident / prefetch buffers / other used / free; per node: pinned /
+    pageable offloaded weights and free host memory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gpus, nodes = gpu_rows(reports), node_rows(reports)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    mib = 2**20
+    labels = [f"{g.stage}: {g.hostname}/{g.gpu}" for g in gpus]
+    bottom = [0.0] * len(gpus)
+    parts = (
+        ("resident weights", [g.resident_bytes for g in gpus]),
+        ("prefetch buffers", [g.buffer_bytes for g in gpus]),
+        ("other used", [max(g.device_used_bytes - g.resident_bytes - g.buffer_bytes, 0)
+                        for g in gpus]),
+        ("free", [g.device_free_bytes for g in gpus]),
+    )  # fmt: skip
+    for name, values in parts:
+        heights = [v / mib for v in values]
+        left.bar(labels, heights, bottom=bottom, label=name)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    left.set_title("GPU memory per stage")
+    left.set_ylabel("MiB")
+    left.legend()
+    names = [n.hostname for n in nodes]
+    bottom = [0.0] * len(nodes)
+    for name, values in (
+        ("pinned offloaded", [n.pinned_bytes for n in nodes]),
+        ("pageable offloaded", [n.pageable_bytes for n in nodes]),
+        ("available", [n.host_available_bytes for n in nodes]),
+    ):
+        heights = [v / mib for v in values]
+        right.bar(names, heights, bottom=bottom, label=name)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    right.set_title("Host memory per node")
+    right.set_ylabel("MiB")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
