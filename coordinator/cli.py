@@ -104,13 +104,27 @@ def build_parser() -> argparse.ArgumentParser:
                          help="write each GPU's and node's memory snapshot as JSON")  # fmt: skip
         sub.add_argument("--plot", metavar="FILE.png",
                          help="draw per-GPU and per-node memory as stacked bars")  # fmt: skip
+        if name == "load":
+            sub.add_argument("--name", help="keep the load on the cluster under this name")
         if name == "run":
+            sub.add_argument("name", nargs="?", help="a named load to run (default: load one)")
             sub.add_argument("--input-ids", help="comma-separated token ids (default: random)")
             sub.add_argument("--batch", type=_positive, default=2)
             sub.add_argument("--seq-len", type=_positive, default=16)
             sub.add_argument("--seed", type=int, default=0)
             sub.add_argument("--check", action="store_true",
                              help="compare with transformers in one process; exit 1 on mismatch")  # fmt: skip
+
+    for name, text in (("status", "memory of every GPU and node of a named load"),
+                       ("unload", "release a named load's workers")):  # fmt: skip
+        sub = commands.add_parser(name, help=text)
+        sub.add_argument("name")
+        sub.add_argument("--address", help="the Ray cluster (default: RAY_ADDRESS, else auto)")
+        if name == "status":
+            sub.add_argument("--json", action="store_true", help="print the snapshot as JSON")
+            sub.add_argument("--plot", metavar="FILE.png")
+    listing = commands.add_parser("list", help="the named loads on the cluster")
+    listing.add_argument("--address", help="the Ray cluster (default: RAY_ADDRESS, else auto)")
 
     check = commands.add_parser("check-cluster", help="validate a Ray cluster-launcher config")
     check.add_argument("path", help="e.g. cluster.yaml")
@@ -168,6 +182,37 @@ def _report_memory(job, args: argparse.Namespace) -> None:
         print(f"memory plot written to {args.plot}")
 
 
+def _cmd_named(args: argparse.Namespace) -> int:
+    import json
+
+    from coordinator import registry, telemetry
+    from coordinator.job import attach
+    from coordinator.launcher import connect
+
+    if args.command == "status":
+        with attach(args.name, address=args.address) as job:
+            reports = job.telemetry()
+        if args.json:
+            print(json.dumps(telemetry.summary(reports), indent=1))
+        else:
+            print(telemetry.render(reports))
+        if args.plot:
+            telemetry.plot(reports, args.plot)
+            print(f"memory plot written to {args.plot}", file=sys.stderr)
+        return 0
+    session = connect(JobConfig(checkpoint="-", address=args.address or "auto"))
+    try:
+        if args.command == "list":
+            names = registry.list_loads()
+            print("\n".join(names) if names else "no named loads")
+            return 0
+        killed = registry.unload(args.name)
+        print(f"unloaded {args.name!r}: {killed} workers released")
+        return 0
+    finally:
+        session.close()
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from coordinator.checkpoint import load_index
     from coordinator.cluster import ClusterSnapshot, GpuInfo, NodeInfo
@@ -198,22 +243,32 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_load_or_run(args: argparse.Namespace) -> int:
     import torch
 
-    from coordinator.job import launch
+    from coordinator.job import attach, launch
 
-    config = _job_config(args)
-    started = time.perf_counter()
-    with launch(config, progress=_progress) as job:
-        load_s = time.perf_counter() - started
-        print(job.plan.summary())
-        print(_stage_table(job.load_reports))
-        print(f"loaded {job.index.total_bytes / 2**20:.1f} MiB on {len(job.workers)} workers in "
-              f"{load_s:.1f} s")  # fmt: skip
+    name = getattr(args, "name", None)
+    if args.command == "run" and name:
+        job_cm = attach(name, address=args.address)
+        config = job_cm.config
+    else:
+        config = _job_config(args)
+        started = time.perf_counter()
+        job_cm = launch(config, progress=_progress, name=name)
+    with job_cm as job:
+        if job.load_reports:
+            print(job.plan.summary())
+            print(_stage_table(job.load_reports))
+            print(f"loaded {job.index.total_bytes / 2**20:.1f} MiB on {len(job.workers)} workers "
+                  f"in {time.perf_counter() - started:.1f} s")  # fmt: skip
+        else:
+            print(f"attached to load {name!r}: {len(job.workers)} stages")
         if args.command == "load" or args.memory_json or args.plot:
             _report_memory(job, args)
         if args.command == "load":
             if job.session.owned:
                 print("note: on the embedded Ray the load lives for this process only; it is "
-                      "released now")  # fmt: skip
+                      "released now (use --address to keep a named load)")  # fmt: skip
+            elif name:
+                print(f"load {name!r} stays on the cluster: offloadctl run/status/unload {name}")
             return 0
         if args.input_ids:
             ids = torch.tensor([[int(t) for t in args.input_ids.split(",")]])
@@ -263,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_plan(args)
         if args.command in ("load", "run"):
             return _cmd_load_or_run(args)
+        if args.command in ("status", "unload", "list"):
+            return _cmd_named(args)
         if args.command == "check-cluster":
             from coordinator.cluster_config import check_cluster_config
 
@@ -279,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(num_layers=args.layers, hidden=args.hidden, batch=args.batch,
                             step=args.step, repeats=args.repeats)  # fmt: skip
     except (CheckpointError, ConfigError, PlanError, LaunchError, FileExistsError,
-            ValueError) as exc:  # fmt: skip
+            ValueError, LookupError, ConnectionError) as exc:  # fmt: skip
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     raise AssertionError(args.command)

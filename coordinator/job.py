@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
+from coordinator import registry
 from coordinator.checkpoint import CheckpointIndex, load_index
 from coordinator.config import JobConfig
 from coordinator.launcher import (
@@ -62,6 +63,7 @@ class Job:
     workers: list[WorkerHandle]
     session: RaySession
     load_reports: list[dict] = field(default_factory=list)
+    name: str | None = None  # a named load outlives this Job object: close() only detaches
     _exporter: object | None = field(default=None, repr=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -103,7 +105,10 @@ class Job:
         return reports
 
     def close(self) -> None:
-        kill_workers(self.workers)
+        """Release the workers; for a named load on a cluster, only disconnect (use
+        `registry.unload` to release it)."""
+        if self.name is None or self.session.owned:
+            kill_workers(self.workers)
         self.workers = []
         self.session.close()
 
@@ -114,12 +119,21 @@ class Job:
         self.close()
 
 
-def launch(config: JobConfig, *, progress: Callable[[int, int], None] | None = None) -> Job:
-    """Index, probe, plan, start and load. On any failure everything started is released."""
+def launch(
+    config: JobConfig,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    name: str | None = None,
+) -> Job:
+    """Index, probe, plan, start and load. On any failure everything started is released.
+    With `name`, the workers are detached, named actors that outlive this process (on a
+    cluster) and `attach(name)` finds them again."""
     index = load_index(config.checkpoint)
     session = connect(config)
     handles: list[WorkerHandle] = []
     try:
+        if name is not None:
+            registry.check_name(name)
         snapshot, envs = probe_cluster(config)
         options = PlanOptions(
             reserve_bytes=config.reserve_bytes, prefetch_step=config.prefetch_step
@@ -127,14 +141,37 @@ def launch(config: JobConfig, *, progress: Callable[[int, int], None] | None = N
         the_plan = plan(index.layers, snapshot, options)
         specs = stage_specs(config, index, the_plan, envs)
         placements = [(s.node_id, s.hostname) for s in the_plan.stages]
-        handles = start_workers(config, specs, placements)
+        handles = start_workers(config, specs, placements, name=name)
         reports = load_workers(handles, config.load_timeout_s, progress)
+        if name is not None:
+            registry.save(name, config, the_plan.to_json())
         return Job(config=config, index=index, plan=the_plan, workers=handles,
-                   session=session, load_reports=reports)  # fmt: skip
+                   session=session, load_reports=reports, name=name)  # fmt: skip
     except BaseException:
         kill_workers(handles)
         session.close()
         raise
 
 
-__all__ = ["Job", "LaunchError", "launch"]
+def attach(name: str, *, address: str | None = None) -> Job:
+    """The named load `name` on the cluster at `address` (or RAY_ADDRESS)."""
+    session = connect(JobConfig(checkpoint="-", address=address or "auto"))
+    try:
+        _, record = registry.load_record(name)
+        config = registry.config_of(record)
+        the_plan = Plan.from_json(record["plan"])
+        index = load_index(config.checkpoint)
+        actors = registry.worker_handles(name, len(the_plan.stages))
+        specs = stage_specs(config, index, the_plan, {})
+        handles = [
+            WorkerHandle(actor=a, spec=spec, node_id=s.node_id, hostname=s.hostname)
+            for a, spec, s in zip(actors, specs, the_plan.stages, strict=True)
+        ]
+        return Job(config=config, index=index, plan=the_plan, workers=handles, session=session,
+                   name=name)  # fmt: skip
+    except BaseException:
+        session.close()
+        raise
+
+
+__all__ = ["Job", "LaunchError", "attach", "launch"]

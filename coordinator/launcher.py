@@ -153,8 +153,15 @@ class WorkerHandle:
 
 
 def start_workers(
-    config: JobConfig, specs: list[StageSpec], placements: list[tuple[str, str]]
+    config: JobConfig,
+    specs: list[StageSpec],
+    placements: list[tuple[str, str]],
+    *,
+    name: str | None = None,
 ) -> list[WorkerHandle]:
+    """One actor per stage; with `name`, detached and named so later commands can attach."""
+    from coordinator.registry import NAMESPACE, worker_name
+
     remote_cls = ray.remote(StageWorker)
     handles: list[WorkerHandle] = []
     try:
@@ -167,6 +174,9 @@ def start_workers(
             }
             if spec.env:
                 options["runtime_env"] = {"env_vars": dict(spec.env)}
+            if name is not None:
+                options.update(name=worker_name(name, spec.stage), namespace=NAMESPACE,
+                               lifetime="detached")  # fmt: skip
             actor = remote_cls.options(**options).remote(
                 spec,
                 gpu_memory_bytes=config.gpu_memory_bytes,

@@ -1,0 +1,72 @@
+"""Named loads on a cluster: load --name leaves detached workers behind; run, status, list and
+unload attach to them by name from later commands; unload releases every GPU."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from coordinator.checkpoint import load_index
+from coordinator.cli import EXIT_ERROR, main
+from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 3})
+    try:
+        ray.init(address=c.address, log_to_driver=False)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def wait_gpus_free(expected: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("GPU", 0) != expected:
+        assert time.monotonic() < deadline, ray.available_resources()
+        time.sleep(0.2)
+
+
+def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:
+    checkpoint = make_checkpoint(tmp_path / "ckpt", CheckpointShape(
+        num_layers=6, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
+        vocab_size=128))  # fmt: skip
+    index = load_index(checkpoint)
+    decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
+    budget = str(index.total_bytes // 3 - decoder // 4)
+    address = ["--address", cluster.address]
+    assert main(["load", "--checkpoint", str(checkpoint), "--gpu-memory", budget, "--name", "m1",
+                 *address]) == 0  # fmt: skip
+    assert "stays on the cluster" in capsys.readouterr().out
+    assert ray.available_resources().get("GPU", 0) == 0  # the workers are still there
+
+    assert main(["load", "--checkpoint", str(checkpoint), "--gpu-memory", budget, "--name", "m1",
+                 *address]) == EXIT_ERROR  # fmt: skip
+    assert "already exists" in capsys.readouterr().err
+
+    assert main(["list", *address]) == 0
+    assert capsys.readouterr().out.split() == ["m1"]
+
+    assert main(["run", "m1", "--check", *address]) == 0
+    out = capsys.readouterr().out
+    assert "attached to load 'm1'" in out and "bitwise equal" in out
+    assert ray.available_resources().get("GPU", 0) == 0  # run detached, did not release
+
+    assert main(["status", "m1", "--json", *address]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert [g["stage"] for g in status["gpus"]] == [0, 1, 2]
+    assert sum(g["offloaded_bytes"] for g in status["gpus"]) > 0
+
+    assert main(["unload", "m1", *address]) == 0
+    assert "3 workers released" in capsys.readouterr().out
+    wait_gpus_free(3)
+    assert main(["list", *address]) == 0
+    assert "no named loads" in capsys.readouterr().out
+    assert main(["run", "m1", *address]) == EXIT_ERROR
+    assert "no load named 'm1'" in capsys.readouterr().err
