@@ -65,6 +65,7 @@ class Job:
     load_reports: list[dict] = field(default_factory=list)
     name: str | None = None  # a named load outlives this Job object: close() only detaches
     _exporter: object | None = field(default=None, repr=False)
+    _stop_export: object | None = field(default=None, repr=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits for `input_ids` (batch, seq), computed stage by stage across the cluster."""
@@ -104,9 +105,32 @@ class Job:
         self._exporter.export(reports)
         return reports
 
+    def export_metrics_every(self, interval_s: float) -> None:
+        """Publish the gauges every `interval_s` seconds from a background thread, until
+        close(). A failed snapshot is reported on stderr and retried at the next tick."""
+        import sys
+        import threading
+
+        if interval_s <= 0:
+            raise ValueError(f"interval_s={interval_s} must be > 0")
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(interval_s):
+                try:
+                    self.export_metrics()
+                except Exception as exc:  # a worker may be busy or gone: say so, keep going
+                    print(f"telemetry: snapshot failed: {exc}", file=sys.stderr)
+
+        thread = threading.Thread(target=loop, name="offload-telemetry", daemon=True)
+        thread.start()
+        self._stop_export = stop
+
     def close(self) -> None:
         """Release the workers; for a named load on a cluster, only disconnect (use
         `registry.unload` to release it)."""
+        if self._stop_export is not None:
+            self._stop_export.set()
         if self.name is None or self.session.owned:
             kill_workers(self.workers)
         self.workers = []

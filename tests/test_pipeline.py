@@ -104,6 +104,11 @@ def test_pipeline_matches_transformers(embedded_ray, checkpoints, arch: str) -> 
         reports = job.export_metrics()
         expected_gauges = {str(r["stage"]): float(r["stats"]["offloaded_bytes"]) for r in reports}
         scraped = scrape_gauges("offload_offloaded_weight_bytes", expected_gauges)
+        # Periodic export picks up what changes: the copies of one more forward.
+        job.export_metrics_every(0.3)
+        job.forward(ids)
+        copies = {str(r["stage"]): float(r["stats"]["copies"]) for r in job.telemetry()}
+        assert scrape_gauges("offload_copies", copies) == copies
     expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
     # Same ops, same weights, one thread on both sides: bitwise equal.
     assert torch.equal(logits, expected) and torch.equal(again, expected)

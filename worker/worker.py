@@ -75,6 +75,8 @@ class StageWorker:
         self._load_s = 0.0
         self._forward_s = 0.0
         self._forwards = 0
+        self._started = time.monotonic()
+        self._last_counters: tuple[dict, float] | None = None
 
     def _where(self) -> str:
         return f"stage {self.spec.stage} on {socket.gethostname()}"
@@ -220,6 +222,15 @@ class StageWorker:
                 decision = PinDecision(pin=False, reason=f"invalid setting: {exc}", source="error")
         return decision
 
+    def _since_last(self, stats: dict) -> dict:
+        """Copy counters since the previous report, so a series of snapshots shows rates."""
+        now = time.monotonic()
+        keys = ("copies", "copied_bytes", "copy_s", "stall_s")
+        current = {k: stats.get(k, 0) for k in keys}
+        previous, then = self._last_counters or (dict.fromkeys(keys, 0), self._started)
+        self._last_counters = (current, now)
+        return {"interval_s": now - then, **{k: current[k] - previous[k] for k in keys}}
+
     def report(self) -> dict:
         stats = self.offloader.stats().to_dict() if self.offloader is not None else {}
         decision = self.pin_decision()
@@ -256,6 +267,8 @@ class StageWorker:
             "forward_s": self._forward_s,
             "forwards": self._forwards,
             "stats": stats,
+            "since_last": self._since_last(stats),
+            "time": time.time(),
             "probe_errors": list(self.probe.errors),
         }
 
