@@ -246,7 +246,8 @@ def _cmd_load_or_run(args: argparse.Namespace) -> int:
     from coordinator.job import attach, launch
 
     name = getattr(args, "name", None)
-    if args.command == "run" and name:
+    attached = bool(args.command == "run" and name)
+    if attached:
         job_cm = attach(name, address=args.address)
         config = job_cm.config
     else:
@@ -254,7 +255,7 @@ def _cmd_load_or_run(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         job_cm = launch(config, progress=_progress, name=name)
     with job_cm as job:
-        if job.load_reports:
+        if not attached:
             print(job.plan.summary())
             print(_stage_table(job.load_reports))
             print(f"loaded {job.index.total_bytes / 2**20:.1f} MiB on {len(job.workers)} workers "

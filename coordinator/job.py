@@ -33,6 +33,8 @@ from coordinator.planner import Plan, PlanOptions, plan
 from worker.spec import StageSpec
 
 TELEMETRY_TIMEOUT_S = 60.0
+# close() waits this long for a telemetry tick in flight; the thread is a daemon either way.
+EXPORT_JOIN_TIMEOUT_S = 5.0
 
 
 def stage_specs(config: JobConfig, index: CheckpointIndex, the_plan: Plan,
@@ -65,7 +67,7 @@ class Job:
     load_reports: list[dict] = field(default_factory=list)
     name: str | None = None  # a named load outlives this Job object: close() only detaches
     _exporter: object | None = field(default=None, repr=False)
-    _stop_export: object | None = field(default=None, repr=False)
+    _export_thread: tuple | None = field(default=None, repr=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits for `input_ids` (batch, seq), computed stage by stage across the cluster."""
@@ -113,6 +115,7 @@ class Job:
 
         if interval_s <= 0:
             raise ValueError(f"interval_s={interval_s} must be > 0")
+        self._stop_exporting()  # one exporter thread at a time
         stop = threading.Event()
 
         def loop() -> None:
@@ -124,13 +127,19 @@ class Job:
 
         thread = threading.Thread(target=loop, name="offload-telemetry", daemon=True)
         thread.start()
-        self._stop_export = stop
+        self._export_thread = (thread, stop)
+
+    def _stop_exporting(self) -> None:
+        if self._export_thread is not None:
+            thread, stop = self._export_thread
+            stop.set()
+            thread.join(timeout=EXPORT_JOIN_TIMEOUT_S)
+            self._export_thread = None
 
     def close(self) -> None:
         """Release the workers; for a named load on a cluster, only disconnect (use
         `registry.unload` to release it)."""
-        if self._stop_export is not None:
-            self._stop_export.set()
+        self._stop_exporting()
         if self.name is None or self.session.owned:
             kill_workers(self.workers)
         self.workers = []

@@ -48,3 +48,15 @@ def expected_offloaded_bytes(
         for name, p in modules[i].named_parameters()
         if pattern is None or re.search(pattern, name)
     )
+
+
+def wait_gpus_free(expected: int, timeout_s: float = 60.0) -> None:
+    """ray.kill is asynchronous: wait (bounded) until `expected` logical GPUs are free."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("GPU", 0) != expected:
+        assert time.monotonic() < deadline, f"GPUs still held: {ray.available_resources()}"
+        time.sleep(0.2)

@@ -22,7 +22,8 @@ START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on loopback (free when asked; bound right after)."""
     sockets = [socket.socket() for _ in range(n)]
     for s in sockets:
         s.bind(("127.0.0.1", 0))
@@ -36,7 +37,7 @@ def _free_ports(n: int) -> list[int]:
 def private_ray_head(*, num_cpus: int = 4, num_gpus: int = 3):
     """Yields (dashboard address, auth headers). The job server listens on 127.0.0.1 only."""
     temp_dir = Path(tempfile.mkdtemp(prefix="oc-ray-", dir="/tmp"))  # short: AF_UNIX path limit
-    gcs, dash, agent_http, agent_grpc, rt_env, metrics, client, nm, om = _free_ports(9)
+    gcs, dash, agent_http, agent_grpc, rt_env, metrics, client, nm, om = free_ports(9)
     token = secrets.token_hex(32)
     token_file = temp_dir / "auth_token"
     token_file.write_text(token)

@@ -106,7 +106,7 @@ def test_run_check_mismatch_exits_1(monkeypatch, capsys) -> None:
             return torch.zeros(ids.shape[0], ids.shape[1], 10)
 
     monkeypatch.setattr(
-        coordinator.job, "launch", lambda config, progress: contextlib.nullcontext(FakeJob())
+        coordinator.job, "launch", lambda config, progress, name: contextlib.nullcontext(FakeJob())
     )
     monkeypatch.setattr(
         coordinator.reference, "reference_logits", lambda *a, **k: torch.full((2, 16, 10), 1e-3)

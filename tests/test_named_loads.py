@@ -4,10 +4,10 @@ unload attach to them by name from later commands; unload releases every GPU."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import ray
+from helpers import wait_gpus_free
 from ray.cluster_utils import Cluster
 
 from coordinator.checkpoint import load_index
@@ -24,13 +24,6 @@ def cluster():
     finally:
         ray.shutdown()
         c.shutdown()
-
-
-def wait_gpus_free(expected: int, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while ray.available_resources().get("GPU", 0) != expected:
-        assert time.monotonic() < deadline, ray.available_resources()
-        time.sleep(0.2)
 
 
 def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:

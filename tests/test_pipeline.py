@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import time
 import urllib.request
 
 import pytest
 import ray
 import torch
+from helpers import wait_gpus_free
+from ray_head import free_ports
 
 from coordinator.checkpoint import load_index
 from coordinator.config import JobConfig
@@ -23,13 +24,7 @@ from coordinator.reference import reference_logits
 NUM_GPUS = 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-METRICS_PORT = _free_port()
+METRICS_PORT = free_ports(1)[0]
 SHAPES = {
     # sharded llama; tied-embedding qwen2 in one file
     "llama": CheckpointShape(arch="llama", num_layers=6, hidden_size=64, num_heads=4,
@@ -49,14 +44,6 @@ def embedded_ray():
              _system_config={"metrics_report_interval_ms": 500})  # fmt: skip
     yield
     ray.shutdown()
-
-
-def assert_gpus_released(timeout_s: float = 60.0) -> None:
-    """ray.kill is asynchronous: wait (bounded) until every logical GPU is free again."""
-    deadline = time.monotonic() + timeout_s
-    while ray.available_resources().get("GPU", 0) != NUM_GPUS:
-        assert time.monotonic() < deadline, f"GPUs still held: {ray.available_resources()}"
-        time.sleep(0.2)
 
 
 def scrape_gauges(name: str, expected: dict[str, float], timeout_s: float = 30.0) -> dict:
@@ -124,7 +111,7 @@ def test_pipeline_matches_transformers(embedded_ray, checkpoints, arch: str) -> 
             assert report["stats"]["offloaded_bytes"] > 0 and report["stats"]["copies"] > 0
         assert report["device_used_bytes"] <= config.gpu_memory_bytes
         assert report["pin"]["source"] == "probe.cuda"
-    assert_gpus_released()
+    wait_gpus_free(NUM_GPUS)
 
 
 def test_worker_failure_releases_every_actor(embedded_ray, checkpoints) -> None:
@@ -132,7 +119,7 @@ def test_worker_failure_releases_every_actor(embedded_ray, checkpoints) -> None:
                        attn_implementation="no-such-attention")  # fmt: skip
     with pytest.raises(LaunchError, match="no-such-attention"):
         launch(config)
-    assert_gpus_released()
+    wait_gpus_free(NUM_GPUS)
 
 
 def test_infeasible_plan_starts_nothing(embedded_ray, checkpoints) -> None:
@@ -140,7 +127,7 @@ def test_infeasible_plan_starts_nothing(embedded_ray, checkpoints) -> None:
 
     with pytest.raises(PlanError, match="gpu-memory"):
         launch(JobConfig(checkpoint=checkpoints["llama"], gpu_memory_bytes=1000))
-    assert_gpus_released()
+    wait_gpus_free(NUM_GPUS)
 
 
 def test_forward_rejects_bad_input(embedded_ray, checkpoints) -> None:
@@ -169,4 +156,4 @@ def test_offloadctl_run_check(embedded_ray, checkpoints, capsys, tmp_path) -> No
     memory = json.loads((tmp_path / "memory.json").read_text())
     assert len(memory["gpus"]) == 3 and memory["nodes"][0]["workers_rss_bytes"] > 0
     assert "pin" in out and "probe.cuda" in out  # the per-stage table with each decision
-    assert_gpus_released()
+    wait_gpus_free(NUM_GPUS)
