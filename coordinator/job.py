@@ -10,6 +10,7 @@ chains the calls and fetches the final logits.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from coordinator.planner import Plan, PlanOptions, plan
 from worker.spec import StageSpec
 
 TELEMETRY_TIMEOUT_S = 60.0
+PING_TIMEOUT_S = 30.0  # a liveness answer; a worker mid-forward answers after it
 # close() waits this long for a telemetry tick in flight; the thread is a daemon either way.
 EXPORT_JOIN_TIMEOUT_S = 5.0
 
@@ -66,11 +68,21 @@ class Job:
     session: RaySession
     load_reports: list[dict] = field(default_factory=list)
     name: str | None = None  # a named load outlives this Job object: close() only detaches
+    events: list[dict] = field(default_factory=list)  # recoveries, for telemetry
     _exporter: object | None = field(default=None, repr=False)
     _export_thread: tuple | None = field(default=None, repr=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits for `input_ids` (batch, seq), computed stage by stage across the cluster."""
+        """Logits for `input_ids` (batch, seq), computed stage by stage across the cluster.
+        A worker lost on the way is replaced (see `recover`) and the pass is run once more."""
+        try:
+            return self._forward(input_ids)
+        except ray.exceptions.RayError:
+            if not self.recover():
+                raise
+            return self._forward(input_ids)
+
+    def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.workers:
             raise RuntimeError("the job is closed")
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
@@ -91,6 +103,52 @@ class Job:
                 f"forward did not finish within {self.config.forward_timeout_s:.0f} s "
                 "(forward_timeout_s)"
             ) from None
+
+    def dead_stages(self) -> list[int]:
+        """Stages whose worker is gone (its actor died or its node left). A worker busy past
+        PING_TIMEOUT_S is not called dead."""
+        refs = [h.actor.ping.remote() for h in self.workers]
+        dead = []
+        for stage, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=PING_TIMEOUT_S)
+            except ray.exceptions.RayActorError:
+                dead.append(stage)
+            except ray.exceptions.GetTimeoutError:
+                pass
+        return dead
+
+    def recover(self) -> list[int]:
+        """Replace lost workers on their planned node and reload only their stages; returns
+        the stages replaced. A stage whose node is gone needs a new plan on the remaining
+        GPUs, which is not implemented yet: that is a LaunchError saying so."""
+        dead = self.dead_stages()
+        if not dead:
+            return []
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        lost = [self.workers[i] for i in dead if self.workers[i].node_id not in alive]
+        if lost:
+            hosts = ", ".join(sorted({h.hostname or h.node_id[:8] for h in lost}))
+            raise LaunchError(
+                f"stages {[h.spec.stage for h in lost]} were lost with their node ({hosts}); "
+                "re-planning on the remaining GPUs is not supported yet: unload and load again"
+            )
+        kill_workers([self.workers[i] for i in dead])  # release names and resources
+        replacements = start_workers(
+            self.config,
+            [self.workers[i].spec for i in dead],
+            [(self.workers[i].node_id, self.workers[i].hostname) for i in dead],
+            name=self.name,
+        )
+        try:
+            load_workers(replacements, self.config.load_timeout_s)
+        except BaseException:
+            kill_workers(replacements)
+            raise
+        for stage, handle in zip(dead, replacements, strict=True):
+            self.workers[stage] = handle
+        self.events.append({"time": time.time(), "event": "replaced workers", "stages": dead})
+        return dead
 
     def telemetry(self) -> list[dict]:
         """A fresh memory snapshot from every worker (see StageWorker.report)."""

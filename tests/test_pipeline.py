@@ -157,3 +157,24 @@ def test_offloadctl_run_check(embedded_ray, checkpoints, capsys, tmp_path) -> No
     assert len(memory["gpus"]) == 3 and memory["nodes"][0]["workers_rss_bytes"] > 0
     assert "pin" in out and "probe.cuda" in out  # the per-stage table with each decision
     wait_gpus_free(NUM_GPUS)
+
+
+def test_a_killed_worker_is_replaced_and_only_its_stage_reloaded(embedded_ray, checkpoints) -> None:
+    checkpoint = checkpoints["llama"]
+    config = JobConfig(checkpoint=checkpoint, gpu_memory_bytes=budget_forcing_offload(checkpoint))
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
+    with launch(config) as job:
+        assert torch.equal(job.forward(ids), expected)
+        before = {r["stage"]: r["pid"] for r in job.telemetry()}
+        ray.kill(job.workers[1].actor, no_restart=True)
+        assert torch.equal(job.forward(ids), expected)  # recovered inside forward
+        after = {r["stage"]: r for r in job.telemetry()}
+        assert [e["stages"] for e in job.events] == [[1]]
+        assert after[1]["pid"] != before[1] and after[0]["pid"] == before[0]
+        assert after[2]["pid"] == before[2]
+        share = sum(layer.nbytes for layer in load_index(checkpoint).layers
+                    if layer.name in job.plan.stages[1].layers)  # fmt: skip
+        assert after[1]["bytes_read"] == share  # the replacement read its own stage only
+        assert job.dead_stages() == []
+    wait_gpus_free(NUM_GPUS)

@@ -272,6 +272,10 @@ class StageWorker:
             "probe_errors": list(self.probe.errors),
         }
 
+    def ping(self) -> int:
+        """Liveness check for the driver: answers with this process's pid."""
+        return os.getpid()
+
     def close(self) -> None:
         self._reader.close()
         if self.offloader is not None:
