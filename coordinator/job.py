@@ -153,7 +153,13 @@ class Job:
     def telemetry(self) -> list[dict]:
         """A fresh memory snapshot from every worker (see StageWorker.report)."""
         refs = [h.actor.report.remote() for h in self.workers]
-        return ray.get(refs, timeout=TELEMETRY_TIMEOUT_S)
+        try:
+            return ray.get(refs, timeout=TELEMETRY_TIMEOUT_S)
+        except ray.exceptions.RayActorError:
+            raise LaunchError(
+                f"stages {self.dead_stages()} have lost their worker; the next forward replaces "
+                "them (or unload the model)"
+            ) from None
 
     def export_metrics(self) -> list[dict]:
         """Snapshot every worker and publish the numbers as Ray gauges (Prometheus)."""

@@ -167,7 +167,13 @@ def test_a_killed_worker_is_replaced_and_only_its_stage_reloaded(embedded_ray, c
     with launch(config) as job:
         assert torch.equal(job.forward(ids), expected)
         before = {r["stage"]: r["pid"] for r in job.telemetry()}
-        ray.kill(job.workers[1].actor, no_restart=True)
+        ray.kill(job.workers[1].actor, no_restart=True)  # asynchronous: wait until it is gone
+        deadline = time.monotonic() + 30
+        while job.dead_stages() != [1]:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        with pytest.raises(LaunchError, match=r"stages \[1\] have lost their worker"):
+            job.telemetry()
         assert torch.equal(job.forward(ids), expected)  # recovered inside forward
         after = {r["stage"]: r for r in job.telemetry()}
         assert [e["stages"] for e in job.events] == [[1]]
