@@ -168,6 +168,18 @@ class MetricsExporter:
                 gauge.set(float(getattr(row, field)), tags=tags)
 
 
+def _stacked(ax, labels: list[str], parts: list[tuple[str, list[int]]], title: str) -> None:
+    """One stacked bar per label, a segment per (name, bytes per label) part, in MiB."""
+    bottom = [0.0] * len(labels)
+    for name, values in parts:
+        heights = [v / 2**20 for v in values]
+        ax.bar(labels, heights, bottom=bottom, label=name)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    ax.set_title(title)
+    ax.set_ylabel("MiB")
+    ax.legend()
+
+
 def plot(reports: list[dict], path: str) -> None:
     """Per GPU: stacked resident / prefetch buffers / other used / free; per node: pinned /
     pageable offloaded weights and free host memory."""
@@ -178,36 +190,28 @@ def plot(reports: list[dict], path: str) -> None:
 
     gpus, nodes = gpu_rows(reports), node_rows(reports)
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    mib = 2**20
-    labels = [f"{g.stage}: {g.hostname}/{g.gpu}" for g in gpus]
-    bottom = [0.0] * len(gpus)
-    parts = (
-        ("resident weights", [g.resident_bytes for g in gpus]),
-        ("prefetch buffers", [g.buffer_bytes for g in gpus]),
-        ("other used", [max(g.device_used_bytes - g.resident_bytes - g.buffer_bytes, 0)
-                        for g in gpus]),
-        ("free", [g.device_free_bytes for g in gpus]),
+    _stacked(
+        left,
+        [f"{g.stage}: {g.hostname}/{g.gpu}" for g in gpus],
+        [
+            ("resident weights", [g.resident_bytes for g in gpus]),
+            ("prefetch buffers", [g.buffer_bytes for g in gpus]),
+            ("other used", [max(g.device_used_bytes - g.resident_bytes - g.buffer_bytes, 0)
+                            for g in gpus]),
+            ("free", [g.device_free_bytes for g in gpus]),
+        ],
+        "GPU memory per stage",
     )  # fmt: skip
-    for name, values in parts:
-        heights = [v / mib for v in values]
-        left.bar(labels, heights, bottom=bottom, label=name)
-        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-    left.set_title("GPU memory per stage")
-    left.set_ylabel("MiB")
-    left.legend()
-    names = [n.hostname for n in nodes]
-    bottom = [0.0] * len(nodes)
-    for name, values in (
-        ("pinned offloaded", [n.pinned_bytes for n in nodes]),
-        ("pageable offloaded", [n.pageable_bytes for n in nodes]),
-        ("available", [n.host_available_bytes for n in nodes]),
-    ):
-        heights = [v / mib for v in values]
-        right.bar(names, heights, bottom=bottom, label=name)
-        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-    right.set_title("Host memory per node")
-    right.set_ylabel("MiB")
-    right.legend()
+    _stacked(
+        right,
+        [n.hostname for n in nodes],
+        [
+            ("pinned offloaded", [n.pinned_bytes for n in nodes]),
+            ("pageable offloaded", [n.pageable_bytes for n in nodes]),
+            ("available", [n.host_available_bytes for n in nodes]),
+        ],
+        "Host memory per node",
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
