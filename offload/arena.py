@@ -171,7 +171,3 @@ class PinnedArena(Mapping[str, torch.Tensor]):
             f"PinnedArena({len(self)} tensors, payload={self.payload_bytes} B, "
             f"allocated={self.host_bytes} B, pinned={self.pinned})"
         )
-
-
-def specs_of(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
-    return [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]

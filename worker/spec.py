@@ -79,11 +79,3 @@ class StageSpec:
     backend: str = "auto"
     env: dict[str, str] = field(default_factory=dict)  # set on this worker by the job
     env_origins: dict[str, str] = field(default_factory=dict)  # "job override" | "node label"
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
