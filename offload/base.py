@@ -87,11 +87,17 @@ class BaseOffloader(ABC):
     def synchronize(self) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """Wait until every copy issued so far has landed. Default: nothing is in flight."""
 
-    def detach(self) -> None:
-        """Restore every wrapped module: parameters back on the device, hooks removed."""
+    def detach(self, *, restore: bool = True) -> None:
+        """Restore every wrapped module: parameters back on the device, hooks removed.
+
+        `restore=False` is for a caller about to drop the modules (a worker rebuilding its
+        stage): the hooks go and the host memory is released, but the offloaded weights are not
+        copied back to the device, so detaching costs no device memory. The offloaded
+        parameters then point at released buffers and must not be used again.
+        """
         if not self._modules:
             return
-        self._detach()
+        self._detach(restore=restore)
         for module in self._modules:
             if hasattr(module, _MARK):
                 delattr(module, _MARK)
@@ -110,7 +116,7 @@ class BaseOffloader(ABC):
     def _wrap(self, modules: list[nn.Module]) -> None: ...
 
     @abstractmethod
-    def _detach(self) -> None: ...
+    def _detach(self, *, restore: bool) -> None: ...
 
     @abstractmethod
     def stats(self) -> OffloadStats: ...
@@ -143,7 +149,7 @@ class NoopOffloader(BaseOffloader):
     def _wrap(self, modules: list[nn.Module]) -> None:
         pass
 
-    def _detach(self) -> None:
+    def _detach(self, *, restore: bool) -> None:
         pass
 
     def stats(self) -> OffloadStats:

@@ -163,13 +163,13 @@ class PrefetchOffloader(BaseOffloader):
 
         return post_hook
 
-    def _detach(self) -> None:
+    def _detach(self, *, restore: bool) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
         self._engine.synchronize()
         with torch.no_grad():
-            for layer in self._layers:
+            for layer in self._layers if restore else ():
                 for position, key in enumerate(layer.keys):
                     set_param_data(layer, position, self._arena[key].to(self.device, copy=True))
         self._engine.close()

@@ -117,13 +117,13 @@ class UVAOffloader(BaseOffloader):
                 )
             )
 
-    def _detach(self) -> None:
+    def _detach(self, *, restore: bool) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
         torch.cuda.synchronize(self.device)  # kernels may still read the host memory
         with torch.no_grad():
-            for layer in self._layers:
+            for layer in self._layers if restore else ():
                 for position, key in enumerate(layer.keys):
                     set_param_data(layer, position, self._arena[key].to(self.device, copy=True))
         self._arena.close()

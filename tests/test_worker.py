@@ -50,3 +50,67 @@ def test_budget_overrun_is_refused_with_numbers(index) -> None:
             worker.load()
     finally:
         worker.close()
+
+
+def stage_spec(index, names: list[str], offloaded: tuple[str, ...] = ()) -> StageSpec:
+    layers = tuple(layer for layer in index.layers if layer.name in names)
+    return StageSpec(stage=0, num_stages=1, checkpoint_dir=str(index.root), config=index.config,
+                     layers=layers, offloaded=offloaded, prefetch_step=1)  # fmt: skip
+
+
+def nbytes(index, names) -> int:
+    return sum(layer.nbytes for layer in index.layers if layer.name in names)
+
+
+def test_reconfigure_reads_only_the_layers_it_did_not_hold(index) -> None:
+    """A re-plan grows a stage and changes what it offloads: the layers it held move in memory
+    (resident -> arena, arena -> device, resident kept as is), only new ones come from disk,
+    and the logits equal transformers' own."""
+    from coordinator.reference import reference_logits
+
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(5))
+    expected = reference_logits(str(index.root), ids)
+    first = ["embed", "layers.0", "layers.1", "layers.2"]
+    worker = StageWorker(stage_spec(index, first, offloaded=("layers.1",)), device="cpu")
+    try:
+        worker.load()
+        embed_ptr = worker.stage.embed_tokens.weight.data_ptr()
+        everything = [layer.name for layer in index.layers]
+        # layers.0: resident -> offloaded, layers.1: offloaded -> resident, embed: kept resident
+        chunks = worker.reconfigure(stage_spec(index, everything, offloaded=("layers.0", "layers.3")))
+        assert sum(chunks.values()) == nbytes(index, ["layers.3", "head"])
+        for chunk in chunks:
+            worker.load_chunk(chunk)
+        report = worker.finish_load()
+        assert report["bytes_read"] == nbytes(index, everything)  # every byte read exactly once
+        assert worker.stage.embed_tokens.weight.data_ptr() == embed_ptr  # adopted, not copied
+        assert report["offloaded"] == ["layers.0", "layers.3"]
+        assert torch.equal(worker.forward(ids), expected)
+        # Shrinking to a suffix reads nothing: every layer it keeps is already here.
+        assert worker.reconfigure(stage_spec(index, everything, offloaded=("layers.2",))) == {}
+        assert worker.finish_load()["bytes_read"] == nbytes(index, everything)
+        assert torch.equal(worker.forward(ids), expected)
+    finally:
+        worker.close()
+
+
+def test_an_interrupted_load_resumes_where_it_stopped(index, monkeypatch) -> None:
+    import worker.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "LOAD_CHUNK_BYTES", 1)  # one layer per chunk
+    worker = StageWorker(spec_for(index, offloaded=("layers.2",)), device="cpu")
+    try:
+        chunks = worker.prepare()
+        assert len(chunks) == len(index.layers)
+        worker.load_chunk(0)
+        worker.load_chunk(1)
+        with pytest.raises(WorkerError, match=r"chunks \[2, 3, 4, 5\] were read"):
+            worker.finish_load()
+        assert sorted(worker.prepare()) == [2, 3, 4, 5]  # what is left, nothing rebuilt
+        assert worker.load_chunk(1) == 0  # read already
+        for chunk in worker.prepare():
+            worker.load_chunk(chunk)
+        assert worker.finish_load()["bytes_read"] == index.total_bytes
+        assert worker.prepare() == {}
+    finally:
+        worker.close()

@@ -23,6 +23,7 @@ from offload import OffloadConfig, create_offloader, probe_node
 from offload.host_store import decide_for_device
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV, PinDecision
 from worker.loader import TensorReader
+from worker.placement import Placement
 from worker.spec import StageSpec
 from worker.stage import Stage, hf_config_from_dict, model_class_for
 
@@ -66,38 +67,79 @@ class StageWorker:
         model_class_for(self._hf_config)
         self.init_s = time.perf_counter() - start
         self.stage: Stage | None = None
-        self.offloader = None
-        self._modules: dict[str, nn.Module] = {}
+        self._placement: Placement | None = None  # the stage's modules, offloader, loaded layers
         # Read with as many threads as the worker has CPUs (Ray's num_cpus for the actor).
         self._reader = TensorReader(spec.checkpoint_dir, threads=num_threads or 1)
         self._layer_specs = {layer.name: layer for layer in spec.layers}
-        self._chunks: list[list[str]] = []
+        self._chunks: list[list[str]] = []  # layer names per chunk, to read from disk
+        self._loaded_chunks: set[int] = set()
+        self._ready = False
         self._load_s = 0.0
         self._forward_s = 0.0
         self._forwards = 0
         self._started = time.monotonic()
         self._last_counters: tuple[dict, float] | None = None
 
+    @property
+    def offloader(self):
+        return self._placement.offloader if self._placement is not None else None
+
     def _where(self) -> str:
         return f"stage {self.spec.stage} on {socket.gethostname()}"
 
     # loading
-    def prepare(self) -> list[int]:
-        """Build the stage and place every parameter; returns the byte size of each chunk."""
+    def prepare(self) -> dict[int, int]:
+        """Build the stage and place every parameter (first call only); returns the byte size
+        of each chunk still to read, by chunk index: all of them at first, the rest after an
+        interrupted load, none once loaded. So the driver can re-run a load that a lost worker
+        interrupted without the others reading anything twice."""
+        if self._placement is None:
+            start = time.perf_counter()
+            self._build(previous=None)
+            self._load_s += time.perf_counter() - start
+        return {
+            i: sum(self._layer_specs[n].nbytes for n in chunk)
+            for i, chunk in enumerate(self._chunks)
+            if i not in self._loaded_chunks
+        }
+
+    def reconfigure(self, spec: StageSpec) -> dict[int, int]:
+        """Take a new stage after a re-plan. Layers this worker already holds move to their new
+        place in memory (a layer resident before and after is adopted as is, no copy); only the
+        others are left to read from disk. Returns the chunks to read, as `prepare` does."""
         start = time.perf_counter()
+        previous = self._placement
+        if previous is not None:
+            previous.offloader.synchronize()  # no copy into a slot may still be in flight
+        self.spec = spec
+        self._layer_specs = {layer.name: layer for layer in spec.layers}
+        self._build(previous=previous)
+        self._load_s += time.perf_counter() - start
+        return self.prepare()
+
+    def _build(self, previous: Placement | None) -> None:
         spec = self.spec
-        hf_config = self._hf_config
         decoders = [layer.index for layer in spec.layers if layer.kind == "decoder"]
         kinds = {layer.kind for layer in spec.layers}
-        self.stage = Stage(hf_config, decoders, has_embed="embed" in kinds, has_head="head" in kinds,
-                           device=self.device)  # fmt: skip
-        self._modules = self.stage.layer_modules()
-        names = list(self._modules)
+        stage = Stage(self._hf_config, decoders, has_embed="embed" in kinds,
+                      has_head="head" in kinds, device=self.device)  # fmt: skip
+        modules = stage.layer_modules()
+        names = list(modules)
         unknown = sorted(set(spec.offloaded) - set(names))
         if unknown:
             raise WorkerError(f"{self._where()}: offloaded layers {unknown} are not in this stage")
-        for name, module in self._modules.items():
-            if name not in spec.offloaded:
+        carried = previous.loaded & set(names) if previous is not None else set()
+        kept_resident = {
+            n for n in carried if n not in spec.offloaded and n not in previous.spec.offloaded
+        }
+        if previous is not None:  # free what leaves this worker before allocating what arrives
+            for name, module in previous.modules.items():
+                if name not in carried and name not in previous.spec.offloaded:
+                    module.to("meta")
+        for name, module in modules.items():
+            if name in kept_resident:  # the old tensors themselves, no copy
+                module.load_state_dict(previous.modules[name].state_dict(), assign=True)
+            elif name not in spec.offloaded:
                 module.to_empty(device=self.device)
         if spec.offloaded:
             config = OffloadConfig(
@@ -107,60 +149,63 @@ class StageWorker:
             )
         else:
             config = OffloadConfig(backend="none")
-        self.offloader = create_offloader(config, device=self.device, probe=self.probe)
-        self.offloader.wrap_modules(list(self._modules.values()))
-        self._chunks = self._make_chunks()
-        self._load_s += time.perf_counter() - start
-        return [sum(self._layer_specs[n].nbytes for n in chunk) for chunk in self._chunks]
+        offloader = create_offloader(config, device=self.device, probe=self.probe)
+        offloader.wrap_modules(list(modules.values()))
+        placement = Placement(spec, modules, offloader, loaded=set(carried))
+        with torch.no_grad():
+            for name in sorted(carried - kept_resident):  # moved between device and host
+                for tensor in self._layer_specs[name].tensors:
+                    placement.destination(name, tensor.name).copy_(
+                        previous.destination(name, tensor.name)
+                    )
+        if previous is not None:
+            previous.offloader.detach(restore=False)  # its arena and slots go, nothing restored
+        self.stage, self._placement = stage, placement
+        self._chunks = self._make_chunks([n for n in names if n not in carried])
+        self._loaded_chunks = set()
+        self._ready = False
 
-    def _make_chunks(self) -> list[list[str]]:
-        chunks: list[list[str]] = [[]]
+    def _make_chunks(self, names: list[str]) -> list[list[str]]:
+        chunks: list[list[str]] = []
         size = 0
-        for layer in self.spec.layers:
-            if chunks[-1] and size + layer.nbytes > LOAD_CHUNK_BYTES:
+        for name in names:
+            nbytes = self._layer_specs[name].nbytes
+            if not chunks or (chunks[-1] and size + nbytes > LOAD_CHUNK_BYTES):
                 chunks.append([])
                 size = 0
-            chunks[-1].append(layer.name)
-            size += layer.nbytes
+            chunks[-1].append(name)
+            size += nbytes
         return chunks
 
-    def _destination(self, layer_name: str, tensor_name: str) -> torch.Tensor:
-        """Where a checkpoint tensor goes: the arena for offloaded layers, else the parameter."""
-        if layer_name == "head" and tensor_name.startswith("model.embed_tokens."):
-            tensor_name = "lm_head." + tensor_name.removeprefix("model.embed_tokens.")  # tied
-        local = self._local_param_name(layer_name, tensor_name)
-        if layer_name in self.spec.offloaded:
-            index = list(self._modules).index(layer_name)
-            return self.offloader.host_tensors()[f"{index}.{local}"]
-        return self._modules[layer_name].get_parameter(local).data
-
-    @staticmethod
-    def _local_param_name(layer_name: str, tensor_name: str) -> str:
-        if layer_name == "embed":
-            return tensor_name.removeprefix("model.embed_tokens.")
-        if layer_name == "head":  # the head module is ModuleList([norm, lm_head])
-            if tensor_name.startswith("model.norm."):
-                return "0." + tensor_name.removeprefix("model.norm.")
-            return "1." + tensor_name.removeprefix("lm_head.")
-        return tensor_name.removeprefix(f"model.{layer_name}.")
-
     def load_chunk(self, index: int) -> int:
-        """Read chunk `index` from disk into place; returns the bytes read."""
+        """Read chunk `index` from disk into place; returns the bytes read (0 when the chunk
+        was read already)."""
+        if index in self._loaded_chunks:
+            return 0
         start = time.perf_counter()
         before = self._reader.stats.bytes_read
+        placement = self._placement
         try:
             with torch.no_grad():
                 self._reader.read_many([
-                    (tensor, self._destination(layer_name, tensor.name))
+                    (tensor, placement.destination(layer_name, tensor.name))
                     for layer_name in self._chunks[index]
                     for tensor in self._layer_specs[layer_name].tensors
                 ])  # fmt: skip
         except (OSError, ValueError, KeyError) as exc:
             raise WorkerError(f"{self._where()}: loading failed: {exc}") from exc
+        self._loaded_chunks.add(index)
+        placement.loaded.update(self._chunks[index])
         self._load_s += time.perf_counter() - start
         return self._reader.stats.bytes_read - before
 
     def finish_load(self) -> dict:
+        """Start the prefetch and check the device budget; once ready, just a report."""
+        if self._ready:
+            return self.report()
+        missing = sorted(set(range(len(self._chunks))) - self._loaded_chunks)
+        if self._placement is None or missing:
+            raise WorkerError(f"{self._where()}: finish_load before chunks {missing} were read")
         self._reader.close()
         start = time.perf_counter()
         self.offloader.post_init()
@@ -174,17 +219,18 @@ class StageWorker:
                 f"{self._where()}: holds {device_bytes} device bytes, over its budget of "
                 f"{self.gpu_memory_bytes}; offload more layers or raise --gpu-memory"
             )
+        self._ready = True
         return self.report()
 
     def load(self) -> dict:
         """prepare + every chunk + finish, for callers that need no progress."""
-        for index in range(len(self.prepare())):
+        for index in self.prepare():
             self.load_chunk(index)
         return self.finish_load()
 
     # running
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.stage is None:
+        if not self._ready:
             raise WorkerError(f"{self._where()}: forward before load")
         start = time.perf_counter()
         with torch.no_grad():
@@ -279,5 +325,5 @@ class StageWorker:
     def close(self) -> None:
         self._reader.close()
         if self.offloader is not None:
-            self.offloader.close()
-        self.stage = None
+            self.offloader.detach(restore=False)  # the stage goes with it: nothing to restore
+        self.stage, self._placement, self._ready = None, None, False
