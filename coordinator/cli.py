@@ -172,10 +172,10 @@ def _report_memory(job, args: argparse.Namespace) -> None:
     from coordinator import telemetry
 
     reports = job.telemetry()
-    print(telemetry.render(reports))
+    print(telemetry.render(reports, job.events))
     if args.memory_json:
         with open(args.memory_json, "w") as f:
-            json.dump(telemetry.summary(reports), f, indent=1)
+            json.dump(telemetry.summary(reports, job.events), f, indent=1)
         print(f"memory snapshot written to {args.memory_json}")
     if args.plot:
         telemetry.plot(reports, args.plot)
@@ -191,11 +191,11 @@ def _cmd_named(args: argparse.Namespace) -> int:
 
     if args.command == "status":
         with attach(args.name, address=args.address) as job:
-            reports = job.telemetry()
+            reports, events = job.telemetry(), job.events
         if args.json:
-            print(json.dumps(telemetry.summary(reports), indent=1))
+            print(json.dumps(telemetry.summary(reports, events), indent=1))
         else:
-            print(telemetry.render(reports))
+            print(telemetry.render(reports, events))
         if args.plot:
             telemetry.plot(reports, args.plot)
             print(f"memory plot written to {args.plot}", file=sys.stderr)

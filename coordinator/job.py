@@ -24,9 +24,9 @@ from coordinator.launcher import (
     LaunchError,
     RaySession,
     WorkerHandle,
+    WorkerLostError,
     connect,
     kill_workers,
-    load_workers,
     probe_cluster,
     start_workers,
 )
@@ -69,6 +69,7 @@ class Job:
     load_reports: list[dict] = field(default_factory=list)
     name: str | None = None  # a named load outlives this Job object: close() only detaches
     events: list[dict] = field(default_factory=list)  # recoveries, for telemetry
+    next_worker: int = 0  # number of the next worker name of a named load
     _exporter: object | None = field(default=None, repr=False)
     _export_thread: tuple | None = field(default=None, repr=False)
 
@@ -77,7 +78,7 @@ class Job:
         A worker lost on the way is replaced (see `recover`) and the pass is run once more."""
         try:
             return self._forward(input_ids)
-        except ray.exceptions.RayError:
+        except (ray.exceptions.RayError, WorkerLostError):
             if not self.recover():
                 raise
             return self._forward(input_ids)
@@ -93,6 +94,8 @@ class Job:
         vocab = self.index.config.get("vocab_size")
         if vocab and int(input_ids.max()) >= vocab:
             raise ValueError(f"token id {int(input_ids.max())} is out of the vocabulary ({vocab})")
+        if any(h.actor is None for h in self.workers):  # attached to a load that lost workers
+            raise WorkerLostError("a worker of this load was lost")
         ref = ray.put(input_ids)
         for handle in self.workers:
             ref = handle.actor.forward.remote(ref)
@@ -107,9 +110,12 @@ class Job:
     def dead_stages(self) -> list[int]:
         """Stages whose worker is gone (its actor died or its node left). A worker busy past
         PING_TIMEOUT_S is not called dead."""
-        refs = [h.actor.ping.remote() for h in self.workers]
+        refs = [h.actor.ping.remote() if h.actor is not None else None for h in self.workers]
         dead = []
         for stage, ref in enumerate(refs):
+            if ref is None:  # not found on attach
+                dead.append(stage)
+                continue
             try:
                 ray.get(ref, timeout=PING_TIMEOUT_S)
             except ray.exceptions.RayActorError:
@@ -119,47 +125,55 @@ class Job:
         return dead
 
     def recover(self) -> list[int]:
-        """Replace lost workers on their planned node and reload only their stages; returns
-        the stages replaced. A stage whose node is gone needs a new plan on the remaining
-        GPUs, which is not implemented yet: that is a LaunchError saying so."""
-        dead = self.dead_stages()
-        if not dead:
-            return []
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        lost = [self.workers[i] for i in dead if self.workers[i].node_id not in alive]
-        if lost:
-            hosts = ", ".join(sorted({h.hostname or h.node_id[:8] for h in lost}))
-            raise LaunchError(
-                f"stages {[h.spec.stage for h in lost]} were lost with their node ({hosts}); "
-                "re-planning on the remaining GPUs is not supported yet: unload and load again"
-            )
-        kill_workers([self.workers[i] for i in dead])  # release names and resources
-        replacements = start_workers(
-            self.config,
-            [self.workers[i].spec for i in dead],
-            [(self.workers[i].node_id, self.workers[i].hostname) for i in dead],
-            name=self.name,
+        """Replace lost workers and reload only what moved; returns the stages that were lost.
+        Same node when it is alive, else a new plan on the GPUs left (see coordinator.recovery);
+        `PlanError` when those cannot hold the model."""
+        from coordinator.recovery import recover
+
+        return recover(self)
+
+    def plan_options(self) -> PlanOptions:
+        return PlanOptions(
+            reserve_bytes=self.config.reserve_bytes, prefetch_step=self.config.prefetch_step
         )
-        try:
-            load_workers(replacements, self.config.load_timeout_s)
-        except BaseException:
-            kill_workers(replacements)
-            raise
-        for stage, handle in zip(dead, replacements, strict=True):
-            self.workers[stage] = handle
-        self.events.append({"time": time.time(), "event": "replaced workers", "stages": dead})
-        return dead
+
+    def new_worker_names(self, count: int) -> list[str] | None:
+        """Actor names for `count` new workers of a named load (None for an unnamed job)."""
+        if self.name is None:
+            return None
+        first, self.next_worker = self.next_worker, self.next_worker + count
+        return [registry.worker_name(self.name, n) for n in range(first, first + count)]
+
+    def record_event(self, event: dict) -> None:
+        """Keep a recovery event; a named load also keeps it (and its new plan and workers) in
+        its record, so `status` from another process shows it."""
+        self.events.append({"time": time.time(), **event})
+        if self.name is not None:
+            registry.update(self.name, self.plan.to_json(), [h.name for h in self.workers],
+                            self.events)  # fmt: skip
 
     def telemetry(self) -> list[dict]:
-        """A fresh memory snapshot from every worker (see StageWorker.report)."""
-        refs = [h.actor.report.remote() for h in self.workers]
-        try:
-            return ray.get(refs, timeout=TELEMETRY_TIMEOUT_S)
-        except ray.exceptions.RayActorError:
-            raise LaunchError(
-                f"stages {self.dead_stages()} have lost their worker; the next forward replaces "
-                "them (or unload the model)"
-            ) from None
+        """A fresh memory snapshot from every worker (see StageWorker.report); a stage whose
+        worker is lost gets `{"stage", "hostname", "layers", "lost": True}` instead."""
+        refs = [h.actor.report.remote() if h.actor is not None else None for h in self.workers]
+        deadline = time.monotonic() + TELEMETRY_TIMEOUT_S
+        reports = []
+        for stage, (handle, ref) in enumerate(zip(self.workers, refs, strict=True)):
+            lost = {"stage": stage, "hostname": handle.hostname, "lost": True,
+                    "layers": [x.name for x in handle.spec.layers]}  # fmt: skip
+            if ref is None:  # not found on attach
+                reports.append(lost)
+                continue
+            try:
+                reports.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1)))
+            except ray.exceptions.RayActorError:
+                reports.append(lost)
+            except ray.exceptions.GetTimeoutError:
+                raise LaunchError(
+                    f"stage {stage} on {handle.hostname} did not report within "
+                    f"{TELEMETRY_TIMEOUT_S:.0f} s"
+                ) from None
+        return reports
 
     def export_metrics(self) -> list[dict]:
         """Snapshot every worker and publish the numbers as Ray gauges (Prometheus)."""
@@ -168,7 +182,7 @@ class Job:
         if self._exporter is None:
             self._exporter = MetricsExporter()
         reports = self.telemetry()
-        self._exporter.export(reports)
+        self._exporter.export(reports, self.events)
         return reports
 
     def export_metrics_every(self, interval_s: float) -> None:
@@ -225,27 +239,30 @@ def launch(
     """Index, probe, plan, start and load. On any failure everything started is released.
     With `name`, the workers are detached, named actors that outlive this process (on a
     cluster) and `attach(name)` finds them again."""
+    from coordinator.recovery import load_recovering
+
     index = load_index(config.checkpoint)
     session = connect(config)
-    handles: list[WorkerHandle] = []
+    job = None
     try:
         if name is not None:
             registry.check_name(name)
         snapshot, envs = probe_cluster(config)
-        options = PlanOptions(
-            reserve_bytes=config.reserve_bytes, prefetch_step=config.prefetch_step
-        )
-        the_plan = plan(index.layers, snapshot, options)
-        specs = stage_specs(config, index, the_plan, envs)
-        placements = [(s.node_id, s.hostname) for s in the_plan.stages]
-        handles = start_workers(config, specs, placements, name=name)
-        reports = load_workers(handles, config.load_timeout_s, progress)
-        if name is not None:
-            registry.save(name, config, the_plan.to_json())
-        return Job(config=config, index=index, plan=the_plan, workers=handles,
-                   session=session, load_reports=reports, name=name)  # fmt: skip
+        job = Job(config=config, index=index, plan=None, workers=[], session=session, name=name)
+        job.plan = plan(index.layers, snapshot, job.plan_options())
+        specs = stage_specs(config, index, job.plan, envs)
+        placements = [(s.node_id, s.hostname) for s in job.plan.stages]
+        job.workers = start_workers(config, specs, placements,
+                                    names=job.new_worker_names(len(specs)))  # fmt: skip
+        if name is not None:  # recorded first, so `unload` finds a load interrupted midway
+            registry.save(name, config, job.plan.to_json(), [h.name for h in job.workers], [])
+        job.load_reports = load_recovering(job, progress)
+        return job
     except BaseException:
-        kill_workers(handles)
+        if job is not None:
+            kill_workers(job.workers)
+            if name is not None:
+                registry.forget(name)
         session.close()
         raise
 
@@ -258,14 +275,16 @@ def attach(name: str, *, address: str | None = None) -> Job:
         config = registry.config_of(record)
         the_plan = Plan.from_json(record["plan"])
         index = load_index(config.checkpoint)
-        actors = registry.worker_handles(name, len(the_plan.stages))
+        actors = registry.worker_handles(record)
         specs = stage_specs(config, index, the_plan, {})
+        rows = zip(actors, specs, the_plan.stages, record["workers"], strict=True)
         handles = [
-            WorkerHandle(actor=a, spec=spec, node_id=s.node_id, hostname=s.hostname)
-            for a, spec, s in zip(actors, specs, the_plan.stages, strict=True)
+            WorkerHandle(actor=a, spec=spec, node_id=s.node_id, hostname=s.hostname, name=n)
+            for a, spec, s, n in rows
         ]
         return Job(config=config, index=index, plan=the_plan, workers=handles, session=session,
-                   name=name)  # fmt: skip
+                   name=name, events=list(record["events"]),
+                   next_worker=registry.next_worker_number(record))  # fmt: skip
     except BaseException:
         session.close()
         raise

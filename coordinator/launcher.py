@@ -35,6 +35,10 @@ class LaunchError(RuntimeError):
     """Starting or loading the workers failed; everything started has been released."""
 
 
+class WorkerLostError(LaunchError):
+    """A worker died (its process or its node) while the driver waited for it."""
+
+
 @dataclass(slots=True)
 class RaySession:
     """A connection to Ray; `owned` when we started an embedded local cluster."""
@@ -77,15 +81,19 @@ def _probe_task(planned_bytes: int = 0) -> dict:
     return {"hostname": socket.gethostname(), "probe": probe, "pin": decision, "error": error}
 
 
-def _gpu_nodes() -> list[dict]:
+def gpu_nodes() -> list[dict]:
     nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) >= 1]
     return sorted(nodes, key=lambda n: (n["NodeManagerHostname"], n["NodeID"]))
 
 
-def probe_cluster(config: JobConfig) -> tuple[ClusterSnapshot, dict[str, tuple[dict, dict]]]:
+def probe_cluster(
+    config: JobConfig, held_bytes: dict[str, int] | None = None
+) -> tuple[ClusterSnapshot, dict[str, tuple[dict, dict]]]:
     """A snapshot of every alive GPU node, and per node the env its workers get from the job
-    (labels and overrides) with the origin of each variable."""
-    nodes = _gpu_nodes()
+    (labels and overrides) with the origin of each variable. `held_bytes`: host memory this
+    job's own workers already hold on a node (their arenas), counted as available when
+    re-planning, since the new plan replaces them."""
+    nodes = gpu_nodes()
     if not nodes:
         raise LaunchError(
             "the Ray cluster has no GPU nodes; on a machine without GPUs use --gpus N with "
@@ -111,11 +119,12 @@ def probe_cluster(config: JobConfig) -> tuple[ClusterSnapshot, dict[str, tuple[d
             raise ConfigError(
                 f"node {result['hostname']} ({node['NodeID'][:8]}): {result['error']}"
             )
-        infos.append(_node_info(config, node, result))
+        held = (held_bytes or {}).get(node["NodeID"], 0)
+        infos.append(_node_info(config, node, result, held))
     return ClusterSnapshot(nodes=tuple(infos)), envs
 
 
-def _node_info(config: JobConfig, node: dict, result: dict) -> NodeInfo:
+def _node_info(config: JobConfig, node: dict, result: dict, held_bytes: int = 0) -> NodeInfo:
     probe = result["probe"]
     num_gpus = int(node["Resources"]["GPU"])
     if config.gpu_memory_bytes is not None:
@@ -129,7 +138,7 @@ def _node_info(config: JobConfig, node: dict, result: dict) -> NodeInfo:
             f"node {result['hostname']} has {num_gpus} GPUs that are not CUDA devices (simulated); "
             "give their memory with --gpu-memory"
         )
-    available = probe.host_available_bytes or 0
+    available = (probe.host_available_bytes or 0) + held_bytes
     host = config.host_memory_bytes or int(available * HOST_BUDGET_FRACTION)
     return NodeInfo(
         node_id=node["NodeID"],
@@ -144,12 +153,14 @@ def _node_info(config: JobConfig, node: dict, result: dict) -> NodeInfo:
 
 @dataclass(frozen=True, slots=True)
 class WorkerHandle:
-    """An actor and what it was started for."""
+    """An actor and what it was started for; `actor` is None when a named load's worker was
+    not found on attach (lost), `name` its actor name in a named load."""
 
-    actor: ray.actor.ActorHandle
+    actor: ray.actor.ActorHandle | None
     spec: StageSpec
     node_id: str
     hostname: str
+    name: str | None = None
 
 
 def start_workers(
@@ -157,15 +168,17 @@ def start_workers(
     specs: list[StageSpec],
     placements: list[tuple[str, str]],
     *,
-    name: str | None = None,
+    names: list[str] | None = None,
 ) -> list[WorkerHandle]:
-    """One actor per stage; with `name`, detached and named so later commands can attach."""
-    from coordinator.registry import NAMESPACE, worker_name
+    """One actor per stage; with `names` (a named load), detached actors of those names, so
+    later commands can attach."""
+    from coordinator.registry import NAMESPACE
 
     remote_cls = ray.remote(StageWorker)
     handles: list[WorkerHandle] = []
+    names = names if names is not None else [None] * len(specs)
     try:
-        for spec, (node_id, hostname) in zip(specs, placements, strict=True):
+        for spec, (node_id, hostname), name in zip(specs, placements, names, strict=True):
             options = {
                 "num_gpus": 1,
                 "num_cpus": config.cpus_per_worker,
@@ -175,15 +188,15 @@ def start_workers(
             if spec.env:
                 options["runtime_env"] = {"env_vars": dict(spec.env)}
             if name is not None:
-                options.update(name=worker_name(name, spec.stage), namespace=NAMESPACE,
-                               lifetime="detached")  # fmt: skip
+                options.update(name=name, namespace=NAMESPACE, lifetime="detached")
             actor = remote_cls.options(**options).remote(
                 spec,
                 gpu_memory_bytes=config.gpu_memory_bytes,
                 num_threads=config.cpus_per_worker,
                 attn_implementation=config.attn_implementation,
             )
-            handles.append(WorkerHandle(actor=actor, spec=spec, node_id=node_id, hostname=hostname))
+            handles.append(WorkerHandle(actor=actor, spec=spec, node_id=node_id,
+                                        hostname=hostname, name=name))  # fmt: skip
     except BaseException:
         kill_workers(handles)
         raise
@@ -195,7 +208,9 @@ def load_workers(
     timeout_s: float,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[dict]:
-    """prepare -> every chunk -> finish on all workers at once; `progress(done, total)` bytes."""
+    """prepare -> every chunk -> finish on all workers at once; `progress(done, total)` bytes.
+    Workers that are loaded already take part at no cost (they have no chunks left), so a load
+    interrupted by a lost worker is finished by calling this again with its replacement."""
     deadline = time.monotonic() + timeout_s
 
     def left() -> float:
@@ -204,11 +219,11 @@ def load_workers(
             raise LaunchError(f"loading did not finish within {timeout_s:.0f} s (load_timeout_s)")
         return remaining
 
-    chunk_sizes = _get([h.actor.prepare.remote() for h in handles], left(), handles)
-    total = sum(sum(sizes) for sizes in chunk_sizes)
+    chunk_sizes = wait_workers([h.actor.prepare.remote() for h in handles], left(), handles)
+    total = sum(sum(sizes.values()) for sizes in chunk_sizes)
     pending = {}
     for handle, sizes in zip(handles, chunk_sizes, strict=True):
-        for index in range(len(sizes)):
+        for index in sizes:
             pending[handle.actor.load_chunk.remote(index)] = handle
     done = 0
     if progress:
@@ -217,13 +232,15 @@ def load_workers(
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=left())
         for ref in ready:
             handle = pending.pop(ref)
-            done += _get([ref], left(), [handle])[0]
+            done += wait_workers([ref], left(), [handle])[0]
             if progress:
                 progress(done, total)
-    return _get([h.actor.finish_load.remote() for h in handles], left(), handles)
+    return wait_workers([h.actor.finish_load.remote() for h in handles], left(), handles)
 
 
-def _get(refs: list, timeout_s: float, handles: list[WorkerHandle]) -> list:
+def wait_workers(refs: list, timeout_s: float, handles: list[WorkerHandle]) -> list:
+    """ray.get for calls on workers, with their failures as LaunchError (WorkerLostError when
+    a worker died)."""
     try:
         return ray.get(refs, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
@@ -233,11 +250,13 @@ def _get(refs: list, timeout_s: float, handles: list[WorkerHandle]) -> list:
         raise LaunchError(f"a worker failed: {cause}") from None
     except ray.exceptions.RayActorError as exc:
         hosts = ", ".join(sorted({h.hostname for h in handles}))
-        raise LaunchError(f"a worker died (on {hosts}): {exc}") from None
+        raise WorkerLostError(f"a worker died (on {hosts}): {exc}") from None
 
 
 def kill_workers(handles: list[WorkerHandle]) -> None:
     for handle in handles:
+        if handle.actor is None:
+            continue
         try:
             ray.kill(handle.actor, no_restart=True)
         except Exception as exc:  # already dead: nothing to release

@@ -7,6 +7,7 @@ to them by name, `list` shows what is loaded. On the embedded Ray they die with 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import ray
@@ -16,6 +17,7 @@ from coordinator.config import JobConfig, job_config_from_dict
 NAMESPACE = "offload-coordinator"
 ATTACH_TIMEOUT_S = 60.0
 _RECORD_PREFIX = "load:"
+HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
 
 
 class LoadNotFoundError(LookupError):
@@ -26,19 +28,30 @@ def record_name(name: str) -> str:
     return f"{_RECORD_PREFIX}{name}"
 
 
-def worker_name(name: str, stage: int) -> str:
-    return f"{_RECORD_PREFIX}{name}:stage-{stage}"
+def worker_name(name: str, number: int) -> str:
+    """Actor name of worker `number` of load `name`. Numbers are never reused within a load: a
+    worker keeps its name when a re-plan gives it another stage, a replacement gets a new one;
+    the record lists them in stage order."""
+    return f"{_worker_prefix(name)}{number}"
+
+
+def _worker_prefix(name: str) -> str:
+    return f"{_RECORD_PREFIX}{name}:worker-"
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class LoadRecord:
-    """Holds what a later command needs to attach: the job config and the plan."""
+    """Holds what a later command needs to attach: the job config, the plan, the workers'
+    names in stage order, and the recovery events."""
 
     def __init__(self, record: dict) -> None:
         self.record = record
 
     def get(self) -> dict:
         return self.record
+
+    def update(self, changes: dict) -> None:
+        self.record.update(changes)
 
 
 def check_name(name: str) -> None:
@@ -51,11 +64,33 @@ def check_name(name: str) -> None:
     raise ValueError(f"a load named {name!r} already exists; unload it or choose another name")
 
 
-def save(name: str, config: JobConfig, plan_json: str) -> None:
-    record = {"name": name, "config": _config_dict(config), "plan": plan_json}
-    LoadRecord.options(name=record_name(name), namespace=NAMESPACE, lifetime="detached").remote(
-        record
-    )
+def save(name: str, config: JobConfig, plan_json: str, workers: list[str],
+         events: list[dict]) -> None:  # fmt: skip
+    record = {"name": name, "config": _config_dict(config), "plan": plan_json,
+              "workers": workers, "events": events}  # fmt: skip
+    # On the head node: a worker node may leave with the record's process, the head may not.
+    actor = LoadRecord.options(name=record_name(name), namespace=NAMESPACE, lifetime="detached",
+                               **_on_head()).remote(record)  # fmt: skip
+    ray.get(actor.get.remote(), timeout=ATTACH_TIMEOUT_S)  # it exists before anything else runs
+
+
+def _on_head() -> dict:
+    """Actor options that place it on the head node (a sliver of its marker resource)."""
+    if any(HEAD_RESOURCE in node["Resources"] for node in ray.nodes() if node["Alive"]):
+        return {"resources": {HEAD_RESOURCE: 0.001}}
+    return {}  # no head marker reported: anywhere
+
+
+def next_worker_number(record: dict) -> int:
+    """The first worker number not used yet by the load."""
+    return 1 + max((int(n.rpartition("-")[2]) for n in record["workers"] if n), default=-1)
+
+
+def update(name: str, plan_json: str, workers: list[str], events: list[dict]) -> None:
+    """After a recovery: the new plan, workers and events (waits, so a later attach sees them)."""
+    actor, _ = load_record(name)
+    ray.get(actor.update.remote({"plan": plan_json, "workers": workers, "events": events}),
+            timeout=ATTACH_TIMEOUT_S)  # fmt: skip
 
 
 def _config_dict(config: JobConfig) -> dict:
@@ -80,41 +115,51 @@ def config_of(record: dict) -> JobConfig:
     return job_config_from_dict(record["config"], where=f"load {record['name']!r}")
 
 
-def worker_handles(name: str, num_stages: int) -> list[ray.actor.ActorHandle]:
+def worker_handles(record: dict) -> list[ray.actor.ActorHandle | None]:
+    """The load's workers in stage order; None for a worker that is gone (a lost stage)."""
     handles = []
-    for stage in range(num_stages):
+    for actor_name in record["workers"]:
         try:
-            handles.append(ray.get_actor(worker_name(name, stage), namespace=NAMESPACE))
+            handles.append(ray.get_actor(actor_name, namespace=NAMESPACE))
         except ValueError:
-            raise LoadNotFoundError(
-                f"load {name!r} has lost its stage {stage} worker; unload it and load again"
-            ) from None
+            handles.append(None)
     return handles
 
 
-def list_loads() -> list[str]:
-    names = ray.util.list_named_actors(all_namespaces=True)
-    return sorted(
-        entry["name"].removeprefix(_RECORD_PREFIX)
-        for entry in names
+def _named_actors() -> list[str]:
+    return [
+        entry["name"]
+        for entry in ray.util.list_named_actors(all_namespaces=True)
         if entry["namespace"] == NAMESPACE
-        and entry["name"].startswith(_RECORD_PREFIX)
-        and ":stage-" not in entry["name"]
+    ]
+
+
+def list_loads() -> list[str]:
+    return sorted(
+        actor_name.removeprefix(_RECORD_PREFIX)
+        for actor_name in _named_actors()
+        if actor_name.startswith(_RECORD_PREFIX) and ":worker-" not in actor_name
     )
 
 
 def unload(name: str) -> int:
-    """Kill the load's workers and its record; returns the number of workers killed."""
-    record_actor, record = load_record(name)
-    from coordinator.planner import Plan
-
-    stages = len(Plan.from_json(record["plan"]).stages)
+    """Kill the load's workers and its record; returns the number of workers killed. Every
+    worker of the load is found by its name prefix, also one a recovery started but did not
+    get to record."""
+    record_actor, _ = load_record(name)
     killed = 0
-    for stage in range(stages):
-        try:
-            ray.kill(ray.get_actor(worker_name(name, stage), namespace=NAMESPACE), no_restart=True)
-            killed += 1
-        except ValueError:
-            pass  # already gone
+    for actor_name in _named_actors():
+        if actor_name.startswith(_worker_prefix(name)):
+            try:
+                ray.kill(ray.get_actor(actor_name, namespace=NAMESPACE), no_restart=True)
+                killed += 1
+            except ValueError:
+                pass  # gone since it was listed
     ray.kill(record_actor, no_restart=True)
     return killed
+
+
+def forget(name: str) -> None:
+    """`unload` for a load that failed midway: whatever of it exists goes."""
+    with contextlib.suppress(LoadNotFoundError):
+        unload(name)

@@ -7,6 +7,7 @@ except `MetricsExporter`, which owns the Ray gauges, and `plot`, which writes a 
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 
@@ -49,9 +50,18 @@ class NodeRow:
     pageable_bytes: int
 
 
+def live(reports: list[dict]) -> list[dict]:
+    """The snapshots of live workers (a lost stage has a stub with `lost: True`)."""
+    return [r for r in reports if not r.get("lost")]
+
+
+def lost_stages(reports: list[dict]) -> list[dict]:
+    return [r for r in reports if r.get("lost")]
+
+
 def gpu_rows(reports: list[dict]) -> list[GpuRow]:
     rows = []
-    for r in sorted(reports, key=lambda r: r["stage"]):
+    for r in sorted(live(reports), key=lambda r: r["stage"]):
         stats = r.get("stats") or {}
         pin = r.get("pin") or {"pin": False, "source": "", "reason": ""}
         rows.append(
@@ -79,7 +89,7 @@ def node_rows(reports: list[dict]) -> list[NodeRow]:
     """Per node: the host memory its workers hold. Workers of one node report the same
     `host_available_bytes` (sampled at slightly different times): the smallest is kept."""
     by_host: dict[str, list[dict]] = defaultdict(list)
-    for r in reports:
+    for r in live(reports):
         by_host[r["hostname"]].append(r)
     rows = []
     for hostname, items in sorted(by_host.items()):
@@ -97,12 +107,20 @@ def node_rows(reports: list[dict]) -> list[NodeRow]:
     return rows
 
 
-def summary(reports: list[dict]) -> dict:
-    """JSON-ready: per GPU and per node."""
+def summary(reports: list[dict], events: list[dict] = ()) -> dict:
+    """JSON-ready: per GPU and per node, the stages whose worker is lost, recovery events."""
     return {
         "gpus": [asdict(row) for row in gpu_rows(reports)],
         "nodes": [asdict(row) for row in node_rows(reports)],
+        "lost": [{k: r[k] for k in ("stage", "hostname", "layers")} for r in lost_stages(reports)],
+        "events": list(events),
     }
+
+
+def _event_line(event: dict) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event["time"]))
+    details = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("time", "event"))
+    return f"{when}  {event['event']}: {details}"
 
 
 def _table(rows: list[tuple[str, ...]]) -> str:
@@ -111,7 +129,7 @@ def _table(rows: list[tuple[str, ...]]) -> str:
                      for r in rows)  # fmt: skip
 
 
-def render(reports: list[dict]) -> str:
+def render(reports: list[dict], events: list[dict] = ()) -> str:
     gpus = [("stage", "host", "gpu", "layers", "device used/total", "resident", "slots",
              "offloaded (pinned)", "copies", "stall", "pin")]  # fmt: skip
     for g in gpu_rows(reports):
@@ -130,7 +148,13 @@ def render(reports: list[dict]) -> str:
             format_bytes(n.workers_rss_bytes), format_bytes(n.pinned_bytes),
             format_bytes(n.pageable_bytes),
         ))  # fmt: skip
-    return _table(gpus) + "\n\n" + _table(nodes)
+    out = _table(gpus) + "\n\n" + _table(nodes)
+    for r in lost_stages(reports):
+        out += (f"\nstage {r['stage']} ({layer_range(r['layers'])}, on {r['hostname']}): worker "
+                "LOST; the next forward recovers it, or unload")  # fmt: skip
+    if events:
+        out += "\n\nevents:\n" + "\n".join(_event_line(e) for e in events)
+    return out
 
 
 # (metric name, description, GpuRow field)
@@ -161,11 +185,32 @@ class MetricsExporter:
             for name, text, field in GPU_GAUGES
         }
 
-    def export(self, reports: list[dict]) -> None:
+        self._up = Gauge(METRIC_PREFIX + "stage_up", tag_keys=tags,
+                         description="1 while the stage's worker answers, 0 once it is lost")
+        self._events = Gauge(METRIC_PREFIX + "recovery_events", tag_keys=("event",),
+                             description="Recovery events of the job so far, by kind")  # fmt: skip
+
+        self._was_up: set[tuple[str, str, str]] = set()
+
+    def export(self, reports: list[dict], events: list[dict] = ()) -> None:
+        up = set()
         for row in gpu_rows(reports):
             tags = {"node": row.hostname, "gpu": row.gpu, "stage": str(row.stage)}
             for field, gauge in self._gauges.items():
                 gauge.set(float(getattr(row, field)), tags=tags)
+            up.add((row.hostname, row.gpu, str(row.stage)))
+        down = {(r["hostname"], "-", str(r["stage"])) for r in lost_stages(reports)}
+        # A stage renumbered or gone after a re-plan must not stay "up" under its old tags.
+        down |= self._was_up - up
+        for value, keys in ((1.0, up), (0.0, down)):
+            for node, gpu, stage in keys:
+                self._up.set(value, tags={"node": node, "gpu": gpu, "stage": stage})
+        self._was_up = up
+        counts: dict[str, int] = defaultdict(int)
+        for e in events:
+            counts[e["event"]] += 1
+        for kind, count in counts.items():
+            self._events.set(float(count), tags={"event": kind})
 
 
 def _stacked(ax, labels: list[str], parts: list[tuple[str, list[int]]], title: str) -> None:
@@ -189,6 +234,8 @@ def plot(reports: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     gpus, nodes = gpu_rows(reports), node_rows(reports)
+    if not gpus:
+        raise ValueError("no live worker to plot: every stage of the job is lost")
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     _stacked(
         left,

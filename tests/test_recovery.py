@@ -1,0 +1,129 @@
+"""Lost nodes, on a Ray Cluster of three one-GPU nodes (`Cluster.remove_node`): the job re-plans
+on the GPUs left, surviving workers keep what they hold and read only the layers that moved,
+logits stay equal to transformers; when what is left cannot hold the model, a PlanError with
+the numbers, and the load can still be inspected and unloaded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import ray
+import torch
+from helpers import wait_gpus_free
+from ray.cluster_utils import Cluster
+
+from coordinator import telemetry
+from coordinator.checkpoint import load_index
+from coordinator.cli import main
+from coordinator.cluster import ClusterSnapshot, GpuInfo, NodeInfo
+from coordinator.config import JobConfig
+from coordinator.job import launch
+from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.planner import PlanError, PlanOptions, plan
+from coordinator.recovery import match_survivors
+from coordinator.reference import reference_logits
+
+SHAPE = CheckpointShape(arch="llama", num_layers=6, hidden_size=64, num_heads=4, num_kv_heads=2,
+                        intermediate_size=128, vocab_size=128, max_shard_bytes=200_000)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    nodes = [c.add_node(num_cpus=2, num_gpus=1) for _ in range(3)]
+    try:
+        ray.init(address=c.address, log_to_driver=False)
+        yield c, {node.node_id: node for node in nodes}
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def budgets(index) -> tuple[int, int]:
+    """Per-GPU and per-node host bytes such that three GPUs hold the model resident, two need
+    offloading, and one cannot hold it at all (checked on the planner itself)."""
+    decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
+    gpu, host = index.total_bytes // 3 + decoder // 2, index.total_bytes // 2
+
+    def offloaded(num_nodes: int) -> int:
+        nodes = tuple(NodeInfo(node_id=f"n{i}", gpus=(GpuInfo(index=0, memory_bytes=gpu),),
+                               host_budget_bytes=host) for i in range(num_nodes))  # fmt: skip
+        p = plan(index.layers, ClusterSnapshot(nodes=nodes), PlanOptions())
+        return sum(s.offloaded_bytes for s in p.stages)
+
+    assert offloaded(3) == 0 and offloaded(2) > 0
+    with pytest.raises(PlanError):
+        offloaded(1)
+    return gpu, host
+
+
+def test_lost_nodes_replan_then_fail_with_numbers(cluster, tmp_path, capsys) -> None:
+    c, nodes = cluster
+    checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
+    index = load_index(checkpoint)
+    gpu, host = budgets(index)
+    config = JobConfig(checkpoint=checkpoint, address=c.address, gpu_memory_bytes=gpu,
+                       host_memory_bytes=host)  # fmt: skip
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(7))
+    expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
+    nbytes = {layer.name: layer.nbytes for layer in index.layers}
+    address = ["--address", c.address]
+    job = launch(config, name="survivor")
+    try:
+        assert len(job.plan.stages) == 3 and not any(s.offloaded for s in job.plan.stages)
+        assert torch.equal(job.forward(ids), expected)
+        before = {r["pid"]: r for r in job.telemetry()}
+
+        # 1. The node of the middle stage leaves: two GPUs are left, enough with offloading.
+        c.remove_node(nodes[job.workers[1].node_id])
+        assert torch.equal(job.forward(ids), expected)
+        [event] = job.events
+        assert event["event"] == "re-planned" and event["lost_stages"] == [1]
+        assert len(job.plan.stages) == 2 and event["new_workers"] == []
+        after = job.telemetry()
+        assert sum(r["stats"]["offloaded_bytes"] for r in after) > 0  # more offloading
+        for report in after:
+            old = before[report["pid"]]  # the same process: a survivor, reconfigured
+            moved = set(report["layers"]) - set(old["layers"])
+            assert moved  # it took over part of the lost stage...
+            # ...and read exactly those layers; what it held moved in memory.
+            assert report["bytes_read"] - old["bytes_read"] == sum(nbytes[n] for n in moved)
+        assert main(["status", "survivor", "--json", *address]) == 0
+        status = json.loads(capsys.readouterr().out)
+        assert [e["event"] for e in status["events"]] == ["re-planned"] and status["lost"] == []
+
+        # 2. Another node leaves: one GPU cannot hold the model.
+        c.remove_node(nodes[job.workers[0].node_id])
+        with pytest.raises(PlanError, match=r"the 1 GPU\(s\) left cannot hold the model "
+                           rf"\({index.total_bytes} bytes\).*Needed"):  # fmt: skip
+            job.forward(ids)
+        reports = job.telemetry()  # still usable: the survivor reports, the lost stage is marked
+        assert [bool(r.get("lost")) for r in reports] == [True, False]
+        assert "LOST" in telemetry.render(reports, job.events)
+    finally:
+        job.close()  # a named load on a cluster: close() only detaches
+    assert main(["status", "survivor", "--json", *address]) == 0  # from another "process"
+    status = json.loads(capsys.readouterr().out)
+    assert [e["event"] for e in status["events"]] == ["re-planned", "re-plan failed"]
+    assert [lost["stage"] for lost in status["lost"]] == [0] and len(status["gpus"]) == 1
+    assert main(["unload", "survivor", *address]) == 0
+    assert "1 workers released" in capsys.readouterr().out
+    wait_gpus_free(1)
+
+
+def test_survivors_are_matched_to_the_stages_they_share_most_with() -> None:
+    from coordinator.planner import StagePlan
+
+    def stage(i: int, node: str, layers: tuple[str, ...]) -> StagePlan:
+        return StagePlan(stage=i, node_id=node, hostname="h", gpu_index=0, layers=layers,
+                         offloaded=(), prefetch_step=1, resident_bytes=0, slot_bytes=0,
+                         offloaded_bytes=0, device_bytes=0, pinned=False, compute_s=0.0,
+                         transfer_s=0.0, time_s=0.0)  # fmt: skip
+
+    sizes = {"a": 1, "b": 10, "c": 100, "d": 1000}
+    survivors = [("n1", frozenset({"a", "b"})), ("n1", frozenset({"c"})), ("n2", frozenset())]
+    stages = [stage(0, "n1", ("a", "b", "c")), stage(1, "n1", ("d",)), stage(2, "n3", ("d",))]
+    # stage 0 goes to the survivor holding "c" (100 bytes in common, more than 11); the other
+    # survivor on n1 still takes stage 1 (no process start); nobody is on n3; n2's is unused.
+    assert match_survivors(survivors, stages, sizes) == {0: 1, 1: 0}
