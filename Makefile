@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) bench/prefetch_overlap.py
 	$(PY) bench/planner.py
 	$(PY) bench/load.py
+	$(PY) bench/recovery.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache .hypothesis

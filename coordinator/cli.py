@@ -54,10 +54,15 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefetch-step", type=_positive, dest="prefetch_step")
     parser.add_argument("--backend", choices=("auto", "prefetch", "uva"))
     parser.add_argument("--cpus-per-worker", type=_positive, dest="cpus_per_worker")
+    parser.add_argument("--snapshot-interval", type=float, dest="snapshot_interval_s",
+                        metavar="SECONDS", help="each worker snapshots its memory this often "
+                        "(default 10; 0: on request only); a named load publishes them as Ray "
+                        "gauges")  # fmt: skip
 
 
 _JOB_FIELDS = ("checkpoint", "address", "gpus", "gpu_memory_bytes", "host_memory_bytes",
-               "reserve_bytes", "prefetch_step", "backend", "cpus_per_worker")  # fmt: skip
+               "reserve_bytes", "prefetch_step", "backend", "cpus_per_worker",
+               "snapshot_interval_s")  # fmt: skip
 
 
 def _job_config(args: argparse.Namespace) -> JobConfig:

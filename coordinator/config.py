@@ -131,6 +131,9 @@ class JobConfig:
     attn_implementation: str = "sdpa"
     load_timeout_s: float = 900.0
     forward_timeout_s: float = 300.0
+    # Each worker snapshots its memory this often (0: only on request); a named load's record
+    # publishes the latest snapshots as Ray gauges at the same pace.
+    snapshot_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.checkpoint:
@@ -156,6 +159,10 @@ class JobConfig:
         for name in ("load_timeout_s", "forward_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+        if self.snapshot_interval_s < 0:
+            raise ConfigError(
+                f"snapshot_interval_s={self.snapshot_interval_s} must be >= 0 (0: on request only)"
+            )
 
 
 _SIZE_FIELDS = {"gpu_memory_bytes", "host_memory_bytes", "reserve_bytes"}

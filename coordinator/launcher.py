@@ -194,6 +194,7 @@ def start_workers(
                 gpu_memory_bytes=config.gpu_memory_bytes,
                 num_threads=config.cpus_per_worker,
                 attn_implementation=config.attn_implementation,
+                snapshot_interval_s=config.snapshot_interval_s,
             )
             handles.append(WorkerHandle(actor=actor, spec=spec, node_id=node_id,
                                         hostname=hostname, name=name))  # fmt: skip

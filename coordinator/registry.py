@@ -18,6 +18,7 @@ NAMESPACE = "offload-coordinator"
 ATTACH_TIMEOUT_S = 60.0
 _RECORD_PREFIX = "load:"
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
+EXPORT_TIMEOUT_S = 30.0  # a worker's latest snapshot is in memory: it answers between calls
 
 
 class LoadNotFoundError(LookupError):
@@ -53,6 +54,45 @@ class LoadRecord:
     def update(self, changes: dict) -> None:
         self.record.update(changes)
 
+    def start_export(self, interval_s: float) -> None:
+        """Publish the workers' latest snapshots as Ray gauges every `interval_s`, for as long as
+        the load exists: no driver stays behind to do it."""
+        import threading
+
+        threading.Thread(target=self._export_loop, args=(interval_s,), daemon=True,
+                         name="offload-export").start()  # fmt: skip
+
+    def _export_loop(self, interval_s: float) -> None:
+        import sys
+        import time
+
+        from coordinator.telemetry import MetricsExporter
+
+        exporter = MetricsExporter()
+        while True:
+            time.sleep(interval_s)
+            try:
+                exporter.export(self._latest_snapshots(), self.record["events"])
+            except Exception as exc:  # keep publishing; say why this tick was skipped
+                print(f"load {self.record['name']!r}: export skipped: {exc}", file=sys.stderr)
+
+    def _latest_snapshots(self) -> list[dict]:
+        from coordinator.planner import Plan
+
+        stages = Plan.from_json(self.record["plan"]).stages
+        refs = [a.latest.remote() if a is not None else None for a in worker_handles(self.record)]
+        reports = []
+        for stage, ref in zip(stages, refs, strict=True):
+            try:
+                if ref is not None:
+                    reports.append(ray.get(ref, timeout=EXPORT_TIMEOUT_S))
+                    continue
+            except ray.exceptions.RayActorError:
+                pass
+            reports.append({"stage": stage.stage, "hostname": stage.hostname, "lost": True,
+                            "layers": list(stage.layers)})  # fmt: skip
+        return reports
+
 
 def check_name(name: str) -> None:
     if not name or ":" in name or "/" in name:
@@ -72,6 +112,8 @@ def save(name: str, config: JobConfig, plan_json: str, workers: list[str],
     actor = LoadRecord.options(name=record_name(name), namespace=NAMESPACE, lifetime="detached",
                                **_on_head()).remote(record)  # fmt: skip
     ray.get(actor.get.remote(), timeout=ATTACH_TIMEOUT_S)  # it exists before anything else runs
+    if config.snapshot_interval_s > 0:
+        actor.start_export.remote(config.snapshot_interval_s)
 
 
 def _on_head() -> dict:

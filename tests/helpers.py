@@ -60,3 +60,25 @@ def wait_gpus_free(expected: int, timeout_s: float = 60.0) -> None:
     while ray.available_resources().get("GPU", 0) != expected:
         assert time.monotonic() < deadline, f"GPUs still held: {ray.available_resources()}"
         time.sleep(0.2)
+
+
+def scrape_gauges(name: str, expected: dict[str, float], port: int, *, tag: str = "stage",
+                  timeout_s: float = 30.0) -> dict[str, float]:  # fmt: skip
+    """`tag` value -> value of Ray gauge `name` on this node's Prometheus endpoint at `port`, polled
+    (bounded) until it shows `expected`: Ray exports every metrics_report_interval_ms, and an
+    earlier job may have set the same gauge."""
+    import re
+    import time
+    import urllib.request
+
+    import ray
+
+    ip = ray.util.get_node_ip_address()
+    pattern = re.compile(r"^ray_" + name + r'\{[^}]*' + tag + r'="([^"]*)"[^}]*\} (\S+)$', re.M)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(f"http://{ip}:{port}/metrics", timeout=10) as r:
+            found = {stage: float(v) for stage, v in pattern.findall(r.read().decode())}
+        if found == expected or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)

@@ -7,17 +7,22 @@ import json
 
 import pytest
 import ray
-from helpers import wait_gpus_free
+from helpers import scrape_gauges, wait_gpus_free
 from ray.cluster_utils import Cluster
+from ray_head import free_ports
 
 from coordinator.checkpoint import load_index
 from coordinator.cli import EXIT_ERROR, main
 from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 
+METRICS_PORT = free_ports(1)[0]
+
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 3})
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 4, "num_gpus": 3, "metrics_export_port": METRICS_PORT,
+        "_system_config": {"metrics_report_interval_ms": 500}})  # fmt: skip
     try:
         ray.init(address=c.address, log_to_driver=False)
         yield c
@@ -35,7 +40,7 @@ def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:
     budget = str(index.total_bytes // 3 - decoder // 4)
     address = ["--address", cluster.address]
     assert main(["load", "--checkpoint", str(checkpoint), "--gpu-memory", budget, "--name", "m1",
-                 *address]) == 0  # fmt: skip
+                 "--snapshot-interval", "0.5", *address]) == 0  # fmt: skip
     assert "stays on the cluster" in capsys.readouterr().out
     assert ray.available_resources().get("GPU", 0) == 0  # the workers are still there
 
@@ -55,6 +60,14 @@ def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:
     status = json.loads(capsys.readouterr().out)
     assert [g["stage"] for g in status["gpus"]] == [0, 1, 2]
     assert sum(g["offloaded_bytes"] for g in status["gpus"]) > 0
+    # No driver is left, yet Prometheus sees the load: its record publishes the workers'
+    # periodic snapshots, and `run` above made copies that the gauges now count.
+    offloaded = {str(g["stage"]): float(g["offloaded_bytes"]) for g in status["gpus"]}
+    assert scrape_gauges("offload_offloaded_weight_bytes", offloaded, METRICS_PORT) == offloaded
+    copies = {str(g["stage"]): float(g["copies"]) for g in status["gpus"]}
+    assert scrape_gauges("offload_copies", copies, METRICS_PORT) == copies
+    up = {str(g["stage"]): 1.0 for g in status["gpus"]}
+    assert scrape_gauges("offload_stage_up", up, METRICS_PORT) == up
 
     assert main(["unload", "m1", *address]) == 0
     assert "3 workers released" in capsys.readouterr().out

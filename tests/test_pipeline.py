@@ -4,14 +4,12 @@ logits bitwise equal to transformers in one process; failures release everything
 from __future__ import annotations
 
 import json
-import re
 import time
-import urllib.request
 
 import pytest
 import ray
 import torch
-from helpers import wait_gpus_free
+from helpers import scrape_gauges, wait_gpus_free
 from ray_head import free_ports
 
 from coordinator import telemetry
@@ -47,21 +45,6 @@ def embedded_ray():
     ray.shutdown()
 
 
-def scrape_gauges(name: str, expected: dict[str, float], timeout_s: float = 30.0) -> dict:
-    """stage -> value of Ray gauge `name` on this node's Prometheus endpoint, polled (bounded)
-    until it shows `expected`: Ray exports every metrics_report_interval_ms, and an earlier
-    job in this module may have set the same gauge."""
-    ip = ray.util.get_node_ip_address()
-    pattern = re.compile(r"^ray_" + name + r'\{[^}]*stage="(\d+)"[^}]*\} (\S+)$', re.M)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with urllib.request.urlopen(f"http://{ip}:{METRICS_PORT}/metrics", timeout=10) as r:
-            found = {stage: float(v) for stage, v in pattern.findall(r.read().decode())}
-        if found == expected or time.monotonic() > deadline:
-            return found
-        time.sleep(0.5)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("ckpt")
@@ -91,12 +74,12 @@ def test_pipeline_matches_transformers(embedded_ray, checkpoints, arch: str) -> 
         again = job.forward(ids)  # a second pass through the prefetch schedule
         reports = job.export_metrics()
         expected_gauges = {str(r["stage"]): float(r["stats"]["offloaded_bytes"]) for r in reports}
-        scraped = scrape_gauges("offload_offloaded_weight_bytes", expected_gauges)
+        scraped = scrape_gauges("offload_offloaded_weight_bytes", expected_gauges, METRICS_PORT)
         # Periodic export picks up what changes: the copies of one more forward.
         job.export_metrics_every(0.3)
         job.forward(ids)
         copies = {str(r["stage"]): float(r["stats"]["copies"]) for r in job.telemetry()}
-        assert scrape_gauges("offload_copies", copies) == copies
+        assert scrape_gauges("offload_copies", copies, METRICS_PORT) == copies
     expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
     # Same ops, same weights, one thread on both sides: bitwise equal.
     assert torch.equal(logits, expected) and torch.equal(again, expected)
@@ -186,6 +169,10 @@ def test_a_killed_worker_is_replaced_and_only_its_stage_reloaded(embedded_ray, c
         assert after[1]["bytes_read"] == share  # the replacement read its own stage only
         assert job.dead_stages() == []
         assert "replaced workers" in telemetry.render(list(after.values()), job.events)
+        job.export_metrics()
+        events = {"replaced workers": 1.0}
+        assert scrape_gauges("offload_recovery_events", events, METRICS_PORT,
+                             tag="event") == events  # fmt: skip
     wait_gpus_free(NUM_GPUS)
 
 

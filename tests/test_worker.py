@@ -114,3 +114,27 @@ def test_an_interrupted_load_resumes_where_it_stopped(index, monkeypatch) -> Non
         assert worker.prepare() == {}
     finally:
         worker.close()
+
+
+def test_periodic_snapshots_add_up_to_the_counters(index) -> None:
+    """The snapshot thread's `since_last` deltas and an on-request report's share one baseline:
+    together they add up to the cumulative counters, nothing counted twice or lost."""
+    import time
+
+    worker = StageWorker(spec_for(index, offloaded=("layers.0", "layers.2")), device="cpu",
+                         snapshot_interval_s=0.05)  # fmt: skip
+    try:
+        first = worker.load()
+        ids = torch.randint(0, 64, (1, 4))
+        deadline = time.monotonic() + 30
+        while len(worker.history(since=first["time"])) < 3:
+            worker.forward(ids)
+            time.sleep(0.03)
+            assert time.monotonic() < deadline, "no periodic snapshots"
+        final = worker.report()
+        periodic = [s for s in worker.history(since=first["time"]) if s["time"] <= final["time"]]
+        copies = sum(s["since_last"]["copies"] for s in periodic) + final["since_last"]["copies"]
+        assert copies == final["stats"]["copies"] - first["stats"]["copies"] > 0
+        assert worker.latest()["time"] >= periodic[-1]["time"]
+    finally:
+        worker.close()

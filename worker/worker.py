@@ -9,10 +9,13 @@ chunks); `finish_load()` starts the prefetch and checks the device budget; then 
 
 from __future__ import annotations
 
+import collections
 import os
 import platform
 import resource
 import socket
+import sys
+import threading
 import time
 
 import psutil
@@ -28,6 +31,7 @@ from worker.spec import StageSpec
 from worker.stage import Stage, hf_config_from_dict, model_class_for
 
 LOAD_CHUNK_BYTES = 64 * 2**20  # progress granularity
+SNAPSHOT_HISTORY = 360  # periodic snapshots kept: an hour at 10 s
 
 
 class WorkerError(RuntimeError):
@@ -52,6 +56,7 @@ class StageWorker:
         gpu_memory_bytes: int | None = None,
         num_threads: int | None = None,
         attn_implementation: str = "sdpa",
+        snapshot_interval_s: float = 0.0,
     ) -> None:
         self.spec = spec
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -79,6 +84,12 @@ class StageWorker:
         self._forwards = 0
         self._started = time.monotonic()
         self._last_counters: tuple[dict, float] | None = None
+        self._report_lock = threading.Lock()  # `since_last` is shared with the snapshot thread
+        self._history: collections.deque[dict] = collections.deque(maxlen=SNAPSHOT_HISTORY)
+        self._stop = threading.Event()
+        if snapshot_interval_s > 0:
+            threading.Thread(target=self._snapshot_loop, args=(snapshot_interval_s,),
+                             name="offload-snapshots", daemon=True).start()  # fmt: skip
 
     @property
     def offloader(self):
@@ -164,6 +175,7 @@ class StageWorker:
         self._chunks = self._make_chunks([n for n in names if n not in carried])
         self._loaded_chunks = set()
         self._ready = False
+        self._history.clear()  # snapshots of the old stage would pass for the new one
 
     def _make_chunks(self, names: list[str]) -> list[list[str]]:
         chunks: list[list[str]] = []
@@ -277,7 +289,30 @@ class StageWorker:
         self._last_counters = (current, now)
         return {"interval_s": now - then, **{k: current[k] - previous[k] for k in keys}}
 
+    def _snapshot_loop(self, interval_s: float) -> None:
+        """Snapshot every `interval_s` once loaded, keeping the last SNAPSHOT_HISTORY."""
+        while not self._stop.wait(interval_s):
+            if not self._ready:
+                continue
+            try:
+                self._history.append(self.report())
+            except Exception as exc:  # the stage changed under us (reconfigure): next tick
+                print(f"{self._where()}: snapshot skipped: {exc}", file=sys.stderr)
+
+    def history(self, since: float = 0.0) -> list[dict]:
+        """The periodic snapshots taken after time `since` (seconds since the epoch)."""
+        return [s for s in list(self._history) if s["time"] > since]
+
+    def latest(self) -> dict:
+        """The last periodic snapshot, or a fresh one when none was taken yet."""
+        history = list(self._history)
+        return history[-1] if history else self.report()
+
     def report(self) -> dict:
+        with self._report_lock:
+            return self._report()
+
+    def _report(self) -> dict:
         stats = self.offloader.stats().to_dict() if self.offloader is not None else {}
         decision = self.pin_decision()
         vm = psutil.virtual_memory()
@@ -323,6 +358,7 @@ class StageWorker:
         return os.getpid()
 
     def close(self) -> None:
+        self._stop.set()
         self._reader.close()
         if self.offloader is not None:
             self.offloader.detach(restore=False)  # the stage goes with it: nothing to restore
