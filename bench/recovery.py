@@ -98,13 +98,17 @@ def run(cluster, nodes, config, ids, expected, total) -> dict:
     with launch(config) as fresh:
         assert torch.equal(fresh.forward(ids), expected)
         relaunch_s = time.perf_counter() - start
-        relaunch_read = sum(r["bytes_read"] for r in fresh.telemetry())
+        fresh_reports = fresh.telemetry()
+        relaunch_read = sum(r["bytes_read"] for r in fresh_reports)
+        relaunch_load_s = max(r["load_s"] for r in fresh_reports)
     return {
         "stages": f"{stages_before} -> {stages_after}",
         "event": event,
         "recovery_s": round(recovery_s, 2),
         "relaunch_s": round(relaunch_s, 2),
         "time_ratio": round(recovery_s / relaunch_s, 3),
+        # of the relaunch: the slowest worker's own load (build + read), no process start
+        "relaunch_load_s": round(relaunch_load_s, 2),
         "recovery_read_mib": round(reread / MIB, 2),
         "relaunch_read_mib": round(relaunch_read / MIB, 2),
         "read_ratio": round(reread / relaunch_read, 3),

@@ -67,18 +67,9 @@ def connect(config: JobConfig) -> RaySession:
 
 @ray.remote(num_cpus=0, max_calls=1)  # max_calls=1: a process that touched CUDA exits after
 def _probe_task(planned_bytes: int = 0) -> dict:
-    import socket
+    from worker.node import probe_here
 
-    from offload import decide_pinning, probe_node
-
-    probe = probe_node()
-    env = dict(os.environ)
-    try:
-        decision = decide_pinning(env, probe, planned_bytes=planned_bytes).to_dict()
-        error = None
-    except (ValueError, RuntimeError) as exc:
-        decision, error = None, str(exc)
-    return {"hostname": socket.gethostname(), "probe": probe, "pin": decision, "error": error}
+    return probe_here(planned_bytes)
 
 
 def gpu_nodes() -> list[dict]:
@@ -87,12 +78,15 @@ def gpu_nodes() -> list[dict]:
 
 
 def probe_cluster(
-    config: JobConfig, held_bytes: dict[str, int] | None = None
+    config: JobConfig,
+    held_bytes: dict[str, int] | None = None,
+    probers: dict[str, ray.actor.ActorHandle] | None = None,
 ) -> tuple[ClusterSnapshot, dict[str, tuple[dict, dict]]]:
     """A snapshot of every alive GPU node, and per node the env its workers get from the job
-    (labels and overrides) with the origin of each variable. `held_bytes`: host memory this
-    job's own workers already hold on a node (their arenas), counted as available when
-    re-planning, since the new plan replaces them."""
+    (labels and overrides) with the origin of each variable. When re-planning: `held_bytes`,
+    host memory this job's own workers already hold on a node (their arenas), counted as
+    available since the new plan replaces them; `probers`, a live worker per node that answers
+    for its node instead of a probe task (no process to start)."""
     nodes = gpu_nodes()
     if not nodes:
         raise LaunchError(
@@ -111,8 +105,14 @@ def probe_cluster(
         }
         if env:
             options["runtime_env"] = {"env_vars": env}
-        refs.append(_probe_task.options(**options).remote())
-    results = ray.get(refs, timeout=PROBE_TIMEOUT_S)
+        if node["NodeID"] in (probers or {}):
+            refs.append(probers[node["NodeID"]].node_probe.remote())
+        else:
+            refs.append(_probe_task.options(**options).remote())
+    try:
+        results = ray.get(refs, timeout=PROBE_TIMEOUT_S)
+    except ray.exceptions.RayActorError as exc:
+        raise WorkerLostError(f"a worker died while probing its node: {exc}") from None
     infos = []
     for node, result in zip(nodes, results, strict=True):
         if result["error"]:

@@ -14,6 +14,7 @@ come back).
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -104,7 +105,10 @@ def _replan(job: Job, dead: list[int], gone: list[str]) -> dict:
     held: dict[str, int] = defaultdict(int)  # the survivors' arenas are replaced, not added
     for h in survivors:
         held[h.node_id] += sum(x.nbytes for x in h.spec.layers if x.name in h.spec.offloaded)
-    snapshot, envs = probe_cluster(job.config, held_bytes=held)
+    start = time.perf_counter()
+    probers = {h.node_id: h.actor for h in survivors}  # they answer for their nodes: no new process
+    snapshot, envs = probe_cluster(job.config, held_bytes=held, probers=probers)
+    probe_s = time.perf_counter() - start
     try:
         new_plan = plan(job.index.layers, snapshot, job.plan_options())
     except PlanError as exc:
@@ -142,8 +146,11 @@ def _replan(job: Job, dead: list[int], gone: list[str]) -> dict:
         handles[stage] = handle
     job.workers, job.plan = list(handles), new_plan
     # The survivors' memory moves happen here; a survivor lost meanwhile starts another round.
+    start = time.perf_counter()
     wait_workers(refs, RECONFIGURE_TIMEOUT_S, [handles[s] for s in matched])
     return {
+        "probe_s": round(probe_s, 3),
+        "reconfigure_s": round(time.perf_counter() - start, 3),
         "event": "re-planned",
         "lost_stages": dead,
         "lost_nodes": gone,
@@ -170,14 +177,23 @@ def load_recovering(job: Job, progress=None) -> list[dict]:
 
 def recover(job: Job) -> list[int]:
     """Find lost stages, replace them and load what moved; returns the stages that were lost."""
+    start = time.perf_counter()
     dead = job.dead_stages()
     if not dead:
         return []
     try:
-        job.record_event(replace_lost(job, dead))
-        job.load_reports = load_recovering(job)
+        event = replace_lost(job, dead)
     except PlanError as exc:
         job.record_event({"event": "re-plan failed", "lost_stages": dead, "error": str(exc)})
         raise
+    loading = time.perf_counter()
+    try:
+        job.load_reports = load_recovering(job)
+    except Exception as exc:  # the workers changed all the same: say so, with why it stopped
+        job.record_event({**event, "error": str(exc)})
+        raise
+    now = time.perf_counter()
+    job.record_event({**event, "load_s": round(now - loading, 3),
+                      "recovery_s": round(now - start, 3)})  # fmt: skip
     return dead
 

@@ -353,6 +353,12 @@ class StageWorker:
             "probe_errors": list(self.probe.errors),
         }
 
+    def node_probe(self) -> dict:
+        """This node's probe and pin decision, as the launcher's probe task reports them."""
+        from worker.node import probe_here
+
+        return probe_here()
+
     def ping(self) -> int:
         """Liveness check for the driver: answers with this process's pid."""
         return os.getpid()

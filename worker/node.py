@@ -1,0 +1,22 @@
+"""What a node says about itself: its probe and the pin decision its environment leads to.
+
+Run by the launcher's probe task on every GPU node before planning, and by a live worker when
+the driver re-plans (that saves starting a process per node: the worker runs on the node, with
+the job's environment for it)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from offload import decide_pinning, probe_node
+
+
+def probe_here(planned_bytes: int = 0) -> dict:
+    probe = probe_node()
+    try:
+        decision = decide_pinning(dict(os.environ), probe, planned_bytes=planned_bytes).to_dict()
+        error = None
+    except (ValueError, RuntimeError) as exc:
+        decision, error = None, str(exc)
+    return {"hostname": socket.gethostname(), "probe": probe, "pin": decision, "error": error}
