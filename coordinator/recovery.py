@@ -155,8 +155,8 @@ def _replan(job: Job, dead: list[int], gone: list[str]) -> dict:
         "lost_stages": dead,
         "lost_nodes": gone,
         "stages": len(specs),
-        "kept_workers": sorted(matched),
-        "new_workers": missing,
+        "stages_on_survivors": sorted(matched),
+        "stages_on_new_workers": missing,
         "offloaded_bytes": sum(s.offloaded_bytes for s in new_plan.stages),
     }
 

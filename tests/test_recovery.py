@@ -1,7 +1,8 @@
 """Lost nodes, on a Ray Cluster of three one-GPU nodes (`Cluster.remove_node`): the job re-plans
 on the GPUs left, surviving workers keep what they hold and read only the layers that moved,
 logits stay equal to transformers; when what is left cannot hold the model, a PlanError with
-the numbers, and the load can still be inspected and unloaded."""
+the numbers, and the load can still be inspected; once a node joins, the next forward recovers;
+unload releases everything."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def budgets(index) -> tuple[int, int]:
     return gpu, host
 
 
-def test_lost_nodes_replan_then_fail_with_numbers(cluster, tmp_path, capsys) -> None:
+def test_lost_nodes_replan_fail_with_numbers_then_recover(cluster, tmp_path, capsys) -> None:
     c, nodes = cluster
     checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
     index = load_index(checkpoint)
@@ -80,7 +81,7 @@ def test_lost_nodes_replan_then_fail_with_numbers(cluster, tmp_path, capsys) -> 
         assert torch.equal(job.forward(ids), expected)
         [event] = job.events
         assert event["event"] == "re-planned" and event["lost_stages"] == [1]
-        assert len(job.plan.stages) == 2 and event["new_workers"] == []
+        assert len(job.plan.stages) == 2 and event["stages_on_new_workers"] == []
         after = job.telemetry()
         assert sum(r["stats"]["offloaded_bytes"] for r in after) > 0  # more offloading
         for report in after:
@@ -101,15 +102,24 @@ def test_lost_nodes_replan_then_fail_with_numbers(cluster, tmp_path, capsys) -> 
         reports = job.telemetry()  # still usable: the survivor reports, the lost stage is marked
         assert [bool(r.get("lost")) for r in reports] == [True, False]
         assert "LOST" in telemetry.render(reports, job.events)
+        assert main(["status", "survivor", "--json", *address]) == 0  # as another process would
+        status = json.loads(capsys.readouterr().out)
+        assert [e["event"] for e in status["events"]] == ["re-planned", "re-plan failed"]
+        assert [lost["stage"] for lost in status["lost"]] == [0] and len(status["gpus"]) == 1
+
+        # 3. A node joins: the next forward re-plans onto the survivor and a new worker.
+        c.add_node(num_cpus=2, num_gpus=1)
+        assert torch.equal(job.forward(ids), expected)
+        assert job.events[-1]["event"] == "re-planned"
+        assert len(job.events[-1]["stages_on_new_workers"]) == 1
     finally:
         job.close()  # a named load on a cluster: close() only detaches
-    assert main(["status", "survivor", "--json", *address]) == 0  # from another "process"
+    assert main(["status", "survivor", "--json", *address]) == 0
     status = json.loads(capsys.readouterr().out)
-    assert [e["event"] for e in status["events"]] == ["re-planned", "re-plan failed"]
-    assert [lost["stage"] for lost in status["lost"]] == [0] and len(status["gpus"]) == 1
+    assert status["lost"] == [] and len(status["gpus"]) == 2
     assert main(["unload", "survivor", *address]) == 0
-    assert "1 workers released" in capsys.readouterr().out
-    wait_gpus_free(1)
+    assert "2 workers released" in capsys.readouterr().out
+    wait_gpus_free(2)
 
 
 def test_survivors_are_matched_to_the_stages_they_share_most_with() -> None:
