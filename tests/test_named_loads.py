@@ -68,6 +68,11 @@ def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:
     assert scrape_gauges("offload_copies", copies, METRICS_PORT) == copies
     up = {str(g["stage"]): 1.0 for g in status["gpus"]}
     assert scrape_gauges("offload_stage_up", up, METRICS_PORT) == up
+    plot = tmp_path / "m1.png"
+    assert main(["status", "m1", "--plot", str(plot), *address]) == 0
+    table = capsys.readouterr().out
+    assert "device used/total" in table and "host available" in table  # per GPU, per node
+    assert plot.read_bytes()[:4] == b"\x89PNG"
 
     assert main(["unload", "m1", *address]) == 0
     assert "3 workers released" in capsys.readouterr().out
