@@ -99,3 +99,40 @@ def test_uva_refuses_pageable_memory_without_ats() -> None:
     )
     with pytest.raises(OffloadUnavailableError, match="backend='prefetch'"):
         offloader.wrap_modules(cuda_stack(2))
+
+
+def test_worker_reconfigure_moves_layers_within_device_memory(tmp_path) -> None:
+    """On a GPU: a re-plan that offloads more frees the device memory of the layers that went
+    to the arena (nothing restored on the way), a layer kept resident is not copied, and the
+    logits are those of the same worker before the change (same device, same kernels)."""
+    from coordinator.checkpoint import load_index
+    from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+    from worker.spec import StageSpec
+    from worker.worker import StageWorker
+
+    index = load_index(make_checkpoint(tmp_path / "ckpt", CheckpointShape(
+        num_layers=6, hidden_size=256, num_heads=8, num_kv_heads=4, intermediate_size=512,
+        vocab_size=512)))  # fmt: skip
+
+    def spec(offloaded: tuple[str, ...]) -> StageSpec:
+        return StageSpec(stage=0, num_stages=1, checkpoint_dir=str(index.root),
+                         config=index.config, layers=index.layers, offloaded=offloaded)  # fmt: skip
+
+    worker = StageWorker(spec(("layers.1",)), device="cuda")
+    try:
+        worker.load()
+        ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+        before = worker.forward(ids)
+        used_before = torch.cuda.memory_allocated()
+        embed_ptr = worker.stage.embed_tokens.weight.data_ptr()
+        chunks = worker.reconfigure(spec(("layers.1", "layers.2", "layers.3", "layers.4")))
+        assert chunks == {}  # every layer was here already
+        report = worker.finish_load()
+        assert worker.stage.embed_tokens.weight.data_ptr() == embed_ptr
+        decoder = max(x.nbytes for x in index.layers if x.kind == "decoder")
+        # three more layers in host memory; one prefetch slot was there before and stays
+        assert used_before - torch.cuda.memory_allocated() >= 3 * decoder * 0.99
+        assert report["stats"]["offloaded_bytes"] == 4 * decoder
+        assert torch.equal(worker.forward(ids), before)
+    finally:
+        worker.close()
