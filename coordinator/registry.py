@@ -79,8 +79,9 @@ class LoadRecord:
     def _latest_snapshots(self) -> list[dict]:
         from coordinator.planner import Plan
 
-        stages = Plan.from_json(self.record["plan"]).stages
-        refs = [a.latest.remote() if a is not None else None for a in worker_handles(self.record)]
+        record = dict(self.record)  # plan and workers of one version, whatever update() does
+        stages = Plan.from_json(record["plan"]).stages
+        refs = [a.latest.remote() if a is not None else None for a in worker_handles(record)]
         reports = []
         for stage, ref in zip(stages, refs, strict=True):
             try:
