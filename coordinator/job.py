@@ -159,13 +159,14 @@ class Job:
         deadline = time.monotonic() + TELEMETRY_TIMEOUT_S
         reports = []
         for stage, (handle, ref) in enumerate(zip(self.workers, refs, strict=True)):
-            lost = {"stage": stage, "hostname": handle.hostname, "lost": True,
-                    "layers": [x.name for x in handle.spec.layers]}  # fmt: skip
+            lost = {"stage": stage, "hostname": handle.hostname, "node_id": handle.node_id,
+                    "lost": True, "layers": [x.name for x in handle.spec.layers]}  # fmt: skip
             if ref is None:  # not found on attach
                 reports.append(lost)
                 continue
             try:
-                reports.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1)))
+                report = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1))
+                reports.append({**report, "node_id": handle.node_id})
             except ray.exceptions.RayActorError:
                 reports.append(lost)
             except ray.exceptions.GetTimeoutError:

@@ -86,12 +86,13 @@ class LoadRecord:
         for stage, ref in zip(stages, refs, strict=True):
             try:
                 if ref is not None:
-                    reports.append(ray.get(ref, timeout=EXPORT_TIMEOUT_S))
+                    report = ray.get(ref, timeout=EXPORT_TIMEOUT_S)
+                    reports.append({**report, "node_id": stage.node_id})
                     continue
             except ray.exceptions.RayActorError:
                 pass
             reports.append({"stage": stage.stage, "hostname": stage.hostname, "lost": True,
-                            "layers": list(stage.layers)})  # fmt: skip
+                            "node_id": stage.node_id, "layers": list(stage.layers)})  # fmt: skip
         return reports
 
 

@@ -43,6 +43,7 @@ class GpuRow:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NodeRow:
     hostname: str
+    node_id: str  # Ray's node id when the driver knew it ("" otherwise)
     stages: tuple[int, ...]
     host_available_bytes: int
     workers_rss_bytes: int
@@ -86,17 +87,20 @@ def gpu_rows(reports: list[dict]) -> list[GpuRow]:
 
 
 def node_rows(reports: list[dict]) -> list[NodeRow]:
-    """Per node: the host memory its workers hold. Workers of one node report the same
-    `host_available_bytes` (sampled at slightly different times): the smallest is kept."""
-    by_host: dict[str, list[dict]] = defaultdict(list)
+    """Per node (Ray's node id, which the driver adds to each snapshot; else the hostname:
+    several Ray nodes may share a host): the host memory its workers hold. Workers of one node
+    report the same `host_available_bytes` (sampled at slightly different times): the smallest
+    is kept."""
+    by_node: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in live(reports):
-        by_host[r["hostname"]].append(r)
+        by_node[(r["hostname"], r.get("node_id", ""))].append(r)
     rows = []
-    for hostname, items in sorted(by_host.items()):
+    for (hostname, node_id), items in sorted(by_node.items()):
         stats = [i.get("stats") or {} for i in items]
         rows.append(
             NodeRow(
                 hostname=hostname,
+                node_id=node_id,
                 stages=tuple(sorted(i["stage"] for i in items)),
                 host_available_bytes=min(i["host_available_bytes"] for i in items),
                 workers_rss_bytes=sum(i["host_rss_bytes"] for i in items),
@@ -123,6 +127,10 @@ def _event_line(event: dict) -> str:
     return f"{when}  {event['event']}: {details}"
 
 
+def _node_label(row: NodeRow) -> str:
+    return f"{row.hostname} ({row.node_id[:8]})" if row.node_id else row.hostname
+
+
 def _table(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
@@ -144,7 +152,7 @@ def render(reports: list[dict], events: list[dict] = ()) -> str:
     nodes = [("node", "stages", "host available", "workers RSS", "pinned", "pageable")]
     for n in node_rows(reports):
         nodes.append((
-            n.hostname, ",".join(map(str, n.stages)), format_bytes(n.host_available_bytes),
+            _node_label(n), ",".join(map(str, n.stages)), format_bytes(n.host_available_bytes),
             format_bytes(n.workers_rss_bytes), format_bytes(n.pinned_bytes),
             format_bytes(n.pageable_bytes),
         ))  # fmt: skip
@@ -251,7 +259,7 @@ def plot(reports: list[dict], path: str) -> None:
     )  # fmt: skip
     _stacked(
         right,
-        [n.hostname for n in nodes],
+        [_node_label(n) for n in nodes],
         [
             ("pinned offloaded", [n.pinned_bytes for n in nodes]),
             ("pageable offloaded", [n.pageable_bytes for n in nodes]),

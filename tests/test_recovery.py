@@ -93,6 +93,7 @@ def test_lost_nodes_replan_fail_with_numbers_then_recover(cluster, tmp_path, cap
         assert main(["status", "survivor", "--json", *address]) == 0
         status = json.loads(capsys.readouterr().out)
         assert [e["event"] for e in status["events"]] == ["re-planned"] and status["lost"] == []
+        assert len(status["nodes"]) == 2  # two Ray nodes, one hostname: a row each
 
         # 2. Another node leaves: one GPU cannot hold the model.
         c.remove_node(nodes[job.workers[0].node_id])

@@ -43,6 +43,17 @@ def test_rows_per_gpu_and_per_node() -> None:
     assert summary(REPORTS)["nodes"][1]["hostname"] == "b"
 
 
+def test_ray_nodes_sharing_a_host_are_separate_rows() -> None:
+    """Simulated (or containerised) Ray nodes may share a hostname: the node id the driver
+    adds keeps them apart, in the rows and in the table."""
+    reports = [{**r, "node_id": f"{node}{'0' * 30}"}
+               for r, node in zip(REPORTS, ("cc", "aa", "bb"), strict=True)]  # fmt: skip
+    rows = node_rows(reports)
+    assert [(n.hostname, n.node_id[:2], n.stages) for n in rows] == [
+        ("a", "aa", (0,)), ("a", "bb", (1,)), ("b", "cc", (2,))]  # fmt: skip
+    assert "a (aa000000)" in render(reports) and "a (bb000000)" in render(reports)
+
+
 def test_render_shows_every_gpu_and_node() -> None:
     text = render(REPORTS)
     assert "30.00 MiB / 80.00 MiB" in text and "10.00 MiB (10.00 MiB)" in text
