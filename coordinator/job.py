@@ -10,6 +10,8 @@ chains the calls and fetches the final logits.
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,8 +37,8 @@ from worker.spec import StageSpec
 
 TELEMETRY_TIMEOUT_S = 60.0
 PING_TIMEOUT_S = 30.0  # a liveness answer; a worker mid-forward answers after it
-# close() waits this long for a telemetry tick in flight; the thread is a daemon either way.
-EXPORT_JOIN_TIMEOUT_S = 5.0
+# close() waits this long for a background tick in flight; the thread is a daemon either way.
+LOOP_JOIN_TIMEOUT_S = 5.0
 
 
 def stage_specs(config: JobConfig, index: CheckpointIndex, the_plan: Plan,
@@ -71,17 +73,23 @@ class Job:
     events: list[dict] = field(default_factory=list)  # recoveries, for telemetry
     next_worker: int = 0  # number of the next worker name of a named load
     _exporter: object | None = field(default=None, repr=False)
-    _export_thread: tuple | None = field(default=None, repr=False)
+    # background loops by name ("export", "watch"): (thread, stop event)
+    _loops: dict[str, tuple[threading.Thread, threading.Event]] = field(
+        default_factory=dict, repr=False
+    )
+    # One pass or one recovery at a time: a watcher must not re-plan under a running forward.
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits for `input_ids` (batch, seq), computed stage by stage across the cluster.
         A worker lost on the way is replaced (see `recover`) and the pass is run once more."""
-        try:
-            return self._forward(input_ids)
-        except (ray.exceptions.RayError, WorkerLostError):
-            if not self.recover():
-                raise
-            return self._forward(input_ids)
+        with self._lock:
+            try:
+                return self._forward(input_ids)
+            except (ray.exceptions.RayError, WorkerLostError):
+                if not self.recover():
+                    raise
+                return self._forward(input_ids)
 
     def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.workers:
@@ -130,7 +138,8 @@ class Job:
         `PlanError` when those cannot hold the model."""
         from coordinator.recovery import recover
 
-        return recover(self)
+        with self._lock:
+            return recover(self)
 
     def plan_options(self) -> PlanOptions:
         return PlanOptions(
@@ -147,7 +156,12 @@ class Job:
     def record_event(self, event: dict) -> None:
         """Keep a recovery event; a named load also keeps it (and its new plan and workers) in
         its record, so `status` from another process shows it."""
-        self.events.append({"time": time.time(), **event})
+        last = self.events[-1] if self.events else {}
+        if "error" in event and all(last.get(k) == v for k, v in event.items()):
+            # The same failure again (a watcher retrying): count it, do not flood the list.
+            last.update(time=time.time(), repeats=last.get("repeats", 1) + 1)
+        else:
+            self.events.append({"time": time.time(), **event})
         if self.name is not None:
             registry.update(self.name, self.plan.to_json(), [h.name for h in self.workers],
                             self.events)  # fmt: skip
@@ -189,39 +203,51 @@ class Job:
     def export_metrics_every(self, interval_s: float) -> None:
         """Publish the gauges every `interval_s` seconds from a background thread, until
         close(). A failed snapshot is reported on stderr and retried at the next tick."""
-        import sys
-        import threading
+        self._every("export", interval_s, self.export_metrics)
 
+    def watch(self, interval_s: float) -> None:
+        """Check every stage every `interval_s` seconds from a background thread and recover a
+        lost one at once, rather than at the next forward. Until close(); a recovery that fails
+        (say, a PlanError) is recorded in `events` and tried again at the next tick."""
+        self._every("watch", interval_s, self._check)
+
+    def _check(self) -> None:
+        with self._lock:
+            if self.workers and self.dead_stages():
+                self.recover()
+
+    def _every(self, name: str, interval_s: float, action: Callable[[], object]) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s={interval_s} must be > 0")
-        self._stop_exporting()  # one exporter thread at a time
+        self._stop_loop(name)  # one loop of a kind at a time
         stop = threading.Event()
 
         def loop() -> None:
             while not stop.wait(interval_s):
                 try:
-                    self.export_metrics()
+                    action()
                 except Exception as exc:  # a worker may be busy or gone: say so, keep going
-                    print(f"telemetry: snapshot failed: {exc}", file=sys.stderr)
+                    print(f"{name}: {exc}", file=sys.stderr)
 
-        thread = threading.Thread(target=loop, name="offload-telemetry", daemon=True)
+        thread = threading.Thread(target=loop, name=f"offload-{name}", daemon=True)
         thread.start()
-        self._export_thread = (thread, stop)
+        self._loops[name] = (thread, stop)
 
-    def _stop_exporting(self) -> None:
-        if self._export_thread is not None:
-            thread, stop = self._export_thread
+    def _stop_loop(self, name: str) -> None:
+        if name in self._loops:
+            thread, stop = self._loops.pop(name)
             stop.set()
-            thread.join(timeout=EXPORT_JOIN_TIMEOUT_S)
-            self._export_thread = None
+            thread.join(timeout=LOOP_JOIN_TIMEOUT_S)
 
     def close(self) -> None:
         """Release the workers; for a named load on a cluster, only disconnect (use
         `registry.unload` to release it)."""
-        self._stop_exporting()
-        if self.name is None or self.session.owned:
-            kill_workers(self.workers)
-        self.workers = []
+        for name in list(self._loops):
+            self._stop_loop(name)
+        with self._lock:  # a recovery in flight finishes first: nothing it starts is left over
+            if self.name is None or self.session.owned:
+                kill_workers(self.workers)
+            self.workers = []
         self.session.close()
 
     def __enter__(self) -> Job:

@@ -215,3 +215,21 @@ def test_a_worker_killed_while_loading_is_replaced(embedded_ray, checkpoints) ->
     finally:
         registry.forget("dying")  # a named load on a Ray it did not start: close() detaches
     wait_gpus_free(NUM_GPUS)
+
+
+def test_a_watched_job_recovers_before_the_next_forward(embedded_ray, checkpoints) -> None:
+    checkpoint = checkpoints["llama"]
+    config = JobConfig(checkpoint=checkpoint, gpu_memory_bytes=budget_forcing_offload(checkpoint))
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(5))
+    expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
+    with launch(config) as job:
+        job.watch(0.3)
+        ray.kill(job.workers[2].actor, no_restart=True)
+        deadline = time.monotonic() + 60
+        while not job.events:  # no forward is running: the watcher notices on its own
+            assert time.monotonic() < deadline, "the watcher did not recover the lost stage"
+            time.sleep(0.2)
+        assert [(e["event"], e["stages"]) for e in job.events] == [("replaced workers", [2])]
+        assert torch.equal(job.forward(ids), expected)
+        assert len(job.events) == 1  # the forward found every stage alive
+    wait_gpus_free(NUM_GPUS)

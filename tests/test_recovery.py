@@ -138,3 +138,16 @@ def test_survivors_are_matched_to_the_stages_they_share_most_with() -> None:
     # stage 0 goes to the survivor holding "c" (100 bytes in common, more than 11); the other
     # survivor on n1 still takes stage 1 (no process start); nobody is on n3; n2's is unused.
     assert match_survivors(survivors, stages, sizes) == {0: 1, 1: 0}
+
+
+def test_a_repeated_failure_is_counted_not_listed_again() -> None:
+    from coordinator.job import Job
+
+    job = Job(config=None, index=None, plan=None, workers=[], session=None)
+    failed = {"event": "re-plan failed", "lost_stages": [0], "error": "1 GPU(s) left ..."}
+    job.record_event({"event": "re-planned", "lost_stages": [1]})
+    for _ in range(3):  # a watcher retrying while the cluster stays as it is
+        job.record_event(dict(failed))
+    job.record_event({**failed, "error": "no GPU node is left"})
+    assert [(e["event"], e.get("repeats")) for e in job.events] == [
+        ("re-planned", None), ("re-plan failed", 3), ("re-plan failed", None)]  # fmt: skip
