@@ -143,11 +143,17 @@ def test_offloadctl_run_check(embedded_ray, checkpoints, capsys, tmp_path) -> No
     wait_gpus_free(NUM_GPUS)
 
 
-def test_a_killed_worker_is_replaced_and_only_its_stage_reloaded(embedded_ray, checkpoints) -> None:
+def llama_case(checkpoints, seed: int) -> tuple[str, JobConfig, torch.Tensor, torch.Tensor]:
+    """The llama checkpoint, a job config that offloads, input ids and transformers' logits."""
     checkpoint = checkpoints["llama"]
     config = JobConfig(checkpoint=checkpoint, gpu_memory_bytes=budget_forcing_offload(checkpoint))
-    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
-    expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(seed))
+    return checkpoint, config, ids, reference_logits(checkpoint, ids,
+                                                     num_threads=config.cpus_per_worker)  # fmt: skip
+
+
+def test_a_killed_worker_is_replaced_and_only_its_stage_reloaded(embedded_ray, checkpoints) -> None:
+    checkpoint, config, ids, expected = llama_case(checkpoints, seed=3)
     with launch(config) as job:
         assert torch.equal(job.forward(ids), expected)
         before = {r["stage"]: r["pid"] for r in job.telemetry()}
@@ -181,10 +187,7 @@ def test_a_worker_killed_while_loading_is_replaced(embedded_ray, checkpoints) ->
     others do not read again, and the logits are right."""
     from coordinator import registry
 
-    checkpoint = checkpoints["llama"]
-    config = JobConfig(checkpoint=checkpoint, gpu_memory_bytes=budget_forcing_offload(checkpoint))
-    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(4))
-
+    checkpoint, config, ids, expected = llama_case(checkpoints, seed=4)
     killed = []
 
     def kill_stage_1(done: int, total: int) -> None:
@@ -210,18 +213,14 @@ def test_a_worker_killed_while_loading_is_replaced(embedded_ray, checkpoints) ->
             for report, stage in zip(reports, job.plan.stages, strict=True):
                 share = sum(x.nbytes for x in index.layers if x.name in stage.layers)
                 assert report["bytes_read"] == share  # nothing read twice, by anyone
-            assert torch.equal(job.forward(ids),
-                               reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker))  # fmt: skip
+            assert torch.equal(job.forward(ids), expected)
     finally:
         registry.forget("dying")  # a named load on a Ray it did not start: close() detaches
     wait_gpus_free(NUM_GPUS)
 
 
 def test_a_watched_job_recovers_before_the_next_forward(embedded_ray, checkpoints) -> None:
-    checkpoint = checkpoints["llama"]
-    config = JobConfig(checkpoint=checkpoint, gpu_memory_bytes=budget_forcing_offload(checkpoint))
-    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(5))
-    expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
+    _, config, ids, expected = llama_case(checkpoints, seed=5)
     with launch(config) as job:
         job.watch(0.3)
         ray.kill(job.workers[2].actor, no_restart=True)
