@@ -26,6 +26,7 @@ from offload import OffloadConfig, create_offloader, probe_node
 from offload.host_store import decide_for_device
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV, PinDecision
 from worker.loader import TensorReader
+from worker.node import probe_here
 from worker.placement import Placement
 from worker.spec import StageSpec
 from worker.stage import Stage, hf_config_from_dict, model_class_for
@@ -77,7 +78,6 @@ class StageWorker:
         self._reader = TensorReader(spec.checkpoint_dir, threads=num_threads or 1)
         self._layer_specs = {layer.name: layer for layer in spec.layers}
         self._chunks: list[list[str]] = []  # layer names per chunk, to read from disk
-        self._loaded_chunks: set[int] = set()
         self._ready = False
         self._load_s = 0.0
         self._forward_s = 0.0
@@ -109,10 +109,14 @@ class StageWorker:
             self._build(previous=None)
             self._load_s += time.perf_counter() - start
         return {
-            i: sum(self._layer_specs[n].nbytes for n in chunk)
-            for i, chunk in enumerate(self._chunks)
-            if i not in self._loaded_chunks
+            i: sum(self._layer_specs[n].nbytes for n in self._chunks[i])
+            for i in self._unread_chunks()
         }
+
+    def _unread_chunks(self) -> list[int]:
+        """Chunks whose layers are not in place yet (a chunk is read whole)."""
+        loaded = self._placement.loaded
+        return [i for i, chunk in enumerate(self._chunks) if chunk[0] not in loaded]
 
     def reconfigure(self, spec: StageSpec) -> dict[int, int]:
         """Take a new stage after a re-plan. Layers this worker already holds move to their new
@@ -173,7 +177,6 @@ class StageWorker:
             previous.offloader.detach(restore=False)  # its arena and slots go, nothing restored
         self.stage, self._placement = stage, placement
         self._chunks = self._make_chunks([n for n in names if n not in carried])
-        self._loaded_chunks = set()
         self._ready = False
         self._history.clear()  # snapshots of the old stage would pass for the new one
 
@@ -192,11 +195,11 @@ class StageWorker:
     def load_chunk(self, index: int) -> int:
         """Read chunk `index` from disk into place; returns the bytes read (0 when the chunk
         was read already)."""
-        if index in self._loaded_chunks:
+        placement = self._placement
+        if self._chunks[index][0] in placement.loaded:
             return 0
         start = time.perf_counter()
         before = self._reader.stats.bytes_read
-        placement = self._placement
         try:
             with torch.no_grad():
                 self._reader.read_many([
@@ -206,7 +209,6 @@ class StageWorker:
                 ])  # fmt: skip
         except (OSError, ValueError, KeyError) as exc:
             raise WorkerError(f"{self._where()}: loading failed: {exc}") from exc
-        self._loaded_chunks.add(index)
         placement.loaded.update(self._chunks[index])
         self._load_s += time.perf_counter() - start
         return self._reader.stats.bytes_read - before
@@ -215,8 +217,10 @@ class StageWorker:
         """Start the prefetch and check the device budget; once ready, just a report."""
         if self._ready:
             return self.report()
-        missing = sorted(set(range(len(self._chunks))) - self._loaded_chunks)
-        if self._placement is None or missing:
+        if self._placement is None:
+            raise WorkerError(f"{self._where()}: finish_load before prepare")
+        missing = self._unread_chunks()
+        if missing:
             raise WorkerError(f"{self._where()}: finish_load before chunks {missing} were read")
         self._reader.close()
         start = time.perf_counter()
@@ -355,8 +359,6 @@ class StageWorker:
 
     def node_probe(self) -> dict:
         """This node's probe and pin decision, as the launcher's probe task reports them."""
-        from worker.node import probe_here
-
         return probe_here()
 
     def ping(self) -> int:
