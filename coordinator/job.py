@@ -33,6 +33,7 @@ from coordinator.launcher import (
     start_workers,
 )
 from coordinator.planner import Plan, PlanOptions, plan
+from coordinator.telemetry import MetricsExporter, collect
 from worker.spec import StageSpec
 
 TELEMETRY_TIMEOUT_S = 60.0
@@ -168,32 +169,15 @@ class Job:
 
     def telemetry(self) -> list[dict]:
         """A fresh memory snapshot from every worker (see StageWorker.report); a stage whose
-        worker is lost gets `{"stage", "hostname", "layers", "lost": True}` instead."""
+        worker is lost gets a stub with `lost: True` instead (see telemetry.collect)."""
         refs = [h.actor.report.remote() if h.actor is not None else None for h in self.workers]
-        deadline = time.monotonic() + TELEMETRY_TIMEOUT_S
-        reports = []
-        for stage, (handle, ref) in enumerate(zip(self.workers, refs, strict=True)):
-            lost = {"stage": stage, "hostname": handle.hostname, "node_id": handle.node_id,
-                    "lost": True, "layers": [x.name for x in handle.spec.layers]}  # fmt: skip
-            if ref is None:  # not found on attach
-                reports.append(lost)
-                continue
-            try:
-                report = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1))
-                reports.append({**report, "node_id": handle.node_id})
-            except ray.exceptions.RayActorError:
-                reports.append(lost)
-            except ray.exceptions.GetTimeoutError:
-                raise LaunchError(
-                    f"stage {stage} on {handle.hostname} did not report within "
-                    f"{TELEMETRY_TIMEOUT_S:.0f} s"
-                ) from None
-        return reports
+        try:
+            return collect(self.plan.stages, refs, TELEMETRY_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise LaunchError(str(exc)) from None
 
     def export_metrics(self) -> list[dict]:
         """Snapshot every worker and publish the numbers as Ray gauges (Prometheus)."""
-        from coordinator.telemetry import MetricsExporter
-
         if self._exporter is None:
             self._exporter = MetricsExporter()
         reports = self.telemetry()

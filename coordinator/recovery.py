@@ -17,10 +17,10 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import ray
 
+from coordinator.job import Job, stage_specs
 from coordinator.launcher import (
     WorkerHandle,
     WorkerLostError,
@@ -32,9 +32,6 @@ from coordinator.launcher import (
     wait_workers,
 )
 from coordinator.planner import PlanError, StagePlan, plan
-
-if TYPE_CHECKING:
-    from coordinator.job import Job
 
 # Each round replaces what was lost; a worker lost during a round's load starts another.
 MAX_RECOVERY_ROUNDS = 3
@@ -117,8 +114,6 @@ def _replan(job: Job, dead: list[int], gone: list[str]) -> dict:
             f"{snapshot.num_gpus} GPU(s) left cannot hold the model "
             f"({job.index.total_bytes} bytes): {exc}"
         ) from None
-    from coordinator.job import stage_specs
-
     specs = stage_specs(job.config, job.index, new_plan, envs)
     layer_bytes = {layer.name: layer.nbytes for layer in job.index.layers}
     matched = match_survivors(

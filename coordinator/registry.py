@@ -18,7 +18,7 @@ NAMESPACE = "offload-coordinator"
 ATTACH_TIMEOUT_S = 60.0
 _RECORD_PREFIX = "load:"
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
-EXPORT_TIMEOUT_S = 30.0  # a worker's latest snapshot is in memory: it answers between calls
+EXPORT_TIMEOUT_S = 30.0  # the workers' latest snapshots are in memory: they answer between calls
 
 
 class LoadNotFoundError(LookupError):
@@ -78,22 +78,12 @@ class LoadRecord:
 
     def _latest_snapshots(self) -> list[dict]:
         from coordinator.planner import Plan
+        from coordinator.telemetry import collect
 
         record = dict(self.record)  # plan and workers of one version, whatever update() does
         stages = Plan.from_json(record["plan"]).stages
         refs = [a.latest.remote() if a is not None else None for a in worker_handles(record)]
-        reports = []
-        for stage, ref in zip(stages, refs, strict=True):
-            try:
-                if ref is not None:
-                    report = ray.get(ref, timeout=EXPORT_TIMEOUT_S)
-                    reports.append({**report, "node_id": stage.node_id})
-                    continue
-            except ray.exceptions.RayActorError:
-                pass
-            reports.append({"stage": stage.stage, "hostname": stage.hostname, "lost": True,
-                            "node_id": stage.node_id, "layers": list(stage.layers)})  # fmt: skip
-        return reports
+        return collect(stages, refs, EXPORT_TIMEOUT_S)
 
 
 def check_name(name: str) -> None:

@@ -2,16 +2,18 @@
 metrics (scraped by Prometheus from each node's metrics endpoint) and a plot.
 
 The worker's `report()` is the snapshot; everything here is a pure function of a list of them,
-except `MetricsExporter`, which owns the Ray gauges, and `plot`, which writes a PNG.
+except `collect`, which waits for them, `MetricsExporter`, which owns the Ray gauges, and
+`plot`, which writes a PNG.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from coordinator.planner import format_bytes, layer_range
+from coordinator.planner import StagePlan, format_bytes, layer_range
 
 METRIC_PREFIX = "offload_"
 
@@ -49,6 +51,33 @@ class NodeRow:
     workers_rss_bytes: int
     pinned_bytes: int
     pageable_bytes: int
+
+
+def collect(stages: Sequence[StagePlan], refs: Sequence[object | None],
+            timeout_s: float) -> list[dict]:  # fmt: skip
+    """One snapshot per planned stage, from `refs` (a pending worker call per stage, None where
+    the worker is gone), each with its stage's Ray node id. A lost worker's stage gets
+    `{"stage", "hostname", "node_id", "layers", "lost": True}`. All within `timeout_s`, else
+    TimeoutError naming the stage that did not answer."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    reports = []
+    for stage, ref in zip(stages, refs, strict=True):
+        try:
+            if ref is not None:
+                report = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1))
+                reports.append({**report, "node_id": stage.node_id})
+                continue
+        except ray.exceptions.RayActorError:
+            pass
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"stage {stage.stage} on {stage.hostname} did not report within {timeout_s:.0f} s"
+            ) from None
+        reports.append({"stage": stage.stage, "hostname": stage.hostname, "lost": True,
+                        "node_id": stage.node_id, "layers": list(stage.layers)})  # fmt: skip
+    return reports
 
 
 def live(reports: list[dict]) -> list[dict]:
