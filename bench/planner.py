@@ -53,19 +53,26 @@ def synthetic_model(num_layers: int, layer_bytes: int, end_bytes: int) -> list[L
     ]
 
 
+def big_cluster(gpu_bytes, host_bytes=lambda n: 0, link=lambda n: None) -> ClusterSnapshot:
+    """64 nodes x 8 GPUs; GPU g's memory, node n's host budget and link from the functions."""
+    return ClusterSnapshot(
+        nodes=tuple(
+            NodeInfo(
+                node_id=f"n{n}",
+                gpus=tuple(GpuInfo(index=g, memory_bytes=gpu_bytes(g)) for g in range(8)),
+                host_budget_bytes=host_bytes(n),
+                link_bytes_per_s=link(n),
+            )
+            for n in range(64)
+        )
+    )
+
+
 def scale_scenarios() -> dict[str, tuple[list[LayerSpec], ClusterSnapshot, PlanOptions]]:
     """1,000 decoder layers x 64 nodes x 8 GPUs: resident, and offloading on mixed hardware."""
     resident = (
         synthetic_model(1000, 400 * MiB, 1 * GiB),
-        ClusterSnapshot(
-            nodes=tuple(
-                NodeInfo(
-                    node_id=f"n{n}",
-                    gpus=tuple(GpuInfo(index=g, memory_bytes=80 * GiB) for g in range(8)),
-                )
-                for n in range(64)
-            )
-        ),
+        big_cluster(lambda g: 80 * GiB),
         PlanOptions(reserve_bytes=4 * GiB),
     )
     # 3 GiB layers on 8 and 6 GiB GPUs: the GPUs hold 768 of the 1,000 layers resident, so at
@@ -73,18 +80,10 @@ def scale_scenarios() -> dict[str, tuple[list[LayerSpec], ClusterSnapshot, PlanO
     # links of 25 or 50 GB/s.
     offload = (
         synthetic_model(1000, 3 * GiB, 4 * GiB),
-        ClusterSnapshot(
-            nodes=tuple(
-                NodeInfo(
-                    node_id=f"n{n}",
-                    gpus=tuple(
-                        GpuInfo(index=g, memory_bytes=(6 if g % 2 else 8) * GiB) for g in range(8)
-                    ),
-                    host_budget_bytes=(n % 4 + 1) * 8 * GiB,
-                    link_bytes_per_s=50e9 if n % 3 == 0 else None,
-                )
-                for n in range(64)
-            )
+        big_cluster(
+            lambda g: (6 if g % 2 else 8) * GiB,
+            host_bytes=lambda n: (n % 4 + 1) * 8 * GiB,
+            link=lambda n: 50e9 if n % 3 == 0 else None,
         ),
         PlanOptions(reserve_bytes=GiB // 2),
     )
