@@ -154,7 +154,7 @@ def run_job(config: JobConfig, index: CheckpointIndex) -> dict:
         workers = []
         for stage in job.plan.stages:
             report = reports[stage.stage]
-            share = sum(by_name[name].nbytes for name in stage.layers)
+            share = sum(by_name[name].file_bytes for name in stage.layers)
             workers.append(
                 {
                     "stage": stage.stage,

@@ -3,8 +3,10 @@
 A checkpoint directory holds `config.json` and either `model.safetensors` or shards listed in
 `model.safetensors.index.json`. Each safetensors file starts with an 8-byte little-endian header
 length and a JSON header giving every tensor's dtype, shape and byte range; we read those, check
-them against the file size and against the shapes `config.json` implies, and never touch the
-tensor data. Pickle checkpoints (`.bin`, `.pt`) are refused: unpickling runs arbitrary code.
+them against the file size and against the model `config.json` describes (built on the meta
+device: which parameter each tensor fills, through transformers' own weight conversion, see
+`coordinator.weight_map`; which pipeline layer holds it, see `worker.layout`), and never touch
+the tensor data. What cannot run is refused here, before any worker starts. Pickle checkpoints (`.bin`, `.pt`) are refused: unpickling runs arbitrary code.
 """
 
 from __future__ import annotations
@@ -12,21 +14,19 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import re
 import struct
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.spec import SAFETENSORS_DTYPES, LayerSpec, TensorSlice, dtype_size
+from coordinator.weight_map import WeightMapError, map_tensors
+from worker.spec import COMPUTE_DTYPES, SAFETENSORS_DTYPES, LayerSpec, TensorSlice, dtype_size
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors itself refuses headers above 100 MB; a larger one is corrupt or hostile.
 MAX_HEADER_BYTES = 100_000_000
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-_DECODER = re.compile(r"^model\.layers\.(\d+)\.")
-_EMBED = ("model.embed_tokens.",)
-_HEAD = ("model.norm.", "lm_head.")
 
 
 class CheckpointError(ValueError):
@@ -40,14 +40,22 @@ class CheckpointIndex:
     layers: tuple[LayerSpec, ...]
     files: tuple[str, ...]
     tied_embeddings: bool
+    dtype: str  # what the model loads and computes in (torch name)
+    ignored: tuple[str, ...] = ()  # checkpoint keys from_pretrained ignores too
 
     @property
-    def model_type(self) -> str:
+    def family(self) -> str:
         return self.config.get("model_type", "?")
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of the loaded model, in `dtype`."""
         return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes read from the files to load it (tied weights twice when on two stages)."""
+        return sum(layer.file_bytes for layer in self.layers)
 
     @property
     def num_decoder_layers(self) -> int:
@@ -168,23 +176,38 @@ def _tensor_files(root: Path) -> dict[str, str]:
     raise CheckpointError(f"{root}: no {SINGLE_FILE} and no {INDEX_FILE}")
 
 
-def _layer_of(tensor: str, file: str) -> tuple[str, str, int | None]:
-    match = _DECODER.match(tensor)
-    if match:
-        index = int(match.group(1))
-        return f"layers.{index}", "decoder", index
-    if tensor.startswith(_EMBED):
-        return "embed", "embed", None
-    if tensor.startswith(_HEAD):
-        return "head", "head", None
-    raise CheckpointError(
-        f"{file}: tensor {tensor!r} belongs to no pipeline layer (expected model.embed_tokens.*, "
-        "model.layers.N.*, model.norm.* or lm_head.*)"
+def checkpoint_dtype(config: dict, tensors: dict[str, TensorSlice], requested: str = "auto") -> str:
+    """The dtype the model loads and computes in: `requested` unless "auto", else config.json's
+    `dtype` (`torch_dtype` in older files), else the floating dtype holding most bytes."""
+    if requested != "auto":
+        if requested not in COMPUTE_DTYPES:
+            raise CheckpointError(
+                f"dtype={requested!r} is not one of auto, {', '.join(COMPUTE_DTYPES)}"
+            )
+        return requested
+    named = config.get("dtype") or config.get("torch_dtype")
+    if isinstance(named, str) and named in COMPUTE_DTYPES:
+        return named
+    by_dtype: Counter[str] = Counter()
+    for tensor in tensors.values():
+        torch_name = str(tensor.torch_dtype).removeprefix("torch.")
+        if torch_name in COMPUTE_DTYPES:
+            by_dtype[torch_name] += tensor.nbytes
+    return by_dtype.most_common(1)[0][0] if by_dtype else "float32"
+
+
+def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointIndex:
+    """Index a checkpoint directory for a model computing in `dtype` ("auto": the checkpoint's).
+    Raises CheckpointError naming the file and tensor, before any worker starts."""
+    from worker.layout import (
+        UnsupportedModelError,
+        build_meta_model,
+        check_supported,
+        find_layout,
+        hf_config_from_dict,
     )
+    from worker.spec import torch_dtype_named
 
-
-def load_index(root: str | os.PathLike) -> CheckpointIndex:
-    """Index a checkpoint directory. Raises CheckpointError naming the file and tensor."""
     root = Path(root)
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a directory")
@@ -217,79 +240,44 @@ def load_index(root: str | os.PathLike) -> CheckpointIndex:
                     )
             header = {t: s for t, s in header.items() if weight_map.get(t) == file}
         tensors.update(header)
-    layers = _group_layers(tensors)
-    expected, ties_embeddings = expected_shapes(config)
-    # Tied per the architecture's own default when config.json does not say.
-    tied = ties_embeddings and "lm_head.weight" not in tensors
-    _check_against_config(config, expected, tensors, layers, tied)
-    if tied:  # the head reads the embedding matrix: give it those bytes too
-        head = next(layer for layer in layers if layer.kind == "head")
-        embed = tensors["model.embed_tokens.weight"]
-        layers[layers.index(head)] = LayerSpec(
-            name="head", kind="head", index=None, tensors=(*head.tensors, embed)
-        )
-    return CheckpointIndex(
-        root=root, config=config, layers=tuple(layers), files=tuple(files), tied_embeddings=tied
-    )
-
-
-def _group_layers(tensors: dict[str, TensorSlice]) -> list[LayerSpec]:
-    groups: dict[str, tuple[str, int | None, list[TensorSlice]]] = {}
-    for name in sorted(tensors):
-        layer, kind, index = _layer_of(name, tensors[name].file)
-        groups.setdefault(layer, (kind, index, []))[2].append(tensors[name])
-    order = {"embed": 0, "decoder": 1, "head": 2}
-    layers = [
-        LayerSpec(name=name, kind=kind, index=index, tensors=tuple(items))
-        for name, (kind, index, items) in groups.items()
-    ]
-    layers.sort(key=lambda layer: (order[layer.kind], layer.index or 0))
-    return layers
-
-
-def expected_shapes(config: dict) -> tuple[dict[str, tuple[int, ...]], bool]:
-    """Parameter shapes of the architecture `config` describes, from the model class itself
-    built on the meta device (no memory, no weights), and whether it ties its embeddings."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    compute_dtype = checkpoint_dtype(config, tensors, dtype)
     try:
-        hf_config = AutoConfig.for_model(**config)
-    except (KeyError, ValueError) as exc:
+        check_supported(config)
+        hf_config = hf_config_from_dict(config, dtype=torch_dtype_named(compute_dtype))
+        model = build_meta_model(hf_config)
+        layout = find_layout(model)
+        placed, ignored = map_tensors(model, tensors)
+    except (UnsupportedModelError, WeightMapError) as exc:
+        raise CheckpointError(str(exc)) from None
+    except (TypeError, ValueError, KeyError) as exc:  # transformers rejects the config itself
         raise CheckpointError(
-            f"config.json: unknown model_type {config.get('model_type')!r} ({exc})"
+            f"config.json: transformers cannot build {config.get('model_type')!r} from it: "
+            f"{type(exc).__name__}: {exc}"
         ) from None
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    return shapes, bool(getattr(hf_config, "tie_word_embeddings", False))
-
-
-def _check_against_config(
-    config: dict,
-    expected: dict[str, tuple[int, ...]],
-    tensors: dict[str, TensorSlice],
-    layers: list[LayerSpec],
-    tied: bool,
-) -> None:
-    for name, tensor in tensors.items():
-        if name not in expected:
-            continue  # e.g. rotary inv_freq saved by old exports: harmless, not loaded
-        if tensor.shape != expected[name]:
+    by_layer: dict[str, list[TensorSlice]] = {name: [] for name in layout.layer_names()}
+    for tensor in placed:
+        layer = layout.layer_of(tensor.target)
+        if layer is None:
             raise CheckpointError(
-                f"{tensor.file}: tensor {name!r} has shape {list(tensor.shape)} but config.json "
-                f"implies {list(expected[name])}"
+                f"{tensor.file}: tensor {tensor.name!r} fills {tensor.target!r}, which is in no "
+                f"pipeline layer of {layout.family} (embeddings {list(layout.embed_paths)}, "
+                f"blocks {layout.layers_path}.N, head {list(layout.head_paths)})"
             )
-    missing = sorted(
-        n for n in expected if n not in tensors and not (tied and n == "lm_head.weight")
+        by_layer[layer].append(tensor)
+    layers = tuple(
+        LayerSpec(name=name, kind=_kind(name), index=_index(name), tensors=tuple(items))
+        for name, items in by_layer.items()
     )
-    if missing:
-        raise CheckpointError(
-            f"checkpoint lacks {len(missing)} tensors that config.json implies, e.g. {missing[:3]}"
-        )
-    decoders = [layer.index for layer in layers if layer.kind == "decoder"]
-    if decoders != list(range(config.get("num_hidden_layers", len(decoders)))):
-        raise CheckpointError(
-            f"decoder layers {decoders[:3]}..{decoders[-3:]} do not match "
-            f"num_hidden_layers={config.get('num_hidden_layers')} in config.json"
-        )
+    return CheckpointIndex(
+        root=root, config=config, layers=layers, files=tuple(files),
+        tied_embeddings=bool(getattr(model, "all_tied_weights_keys", None)),
+        dtype=compute_dtype, ignored=tuple(ignored),
+    )  # fmt: skip
+
+
+def _kind(layer: str) -> str:
+    return layer if layer in ("embed", "head") else "decoder"
+
+
+def _index(layer: str) -> int | None:
+    return int(layer.split(".")[1]) if layer.startswith("layers.") else None

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from offload.policy import PIN_ENV, parse_pin_mode
+from worker.spec import COMPUTE_DTYPES
 
 # The node label that sets a node's pin policy (on | off | auto), e.g. in cluster.yaml.
 PIN_LABEL = "offload-pin-memory"
@@ -126,9 +127,12 @@ class JobConfig:
     reserve_bytes: int = 0  # per GPU, for activations
     prefetch_step: int = 1
     backend: str = "auto"
+    # The dtype the model loads and computes in: "auto" (the checkpoint's: config.json's dtype,
+    # else its tensors'), or float32 / bfloat16 / float16, converted while reading.
+    dtype: str = "auto"
     overrides: tuple[Override, ...] = ()
     cpus_per_worker: int = 1
-    attn_implementation: str = "sdpa"
+    attn_implementation: str | None = None  # None: transformers chooses, as from_pretrained does
     load_timeout_s: float = 900.0
     forward_timeout_s: float = 300.0
     # Each worker snapshots its memory this often (0: only on request); a named load's record
@@ -149,6 +153,10 @@ class JobConfig:
             raise ConfigError(f"prefetch_step={self.prefetch_step} must be in 1..64")
         if self.cpus_per_worker < 1:
             raise ConfigError(f"cpus_per_worker={self.cpus_per_worker} must be >= 1")
+        if self.dtype not in ("auto", *COMPUTE_DTYPES):
+            raise ConfigError(
+                f"dtype={self.dtype!r} must be auto, {', '.join(COMPUTE_DTYPES)}"
+            )
         if self.backend not in ("auto", "prefetch", "uva"):
             raise ConfigError(f"backend={self.backend!r} must be auto, prefetch or uva")
         if self.gpus and self.address is not None:

@@ -42,6 +42,55 @@ PING_TIMEOUT_S = 30.0  # a liveness answer; a worker mid-forward answers after i
 LOOP_JOIN_TIMEOUT_S = 5.0
 
 
+def check_inputs(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    logits_to_keep: int,
+    vocab_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
+    """Validate a forward's inputs before anything reaches a worker; returns them with the
+    position ids a mask implies (None without a mask: the model's own 0..seq-1)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (
+        torch.int64, torch.int32
+    ):  # fmt: skip
+        shape = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
+        raise ValueError(
+            f"input_ids must be a 2-D integer tensor (batch, seq), got "
+            f"{getattr(input_ids, 'dtype', '')}{shape}"
+        )
+    if input_ids.numel() == 0:
+        raise ValueError(f"input_ids is empty: shape {list(input_ids.shape)}")
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or (vocab_size and high >= vocab_size):
+        bad = low if low < 0 else high
+        raise ValueError(f"token id {bad} is out of the vocabulary (0..{vocab_size - 1})")
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or not (
+        0 <= logits_to_keep <= input_ids.shape[1]
+    ):  # fmt: skip
+        raise ValueError(
+            f"logits_to_keep={logits_to_keep!r} must be an int in 0..{input_ids.shape[1]} "
+            "(0: every position)"
+        )
+    if attention_mask is None:
+        return input_ids, None, None, logits_to_keep
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask must have the shape of input_ids {list(input_ids.shape)}, got "
+            f"{list(getattr(attention_mask, 'shape', [type(attention_mask).__name__]))}"
+        )
+    if attention_mask.dtype.is_floating_point or not bool(
+        ((attention_mask == 0) | (attention_mask == 1)).all()
+    ):  # fmt: skip
+        raise ValueError("attention_mask must hold integers or booleans, 1 for tokens, 0 for padding")
+    mask = attention_mask.to(torch.int64)
+    empty = (mask.sum(-1) == 0).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"attention_mask rows {empty} have no tokens")
+    # As generate() numbers them: padding does not count; pads get position 1 (unused).
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    return input_ids, mask, positions, logits_to_keep
+
+
 def stage_specs(config: JobConfig, index: CheckpointIndex, the_plan: Plan,
                 envs: dict[str, tuple[dict, dict]]) -> list[StageSpec]:  # fmt: skip
     by_name = {layer.name: layer for layer in index.layers}
@@ -51,6 +100,7 @@ def stage_specs(config: JobConfig, index: CheckpointIndex, the_plan: Plan,
             num_stages=len(the_plan.stages),
             checkpoint_dir=str(index.root.resolve()),
             config=index.config,
+            dtype=index.dtype,
             layers=tuple(by_name[name] for name in s.layers),
             offloaded=s.offloaded,
             prefetch_step=s.prefetch_step,
@@ -81,33 +131,41 @@ class Job:
     # One pass or one recovery at a time: a watcher must not re-plan under a running forward.
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits for `input_ids` (batch, seq), computed stage by stage across the cluster.
-        A worker lost on the way is replaced (see `recover`) and the pass is run once more."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        """Logits for `input_ids` (batch, seq), computed stage by stage across the cluster:
+        (batch, seq, vocab), or (batch, logits_to_keep, vocab) for the last positions only (1:
+        what the next token needs, without full-sequence logits crossing Ray).
+
+        `attention_mask` (batch, seq) of 1 for tokens and 0 for padding: each row's positions
+        count its tokens only, as `generate` numbers them, so a left-padded row gets the logits
+        the unpadded row gets alone. A worker lost on the way is replaced (see `recover`) and
+        the pass is run once more."""
+        inputs = check_inputs(input_ids, attention_mask, logits_to_keep,
+                              self.index.config.get("vocab_size"))  # fmt: skip
         with self._lock:
             try:
-                return self._forward(input_ids)
+                return self._forward(*inputs)
             except (ray.exceptions.RayError, WorkerLostError):
                 if not self.recover():
                     raise
-                return self._forward(input_ids)
+                return self._forward(*inputs)
 
-    def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _forward(self, input_ids, attention_mask, position_ids, logits_to_keep) -> torch.Tensor:
         if not self.workers:
             raise RuntimeError("the job is closed")
-        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(
-                f"input_ids must be a 2-D integer tensor (batch, seq), got "
-                f"{input_ids.dtype}{list(input_ids.shape)}"
-            )
-        vocab = self.index.config.get("vocab_size")
-        if vocab and int(input_ids.max()) >= vocab:
-            raise ValueError(f"token id {int(input_ids.max())} is out of the vocabulary ({vocab})")
         if any(h.actor is None for h in self.workers):  # attached to a load that lost workers
             raise WorkerLostError("a worker of this load was lost")
         ref = ray.put(input_ids)
+        mask_ref = ray.put(attention_mask) if attention_mask is not None else None
+        positions_ref = ray.put(position_ids) if position_ids is not None else None
         for handle in self.workers:
-            ref = handle.actor.forward.remote(ref)
+            ref = handle.actor.forward.remote(ref, mask_ref, positions_ref, logits_to_keep)
         try:
             return ray.get(ref, timeout=self.config.forward_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -252,7 +310,7 @@ def launch(
     cluster) and `attach(name)` finds them again."""
     from coordinator.recovery import load_recovering
 
-    index = load_index(config.checkpoint)
+    index = load_index(config.checkpoint, dtype=config.dtype)
     session = connect(config)
     job = None
     try:
@@ -285,7 +343,7 @@ def attach(name: str, *, address: str | None = None) -> Job:
         _, record = registry.load_record(name)
         config = registry.config_of(record)
         the_plan = Plan.from_json(record["plan"])
-        index = load_index(config.checkpoint)
+        index = load_index(config.checkpoint, dtype=config.dtype)
         actors = registry.worker_handles(record)
         specs = stage_specs(config, index, the_plan, {})
         rows = zip(actors, specs, the_plan.stages, record["workers"], strict=True)

@@ -6,23 +6,35 @@ import torch
 
 
 def reference_logits(
-    checkpoint: str, input_ids: torch.Tensor, *, attn_implementation: str = "sdpa",
+    checkpoint: str,
+    input_ids: torch.Tensor,
+    *,
+    dtype: str = "auto",
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    attn_implementation: str | None = None,
     num_threads: int | None = None,
-) -> torch.Tensor:  # fmt: skip
-    """Logits of the plain Hugging Face model. Run it with the workers' thread count: a matmul
-    split over a different number of threads may sum in a different order."""
+) -> torch.Tensor:
+    """Logits of the plain Hugging Face model, loaded by `from_pretrained` in `dtype` ("auto":
+    the checkpoint's, as our loader resolves it). Run it with the workers' thread count: a
+    matmul split over a different number of threads may sum in a different order."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    if dtype == "auto":
+        from coordinator.checkpoint import load_index
+
+        dtype = load_index(checkpoint).dtype
     hf_logging.disable_progress_bar()
     previous = torch.get_num_threads()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            checkpoint, dtype=torch.float32, attn_implementation=attn_implementation
+            checkpoint, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
         )
         with torch.no_grad():
-            return model(input_ids).logits
+            return model(input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids).logits  # fmt: skip
     finally:
         torch.set_num_threads(previous)

@@ -9,6 +9,7 @@ and must give a `CheckpointError` naming the file and tensor.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import io
 import json
 import mmap
@@ -160,7 +161,8 @@ def check_against_safetensors(index: CheckpointIndex, num_layers: int, tied: boo
             assert raw[file][t.start : t.end] == tensor_bytes(tensor), t.name
             if t.name in seen:  # only the tied embedding may appear twice, as the same slice
                 assert tied and t.name == "model.embed_tokens.weight" and layer.kind == "head"
-                assert seen[t.name] == t
+                assert t.target == "lm_head.weight"  # read into the head's own weight
+                assert seen[t.name] == dataclasses.replace(t, target=seen[t.name].target)
             else:
                 assert layer.name == expected_layer(t.name), t.name
                 seen[t.name] = t
@@ -180,7 +182,7 @@ def test_sharded_llama_index_matches_safetensors(llama_dir: Path) -> None:
     shards = sorted(p.name for p in llama_dir.glob("*.safetensors"))
     assert len(shards) >= 3, "max_shard_bytes should have forced several shards"
     assert list(index.files) == shards == sorted(set(weight_map(llama_dir).values()))
-    assert index.model_type == "llama"
+    assert index.family == "llama"
     assert index.config == json.loads((llama_dir / "config.json").read_text())
     check_against_safetensors(index, LLAMA_LAYERS, tied=False)
     # A decoder layer larger than a shard must gather its tensors from several files.
@@ -191,7 +193,7 @@ def test_single_file_tied_qwen2_index_matches_safetensors(qwen_dir: Path) -> Non
     assert not (qwen_dir / INDEX_FILE).exists()
     index = load_index(qwen_dir)
     assert index.files == (SINGLE_FILE,)
-    assert index.model_type == "qwen2"
+    assert index.family == "qwen2"
     check_against_safetensors(index, QWEN_LAYERS, tied=True)
 
 
@@ -602,3 +604,84 @@ def test_bfloat16_checkpoint(tmp_path: Path) -> None:
         assert truth[t.name][1].dtype == torch.bfloat16
         assert t.nbytes == 2 * truth[t.name][1].numel()
         assert raw[t.start : t.end] == tensor_bytes(truth[t.name][1])
+
+
+# --- what cannot run is refused before any worker starts -------------------------------------
+
+
+def rewrite_config(root: Path, **changes: object) -> None:
+    config = json.loads((root / "config.json").read_text())
+    config.update(changes)
+    (root / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
+         r"quantized \(quantization_config.quant_method='gptq'\).*unquantized"),
+        ({"model_type": "t5", "is_encoder_decoder": True}, r"t5 is an encoder-decoder model"),
+        ({"model_type": "gemma3", "vision_config": {}, "text_config": {}},
+         r"gemma3 is a multimodal model \(vision_config\).*gemma3_text"),
+        ({"model_type": "no-such-family"}, r"model_type 'no-such-family' is unknown"),
+        ({"model_type": "vit"}, r"vit has no causal-LM class"),
+        ({"model_type": "bert"}, r"bert: its input embedding \(bert.embeddings.word_embeddings\) "
+                                 r"is not a module registered before its blocks"),
+    ],
+)  # fmt: skip
+def test_unsupported_models_are_refused_naming_what_is_supported(
+    llama_copy: Path, changes: dict, expected: str
+) -> None:
+    rewrite_config(llama_copy, **changes)
+    message = load_error(llama_copy)
+    assert re.search(expected, message), message
+    assert "tested families: llama, mistral" in message or "unquantized" in message
+
+
+def test_an_extra_tensor_is_refused_with_its_name(qwen_copy: Path) -> None:
+    """A tensor the model does not own (an adapter, another head) is an error in the index, not
+    a raw AttributeError inside a worker."""
+    path = qwen_copy / SINGLE_FILE
+    header, data = split_safetensors(path)
+    header["model.layers.0.self_attn.lora_A.weight"] = {
+        "dtype": "F32", "shape": [1], "data_offsets": [len(data), len(data) + 4],
+    }  # fmt: skip
+    join_safetensors(path, header, data + b"\x00" * 4)
+    message = load_error(qwen_copy)
+    assert "'model.layers.0.self_attn.lora_A.weight' is not a weight of Qwen2ForCausalLM" in message
+
+
+def test_keys_transformers_ignores_are_ignored(qwen_copy: Path) -> None:
+    """Old exports carry rotary tables; from_pretrained drops them silently and so do we (they
+    are listed, never loaded)."""
+    path = qwen_copy / SINGLE_FILE
+    header, data = split_safetensors(path)
+    header["model.layers.0.self_attn.rotary_emb.inv_freq"] = {
+        "dtype": "F32", "shape": [1], "data_offsets": [len(data), len(data) + 4],
+    }  # fmt: skip
+    join_safetensors(path, header, data + b"\x00" * 4)
+    index = load_index(qwen_copy)
+    assert index.ignored == ("model.layers.0.self_attn.rotary_emb.inv_freq",)
+    assert all("inv_freq" not in t.name for layer in index.layers for t in layer.tensors)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_the_dtype_counts_the_bytes_loaded(llama_dir: Path, dtype: str) -> None:
+    """A float32 checkpoint loaded in another dtype: the plan's bytes are the loaded ones, the
+    read ones stay the file's."""
+    index = load_index(llama_dir, dtype=dtype)
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    assert index.dtype == dtype
+    assert index.file_bytes == load_index(llama_dir).total_bytes
+    assert index.total_bytes == index.file_bytes * size // 4
+    assert {t.target_dtype for layer in index.layers for t in layer.tensors} == {dtype}
+
+
+def test_dtype_auto_is_the_checkpoints(tmp_path: Path) -> None:
+    shape = CheckpointShape(arch="llama", num_layers=2, dtype="bfloat16", **TINY)
+    root = make_checkpoint(tmp_path / "bf16", shape)
+    assert load_index(root).dtype == "bfloat16"
+    rewrite_config(root, dtype=None, torch_dtype=None)  # no dtype in config.json: the tensors'
+    assert load_index(root).dtype == "bfloat16"
+    with pytest.raises(CheckpointError, match="dtype='int8' is not one of auto, float32"):
+        load_index(root, dtype="int8")

@@ -83,11 +83,11 @@ def test_pipeline_matches_transformers(embedded_ray, checkpoints, arch: str) -> 
     expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
     # Same ops, same weights, one thread on both sides: bitwise equal.
     assert torch.equal(logits, expected) and torch.equal(again, expected)
-    assert seen[-1][0] == seen[-1][1] == load_index(checkpoint).total_bytes
+    assert seen[-1][0] == seen[-1][1] == load_index(checkpoint).file_bytes
     # Prometheus sees what the workers reported, per stage.
     assert scraped == expected_gauges
     for report, stage in zip(reports, job.plan.stages, strict=True):
-        share = sum(layer.nbytes for layer in load_index(checkpoint).layers
+        share = sum(layer.file_bytes for layer in load_index(checkpoint).layers
                     if layer.name in stage.layers)  # fmt: skip
         assert report["bytes_read"] == share  # each worker read exactly its own tensors
         assert report["offloaded"] == list(stage.offloaded)
@@ -170,7 +170,7 @@ def test_a_killed_worker_is_replaced_and_only_its_stage_reloaded(embedded_ray, c
         assert [e["stages"] for e in job.events] == [[1]]
         assert after[1]["pid"] != before[1] and after[0]["pid"] == before[0]
         assert after[2]["pid"] == before[2]
-        share = sum(layer.nbytes for layer in load_index(checkpoint).layers
+        share = sum(layer.file_bytes for layer in load_index(checkpoint).layers
                     if layer.name in job.plan.stages[1].layers)  # fmt: skip
         assert after[1]["bytes_read"] == share  # the replacement read its own stage only
         assert job.dead_stages() == []
@@ -211,7 +211,7 @@ def test_a_worker_killed_while_loading_is_replaced(embedded_ray, checkpoints) ->
             reports = job.telemetry()
             index = load_index(checkpoint)
             for report, stage in zip(reports, job.plan.stages, strict=True):
-                share = sum(x.nbytes for x in index.layers if x.name in stage.layers)
+                share = sum(x.file_bytes for x in index.layers if x.name in stage.layers)
                 assert report["bytes_read"] == share  # nothing read twice, by anyone
             assert torch.equal(job.forward(ids), expected)
     finally:

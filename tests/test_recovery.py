@@ -68,7 +68,7 @@ def test_lost_nodes_replan_fail_with_numbers_then_recover(cluster, tmp_path, cap
                        host_memory_bytes=host)  # fmt: skip
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(7))
     expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
-    nbytes = {layer.name: layer.nbytes for layer in index.layers}
+    nbytes = {layer.name: layer.file_bytes for layer in index.layers}
     address = ["--address", c.address]
     job = launch(config, name="survivor")
     try:

@@ -29,7 +29,7 @@ def test_snapshots_report_counters_since_the_last_one(index) -> None:
     worker = StageWorker(spec_for(index, offloaded=("layers.1", "layers.3")), device="cpu")
     try:
         first = worker.load()
-        assert first["bytes_read"] == index.total_bytes
+        assert first["bytes_read"] == index.file_bytes
         ids = torch.randint(0, 64, (1, 5))
         worker.forward(ids)
         worker.forward(ids)
@@ -59,7 +59,7 @@ def stage_spec(index, names: list[str], offloaded: tuple[str, ...] = ()) -> Stag
 
 
 def nbytes(index, names) -> int:
-    return sum(layer.nbytes for layer in index.layers if layer.name in names)
+    return sum(layer.file_bytes for layer in index.layers if layer.name in names)
 
 
 def test_reconfigure_reads_only_the_layers_it_did_not_hold(index) -> None:
@@ -74,7 +74,7 @@ def test_reconfigure_reads_only_the_layers_it_did_not_hold(index) -> None:
     worker = StageWorker(stage_spec(index, first, offloaded=("layers.1",)), device="cpu")
     try:
         worker.load()
-        embed_ptr = worker.stage.embed_tokens.weight.data_ptr()
+        embed_ptr = worker.stage.model.get_input_embeddings().weight.data_ptr()
         everything = [layer.name for layer in index.layers]
         # layers.0: resident -> offloaded, layers.1: offloaded -> resident, embed: kept resident
         chunks = worker.reconfigure(stage_spec(index, everything, offloaded=("layers.0", "layers.3")))
@@ -83,7 +83,7 @@ def test_reconfigure_reads_only_the_layers_it_did_not_hold(index) -> None:
             worker.load_chunk(chunk)
         report = worker.finish_load()
         assert report["bytes_read"] == nbytes(index, everything)  # every byte read exactly once
-        assert worker.stage.embed_tokens.weight.data_ptr() == embed_ptr  # adopted, not copied
+        assert worker.stage.model.get_input_embeddings().weight.data_ptr() == embed_ptr  # adopted, not copied
         assert report["offloaded"] == ["layers.0", "layers.3"]
         assert torch.equal(worker.forward(ids), expected)
         # Shrinking to a suffix reads nothing: every layer it keeps is already here.
@@ -110,7 +110,7 @@ def test_an_interrupted_load_resumes_where_it_stopped(index, monkeypatch) -> Non
         assert worker.load_chunk(1) == 0  # read already
         for chunk in worker.prepare():
             worker.load_chunk(chunk)
-        assert worker.finish_load()["bytes_read"] == index.total_bytes
+        assert worker.finish_load()["bytes_read"] == index.file_bytes
         assert worker.prepare() == {}
     finally:
         worker.close()

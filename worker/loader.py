@@ -3,7 +3,8 @@
 The header offsets (from the coordinator's index) say where each tensor's bytes are, so a
 worker reads exactly its own bytes: into the arena for offloaded layers, into the parameter's
 memory for resident ones on the CPU, and through a small pinned staging buffer for resident ones
-on a GPU. No full second copy of the weights exists at any point.
+on a GPU, for a dtype conversion (`--dtype`) and for one expert's part of a fused MoE
+parameter. No full second copy of the weights exists at any point.
 """
 
 from __future__ import annotations
@@ -72,17 +73,19 @@ class TensorReader:
         self.read_many([(tensor, dst)])
 
     def read_many(self, items: Sequence[tuple[TensorSlice, torch.Tensor]]) -> None:
-        """Fill each destination with its tensor's bytes; pieces of all of them in parallel."""
+        """Fill each destination with its tensor's bytes; pieces of all of them in parallel.
+        A destination of another dtype (the model's, when it differs from the file's), on a GPU,
+        or not contiguous (part of a fused parameter) is filled through the staging buffer."""
         pieces: list[tuple[int, memoryview, int, str]] = []
         for tensor, dst in items:
-            if tuple(dst.shape) != tensor.shape or dst.dtype != tensor.torch_dtype:
+            if tuple(dst.shape) != tensor.shape:
                 raise ValueError(
                     f"{tensor.file}: tensor {tensor.name!r} is {tensor.dtype}{list(tensor.shape)} "
                     f"but its destination is {dst.dtype}{list(dst.shape)}"
                 )
             where = f"{tensor.file}: tensor {tensor.name!r}"
             fd = self._fd(tensor.file)
-            if dst.device.type == "cpu" and dst.is_contiguous():
+            if dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == tensor.torch_dtype:
                 view = memoryview(_as_bytes(dst).numpy())
                 for begin in range(0, tensor.nbytes, PIECE_BYTES):
                     end = min(begin + PIECE_BYTES, tensor.nbytes)
@@ -102,18 +105,24 @@ class TensorReader:
             future.result()  # re-raises the first failed read
 
     def _read_staged(self, fd: int, tensor: TensorSlice, dst: torch.Tensor, where: str) -> None:
-        if not dst.is_contiguous():
-            raise ValueError(f"{where}: destination must be contiguous")
-        if self._staging is None:
-            self._staging = torch.empty(
-                STAGING_BYTES, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
-            )
-        out = _as_bytes(dst)
-        for begin in range(0, tensor.nbytes, STAGING_BYTES):
-            n = min(STAGING_BYTES, tensor.nbytes - begin)
-            chunk = self._staging[:n]
-            _pread_exact(fd, memoryview(chunk.numpy()), tensor.start + begin, where)
-            out[begin : begin + n].copy_(chunk)  # synchronous: the staging buffer is reused
+        """Rows of the tensor (its first dimension) at a time through the staging buffer, each
+        copied into `dst` with `copy_`, which converts the dtype and crosses to the GPU."""
+        shape = tensor.shape or (1,)
+        rows = dst.reshape(1) if not tensor.shape else dst
+        row_bytes = tensor.nbytes // shape[0] if shape[0] else 0
+        if not row_bytes:
+            return
+        size = max(STAGING_BYTES, row_bytes)
+        if self._staging is None or self._staging.numel() < size:
+            self._staging = torch.empty(size, dtype=torch.uint8,
+                                        pin_memory=torch.cuda.is_available())  # fmt: skip
+        per_piece = size // row_bytes
+        for first in range(0, shape[0], per_piece):
+            count = min(per_piece, shape[0] - first)
+            chunk = self._staging[: count * row_bytes]
+            _pread_exact(fd, memoryview(chunk.numpy()), tensor.start + first * row_bytes, where)
+            source = chunk.view(tensor.torch_dtype).view(count, *shape[1:])
+            rows[first : first + count].copy_(source)  # synchronous: the buffer is reused
 
     def close(self) -> None:
         if self._pool is not None:

@@ -6,6 +6,7 @@ coordinator builds them from the checkpoint index and the plan.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -27,8 +28,41 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+# The dtypes a model may load and compute in (`--dtype`), by their torch names.
+COMPUTE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
 def dtype_size(dtype: str) -> int:
     return torch.empty((), dtype=SAFETENSORS_DTYPES[dtype]).element_size()
+
+
+def torch_dtype_named(name: str) -> torch.dtype:
+    """`torch.bfloat16` for "bfloat16": the names torch and transformers' configs use."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+# A view of a model parameter that one checkpoint tensor fills: ("select", dim, index) or
+# ("narrow", dim, start, length), applied in order. Per-expert checkpoint tensors of a fused MoE
+# parameter each fill one such view (see coordinator/weight_map.py).
+ViewOp = tuple[str, int, int] | tuple[str, int, int, int]
+
+
+def apply_view(tensor: torch.Tensor, view: tuple[ViewOp, ...]) -> torch.Tensor:
+    for op in view:
+        if op[0] == "select":
+            tensor = tensor.select(op[1], op[2])
+        elif op[0] == "narrow":
+            tensor = tensor.narrow(op[1], op[2], op[3])
+        else:
+            raise ValueError(f"unknown view op {op!r}")
+    return tensor
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,14 +75,33 @@ class TensorSlice:
     file: str  # file name relative to the checkpoint directory
     start: int  # absolute byte offsets in the file
     end: int
+    # Where it goes: the model parameter (or persistent buffer) it fills, the part of it (empty:
+    # all of it), and the dtype the model keeps it in (converted while reading when it differs).
+    target: str = ""
+    view: tuple[ViewOp, ...] = ()
+    target_dtype: str = ""  # torch name, e.g. "bfloat16"; "" = as in the file
 
     @property
     def nbytes(self) -> int:
+        """Bytes in the file (what a worker reads)."""
         return self.end - self.start
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return SAFETENSORS_DTYPES[self.dtype]
+
+    @property
+    def target_torch_dtype(self) -> torch.dtype:
+        return torch_dtype_named(self.target_dtype) if self.target_dtype else self.torch_dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def loaded_bytes(self) -> int:
+        """Bytes in memory once loaded, in the model's dtype."""
+        return self.numel * self.target_torch_dtype.itemsize
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,6 +115,12 @@ class LayerSpec:
 
     @property
     def nbytes(self) -> int:
+        """Bytes in memory once loaded: what the plan places on a GPU or in host memory."""
+        return sum(t.loaded_bytes for t in self.tensors)
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes read from the checkpoint for this layer."""
         return sum(t.nbytes for t in self.tensors)
 
 
@@ -73,6 +132,7 @@ class StageSpec:
     num_stages: int
     checkpoint_dir: str
     config: dict  # the checkpoint's config.json
+    dtype: str = "float32"  # the dtype the model is built and computes in (torch name)
     layers: tuple[LayerSpec, ...]
     offloaded: tuple[str, ...] = ()  # layer names kept in host memory
     prefetch_step: int = 1

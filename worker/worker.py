@@ -25,11 +25,12 @@ from torch import nn
 from offload import OffloadConfig, create_offloader, probe_node
 from offload.host_store import decide_for_device
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV, PinDecision
+from worker.layout import hf_config_from_dict, model_class_for
 from worker.loader import TensorReader
 from worker.node import probe_here
 from worker.placement import Placement
-from worker.spec import StageSpec
-from worker.stage import Stage, hf_config_from_dict, model_class_for
+from worker.spec import StageSpec, torch_dtype_named
+from worker.stage import Stage
 
 LOAD_CHUNK_BYTES = 64 * 2**20  # progress granularity
 SNAPSHOT_HISTORY = 360  # periodic snapshots kept: an hour at 10 s
@@ -56,7 +57,7 @@ class StageWorker:
         device: str | None = None,
         gpu_memory_bytes: int | None = None,
         num_threads: int | None = None,
-        attn_implementation: str = "sdpa",
+        attn_implementation: str | None = None,
         snapshot_interval_s: float = 0.0,
     ) -> None:
         self.spec = spec
@@ -69,7 +70,9 @@ class StageWorker:
         # Import the model's transformers modules now, with the process start, so `load_s`
         # measures loading (building the stage and reading its bytes) and nothing else.
         start = time.perf_counter()
-        self._hf_config = hf_config_from_dict(spec.config, attn_implementation)
+        self._hf_config = hf_config_from_dict(
+            spec.config, dtype=torch_dtype_named(spec.dtype), attn_implementation=attn_implementation
+        )
         model_class_for(self._hf_config)
         self.init_s = time.perf_counter() - start
         self.stage: Stage | None = None
@@ -109,7 +112,7 @@ class StageWorker:
             self._build(previous=None)
             self._load_s += time.perf_counter() - start
         return {
-            i: sum(self._layer_specs[n].nbytes for n in self._chunks[i])
+            i: sum(self._layer_specs[n].file_bytes for n in self._chunks[i])
             for i in self._unread_chunks()
         }
 
@@ -134,10 +137,7 @@ class StageWorker:
 
     def _build(self, previous: Placement | None) -> None:
         spec = self.spec
-        decoders = [layer.index for layer in spec.layers if layer.kind == "decoder"]
-        kinds = {layer.kind for layer in spec.layers}
-        stage = Stage(self._hf_config, decoders, has_embed="embed" in kinds,
-                      has_head="head" in kinds, device=self.device)  # fmt: skip
+        stage = Stage(self._hf_config, [layer.name for layer in spec.layers])
         modules = stage.layer_modules()
         names = list(modules)
         unknown = sorted(set(spec.offloaded) - set(names))
@@ -156,6 +156,7 @@ class StageWorker:
                 module.load_state_dict(previous.modules[name].state_dict(), assign=True)
             elif name not in spec.offloaded:
                 module.to_empty(device=self.device)
+        stage.init_buffers(self.device)
         if spec.offloaded:
             config = OffloadConfig(
                 backend=spec.backend,
@@ -166,13 +167,11 @@ class StageWorker:
             config = OffloadConfig(backend="none")
         offloader = create_offloader(config, device=self.device, probe=self.probe)
         offloader.wrap_modules(list(modules.values()))
-        placement = Placement(spec, modules, offloader, loaded=set(carried))
+        placement = Placement(spec, stage.layout, modules, offloader, loaded=set(carried))
         with torch.no_grad():
             for name in sorted(carried - kept_resident):  # moved between device and host
                 for tensor in self._layer_specs[name].tensors:
-                    placement.destination(name, tensor.name).copy_(
-                        previous.destination(name, tensor.name)
-                    )
+                    placement.destination(name, tensor).copy_(previous.destination(name, tensor))
         if previous is not None:
             previous.offloader.detach(restore=False)  # its arena and slots go, nothing restored
         self.stage, self._placement = stage, placement
@@ -184,7 +183,7 @@ class StageWorker:
         chunks: list[list[str]] = []
         size = 0
         for name in names:
-            nbytes = self._layer_specs[name].nbytes
+            nbytes = self._layer_specs[name].file_bytes
             if not chunks or (chunks[-1] and size + nbytes > LOAD_CHUNK_BYTES):
                 chunks.append([])
                 size = 0
@@ -203,7 +202,7 @@ class StageWorker:
         try:
             with torch.no_grad():
                 self._reader.read_many([
-                    (tensor, placement.destination(layer_name, tensor.name))
+                    (tensor, placement.destination(layer_name, tensor))
                     for layer_name in self._chunks[index]
                     for tensor in self._layer_specs[layer_name].tensors
                 ])  # fmt: skip
@@ -245,12 +244,23 @@ class StageWorker:
         return self.finish_load()
 
     # running
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        """Token ids (first stage) or the previous stage's hidden states in; hidden states, or
+        the logits of the last `logits_to_keep` positions (0: all) from the last stage."""
         if not self._ready:
             raise WorkerError(f"{self._where()}: forward before load")
         start = time.perf_counter()
+        to_device = lambda t: t.to(self.device) if t is not None else None  # noqa: E731
         with torch.no_grad():
-            out = self.stage(x.to(self.device))
+            out = self.stage(to_device(x), attention_mask=to_device(attention_mask),
+                             position_ids=to_device(position_ids),
+                             logits_to_keep=logits_to_keep)  # fmt: skip
         out = out.cpu()
         self._forward_s += time.perf_counter() - start
         self._forwards += 1

@@ -1,0 +1,163 @@
+"""Checkpoint tensors -> the model's parameters, through transformers' own conversion mapping.
+
+`from_pretrained` renames checkpoint keys (legacy names, Mixtral's `block_sparse_moe`) and fuses
+per-expert tensors into one parameter per layer (`experts.3.gate_proj.weight` and
+`experts.3.up_proj.weight` of every expert -> `experts.gate_up_proj`) with the
+`WeightRenaming` / `WeightConverter` list of `transformers.conversion_mapping`. We apply the same
+list to the header names, with the same functions, and turn each converter's operations into the
+view of the fused parameter that each source tensor fills: `MergeModulelist(dim=m)` stacks the
+experts (expert e is `select(m, e)`), `Concatenate(dim=c)` then joins the source patterns (the
+j-th is `narrow(c, offset_j, size_j)`). A worker reads each tensor straight into its view, so
+no stacked or concatenated copy is ever made. Any other operation is refused with its name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from worker.spec import TensorSlice, apply_view
+
+
+class WeightMapError(ValueError):
+    """A checkpoint tensor that does not fit the model; the message names it and the file."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _ignored_patterns(model: nn.Module) -> re.Pattern | None:
+    """Checkpoint keys `from_pretrained` drops without a word (old rotary tables, causal-mask
+    buffers of GPT-2 exports), as its `_adjust_missing_and_unexpected_keys` does."""
+    patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    buffers = [name for name, _ in model.named_buffers()]
+    if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
+        patterns.add(r"rotary_emb\.inv_freq")
+    if any(name.endswith("position_ids") for name in buffers):
+        patterns.add(r"(^|\.)position_ids$")
+    return re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
+
+
+def map_tensors(
+    model: nn.Module, tensors: dict[str, TensorSlice]
+) -> tuple[list[TensorSlice], list[str]]:
+    """Each checkpoint tensor with its target parameter, view and dtype (tied weights get a copy
+    of their source's tensors), and the keys ignored as `from_pretrained` ignores them.
+    Raises WeightMapError for a tensor the model does not own, a shape that does not fit, a
+    parameter no tensor fills, or a conversion we cannot apply by views."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        dot_natural_key,
+        rename_source_key,
+    )
+
+    family = model.config.model_type
+    expected = model.state_dict(keep_vars=True)
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    ignore = _ignored_patterns(model)
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+
+    plain: list[TensorSlice] = []
+    fused: dict[str, dict[str, list[TensorSlice]]] = defaultdict(lambda: defaultdict(list))
+    ignored: list[str] = []
+    for key in sorted(tensors, key=dot_natural_key):
+        target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix,
+                                            expected)  # fmt: skip
+        if target not in expected and key in expected:  # as from_pretrained: keep the name
+            target, pattern = key, None
+        if target in tied:  # from_pretrained ties it to its source after loading: source wins
+            ignored.append(key)
+            continue
+        if target not in expected:
+            if ignore is not None and ignore.search(key):
+                ignored.append(key)
+                continue
+            raise WeightMapError(
+                f"{tensors[key].file}: tensor {key!r} is not a weight of {type(model).__name__} "
+                f"({family}, as config.json describes it{_layer_hint(model, key)}): the "
+                "checkpoint does not match its config, or holds extra tensors (adapters, a "
+                "different head)"
+            )
+        if pattern is None:
+            plain.append(_placed(tensors[key], target, (), expected[target]))
+        else:
+            fused[target][pattern].append(tensors[key])
+    for target, sources in fused.items():
+        converter = by_pattern[next(iter(sources))]
+        plain.extend(_fused_views(converter, target, sources, expected[target]))
+
+    covered: dict[str, int] = defaultdict(int)
+    for tensor in plain:
+        covered[tensor.target] += tensor.numel
+    for target, source in tied.items():
+        if source in covered:
+            copies = [dataclasses.replace(t, target=target) for t in plain if t.target == source]
+            plain.extend(copies)
+            covered[target] = covered[source]
+    missing = sorted(n for n, t in expected.items() if covered.get(n, 0) != t.numel())
+    if missing:
+        raise WeightMapError(
+            f"the checkpoint lacks {len(missing)} weights of {type(model).__name__} ({family}) "
+            f"that config.json implies, e.g. {missing[:3]}"
+        )
+    return plain, ignored
+
+
+def _layer_hint(model: nn.Module, key: str) -> str:
+    """Where a key names a block past the config's count, say so: the usual mismatch."""
+    num_layers = model.config.get_text_config().num_hidden_layers
+    numbers = [int(n) for n in re.findall(r"\.(\d+)\.", key)]
+    if numbers and numbers[0] >= num_layers:
+        return f" with num_hidden_layers={num_layers}"
+    return ""
+
+
+def _placed(tensor: TensorSlice, target: str, view: tuple, param: torch.Tensor) -> TensorSlice:
+    want = tuple(apply_view(param, view).shape)
+    if tensor.shape != want:
+        raise WeightMapError(
+            f"{tensor.file}: tensor {tensor.name!r} has shape {list(tensor.shape)} but "
+            f"config.json implies {list(want)} for {target!r}"
+        )
+    return dataclasses.replace(tensor, target=target, view=view, target_dtype=_dtype_name(param.dtype))
+
+
+def _fused_views(converter, target: str, sources: dict[str, list[TensorSlice]],
+                 param: torch.Tensor) -> list[TensorSlice]:  # fmt: skip
+    """The view of `param` each source tensor fills (see the module doc)."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    ops = list(converter.operations)
+    kinds = [type(op) for op in ops]
+    if kinds not in ([MergeModulelist], [MergeModulelist, Concatenate]):
+        raise WeightMapError(
+            f"{target!r}: conversion {[k.__name__ for k in kinds]} is not supported (only "
+            "MergeModulelist, optionally followed by Concatenate: fused MoE experts)"
+        )
+    merge_dim = ops[0].dim
+    out: list[TensorSlice] = []
+    offset = 0
+    for pattern in converter.source_patterns:  # their order is the concatenation order
+        experts = sources.get(pattern, [])
+        if not experts:
+            continue
+        view_prefix: tuple = ()
+        if len(ops) == 2:
+            dim = ops[1].dim
+            stacked = list(experts[0].shape)
+            stacked.insert(merge_dim, len(experts))
+            view_prefix = (("narrow", dim, offset, stacked[dim]),)
+            offset += stacked[dim]
+        for e, tensor in enumerate(experts):
+            out.append(_placed(tensor, target, (*view_prefix, ("select", merge_dim, e)), param))
+    return out

@@ -1,0 +1,236 @@
+"""A causal LM's pipeline layers, found from the model itself, and the checks that come first.
+
+The model is the real `transformers` class, built from its config on the meta device (no memory,
+no weights) in the dtype it will compute in. Its decoder blocks are the `nn.ModuleList` of the
+base model whose entries are the block class the model names in `_no_split_modules` (the unit
+`transformers` itself never splits across devices), one per `num_hidden_layers`. What the base
+model registers before that list (token and position embeddings) is the pipeline's "embed"
+layer; what it registers after it (the final norm) plus the LM head is the "head" layer. Every
+decoder-only model in `transformers` is written in that order, which the family tests check.
+
+This is the one place that knows how checkpoint and parameter names map onto pipeline layers:
+the checkpoint index, the stage and the worker's placement all ask a `ModelLayout`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# Families checked against transformers in CI (tests/test_families.py). Others that pass the
+# checks below load too, untested: `offloadctl` says so.
+TESTED_FAMILIES = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2",
+    "granite", "mixtral", "qwen2_moe", "qwen3_moe", "gpt2", "gpt_neox",
+)  # fmt: skip
+EMBED, HEAD = "embed", "head"
+_DECODER = re.compile(r"^layers\.(\d+)$")
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint this project cannot run; the message names the family and what is supported."""
+
+
+def _supported_text() -> str:
+    return f"decoder-only causal LMs; tested families: {', '.join(TESTED_FAMILIES)}"
+
+
+def check_supported(config: dict) -> None:
+    """Refuse, from config.json alone, what cannot run: quantized checkpoints, encoder-decoder
+    and vision/audio models, and model types transformers has no causal LM for."""
+    family = config.get("model_type")
+    if not family:
+        raise UnsupportedModelError(f"config.json has no model_type; supported: {_supported_text()}")
+    quant = config.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise UnsupportedModelError(
+            f"{family}: the checkpoint is quantized (quantization_config.quant_method={method!r});"
+            f" only unquantized checkpoints (float32, bfloat16, float16) are supported"
+        )
+    if config.get("is_encoder_decoder"):
+        raise UnsupportedModelError(
+            f"{family} is an encoder-decoder model; supported: {_supported_text()}"
+        )
+    towers = sorted(k for k in config if k.endswith("_config") and k.split("_")[0] in
+                    ("vision", "audio", "speech", "image", "video", "encoder"))  # fmt: skip
+    if towers:
+        raise UnsupportedModelError(
+            f"{family} is a multimodal model ({', '.join(towers)}); supported: "
+            f"{_supported_text()} (for Gemma 3 text, use a gemma3_text checkpoint)"
+        )
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        AutoConfig.for_model(family)
+    except (KeyError, ValueError):
+        raise UnsupportedModelError(
+            f"model_type {family!r} is unknown to this transformers; supported: "
+            f"{_supported_text()}"
+        ) from None
+    if family not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UnsupportedModelError(
+            f"{family} has no causal-LM class in transformers; supported: {_supported_text()}"
+        )
+
+
+def hf_config_from_dict(
+    config: dict, *, dtype: torch.dtype, attn_implementation: str | None = None
+):
+    """The transformers config of config.json, computing in `dtype`; `attn_implementation`
+    None leaves the choice to transformers, as `from_pretrained` does (sdpa where the model
+    supports it, eager for Gemma 2)."""
+    from transformers import AutoConfig
+
+    values = {k: v for k, v in config.items() if k not in ("dtype", "torch_dtype")}
+    hf_config = AutoConfig.for_model(**values)
+    hf_config.dtype = dtype
+    if attn_implementation is not None:
+        hf_config._attn_implementation = attn_implementation
+    return hf_config
+
+
+def model_class_for(hf_config) -> type:
+    """The causal-LM class of `hf_config` (importing its modeling module)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+
+
+def build_meta_model(hf_config) -> nn.Module:
+    """The model's causal-LM class on the meta device, each tensor in the dtype `from_pretrained`
+    gives it: the config's dtype, except what the class keeps in float32 (its dtype plan)."""
+    from transformers.core_model_loading import build_glob_alternation
+
+    with torch.device("meta"):
+        model = model_class_for(hf_config)._from_config(hf_config, dtype=hf_config.dtype)
+    plan = model._get_dtype_plan(hf_config.dtype)
+    if plan:
+        alternation, group_names, _ = build_glob_alternation(list(plan))
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            match = alternation.search(name)
+            if match is not None and tensor.dtype != plan[group_names[match.lastgroup]]:
+                wanted = plan[group_names[match.lastgroup]]
+                owner, leaf = _owner(model, name)
+                if isinstance(tensor, nn.Parameter):
+                    setattr(owner, leaf, nn.Parameter(tensor.to(wanted), requires_grad=False))
+                else:
+                    owner._buffers[leaf] = tensor.to(wanted)
+    return model.eval()
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, leaf = name.rpartition(".")
+    return (model.get_submodule(path) if path else model), leaf
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelLayout:
+    """Module paths of the pipeline layers in one model class."""
+
+    family: str
+    layers_path: str  # the decoder ModuleList, e.g. "model.layers", "transformer.h"
+    num_layers: int
+    embed_paths: tuple[str, ...]  # modules with weights before the blocks
+    head_paths: tuple[str, ...]  # modules with weights after them, and the LM head
+
+    @property
+    def base_path(self) -> str:
+        return self.layers_path.rpartition(".")[0]
+
+    def module_paths(self, layer: str) -> tuple[str, ...]:
+        """The model's modules that make up pipeline layer `layer`."""
+        if layer == EMBED:
+            return self.embed_paths
+        if layer == HEAD:
+            return self.head_paths
+        match = _DECODER.match(layer)
+        if match is None or int(match.group(1)) >= self.num_layers:
+            raise KeyError(f"{self.family} has no pipeline layer {layer!r}")
+        return (f"{self.layers_path}.{match.group(1)}",)
+
+    def local_name(self, layer: str, name: str) -> str:
+        """The name of parameter `name` inside `Stage.layer_modules()[layer]`."""
+        paths = self.module_paths(layer)
+        for i, path in enumerate(paths):
+            if name.startswith(path + "."):
+                rest = name[len(path) + 1 :]
+                return f"{i}.{rest}" if layer in (EMBED, HEAD) else rest
+        raise KeyError(f"{name!r} is not in pipeline layer {layer!r} of {self.family}")
+
+    def layer_names(self) -> list[str]:
+        return [EMBED, *(f"layers.{i}" for i in range(self.num_layers)), HEAD]
+
+    def layer_of(self, name: str) -> str | None:
+        """The pipeline layer that holds parameter (or buffer) `name`, None for none."""
+        prefix = self.layers_path + "."
+        if name.startswith(prefix):
+            index = name[len(prefix) :].split(".", 1)[0]
+            return f"layers.{index}" if index.isdigit() else None
+        for layer, paths in ((EMBED, self.embed_paths), (HEAD, self.head_paths)):
+            if any(name.startswith(path + ".") for path in paths):
+                return layer
+        return None
+
+
+def find_layout(model: nn.Module) -> ModelLayout:
+    """Where `model`'s embedding, decoder blocks and head are (see the module doc)."""
+    family = model.config.model_type
+    num_layers = model.config.get_text_config().num_hidden_layers
+    block_names = set(getattr(model, "_no_split_modules", None) or ())
+    candidates = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList)
+        and len(module) == num_layers
+        and all(type(block).__name__ in block_names for block in module)
+    ]
+    if len(candidates) != 1:
+        found = [name for name, _ in candidates]
+        raise UnsupportedModelError(
+            f"{family}: cannot find its decoder blocks (a ModuleList of {num_layers} "
+            f"{'/'.join(sorted(block_names)) or '?'}; found {found or 'none'}); supported: "
+            f"{_supported_text()}"
+        )
+    layers_path = candidates[0][0]
+    base_path = layers_path.rpartition(".")[0]
+    base = model.get_submodule(base_path) if base_path else model
+    before: list[str] = []
+    after: list[str] = []
+    seen_layers = False
+    for name, child in base.named_children():
+        path = f"{base_path}.{name}" if base_path else name
+        if path == layers_path:
+            seen_layers = True
+        elif _has_weights(child):
+            (after if seen_layers else before).append(path)
+    # Modules outside the base model (the LM head): after the blocks.
+    for name, child in model.named_children():
+        if name != base_path.split(".")[0] and _has_weights(child):
+            after.append(name)
+    embeddings = model.get_input_embeddings()
+    if not any(model.get_submodule(path) is embeddings for path in before):
+        where = next((n for n, m in model.named_modules() if m is embeddings), "?")
+        raise UnsupportedModelError(
+            f"{family}: its input embedding ({where}) is not a module registered before its "
+            f"blocks ({layers_path}) in the same base model, so it cannot be split into "
+            f"pipeline stages; supported: {_supported_text()}"
+        )
+    return ModelLayout(family=family, layers_path=layers_path, num_layers=num_layers,
+                       embed_paths=tuple(before), head_paths=tuple(after))  # fmt: skip
+
+
+def _has_weights(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(
+        True for name, _ in module.named_buffers() if _is_persistent(module, name)
+    )
+
+
+def _is_persistent(module: nn.Module, name: str) -> bool:
+    path, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(path) if path else module
+    return leaf not in owner._non_persistent_buffers_set
