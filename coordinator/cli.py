@@ -20,6 +20,13 @@ import time
 
 from coordinator.checkpoint import CheckpointError
 from coordinator.config import ConfigError, JobConfig, load_job_config, parse_bytes
+from coordinator.make_checkpoint import (
+    ARCHITECTURES,
+    DTYPES,
+    MOE_ARCHITECTURES,
+    NO_KV_HEADS,
+    SLIDING_ARCHITECTURES,
+)
 from worker.spec import COMPUTE_DTYPES
 
 EXIT_MISMATCH = 1
@@ -87,14 +94,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     make = commands.add_parser("make-checkpoint", help="write a random-weight HF checkpoint")
     make.add_argument("out", help="output directory (must be empty unless --force)")
-    make.add_argument("--arch", default="llama", choices=("llama", "qwen2"))
+    make.add_argument("--arch", default="llama", choices=ARCHITECTURES, metavar="MODEL_TYPE",
+                      help=f"the Hugging Face model_type: {', '.join(ARCHITECTURES)}")  # fmt: skip
     make.add_argument("--layers", type=_positive, default=8, dest="num_layers")
     make.add_argument("--hidden-size", type=_positive, default=256)
     make.add_argument("--heads", type=_positive, default=8, dest="num_heads")
-    make.add_argument("--kv-heads", type=_positive, default=4, dest="num_kv_heads")
-    make.add_argument("--intermediate-size", type=_positive, default=512)
+    make.add_argument("--kv-heads", type=_positive, default=4, dest="num_kv_heads",
+                      help=f"ignored by {', '.join(NO_KV_HEADS)} (no grouped-query attention: "
+                      "they use --heads)")  # fmt: skip
+    make.add_argument("--intermediate-size", type=_positive, default=512,
+                      help="MLP width; in MoE families each expert's (and qwen2_moe's shared "
+                      "expert's)")  # fmt: skip
     make.add_argument("--vocab", type=_positive, default=1024, dest="vocab_size")
-    make.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    moe = ", ".join(MOE_ARCHITECTURES)
+    make.add_argument("--experts", type=_positive, default=4, dest="num_experts",
+                      help=f"experts per MoE layer ({moe} only)")  # fmt: skip
+    make.add_argument("--experts-per-token", type=_positive, default=2, dest="experts_per_token",
+                      help=f"experts routed to per token ({moe} only)")  # fmt: skip
+    make.add_argument("--sliding-window", type=_positive, default=4,
+                      help=f"attention window in tokens ({', '.join(SLIDING_ARCHITECTURES)} "
+                      "only); small so a short test sequence outruns it")  # fmt: skip
+    make.add_argument("--max-positions", type=_positive, default=2048, dest="max_positions",
+                      help="longest sequence (gpt2 learns an embedding row per position)")  # fmt: skip
+    make.add_argument("--dtype", default="float32", choices=DTYPES)
     make.add_argument("--tie-embeddings", action="store_true")
     make.add_argument("--shard-size", type=_size, default=2 * 2**20, dest="max_shard_bytes")
     make.add_argument("--seed", type=int, default=0)
@@ -343,7 +365,9 @@ def main(argv: list[str] | None = None) -> int:
             from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 
             fields = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
-                      "intermediate_size", "vocab_size", "dtype", "max_shard_bytes", "seed")  # fmt: skip
+                      "intermediate_size", "vocab_size", "num_experts", "experts_per_token",
+                      "sliding_window", "max_positions", "dtype", "max_shard_bytes",
+                      "seed")  # fmt: skip
             shape = CheckpointShape(**{f: getattr(args, f) for f in fields},
                                     tie_embeddings=args.tie_embeddings)  # fmt: skip
             out = make_checkpoint(args.out, shape, force=args.force)

@@ -2,16 +2,43 @@
 
 For the demo, the tests, and users who want a dry run of a real model's shape without
 downloading it. Written by `transformers` itself (`save_pretrained`, sharded safetensors), so
-what we load is exactly what a real checkpoint looks like.
+what we load is exactly what a real checkpoint looks like: MoE families come out with one tensor
+per expert (`model.layers.0.mlp.experts.3.gate_proj.weight`, Mixtral's
+`model.layers.0.block_sparse_moe.experts.3.w1.weight`), GPT-NeoX's head as `embed_out.weight`.
+
+One generic shape maps onto every family's own config. Each family also gets what makes it
+itself, sized so that a 12-16 token test sequence runs through it: a sliding window shorter than
+the sequence, sliding and full layers side by side, soft-capping, Granite's multipliers, MoE
+routing over several experts. Flags that do not apply to a family are ignored, never an error:
+`num_kv_heads` for gpt2 and gpt_neox (no grouped-query attention: they use `num_heads`),
+`num_experts` / `experts_per_token` outside the MoE families, `sliding_window` outside mistral,
+gemma2 and gemma3_text. In the MoE families `intermediate_size` is each expert's width (and
+qwen2_moe's shared expert's).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
-ARCHITECTURES = ("llama", "qwen2")
+from worker.layout import TESTED_FAMILIES
+
+ARCHITECTURES = TESTED_FAMILIES  # every family the parity tests check
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
+SLIDING_ARCHITECTURES = ("mistral", "gemma2", "gemma3_text")
+NO_KV_HEADS = ("gpt2", "gpt_neox")  # multi-head attention only: num_kv_heads does not apply
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_POSITIONS = 2048
+# Clearly different from Granite's neutral 1.0, so a stage that drops one of them shows.
+GRANITE_MULTIPLIERS = dict(embedding_multiplier=3.0, residual_multiplier=0.5,
+                           attention_multiplier=0.2, logits_scaling=4.0)  # fmt: skip
+# GPT-2 spells the generic names its own way; its attribute_map aliases all but n_inner, but
+# writing its own names keeps config.json looking like a real GPT-2's.
+_OWN_NAMES = {"gpt2": dict(num_hidden_layers="n_layer", hidden_size="n_embd",
+                           num_attention_heads="n_head", intermediate_size="n_inner",
+                           max_position_embeddings="n_positions")}  # fmt: skip
+_PERTURB_STD = 0.1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -25,6 +52,10 @@ class CheckpointShape:
     vocab_size: int = 1024
     dtype: str = "float32"
     tie_embeddings: bool = False
+    num_experts: int = 4
+    experts_per_token: int = 2
+    sliding_window: int = 4
+    max_positions: int = MAX_POSITIONS  # GPT-2 learns a position embedding of this many rows
     max_shard_bytes: int = 2 * 2**20
     seed: int = 0
 
@@ -34,33 +65,103 @@ class CheckpointShape:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
-                     "intermediate_size", "vocab_size", "max_shard_bytes"):  # fmt: skip
+                     "intermediate_size", "vocab_size", "num_experts", "experts_per_token",
+                     "sliding_window", "max_positions", "max_shard_bytes"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} must be a multiple of num_heads={self.num_heads}"
             )
-        if self.num_heads % self.num_kv_heads:
+        if self.arch not in NO_KV_HEADS and self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token} must be <= "
+                             f"num_experts={self.num_experts}")  # fmt: skip
+
+    def family_settings(self) -> dict[str, Any]:
+        """What makes `arch` itself, in its config's own field names."""
+        head_dim = self.hidden_size // self.num_heads
+        # Gemma 3 runs 5 sliding : 1 full; capping the period at the layer count keeps that
+        # from 6 layers up and still gives 2-5 layers both kinds (the last one full).
+        period = min(6, self.num_layers)
+        gemma3_layers = [
+            "full_attention" if (i + 1) % period == 0 else "sliding_attention"
+            for i in range(self.num_layers)
+        ]
+        window = {"sliding_window": self.sliding_window}
+        gemma = {**window, "query_pre_attn_scalar": head_dim}
+        experts = {"num_experts": self.num_experts, "num_experts_per_tok": self.experts_per_token}
+        qwen_moe = {**experts, "moe_intermediate_size": self.intermediate_size}
+        table: dict[str, dict[str, Any]] = {
+            "mistral": window,
+            # Gemma 2 alternates sliding and full layers by default (sliding first).
+            "gemma2": {**gemma, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+            "gemma3_text": {**gemma, "layer_types": gemma3_layers},
+            "granite": GRANITE_MULTIPLIERS,
+            "mixtral": experts,  # num_experts is an alias of its num_local_experts
+            # The shared expert would default to 5632 wide whatever the hidden size.
+            "qwen2_moe": {**qwen_moe, "shared_expert_intermediate_size": self.intermediate_size},
+            # Real Qwen3 MoE checkpoints renormalise the chosen experts' routing weights.
+            "qwen3_moe": {**qwen_moe, "norm_topk_prob": True},
+            # Dropout would make a module left in train mode nondeterministic.
+            "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+        }
+        return table.get(self.arch, {})
 
     def hf_config(self):
-        from transformers import LlamaConfig, Qwen2Config
+        from transformers import CONFIG_MAPPING
 
-        cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[self.arch]
-        return cls(
+        cls = CONFIG_MAPPING[self.arch]
+        defaults = {f.name: f.default for f in fields(cls)}
+        values: dict[str, Any] = dict(
             num_hidden_layers=self.num_layers,
             hidden_size=self.hidden_size,
             num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads,
             intermediate_size=self.intermediate_size,
             vocab_size=self.vocab_size,
-            max_position_embeddings=2048,
-            tie_word_embeddings=self.tie_embeddings,
+            max_position_embeddings=self.max_positions,
+            tie_word_embeddings=self.tie_embeddings,  # explicit: gemma and gpt2 tie by default
             dtype=self.dtype,
         )
+        if self.arch not in NO_KV_HEADS:
+            values["num_key_value_heads"] = self.num_kv_heads
+        if "head_dim" in defaults:  # else derived from hidden/heads; gemma's 256 breaks tiny shapes
+            values["head_dim"] = self.hidden_size // self.num_heads
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            # Defaults like phi3's pad 32000 fall outside a small vocab (an embedding's
+            # padding_idx must be inside it): no such token, then.
+            if isinstance(defaults.get(key), int) and defaults[key] >= self.vocab_size:
+                values[key] = None
+        values |= self.family_settings()
+        renames = _OWN_NAMES.get(self.arch, {})
+        values = {renames.get(key, key): value for key, value in values.items()}
+        # A config keeps unknown keyword arguments as stray attributes, so a misspelt field
+        # would silently do nothing: refuse it here instead.
+        unknown = set(values) - set(defaults) - set(getattr(cls, "attribute_map", {}))
+        if unknown:
+            raise AssertionError(f"{cls.__name__} has no field(s) {', '.join(sorted(unknown))}")
+        return cls(**values)
+
+
+def perturb_constant_parameters(model, seed: int) -> list[str]:
+    """Add seeded noise to every parameter whose values are all equal (norm weights of either
+    convention, zero biases, ...), so a wrong or missing load always shows. Returns their
+    names."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    changed = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # tied weights come once
+            flat = param.detach().reshape(-1)
+            if flat.numel() and bool((flat == flat[0]).all()):
+                noise = torch.randn(param.shape, generator=generator) * _PERTURB_STD
+                param.copy_(param.float() + noise)
+                changed.append(name)
+    return changed
 
 
 def make_checkpoint(out_dir: str | Path, shape: CheckpointShape, *, force: bool = False) -> Path:
@@ -74,9 +175,6 @@ def make_checkpoint(out_dir: str | Path, shape: CheckpointShape, *, force: bool 
         raise FileExistsError(f"{out} is not empty; choose another directory or pass --force")
     torch.manual_seed(shape.seed)
     model = AutoModelForCausalLM.from_config(shape.hf_config(), dtype=getattr(torch, shape.dtype))
-    with torch.no_grad():  # norms start at exactly 1: perturb them so a wrong load shows
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.normal_(1.0, 0.1)
+    perturb_constant_parameters(model, shape.seed)
     model.save_pretrained(out, max_shard_size=shape.max_shard_bytes)
     return out

@@ -12,6 +12,7 @@ def reference_logits(
     dtype: str = "auto",
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    logits_to_keep: int = 0,
     attn_implementation: str | None = None,
     num_threads: int | None = None,
 ) -> torch.Tensor:
@@ -34,7 +35,7 @@ def reference_logits(
             checkpoint, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
         )
         with torch.no_grad():
-            return model(input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids).logits  # fmt: skip
+            return model(input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         logits_to_keep=logits_to_keep).logits  # fmt: skip
     finally:
         torch.set_num_threads(previous)

@@ -571,7 +571,7 @@ def test_force_overwrites(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("field", "changes"),
     [
-        ("arch", {"arch": "gpt2"}),
+        ("arch", {"arch": "bert"}),
         ("dtype", {"dtype": "int8"}),
         ("dtype", {"dtype": "bf16"}),
         ("num_layers", {"num_layers": 0}),

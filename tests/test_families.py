@@ -1,0 +1,144 @@
+"""Every supported family, as `save_pretrained` writes it, split into stages by the planner with
+layers offloaded, gives the logits `transformers` gives loading the same files in the same dtype
+in one process (same thread count): bitwise, in float32 and in bfloat16.
+
+The stages are StageWorkers driven in this process (what a Ray actor runs, without the actor):
+one checkpoint per family, several passes: plain, left-padded with a mask, last position only.
+The Ray path itself is covered by test_pipeline.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coordinator.checkpoint import CheckpointIndex, load_index
+from coordinator.cluster import ClusterSnapshot, GpuInfo, NodeInfo
+from coordinator.config import JobConfig
+from coordinator.job import check_inputs, stage_specs
+from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.planner import Plan, PlanOptions, plan
+from coordinator.reference import reference_logits
+from worker.layout import TESTED_FAMILIES
+from worker.worker import StageWorker
+
+NUM_GPUS = 3
+VOCAB = 96
+CASES = [(family, "float32") for family in TESTED_FAMILIES] + [
+    (family, "bfloat16") for family in ("llama", "qwen3", "mixtral")
+]
+NO_GQA = ("gpt2", "gpt_neox")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    made: dict[tuple[str, str], CheckpointIndex] = {}
+
+    def get(family: str, dtype: str) -> CheckpointIndex:
+        if (family, dtype) not in made:
+            shape = CheckpointShape(
+                arch=family, num_layers=4, hidden_size=32, num_heads=4,
+                num_kv_heads=4 if family in NO_GQA else 2, intermediate_size=48,
+                vocab_size=VOCAB, dtype=dtype, max_positions=64, max_shard_bytes=40_000,
+            )  # fmt: skip
+            root = tmp_path_factory.mktemp(f"{family}-{dtype}") / "ckpt"
+            made[family, dtype] = load_index(make_checkpoint(root, shape))
+        return made[family, dtype]
+
+    return get
+
+
+def offloading_plan(index: CheckpointIndex) -> Plan:
+    """The planner's split on three GPUs too small to hold the model resident together."""
+    decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
+    budget = index.total_bytes // NUM_GPUS - decoder // 4
+    gpus = tuple(GpuInfo(index=i, memory_bytes=budget) for i in range(NUM_GPUS))
+    node = NodeInfo(node_id="node", hostname="node", gpus=gpus, host_budget_bytes=10**9,
+                    pinned_budget_bytes=10**9)  # fmt: skip
+    the_plan = plan(index.layers, ClusterSnapshot(nodes=(node,)), PlanOptions())
+    assert len(the_plan.stages) >= 2 and any(s.offloaded for s in the_plan.stages)
+    return the_plan
+
+
+class Pipeline:
+    """The plan's stages as in-process workers, one thread each (as the reference)."""
+
+    def __init__(self, index: CheckpointIndex) -> None:
+        self.index = index
+        self.plan = offloading_plan(index)
+        specs = stage_specs(JobConfig(checkpoint=str(index.root)), index, self.plan, {})
+        self.workers = [StageWorker(spec, device="cpu", num_threads=1) for spec in specs]
+        for worker in self.workers:
+            worker.load()
+
+    def __call__(self, ids, mask=None, logits_to_keep=0) -> torch.Tensor:
+        x, mask, positions, keep = check_inputs(ids, mask, logits_to_keep, VOCAB)
+        for worker in self.workers:
+            x = worker.forward(x, mask, positions, keep)
+        return x
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
+
+
+def reference(index: CheckpointIndex, ids, **kwargs) -> torch.Tensor:
+    return reference_logits(str(index.root), ids, num_threads=1, **kwargs)
+
+
+@pytest.mark.parametrize(("family", "dtype"), CASES)
+def test_family_matches_transformers(checkpoints, family: str, dtype: str) -> None:
+    index = checkpoints(family, dtype)
+    assert index.dtype == dtype and index.family == family
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(2, VOCAB, (2, 14), generator=generator)  # longer than every window
+    pipeline = Pipeline(index)
+    try:
+        logits = pipeline(ids)
+        again = pipeline(ids)  # a second pass through the prefetch schedule
+        last = pipeline(ids, logits_to_keep=1)
+        reports = [worker.report() for worker in pipeline.workers]
+    finally:
+        pipeline.close()
+    expected = reference(index, ids)
+    assert logits.dtype == expected.dtype == getattr(torch, dtype)
+    assert torch.equal(logits, expected) and torch.equal(again, expected)
+    assert last.shape == (2, 1, VOCAB)
+    assert torch.equal(last, reference(index, ids, logits_to_keep=1))
+    # The stages held what the plan said, and read exactly their layers' bytes.
+    for report, stage in zip(reports, pipeline.plan.stages, strict=True):
+        assert report["offloaded"] == list(stage.offloaded)
+        share = sum(x.file_bytes for x in index.layers if x.name in stage.layers)
+        assert report["bytes_read"] == share
+    offloaded = sum(r["stats"].get("offloaded_bytes", 0) for r in reports)
+    planned = sum(s.offloaded_bytes for s in pipeline.plan.stages)
+    assert offloaded == planned > 0
+
+
+@pytest.mark.parametrize("family", TESTED_FAMILIES)
+def test_left_padded_rows_get_the_unpadded_logits(checkpoints, family: str) -> None:
+    """A batch of a full row and a left-padded one: each row's logits are what transformers
+    gives that row alone (to float32 rounding: the shapes differ), and bitwise what it gives
+    the same padded batch with the same mask and positions."""
+    index = checkpoints(family, "float32")
+    generator = torch.Generator().manual_seed(11)
+    ids = torch.randint(2, VOCAB, (2, 12), generator=generator)
+    pad = 5
+    ids[1, :pad] = 0
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    pipeline = Pipeline(index)
+    try:
+        logits = pipeline(ids, mask)
+        last = pipeline(ids, mask, logits_to_keep=1)
+    finally:
+        pipeline.close()
+    _, _, positions, _ = check_inputs(ids, mask, 0, VOCAB)
+    assert positions[1].tolist() == [1] * pad + list(range(12 - pad))
+    batched = reference(index, ids, attention_mask=mask, position_ids=positions)
+    assert torch.equal(logits, batched)
+    kept = reference(index, ids, attention_mask=mask, position_ids=positions, logits_to_keep=1)
+    assert torch.equal(last, kept)
+    for row, start in ((0, 0), (1, pad)):
+        alone = reference(index, ids[row : row + 1, start:])
+        torch.testing.assert_close(logits[row : row + 1, start:], alone, rtol=1e-5, atol=1e-5)

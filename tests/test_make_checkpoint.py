@@ -1,0 +1,219 @@
+"""Random checkpoints of every supported family, loaded back by `transformers` itself.
+
+For each family: the config has the requested shape and what makes the family itself (sliding
+windows shorter than a test sequence, sliding and full layers side by side, soft-capping,
+Granite's multipliers, several experts with real routing); `from_pretrained` finds every tensor
+it expects and no other; no parameter is left constant (a wrong or missing load would show);
+and saving the loaded model again gives the same tensors, which checks the loaded values even
+where `transformers` renames or fuses them (per-expert files -> fused experts, GPT-NeoX's head).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+from coordinator.cli import main
+from coordinator.make_checkpoint import (
+    ARCHITECTURES,
+    MOE_ARCHITECTURES,
+    NO_KV_HEADS,
+    SLIDING_ARCHITECTURES,
+    CheckpointShape,
+    make_checkpoint,
+)
+
+LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 3, 32, 4, 2, 64, 80  # VOCAB != 3 * HIDDEN (fused qkv)
+TINY = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_heads=HEADS, num_kv_heads=KV_HEADS,
+            intermediate_size=FFN, vocab_size=VOCAB)  # fmt: skip
+SEQ = 14  # longer than the default sliding window of 4
+LAYER_PREFIX = {"gpt2": "transformer.h.{}.", "gpt_neox": "gpt_neox.layers.{}."}
+SPECIAL: dict[str, dict[str, object]] = {
+    "mistral": {"sliding_window": 4},
+    "gemma2": {"sliding_window": 4, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0, "query_pre_attn_scalar": HIDDEN // HEADS},
+    "gemma3_text": {"sliding_window": 4, "query_pre_attn_scalar": HIDDEN // HEADS,
+                    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]},
+    "granite": {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
+                "attention_multiplier": 0.2, "logits_scaling": 4.0},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": FFN,
+                  "shared_expert_intermediate_size": FFN},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": FFN,
+                  "norm_topk_prob": True},
+}  # fmt: skip
+# Where each MoE family's checkpoint keeps expert E of layer L: transformers fuses them in memory
+# and splits them again on save.
+EXPERT_TENSORS = {
+    "mixtral": [f"block_sparse_moe.experts.{{e}}.{w}.weight" for w in ("w1", "w2", "w3")],
+    "qwen2_moe": [f"mlp.experts.{{e}}.{p}_proj.weight" for p in ("gate", "up", "down")],
+    "qwen3_moe": [f"mlp.experts.{{e}}.{p}_proj.weight" for p in ("gate", "up", "down")],
+}
+
+
+def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        tensors |= load_file(path)
+    return tensors
+
+
+def ties_by_default(arch: str) -> bool:
+    return next(f.default for f in fields(CONFIG_MAPPING[arch]) if f.name == "tie_word_embeddings")
+
+
+def write(tmp_path: Path, arch: str, **changes) -> Path:
+    return make_checkpoint(tmp_path / arch, CheckpointShape(arch=arch, **{**TINY, **changes}))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_family_loads_with_its_shape_and_features(tmp_path: Path, arch: str) -> None:
+    tie = not ties_by_default(arch)  # the flag, not the family's habit, decides
+    out = write(tmp_path, arch, tie_embeddings=tie)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, output_loading_info=True
+    )
+    assert {key: value for key, value in info.items() if value} == {}
+    config = model.config
+    assert config.model_type == arch
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    assert (config.num_hidden_layers, config.hidden_size) == (LAYERS, HIDDEN)
+    assert config.num_attention_heads == HEADS
+    kv_heads = HEADS if arch in NO_KV_HEADS else KV_HEADS  # no GQA there: flag ignored
+    assert getattr(config, "num_key_value_heads", HEADS) == kv_heads
+    assert getattr(config, "n_inner", None) or config.intermediate_size == FFN
+    assert getattr(config, "head_dim", None) in (None, HIDDEN // HEADS)
+    assert config.max_position_embeddings == 2048
+    for key, value in SPECIAL.get(arch, {}).items():
+        assert getattr(config, key) == value, key
+    if arch in ("gemma2", "gemma3_text"):
+        assert set(config.layer_types) == {"sliding_attention", "full_attention"}
+
+    assert config.tie_word_embeddings is tie
+    out_emb, in_emb = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    assert (out_emb.data_ptr() == in_emb.data_ptr()) is tie
+    saved = read_tensors(out)
+    assert sum(t.shape == (VOCAB, HIDDEN) for t in saved.values()) == (1 if tie else 2)
+    prefix = LAYER_PREFIX.get(arch, "model.layers.{}.")
+    for layer in range(LAYERS):
+        assert any(name.startswith(prefix.format(layer)) for name in saved), (arch, layer)
+
+    # Nothing left at its constant initial value (norms of either convention, biases): a
+    # parameter initialised instead of loaded would be constant again.
+    for name, param in model.named_parameters():
+        assert param.unique().numel() > 1, name
+    state = model.state_dict()
+    for name in saved.keys() & state.keys():
+        assert torch.equal(saved[name], state[name]), name
+    model.save_pretrained(tmp_path / "again")  # covers renamed and fused tensors too
+    again = read_tensors(tmp_path / "again")
+    assert again.keys() == saved.keys()
+    assert all(torch.equal(again[name], saved[name]) for name in saved)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_moe_files_hold_one_tensor_per_expert_and_routing_is_real(
+    tmp_path: Path, arch: str
+) -> None:
+    out = write(tmp_path, arch)
+    saved = read_tensors(out)
+    for layer in range(LAYERS):
+        for expert in range(4):
+            for pattern in EXPERT_TENSORS[arch]:
+                assert f"model.layers.{layer}.{pattern.format(e=expert)}" in saved
+    assert not [name for name in saved if "experts.4." in name or "gate_up_proj" in name]
+    if arch == "qwen2_moe":
+        assert saved["model.layers.0.mlp.shared_expert.up_proj.weight"].shape == (FFN, HIDDEN)
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        router_logits = model(ids, output_router_logits=True).router_logits
+    assert len(router_logits) == LAYERS
+    for logits in router_logits:  # random gates: not every token goes to the same two experts
+        assert logits.shape == (SEQ, 4)
+        assert logits.topk(2).indices.unique().numel() > 2
+
+
+@pytest.mark.parametrize("arch", SLIDING_ARCHITECTURES)
+def test_sliding_window_changes_outputs_past_the_window(tmp_path: Path, arch: str) -> None:
+    out = write(tmp_path, arch)
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    windowed = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    # Mistral reads "no window" as None; the gemmas need a window, so one wider than the input.
+    full = AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, sliding_window=None if arch == "mistral" else 4 * SEQ
+    )
+    with torch.no_grad():
+        a, b = windowed(ids).logits[0], full(ids).logits[0]
+    same = [torch.allclose(a[i], b[i], atol=1e-5) for i in range(SEQ)]
+    assert same == [True] * 4 + [False] * (SEQ - 4)
+
+
+def test_bfloat16_files_and_config(tmp_path: Path) -> None:
+    out = write(tmp_path, "llama", dtype="bfloat16")
+    for path in out.glob("*.safetensors"):
+        raw = path.read_bytes()
+        header = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
+        header.pop("__metadata__", None)
+        assert header and {entry["dtype"] for entry in header.values()} == {"BF16"}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_same_seed_same_files_other_seed_other_files(tmp_path: Path) -> None:
+    def files(name: str, seed: int) -> dict[str, bytes]:
+        out = write(tmp_path / name, "gpt2", seed=seed)  # biases and LayerNorms perturbed too
+        return {p.name: p.read_bytes() for p in out.glob("*.safetensors")}
+
+    assert files("a", 7) == files("b", 7) != files("c", 8)
+
+
+def test_cli_writes_a_moe_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "moe"
+    argv = ["make-checkpoint", str(out), "--arch", "qwen2_moe", "--layers", "2",
+            "--hidden-size", "32", "--heads", "4", "--kv-heads", "2", "--intermediate-size", "32",
+            "--vocab", "64", "--experts", "3", "--experts-per-token", "1", "--tie-embeddings"]  # fmt: skip
+    assert main(argv) == 0
+    assert "qwen2_moe" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen2_moe" and config["tie_word_embeddings"] is True
+    assert (config["num_experts"], config["num_experts_per_tok"]) == (3, 1)
+    saved = read_tensors(out)
+    assert "model.layers.1.mlp.experts.2.down_proj.weight" in saved
+    assert not any("experts.3." in name for name in saved)
+
+
+def test_unknown_arch_is_refused_with_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"^arch='bert' is not one of") as info:
+        CheckpointShape(arch="bert")
+    assert all(arch in str(info.value) for arch in ARCHITECTURES)
+
+
+@pytest.mark.parametrize(
+    ("field", "changes"),
+    [
+        ("num_experts", {"num_experts": 0}),
+        ("experts_per_token", {"experts_per_token": 0}),
+        ("experts_per_token", {"num_experts": 2, "experts_per_token": 3}),
+        ("sliding_window", {"sliding_window": 0}),
+    ],
+)
+def test_invalid_moe_and_window_fields(field: str, changes: dict) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}={changes[field]}"):
+        CheckpointShape(arch="mixtral", **changes)
+
+
+def test_kv_heads_do_not_apply_to_families_without_gqa() -> None:
+    with pytest.raises(ValueError, match=r"^num_heads=4 must be a multiple of num_kv_heads=3"):
+        CheckpointShape(arch="llama", num_heads=4, hidden_size=32, num_kv_heads=3)
+    for arch in NO_KV_HEADS:
+        config = CheckpointShape(arch=arch, num_heads=4, hidden_size=32, num_kv_heads=3).hf_config()
+        assert config.num_attention_heads == 4
+        assert not hasattr(config, "num_key_value_heads")
