@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import sys
 import time
 
 from coordinator.checkpoint import CheckpointError
+from coordinator.cluster import ClusterSnapshot
 from coordinator.config import ConfigError, JobConfig, load_job_config, parse_bytes
 from coordinator.make_checkpoint import (
     ARCHITECTURES,
@@ -31,6 +31,9 @@ from worker.spec import COMPUTE_DTYPES
 
 EXIT_MISMATCH = 1
 EXIT_ERROR = 2
+# Commands that start no Ray session: `main` imports the launcher, and Ray with it, only for the
+# others, so that `offloadctl plan` never imports Ray.
+RAY_FREE_COMMANDS = ("make-checkpoint", "plan", "check-cluster", "node-demo")
 
 
 def _positive(text: str) -> int:
@@ -244,27 +247,28 @@ def _cmd_named(args: argparse.Namespace) -> int:
         session.close()
 
 
+def plan_cluster(config: JobConfig, result: dict, num_nodes: int) -> ClusterSnapshot:
+    """`offloadctl plan`'s cluster: `num_nodes` nodes like this machine, as `probe_here()` saw
+    it (`result`), with `config.gpus` GPUs each, budgeted by the launcher's own function."""
+    from coordinator.node_budget import node_info
+
+    return ClusterSnapshot(nodes=tuple(
+        node_info(config, result, node_id=f"node-{n}", num_gpus=config.gpus)
+        for n in range(num_nodes)
+    ))  # fmt: skip
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from coordinator.checkpoint import load_index
-    from coordinator.cluster import ClusterSnapshot, GpuInfo, NodeInfo
     from coordinator.planner import PlanOptions, plan
-    from offload import decide_pinning, probe_node
+    from worker.node import probe_here
 
     config = _job_config(args)
-    if not config.gpus or not config.gpu_memory_bytes:
-        raise ConfigError("plan without Ray needs --gpus (per node) and --gpu-memory")
+    if not config.gpus:
+        raise ConfigError(f"plan without Ray needs --gpus (GPUs per node), got {config.gpus}")
     index = load_index(config.checkpoint, dtype=config.dtype)
-    probe = probe_node()
-    host = config.host_memory_bytes or int((probe.host_available_bytes or 0) * 0.8)
-    pin = decide_pinning(os.environ, probe).pin
-    nodes = tuple(
-        NodeInfo(node_id=f"node-{n}", hostname=f"node-{n}", host_budget_bytes=host,
-                 pinned_budget_bytes=host, pin=pin,
-                 gpus=tuple(GpuInfo(index=i, memory_bytes=config.gpu_memory_bytes)
-                            for i in range(config.gpus)))
-        for n in range(args.nodes)
-    )  # fmt: skip
-    the_plan = plan(index.layers, ClusterSnapshot(nodes=nodes),
+    cluster = plan_cluster(config, probe_here(), args.nodes)
+    the_plan = plan(index.layers, cluster,
                     PlanOptions(reserve_bytes=config.reserve_bytes,
                                 prefetch_step=config.prefetch_step))  # fmt: skip
     print(the_plan.to_json() if args.json else the_plan.summary())
@@ -357,9 +361,16 @@ def _check(job, config: JobConfig, ids, logits) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from coordinator.launcher import LaunchError
     from coordinator.planner import PlanError
 
+    expected: tuple[type[Exception], ...] = (
+        CheckpointError, ConfigError, PlanError, FileExistsError, ValueError, LookupError,
+        ConnectionError,
+    )  # fmt: skip
+    if args.command not in RAY_FREE_COMMANDS:
+        from coordinator.launcher import LaunchError  # imports Ray: only where Ray is used
+
+        expected += (LaunchError,)
     try:
         if args.command == "make-checkpoint":
             from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
@@ -394,8 +405,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_demo(num_layers=args.layers, hidden=args.hidden, batch=args.batch,
                             step=args.step, repeats=args.repeats)  # fmt: skip
-    except (CheckpointError, ConfigError, PlanError, LaunchError, FileExistsError,
-            ValueError, LookupError, ConnectionError) as exc:  # fmt: skip
+    except expected as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     raise AssertionError(args.command)

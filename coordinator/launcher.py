@@ -17,18 +17,14 @@ from dataclasses import dataclass
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from coordinator.cluster import ClusterSnapshot, GpuInfo, NodeInfo
-from coordinator.config import ConfigError, JobConfig, node_env
-from offload.policy import PIN_HEADROOM_FRACTION
+from coordinator.cluster import ClusterSnapshot, NodeInfo
+from coordinator.config import JobConfig, node_env
+from coordinator.node_budget import node_info
 from worker.spec import StageSpec
 from worker.worker import StageWorker
 
 PROBE_TIMEOUT_S = 120.0  # one probe task per node; includes starting a Ray worker process
 KILL_TIMEOUT_S = 30.0
-# Default share of a node's available host memory the job may fill with offloaded weights.
-HOST_BUDGET_FRACTION = 0.8
-# Default share of a real GPU's memory the planner may use (the rest: CUDA context, allocator).
-GPU_BUDGET_FRACTION = 0.9
 
 
 class LaunchError(RuntimeError):
@@ -96,9 +92,9 @@ def probe_cluster(
     envs = {}
     refs = []
     for node in nodes:
-        labels = {k: v for k, v in node.get("Labels", {}).items() if not k.startswith("ray.io/")}
         env, origins = node_env(config.overrides, node_id=node["NodeID"],
-                                hostname=node["NodeManagerHostname"], labels=labels)  # fmt: skip
+                                hostname=node["NodeManagerHostname"],
+                                labels=_user_labels(node))  # fmt: skip
         envs[node["NodeID"]] = (env, origins)
         options = {
             "scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
@@ -115,40 +111,19 @@ def probe_cluster(
         raise WorkerLostError(f"a worker died while probing its node: {exc}") from None
     infos = []
     for node, result in zip(nodes, results, strict=True):
-        if result["error"]:
-            raise ConfigError(
-                f"node {result['hostname']} ({node['NodeID'][:8]}): {result['error']}"
-            )
         held = (held_bytes or {}).get(node["NodeID"], 0)
         infos.append(_node_info(config, node, result, held))
     return ClusterSnapshot(nodes=tuple(infos)), envs
 
 
 def _node_info(config: JobConfig, node: dict, result: dict, held_bytes: int = 0) -> NodeInfo:
-    probe = result["probe"]
-    num_gpus = int(node["Resources"]["GPU"])
-    if config.gpu_memory_bytes is not None:
-        budgets = [config.gpu_memory_bytes] * num_gpus
-    elif probe.devices:
-        budgets = [
-            int(d.total_memory_bytes * GPU_BUDGET_FRACTION) for d in probe.devices[:num_gpus]
-        ]
-    else:
-        raise ConfigError(
-            f"node {result['hostname']} has {num_gpus} GPUs that are not CUDA devices (simulated); "
-            "give their memory with --gpu-memory"
-        )
-    available = (probe.host_available_bytes or 0) + held_bytes
-    host = config.host_memory_bytes or int(available * HOST_BUDGET_FRACTION)
-    return NodeInfo(
-        node_id=node["NodeID"],
-        hostname=result["hostname"],
-        labels={k: v for k, v in node.get("Labels", {}).items() if not k.startswith("ray.io/")},
-        gpus=tuple(GpuInfo(index=i, memory_bytes=b) for i, b in enumerate(budgets)),
-        host_budget_bytes=host,
-        pinned_budget_bytes=int(available * PIN_HEADROOM_FRACTION),
-        pin=bool(result["pin"]["pin"]),
-    )
+    """The budgets of the Ray node `node` (an entry of `ray.nodes()`) from its probe result."""
+    return node_info(config, result, node_id=node["NodeID"], num_gpus=int(node["Resources"]["GPU"]),
+                     labels=_user_labels(node), held_bytes=held_bytes)  # fmt: skip
+
+
+def _user_labels(node: dict) -> dict[str, str]:
+    return {k: v for k, v in node.get("Labels", {}).items() if not k.startswith("ray.io/")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +166,9 @@ def start_workers(
                 options.update(name=name, namespace=NAMESPACE, lifetime="detached")
             actor = remote_cls.options(**options).remote(
                 spec,
+                # Logical GPUs of an embedded Ray are simulated: the CPU stands in for each,
+                # even on a host with a real GPU that Ray's CUDA_VISIBLE_DEVICES may name.
+                device="cpu" if config.gpus else None,
                 gpu_memory_bytes=config.gpu_memory_bytes,
                 num_threads=config.cpus_per_worker,
                 attn_implementation=config.attn_implementation,

@@ -6,9 +6,11 @@ model, minimising the slowest stage (the pipeline's bottleneck). No Ray here: th
 builds the `ClusterSnapshot`, `offloadctl plan` and the tests build one by hand.
 
 Cost model, per stage: compute_s = all its weight bytes / compute_bytes_per_s; transfer_s =
-its offloaded bytes / the node's host-to-device bandwidth; the copies overlap compute, so the
-stage takes max(compute_s, transfer_s). The search (`coordinator.plan_search`) returns the
-exact optimum of this model; its module doc gives the argument.
+its offloaded bytes / the node's host-to-device bandwidth (`NodeInfo.link_bytes_per_s`, which
+the node's probe measures; `PlanOptions.default_link_bytes_per_s` where it did not); the copies
+overlap compute, so the stage takes max(compute_s, transfer_s). The search
+(`coordinator.plan_search`) returns the exact optimum of this model; its module doc gives the
+argument.
 """
 
 from __future__ import annotations
@@ -96,6 +98,9 @@ class StagePlan:
     compute_s: float
     transfer_s: float
     time_s: float  # max(compute_s, transfer_s): the copies overlap compute
+    # The node's measured host-to-device rate behind transfer_s; None: not measured, the cost
+    # model used options.default_link_bytes_per_s (and plans saved before it was measured).
+    link_bytes_per_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -131,8 +136,9 @@ class Plan:
         )
 
     def summary(self) -> str:
-        """A table of the stages, with the bottleneck marked."""
-        columns = "stage node gpu layers resident offloaded slots device compute transfer time"
+        """A table of the stages, with the bottleneck marked and each stage's link rate (the
+        node's measured host-to-device rate, or the options' default where none was measured)."""
+        columns = "stage node gpu layers resident offloaded slots device link compute transfer time"
         head = (*columns.split(), "")
         rows = [head]
         slowest = self.bottleneck_stage if self.stages else -1
@@ -148,6 +154,9 @@ class Plan:
                     f"{format_bytes(s.offloaded_bytes)} ({len(s.offloaded)})",
                     format_bytes(s.slot_bytes),
                     format_bytes(s.device_bytes),
+                    format_rate(s.link_bytes_per_s)
+                    if s.link_bytes_per_s is not None
+                    else f"{format_rate(self.options.default_link_bytes_per_s)} (default)",
                     format_seconds(s.compute_s),
                     format_seconds(s.transfer_s),
                     format_seconds(s.time_s),
@@ -253,6 +262,7 @@ def _build(
                 compute_s=compute_s,
                 transfer_s=transfer_s,
                 time_s=max(compute_s, transfer_s),
+                link_bytes_per_s=node.link_bytes_per_s,
             )
         )
     return Plan(
@@ -342,6 +352,14 @@ def format_bytes(num: int) -> str:
         if abs(num) >= scale:
             return f"{num / scale:.2f} {unit}"
     return f"{num} B"
+
+
+def format_rate(bytes_per_s: float) -> str:
+    """Decimal units, as link rates are quoted: '25.0 GB/s'."""
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if bytes_per_s >= scale:
+            return f"{bytes_per_s / scale:.1f} {unit}"
+    return f"{bytes_per_s:.1f} B/s"
 
 
 def format_seconds(t_s: float) -> str:

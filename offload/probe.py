@@ -1,8 +1,9 @@
-"""What this node is, as far as pinning host memory is concerned.
+"""What this node is, as far as pinning host memory and copying weights in are concerned.
 
-`probe_node()` looks at CUDA devices, the kernel (WSL), host memory and RLIMIT_MEMLOCK. Every
-step runs on its own: a step that fails records why in `NodeProbe.errors` and leaves its fields
-at their "unknown" value, so a broken driver or a missing /proc never crashes the caller.
+`probe_node()` looks at CUDA devices, the kernel (WSL), host memory and RLIMIT_MEMLOCK, and
+measures the host-to-device copy rate (`offload.link`). Every step runs on its own: a step that
+fails records why in `NodeProbe.errors` and leaves its fields at their "unknown" value, so a
+broken driver or a missing /proc never crashes the caller.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ class NodeProbe:
     # None means unlimited (RLIM_INFINITY) or unknown; see `errors` to tell them apart.
     memlock_limit_bytes: int | None = None
     cpu_arch: str = ""
+    # Host-to-device copy rates, measured (None: not measured, or failed: see `errors`). From
+    # pinned memory only on CUDA; without CUDA "pageable" is the CPU stand-in's memcpy rate.
+    link_pinned_bytes_per_s: float | None = None
+    link_pageable_bytes_per_s: float | None = None
     errors: tuple[str, ...] = field(default=())
 
     @property
@@ -64,6 +69,10 @@ class NodeProbe:
     @property
     def any_coherent_unified_memory(self) -> bool:
         return any(d.coherent_unified_memory for d in self.devices)
+
+    def link_bytes_per_s(self, *, pin: bool) -> float | None:
+        """The rate the offloader's copies get: from pinned memory when the node pins."""
+        return self.link_pinned_bytes_per_s if pin else self.link_pageable_bytes_per_s
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -142,6 +151,21 @@ def _probe_arch(fields: dict, errors: list[str]) -> None:
     fields["cpu_arch"] = platform.machine()
 
 
+def _probe_link(fields: dict, errors: list[str]) -> None:
+    from offload import link  # here: offload.link -> arena -> policy imports this module
+
+    if not torch.cuda.is_available():
+        fields["link_pageable_bytes_per_s"] = link.measure_cpu_copy()
+        return
+    device = torch.device("cuda", torch.cuda.current_device())
+    for name, pin in (("link_pinned_bytes_per_s", True), ("link_pageable_bytes_per_s", False)):
+        try:  # each on its own: a node that cannot pin still copies from pageable memory
+            fields[name] = link.measure_host_to_device(device, pin=pin)
+        except Exception as exc:
+            kind = "pinned" if pin else "pageable"
+            errors.append(f"link ({kind}, {device}): {type(exc).__name__}: {exc}")
+
+
 ProbeStep = Callable[[dict, list], None]
 PROBE_STEPS: dict[str, ProbeStep] = {
     "cuda": _probe_cuda,
@@ -149,7 +173,11 @@ PROBE_STEPS: dict[str, ProbeStep] = {
     "host_memory": _probe_host_memory,
     "memlock": _probe_memlock,
     "cpu_arch": _probe_arch,
+    "link": _probe_link,
 }
+# What a process that only needs the pin decision probes: the link rate is for the planner, and
+# measuring it costs tens of milliseconds (and a device buffer on CUDA) per process.
+DECISION_STEPS: dict[str, ProbeStep] = {k: v for k, v in PROBE_STEPS.items() if k != "link"}
 
 
 def probe_node(steps: dict[str, ProbeStep] | None = None) -> NodeProbe:

@@ -82,3 +82,20 @@ def scrape_gauges(name: str, expected: dict[str, float], port: int, *, tag: str 
         if found == expected or time.monotonic() > deadline:
             return found
         time.sleep(0.5)
+
+
+def assert_probe_decided_pin(device: str, pin: dict) -> None:
+    """The pin decision of a worker with no pin setting in its environment: the probe's, and
+    what the probe decides depends on whether the worker's process sees a CUDA device. On an
+    embedded Ray or a `ray.cluster_utils.Cluster`, Ray gives each logical GPU
+    CUDA_VISIBLE_DEVICES=<its id>: on a GPU host that names a real device when the id is below
+    the host's GPU count, and nothing otherwise; the worker runs on "cuda" or on "cpu"
+    accordingly (`StageWorker.__init__`). So the expectation follows the worker's device."""
+    if device == "cpu":
+        assert (pin["pin"], pin["source"]) == (False, "probe.cuda"), pin
+        return
+    assert device.startswith("cuda"), device
+    # CUDA is there: a later probe rule (WSL, integrated or coherent memory, host headroom) may
+    # still rule pinning out, and only the plain "probe" source means pin.
+    assert pin["source"].startswith("probe") and pin["source"] != "probe.cuda", pin
+    assert pin["pin"] == (pin["source"] == "probe"), pin

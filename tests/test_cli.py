@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,41 @@ def test_plan_text_and_json(checkpoint: str, capsys: pytest.CaptureFixture[str])
     covered = [name for stage in plan["stages"] for name in stage["layers"]]
     assert covered == ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]
     assert all(s["device_bytes"] <= 60 * 1024 for s in plan["stages"])
+
+
+def test_plan_shows_the_measured_link_rate(
+    checkpoint: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import offload.link
+
+    argv = ["plan", "--checkpoint", checkpoint, "--gpus", "2", "--gpu-memory", "60KiB"]
+    for name in ("measure_cpu_copy", "measure_host_to_device"):  # CPU or CUDA, whichever runs
+        monkeypatch.setattr(offload.link, name, lambda *a, **k: 12.5e9)
+    capsys.readouterr()
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "link" in text.splitlines()[1] and "12.5 GB/s" in text and "(default)" not in text
+
+    def broken(*args, **kwargs) -> float:
+        raise MemoryError("no memory for the probe's buffers")
+
+    for name in ("measure_cpu_copy", "measure_host_to_device"):
+        monkeypatch.setattr(offload.link, name, broken)
+    assert main(argv) == 0
+    assert "25.0 GB/s (default)" in capsys.readouterr().out  # PlanOptions' default, marked
+
+
+def test_plan_does_not_import_ray(checkpoint: str) -> None:
+    code = (
+        "import sys\n"
+        "from coordinator.cli import main\n"
+        f"assert main(['plan', '--checkpoint', {checkpoint!r}, '--gpus', '2', "
+        "'--gpu-memory', '60KiB']) == 0\n"
+        "print('ray' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)  # fmt: skip
+    assert out.stdout.splitlines()[-1] == "False"
 
 
 @pytest.mark.parametrize(

@@ -25,8 +25,13 @@ def _top_level(modules: set[str]) -> set[str]:
     [
         ("offload", {"ray", "worker", "coordinator"}),
         # Every backend too: the package imports them lazily, so import them explicitly.
-        ("offload.prefetch, offload.uva, offload.factory", {"ray", "worker", "coordinator"}),
+        (
+            "offload.prefetch, offload.uva, offload.factory, offload.link",
+            {"ray", "worker", "coordinator"},
+        ),
         ("worker", {"coordinator"}),
+        # The planning side of the driver, which `offloadctl plan` runs without Ray.
+        ("coordinator.cli, coordinator.node_budget, coordinator.planner", {"ray"}),
     ],
 )
 def test_import_does_not_pull_in_upper_layers(module: str, forbidden: set[str]) -> None:

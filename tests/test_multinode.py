@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
+from helpers import assert_probe_decided_pin
 from ray.cluster_utils import Cluster
 
 from coordinator.checkpoint import load_index
@@ -72,7 +73,8 @@ def test_pin_decisions_follow_precedence_and_output_matches(cluster, tmp_path) -
         "node label",
     )
     assert labelled["pin"]["reason"].startswith("OFFLOAD_PIN_MEMORY=off")
-    assert (plain["pin"]["source"], plain["pin_origin"]) == ("probe.cuda", "probe")
+    assert plain["pin_origin"] == "probe"
+    assert_probe_decided_pin(plain["device"], plain["pin"])  # "cpu", or on a GPU host "cuda"
     assert (env_off["pin"]["source"], env_off["pin_origin"]) == (
         "OFFLOAD_PIN_MEMORY",
         "node environment",
@@ -83,5 +85,5 @@ def test_pin_decisions_follow_precedence_and_output_matches(cluster, tmp_path) -
         "job override",
     )
     assert override["pin"]["reason"].startswith("OFFLOAD_PIN_MEMORY=0")
-    assert not any(r["pin"]["pin"] for r in by_pool.values())
+    assert not any(r["pin"]["pin"] for pool, r in by_pool.items() if pool != "plain")
     assert torch.equal(logits, reference_logits(checkpoint, ids, num_threads=1))

@@ -3,13 +3,14 @@ logits bitwise equal to transformers in one process; failures release everything
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 
 import pytest
 import ray
 import torch
-from helpers import scrape_gauges, wait_gpus_free
+from helpers import assert_probe_decided_pin, scrape_gauges, wait_gpus_free
 from ray_head import free_ports
 
 from coordinator import telemetry
@@ -94,7 +95,7 @@ def test_pipeline_matches_transformers(embedded_ray, checkpoints, arch: str) -> 
         if stage.offloaded:
             assert report["stats"]["offloaded_bytes"] > 0 and report["stats"]["copies"] > 0
         assert report["device_used_bytes"] <= config.gpu_memory_bytes
-        assert report["pin"]["source"] == "probe.cuda"
+        assert_probe_decided_pin(report["device"], report["pin"])
     wait_gpus_free(NUM_GPUS)
 
 
@@ -139,8 +140,24 @@ def test_offloadctl_run_check(embedded_ray, checkpoints, capsys, tmp_path) -> No
     assert plot.read_bytes()[:4] == b"\x89PNG"
     memory = json.loads((tmp_path / "memory.json").read_text())
     assert len(memory["gpus"]) == 3 and memory["nodes"][0]["workers_rss_bytes"] > 0
-    assert "pin" in out and "probe.cuda" in out  # the per-stage table with each decision
+    rows = stage_table_rows(out)  # the per-stage table with each decision
+    assert len(rows) >= 3
+    for device, pin in rows:
+        assert_probe_decided_pin(device, pin)
     wait_gpus_free(NUM_GPUS)
+
+
+def stage_table_rows(out: str) -> list[tuple[str, dict]]:
+    """(device, {"pin", "source"}) of each row of offloadctl's per-stage table, whose columns
+    are: stage host gpu device layers resident offloaded pin, then "origin: source: reason"."""
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.endswith("decided by"))
+    rows = []
+    for line in itertools.takewhile(lambda line: line[:1].isdigit(), lines[header + 1 :]):
+        cells, decided = line.rsplit("  ", 1)
+        _origin, source, _reason = decided.split(": ", 2)
+        rows.append((cells.split()[3], {"pin": cells.split()[-1] == "on", "source": source}))
+    return rows
 
 
 def llama_case(checkpoints, seed: int) -> tuple[str, JobConfig, torch.Tensor, torch.Tensor]:

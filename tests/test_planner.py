@@ -3,7 +3,9 @@ the summary, error messages and option validation. Pure Python, no Ray."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import math
 import time
 
@@ -294,6 +296,34 @@ def test_offloaded_layers_are_spread_and_use_default_link() -> None:
     assert stage.transfer_s == 40 / 2.0
 
 
+def test_measured_link_rate_sets_transfer_time() -> None:
+    """The same offloaded bytes take longer on a node whose measured link is slower; the rate
+    used is recorded in the stage."""
+    layers = model([10] * 10)
+    opts = PlanOptions(compute_bytes_per_s=1e9, default_link_bytes_per_s=2.0)
+    stages = {
+        link: plan(layers, cluster({"gpus": [70], "host": 1000, "link": link}), opts).stages[0]
+        for link in (None, 4.0, 8.0)
+    }
+    assert {s.offloaded_bytes for s in stages.values()} == {40}  # what fits decides the bytes
+    assert {link: s.transfer_s for link, s in stages.items()} == {None: 20.0, 4.0: 10.0, 8.0: 5.0}
+    assert {link: s.link_bytes_per_s for link, s in stages.items()} == {None: None, 4.0: 4.0,
+                                                                        8.0: 8.0}  # fmt: skip
+
+
+def test_json_without_link_rate_still_loads() -> None:
+    """Plans saved before the link was measured (a named load's record) have no link field."""
+    result = plan(model([10] * 4), cluster({"gpus": [100], "host": 0, "link": 4.0}))
+    data = json.loads(result.to_json())
+    for stage in data["stages"]:
+        del stage["link_bytes_per_s"]
+    old = Plan.from_json(json.dumps(data))
+    assert old.stages[0].link_bytes_per_s is None
+    assert old == dataclasses.replace(
+        result, stages=tuple(dataclasses.replace(s, link_bytes_per_s=None) for s in result.stages)
+    )
+
+
 def test_pinned_node_uses_the_smaller_budget() -> None:
     layers = model([10] * 4)
     opts = PlanOptions(compute_bytes_per_s=1e9)
@@ -305,12 +335,17 @@ def test_pinned_node_uses_the_smaller_budget() -> None:
 
 def test_json_round_trip_and_summary() -> None:
     layers = model([GiB // 4] * 12, embed=GiB // 2, head=GiB // 2)
-    snap = cluster({"gpus": [GiB, 2 * GiB], "host": 4 * GiB}, {"gpus": [GiB], "host": 0})
+    snap = cluster({"gpus": [GiB, 2 * GiB], "host": 4 * GiB, "link": 12.5e9},
+                   {"gpus": [GiB], "host": 0})  # fmt: skip
     result = plan(layers, snap, PlanOptions(reserve_bytes=64 << 20, prefetch_step=2))
     assert Plan.from_json(result.to_json()) == result
     text = result.summary()
     for s in result.stages:
         assert f"{s.hostname} ({s.node_id[:8]})" in text and layer_range(s.layers) in text
+        # each stage's row shows the link rate its transfer time used; unmeasured: the default
+        link = "12.5 GB/s" if s.node_id == "node0" else "25.0 GB/s (default)"
+        row = next(line for line in text.splitlines() if line.startswith(f"{s.stage} "))
+        assert link in row, (link, row)
     assert text.count("<- bottleneck") == 1 and "GiB" in text and "MiB" in text
 
 

@@ -130,3 +130,25 @@ def test_decision_is_pure_and_serialisable() -> None:
     assert decide_pinning(env, X86_H100) == first
     assert env == {PIN_ENV: "auto"}
     assert first.to_dict() == {"pin": True, "reason": first.reason, "source": "probe"}
+
+
+@pytest.mark.parametrize("probe", [X86_H100, WSL, JETSON, GH200, NO_CUDA])
+@pytest.mark.parametrize("planned", [0, 10**15])
+def test_ray_tests_expect_what_the_policy_decides(probe: NodeProbe, planned: int) -> None:
+    """The Ray tests check a probe-decided worker by its device (`assert_probe_decided_pin`):
+    that expectation must hold for every decision the policy can make on either device, and
+    fail for the other device's decision."""
+    import torch
+    from helpers import assert_probe_decided_pin
+
+    from offload.host_store import decide_for_device
+
+    on_cpu = decide_for_device({}, probe, planned, torch.device("cpu")).to_dict()
+    assert_probe_decided_pin("cpu", on_cpu)
+    with pytest.raises(AssertionError):
+        assert_probe_decided_pin("cuda", on_cpu)
+    if probe.cuda_available:  # a worker runs on "cuda" only where its process sees CUDA
+        on_cuda = decide_for_device({}, probe, planned, torch.device("cuda")).to_dict()
+        assert_probe_decided_pin("cuda", on_cuda)
+        with pytest.raises(AssertionError):
+            assert_probe_decided_pin("cpu", on_cuda)

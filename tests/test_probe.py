@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import pickle
 import platform
 import resource
 from types import SimpleNamespace
@@ -10,6 +12,7 @@ import psutil
 import pytest
 import torch
 
+import offload.link as link_mod
 import offload.probe as probe_mod
 from offload import probe_node
 
@@ -27,6 +30,12 @@ def test_probe_of_this_machine() -> None:
     assert probe.memlock_limit_bytes == expected
     assert probe.errors == ()
     assert probe.to_dict()["cpu_arch"] == platform.machine()
+    # The copy rate, measured: from pinned memory only where there is CUDA to pin for.
+    assert probe.link_pageable_bytes_per_s > 0
+    assert (probe.link_pinned_bytes_per_s is not None) == probe.cuda_available
+    assert probe.link_bytes_per_s(pin=False) == probe.link_pageable_bytes_per_s
+    # It crosses process boundaries (a Ray task's result) intact.
+    assert pickle.loads(pickle.dumps(probe)) == probe
 
 
 def test_failing_step_is_recorded_and_the_rest_still_runs() -> None:
@@ -56,6 +65,8 @@ def test_cuda_device_without_driver_attributes(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(link_mod, "measure_host_to_device", lambda device, *, pin: 4e11)
 
     def no_driver(index: int) -> dict:
         raise OSError("libcuda.so.1: cannot open shared object file")
@@ -80,6 +91,8 @@ def test_cuda_device_with_ats_attributes(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(link_mod, "measure_host_to_device", lambda device, *, pin: 4e11)
     monkeypatch.setattr(
         probe_mod,
         "_cuda_driver_attributes",
@@ -88,3 +101,58 @@ def test_cuda_device_with_ats_attributes(monkeypatch: pytest.MonkeyPatch) -> Non
     )  # fmt: skip
     probe = probe_node()
     assert probe.any_coherent_unified_memory and probe.errors == ()
+    assert probe.link_bytes_per_s(pin=True) == probe.link_bytes_per_s(pin=False) == 4e11
+
+
+def test_cpu_copy_rate_is_measured() -> None:
+    rate = link_mod.measure_cpu_copy(num_bytes=2**20, repeats=2)
+    assert math.isfinite(rate) and rate > 0
+    with pytest.raises(ValueError, match="num_bytes=0 must be > 0"):
+        link_mod.measure_cpu_copy(num_bytes=0)
+    with pytest.raises(ValueError, match="repeats=0 must be >= 1"):
+        link_mod.measure_cpu_copy(repeats=0)
+    with pytest.raises(ValueError, match="device=cpu is not a CUDA device"):
+        link_mod.measure_host_to_device(torch.device("cpu"), pin=False)
+
+
+def test_failing_link_measurement_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args, **kwargs) -> float:
+        raise MemoryError("cannot allocate 16 MiB")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(link_mod, "measure_cpu_copy", broken)
+    probe = probe_node({"link": probe_mod._probe_link, "cpu_arch": probe_mod._probe_arch})
+    assert probe.link_pageable_bytes_per_s is None and probe.link_pinned_bytes_per_s is None
+    assert probe.cpu_arch == platform.machine()  # later steps ran
+    assert probe.errors == ("link: MemoryError: cannot allocate 16 MiB",)
+
+
+def test_cuda_link_without_pinning_keeps_the_pageable_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node where registering host memory fails still measures (and plans with) its
+    pageable rate; the pinned one is unknown, with the reason in errors."""
+
+    def measure(device: torch.device, *, pin: bool) -> float:
+        if pin:
+            raise RuntimeError("cudaHostRegister of 67108864 bytes failed with cudaError 1")
+        return 6e9
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(link_mod, "measure_host_to_device", measure)
+    probe = probe_node({"link": probe_mod._probe_link})
+    assert (probe.link_pinned_bytes_per_s, probe.link_pageable_bytes_per_s) == (None, 6e9)
+    assert probe.link_bytes_per_s(pin=True) is None and probe.link_bytes_per_s(pin=False) == 6e9
+    assert probe.errors == (
+        "link (pinned, cuda:0): RuntimeError: cudaHostRegister of 67108864 bytes failed with "
+        "cudaError 1",
+    )
+
+
+@pytest.mark.gpu
+def test_host_to_device_rates_on_cuda() -> None:
+    device = torch.device("cuda", 0)
+    allocated = torch.cuda.memory_allocated(device)
+    pinned = link_mod.measure_host_to_device(device, pin=True, num_bytes=16 * 2**20)
+    pageable = link_mod.measure_host_to_device(device, pin=False, num_bytes=16 * 2**20)
+    assert math.isfinite(pinned) and math.isfinite(pageable) and pinned > 0 and pageable > 0
+    assert torch.cuda.memory_allocated(device) == allocated  # the device buffer is freed

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from offload import OffloadConfig, create_offloader, probe_node
+from offload.probe import DECISION_STEPS
 from offload.host_store import decide_for_device
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV, PinDecision
 from worker.layout import hf_config_from_dict, model_class_for
@@ -66,7 +67,7 @@ class StageWorker:
             torch.set_num_threads(num_threads)
         self.gpu_memory_bytes = gpu_memory_bytes
         self.attn_implementation = attn_implementation
-        self.probe = probe_node()
+        self.probe = probe_node(DECISION_STEPS)  # the node's rates come from probe_here()
         # Import the model's transformers modules now, with the process start, so `load_s`
         # measures loading (building the stage and reading its bytes) and nothing else.
         start = time.perf_counter()
