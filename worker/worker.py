@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from offload import OffloadConfig, create_offloader, probe_node
-from offload.probe import DECISION_STEPS
 from offload.host_store import decide_for_device
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV, PinDecision
+from offload.probe import DECISION_STEPS
 from worker.layout import hf_config_from_dict, model_class_for
 from worker.loader import TensorReader
 from worker.node import probe_here
