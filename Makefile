@@ -20,15 +20,15 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check offload worker coordinator tests bench
 	$(PY) -m pytest
 
-# The main job on the embedded Ray: a random-weight llama checkpoint, planned over 3 logical
-# GPUs of 6 MiB each (so two stages offload layers), run, and checked bitwise against
-# transformers in one process.
-DEMO_CKPT := out/demo-ckpt
+# The main job on the embedded Ray: a random-weight bfloat16 llama checkpoint (the dtype of
+# published models), planned over 3 logical GPUs of 3 MiB each (so two stages offload layers),
+# run, and checked against transformers loading the same files in bfloat16 in one process.
+DEMO_CKPT := out/demo-ckpt-bf16
 $(DEMO_CKPT)/config.json: $(STAMP)
-	$(VENV)/bin/offloadctl make-checkpoint $(DEMO_CKPT) --force --layers 8
+	$(VENV)/bin/offloadctl make-checkpoint $(DEMO_CKPT) --force --layers 8 --dtype bfloat16
 
 demo: $(DEMO_CKPT)/config.json
-	$(VENV)/bin/offloadctl run --checkpoint $(DEMO_CKPT) --gpus 3 --gpu-memory 6MiB --check
+	$(VENV)/bin/offloadctl run --checkpoint $(DEMO_CKPT) --gpus 3 --gpu-memory 3MiB --check
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check $(CONSTRAINTS) -e '.[test,bench]'

@@ -318,8 +318,9 @@ def _cmd_load_or_run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         logits = job.forward(ids)
         forward_ms = (time.perf_counter() - start) * 1e3
-        digest = hashlib.sha256(logits.numpy().tobytes()).hexdigest()[:16]
-        print(f"logits {list(logits.shape)}: sum {float(logits.double().sum()):.6f}, "
+        # The bits themselves (numpy has no bfloat16): equal digests mean bitwise equal logits.
+        digest = hashlib.sha256(logits.contiguous().view(torch.uint8).numpy()).hexdigest()[:16]
+        print(f"logits {list(logits.shape)} {str(logits.dtype).removeprefix('torch.')}: sum {float(logits.double().sum()):.6f}, "
               f"sha256 {digest}; forward {forward_ms:.1f} ms")  # fmt: skip
         if not args.check:
             return 0

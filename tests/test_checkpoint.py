@@ -318,6 +318,13 @@ def test_rewriting_helper_round_trips(qwen_dir: Path, qwen_copy: Path) -> None:
 # --- 2. every broken checkpoint is a CheckpointError naming the file and tensor ---------------
 
 
+def add_tensor(path: Path, name: str) -> None:
+    """Append a well-formed one-element float32 tensor `name` to safetensors file `path`."""
+    header, data = split_safetensors(path)
+    header[name] = {"dtype": "F32", "shape": [1], "data_offsets": [len(data), len(data) + 4]}
+    join_safetensors(path, header, data + b"\x00" * 4)
+
+
 def load_error(root: Path) -> str:
     with pytest.raises(CheckpointError) as info:
         load_index(root)
@@ -488,15 +495,7 @@ def test_decoder_count_contradicts_config(llama_copy: Path) -> None:
 
 
 def test_tensor_outside_any_layer(qwen_copy: Path) -> None:
-    path = qwen_copy / SINGLE_FILE
-    header, data = split_safetensors(path)
-    # A well-formed extra tensor whose name fits no pipeline layer.
-    header["model.mystery.weight"] = {
-        "dtype": "U8",
-        "shape": [4],
-        "data_offsets": [len(data), len(data) + 4],
-    }
-    join_safetensors(path, header, data + b"\x00" * 4)
+    add_tensor(qwen_copy / SINGLE_FILE, "model.mystery.weight")  # fits no pipeline layer
     message = load_error(qwen_copy)
     assert message.startswith(f"{SINGLE_FILE}: ") and "'model.mystery.weight'" in message
 
@@ -641,12 +640,7 @@ def test_unsupported_models_are_refused_naming_what_is_supported(
 def test_an_extra_tensor_is_refused_with_its_name(qwen_copy: Path) -> None:
     """A tensor the model does not own (an adapter, another head) is an error in the index, not
     a raw AttributeError inside a worker."""
-    path = qwen_copy / SINGLE_FILE
-    header, data = split_safetensors(path)
-    header["model.layers.0.self_attn.lora_A.weight"] = {
-        "dtype": "F32", "shape": [1], "data_offsets": [len(data), len(data) + 4],
-    }  # fmt: skip
-    join_safetensors(path, header, data + b"\x00" * 4)
+    add_tensor(qwen_copy / SINGLE_FILE, "model.layers.0.self_attn.lora_A.weight")
     message = load_error(qwen_copy)
     assert "'model.layers.0.self_attn.lora_A.weight' is not a weight of Qwen2ForCausalLM" in message
 
@@ -654,12 +648,7 @@ def test_an_extra_tensor_is_refused_with_its_name(qwen_copy: Path) -> None:
 def test_keys_transformers_ignores_are_ignored(qwen_copy: Path) -> None:
     """Old exports carry rotary tables; from_pretrained drops them silently and so do we (they
     are listed, never loaded)."""
-    path = qwen_copy / SINGLE_FILE
-    header, data = split_safetensors(path)
-    header["model.layers.0.self_attn.rotary_emb.inv_freq"] = {
-        "dtype": "F32", "shape": [1], "data_offsets": [len(data), len(data) + 4],
-    }  # fmt: skip
-    join_safetensors(path, header, data + b"\x00" * 4)
+    add_tensor(qwen_copy / SINGLE_FILE, "model.layers.0.self_attn.rotary_emb.inv_freq")
     index = load_index(qwen_copy)
     assert index.ignored == ("model.layers.0.self_attn.rotary_emb.inv_freq",)
     assert all("inv_freq" not in t.name for layer in index.layers for t in layer.tensors)

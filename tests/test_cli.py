@@ -133,7 +133,9 @@ def test_run_check_mismatch_exits_1(monkeypatch, capsys) -> None:
     import coordinator.reference
 
     class FakeJob:
-        index = type("Index", (), {"config": {"vocab_size": 10}, "total_bytes": 0})()
+        index = type("Index", (), {"config": {"vocab_size": 10}, "total_bytes": 0,
+                                   "family": "llama", "dtype": "float32",
+                                   "num_decoder_layers": 2})()  # fmt: skip
         plan = type("Plan", (), {"summary": lambda self: "plan"})()
         load_reports = ()
         workers = ()

@@ -20,6 +20,7 @@ from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.planner import Plan, PlanOptions, plan
 from coordinator.reference import reference_logits
 from worker.layout import TESTED_FAMILIES
+from worker.spec import StageSpec
 from worker.worker import StageWorker
 
 NUM_GPUS = 3
@@ -142,3 +143,27 @@ def test_left_padded_rows_get_the_unpadded_logits(checkpoints, family: str) -> N
     for row, start in ((0, 0), (1, pad)):
         alone = reference(index, ids[row : row + 1, start:])
         torch.testing.assert_close(logits[row : row + 1, start:], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["granite", "gpt2", "gemma2", "qwen2_moe"])
+def test_stages_of_only_an_embedding_or_only_a_head(checkpoints, family: str) -> None:
+    """The splits the planner rarely makes: a stage of the embedding alone (its output is what
+    the model feeds its first block: Granite's multiplier and GPT-2's positions applied once)
+    and one of the head alone (the final norm and the model's own logit processing)."""
+    index = checkpoints(family, "float32")
+    names = [layer.name for layer in index.layers]
+    groups = [names[:1], names[1:3], names[3:-1], names[-1:]]
+    ids = torch.randint(2, VOCAB, (1, 13), generator=torch.Generator().manual_seed(3))
+    x = ids
+    for stage, group in enumerate(groups):
+        spec = StageSpec(stage=stage, num_stages=len(groups), checkpoint_dir=str(index.root),
+                         config=index.config, dtype=index.dtype,
+                         layers=tuple(layer for layer in index.layers if layer.name in group),
+                         offloaded=tuple(n for n in group if n == "layers.1"))  # fmt: skip
+        worker = StageWorker(spec, device="cpu", num_threads=1)
+        try:
+            worker.load()
+            x = worker.forward(x)
+        finally:
+            worker.close()
+    assert torch.equal(x, reference(index, ids))

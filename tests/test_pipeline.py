@@ -16,7 +16,7 @@ from ray_head import free_ports
 from coordinator import telemetry
 from coordinator.checkpoint import load_index
 from coordinator.config import JobConfig
-from coordinator.job import launch
+from coordinator.job import check_inputs, launch
 from coordinator.launcher import LaunchError
 from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.reference import reference_logits
@@ -29,7 +29,7 @@ SHAPES = {
     # sharded llama; tied-embedding qwen2 in one file
     "llama": CheckpointShape(arch="llama", num_layers=6, hidden_size=64, num_heads=4,
                              num_kv_heads=2, intermediate_size=128, vocab_size=128,
-                             max_shard_bytes=200_000),
+                             dtype="bfloat16", max_shard_bytes=100_000),
     "qwen2": CheckpointShape(arch="qwen2", num_layers=5, hidden_size=64, num_heads=4,
                              num_kv_heads=2, intermediate_size=128, vocab_size=128,
                              tie_embeddings=True, max_shard_bytes=10**8),
@@ -73,6 +73,9 @@ def test_pipeline_matches_transformers(embedded_ray, checkpoints, arch: str) -> 
         ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
         logits = job.forward(ids)
         again = job.forward(ids)  # a second pass through the prefetch schedule
+        mask = torch.ones_like(ids)
+        mask[1, :4] = 0  # row 1 left-padded
+        last = job.forward(ids, mask, logits_to_keep=1)
         reports = job.export_metrics()
         expected_gauges = {str(r["stage"]): float(r["stats"]["offloaded_bytes"]) for r in reports}
         scraped = scrape_gauges("offload_offloaded_weight_bytes", expected_gauges, METRICS_PORT)
@@ -82,8 +85,13 @@ def test_pipeline_matches_transformers(embedded_ray, checkpoints, arch: str) -> 
         copies = {str(r["stage"]): float(r["stats"]["copies"]) for r in job.telemetry()}
         assert scrape_gauges("offload_copies", copies, METRICS_PORT) == copies
     expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
-    # Same ops, same weights, one thread on both sides: bitwise equal.
+    # Same ops, same weights, same dtype, one thread on both sides: bitwise equal.
+    assert logits.dtype == getattr(torch, load_index(checkpoint).dtype)
     assert torch.equal(logits, expected) and torch.equal(again, expected)
+    positions = check_inputs(ids, mask, 1, 128)[2]
+    expected_last = reference_logits(checkpoint, ids, attention_mask=mask, position_ids=positions,
+                                     logits_to_keep=1, num_threads=config.cpus_per_worker)  # fmt: skip
+    assert last.shape == (2, 1, 128) and torch.equal(last, expected_last)
     assert seen[-1][0] == seen[-1][1] == load_index(checkpoint).file_bytes
     # Prometheus sees what the workers reported, per stage.
     assert scraped == expected_gauges
@@ -122,6 +130,14 @@ def test_forward_rejects_bad_input(embedded_ray, checkpoints) -> None:
             job.forward(torch.tensor([[1, 500]]))
         with pytest.raises(ValueError, match="2-D integer"):
             job.forward(torch.zeros(3))
+        ids = torch.tensor([[1, 2, 3]])
+        with pytest.raises(ValueError, match=r"attention_mask must have the shape .*\[1, 3\]"):
+            job.forward(ids, torch.ones(1, 2, dtype=torch.int64))
+        with pytest.raises(ValueError, match=r"attention_mask rows \[0\] have no tokens"):
+            job.forward(ids, torch.zeros(1, 3, dtype=torch.int64))
+        with pytest.raises(ValueError, match=r"logits_to_keep=4 must be an int in 0..3"):
+            job.forward(ids, logits_to_keep=4)
+        assert job.forward(ids).shape == (1, 3, 128)  # bad input left the job usable
     with pytest.raises(RuntimeError, match="closed"):
         job.forward(torch.tensor([[1, 2]]))
 
