@@ -152,18 +152,54 @@ def test_stages_of_only_an_embedding_or_only_a_head(checkpoints, family: str) ->
     and one of the head alone (the final norm and the model's own logit processing)."""
     index = checkpoints(family, "float32")
     names = [layer.name for layer in index.layers]
-    groups = [names[:1], names[1:3], names[3:-1], names[-1:]]
     ids = torch.randint(2, VOCAB, (1, 13), generator=torch.Generator().manual_seed(3))
+    groups = [names[:1], names[1:3], names[3:-1], names[-1:]]
+    assert torch.equal(run_split(index, ids, groups, offloaded=("layers.1",)), reference(index, ids))
+
+
+def run_split(index: CheckpointIndex, ids, groups: list[list[str]], offloaded: tuple) -> torch.Tensor:
+    """`ids` through in-process workers holding `groups` of layers, `offloaded` ones offloaded."""
     x = ids
     for stage, group in enumerate(groups):
         spec = StageSpec(stage=stage, num_stages=len(groups), checkpoint_dir=str(index.root),
                          config=index.config, dtype=index.dtype,
                          layers=tuple(layer for layer in index.layers if layer.name in group),
-                         offloaded=tuple(n for n in group if n == "layers.1"))  # fmt: skip
+                         offloaded=tuple(n for n in group if n in offloaded))  # fmt: skip
         worker = StageWorker(spec, device="cpu", num_threads=1)
         try:
             worker.load()
             x = worker.forward(x)
         finally:
             worker.close()
-    assert torch.equal(x, reference(index, ids))
+    return x
+
+
+def test_what_the_model_keeps_in_float32_stays_in_float32(tmp_path) -> None:
+    """DeepSeek-V3 keeps its router's score-correction bias in float32
+    (`_keep_in_fp32_modules_strict`) while save_pretrained of a bf16 model writes it in BF16:
+    it is read into float32, as from_pretrained gives it, and the logits match (bitwise). Also
+    shows a family outside the tested list (MLA attention, shared experts) loading."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "deepseek_v3", num_hidden_layers=3, hidden_size=32, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=VOCAB, intermediate_size=64, moe_intermediate_size=32,
+        n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+        topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_floating_point() and tensor.numel() > 1 and bool((tensor == tensor.flatten()[0]).all()):
+                tensor.normal_(0.5, 0.1)  # constant after init (norms, the bias): make it count
+    model.save_pretrained(tmp_path / "dsv3")
+    index = load_index(tmp_path / "dsv3")
+    bias = [t for layer in index.layers for t in layer.tensors if "e_score_correction" in t.name]
+    assert bias and {(t.dtype, t.target_dtype) for t in bias} == {("BF16", "float32")}
+    ids = torch.randint(2, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+    # Both MoE layers offloaded: the bias is a buffer, read into the device even so.
+    logits = run_split(index, ids, [["embed", "layers.0", "layers.1"], ["layers.2", "head"]],
+                       offloaded=("layers.1", "layers.2"))  # fmt: skip
+    assert torch.equal(logits, reference(index, ids))

@@ -124,11 +124,11 @@ def test_worker_reconfigure_moves_layers_within_device_memory(tmp_path) -> None:
         ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
         before = worker.forward(ids)
         used_before = torch.cuda.memory_allocated()
-        embed_ptr = worker.stage.embed_tokens.weight.data_ptr()
+        embed_ptr = worker.stage.model.get_input_embeddings().weight.data_ptr()
         chunks = worker.reconfigure(spec(("layers.1", "layers.2", "layers.3", "layers.4")))
         assert chunks == {}  # every layer was here already
         report = worker.finish_load()
-        assert worker.stage.embed_tokens.weight.data_ptr() == embed_ptr
+        assert worker.stage.model.get_input_embeddings().weight.data_ptr() == embed_ptr
         decoder = max(x.nbytes for x in index.layers if x.kind == "decoder")
         # three more layers in host memory; one prefetch slot was there before and stays
         assert used_before - torch.cuda.memory_allocated() >= 3 * decoder * 0.99

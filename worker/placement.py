@@ -28,13 +28,12 @@ class Placement:
     def destination(self, layer_name: str, tensor: TensorSlice) -> torch.Tensor:
         """The memory that holds checkpoint tensor `tensor` of layer `layer_name`."""
         local = self.layout.local_name(layer_name, tensor.target)
+        module = self.modules[layer_name]
+        path, _, leaf = local.rpartition(".")
+        owner = module.get_submodule(path) if path else module
+        if leaf in owner._buffers:  # a persistent buffer: never offloaded, on the device
+            return apply_view(owner._buffers[leaf], tensor.view)
         if layer_name in self.spec.offloaded:
             index = list(self.modules).index(layer_name)
-            whole = self.offloader.host_tensors()[f"{index}.{local}"]
-        else:
-            module = self.modules[layer_name]
-            path, _, leaf = local.rpartition(".")
-            owner = module.get_submodule(path) if path else module
-            whole = owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]
-            whole = whole.data
-        return apply_view(whole, tensor.view)
+            return apply_view(self.offloader.host_tensors()[f"{index}.{local}"], tensor.view)
+        return apply_view(owner._parameters[leaf].data, tensor.view)
