@@ -136,3 +136,40 @@ def test_worker_reconfigure_moves_layers_within_device_memory(tmp_path) -> None:
         assert torch.equal(worker.forward(ids), before)
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_bf16_stages_on_cuda_match_transformers_on_cuda(tmp_path, arch: str) -> None:
+    """Two stages on the GPU, bf16 as published, one layer offloaded per stage (prefetch on a
+    side stream): the logits of transformers on the same GPU, to bf16 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from coordinator.checkpoint import load_index
+    from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+    from worker.spec import StageSpec
+    from worker.worker import StageWorker
+
+    index = load_index(make_checkpoint(tmp_path / arch, CheckpointShape(
+        arch=arch, num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,
+        intermediate_size=512, vocab_size=512, dtype="bfloat16")))  # fmt: skip
+    names = [layer.name for layer in index.layers]
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    x = ids
+    for stage, group in enumerate([names[:3], names[3:]]):
+        spec = StageSpec(stage=stage, num_stages=2, checkpoint_dir=str(index.root),
+                         config=index.config, dtype=index.dtype,
+                         layers=tuple(x for x in index.layers if x.name in group),
+                         offloaded=tuple(n for n in group if n in ("layers.1", "layers.3")))  # fmt: skip
+        worker = StageWorker(spec, device="cuda")
+        try:
+            worker.load()
+            x = worker.forward(x)
+        finally:
+            worker.close()
+    model = AutoModelForCausalLM.from_pretrained(index.root, dtype=torch.bfloat16, device_map="cuda")
+    with torch.no_grad():
+        expected = model(ids.to(CUDA)).logits.cpu()
+    tolerance = 2 * torch.finfo(torch.bfloat16).eps * float(expected.float().abs().max())
+    diff = float((x.float() - expected.float()).abs().max())
+    print(f"{arch}: max abs diff {diff:.3e} (bitwise: {torch.equal(x, expected)})")
+    assert x.dtype == torch.bfloat16 and diff <= tolerance
