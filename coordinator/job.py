@@ -63,7 +63,8 @@ def check_inputs(
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or (vocab_size and high >= vocab_size):
         bad = low if low < 0 else high
-        raise ValueError(f"token id {bad} is out of the vocabulary (0..{vocab_size - 1})")
+        known = f"0..{vocab_size - 1}" if vocab_size else "ids are >= 0"
+        raise ValueError(f"token id {bad} is out of the vocabulary ({known})")
     if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or not (
         0 <= logits_to_keep <= input_ids.shape[1]
     ):  # fmt: skip
