@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(PY) bench/planner.py
 	$(PY) bench/load.py
 	$(PY) bench/recovery.py
+	$(PY) bench/families.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache .hypothesis

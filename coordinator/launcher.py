@@ -56,8 +56,10 @@ def connect(config: JobConfig) -> RaySession:
     # Embedded: logical GPUs when asked for (CPU-simulated), enough CPUs for one per worker.
     num_gpus = config.gpus or None
     cpus = max(os.cpu_count() or 1, (config.gpus or 1) * config.cpus_per_worker)
-    ray.init(num_cpus=cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)  # fmt: skip
+    # address="local": always a new cluster. A bare ray.init() joins a Ray that another process
+    # on this machine started (/tmp/ray/ray_current_cluster), then refuses num_cpus/num_gpus.
+    ray.init(address="local", num_cpus=cpus, num_gpus=num_gpus, include_dashboard=False,
+             log_to_driver=False, configure_logging=False)  # fmt: skip
     return RaySession(owned=True)
 
 
