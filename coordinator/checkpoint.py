@@ -20,12 +20,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.weight_map import WeightMapError, map_tensors
-from worker.spec import COMPUTE_DTYPES, SAFETENSORS_DTYPES, LayerSpec, TensorSlice, dtype_size
+from worker.loader import MAX_HEADER_BYTES, identify
+from worker.spec import (
+    COMPUTE_DTYPES,
+    SAFETENSORS_DTYPES,
+    FileIdentity,
+    LayerSpec,
+    TensorSlice,
+    dtype_size,
+)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-# safetensors itself refuses headers above 100 MB; a larger one is corrupt or hostile.
-MAX_HEADER_BYTES = 100_000_000
+
+
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -39,6 +47,7 @@ class CheckpointIndex:
     config: dict
     layers: tuple[LayerSpec, ...]
     files: tuple[str, ...]
+    identities: tuple[FileIdentity, ...]  # each file as indexed; workers read only these
     tied_embeddings: bool
     dtype: str  # what the model loads and computes in (torch name)
     ignored: tuple[str, ...] = ()  # checkpoint keys from_pretrained ignores too
@@ -176,6 +185,14 @@ def _tensor_files(root: Path) -> dict[str, str]:
     raise CheckpointError(f"{root}: no {SINGLE_FILE} and no {INDEX_FILE}")
 
 
+def _identity(path: Path) -> FileIdentity:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return identify(fd, path.name)
+    finally:
+        os.close(fd)
+
+
 def checkpoint_dtype(config: dict, tensors: dict[str, TensorSlice], requested: str = "auto") -> str:
     """The dtype the model loads and computes in: `requested` unless "auto", else config.json's
     `dtype` (`torch_dtype` in older files), else the floating dtype holding most bytes."""
@@ -223,6 +240,7 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
         raise CheckpointError(f"config.json: not valid JSON ({exc})") from None
     files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
     tensors: dict[str, TensorSlice] = {}
+    identities: list[FileIdentity] = []
     for file in files:
         path = root / file
         if not path.exists():
@@ -232,6 +250,7 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
                 f"tensors, e.g. {listed[0]!r})"
             )
         header = read_header(path)
+        identities.append(_identity(path))
         if weight_map:
             for tensor, owner in weight_map.items():
                 if owner == file and tensor not in header:
@@ -269,7 +288,7 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
         for name, items in by_layer.items()
     )
     return CheckpointIndex(
-        root=root, config=config, layers=layers, files=tuple(files),
+        root=root, config=config, layers=layers, files=tuple(files), identities=tuple(identities),
         tied_embeddings=bool(getattr(model, "all_tied_weights_keys", None)),
         dtype=compute_dtype, ignored=tuple(ignored),
     )  # fmt: skip

@@ -265,3 +265,26 @@ def test_a_watched_job_recovers_before_the_next_forward(embedded_ray, checkpoint
         assert torch.equal(job.forward(ids), expected)
         assert len(job.events) == 1  # the forward found every stage alive
     wait_gpus_free(NUM_GPUS)
+
+
+def test_a_replacement_never_reads_a_rewritten_checkpoint(embedded_ray, checkpoints, tmp_path):
+    """The checkpoint is rewritten in place (same shapes, new weights) under a running job, then
+    a worker is lost: the recovery refuses the changed file by name instead of returning logits
+    that mix old and new layers; the job stays closable and releases every GPU."""
+    import dataclasses
+    import shutil
+
+    root = shutil.copytree(checkpoints["llama"], tmp_path / "llama")
+    other = make_checkpoint(tmp_path / "other", dataclasses.replace(SHAPES["llama"], seed=1))
+    config = JobConfig(checkpoint=str(root), gpu_memory_bytes=budget_forcing_offload(str(root)))
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
+    with launch(config) as job:
+        job.forward(ids)
+        for shard in other.glob("*.safetensors"):
+            shutil.copyfile(shard, root / shard.name)
+        ray.kill(job.workers[1].actor, no_restart=True)
+        with pytest.raises(LaunchError, match=r"model-\d+-of-\d+.safetensors: the checkpoint "
+                           r"file changed since the job indexed it"):  # fmt: skip
+            job.forward(ids)
+        assert "changed since the job indexed it" in job.events[-1]["error"]
+    wait_gpus_free(NUM_GPUS)

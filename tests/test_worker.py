@@ -138,3 +138,29 @@ def test_periodic_snapshots_add_up_to_the_counters(index) -> None:
         assert worker.latest()["time"] >= periodic[-1]["time"]
     finally:
         worker.close()
+
+
+def test_a_checkpoint_rewritten_under_the_job_is_never_read(tmp_path) -> None:
+    """Same shapes, new weights, written over the indexed file (an export re-run in place): the
+    header and size are the same, the mtime is not. A worker that loads now (a replacement, a
+    re-plan) refuses the file, naming it, rather than mix new layers with the old ones."""
+    import dataclasses
+    import shutil
+
+    shape = CheckpointShape(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
+                            intermediate_size=64, vocab_size=64)  # fmt: skip
+    root = make_checkpoint(tmp_path / "ckpt", shape)
+    index = load_index(root)
+    spec = dataclasses.replace(spec_for(index, offloaded=()), files=index.identities)
+    other = make_checkpoint(tmp_path / "other", dataclasses.replace(shape, seed=1))
+    shutil.copyfile(other / "model.safetensors", root / "model.safetensors")
+    [before], [after] = index.identities, load_index(root).identities
+    assert (before.size, before.header_sha256) == (after.size, after.header_sha256)
+    worker = StageWorker(spec, device="cpu")
+    try:
+        with pytest.raises(WorkerError, match=r"model.safetensors: the checkpoint file changed "
+                           r"since the job indexed it \(mtime_ns \d+ -> \d+\).*load the job again"):
+            worker.load()
+        assert worker.report()["bytes_read"] == 0  # nothing of the new file was read
+    finally:
+        worker.close()

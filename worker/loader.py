@@ -9,6 +9,7 @@ parameter. No full second copy of the weights exists at any point.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from worker.spec import TensorSlice
+from worker.spec import FileIdentity, TensorSlice
 
 STAGING_BYTES = 64 * 2**20  # GPU loads go through this much host memory at a time
 
@@ -34,6 +35,43 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 PIECE_BYTES = 8 * 2**20  # unit of parallel reads: big enough for one syscall to pay off
+# safetensors itself refuses headers above 100 MB; a larger one is corrupt or hostile.
+MAX_HEADER_BYTES = 100_000_000
+
+
+class CheckpointChangedError(ValueError):
+    """A checkpoint file is not the file the job indexed; the message names it and the fix."""
+
+
+def identify(fd: int, name: str) -> FileIdentity:
+    """`name`'s identity from its open descriptor: size, modification time, header hash."""
+    stat = os.fstat(fd)
+    prefix = os.pread(fd, 8, 0)
+    length = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+    header = os.pread(fd, min(length, MAX_HEADER_BYTES), 8)
+    return FileIdentity(name=name, size=stat.st_size, mtime_ns=stat.st_mtime_ns,
+                        header_sha256=hashlib.sha256(prefix + header).hexdigest())  # fmt: skip
+
+
+def check_identity(fd: int, expected: FileIdentity) -> None:
+    found = identify(fd, expected.name)
+    if found == expected:
+        return
+    changes = [
+        f"{what} {before} -> {after}"
+        for what, before, after in (
+            ("size", expected.size, found.size),
+            ("mtime_ns", expected.mtime_ns, found.mtime_ns),
+            ("header sha256", expected.header_sha256[:12], found.header_sha256[:12]),
+        )
+        if before != after
+    ]
+    raise CheckpointChangedError(
+        f"{expected.name}: the checkpoint file changed since the job indexed it "
+        f"({', '.join(changes)}); the job's other workers hold the old weights, so nothing is "
+        "read from it: restore the file, or load the job again (unload, then load) to use "
+        "the new one. Copies on other nodes must keep the file's mtime (rsync -a, cp -p)"
+    )
 
 
 def _pread_exact(fd: int, view: memoryview, offset: int, where: str) -> None:
@@ -55,17 +93,32 @@ class TensorReader:
     bench/RESULTS.md). GPU destinations go through a pinned staging buffer.
     """
 
-    def __init__(self, root: str | os.PathLike, *, threads: int = 1) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        threads: int = 1,
+        identities: Sequence[FileIdentity] = (),
+    ) -> None:
         self.root = Path(root)
         self.threads = max(1, threads)
+        self._identities = {identity.name: identity for identity in identities}
         self._fds: dict[str, int] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._staging: torch.Tensor | None = None
         self.stats = ReadStats()
 
     def _fd(self, name: str) -> int:
+        """The file's descriptor; on first open, checked against its indexed identity."""
         if name not in self._fds:
-            self._fds[name] = os.open(self.root / name, os.O_RDONLY)
+            fd = os.open(self.root / name, os.O_RDONLY)
+            try:
+                if name in self._identities:
+                    check_identity(fd, self._identities[name])
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fds[name] = fd
         return self._fds[name]
 
     def read_into(self, tensor: TensorSlice, dst: torch.Tensor) -> None:

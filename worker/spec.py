@@ -105,6 +105,18 @@ class TensorSlice:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class FileIdentity:
+    """A checkpoint file as the job indexed it. A worker reads from the file only while it still
+    is this file: a checkpoint rewritten under a running job (same shapes, new weights) would
+    otherwise give a replacement worker new layers beside the survivors' old ones, silently."""
+
+    name: str
+    size: int
+    mtime_ns: int
+    header_sha256: str  # of the 8-byte length and the JSON header: names, dtypes, offsets
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class LayerSpec:
     """One pipeline unit: the embedding, a decoder layer, or the final norm + LM head."""
 
@@ -134,6 +146,7 @@ class StageSpec:
     config: dict  # the checkpoint's config.json
     dtype: str = "float32"  # the dtype the model is built and computes in (torch name)
     layers: tuple[LayerSpec, ...]
+    files: tuple[FileIdentity, ...] = ()  # the checkpoint's files as indexed: checked on open
     offloaded: tuple[str, ...] = ()  # layer names kept in host memory
     prefetch_step: int = 1
     backend: str = "auto"

@@ -79,7 +79,8 @@ class StageWorker:
         self.stage: Stage | None = None
         self._placement: Placement | None = None  # the stage's modules, offloader, loaded layers
         # Read with as many threads as the worker has CPUs (Ray's num_cpus for the actor).
-        self._reader = TensorReader(spec.checkpoint_dir, threads=num_threads or 1)
+        self._reader = TensorReader(spec.checkpoint_dir, threads=num_threads or 1,
+                                    identities=spec.files)  # fmt: skip
         self._layer_specs = {layer.name: layer for layer in spec.layers}
         self._chunks: list[list[str]] = []  # layer names per chunk, to read from disk
         self._ready = False
