@@ -35,7 +35,8 @@ def free_ports(n: int) -> list[int]:
 
 @contextmanager
 def private_ray_head(*, num_cpus: int = 4, num_gpus: int = 3):
-    """Yields (dashboard address, auth headers). The job server listens on 127.0.0.1 only."""
+    """Yields (dashboard address, auth headers, track, GCS address). The job server listens on
+    127.0.0.1 only; `track()` records the head's processes so they are all stopped."""
     temp_dir = Path(tempfile.mkdtemp(prefix="oc-ray-", dir="/tmp"))  # short: AF_UNIX path limit
     gcs, dash, agent_http, agent_grpc, rt_env, metrics, client, nm, om = free_ports(9)
     token = secrets.token_hex(32)
@@ -94,7 +95,7 @@ def private_ray_head(*, num_cpus: int = 4, num_gpus: int = 3):
                     ) from exc
                 time.sleep(0.5)
         track()
-        yield address, headers, track
+        yield address, headers, track, f"127.0.0.1:{gcs}"
     finally:
         track()
         alive = [p for p in started.values() if p.is_running()]

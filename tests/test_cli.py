@@ -152,3 +152,29 @@ def test_run_check_mismatch_exits_1(monkeypatch, capsys) -> None:
     )
     assert main(["run", "--checkpoint", "x", "--check"]) == 1
     assert "check FAILED: max abs difference 1.000e-03" in capsys.readouterr().out
+
+
+def test_an_address_where_nothing_listens_fails_at_once(capsys) -> None:
+    """Ray itself retries such an address for minutes; we give one line naming it."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    assert main(["list", "--address", f"127.0.0.1:{port}"]) == 2
+    assert time.monotonic() - start < 30
+    err = capsys.readouterr().err
+    assert f"cannot reach a Ray cluster at 127.0.0.1:{port}" in err and "Traceback" not in err
+
+
+def test_ray_address_with_gpus_is_refused(monkeypatch, capsys, tmp_path) -> None:
+    """--address with --gpus is refused by the job config; RAY_ADDRESS with --gpus too, rather
+    than --gpus being dropped silently."""
+    from coordinator.config import JobConfig
+    from coordinator.launcher import ConfigError, connect
+
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    with pytest.raises(ConfigError, match=r"gpus=3 creates logical GPUs .* RAY_ADDRESS="):
+        connect(JobConfig(checkpoint=str(tmp_path), gpus=3))

@@ -4,7 +4,11 @@ API, its status and logs checked; then only the processes this test started are 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from ray_head import private_ray_head
@@ -13,6 +17,8 @@ from coordinator.checkpoint import load_index
 from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 
 JOB_TIMEOUT_S = 300.0
+CONNECT_BOUND_S = 40.0  # the 30 s connect bound, plus the CLI's own start
+OFFLOADCTL = str(Path(sys.executable).with_name("offloadctl"))
 
 
 def test_offloadctl_run_as_a_ray_job(tmp_path) -> None:
@@ -24,9 +30,17 @@ def test_offloadctl_run_as_a_ray_job(tmp_path) -> None:
     index = load_index(checkpoint)
     decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
     budget = index.total_bytes // 3 - decoder // 4  # three logical GPUs, some offloading
-    with private_ray_head(num_cpus=4, num_gpus=3) as (address, headers, track):
+    with private_ray_head(num_cpus=4, num_gpus=3) as (address, headers, track, gcs):
         with pytest.raises(Exception, match=r"(?i)auth|401"):  # token auth is really on
             JobSubmissionClient(address).list_jobs()
+        # A client without the token: one line naming the token, within the connect bound.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        start = time.monotonic()
+        joined = subprocess.run([OFFLOADCTL, "list", "--address", gcs], env=env, text=True,
+                                capture_output=True, timeout=120)  # fmt: skip
+        assert time.monotonic() - start < CONNECT_BOUND_S
+        assert joined.returncode == 2 and "Traceback" not in joined.stderr, joined.stderr[-2000:]
+        assert "uses token authentication; set RAY_AUTH_MODE=token" in joined.stderr
         client = JobSubmissionClient(address, headers=headers)
         job_id = client.submit_job(
             entrypoint=f"offloadctl run --checkpoint {checkpoint} --gpu-memory {budget} --check"
