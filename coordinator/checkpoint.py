@@ -154,14 +154,28 @@ def _tensor_slice(
     )  # fmt: skip
 
 
+def _read_json(path: Path, name: str) -> dict:
+    """A JSON object from `path`; anything else (a directory, a link loop, not JSON, not an
+    object) is a CheckpointError naming the file."""
+    try:
+        value = json.loads(path.read_text())
+    except OSError as exc:
+        raise CheckpointError(f"{name}: cannot read: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{name}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{name}: expected a JSON object, got a {type(value).__name__}")
+    return value
+
+
 def _tensor_files(root: Path) -> dict[str, str]:
     """tensor name -> file name, from the index or the single file."""
     index = root / INDEX_FILE
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{INDEX_FILE}: invalid index ({exc})") from None
+    if index.exists() or index.is_symlink():
+        raw = _read_json(index, INDEX_FILE)
+        weight_map = raw.get("weight_map")
+        if weight_map is None:
+            raise CheckpointError(f"{INDEX_FILE}: invalid index (no 'weight_map' key)")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{INDEX_FILE}: weight_map is empty or not an object")
         for tensor, file in weight_map.items():
@@ -232,12 +246,9 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
     # config.json (adding one would only lead to the pickle refusal).
     weight_map = _tensor_files(root)
     config_path = root / "config.json"
-    try:
-        config = json.loads(config_path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{root}: config.json is missing") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"config.json: not valid JSON ({exc})") from None
+    if not (config_path.exists() or config_path.is_symlink()):
+        raise CheckpointError(f"{root}: config.json is missing")
+    config = _read_json(config_path, "config.json")
     files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
     tensors: dict[str, TensorSlice] = {}
     identities: list[FileIdentity] = []
@@ -262,17 +273,23 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
     compute_dtype = checkpoint_dtype(config, tensors, dtype)
     try:
         check_supported(config)
+    except UnsupportedModelError as exc:
+        raise CheckpointError(str(exc)) from None
+    try:
         hf_config = hf_config_from_dict(config, dtype=torch_dtype_named(compute_dtype))
         model = build_meta_model(hf_config)
+    except Exception as exc:  # transformers rejects the config (with its own error types)
+        lines = str(exc).strip().splitlines()
+        detail = " ".join(line.strip() for line in lines[:3])[:500]
+        raise CheckpointError(
+            f"config.json: transformers cannot build {config.get('model_type')!r} from it: "
+            f"{type(exc).__name__}: {detail}"
+        ) from None
+    try:
         layout = find_layout(model)
         placed, ignored = map_tensors(model, tensors)
     except (UnsupportedModelError, WeightMapError) as exc:
         raise CheckpointError(str(exc)) from None
-    except (TypeError, ValueError, KeyError) as exc:  # transformers rejects the config itself
-        raise CheckpointError(
-            f"config.json: transformers cannot build {config.get('model_type')!r} from it: "
-            f"{type(exc).__name__}: {exc}"
-        ) from None
     by_layer: dict[str, list[TensorSlice]] = {name: [] for name in layout.layer_names()}
     for tensor in placed:
         layer = layout.layer_of(tensor.target)

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import signal
 import sys
+import threading
 import time
 
 from coordinator.checkpoint import CheckpointError
@@ -31,6 +33,9 @@ from worker.spec import COMPUTE_DTYPES
 
 EXIT_MISMATCH = 1
 EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+RELEASED = "every worker and Ray this command started was released (named loads stay)"
 # Commands that start no Ray session: `main` imports the launcher, and Ray with it, only for the
 # others, so that `offloadctl plan` never imports Ray.
 RAY_FREE_COMMANDS = ("make-checkpoint", "plan", "check-cluster", "node-demo")
@@ -172,12 +177,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_open_line = {"progress": False}  # a progress line waiting for its end: errors start a new line
+
+
 def _progress(done: int, total: int) -> None:
     width = 30
     filled = int(width * done / total) if total else width
-    end = "\n" if done >= total else ""
+    _open_line["progress"] = done < total
+    end = "" if _open_line["progress"] else "\n"
     print(f"\rloading [{'#' * filled}{'.' * (width - filled)}] {done / 2**20:8.1f} / "
           f"{total / 2**20:.1f} MiB", end=end, file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _fail(message: str, code: int) -> int:
+    if _open_line["progress"]:
+        print(file=sys.stderr)
+        _open_line["progress"] = False
+    print(message, file=sys.stderr)
+    return code
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so every `finally` and `with` releases what it holds,
+    as Ctrl-C's KeyboardInterrupt does."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated()
 
 
 def _stage_table(reports: list[dict]) -> str:
@@ -365,13 +391,27 @@ def main(argv: list[str] | None = None) -> int:
     from coordinator.planner import PlanError
 
     expected: tuple[type[Exception], ...] = (
-        CheckpointError, ConfigError, PlanError, FileExistsError, ValueError, LookupError,
-        ConnectionError,
+        CheckpointError, ConfigError, PlanError, ValueError, LookupError,
+        OSError,  # a path the user gave: missing, a directory, unreadable; ConnectionError
     )  # fmt: skip
     if args.command not in RAY_FREE_COMMANDS:
         from coordinator.launcher import LaunchError  # imports Ray: only where Ray is used
 
         expected += (LaunchError,)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    try:
+        return _run(args, expected)
+    except KeyboardInterrupt:
+        return _fail(f"interrupted: {RELEASED}", EXIT_INTERRUPTED)
+    except Terminated:
+        return _fail(f"terminated: {RELEASED}", EXIT_TERMINATED)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace, expected: tuple[type[Exception], ...]) -> int:
     try:
         if args.command == "make-checkpoint":
             from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
@@ -407,8 +447,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(num_layers=args.layers, hidden=args.hidden, batch=args.batch,
                             step=args.step, repeats=args.repeats)  # fmt: skip
     except expected as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        return _fail(f"error: {exc}", EXIT_ERROR)
     raise AssertionError(args.command)
 
 

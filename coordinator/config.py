@@ -79,6 +79,11 @@ class Override:
                 )
             if not isinstance(value, str):
                 raise ConfigError(f"override {name}={value!r}: values must be strings")
+            if name == PIN_ENV:  # checked here, so `plan` catches it before Ray starts
+                try:
+                    parse_pin_mode(value, variable=f"override {PIN_ENV}")
+                except ValueError as exc:
+                    raise ConfigError(str(exc)) from None
 
 
 def env_for_node(
@@ -117,6 +122,26 @@ def node_env(
     return env, origins
 
 
+def _check_type(key: str, hint: str, value: object) -> None:
+    """A ConfigError naming the key, the type and the value unless `value` has type `hint` (a
+    JobConfig annotation: str, int, float, "X | None", tuple[Override, ...])."""
+    wanted = hint.removesuffix(" | None")
+    if value is None and wanted != hint:
+        return
+    ok = {
+        "str": isinstance(value, str),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, int | float) and not isinstance(value, bool),
+        "tuple[Override, ...]": isinstance(value, tuple)
+        and all(isinstance(v, Override) for v in value),
+    }.get(wanted, True)
+    if not ok:
+        raise ConfigError(
+            f"{key} must be {wanted}{' or empty' if wanted != hint else ''}, got "
+            f"{_kind(value)} {value!r}"
+        )
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JobConfig:
     checkpoint: str
@@ -140,6 +165,8 @@ class JobConfig:
     snapshot_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_type(f.name, str(f.type), getattr(self, f.name))
         if not self.checkpoint:
             raise ConfigError("checkpoint: a checkpoint directory is required")
         for name in ("gpus", "reserve_bytes"):
@@ -183,6 +210,25 @@ def _unknown_key(key: str, valid: tuple[str, ...], where: str) -> ConfigError:
     return ConfigError(f"{where}: unknown key {key!r}{hint}")
 
 
+def _mapping(raw: object, where: str, *, scalars: bool = True) -> dict[str, str]:
+    """A YAML mapping of names to scalar values, as strings; a list or a nested value is an
+    error naming where it is."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping (name: value), got {_kind(raw)} {raw!r}")
+    out = {}
+    for key, value in raw.items():
+        if scalars and (isinstance(value, dict | list) or value is None):
+            raise ConfigError(f"{where}.{key}: expected a single value, got {_kind(value)}")
+        out[str(key)] = str(value).lower() if isinstance(value, bool) else str(value)
+    return out
+
+
+def _kind(value: object) -> str:
+    return {dict: "a mapping", list: "a list", type(None): "nothing"}.get(
+        type(value), f"a {type(value).__name__}"
+    )
+
+
 def _override_from_dict(raw: object, where: str) -> Override:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: an override is a mapping with 'match' and 'env'")
@@ -191,31 +237,50 @@ def _override_from_dict(raw: object, where: str) -> Override:
             raise _unknown_key(key, ("match", "env"), where)
     match = raw.get("match") or {}
     if not isinstance(match, dict):
-        raise ConfigError(f"{where}.match: expected a mapping")
+        raise ConfigError(f"{where}.match: expected a mapping, got {_kind(match)}")
     for key in match:
         if key not in ("labels", "hostname", "node_id"):
             raise _unknown_key(key, ("labels", "hostname", "node_id"), f"{where}.match")
-    env = {str(k): str(v) for k, v in (raw.get("env") or {}).items()}
-    return Override(match=NodeMatch(**match), env=env)
+    criteria: dict[str, object] = {}
+    if "labels" in match:
+        criteria["labels"] = _mapping(match["labels"], f"{where}.match.labels")
+    for key in ("hostname", "node_id"):
+        if key in match:
+            if not isinstance(match[key], str):
+                raise ConfigError(
+                    f"{where}.match.{key}: expected a string, got {_kind(match[key])}"
+                )
+            criteria[key] = match[key]
+    env = _mapping(raw.get("env") or {}, f"{where}.env")
+    return Override(match=NodeMatch(**criteria), env=env)
 
 
 def job_config_from_dict(raw: dict, *, where: str = "job config") -> JobConfig:
-    """Build a JobConfig from plain data (YAML), naming the closest key for a typo."""
+    """Build a JobConfig from plain data (YAML), checking each key and its type: an unknown key
+    names the closest valid one, a wrong type names the key, the type and the value."""
     values = {}
     for key, value in raw.items():
         if key not in FIELD_NAMES:
             raise _unknown_key(key, FIELD_NAMES, where)
         if key in _SIZE_FIELDS and value is not None:
             value = parse_bytes(value, field_name=key)
-        if key == "overrides":
+        elif key == "overrides":
+            if not isinstance(value, list | tuple | type(None)):
+                raise ConfigError(f"{where}: overrides must be a list of {{match, env}}, got "
+                                  f"{_kind(value)}")  # fmt: skip
             value = tuple(
                 _override_from_dict(item, f"{where}: overrides[{i}]")
                 for i, item in enumerate(value or [])
             )
         values[key] = value
+    if not values.get("checkpoint"):
+        raise ConfigError(
+            f"{where}: no checkpoint: give --checkpoint DIR (or `checkpoint: DIR` in a --config "
+            "job file)"
+        )
     try:
         return JobConfig(**values)
-    except TypeError as exc:  # a required field missing
+    except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
 
 

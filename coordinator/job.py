@@ -31,6 +31,7 @@ from coordinator.launcher import (
     kill_workers,
     probe_cluster,
     start_workers,
+    worker_failure,
 )
 from coordinator.planner import Plan, PlanOptions, plan
 from coordinator.telemetry import MetricsExporter, collect
@@ -153,14 +154,18 @@ class Job:
         with self._lock:
             try:
                 return self._forward(*inputs)
-            except (ray.exceptions.RayError, WorkerLostError):
-                if not self.recover():
+            except (ray.exceptions.RayError, WorkerLostError) as exc:
+                if not self.recover():  # every worker alive: the pass itself failed
+                    if isinstance(exc, ray.exceptions.RayError):
+                        raise worker_failure(exc, self.workers) from None
                     raise
-                return self._forward(*inputs)
+                try:
+                    return self._forward(*inputs)
+                except ray.exceptions.RayError as again:
+                    raise worker_failure(again, self.workers) from None
 
     def _forward(self, input_ids, attention_mask, position_ids, logits_to_keep) -> torch.Tensor:
-        if not self.workers:
-            raise RuntimeError("the job is closed")
+        self._require_open()
         if any(h.actor is None for h in self.workers):  # attached to a load that lost workers
             raise WorkerLostError("a worker of this load was lost")
         ref = ray.put(input_ids)
@@ -176,9 +181,14 @@ class Job:
                 "(forward_timeout_s)"
             ) from None
 
+    def _require_open(self) -> None:
+        if not self.workers:
+            raise RuntimeError("the job is closed")
+
     def dead_stages(self) -> list[int]:
         """Stages whose worker is gone (its actor died or its node left). A worker busy past
         PING_TIMEOUT_S is not called dead."""
+        self._require_open()
         refs = [h.actor.ping.remote() if h.actor is not None else None for h in self.workers]
         dead = []
         for stage, ref in enumerate(refs):
@@ -230,6 +240,7 @@ class Job:
     def telemetry(self) -> list[dict]:
         """A fresh memory snapshot from every worker (see StageWorker.report); a stage whose
         worker is lost gets a stub with `lost: True` instead (see telemetry.collect)."""
+        self._require_open()
         refs = [h.actor.report.remote() if h.actor is not None else None for h in self.workers]
         try:
             return collect(self.plan.stages, refs, TELEMETRY_TIMEOUT_S)

@@ -276,12 +276,18 @@ def wait_workers(refs: list, timeout_s: float, handles: list[WorkerHandle]) -> l
         return ray.get(refs, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         raise LaunchError(f"workers did not answer within {timeout_s:.0f} s") from None
-    except ray.exceptions.RayTaskError as exc:
-        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-        raise LaunchError(f"a worker failed: {cause}") from None
-    except ray.exceptions.RayActorError as exc:
+    except ray.exceptions.RayError as exc:
+        raise worker_failure(exc, handles) from None
+
+
+def worker_failure(exc: ray.exceptions.RayError, handles: list[WorkerHandle]) -> LaunchError:
+    """A Ray error from a call on workers as one line: the worker's own error (not Ray's
+    remote traceback), or WorkerLostError naming the hosts when a worker died."""
+    if isinstance(exc, ray.exceptions.RayActorError):
         hosts = ", ".join(sorted({h.hostname for h in handles}))
-        raise WorkerLostError(f"a worker died (on {hosts}): {exc}") from None
+        return WorkerLostError(f"a worker died (on {hosts}): {exc}")
+    cause = getattr(exc, "cause", None)
+    return LaunchError(f"a worker failed: {cause if cause is not None else exc}")
 
 
 def kill_workers(handles: list[WorkerHandle]) -> None:

@@ -73,6 +73,12 @@ class CheckpointShape:
             raise ValueError(
                 f"hidden_size={self.hidden_size} must be a multiple of num_heads={self.num_heads}"
             )
+        head_dim = self.hidden_size // self.num_heads
+        if self.arch != "gpt2" and head_dim % 2:  # every other family rotates pairs (RoPE)
+            raise ValueError(
+                f"hidden_size={self.hidden_size} / num_heads={self.num_heads} = {head_dim}: "
+                f"{self.arch}'s rotary embedding needs an even head dim"
+            )
         if self.arch not in NO_KV_HEADS and self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
@@ -171,10 +177,23 @@ def make_checkpoint(out_dir: str | Path, shape: CheckpointShape, *, force: bool 
     from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not force:
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory; choose a directory path")
+    if out.is_dir() and any(out.iterdir()) and not force:
         raise FileExistsError(f"{out} is not empty; choose another directory or pass --force")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FileExistsError(f"cannot create {out}: {exc.strerror or exc}") from None
+    try:
+        config = shape.hf_config()
+    except Exception as exc:  # transformers' own validation (its own error types)
+        raise ValueError(f"{shape.arch} rejects this shape: {str(exc).strip()[:400]}") from None
     torch.manual_seed(shape.seed)
-    model = AutoModelForCausalLM.from_config(shape.hf_config(), dtype=getattr(torch, shape.dtype))
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, shape.dtype))
     perturb_constant_parameters(model, shape.seed)
-    model.save_pretrained(out, max_shard_size=shape.max_shard_bytes)
+    try:
+        model.save_pretrained(out, max_shard_size=shape.max_shard_bytes)
+    except OSError as exc:
+        raise FileExistsError(f"cannot write the checkpoint to {out}: {exc}") from None
     return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -287,4 +289,32 @@ def test_a_replacement_never_reads_a_rewritten_checkpoint(embedded_ray, checkpoi
                            r"file changed since the job indexed it"):  # fmt: skip
             job.forward(ids)
         assert "changed since the job indexed it" in job.events[-1]["error"]
+    wait_gpus_free(NUM_GPUS)
+
+
+@pytest.mark.parametrize(("signum", "code", "word"),
+                         [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_a_signal_mid_load_stops_the_command_and_releases_everything(
+    embedded_ray, checkpoints, monkeypatch, capsys, signum, code, word
+) -> None:  # fmt: skip
+    """Ctrl-C or SIGTERM while workers load: the command ends within 10 s with 130 / 143, one
+    line after the progress bar (no traceback), and every GPU it took is free again."""
+    import coordinator.cli as cli
+
+    sent: list[float] = []
+    real_progress = cli._progress
+
+    def progress(done: int, total: int) -> None:
+        real_progress(done, total)
+        if not sent:
+            sent.append(time.monotonic())
+            os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(cli, "_progress", progress)
+    budget = budget_forcing_offload(checkpoints["llama"])
+    assert cli.main(["load", "--checkpoint", checkpoints["llama"], "--gpu-memory", str(budget)]) == code
+    assert time.monotonic() - sent[0] < 10
+    err = capsys.readouterr().err
+    assert f"MiB\n{word}: every worker and Ray this command started was released" in err
+    assert "Traceback" not in err
     wait_gpus_free(NUM_GPUS)
