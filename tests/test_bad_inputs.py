@@ -1,0 +1,124 @@
+"""Whatever is wrong with a checkpoint or a job file, `offloadctl plan` (which checks everything
+`load` would, without Ray) ends with one short message and exit 2, never a traceback.
+
+Hypothesis mutates a valid sharded checkpoint and a valid job file: files truncated, bytes of
+headers overwritten, files replaced by directories, dangling links or link loops, JSON and YAML
+values replaced by values of other types. A mutation that leaves a usable checkpoint may plan
+(exit 0); anything else must be exit 2 with one line of at most 2,000 characters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from coordinator.cli import main
+from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+
+MAX_MESSAGE_CHARS = 2000
+JOB = {"checkpoint": None, "gpus": 2, "gpu_memory_bytes": "1MiB", "prefetch_step": 1,
+       "dtype": "auto", "overrides": [{"match": {"labels": {"gpu": "h100"}},
+                                        "env": {"OFFLOAD_PIN_MEMORY": "auto"}}]}  # fmt: skip
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False)
+    | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                 max_size=3),
+    max_leaves=6,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def valid(tmp_path_factory) -> Path:
+    shape = CheckpointShape(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
+                            intermediate_size=64, vocab_size=64, max_shard_bytes=20_000)  # fmt: skip
+    return make_checkpoint(tmp_path_factory.mktemp("valid") / "ckpt", shape)
+
+
+def mutate_file(path: Path, how: str, data: st.DataObject) -> None:
+    if how == "truncate":
+        size = path.stat().st_size
+        os.truncate(path, data.draw(st.integers(0, max(size - 1, 0)), label="length"))
+    elif how == "overwrite":
+        raw = bytearray(path.read_bytes())
+        at = data.draw(st.integers(0, min(len(raw), 400)), label="at")
+        patch = data.draw(st.binary(min_size=1, max_size=16), label="bytes")
+        raw[at : at + len(patch)] = patch
+        path.write_bytes(bytes(raw))
+    elif how == "directory":
+        path.unlink()
+        path.mkdir()
+    elif how == "dangling link":
+        path.unlink()
+        path.symlink_to(path.parent / "no-such-file")
+    elif how == "link loop":
+        path.unlink()
+        path.symlink_to(path.name)
+    elif how == "delete":
+        path.unlink()
+    elif how == "json document":
+        path.write_text(json.dumps(data.draw(json_values, label="document")))
+    elif how == "json value":
+        value = json.loads(path.read_text())
+        key = data.draw(st.sampled_from(sorted(value)), label="key")
+        value[key] = data.draw(json_values, label="value")
+        path.write_text(json.dumps(value))
+
+
+def run_plan(argv: list[str], capsys) -> None:
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    code = main(argv)
+    captured = capsys.readouterr()
+    event(f"exit {code}")
+    assert code in (0, 2), (code, captured.err[-MAX_MESSAGE_CHARS:])
+    if code == 2:
+        message = captured.err.strip()
+        assert message.startswith("error: ") and "Traceback" not in message, message
+        assert len(message) <= MAX_MESSAGE_CHARS and message.count("\n") == 0, message
+    # nothing left running: plan starts no process of its own
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= children
+
+
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(data=st.data())
+def test_a_mutated_checkpoint_gives_one_line(valid: Path, capsys, data) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(shutil.copytree(valid, Path(tmp) / "ckpt"))
+        files = sorted(p.name for p in root.iterdir())
+        name = data.draw(st.sampled_from(files), label="file")
+        kinds = ["truncate", "overwrite", "directory", "dangling link", "link loop", "delete"]
+        if name.endswith(".json"):
+            kinds += ["json value", "json document"]
+        mutate_file(root / name, data.draw(st.sampled_from(kinds), label="how"), data)
+        run_plan(["plan", "--checkpoint", str(root), "--gpus", "2", "--gpu-memory", "1MiB"],
+                 capsys)  # fmt: skip
+
+
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(data=st.data())
+def test_a_mutated_job_file_gives_one_line(valid: Path, capsys, data) -> None:
+    job = json.loads(json.dumps(JOB))
+    job["checkpoint"] = str(valid)
+    where = data.draw(st.sampled_from(["top", "override", "match", "labels", "env"]), label="at")
+    target = {"top": job, "override": job["overrides"][0],
+              "match": job["overrides"][0]["match"],
+              "labels": job["overrides"][0]["match"]["labels"],
+              "env": job["overrides"][0]["env"]}[where]  # fmt: skip
+    key = data.draw(st.sampled_from([*sorted(target), "unknown_key"]), label="key")
+    target[key] = data.draw(json_values, label="value")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "job.yaml"
+        path.write_text(yaml.safe_dump(job))
+        run_plan(["plan", "--config", str(path)], capsys)
