@@ -57,12 +57,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from coordinator.checkpoint import CheckpointIndex, load_index
 from coordinator.config import JobConfig
-from coordinator.job import launch
 from coordinator.make_checkpoint import NO_KV_HEADS, CheckpointShape, make_checkpoint
-from coordinator.planner import PlanError
+from coordinator.planning.checkpoint import CheckpointIndex, load_index
+from coordinator.planning.planner import PlanError
 from coordinator.reference import reference_logits
+from coordinator.runtime.job import launch
 from worker.layout import TESTED_FAMILIES
 
 MIB = 2**20

@@ -30,8 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from coordinator.cluster import ClusterSnapshot, GpuInfo, NodeInfo
-from coordinator.planner import Plan, PlanOptions, format_bytes, format_seconds, plan
+from coordinator.planning.planner import Plan, PlanOptions, format_bytes, format_seconds, plan
+from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from worker.spec import LayerSpec, TensorSlice
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -252,7 +252,7 @@ def compare_with_accelerate(args: argparse.Namespace) -> dict:
 
 
 def print_comparison(result: dict, ours: Plan) -> None:
-    from coordinator.planner import layer_range
+    from coordinator.planning.planner import layer_range
 
     print(
         f"\n{result['model']}: {format_bytes(result['total_bytes'])} of weights; GPU budgets "

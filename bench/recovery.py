@@ -31,11 +31,11 @@ from ray.cluster_utils import Cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from coordinator.checkpoint import load_index
 from coordinator.config import JobConfig
-from coordinator.job import launch
 from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.planning.checkpoint import load_index
 from coordinator.reference import reference_logits
+from coordinator.runtime.job import launch
 
 MIB = 2**20
 

@@ -9,15 +9,15 @@ with launch(JobConfig(checkpoint="ckpt/", gpus=3, gpu_memory_bytes=6 << 20)) as 
 # Loaded on first use (PEP 562), so `offloadctl plan` and `import coordinator.config` do not
 # pay for importing Ray.
 _LAZY = {
-    "launch": "coordinator.job",
-    "Job": "coordinator.job",
+    "launch": "coordinator.runtime.job",
+    "Job": "coordinator.runtime.job",
     "JobConfig": "coordinator.config",
     "Override": "coordinator.config",
     "NodeMatch": "coordinator.config",
-    "plan": "coordinator.planner",
-    "Plan": "coordinator.planner",
-    "PlanOptions": "coordinator.planner",
-    "load_index": "coordinator.checkpoint",
+    "plan": "coordinator.planning.planner",
+    "Plan": "coordinator.planning.planner",
+    "PlanOptions": "coordinator.planning.planner",
+    "load_index": "coordinator.planning.checkpoint",
 }
 
 __all__ = sorted(_LAZY)

@@ -19,8 +19,6 @@ import sys
 import threading
 import time
 
-from coordinator.checkpoint import CheckpointError
-from coordinator.cluster import ClusterSnapshot
 from coordinator.config import ConfigError, JobConfig, load_job_config, parse_bytes
 from coordinator.make_checkpoint import (
     ARCHITECTURES,
@@ -29,6 +27,8 @@ from coordinator.make_checkpoint import (
     NO_KV_HEADS,
     SLIDING_ARCHITECTURES,
 )
+from coordinator.planning.checkpoint import CheckpointError
+from coordinator.planning.snapshot import ClusterSnapshot
 from worker.spec import COMPUTE_DTYPES
 
 EXIT_MISMATCH = 1
@@ -207,7 +207,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def _stage_table(reports: list[dict]) -> str:
-    from coordinator.planner import format_bytes, layer_range
+    from coordinator.planning.planner import format_bytes, layer_range
 
     rows = [("stage", "host", "gpu", "device", "layers", "resident", "offloaded", "pin",
              "decided by")]  # fmt: skip
@@ -229,7 +229,7 @@ def _stage_table(reports: list[dict]) -> str:
 def _report_memory(job, args: argparse.Namespace) -> None:
     import json
 
-    from coordinator import telemetry
+    from coordinator.runtime import telemetry
 
     reports = job.telemetry()
     print(telemetry.render(reports, job.events))
@@ -245,9 +245,9 @@ def _report_memory(job, args: argparse.Namespace) -> None:
 def _cmd_named(args: argparse.Namespace) -> int:
     import json
 
-    from coordinator import registry, telemetry
-    from coordinator.job import attach
-    from coordinator.launcher import connect
+    from coordinator.runtime import registry, telemetry
+    from coordinator.runtime.job import attach
+    from coordinator.runtime.launcher import connect
 
     if args.command == "status":
         with attach(args.name, address=args.address) as job:
@@ -276,7 +276,7 @@ def _cmd_named(args: argparse.Namespace) -> int:
 def plan_cluster(config: JobConfig, result: dict, num_nodes: int) -> ClusterSnapshot:
     """`offloadctl plan`'s cluster: `num_nodes` nodes like this machine, as `probe_here()` saw
     it (`result`), with `config.gpus` GPUs each, budgeted by the launcher's own function."""
-    from coordinator.node_budget import node_info
+    from coordinator.planning.budgets import node_info
 
     return ClusterSnapshot(nodes=tuple(
         node_info(config, result, node_id=f"node-{n}", num_gpus=config.gpus)
@@ -285,8 +285,8 @@ def plan_cluster(config: JobConfig, result: dict, num_nodes: int) -> ClusterSnap
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from coordinator.checkpoint import load_index
-    from coordinator.planner import PlanOptions, plan
+    from coordinator.planning.checkpoint import load_index
+    from coordinator.planning.planner import PlanOptions, plan
     from worker.node import probe_here
 
     config = _job_config(args)
@@ -304,7 +304,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_load_or_run(args: argparse.Namespace) -> int:
     import torch
 
-    from coordinator.job import attach, launch
+    from coordinator.runtime.job import attach, launch
 
     name = getattr(args, "name", None)
     attached = bool(args.command == "run" and name)
@@ -388,14 +388,14 @@ def _check(job, config: JobConfig, ids, logits) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from coordinator.planner import PlanError
+    from coordinator.planning.planner import PlanError
 
     expected: tuple[type[Exception], ...] = (
         CheckpointError, ConfigError, PlanError, ValueError, LookupError,
         OSError,  # a path the user gave: missing, a directory, unreadable; ConnectionError
     )  # fmt: skip
     if args.command not in RAY_FREE_COMMANDS:
-        from coordinator.launcher import LaunchError  # imports Ray: only where Ray is used
+        from coordinator.runtime.launcher import LaunchError  # imports Ray: only where Ray is used
 
         expected += (LaunchError,)
     main_thread = threading.current_thread() is threading.main_thread()
@@ -432,7 +432,7 @@ def _run(args: argparse.Namespace, expected: tuple[type[Exception], ...]) -> int
         if args.command in ("status", "unload", "list"):
             return _cmd_named(args)
         if args.command == "check-cluster":
-            from coordinator.cluster_config import check_cluster_config
+            from coordinator.cluster_yaml import check_cluster_config
 
             result = check_cluster_config(args.path)
             for warning in result.warnings:

@@ -23,7 +23,7 @@ def reference_logits(
     from transformers.utils import logging as hf_logging
 
     if dtype == "auto":
-        from coordinator.checkpoint import load_index
+        from coordinator.planning.checkpoint import load_index
 
         dtype = load_index(checkpoint).dtype
     hf_logging.disable_progress_bar()

@@ -129,8 +129,8 @@ def test_run_check_mismatch_exits_1(monkeypatch, capsys) -> None:
 
     import torch
 
-    import coordinator.job
     import coordinator.reference
+    import coordinator.runtime.job
 
     class FakeJob:
         index = type("Index", (), {"config": {"vocab_size": 10}, "total_bytes": 0,
@@ -145,7 +145,7 @@ def test_run_check_mismatch_exits_1(monkeypatch, capsys) -> None:
             return torch.zeros(ids.shape[0], ids.shape[1], 10)
 
     monkeypatch.setattr(
-        coordinator.job, "launch", lambda config, progress, name: contextlib.nullcontext(FakeJob())
+        coordinator.runtime.job, "launch", lambda config, progress, name: contextlib.nullcontext(FakeJob())
     )
     monkeypatch.setattr(
         coordinator.reference, "reference_logits", lambda *a, **k: torch.full((2, 16, 10), 1e-3)
@@ -173,7 +173,7 @@ def test_ray_address_with_gpus_is_refused(monkeypatch, capsys, tmp_path) -> None
     """--address with --gpus is refused by the job config; RAY_ADDRESS with --gpus too, rather
     than --gpus being dropped silently."""
     from coordinator.config import JobConfig
-    from coordinator.launcher import ConfigError, connect
+    from coordinator.runtime.launcher import ConfigError, connect
 
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
     with pytest.raises(ConfigError, match=r"gpus=3 creates logical GPUs .* RAY_ADDRESS="):

@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.checkpoint import CheckpointIndex, load_index
-from coordinator.cluster import ClusterSnapshot, GpuInfo, NodeInfo
 from coordinator.config import JobConfig
-from coordinator.job import check_inputs, stage_specs
 from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
-from coordinator.planner import Plan, PlanOptions, plan
+from coordinator.planning.checkpoint import CheckpointIndex, load_index
+from coordinator.planning.planner import Plan, PlanOptions, plan
+from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from coordinator.reference import reference_logits
+from coordinator.runtime.job import check_inputs, stage_specs
 from worker.layout import TESTED_FAMILIES
 from worker.spec import StageSpec
 from worker.worker import StageWorker

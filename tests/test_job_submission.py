@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from ray_head import private_ray_head
 
-from coordinator.checkpoint import load_index
 from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.planning.checkpoint import load_index
 
 JOB_TIMEOUT_S = 300.0
 CONNECT_BOUND_S = 40.0  # the 30 s connect bound, plus the CLI's own start

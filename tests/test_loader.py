@@ -25,7 +25,7 @@ def shard(tmp_path_factory):
 
 
 def slices(path) -> dict[str, TensorSlice]:
-    from coordinator.checkpoint import read_header
+    from coordinator.planning.checkpoint import read_header
 
     return read_header(path)
 

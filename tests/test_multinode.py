@@ -11,11 +11,11 @@ import torch
 from helpers import assert_probe_decided_pin
 from ray.cluster_utils import Cluster
 
-from coordinator.checkpoint import load_index
 from coordinator.config import JobConfig, NodeMatch, Override
-from coordinator.job import launch
 from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.planning.checkpoint import load_index
 from coordinator.reference import reference_logits
+from coordinator.runtime.job import launch
 
 
 @pytest.fixture(scope="module")

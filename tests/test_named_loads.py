@@ -11,9 +11,9 @@ from helpers import scrape_gauges, wait_gpus_free
 from ray.cluster_utils import Cluster
 from ray_head import free_ports
 
-from coordinator.checkpoint import load_index
 from coordinator.cli import EXIT_ERROR, main
 from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.planning.checkpoint import load_index
 
 METRICS_PORT = free_ports(1)[0]
 

@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 
 from coordinator.cli import plan_cluster
-from coordinator.cluster import ClusterSnapshot
 from coordinator.config import ConfigError, JobConfig
-from coordinator.launcher import _node_info
-from coordinator.node_budget import GPU_BUDGET_FRACTION, HOST_BUDGET_FRACTION, node_info
-from coordinator.planner import PlanOptions, plan
+from coordinator.planning.budgets import GPU_BUDGET_FRACTION, HOST_BUDGET_FRACTION, node_info
+from coordinator.planning.planner import PlanOptions, plan
+from coordinator.planning.snapshot import ClusterSnapshot
+from coordinator.runtime.launcher import _node_info
 from offload import DeviceInfo, NodeProbe
 from offload.policy import PIN_HEADROOM_FRACTION
 from worker.node import probe_here

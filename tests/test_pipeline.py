@@ -15,13 +15,13 @@ import torch
 from helpers import assert_probe_decided_pin, scrape_gauges, wait_gpus_free
 from ray_head import free_ports
 
-from coordinator import telemetry
-from coordinator.checkpoint import load_index
 from coordinator.config import JobConfig
-from coordinator.job import check_inputs, launch
-from coordinator.launcher import LaunchError
 from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.planning.checkpoint import load_index
 from coordinator.reference import reference_logits
+from coordinator.runtime import telemetry
+from coordinator.runtime.job import check_inputs, launch
+from coordinator.runtime.launcher import LaunchError
 
 NUM_GPUS = 3
 
@@ -118,7 +118,7 @@ def test_worker_failure_releases_every_actor(embedded_ray, checkpoints) -> None:
 
 
 def test_infeasible_plan_starts_nothing(embedded_ray, checkpoints) -> None:
-    from coordinator.planner import PlanError
+    from coordinator.planning.planner import PlanError
 
     with pytest.raises(PlanError, match="gpu-memory"):
         launch(JobConfig(checkpoint=checkpoints["llama"], gpu_memory_bytes=1000))
@@ -220,7 +220,7 @@ def test_a_killed_worker_is_replaced_and_only_its_stage_reloaded(embedded_ray, c
 def test_a_worker_killed_while_loading_is_replaced(embedded_ray, checkpoints) -> None:
     """The kill lands between the chunks and finish_load: launch replaces the worker, the
     others do not read again, and the logits are right."""
-    from coordinator import registry
+    from coordinator.runtime import registry
 
     checkpoint, config, ids, expected = llama_case(checkpoints, seed=4)
     killed = []

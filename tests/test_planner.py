@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.cluster import ClusterSnapshot, GpuInfo, NodeInfo
-from coordinator.planner import Plan, PlanError, PlanOptions, layer_range, plan
+from coordinator.planning.planner import Plan, PlanError, PlanOptions, layer_range, plan
+from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from worker.spec import LayerSpec, TensorSlice
 
 GiB = 1 << 30

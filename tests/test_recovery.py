@@ -14,16 +14,16 @@ import torch
 from helpers import wait_gpus_free
 from ray.cluster_utils import Cluster
 
-from coordinator import telemetry
-from coordinator.checkpoint import load_index
 from coordinator.cli import main
-from coordinator.cluster import ClusterSnapshot, GpuInfo, NodeInfo
 from coordinator.config import JobConfig
-from coordinator.job import launch
 from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
-from coordinator.planner import PlanError, PlanOptions, plan
-from coordinator.recovery import match_survivors
+from coordinator.planning.checkpoint import load_index
+from coordinator.planning.planner import PlanError, PlanOptions, plan
+from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from coordinator.reference import reference_logits
+from coordinator.runtime import telemetry
+from coordinator.runtime.job import launch
+from coordinator.runtime.recovery import match_survivors
 
 SHAPE = CheckpointShape(arch="llama", num_layers=6, hidden_size=64, num_heads=4, num_kv_heads=2,
                         intermediate_size=128, vocab_size=128, max_shard_bytes=200_000)  # fmt: skip
@@ -124,7 +124,7 @@ def test_lost_nodes_replan_fail_with_numbers_then_recover(cluster, tmp_path, cap
 
 
 def test_survivors_are_matched_to_the_stages_they_share_most_with() -> None:
-    from coordinator.planner import StagePlan
+    from coordinator.planning.planner import StagePlan
 
     def stage(i: int, node: str, layers: tuple[str, ...]) -> StagePlan:
         return StagePlan(stage=i, node_id=node, hostname="h", gpu_index=0, layers=layers,
@@ -141,7 +141,7 @@ def test_survivors_are_matched_to_the_stages_they_share_most_with() -> None:
 
 
 def test_a_repeated_failure_is_counted_not_listed_again() -> None:
-    from coordinator.job import Job
+    from coordinator.runtime.job import Job
 
     job = Job(config=None, index=None, plan=None, workers=[], session=None)
     failed = {"event": "re-plan failed", "lost_stages": [0], "error": "1 GPU(s) left ..."}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from coordinator.telemetry import gpu_rows, node_rows, plot, render, summary
+from coordinator.runtime.telemetry import gpu_rows, node_rows, plot, render, summary
 
 MIB = 2**20
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.checkpoint import load_index
 from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.planning.checkpoint import load_index
 from worker.spec import StageSpec
 from worker.worker import StageWorker, WorkerError
 

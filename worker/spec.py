@@ -50,7 +50,7 @@ def torch_dtype_named(name: str) -> torch.dtype:
 
 # A view of a model parameter that one checkpoint tensor fills: ("select", dim, index) or
 # ("narrow", dim, start, length), applied in order. Per-expert checkpoint tensors of a fused MoE
-# parameter each fill one such view (see coordinator/weight_map.py).
+# parameter each fill one such view (see coordinator/planning/weight_map.py).
 ViewOp = tuple[str, int, int] | tuple[str, int, int, int]
 
 

@@ -5,7 +5,7 @@ A checkpoint directory holds `config.json` and either `model.safetensors` or sha
 length and a JSON header giving every tensor's dtype, shape and byte range; we read those, check
 them against the file size and against the model `config.json` describes (built on the meta
 device: which parameter each tensor fills, through transformers' own weight conversion, see
-`coordinator.weight_map`; which pipeline layer holds it, see `worker.layout`), and never touch
+`coordinator.planning.weight_map`; which pipeline layer holds it, see `worker.layout`), and never touch
 the tensor data. What cannot run is refused here, before any worker starts. Pickle checkpoints (`.bin`, `.pt`) are refused: unpickling runs arbitrary code.
 """
 
@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.weight_map import WeightMapError, map_tensors
+from coordinator.planning.weight_map import WeightMapError, map_tensors
 from worker.loader import MAX_HEADER_BYTES, identify
 from worker.spec import (
     COMPUTE_DTYPES,

@@ -1,7 +1,7 @@
 """The planner's exact search: which contiguous layer ranges go to which GPUs, and which layers
 of each range are offloaded, so that every stage finishes within a bottleneck time T.
 
-Pure integer and float arithmetic on layer sizes and budgets; `coordinator.planner` wraps it in
+Pure integer and float arithmetic on layer sizes and budgets; `coordinator.planning.planner` wraps it in
 the public types. Why the search is exact, in four steps:
 
 1. Sub-ranges are never harder. If a range [a, b) fits a GPU within T with O offloaded bytes,

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from coordinator.cluster import ClusterSnapshot, NodeInfo
 from coordinator.config import ConfigError, JobConfig, node_env
-from coordinator.node_budget import node_info
+from coordinator.planning.budgets import node_info
+from coordinator.planning.snapshot import ClusterSnapshot, NodeInfo
 from worker.spec import StageSpec
 from worker.worker import StageWorker
 
@@ -199,7 +199,7 @@ def start_workers(
 ) -> list[WorkerHandle]:
     """One actor per stage; with `names` (a named load), detached actors of those names, so
     later commands can attach."""
-    from coordinator.registry import NAMESPACE
+    from coordinator.runtime.registry import NAMESPACE
 
     remote_cls = ray.remote(StageWorker)
     handles: list[WorkerHandle] = []

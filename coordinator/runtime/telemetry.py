@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from coordinator.planner import StagePlan, format_bytes, layer_range
+from coordinator.planning.planner import StagePlan, format_bytes, layer_range
 
 METRIC_PREFIX = "offload_"
 

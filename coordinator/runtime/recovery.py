@@ -20,8 +20,9 @@ from collections.abc import Mapping, Sequence
 
 import ray
 
-from coordinator.job import Job, stage_specs
-from coordinator.launcher import (
+from coordinator.planning.planner import PlanError, StagePlan, plan
+from coordinator.runtime.job import Job, stage_specs
+from coordinator.runtime.launcher import (
     WorkerHandle,
     WorkerLostError,
     gpu_nodes,
@@ -31,7 +32,6 @@ from coordinator.launcher import (
     start_workers,
     wait_workers,
 )
-from coordinator.planner import PlanError, StagePlan, plan
 
 # Each round replaces what was lost; a worker lost during a round's load starts another.
 MAX_RECOVERY_ROUNDS = 3

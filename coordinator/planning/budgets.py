@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from coordinator.cluster import GpuInfo, NodeInfo
 from coordinator.config import ConfigError, JobConfig
+from coordinator.planning.snapshot import GpuInfo, NodeInfo
 from offload.policy import PIN_HEADROOM_FRACTION
 from offload.probe import NodeProbe
 

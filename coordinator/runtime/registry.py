@@ -66,7 +66,7 @@ class LoadRecord:
         import sys
         import time
 
-        from coordinator.telemetry import MetricsExporter
+        from coordinator.runtime.telemetry import MetricsExporter
 
         exporter = MetricsExporter()
         while True:
@@ -77,8 +77,8 @@ class LoadRecord:
                 print(f"load {self.record['name']!r}: export skipped: {exc}", file=sys.stderr)
 
     def _latest_snapshots(self) -> list[dict]:
-        from coordinator.planner import Plan
-        from coordinator.telemetry import collect
+        from coordinator.planning.planner import Plan
+        from coordinator.runtime.telemetry import collect
 
         record = dict(self.record)  # plan and workers of one version, whatever update() does
         stages = Plan.from_json(record["plan"]).stages

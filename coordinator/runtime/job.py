@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
-from coordinator import registry
-from coordinator.checkpoint import CheckpointIndex, load_index
 from coordinator.config import JobConfig
-from coordinator.launcher import (
+from coordinator.planning.checkpoint import CheckpointIndex, load_index
+from coordinator.planning.planner import Plan, PlanOptions, plan
+from coordinator.runtime import registry
+from coordinator.runtime.launcher import (
     LaunchError,
     RaySession,
     WorkerHandle,
@@ -33,8 +34,7 @@ from coordinator.launcher import (
     start_workers,
     worker_failure,
 )
-from coordinator.planner import Plan, PlanOptions, plan
-from coordinator.telemetry import MetricsExporter, collect
+from coordinator.runtime.telemetry import MetricsExporter, collect
 from worker.spec import StageSpec
 
 TELEMETRY_TIMEOUT_S = 60.0
@@ -205,9 +205,9 @@ class Job:
 
     def recover(self) -> list[int]:
         """Replace lost workers and reload only what moved; returns the stages that were lost.
-        Same node when it is alive, else a new plan on the GPUs left (see coordinator.recovery);
+        Same node when it is alive, else a new plan on the GPUs left (see coordinator.runtime.recovery);
         `PlanError` when those cannot hold the model."""
-        from coordinator.recovery import recover
+        from coordinator.runtime.recovery import recover
 
         with self._lock:
             return recover(self)
@@ -321,7 +321,7 @@ def launch(
     """Index, probe, plan, start and load. On any failure everything started is released.
     With `name`, the workers are detached, named actors that outlive this process (on a
     cluster) and `attach(name)` finds them again."""
-    from coordinator.recovery import load_recovering
+    from coordinator.runtime.recovery import load_recovering
 
     index = load_index(config.checkpoint, dtype=config.dtype)
     session = connect(config)

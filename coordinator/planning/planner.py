@@ -9,7 +9,7 @@ Cost model, per stage: compute_s = all its weight bytes / compute_bytes_per_s; t
 its offloaded bytes / the node's host-to-device bandwidth (`NodeInfo.link_bytes_per_s`, which
 the node's probe measures; `PlanOptions.default_link_bytes_per_s` where it did not); the copies
 overlap compute, so the stage takes max(compute_s, transfer_s). The search
-(`coordinator.plan_search`) returns the exact optimum of this model; its module doc gives the
+(`coordinator.planning.search`) returns the exact optimum of this model; its module doc gives the
 argument.
 """
 
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.cluster import ClusterSnapshot, GpuInfo, NodeInfo
-from coordinator.plan_search import NodeLimits, Placement, Search
+from coordinator.planning.search import NodeLimits, Placement, Search
+from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from worker.spec import LayerSpec
 
 MAX_PREFETCH_STEP = 64
