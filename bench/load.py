@@ -46,7 +46,7 @@ from coordinator.config import JobConfig
 from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import CheckpointIndex, load_index
 from coordinator.runtime.job import launch
-from coordinator.runtime.launcher import connect
+from coordinator.runtime.session import connect
 
 READ_TARGET = 1.3  # worker load_s / single-process safetensors
 BYTES_TOLERANCE = 0.01  # bytes read vs share

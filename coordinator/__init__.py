@@ -1,4 +1,5 @@
-"""The driver: checkpoint index, planner, launcher, pipeline; the `offloadctl` CLI.
+"""The driver: `planning/` (checkpoint index, planner; no Ray), `runtime/` (worker group,
+pipeline, recovery, telemetry, named loads) and the `offloadctl` CLI.
 
 from coordinator import JobConfig, launch
 

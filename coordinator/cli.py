@@ -36,7 +36,7 @@ EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 EXIT_TERMINATED = 143  # 128 + SIGTERM
 RELEASED = "every worker and Ray this command started was released (named loads stay)"
-# Commands that start no Ray session: `main` imports the launcher, and Ray with it, only for the
+# Commands that start no Ray session: `main` imports the runtime, and Ray with it, only for the
 # others, so that `offloadctl plan` never imports Ray.
 RAY_FREE_COMMANDS = ("make-checkpoint", "plan", "check-cluster", "node-demo")
 
@@ -247,7 +247,7 @@ def _cmd_named(args: argparse.Namespace) -> int:
 
     from coordinator.runtime import registry, telemetry
     from coordinator.runtime.job import attach
-    from coordinator.runtime.launcher import connect
+    from coordinator.runtime.session import connect
 
     if args.command == "status":
         with attach(args.name, address=args.address) as job:
@@ -275,7 +275,7 @@ def _cmd_named(args: argparse.Namespace) -> int:
 
 def plan_cluster(config: JobConfig, result: dict, num_nodes: int) -> ClusterSnapshot:
     """`offloadctl plan`'s cluster: `num_nodes` nodes like this machine, as `probe_here()` saw
-    it (`result`), with `config.gpus` GPUs each, budgeted by the launcher's own function."""
+    it (`result`), with `config.gpus` GPUs each, budgeted by the runtime's own function (probing.py)."""
     from coordinator.planning.budgets import node_info
 
     return ClusterSnapshot(nodes=tuple(
@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         OSError,  # a path the user gave: missing, a directory, unreadable; ConnectionError
     )  # fmt: skip
     if args.command not in RAY_FREE_COMMANDS:
-        from coordinator.runtime.launcher import LaunchError  # imports Ray: only where Ray is used
+        from coordinator.runtime.errors import LaunchError  # imports Ray: only where Ray is used
 
         expected += (LaunchError,)
     main_thread = threading.current_thread() is threading.main_thread()

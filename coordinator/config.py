@@ -159,6 +159,9 @@ class JobConfig:
     cpus_per_worker: int = 1
     attn_implementation: str | None = None  # None: transformers chooses, as from_pretrained does
     load_timeout_s: float = 900.0
+    # How long the cluster may take to reserve every planned GPU at once (a placement group):
+    # past it, nothing is started and the job says which GPUs it waited for.
+    placement_timeout_s: float = 120.0
     forward_timeout_s: float = 300.0
     # Each worker snapshots its memory this often (0: only on request); a named load's record
     # publishes the latest snapshots as Ray gauges at the same pace.
@@ -191,13 +194,19 @@ class JobConfig:
                 f"gpus={self.gpus} creates logical GPUs on an embedded Ray; it cannot be combined "
                 f"with address={self.address!r}, whose GPUs are real"
             )
-        for name in ("load_timeout_s", "forward_timeout_s"):
+        for name in ("load_timeout_s", "forward_timeout_s", "placement_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         if self.snapshot_interval_s < 0:
             raise ConfigError(
                 f"snapshot_interval_s={self.snapshot_interval_s} must be >= 0 (0: on request only)"
             )
+
+    def plan_options(self):
+        """The planner's options this job sets (the rest: the planner's defaults)."""
+        from coordinator.planning.planner import PlanOptions  # planning imports this module
+
+        return PlanOptions(reserve_bytes=self.reserve_bytes, prefetch_step=self.prefetch_step)
 
 
 _SIZE_FIELDS = {"gpu_memory_bytes", "host_memory_bytes", "reserve_bytes"}

@@ -173,7 +173,7 @@ def test_ray_address_with_gpus_is_refused(monkeypatch, capsys, tmp_path) -> None
     """--address with --gpus is refused by the job config; RAY_ADDRESS with --gpus too, rather
     than --gpus being dropped silently."""
     from coordinator.config import JobConfig
-    from coordinator.runtime.launcher import ConfigError, connect
+    from coordinator.runtime.session import ConfigError, connect
 
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
     with pytest.raises(ConfigError, match=r"gpus=3 creates logical GPUs .* RAY_ADDRESS="):

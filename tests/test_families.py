@@ -18,7 +18,8 @@ from coordinator.planning.checkpoint import CheckpointIndex, load_index
 from coordinator.planning.planner import Plan, PlanOptions, plan
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from coordinator.reference import reference_logits
-from coordinator.runtime.job import check_inputs, stage_specs
+from coordinator.runtime.group import stage_specs
+from coordinator.runtime.inputs import check_inputs
 from worker.layout import TESTED_FAMILIES
 from worker.spec import StageSpec
 from worker.worker import StageWorker

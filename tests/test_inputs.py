@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.runtime.job import check_inputs
+from coordinator.runtime.inputs import check_inputs
 
 IDS = torch.tensor([[5, 6, 7, 8], [0, 0, 3, 4]])
 

@@ -14,6 +14,7 @@ from ray_head import free_ports
 from coordinator.cli import EXIT_ERROR, main
 from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import load_index
+from coordinator.runtime import registry
 
 METRICS_PORT = free_ports(1)[0]
 
@@ -43,6 +44,7 @@ def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:
                  "--snapshot-interval", "0.5", *address]) == 0  # fmt: skip
     assert "stays on the cluster" in capsys.readouterr().out
     assert ray.available_resources().get("GPU", 0) == 0  # the workers are still there
+    assert list(registry.named_groups("m1")) == ["load:m1:pg-0"]  # their GPUs, reserved as one
 
     assert main(["load", "--checkpoint", str(checkpoint), "--gpu-memory", budget, "--name", "m1",
                  *address]) == EXIT_ERROR  # fmt: skip
@@ -77,6 +79,7 @@ def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:
     assert main(["unload", "m1", *address]) == 0
     assert "3 workers released" in capsys.readouterr().out
     wait_gpus_free(3)
+    assert registry.named_groups("m1") == {}  # the placement group went with them
     assert main(["list", *address]) == 0
     assert "no named loads" in capsys.readouterr().out
     assert main(["run", "m1", *address]) == EXIT_ERROR

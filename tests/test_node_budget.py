@@ -1,4 +1,4 @@
-"""A node's budgets: `offloadctl plan` and the launcher build the same NodeInfo from the same
+"""A node's budgets: `offloadctl plan` and the runtime build the same NodeInfo from the same
 probe, and the measured link rate reaches the planner. No Ray is started."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from coordinator.config import ConfigError, JobConfig
 from coordinator.planning.budgets import GPU_BUDGET_FRACTION, HOST_BUDGET_FRACTION, node_info
 from coordinator.planning.planner import PlanOptions, plan
 from coordinator.planning.snapshot import ClusterSnapshot
-from coordinator.runtime.launcher import _node_info
+from coordinator.runtime.probing import _node_info
 from offload import DeviceInfo, NodeProbe
 from offload.policy import PIN_HEADROOM_FRACTION
 from worker.node import probe_here
@@ -30,7 +30,7 @@ def result(probe: NodeProbe, *, pin: bool, hostname: str = "gpu-a", error: str |
 
 
 def ray_node(node_id: str, num_gpus: int) -> dict:
-    """The fields of a `ray.nodes()` entry the launcher reads."""
+    """The fields of a `ray.nodes()` entry the runtime reads."""
     return {"NodeID": node_id, "Resources": {"GPU": float(num_gpus), "CPU": 8.0},
             "Labels": {"ray.io/node-id": node_id}}  # fmt: skip
 

@@ -20,8 +20,9 @@ from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import load_index
 from coordinator.reference import reference_logits
 from coordinator.runtime import telemetry
-from coordinator.runtime.job import check_inputs, launch
-from coordinator.runtime.launcher import LaunchError
+from coordinator.runtime.errors import LaunchError
+from coordinator.runtime.inputs import check_inputs
+from coordinator.runtime.job import launch
 
 NUM_GPUS = 3
 
@@ -317,4 +318,24 @@ def test_a_signal_mid_load_stops_the_command_and_releases_everything(
     err = capsys.readouterr().err
     assert f"MiB\n{word}: every worker and Ray this command started was released" in err
     assert "Traceback" not in err
+    wait_gpus_free(NUM_GPUS)
+
+
+def test_gpus_are_reserved_all_at_once_or_not_at_all(embedded_ray, checkpoints) -> None:
+    """A job needing the 3 GPUs another job holds starts nothing (Ray's placement group is all
+    or nothing), says which GPUs it waited for and how long, and leaves the first job as it
+    was."""
+    import dataclasses
+
+    from ray.util import placement_group_table
+
+    _, config, ids, expected = llama_case(checkpoints, seed=6)
+    with launch(config) as first:
+        blocked = dataclasses.replace(config, placement_timeout_s=3.0)
+        with pytest.raises(LaunchError, match=r"did not reserve 3 GPU\(s\) \(.*GPU 0.*\) within "
+                           r"3 s \(placement_timeout_s\).*nothing was started"):  # fmt: skip
+            launch(blocked)
+        states = [g["state"] for g in placement_group_table().values() if g["state"] != "REMOVED"]
+        assert states == ["CREATED"]  # the first job's; the second's was removed
+        assert torch.equal(first.forward(ids), expected)
     wait_gpus_free(NUM_GPUS)

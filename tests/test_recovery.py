@@ -75,6 +75,7 @@ def test_lost_nodes_replan_fail_with_numbers_then_recover(cluster, tmp_path, cap
         assert len(job.plan.stages) == 3 and not any(s.offloaded for s in job.plan.stages)
         assert torch.equal(job.forward(ids), expected)
         before = {r["pid"]: r for r in job.telemetry()}
+        lost_layers = set(job.plan.stages[1].layers)
 
         # 1. The node of the middle stage leaves: two GPUs are left, enough with offloading.
         c.remove_node(nodes[job.workers[1].node_id])
@@ -84,12 +85,16 @@ def test_lost_nodes_replan_fail_with_numbers_then_recover(cluster, tmp_path, cap
         assert len(job.plan.stages) == 2 and event["stages_on_new_workers"] == []
         after = job.telemetry()
         assert sum(r["stats"]["offloaded_bytes"] for r in after) > 0  # more offloading
+        taken_over: set[str] = set()
         for report in after:
             old = before[report["pid"]]  # the same process: a survivor, reconfigured
             moved = set(report["layers"]) - set(old["layers"])
-            assert moved  # it took over part of the lost stage...
-            # ...and read exactly those layers; what it held moved in memory.
+            taken_over |= moved
+            # It read exactly the layers new to it; what it held moved in memory.
             assert report["bytes_read"] - old["bytes_read"] == sum(nbytes[n] for n in moved)
+        # The survivors took over the lost stage's layers (which survivor takes how many is
+        # the planner's choice, with the link rates the probes measured).
+        assert lost_layers <= taken_over
         assert main(["status", "survivor", "--json", *address]) == 0
         status = json.loads(capsys.readouterr().out)
         assert [e["event"] for e in status["events"]] == ["re-planned"] and status["lost"] == []
@@ -143,7 +148,7 @@ def test_survivors_are_matched_to_the_stages_they_share_most_with() -> None:
 def test_a_repeated_failure_is_counted_not_listed_again() -> None:
     from coordinator.runtime.job import Job
 
-    job = Job(config=None, index=None, plan=None, workers=[], session=None)
+    job = Job(group=None, session=None)
     failed = {"event": "re-plan failed", "lost_stages": [0], "error": "1 GPU(s) left ..."}
     job.record_event({"event": "re-planned", "lost_stages": [1]})
     for _ in range(3):  # a watcher retrying while the cluster stays as it is

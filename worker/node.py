@@ -1,6 +1,6 @@
 """What a node says about itself: its probe and the pin decision its environment leads to.
 
-Run by the launcher's probe task on every GPU node before planning, and by a live worker when
+Run by the runtime's probe task on every GPU node before planning, and by a live worker when
 the driver re-plans (that saves starting a process per node: the worker runs on the node, with
 the job's environment for it)."""
 

@@ -1,4 +1,4 @@
-"""The per-GPU worker: a plain class, made a Ray actor by the launcher (`ray.remote(StageWorker)`),
+"""The per-GPU worker: a plain class, made a Ray actor by the worker group (`ray.remote(StageWorker)`),
 so tests can also drive it in-process.
 
 Lifecycle: `prepare()` builds the stage on the meta device, gives resident layers real memory
@@ -370,7 +370,7 @@ class StageWorker:
         }
 
     def node_probe(self) -> dict:
-        """This node's probe and pin decision, as the launcher's probe task reports them."""
+        """This node's probe and pin decision, as the runtime's probe task reports them."""
         return probe_here()
 
     def ping(self) -> int:

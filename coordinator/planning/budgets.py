@@ -1,6 +1,6 @@
 """A node's budgets for the planner, from what the node said about itself.
 
-One function for `offloadctl plan` (this machine, probed in-process) and for the launcher (every
+One function for `offloadctl plan` (this machine, probed in-process) and for the runtime probing (every
 Ray node, probed by a task on it), so the plan printed is the plan loaded. No Ray here.
 """
 

@@ -2,7 +2,7 @@
 
 It assigns contiguous layer ranges to GPUs and picks which decoder layers of each range are
 offloaded to host memory, under each GPU's memory, each node's offload budget and a simple cost
-model, minimising the slowest stage (the pipeline's bottleneck). No Ray here: the launcher
+model, minimising the slowest stage (the pipeline's bottleneck). No Ray here: the runtime
 builds the `ClusterSnapshot`, `offloadctl plan` and the tests build one by hand.
 
 Cost model, per stage: compute_s = all its weight bytes / compute_bytes_per_s; transfer_s =

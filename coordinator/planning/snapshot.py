@@ -1,5 +1,5 @@
 """What the planner knows of the cluster: nodes, their GPUs and budgets. Plain frozen values,
-built from Ray's view of the cluster by the launcher or by hand in tests and `offloadctl plan`."""
+built from Ray's view of the cluster by the runtime (probing.py) or by hand in tests and `offloadctl plan`."""
 
 from __future__ import annotations
 

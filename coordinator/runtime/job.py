@@ -5,7 +5,9 @@
         logits = job.forward(input_ids)
 
 The pipeline passes hidden states from stage to stage as Ray object refs: the driver only
-chains the calls and fetches the final logits.
+chains the calls and fetches the final logits. The workers, their placement groups and every
+change to them belong to the job's `WorkerGroup`; recovery (`coordinator.runtime.recovery`)
+decides what a lost worker needs and the group applies it.
 """
 
 from __future__ import annotations
@@ -21,106 +23,23 @@ import torch
 
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import CheckpointIndex, load_index
-from coordinator.planning.planner import Plan, PlanOptions, plan
-from coordinator.runtime import registry
-from coordinator.runtime.launcher import (
-    LaunchError,
-    RaySession,
-    WorkerHandle,
-    WorkerLostError,
-    connect,
-    kill_workers,
-    probe_cluster,
-    start_workers,
-    worker_failure,
-)
+from coordinator.planning.planner import Plan, plan
+from coordinator.runtime import recovery, registry
+from coordinator.runtime.errors import LaunchError, WorkerLostError
+from coordinator.runtime.group import WorkerGroup, WorkerHandle, worker_failure
+from coordinator.runtime.inputs import check_inputs
+from coordinator.runtime.probing import probe_cluster
+from coordinator.runtime.session import RaySession, connect
 from coordinator.runtime.telemetry import MetricsExporter, collect
-from worker.spec import StageSpec
 
 TELEMETRY_TIMEOUT_S = 60.0
-PING_TIMEOUT_S = 30.0  # a liveness answer; a worker mid-forward answers after it
 # close() waits this long for a background tick in flight; the thread is a daemon either way.
 LOOP_JOIN_TIMEOUT_S = 5.0
 
 
-def check_inputs(
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    logits_to_keep: int,
-    vocab_size: int | None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
-    """Validate a forward's inputs before anything reaches a worker; returns them with the
-    position ids a mask implies (None without a mask: the model's own 0..seq-1)."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (
-        torch.int64, torch.int32
-    ):  # fmt: skip
-        shape = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
-        raise ValueError(
-            f"input_ids must be a 2-D integer tensor (batch, seq), got "
-            f"{getattr(input_ids, 'dtype', '')}{shape}"
-        )
-    if input_ids.numel() == 0:
-        raise ValueError(f"input_ids is empty: shape {list(input_ids.shape)}")
-    low, high = int(input_ids.min()), int(input_ids.max())
-    if low < 0 or (vocab_size and high >= vocab_size):
-        bad = low if low < 0 else high
-        known = f"0..{vocab_size - 1}" if vocab_size else "ids are >= 0"
-        raise ValueError(f"token id {bad} is out of the vocabulary ({known})")
-    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or not (
-        0 <= logits_to_keep <= input_ids.shape[1]
-    ):  # fmt: skip
-        raise ValueError(
-            f"logits_to_keep={logits_to_keep!r} must be an int in 0..{input_ids.shape[1]} "
-            "(0: every position)"
-        )
-    if attention_mask is None:
-        return input_ids, None, None, logits_to_keep
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"attention_mask must have the shape of input_ids {list(input_ids.shape)}, got "
-            f"{list(getattr(attention_mask, 'shape', [type(attention_mask).__name__]))}"
-        )
-    if attention_mask.dtype.is_floating_point or not bool(
-        ((attention_mask == 0) | (attention_mask == 1)).all()
-    ):  # fmt: skip
-        raise ValueError("attention_mask must hold integers or booleans, 1 for tokens, 0 for padding")
-    mask = attention_mask.to(torch.int64)
-    empty = (mask.sum(-1) == 0).nonzero().flatten().tolist()
-    if empty:
-        raise ValueError(f"attention_mask rows {empty} have no tokens")
-    # As generate() numbers them: padding does not count; pads get position 1 (unused).
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    return input_ids, mask, positions, logits_to_keep
-
-
-def stage_specs(config: JobConfig, index: CheckpointIndex, the_plan: Plan,
-                envs: dict[str, tuple[dict, dict]]) -> list[StageSpec]:  # fmt: skip
-    by_name = {layer.name: layer for layer in index.layers}
-    return [
-        StageSpec(
-            stage=s.stage,
-            num_stages=len(the_plan.stages),
-            checkpoint_dir=str(index.root.resolve()),
-            config=index.config,
-            dtype=index.dtype,
-            files=index.identities,
-            layers=tuple(by_name[name] for name in s.layers),
-            offloaded=s.offloaded,
-            prefetch_step=s.prefetch_step,
-            backend=config.backend,
-            env=envs.get(s.node_id, ({}, {}))[0],
-            env_origins=envs.get(s.node_id, ({}, {}))[1],
-        )
-        for s in the_plan.stages
-    ]
-
-
 @dataclass
 class Job:
-    config: JobConfig
-    index: CheckpointIndex
-    plan: Plan
-    workers: list[WorkerHandle]
+    group: WorkerGroup
     session: RaySession
     load_reports: list[dict] = field(default_factory=list)
     name: str | None = None  # a named load outlives this Job object: close() only detaches
@@ -133,6 +52,23 @@ class Job:
     )
     # One pass or one recovery at a time: a watcher must not re-plan under a running forward.
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+
+    # what the group holds, read-only here: only the group changes it
+    @property
+    def config(self) -> JobConfig:
+        return self.group.config
+
+    @property
+    def index(self) -> CheckpointIndex:
+        return self.group.index
+
+    @property
+    def plan(self) -> Plan:
+        return self.group.plan
+
+    @property
+    def workers(self) -> list[WorkerHandle]:
+        return self.group.handles
 
     def forward(
         self,
@@ -186,41 +122,22 @@ class Job:
             raise RuntimeError("the job is closed")
 
     def dead_stages(self) -> list[int]:
-        """Stages whose worker is gone (its actor died or its node left). A worker busy past
-        PING_TIMEOUT_S is not called dead."""
+        """Stages whose worker is gone (its actor died or its node left), all pinged at once."""
         self._require_open()
-        refs = [h.actor.ping.remote() if h.actor is not None else None for h in self.workers]
-        dead = []
-        for stage, ref in enumerate(refs):
-            if ref is None:  # not found on attach
-                dead.append(stage)
-                continue
-            try:
-                ray.get(ref, timeout=PING_TIMEOUT_S)
-            except ray.exceptions.RayActorError:
-                dead.append(stage)
-            except ray.exceptions.GetTimeoutError:
-                pass
-        return dead
+        return self.group.dead_stages()
 
     def recover(self) -> list[int]:
         """Replace lost workers and reload only what moved; returns the stages that were lost.
-        Same node when it is alive, else a new plan on the GPUs left (see coordinator.runtime.recovery);
-        `PlanError` when those cannot hold the model."""
-        from coordinator.runtime.recovery import recover
-
+        Same node when it is alive, else a new plan on the GPUs left (see
+        coordinator.runtime.recovery); `PlanError` when those cannot hold the model."""
         with self._lock:
-            return recover(self)
+            dead, reports = recovery.recover(self.group, self.record_event)
+            if dead:
+                self.load_reports = reports
+            return dead
 
-    def plan_options(self) -> PlanOptions:
-        return PlanOptions(
-            reserve_bytes=self.config.reserve_bytes, prefetch_step=self.config.prefetch_step
-        )
-
-    def new_worker_names(self, count: int) -> list[str] | None:
-        """Actor names for `count` new workers of a named load (None for an unnamed job)."""
-        if self.name is None:
-            return None
+    def new_worker_names(self, count: int) -> list[str]:
+        """Actor names for `count` new workers of a named load."""
         first, self.next_worker = self.next_worker, self.next_worker + count
         return [registry.worker_name(self.name, n) for n in range(first, first + count)]
 
@@ -234,8 +151,7 @@ class Job:
         else:
             self.events.append({"time": time.time(), **event})
         if self.name is not None:
-            registry.update(self.name, self.plan.to_json(), [h.name for h in self.workers],
-                            self.events)  # fmt: skip
+            registry.update(self.name, self.group, self.events)
 
     def telemetry(self) -> list[dict]:
         """A fresh memory snapshot from every worker (see StageWorker.report); a stage whose
@@ -295,14 +211,14 @@ class Job:
             thread.join(timeout=LOOP_JOIN_TIMEOUT_S)
 
     def close(self) -> None:
-        """Release the workers; for a named load on a cluster, only disconnect (use
-        `registry.unload` to release it)."""
+        """Release the workers and their placement groups; for a named load on a cluster, only
+        disconnect (use `registry.unload` to release it)."""
         for name in list(self._loops):
             self._stop_loop(name)
         with self._lock:  # a recovery in flight finishes first: nothing it starts is left over
             if self.name is None or self.session.owned:
-                kill_workers(self.workers)
-            self.workers = []
+                self.group.stop()
+            self.group.handles = []
         self.session.close()
 
     def __enter__(self) -> Job:
@@ -318,33 +234,33 @@ def launch(
     progress: Callable[[int, int], None] | None = None,
     name: str | None = None,
 ) -> Job:
-    """Index, probe, plan, start and load. On any failure everything started is released.
-    With `name`, the workers are detached, named actors that outlive this process (on a
-    cluster) and `attach(name)` finds them again."""
-    from coordinator.runtime.recovery import load_recovering
-
+    """Index, probe, plan, reserve the GPUs, start and load. On any failure everything started
+    is released. With `name`, the workers and their placement groups are detached and named,
+    so they outlive this process (on a cluster) and `attach(name)` finds them again."""
     index = load_index(config.checkpoint, dtype=config.dtype)
     session = connect(config)
     job = None
+    claimed = False  # the name is ours to release: no load of that name existed
     try:
         if name is not None:
             registry.check_name(name)
+            claimed = True
         snapshot, envs = probe_cluster(config)
-        job = Job(config=config, index=index, plan=None, workers=[], session=session, name=name)
-        job.plan = plan(index.layers, snapshot, job.plan_options())
-        specs = stage_specs(config, index, job.plan, envs)
-        placements = [(s.node_id, s.hostname) for s in job.plan.stages]
-        job.workers = start_workers(config, specs, placements,
-                                    names=job.new_worker_names(len(specs)))  # fmt: skip
+        the_plan = plan(index.layers, snapshot, config.plan_options())
+        group = WorkerGroup(config=config, index=index, plan=the_plan, load_name=name)
+        job = Job(group=group, session=session, name=name)
+        if name is not None:
+            group.names = job.new_worker_names
+        group.start(envs)
         if name is not None:  # recorded first, so `unload` finds a load interrupted midway
-            registry.save(name, config, job.plan.to_json(), [h.name for h in job.workers], [])
-        job.load_reports = load_recovering(job, progress)
+            registry.save(name, config, group, [])
+        job.load_reports = recovery.load_recovering(group, job.record_event, progress)
         return job
     except BaseException:
         if job is not None:
-            kill_workers(job.workers)
-            if name is not None:
-                registry.forget(name)
+            job.group.stop()
+        if claimed:
+            registry.forget(name)  # its record, and whatever of it has a name
         session.close()
         raise
 
@@ -355,18 +271,12 @@ def attach(name: str, *, address: str | None = None) -> Job:
     try:
         _, record = registry.load_record(name)
         config = registry.config_of(record)
-        the_plan = Plan.from_json(record["plan"])
         index = load_index(config.checkpoint, dtype=config.dtype)
-        actors = registry.worker_handles(record)
-        specs = stage_specs(config, index, the_plan, {})
-        rows = zip(actors, specs, the_plan.stages, record["workers"], strict=True)
-        handles = [
-            WorkerHandle(actor=a, spec=spec, node_id=s.node_id, hostname=s.hostname, name=n)
-            for a, spec, s, n in rows
-        ]
-        return Job(config=config, index=index, plan=the_plan, workers=handles, session=session,
-                   name=name, events=list(record["events"]),
-                   next_worker=registry.next_worker_number(record))  # fmt: skip
+        group = registry.group_of(record, index)
+        job = Job(group=group, session=session, name=name, events=list(record["events"]),
+                  next_worker=registry.next_worker_number(record))  # fmt: skip
+        group.names = job.new_worker_names
+        return job
     except BaseException:
         session.close()
         raise

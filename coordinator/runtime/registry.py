@@ -1,8 +1,9 @@
 """Named loads: a loaded model that outlives the command that loaded it.
 
-`offloadctl load --name NAME` starts its workers as detached, named actors in our namespace and
-leaves a small detached record (config, plan) beside them; `run`, `status` and `unload` attach
-to them by name, `list` shows what is loaded. On the embedded Ray they die with the process.
+`offloadctl load --name NAME` starts its workers as detached, named actors in our namespace, in
+detached, named placement groups (`load:NAME:pg-N`), and leaves a small detached record (config,
+plan, worker names, their bundles, events) beside them; `run`, `status` and `unload` attach to
+them by name, `list` shows what is loaded. On the embedded Ray they die with the process.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import contextlib
 import dataclasses
 
 import ray
+from ray.util.placement_group import PlacementGroup
 
 from coordinator.config import JobConfig, job_config_from_dict
+from coordinator.runtime.group import NAMESPACE, Slot, WorkerGroup, WorkerHandle, remove_group
 
-NAMESPACE = "offload-coordinator"
 ATTACH_TIMEOUT_S = 60.0
 _RECORD_PREFIX = "load:"
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
@@ -96,10 +98,17 @@ def check_name(name: str) -> None:
     raise ValueError(f"a load named {name!r} already exists; unload it or choose another name")
 
 
-def save(name: str, config: JobConfig, plan_json: str, workers: list[str],
-         events: list[dict]) -> None:  # fmt: skip
-    record = {"name": name, "config": _config_dict(config), "plan": plan_json,
-              "workers": workers, "events": events}  # fmt: skip
+def _state(group: WorkerGroup) -> dict:
+    """What the record keeps of a group: plan, worker names and bundles, in stage order."""
+    return {
+        "plan": group.plan.to_json(),
+        "workers": [h.name for h in group.handles],
+        "slots": [[h.slot.group_name, h.slot.bundle] if h.slot else None for h in group.handles],
+    }
+
+
+def save(name: str, config: JobConfig, group: WorkerGroup, events: list[dict]) -> None:
+    record = {"name": name, "config": _config_dict(config), **_state(group), "events": events}
     # On the head node: a worker node may leave with the record's process, the head may not.
     actor = LoadRecord.options(name=record_name(name), namespace=NAMESPACE, lifetime="detached",
                                **_on_head()).remote(record)  # fmt: skip
@@ -120,11 +129,43 @@ def next_worker_number(record: dict) -> int:
     return 1 + max((int(n.rpartition("-")[2]) for n in record["workers"] if n), default=-1)
 
 
-def update(name: str, plan_json: str, workers: list[str], events: list[dict]) -> None:
-    """After a recovery: the new plan, workers and events (waits, so a later attach sees them)."""
+def update(name: str, group: WorkerGroup, events: list[dict]) -> None:
+    """After a recovery: the group's new plan, workers and bundles, and the events (waits, so a
+    later attach sees them)."""
     actor, _ = load_record(name)
-    ray.get(actor.update.remote({"plan": plan_json, "workers": workers, "events": events}),
-            timeout=ATTACH_TIMEOUT_S)  # fmt: skip
+    ray.get(actor.update.remote({**_state(group), "events": events}), timeout=ATTACH_TIMEOUT_S)
+
+
+def group_of(record: dict, index) -> WorkerGroup:
+    """The named load's WorkerGroup as its record describes it: its workers (None for one that
+    is gone) in their bundles, and every placement group of the load."""
+    from coordinator.planning.planner import Plan
+    from coordinator.runtime.group import stage_specs
+
+    config = config_of(record)
+    the_plan = Plan.from_json(record["plan"])
+    groups = named_groups(record["name"])
+    specs = stage_specs(config, index, the_plan, {})
+    slots = record.get("slots") or [None] * len(specs)
+    handles = []
+    rows = zip(worker_handles(record), specs, the_plan.stages, record["workers"], slots,
+               strict=True)  # fmt: skip
+    for actor, spec, stage, actor_name, slot in rows:
+        place = Slot(group=groups.get(slot[0]), group_name=slot[0], bundle=slot[1]) if slot else None
+        handles.append(WorkerHandle(actor=actor, spec=spec, node_id=stage.node_id,
+                                    hostname=stage.hostname, name=actor_name, slot=place))  # fmt: skip
+    return WorkerGroup(config=config, index=index, plan=the_plan, handles=handles,
+                       load_name=record["name"], placement_groups=list(groups.items()))  # fmt: skip
+
+
+def named_groups(name: str) -> dict[str, PlacementGroup]:
+    """The placement groups of load `name` that exist (not removed), by name."""
+    prefix = f"{_RECORD_PREFIX}{name}:pg-"
+    found = {}
+    for group_id, entry in ray.util.placement_group_table().items():
+        if entry.get("name", "").startswith(prefix) and entry.get("state") != "REMOVED":
+            found[entry["name"]] = PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id)))
+    return found
 
 
 def _config_dict(config: JobConfig) -> dict:
@@ -189,11 +230,17 @@ def unload(name: str) -> int:
                 killed += 1
             except ValueError:
                 pass  # gone since it was listed
+    for group in named_groups(name).values():
+        remove_group(group)
     ray.kill(record_actor, no_restart=True)
     return killed
 
 
 def forget(name: str) -> None:
-    """`unload` for a load that failed midway: whatever of it exists goes."""
+    """`unload` for a load that failed midway: whatever of it exists goes, also placement
+    groups reserved before its record was written."""
     with contextlib.suppress(LoadNotFoundError):
         unload(name)
+        return
+    for group in named_groups(name).values():
+        remove_group(group)
