@@ -34,7 +34,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from offload import OffloadConfig, PrefetchOffloader
-from offload.arena import PinnedArena, TensorSpec
+from offload.arena import HostArena, TensorSpec
 from offload.copy_engine import make_copy_engine
 
 
@@ -81,7 +81,7 @@ def copy_alone_fn(layers: list[nn.Module], device: torch.device) -> tuple[Callab
     """A function that copies every layer's bytes through the copy engine as the synchronous
     mode does (one layer, wait, the next), with nothing computed; and its clean-up."""
     nbytes = sum(p.numel() * p.element_size() for p in layers[0].parameters())
-    arena = PinnedArena(
+    arena = HostArena(
         [TensorSpec(f"l{i}", (nbytes,), torch.uint8) for i in range(len(layers))],
         pin=device.type == "cuda",
     )
@@ -190,7 +190,7 @@ def bandwidth_rows(args: argparse.Namespace, device: torch.device) -> list[dict]
     payload = sum(sizes)
     dst = torch.empty(max(sizes), dtype=torch.uint8, device=device)
     sources: dict[str, tuple[list[torch.Tensor], int]] = {}
-    arena = PinnedArena(
+    arena = HostArena(
         [TensorSpec(f"t{i}", (n,), torch.uint8) for i, n in enumerate(sizes)], pin=True
     )
     sources["arena (registered)"] = ([arena[k] for k in arena], arena.host_bytes)

@@ -1,10 +1,11 @@
 """Node-local weight offloading (torch only, never ray).
 
-Pin policy and node probe, an exact-size pinned arena, and the prefetch / UVA / no-op
-offloaders. See `create_offloader` for the entry point.
+Pin policy and node probe, an exact-size host arena (registered with CUDA, that is pinned, only
+when the policy says so), and the prefetch / UVA / no-op offloaders. See `create_offloader` for
+the entry point.
 """
 
-from offload.arena import PinnedArena, TensorSpec
+from offload.arena import HostArena, TensorSpec
 from offload.base import BaseOffloader, NoopOffloader, OffloadError, OffloadStats
 from offload.config import OffloadConfig
 from offload.factory import create_offloader
@@ -38,6 +39,7 @@ __all__ = [
     "VLLM_DISABLE_PIN_ENV",
     "BaseOffloader",
     "DeviceInfo",
+    "HostArena",
     "NodeProbe",
     "NoopOffloader",
     "OffloadConfig",
@@ -45,7 +47,6 @@ __all__ = [
     "OffloadStats",
     "OffloadUnavailableError",
     "PinDecision",
-    "PinnedArena",
     "PinningUnavailableError",
     "PrefetchOffloader",
     "TensorSpec",

@@ -57,7 +57,7 @@ def _unregister(ptr: int) -> None:
         warnings.warn(f"cudaHostUnregister failed with cudaError {rc}", stacklevel=2)
 
 
-class PinnedArena(Mapping[str, torch.Tensor]):
+class HostArena(Mapping[str, torch.Tensor]):
     """Host buffer holding named tensors back to back, each aligned to `alignment` bytes.
 
     Tensors are laid out in the order given, so tensors added together (one layer's weights)
@@ -160,7 +160,7 @@ class PinnedArena(Mapping[str, torch.Tensor]):
             self._finalizer = None
         self.pinned = False
 
-    def __enter__(self) -> PinnedArena:
+    def __enter__(self) -> HostArena:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -168,6 +168,6 @@ class PinnedArena(Mapping[str, torch.Tensor]):
 
     def __repr__(self) -> str:
         return (
-            f"PinnedArena({len(self)} tensors, payload={self.payload_bytes} B, "
+            f"HostArena({len(self)} tensors, payload={self.payload_bytes} B, "
             f"allocated={self.host_bytes} B, pinned={self.pinned})"
         )

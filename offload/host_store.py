@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from offload.arena import PinnedArena, TensorSpec
+from offload.arena import HostArena, TensorSpec
 from offload.base import OffloadError
 from offload.config import OffloadConfig
 from offload.policy import PinDecision, decide_pinning
@@ -103,14 +103,14 @@ def decide_for_device(
     return decide_pinning(env, probe, planned_bytes=planned_bytes)
 
 
-def move_to_arena(layers: list[OffloadedLayer], *, pin: bool) -> PinnedArena:
+def move_to_arena(layers: list[OffloadedLayer], *, pin: bool) -> HostArena:
     """Copy every selected parameter into a new arena; record each layer's byte span."""
     specs = [
         TensorSpec(key, tuple(p.shape), p.dtype)
         for layer in layers
         for key, (_, p) in zip(layer.keys, layer.params, strict=True)
     ]
-    arena = PinnedArena(specs, pin=pin)
+    arena = HostArena(specs, pin=pin)
     try:
         with torch.no_grad():
             for layer in layers:

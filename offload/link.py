@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from offload.arena import PinnedArena, TensorSpec
+from offload.arena import HostArena, TensorSpec
 
 CUDA_PROBE_BYTES = 64 * 2**20
 # Smaller on the CPU: there the first touch of fresh pages costs far more than the copies
@@ -65,7 +65,7 @@ def measure_host_to_device(
         # Empty the allocator's cache afterwards only if it was empty before: the probe's
         # buffer must not stay reserved in a process that had nothing there (a worker at start).
         was_empty = torch.cuda.memory_reserved(device) == 0
-        with PinnedArena([TensorSpec("probe", (num_bytes,), torch.uint8)], pin=pin) as arena:
+        with HostArena([TensorSpec("probe", (num_bytes,), torch.uint8)], pin=pin) as arena:
             host = arena["probe"]
             host.fill_(1)
             dst = torch.empty(num_bytes, dtype=torch.uint8, device=device)

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from offload.arena import ARENA_ALIGNMENT_BYTES, PinnedArena
+from offload.arena import ARENA_ALIGNMENT_BYTES, HostArena
 from offload.base import BaseOffloader, OffloadStats, param_bytes, require_inference
 from offload.config import OffloadConfig
 from offload.copy_engine import CopyEngine, make_copy_engine
@@ -58,7 +58,7 @@ class PrefetchOffloader(BaseOffloader):
         self._probe = probe
         self._engine = copy_engine
         self._layers: list[OffloadedLayer] = []
-        self._arena: PinnedArena | None = None
+        self._arena: HostArena | None = None
         self._slots: list[torch.Tensor] = []
         self._slot_of: dict[int, int] = {}  # layer index -> slot
         self._next: dict[int, OffloadedLayer] = {}  # layer index -> next occupant of its slot

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from offload.arena import PinnedArena
+from offload.arena import HostArena
 from offload.base import BaseOffloader, OffloadStats, param_bytes, require_inference
 from offload.config import OffloadConfig
 from offload.host_store import (
@@ -78,7 +78,7 @@ class UVAOffloader(BaseOffloader):
         self.config = config
         self._env = dict(os.environ if env is None else env)
         self._probe = probe
-        self._arena: PinnedArena | None = None
+        self._arena: HostArena | None = None
         self._layers: list[OffloadedLayer] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
 

@@ -8,7 +8,7 @@ import psutil
 import pytest
 import torch
 
-from offload import PinnedArena, PinningUnavailableError, TensorSpec
+from offload import HostArena, PinningUnavailableError, TensorSpec
 from offload.arena import ARENA_ALIGNMENT_BYTES
 
 ODD_SPECS = [
@@ -23,7 +23,7 @@ ODD_SPECS = [
 
 
 def test_layout_is_exact_up_to_alignment() -> None:
-    arena = PinnedArena(ODD_SPECS, pin=False)
+    arena = HostArena(ODD_SPECS, pin=False)
     payload = sum(s.nbytes for s in ODD_SPECS)
     assert payload == 7 * 4 + 15 * 2 + 1 + 387 * 2 + 8 + 3000 * 4 + 0
     assert arena.payload_bytes == payload
@@ -39,7 +39,7 @@ def test_layout_is_exact_up_to_alignment() -> None:
 
 
 def test_views_do_not_overlap() -> None:
-    arena = PinnedArena(ODD_SPECS, pin=False)
+    arena = HostArena(ODD_SPECS, pin=False)
     for i, spec in enumerate(ODD_SPECS):
         arena[spec.name].fill_(i + 1)
     for i, spec in enumerate(ODD_SPECS):
@@ -49,7 +49,7 @@ def test_views_do_not_overlap() -> None:
 def test_many_tensors_stay_within_slack_of_their_sum() -> None:
     specs = [TensorSpec(f"t{i}", (1 + 37 * i,), torch.float32) for i in range(500)]
     payload = sum(s.nbytes for s in specs)
-    arena = PinnedArena(specs, pin=False)
+    arena = HostArena(specs, pin=False)
     # The power-of-two rounding this replaces would cost up to 2x here.
     assert arena.host_bytes <= payload + 500 * ARENA_ALIGNMENT_BYTES + 4096
     assert arena.host_bytes / payload < 1.03
@@ -61,7 +61,7 @@ def test_host_memory_grows_by_the_payload_only() -> None:
     gc.collect()
     process = psutil.Process()
     before = process.memory_info().rss
-    arena = PinnedArena(specs, pin=False)
+    arena = HostArena(specs, pin=False)
     for name in arena:
         arena[name].fill_(1.0)  # touch every page
     grown = process.memory_info().rss - before
@@ -70,7 +70,7 @@ def test_host_memory_grows_by_the_payload_only() -> None:
 
 
 def test_span_of_contiguous_and_scattered_tensors() -> None:
-    arena = PinnedArena(ODD_SPECS, pin=False)
+    arena = HostArena(ODD_SPECS, pin=False)
     start, end = arena.span(["b", "c", "d"])
     assert start == arena.offset("b")
     assert end == arena.offset("d") + ODD_SPECS[3].nbytes
@@ -83,19 +83,19 @@ def test_span_of_contiguous_and_scattered_tensors() -> None:
 
 def test_duplicate_names_and_bad_alignment_are_rejected() -> None:
     with pytest.raises(ValueError, match="twice"):
-        PinnedArena([ODD_SPECS[0], ODD_SPECS[0]], pin=False)
+        HostArena([ODD_SPECS[0], ODD_SPECS[0]], pin=False)
     with pytest.raises(ValueError, match="power of two"):
-        PinnedArena(ODD_SPECS, pin=False, alignment=48)
+        HostArena(ODD_SPECS, pin=False, alignment=48)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
 def test_pinning_without_cuda_is_an_error() -> None:
     with pytest.raises(PinningUnavailableError, match="pin=False"):
-        PinnedArena(ODD_SPECS, pin=True)
+        HostArena(ODD_SPECS, pin=True)
 
 
 def test_close_is_idempotent_and_views_survive() -> None:
-    arena = PinnedArena(ODD_SPECS, pin=False)
+    arena = HostArena(ODD_SPECS, pin=False)
     arena["f"].fill_(3.0)
     view = arena["f"]
     arena.close()
@@ -104,5 +104,5 @@ def test_close_is_idempotent_and_views_survive() -> None:
 
 
 def test_empty_arena() -> None:
-    arena = PinnedArena([], pin=False)
+    arena = HostArena([], pin=False)
     assert (arena.payload_bytes, arena.nbytes, len(arena)) == (0, 0, 0)

@@ -8,9 +8,9 @@ import torch
 from helpers import block_stack, run_stack, storage_bytes
 
 from offload import (
+    HostArena,
     OffloadConfig,
     OffloadUnavailableError,
-    PinnedArena,
     PrefetchOffloader,
     TensorSpec,
     UVAOffloader,
@@ -41,7 +41,7 @@ def test_probe_reads_the_driver() -> None:
 
 def test_arena_registers_and_unregisters() -> None:
     specs = [TensorSpec(f"t{i}", (1000 + 7 * i,), torch.float16) for i in range(10)]
-    arena = PinnedArena(specs, pin=True)
+    arena = HostArena(specs, pin=True)
     assert arena.pinned and all(arena[k].is_pinned() for k in arena)
     arena.close()
     assert not arena.pinned and not arena["t0"].is_pinned()

@@ -49,7 +49,7 @@ def test_public_api_of_offload() -> None:
 
     for name in (
         "decide_pinning", "probe_node", "create_offloader", "OffloadConfig", "PrefetchOffloader",
-        "UVAOffloader", "NoopOffloader", "PinnedArena", "PinDecision", "NodeProbe",
+        "UVAOffloader", "NoopOffloader", "HostArena", "PinDecision", "NodeProbe",
     ):  # fmt: skip
         assert getattr(offload, name) is not None, name
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.planning.search import NodeLimits, Placement, Search
+from coordinator.planning.search import LayerRange, NodeLimits, Search
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from worker.spec import LayerSpec
 
@@ -230,7 +230,7 @@ def _build(
     cluster: ClusterSnapshot,
     options: PlanOptions,
     search: Search,
-    placements: Sequence[Placement],
+    placements: Sequence[LayerRange],
 ) -> Plan:
     stages = []
     for i, p in enumerate(placements):
@@ -317,7 +317,7 @@ def _unplaceable(
     cluster: ClusterSnapshot,
     options: PlanOptions,
     reached: int,
-    placements: Sequence[Placement],
+    placements: Sequence[LayerRange],
 ) -> PlanError:
     left = sum(layer.nbytes for layer in layers[reached:])
     device_total = sum(

@@ -45,7 +45,7 @@ class NodeLimits:
 
 
 @dataclass(frozen=True, slots=True)
-class Placement:
+class LayerRange:
     node: int  # index into the node list
     gpu: int  # position of the GPU within its node's list
     start: int  # layer range [start, end)
@@ -141,7 +141,7 @@ def min_offload(
 
 
 class Search:
-    """Placement of one model on one cluster for a given bottleneck T (see the module doc)."""
+    """LayerRange of one model on one cluster for a given bottleneck T (see the module doc)."""
 
     def __init__(
         self,
@@ -268,7 +268,7 @@ class Search:
             min(byte_cap(t_s, n.link_bytes_per_s), n.offload_budget_bytes) for n in self.nodes
         ]
 
-    def place(self, t_s: float) -> tuple[int, list[Placement]]:
+    def place(self, t_s: float) -> tuple[int, list[LayerRange]]:
         """Furthest layer reachable with every stage time <= t_s, and the stages that reach it."""
         weight_cap, offload_caps = self._caps(t_s)
         pos, placements = 0, []
@@ -276,7 +276,7 @@ class Search:
             if pos == self.num_layers:
                 break
             pos, ranges = self._node_reach(node, pos, weight_cap, offload_caps[n])
-            placements += [Placement(n, g, a, b) for g, (a, b) in enumerate(ranges) if b > a]
+            placements += [LayerRange(n, g, a, b) for g, (a, b) in enumerate(ranges) if b > a]
         return pos, placements
 
     def _next_change(self, t_s: float) -> float:
@@ -289,7 +289,7 @@ class Search:
                 times.append((cap + 1) / node.link_bytes_per_s)
         return min(times)
 
-    def solve(self) -> tuple[int, list[Placement]]:
+    def solve(self) -> tuple[int, list[LayerRange]]:
         """The placement with the smallest bottleneck; if even unlimited time does not place
         every layer, how far it got and the stages that got there."""
         reached, best = self.place(math.inf)  # memory and budgets only
@@ -316,12 +316,12 @@ class Search:
                 lo, feasible = max(mid, float_bits(self._next_change(bits_float(mid))) - 1), 0
         return self.num_layers, best
 
-    def stage_times(self, p: Placement) -> tuple[float, float]:
+    def stage_times(self, p: LayerRange) -> tuple[float, float]:
         node = self.nodes[p.node]
         offloaded = self.offload_bytes(p.start, p.end, node.gpu_memory_bytes[p.gpu])
         assert offloaded is not None
         weights = self.prefix[p.end] - self.prefix[p.start]
         return weights / self.compute_bytes_per_s, offloaded / node.link_bytes_per_s
 
-    def bottleneck_s(self, placements: Sequence[Placement]) -> float:
+    def bottleneck_s(self, placements: Sequence[LayerRange]) -> float:
         return max((max(self.stage_times(p)) for p in placements), default=0.0)
