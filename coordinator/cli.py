@@ -177,22 +177,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_open_line = {"progress": False}  # a progress line waiting for its end: errors start a new line
+_bar: dict[str, object] = {}  # the load's progress bar while it runs
 
 
 def _progress(done: int, total: int) -> None:
-    width = 30
-    filled = int(width * done / total) if total else width
-    _open_line["progress"] = done < total
-    end = "" if _open_line["progress"] else "\n"
-    print(f"\rloading [{'#' * filled}{'.' * (width - filled)}] {done / 2**20:8.1f} / "
-          f"{total / 2**20:.1f} MiB", end=end, file=sys.stderr, flush=True)  # fmt: skip
+    """Bytes loaded so far, as a tqdm bar on stderr; closed (its line ended) when complete."""
+    from tqdm import tqdm
+
+    bar = _bar.get("load")
+    if bar is None:
+        bar = _bar["load"] = tqdm(total=total, desc="loading", unit="B", unit_scale=True,
+                                  unit_divisor=1024, file=sys.stderr, leave=True)  # fmt: skip
+    bar.update(done - bar.n)
+    if done >= total:
+        _end_progress()
+
+
+def _end_progress() -> None:
+    bar = _bar.pop("load", None)
+    if bar is not None:
+        bar.close()  # ends its line: what follows starts on a new one
 
 
 def _fail(message: str, code: int) -> int:
-    if _open_line["progress"]:
-        print(file=sys.stderr)
-        _open_line["progress"] = False
+    _end_progress()
     print(message, file=sys.stderr)
     return code
 
@@ -219,11 +227,9 @@ def _stage_table(reports: list[dict]) -> str:
             f"{format_bytes(r['stats'].get('offloaded_bytes', 0))} ({len(r['offloaded'])})",
             "on" if pin["pin"] else "off", f"{r['pin_origin']}: {pin['source']}: {pin['reason']}",
         ))  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
-        for row in rows
-    )
+    from coordinator.tables import render
+
+    return render(rows)
 
 
 def _report_memory(job, args: argparse.Namespace) -> None:

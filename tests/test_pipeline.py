@@ -316,7 +316,7 @@ def test_a_signal_mid_load_stops_the_command_and_releases_everything(
     assert cli.main(["load", "--checkpoint", checkpoints["llama"], "--gpu-memory", str(budget)]) == code
     assert time.monotonic() - sent[0] < 10
     err = capsys.readouterr().err
-    assert f"MiB\n{word}: every worker and Ray this command started was released" in err
+    assert f"]\n{word}: every worker and Ray this command started was released" in err
     assert "Traceback" not in err
     wait_gpus_free(NUM_GPUS)
 

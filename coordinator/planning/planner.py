@@ -24,6 +24,7 @@ from typing import Any
 
 from coordinator.planning.search import LayerRange, NodeLimits, Search
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
+from coordinator.tables import render as render_table
 from worker.spec import LayerSpec
 
 MAX_PREFETCH_STEP = 64
@@ -163,10 +164,7 @@ class Plan:
                     "<- bottleneck" if s.stage == slowest else "",
                 )
             )
-        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        lines = [
-            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
-        ]
+        lines = render_table(rows).splitlines()
         nodes = len({s.node_id for s in self.stages})
         title = (
             f"plan: {len(self.stages)} stages on {nodes} node(s), "

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from coordinator.planning.planner import StagePlan, format_bytes, layer_range
+from coordinator.tables import render as render_table
 
 METRIC_PREFIX = "offload_"
 
@@ -160,10 +161,6 @@ def _node_label(row: NodeRow) -> str:
     return f"{row.hostname} ({row.node_id[:8]})" if row.node_id else row.hostname
 
 
-def _table(rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-                     for r in rows)  # fmt: skip
 
 
 def render(reports: list[dict], events: list[dict] = ()) -> str:
@@ -185,7 +182,7 @@ def render(reports: list[dict], events: list[dict] = ()) -> str:
             format_bytes(n.workers_rss_bytes), format_bytes(n.pinned_bytes),
             format_bytes(n.pageable_bytes),
         ))  # fmt: skip
-    out = _table(gpus) + "\n\n" + _table(nodes)
+    out = render_table(gpus) + "\n\n" + render_table(nodes)
     for r in lost_stages(reports):
         out += (f"\nstage {r['stage']} ({layer_range(r['layers'])}, on {r['hostname']}): worker "
                 "LOST; the next forward recovers it, or unload")  # fmt: skip
