@@ -166,6 +166,9 @@ class JobConfig:
     # Each worker snapshots its memory this often (0: only on request); a named load's record
     # publishes the latest snapshots as Ray gauges at the same pace.
     snapshot_interval_s: float = 10.0
+    # A named load's keeper checks its workers this often and recovers lost ones with no
+    # driver attached (0: only when a driver finds one lost).
+    watch_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -197,6 +200,10 @@ class JobConfig:
         for name in ("load_timeout_s", "forward_timeout_s", "placement_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+        if self.watch_interval_s < 0:
+            raise ConfigError(
+                f"watch_interval_s={self.watch_interval_s} must be >= 0 (0: no keeper checks)"
+            )
         if self.snapshot_interval_s < 0:
             raise ConfigError(
                 f"snapshot_interval_s={self.snapshot_interval_s} must be >= 0 (0: on request only)"

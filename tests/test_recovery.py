@@ -7,6 +7,7 @@ unload releases everything."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import ray
@@ -57,6 +58,69 @@ def budgets(index) -> tuple[int, int]:
     with pytest.raises(PlanError):
         offloaded(1)
     return gpu, host
+
+
+def wait_events(name: str, count: int, timeout_s: float = 90.0) -> list[dict]:
+    """The named load's events once it has `count` of them (its keeper adds them)."""
+    from coordinator.runtime import registry
+
+    deadline = time.monotonic() + timeout_s
+    while len(events := registry.load_record(name)[1]["events"]) < count:
+        assert time.monotonic() < deadline, f"{name}: still {events} after {timeout_s} s"
+        time.sleep(0.2)
+    return events
+
+
+def test_a_named_load_heals_itself_and_leaves_out_a_node_that_keeps_failing(
+    cluster, tmp_path
+) -> None:  # fmt: skip
+    """No driver attached: the load's keeper replaces a lost worker by itself; once a node has
+    lost NODE_LOSS_LIMIT workers it plans without that node (an event says so); the logits
+    stay those of transformers, and unload releases everything, keeper included."""
+    from coordinator.runtime import registry
+    from coordinator.runtime.job import attach
+    from coordinator.runtime.keeper import NODE_LOSS_LIMIT
+
+    c, _ = cluster
+    checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
+    index = load_index(checkpoint)
+    gpu, host = budgets(index)
+    config = JobConfig(checkpoint=checkpoint, address=c.address, gpu_memory_bytes=gpu,
+                       host_memory_bytes=host, watch_interval_s=0.5)  # fmt: skip
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(8))
+    expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
+    launch(config, name="healing").close()  # detached: nobody attached from here on
+    try:
+        failing = registry.group_of(registry.load_record("healing")[1], index).handles[1]
+        for loss in range(1, NODE_LOSS_LIMIT + 1):
+            record = registry.load_record("healing")[1]
+            worker = next(h for h in registry.group_of(record, index).handles
+                          if h.node_id == failing.node_id)  # fmt: skip
+            ray.kill(worker.actor, no_restart=True)
+            events = wait_events("healing", loss + (loss == NODE_LOSS_LIMIT))
+        kinds = [e["event"] for e in events]
+        assert kinds == ["replaced workers"] * (NODE_LOSS_LIMIT - 1) + ["node left out",
+                                                                      "re-planned"]  # fmt: skip
+        assert events[-2]["hosts"] == [failing.hostname]
+        record = registry.load_record("healing")[1]
+        assert failing.node_id not in {s["node_id"] for s in json.loads(record["plan"])["stages"]}
+        with attach("healing", address=c.address) as job:
+            assert torch.equal(job.forward(ids), expected)
+    finally:
+        registry.forget("healing")
+    wait_gpus_free(3)
+    assert keeper_gone("healing")
+
+
+def keeper_gone(name: str) -> bool:
+    from coordinator.runtime.keeper import find
+
+    deadline = time.monotonic() + 30
+    while find(name) is not None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def test_lost_nodes_replan_fail_with_numbers_then_recover(cluster, tmp_path, capsys) -> None:

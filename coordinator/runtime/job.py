@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,7 +27,9 @@ from coordinator.runtime import recovery, registry
 from coordinator.runtime.errors import LaunchError, WorkerLostError
 from coordinator.runtime.group import WorkerGroup, WorkerHandle, worker_failure
 from coordinator.runtime.inputs import check_inputs
-from coordinator.runtime.probing import probe_cluster
+from coordinator.runtime.keeper import find as find_keeper
+from coordinator.runtime.keeper import start as start_keeper
+from coordinator.runtime.probing import PROBE_TIMEOUT_S, probe_cluster
 from coordinator.runtime.session import RaySession, connect
 from coordinator.runtime.telemetry import MetricsExporter, collect
 
@@ -45,6 +46,7 @@ class Job:
     name: str | None = None  # a named load outlives this Job object: close() only detaches
     events: list[dict] = field(default_factory=list)  # recoveries, for telemetry
     next_worker: int = 0  # number of the next worker name of a named load
+    keeper: ray.actor.ActorHandle | None = None  # a named load's keeper, once it runs
     _exporter: object | None = field(default=None, repr=False)
     # background loops by name ("export", "watch"): (thread, stop event)
     _loops: dict[str, tuple[threading.Thread, threading.Event]] = field(
@@ -129,12 +131,36 @@ class Job:
     def recover(self) -> list[int]:
         """Replace lost workers and reload only what moved; returns the stages that were lost.
         Same node when it is alive, else a new plan on the GPUs left (see
-        coordinator.runtime.recovery); `PlanError` when those cannot hold the model."""
+        coordinator.runtime.recovery); `PlanError` when those cannot hold the model. A named
+        load's keeper does it (the one process that changes a named load), this job then
+        takes the load's new state from its record."""
         with self._lock:
+            if self.keeper is not None:
+                return self._recover_by_keeper()
             dead, reports = recovery.recover(self.group, self.record_event)
             if dead:
                 self.load_reports = reports
             return dead
+
+    def _recover_by_keeper(self) -> list[int]:
+        timeout_s = (self.config.load_timeout_s + self.config.placement_timeout_s
+                     + PROBE_TIMEOUT_S)  # fmt: skip
+        try:
+            dead = ray.get(self.keeper.recover.remote(), timeout=timeout_s)
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            raise (cause if isinstance(cause, Exception) else LaunchError(str(exc))) from None
+        except ray.exceptions.GetTimeoutError:
+            raise LaunchError(f"the load's keeper did not recover it within {timeout_s:.0f} s") from None
+        before = [h.name for h in self.group.handles]
+        _, record = registry.load_record(self.name)
+        group = registry.group_of(record, self.index)
+        group.names = self.new_worker_names
+        self.group, self.events = group, list(record["events"])
+        self.next_worker = registry.next_worker_number(record)
+        # The keeper may have recovered before this job noticed: its stages changed all the same.
+        changed = [s for s, h in enumerate(group.handles) if s >= len(before) or h.name != before[s]]
+        return dead or changed
 
     def new_worker_names(self, count: int) -> list[str]:
         """Actor names for `count` new workers of a named load."""
@@ -144,12 +170,7 @@ class Job:
     def record_event(self, event: dict) -> None:
         """Keep a recovery event; a named load also keeps it (and its new plan and workers) in
         its record, so `status` from another process shows it."""
-        last = self.events[-1] if self.events else {}
-        if "error" in event and all(last.get(k) == v for k, v in event.items()):
-            # The same failure again (a watcher retrying): count it, do not flood the list.
-            last.update(time=time.time(), repeats=last.get("repeats", 1) + 1)
-        else:
-            self.events.append({"time": time.time(), **event})
+        recovery.add_event(self.events, event)
         if self.name is not None:
             registry.update(self.name, self.group, self.events)
 
@@ -255,6 +276,8 @@ def launch(
         if name is not None:  # recorded first, so `unload` finds a load interrupted midway
             registry.save(name, config, group, [])
         job.load_reports = recovery.load_recovering(group, job.record_event, progress)
+        if name is not None:  # from now on the keeper changes the load, no driver
+            job.keeper = start_keeper(name, index)
         return job
     except BaseException:
         if job is not None:
@@ -274,7 +297,8 @@ def attach(name: str, *, address: str | None = None) -> Job:
         index = load_index(config.checkpoint, dtype=config.dtype)
         group = registry.group_of(record, index)
         job = Job(group=group, session=session, name=name, events=list(record["events"]),
-                  next_worker=registry.next_worker_number(record))  # fmt: skip
+                  next_worker=registry.next_worker_number(record),
+                  keeper=find_keeper(name))  # fmt: skip
         group.names = job.new_worker_names
         return job
     except BaseException:

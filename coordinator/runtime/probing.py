@@ -23,8 +23,10 @@ def _probe_task(planned_bytes: int = 0) -> dict:
     return probe_here(planned_bytes)
 
 
-def gpu_nodes() -> list[dict]:
-    nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) >= 1]
+def gpu_nodes(exclude: frozenset[str] = frozenset()) -> list[dict]:
+    """Alive nodes with GPUs, but those in `exclude` (node ids)."""
+    nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) >= 1
+             and n["NodeID"] not in exclude]  # fmt: skip
     return sorted(nodes, key=lambda n: (n["NodeManagerHostname"], n["NodeID"]))
 
 
@@ -32,13 +34,14 @@ def probe_cluster(
     config: JobConfig,
     held_bytes: dict[str, int] | None = None,
     probers: dict[str, ray.actor.ActorHandle] | None = None,
+    exclude: frozenset[str] = frozenset(),
 ) -> tuple[ClusterSnapshot, dict[str, tuple[dict, dict]]]:
     """A snapshot of every alive GPU node, and per node the env its workers get from the job
     (labels and overrides) with the origin of each variable. When re-planning: `held_bytes`,
     host memory this job's own workers already hold on a node (their arenas), counted as
     available since the new plan replaces them; `probers`, a live worker per node that answers
-    for its node instead of a probe task (no process to start)."""
-    nodes = gpu_nodes()
+    for its node instead of a probe task (no process to start); `exclude`, nodes left out."""
+    nodes = gpu_nodes(exclude)
     if not nodes:
         raise LaunchError(
             "the Ray cluster has no GPU nodes; on a machine without GPUs use --gpus N with "

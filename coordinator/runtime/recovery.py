@@ -70,26 +70,29 @@ def match_survivors(
     return matched
 
 
-def decide(group: WorkerGroup, dead: list[int]) -> Decision:
+def decide(group: WorkerGroup, dead: list[int], left_out: frozenset[str] = frozenset()) -> Decision:
     """The policy: in place when every lost worker's node is alive, else a new plan on the GPU
-    nodes left, their budgets crediting what the survivors already hold."""
-    alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    nodes left, their budgets crediting what the survivors already hold. Nodes in `left_out`
+    (node ids whose workers keep dying: see coordinator.runtime.keeper) count as gone."""
+    alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]} - left_out
     lost = [group.handles[i] for i in dead]
     gone = sorted({h.hostname or h.node_id[:8] for h in lost if h.node_id not in alive})
     if not gone:
         return Decision(lost=dead)
-    if not gpu_nodes():
+    if not gpu_nodes(exclude=left_out):
         raise PlanError(
             f"stages {dead} were lost with node(s) {', '.join(gone)} and no GPU node is left; "
             "add nodes and run again, or unload"
         )
-    survivors = [(i, h) for i, h in enumerate(group.handles) if i not in dead]
+    survivors = [(i, h) for i, h in enumerate(group.handles)
+                 if i not in dead and h.node_id not in left_out]  # fmt: skip
     held: dict[str, int] = defaultdict(int)  # the survivors' arenas are replaced, not added
     for _, h in survivors:
         held[h.node_id] += sum(x.nbytes for x in h.spec.layers if x.name in h.spec.offloaded)
     start = time.perf_counter()
     probers = {h.node_id: h.actor for _, h in survivors}  # they answer for their nodes
-    snapshot, envs = probe_cluster(group.config, held_bytes=held, probers=probers)
+    snapshot, envs = probe_cluster(group.config, held_bytes=held, probers=probers,
+                                   exclude=left_out)  # fmt: skip
     probe_s = time.perf_counter() - start
     try:
         new_plan = plan(group.index.layers, snapshot, group.config.plan_options())
@@ -132,6 +135,16 @@ def apply(group: WorkerGroup, decision: Decision) -> dict:
 Record = Callable[[dict], None]  # keeps an event (the job's record_event)
 
 
+def add_event(events: list[dict], event: dict) -> None:
+    """Append `event` (with its time) to `events`; the same failure again (a watcher retrying
+    on an unchanged cluster) is counted on the last event instead of listed again."""
+    last = events[-1] if events else {}
+    if "error" in event and all(last.get(k) == v for k, v in event.items()):
+        last.update(time=time.time(), repeats=last.get("repeats", 1) + 1)
+    else:
+        events.append({"time": time.time(), **event})
+
+
 def load_recovering(group: WorkerGroup, record: Record, progress=None) -> list[dict]:
     """Load every worker of `group`; a worker lost meanwhile is replaced (bounded rounds) and
     the load finishes where it stopped: workers that finished read nothing again."""
@@ -146,15 +159,21 @@ def load_recovering(group: WorkerGroup, record: Record, progress=None) -> list[d
     raise AssertionError("unreachable")
 
 
-def recover(group: WorkerGroup, record: Record) -> tuple[list[int], list[dict]]:
-    """Find lost stages, replace them and load what moved; returns the stages that were lost
-    and the load reports (none when nothing was lost)."""
+def recover(
+    group: WorkerGroup,
+    record: Record,
+    *,
+    dead: list[int] | None = None,
+    left_out: frozenset[str] = frozenset(),
+) -> tuple[list[int], list[dict]]:
+    """Find lost stages (or take `dead`), replace them and load what moved; returns the stages
+    that were lost and the load reports (none when nothing was lost)."""
     start = time.perf_counter()
-    dead = group.dead_stages()
+    dead = group.dead_stages() if dead is None else dead
     if not dead:
         return [], []
     try:
-        event = apply(group, decide(group, dead))
+        event = apply(group, decide(group, dead, left_out))
     except PlanError as exc:
         record({"event": "re-plan failed", "lost_stages": dead, "error": str(exc)})
         raise

@@ -20,7 +20,6 @@ from coordinator.runtime.group import NAMESPACE, Slot, WorkerGroup, WorkerHandle
 ATTACH_TIMEOUT_S = 60.0
 _RECORD_PREFIX = "load:"
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
-EXPORT_TIMEOUT_S = 30.0  # the workers' latest snapshots are in memory: they answer between calls
 
 
 class LoadNotFoundError(LookupError):
@@ -45,7 +44,8 @@ def _worker_prefix(name: str) -> str:
 @ray.remote(num_cpus=0, max_restarts=0)
 class LoadRecord:
     """Holds what a later command needs to attach: the job config, the plan, the workers'
-    names in stage order, and the recovery events."""
+    names and bundles in stage order, and the recovery events. A store only: the load's
+    keeper (coordinator.runtime.keeper) watches the workers and publishes their metrics."""
 
     def __init__(self, record: dict) -> None:
         self.record = record
@@ -55,37 +55,6 @@ class LoadRecord:
 
     def update(self, changes: dict) -> None:
         self.record.update(changes)
-
-    def start_export(self, interval_s: float) -> None:
-        """Publish the workers' latest snapshots as Ray gauges every `interval_s`, for as long as
-        the load exists: no driver stays behind to do it."""
-        import threading
-
-        threading.Thread(target=self._export_loop, args=(interval_s,), daemon=True,
-                         name="offload-export").start()  # fmt: skip
-
-    def _export_loop(self, interval_s: float) -> None:
-        import sys
-        import time
-
-        from coordinator.runtime.telemetry import MetricsExporter
-
-        exporter = MetricsExporter()
-        while True:
-            time.sleep(interval_s)
-            try:
-                exporter.export(self._latest_snapshots(), self.record["events"])
-            except Exception as exc:  # keep publishing; say why this tick was skipped
-                print(f"load {self.record['name']!r}: export skipped: {exc}", file=sys.stderr)
-
-    def _latest_snapshots(self) -> list[dict]:
-        from coordinator.planning.planner import Plan
-        from coordinator.runtime.telemetry import collect
-
-        record = dict(self.record)  # plan and workers of one version, whatever update() does
-        stages = Plan.from_json(record["plan"]).stages
-        refs = [a.latest.remote() if a is not None else None for a in worker_handles(record)]
-        return collect(stages, refs, EXPORT_TIMEOUT_S)
 
 
 def check_name(name: str) -> None:
@@ -111,13 +80,11 @@ def save(name: str, config: JobConfig, group: WorkerGroup, events: list[dict]) -
     record = {"name": name, "config": _config_dict(config), **_state(group), "events": events}
     # On the head node: a worker node may leave with the record's process, the head may not.
     actor = LoadRecord.options(name=record_name(name), namespace=NAMESPACE, lifetime="detached",
-                               **_on_head()).remote(record)  # fmt: skip
+                               **on_head()).remote(record)  # fmt: skip
     ray.get(actor.get.remote(), timeout=ATTACH_TIMEOUT_S)  # it exists before anything else runs
-    if config.snapshot_interval_s > 0:
-        actor.start_export.remote(config.snapshot_interval_s)
 
 
-def _on_head() -> dict:
+def on_head() -> dict:
     """Actor options that place it on the head node (a sliver of its marker resource)."""
     if any(HEAD_RESOURCE in node["Resources"] for node in ray.nodes() if node["Alive"]):
         return {"resources": {HEAD_RESOURCE: 0.001}}
@@ -213,15 +180,17 @@ def list_loads() -> list[str]:
     return sorted(
         actor_name.removeprefix(_RECORD_PREFIX)
         for actor_name in _named_actors()
-        if actor_name.startswith(_RECORD_PREFIX) and ":worker-" not in actor_name
+        if actor_name.startswith(_RECORD_PREFIX) and ":" not in actor_name[len(_RECORD_PREFIX) :]
     )
 
 
 def unload(name: str) -> int:
-    """Kill the load's workers and its record; returns the number of workers killed. Every
-    worker of the load is found by its name prefix, also one a recovery started but did not
-    get to record."""
+    """Kill the load's keeper, its workers and its record, and remove its placement groups;
+    returns the number of workers killed. Every worker of the load is found by its name
+    prefix, also one a recovery started but did not get to record."""
     record_actor, _ = load_record(name)
+    with contextlib.suppress(ValueError):  # the keeper first: it must not start replacements
+        ray.kill(ray.get_actor(f"{record_name(name)}:keeper", namespace=NAMESPACE), no_restart=True)
     killed = 0
     for actor_name in _named_actors():
         if actor_name.startswith(_worker_prefix(name)):

@@ -1,0 +1,161 @@
+"""A named load's keeper: the one process that changes the load after it is loaded.
+
+`load --name` leaves no driver behind, so the keeper (a detached actor on the head node, beside
+the load's record) does what a driver's `Job` does for an unnamed job: every
+`watch_interval_s` it pings the workers and recovers lost ones with the same policy
+(`coordinator.runtime.recovery`), and it publishes the workers' latest snapshots as Ray gauges
+every `snapshot_interval_s`. Drivers attached to the load (`run NAME`) never recover it
+themselves: they ask the keeper, so two recoveries never race.
+
+A node whose workers keep dying is left out: after NODE_LOSS_LIMIT losses there within
+NODE_LOSS_WINDOW_S, the next recovery plans without it (an event says so) even though Ray calls
+it alive. A recovery that fails (say, what is left cannot hold the model) is retried with
+exponential back-off, from the watch interval up to BACKOFF_MAX_S.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import defaultdict
+
+import ray
+
+from coordinator.planning.checkpoint import CheckpointIndex
+from coordinator.runtime import recovery, registry
+from coordinator.runtime.group import NAMESPACE, WorkerGroup
+
+NODE_LOSS_LIMIT = 3
+NODE_LOSS_WINDOW_S = 600.0
+BACKOFF_MAX_S = 300.0
+EXPORT_TIMEOUT_S = 30.0  # the workers' latest snapshots are in memory: they answer between calls
+
+
+def keeper_name(name: str) -> str:
+    return f"{registry.record_name(name)}:keeper"
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class LoadKeeper:
+    def __init__(self, name: str, index: CheckpointIndex) -> None:
+        self.name = name
+        self.index = index  # passed in: the head node need not see the checkpoint files
+        self._lock = threading.Lock()  # one recovery at a time: the loop's or a driver's
+        self._losses: dict[str, list[float]] = defaultdict(list)  # node id -> loss times
+        self.left_out: set[str] = set()
+        self._counted: set[str | None] = set()  # workers whose loss was counted
+        config = registry.config_of(registry.load_record(name)[1])
+        for target, interval_s in ((self._watch_loop, config.watch_interval_s),
+                                   (self._export_loop, config.snapshot_interval_s)):  # fmt: skip
+            if interval_s > 0:
+                threading.Thread(target=target, args=(interval_s,), daemon=True,
+                                 name=f"offload-{target.__name__}").start()  # fmt: skip
+
+    # recovery
+    def recover(self) -> list[int]:
+        """Check every stage now and recover the lost ones; returns the lost stages. Raises
+        what the recovery raised (a PlanError with the numbers when what is left cannot hold
+        the model), after recording it in the load's events."""
+        with self._lock:
+            return self._recover()
+
+    def _recover(self) -> list[int]:
+        _, record = registry.load_record(self.name)
+        events = list(record["events"])
+        group = registry.group_of(record, self.index)
+        group.names = _namer(record)
+        dead = group.dead_stages()
+        if not dead:
+            return []
+        newly_left_out = self._count_losses(group, dead)
+        if newly_left_out:
+            hosts = sorted({h.hostname for h in group.handles if h.node_id in newly_left_out})
+            recovery.add_event(events, {
+                "event": "node left out", "hosts": hosts,
+                "reason": f"{NODE_LOSS_LIMIT} worker losses within {NODE_LOSS_WINDOW_S:.0f} s",
+            })  # fmt: skip
+
+        def record_event(event: dict) -> None:
+            recovery.add_event(events, event)
+            registry.update(self.name, group, events)
+
+        recovery.recover(group, record_event, dead=dead, left_out=frozenset(self.left_out))
+        return dead
+
+    def _count_losses(self, group: WorkerGroup, dead: list[int]) -> set[str]:
+        """Count each lost worker once on its node (a recovery retried for the same loss is
+        not another loss); returns the nodes that reach the limit now."""
+        now = time.monotonic()
+        newly: set[str] = set()
+        for stage in dead:
+            handle = group.handles[stage]
+            if handle.name in self._counted:
+                continue
+            self._counted.add(handle.name)
+            node = handle.node_id
+            recent = [t for t in self._losses[node] if now - t < NODE_LOSS_WINDOW_S] + [now]
+            self._losses[node] = recent
+            if len(recent) >= NODE_LOSS_LIMIT and node not in self.left_out:
+                self.left_out.add(node)
+                newly.add(node)
+        return newly
+
+    def _watch_loop(self, interval_s: float) -> None:
+        delay = interval_s
+        while True:
+            time.sleep(delay)
+            try:
+                self.recover()
+                delay = interval_s
+            except Exception as exc:  # recorded as an event; try again, later each time
+                delay = min(delay * 2, BACKOFF_MAX_S)
+                print(f"load {self.name!r}: recovery failed, next try in {delay:.0f} s: {exc}",
+                      file=sys.stderr)  # fmt: skip
+
+    # metrics
+    def _export_loop(self, interval_s: float) -> None:
+        from coordinator.planning.planner import Plan
+        from coordinator.runtime.telemetry import MetricsExporter, collect
+
+        exporter = MetricsExporter()
+        while True:
+            time.sleep(interval_s)
+            try:
+                _, record = registry.load_record(self.name)
+                stages = Plan.from_json(record["plan"]).stages
+                refs = [a.latest.remote() if a is not None else None
+                        for a in registry.worker_handles(record)]  # fmt: skip
+                exporter.export(collect(stages, refs, EXPORT_TIMEOUT_S), record["events"])
+            except Exception as exc:  # keep publishing; say why this tick was skipped
+                print(f"load {self.name!r}: export skipped: {exc}", file=sys.stderr)
+
+    def ping(self) -> bool:
+        return True
+
+
+def _namer(record: dict):
+    """Actor names for new workers of the load: numbers after the last one the record lists."""
+    counter = {"next": registry.next_worker_number(record)}
+
+    def names(count: int) -> list[str]:
+        first = counter["next"]
+        counter["next"] += count
+        return [registry.worker_name(record["name"], n) for n in range(first, first + count)]
+
+    return names
+
+
+def start(name: str, index: CheckpointIndex) -> ray.actor.ActorHandle:
+    """The keeper of load `name`, started once its record exists and its workers are loaded."""
+    keeper = LoadKeeper.options(name=keeper_name(name), namespace=NAMESPACE, lifetime="detached",
+                                **registry.on_head()).remote(name, index)  # fmt: skip
+    ray.get(keeper.ping.remote(), timeout=registry.ATTACH_TIMEOUT_S)
+    return keeper
+
+
+def find(name: str) -> ray.actor.ActorHandle | None:
+    try:
+        return ray.get_actor(keeper_name(name), namespace=NAMESPACE)
+    except ValueError:
+        return None
