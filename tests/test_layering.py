@@ -60,3 +60,37 @@ def test_coordinator_api_is_importable_from_the_package() -> None:
 
     assert coordinator.launch is launch
     assert coordinator.JobConfig.__module__ == "coordinator.config"
+
+
+def test_the_driver_has_no_import_cycle() -> None:
+    """No module of coordinator/ imports (at top level or inside a function) one that imports
+    it back, directly or through others: each layer can be read, and changed, on its own."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    modules = {
+        ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): path
+        for path in (root / "coordinator").rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            deps |= {t for t in targets if t in modules and t != name}
+        graph[name] = deps - {"coordinator"}  # the package's lazy re-exports are not imports
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for dep in graph[start]:
+            if dep == goal or (dep not in seen and (seen.add(dep) or reaches(dep, goal, seen))):
+                return True
+        return False
+
+    cycles = sorted(name for name in graph if reaches(name, name, set()))
+    assert not cycles, f"modules in import cycles: {cycles}"

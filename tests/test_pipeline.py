@@ -293,14 +293,18 @@ def test_a_replacement_never_reads_a_rewritten_checkpoint(embedded_ray, checkpoi
     wait_gpus_free(NUM_GPUS)
 
 
-@pytest.mark.parametrize(("signum", "code", "word"),
-                         [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+@pytest.mark.parametrize(("signum", "code", "word", "name"),
+                         [(signal.SIGINT, 130, "interrupted", None),
+                          (signal.SIGTERM, 143, "terminated", None),
+                          (signal.SIGINT, 130, "interrupted", "ctrl-c")])  # fmt: skip
 def test_a_signal_mid_load_stops_the_command_and_releases_everything(
-    embedded_ray, checkpoints, monkeypatch, capsys, signum, code, word
+    embedded_ray, checkpoints, monkeypatch, capsys, signum, code, word, name
 ) -> None:  # fmt: skip
     """Ctrl-C or SIGTERM while workers load: the command ends within 10 s with 130 / 143, one
-    line after the progress bar (no traceback), and every GPU it took is free again."""
+    line after the progress bar (no traceback), and every GPU it took is free again; a named
+    load interrupted so leaves no record, keeper or placement group behind."""
     import coordinator.cli as cli
+    from coordinator.runtime import registry
 
     sent: list[float] = []
     real_progress = cli._progress
@@ -313,12 +317,15 @@ def test_a_signal_mid_load_stops_the_command_and_releases_everything(
 
     monkeypatch.setattr(cli, "_progress", progress)
     budget = budget_forcing_offload(checkpoints["llama"])
-    assert cli.main(["load", "--checkpoint", checkpoints["llama"], "--gpu-memory", str(budget)]) == code
+    argv = ["load", "--checkpoint", checkpoints["llama"], "--gpu-memory", str(budget)]
+    assert cli.main(argv + (["--name", name] if name else [])) == code
     assert time.monotonic() - sent[0] < 10
     err = capsys.readouterr().err
     assert f"]\n{word}: every worker and Ray this command started was released" in err
     assert "Traceback" not in err
     wait_gpus_free(NUM_GPUS)
+    if name:
+        assert registry.list_loads() == [] and registry.named_groups(name) == {}
 
 
 def test_gpus_are_reserved_all_at_once_or_not_at_all(embedded_ray, checkpoints) -> None:
