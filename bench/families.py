@@ -57,6 +57,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from load import wait_gpus_released  # bench/load.py, beside this script
+
 from coordinator.config import JobConfig
 from coordinator.make_checkpoint import NO_KV_HEADS, CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import CheckpointIndex, load_index
@@ -71,7 +73,6 @@ NUM_GPUS = 3
 RAY_CPUS = 4  # one per worker, and one to spare for the probe tasks
 WORKER_THREADS = 1  # JobConfig's default cpus_per_worker: the reference runs with as many
 BATCH, SEQ_LEN = 2, 16  # longer than make_checkpoint's sliding windows (4)
-RELEASE_TIMEOUT_S = 60.0  # ray.kill is asynchronous: wait this long for the GPUs to come back
 WARM_READ_BYTES = 16 * MIB
 TRACEBACK_LINES = 4  # of a failed case, in the report
 FRESH_TIMEOUT_S = 300.0  # one fresh-interpreter from_pretrained
@@ -139,18 +140,6 @@ def budgets(index: CheckpointIndex) -> tuple[int, int]:
     return budget, max(budget, other + decoder)
 
 
-def wait_gpus_released() -> None:
-    """Bounded: the next job on the same Ray needs every logical GPU back."""
-    deadline = time.monotonic() + RELEASE_TIMEOUT_S
-    while ray.available_resources().get("GPU", 0) < NUM_GPUS:
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"logical GPUs not released within {RELEASE_TIMEOUT_S:.0f} s: "
-                f"{ray.available_resources()}"
-            )
-        time.sleep(0.2)
-
-
 def run_job(checkpoint: str, budget: int, ids: torch.Tensor) -> dict:
     start = time.perf_counter()
     with launch(JobConfig(checkpoint=checkpoint, gpu_memory_bytes=budget)) as job:
@@ -169,7 +158,7 @@ def run_job(checkpoint: str, budget: int, ids: torch.Tensor) -> dict:
             "bytes_read": [r["bytes_read"] for r in job.load_reports],
             "logits": logits,
         }
-    wait_gpus_released()
+    wait_gpus_released(NUM_GPUS)
     return result
 
 
