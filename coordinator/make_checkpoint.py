@@ -60,6 +60,10 @@ class CheckpointShape:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # the Python API gets the CLI's checks: a wrong type is named
+            value, wanted = getattr(self, f.name), {"int": int, "bool": bool, "str": str}[f.type]
+            if not isinstance(value, wanted) or (wanted is int and isinstance(value, bool)):
+                raise ValueError(f"{f.name}={value!r} must be of type {f.type}")
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"arch={self.arch!r} is not one of {', '.join(ARCHITECTURES)}")
         if self.dtype not in DTYPES:

@@ -217,3 +217,12 @@ def test_kv_heads_do_not_apply_to_families_without_gqa() -> None:
         config = CheckpointShape(arch=arch, num_heads=4, hidden_size=32, num_kv_heads=3).hf_config()
         assert config.num_attention_heads == 4
         assert not hasattr(config, "num_key_value_heads")
+
+
+@pytest.mark.parametrize("values", [{"num_layers": "3"}, {"tie_embeddings": "yes"},
+                                    {"num_layers": True}, {"arch": 7}])  # fmt: skip
+def test_wrong_types_are_named(values: dict) -> None:
+    """The Python API gets the checks the CLI gets: a ValueError naming the field and type."""
+    [(name, value)] = values.items()
+    with pytest.raises(ValueError, match=rf"{name}={value!r} must be of type"):
+        CheckpointShape(**values)
