@@ -136,7 +136,7 @@ def test_left_padded_rows_get_the_unpadded_logits(checkpoints, family: str) -> N
     finally:
         pipeline.close()
     _, _, positions, _ = check_inputs(ids, mask, 0, VOCAB)
-    assert positions[1].tolist() == [1] * pad + list(range(12 - pad))
+    assert positions[1].tolist() == [0] * pad + list(range(12 - pad))
     batched = reference(index, ids, attention_mask=mask, position_ids=positions)
     assert torch.equal(logits, batched)
     kept = reference(index, ids, attention_mask=mask, position_ids=positions, logits_to_keep=1)

@@ -36,5 +36,5 @@ def test_a_mask_numbers_positions_as_generate_does() -> None:
     mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]], dtype=torch.bool)
     ids, mask_out, positions, keep = check_inputs(IDS, mask, 1, 10)
     assert ids is IDS and keep == 1 and mask_out.dtype == torch.int64
-    assert positions.tolist() == [[0, 1, 2, 3], [1, 1, 0, 1]]  # pads get 1 (never attended)
+    assert positions.tolist() == [[0, 1, 2, 3], [0, 0, 0, 1]]  # pads get 0 (never attended)
     assert check_inputs(IDS, None, 0, 10)[1:3] == (None, None)  # the model's own 0..seq-1

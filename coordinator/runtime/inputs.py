@@ -51,6 +51,7 @@ def check_inputs(
     empty = (mask.sum(-1) == 0).nonzero().flatten().tolist()
     if empty:
         raise ValueError(f"attention_mask rows {empty} have no tokens")
-    # As generate() numbers them: padding does not count; pads get position 1 (unused).
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    # As generate() numbers them (_prepare_position_ids_for_generation): padding does not count;
+    # pads get position 0 (never attended).
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     return input_ids, mask, positions, logits_to_keep
