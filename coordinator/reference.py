@@ -39,3 +39,33 @@ def reference_logits(
                          logits_to_keep=logits_to_keep).logits  # fmt: skip
     finally:
         torch.set_num_threads(previous)
+
+
+def reference_generate(
+    checkpoint: str,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    dtype: str = "auto",
+    num_threads: int | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """`generate`'s sequences from the plain Hugging Face model in one process (same dtype and
+    thread count as the workers), for the generation parity tests."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    if dtype == "auto":
+        from coordinator.planning.checkpoint import load_index
+
+        dtype = load_index(checkpoint).dtype
+    hf_logging.disable_progress_bar()
+    previous = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype))
+        with torch.no_grad():
+            return model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    finally:
+        torch.set_num_threads(previous)

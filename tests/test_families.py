@@ -65,10 +65,15 @@ def offloading_plan(index: CheckpointIndex) -> Plan:
 class Pipeline:
     """The plan's stages as in-process workers, one thread each (as the reference)."""
 
-    def __init__(self, index: CheckpointIndex) -> None:
+    def __init__(self, index: CheckpointIndex, groups: list[list[str]] | None = None,
+                 offloaded: tuple[str, ...] = ()) -> None:  # fmt: skip
+        """The planner's split, or `groups` of layers with `offloaded` ones offloaded."""
         self.index = index
-        self.plan = offloading_plan(index)
-        specs = stage_specs(JobConfig(checkpoint=str(index.root)), index, self.plan, {})
+        if groups is None:
+            self.plan = offloading_plan(index)
+            specs = stage_specs(JobConfig(checkpoint=str(index.root)), index, self.plan, {})
+        else:
+            specs = [split_spec(index, stage, groups, offloaded) for stage in range(len(groups))]
         self.workers = [StageWorker(spec, device="cpu", num_threads=1) for spec in specs]
         for worker in self.workers:
             worker.load()
@@ -158,21 +163,23 @@ def test_stages_of_only_an_embedding_or_only_a_head(checkpoints, family: str) ->
     assert torch.equal(run_split(index, ids, groups, offloaded=("layers.1",)), reference(index, ids))
 
 
+def split_spec(index: CheckpointIndex, stage: int, groups: list[list[str]],
+               offloaded: tuple) -> StageSpec:  # fmt: skip
+    """Stage `stage` of a hand-made split: layers `groups[stage]`, `offloaded` ones offloaded."""
+    group = groups[stage]
+    return StageSpec(stage=stage, num_stages=len(groups), checkpoint_dir=str(index.root),
+                     config=index.config, dtype=index.dtype,
+                     layers=tuple(layer for layer in index.layers if layer.name in group),
+                     offloaded=tuple(n for n in group if n in offloaded))  # fmt: skip
+
+
 def run_split(index: CheckpointIndex, ids, groups: list[list[str]], offloaded: tuple) -> torch.Tensor:
     """`ids` through in-process workers holding `groups` of layers, `offloaded` ones offloaded."""
-    x = ids
-    for stage, group in enumerate(groups):
-        spec = StageSpec(stage=stage, num_stages=len(groups), checkpoint_dir=str(index.root),
-                         config=index.config, dtype=index.dtype,
-                         layers=tuple(layer for layer in index.layers if layer.name in group),
-                         offloaded=tuple(n for n in group if n in offloaded))  # fmt: skip
-        worker = StageWorker(spec, device="cpu", num_threads=1)
-        try:
-            worker.load()
-            x = worker.forward(x)
-        finally:
-            worker.close()
-    return x
+    pipeline = Pipeline(index, groups, offloaded)
+    try:
+        return pipeline(ids)
+    finally:
+        pipeline.close()
 
 
 def test_what_the_model_keeps_in_float32_stays_in_float32(tmp_path) -> None:

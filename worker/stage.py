@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from worker.cache import StageCache
 from worker.layout import EMBED, HEAD, build_meta_model, find_layout
 
 
@@ -97,6 +98,15 @@ class Stage(nn.Module):
             out[name] = modules[0] if name not in (EMBED, HEAD) else nn.ModuleList(modules)
         return out
 
+    @property
+    def decoder_indices(self) -> list[int]:
+        return [int(n.split(".")[1]) for n in self.layer_names if n.startswith("layers.")]
+
+    def new_cache(self) -> StageCache | None:
+        """An empty KV cache for one request (None for a stage without decoder layers)."""
+        held = self.decoder_indices
+        return StageCache(self.model.config, held) if held else None
+
     def init_buffers(self, device: torch.device) -> None:
         """Give every buffer still on the meta device memory and initialise the non-persistent
         ones (rotary tables, embedding scales) the way `from_pretrained` does: everything loaded
@@ -127,11 +137,13 @@ class Stage(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         logits_to_keep: int = 0,
+        cache: StageCache | None = None,
     ) -> torch.Tensor:
         """Token ids (first stage) or hidden states in; hidden states, or logits from the last
-        stage (of the last `logits_to_keep` positions; 0: all)."""
+        stage (of the last `logits_to_keep` positions; 0: all). With `cache`, the keys and
+        values of this stage's layers are appended to it and attended to (generation)."""
         kwargs = {"attention_mask": attention_mask, "position_ids": position_ids,
-                  "use_cache": False}  # fmt: skip
+                  "use_cache": cache is not None, "past_key_values": cache}  # fmt: skip
         if self.is_first:
             kwargs["input_ids"] = x
         else:

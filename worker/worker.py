@@ -87,6 +87,7 @@ class StageWorker:
         self._load_s = 0.0
         self._forward_s = 0.0
         self._forwards = 0
+        self._caches: dict[str, object] = {}  # request id -> StageCache (None: no decoder layer)
         self._started = time.monotonic()
         self._last_counters: tuple[dict, float] | None = None
         self._report_lock = threading.Lock()  # `since_last` is shared with the snapshot thread
@@ -180,6 +181,7 @@ class StageWorker:
         self._chunks = self._make_chunks([n for n in names if n not in carried])
         self._ready = False
         self._history.clear()  # snapshots of the old stage would pass for the new one
+        self._caches.clear()  # caches of the old layers: a request in flight starts again
 
     def _make_chunks(self, names: list[str]) -> list[list[str]]:
         chunks: list[list[str]] = []
@@ -252,21 +254,38 @@ class StageWorker:
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         logits_to_keep: int = 0,
+        request: str | None = None,
     ) -> torch.Tensor:
         """Token ids (first stage) or the previous stage's hidden states in; hidden states, or
-        the logits of the last `logits_to_keep` positions (0: all) from the last stage."""
+        the logits of the last `logits_to_keep` positions (0: all) from the last stage. With a
+        `request` id, the KV cache of this stage's layers for that request is used and grown
+        (created on its first step; `end_request` frees it)."""
         if not self._ready:
             raise WorkerError(f"{self._where()}: forward before load")
         start = time.perf_counter()
+        cache = None
+        if request is not None:
+            if request not in self._caches:
+                self._caches[request] = self.stage.new_cache()
+            cache = self._caches[request]
         to_device = lambda t: t.to(self.device) if t is not None else None  # noqa: E731
         with torch.no_grad():
             out = self.stage(to_device(x), attention_mask=to_device(attention_mask),
                              position_ids=to_device(position_ids),
-                             logits_to_keep=logits_to_keep)  # fmt: skip
+                             logits_to_keep=logits_to_keep, cache=cache)  # fmt: skip
         out = out.cpu()
         self._forward_s += time.perf_counter() - start
         self._forwards += 1
         return out
+
+    def end_request(self, request: str) -> bool:
+        """Free the KV cache of `request`; False when this worker never saw the request."""
+        known = request in self._caches
+        self._caches.pop(request, None)
+        return known
+
+    def kv_cache_bytes(self) -> int:
+        return sum(c.nbytes() for c in self._caches.values() if c is not None)
 
     # reporting
     def device_bytes(self) -> int:
@@ -363,6 +382,8 @@ class StageWorker:
             "load_s": self._load_s,
             "forward_s": self._forward_s,
             "forwards": self._forwards,
+            "kv_cache_bytes": self.kv_cache_bytes(),
+            "requests": len(self._caches),
             "stats": stats,
             "since_last": self._since_last(stats),
             "time": time.time(),

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import sys
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
 import torch
 
+from coordinator import generation
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import CheckpointIndex, load_index
 from coordinator.planning.planner import Plan, plan
@@ -34,6 +36,7 @@ from coordinator.runtime.session import RaySession, connect
 from coordinator.runtime.telemetry import MetricsExporter, collect
 
 TELEMETRY_TIMEOUT_S = 60.0
+END_REQUEST_TIMEOUT_S = 30.0
 # close() waits this long for a background tick in flight; the thread is a daemon either way.
 LOOP_JOIN_TIMEOUT_S = 5.0
 
@@ -102,7 +105,8 @@ class Job:
                 except ray.exceptions.RayError as again:
                     raise worker_failure(again, self.workers) from None
 
-    def _forward(self, input_ids, attention_mask, position_ids, logits_to_keep) -> torch.Tensor:
+    def _forward(self, input_ids, attention_mask, position_ids, logits_to_keep,
+                 request: str | None = None) -> torch.Tensor:  # fmt: skip
         self._require_open()
         if any(h.actor is None for h in self.workers):  # attached to a load that lost workers
             raise WorkerLostError("a worker of this load was lost")
@@ -110,7 +114,8 @@ class Job:
         mask_ref = ray.put(attention_mask) if attention_mask is not None else None
         positions_ref = ray.put(position_ids) if position_ids is not None else None
         for handle in self.workers:
-            ref = handle.actor.forward.remote(ref, mask_ref, positions_ref, logits_to_keep)
+            ref = handle.actor.forward.remote(ref, mask_ref, positions_ref, logits_to_keep,
+                                              request)  # fmt: skip
         try:
             return ray.get(ref, timeout=self.config.forward_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -118,6 +123,47 @@ class Job:
                 f"forward did not finish within {self.config.forward_timeout_s:.0f} s "
                 "(forward_timeout_s)"
             ) from None
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        max_new_tokens: int | None = None,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = generation.FROM_CHECKPOINT,  # type: ignore[assignment]
+        top_p: float | None = None,
+        eos_token_id: int | list[int] | None = generation.FROM_CHECKPOINT,  # type: ignore[assignment]
+        pad_token_id: int | None = None,
+        seed: int | None = None,
+        on_tokens: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """Token ids (batch, prompt + new), as transformers' `generate` returns its sequences:
+        greedy unless `do_sample`, settings not given taken from the checkpoint's
+        generation_config.json (`eos_token_id=None`: exactly `max_new_tokens` new tokens).
+        Left-pad batches and pass their `attention_mask`. Each worker keeps the KV cache of its
+        own layers for the request and frees it when the request ends, however it ends; each
+        decode step moves one position per sequence and only the last stage returns logits,
+        of the last position. A worker lost meanwhile: the job recovers and the request goes
+        on, its caches rebuilt from the prompt and the tokens generated so far."""
+        ids, mask, positions, _ = check_inputs(input_ids, attention_mask, 0,
+                                               self.index.config.get("vocab_size"))  # fmt: skip
+        if mask is None:
+            mask = torch.ones_like(ids)
+            positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+        settings = generation.resolve(
+            self.index.root, self.index.config, ids.shape[1], max_new_tokens=max_new_tokens,
+            do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+            eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed,
+        )  # fmt: skip
+        with self._lock:
+            step = _ResumableStep(self)
+            try:
+                return generation.generate(step, ids, mask, positions, settings,
+                                           on_tokens=on_tokens)  # fmt: skip
+            finally:
+                step.end()
 
     def _require_open(self) -> None:
         if not self.workers:
@@ -247,6 +293,42 @@ class Job:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _ResumableStep:
+    """One request's steps through the pipeline, each worker caching its layers' keys and
+    values under the request's id. It remembers every position fed so far: when a worker is
+    lost, the job recovers and the whole sequence is fed again under a new id (the caches are
+    rebuilt), and the step returns the logits the lost step would have."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.request = uuid.uuid4().hex
+        self.fed: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, positions) of each step
+
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
+        self.fed.append((ids, positions))
+        try:
+            return self.job._forward(ids, mask, positions, 1, self.request)
+        except (ray.exceptions.RayError, WorkerLostError) as exc:
+            if not self.job.recover():
+                if isinstance(exc, ray.exceptions.RayError):
+                    raise worker_failure(exc, self.job.workers) from None
+                raise
+        self.end()
+        self.request = uuid.uuid4().hex
+        all_ids = torch.cat([i for i, _ in self.fed], dim=-1)
+        all_positions = torch.cat([p for _, p in self.fed], dim=-1)
+        try:
+            return self.job._forward(all_ids, mask, all_positions, 1, self.request)
+        except ray.exceptions.RayError as again:
+            raise worker_failure(again, self.job.workers) from None
+
+    def end(self) -> None:
+        """Free the request's caches on every worker (bounded; a lost worker holds none)."""
+        refs = [h.actor.end_request.remote(self.request) for h in self.job.workers if h.actor]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=END_REQUEST_TIMEOUT_S)
 
 
 def launch(

@@ -1,0 +1,197 @@
+"""Generating tokens: the settings a checkpoint's `generation_config.json` gives, as
+`transformers` takes them, and the decoding loop over any pipeline (`step`).
+
+The loop is `generate`'s greedy / sampling loop: a prefill of the (left-padded) prompt, then one
+position per sequence per step, the positions counted from the attention mask, rows that hit an
+end-of-sequence token padded with `pad_token_id` until every row has ended or `max_new_tokens`
+is reached. Only the last position's logits come back from a step. Sampling applies the same
+warpers as `transformers` (temperature, top-k, top-p) and draws from a generator seeded by
+`seed`, so a seeded request is reproducible. Settings that would change what `generate` returns
+and that this loop does not apply (repetition penalty, beams, ...) are refused by name: never a
+different answer without an error.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FROM_CHECKPOINT = object()  # "the checkpoint's value": distinct from None ("no such token")
+DEFAULT_MAX_NEW_TOKENS = 20  # transformers' default (max_length 20 on top of the prompt)
+# generation_config.json keys whose non-default values this loop does not apply.
+UNSUPPORTED = {
+    "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0,
+    "min_new_tokens": None, "num_beams": 1, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0, "min_p": None, "top_h": None, "bad_words_ids": None,
+    "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
+    "forced_eos_token_id": None, "sequence_bias": None, "exponential_decay_length_penalty": None,
+    "renormalize_logits": False, "num_return_sequences": 1, "stop_strings": None,
+    "penalty_alpha": None, "guidance_scale": None, "encoder_repetition_penalty": 1.0,
+}  # fmt: skip
+
+# step(ids (batch, n), attention_mask (batch, total), position_ids (batch, n)) -> logits of the
+# last position (batch, 1, vocab); the pipeline keeps each request's KV cache between steps.
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class GenerationError(ValueError):
+    """A generation request that cannot run; the message names the setting and the fix."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Settings:
+    max_new_tokens: int
+    do_sample: bool
+    temperature: float
+    top_k: int | None
+    top_p: float
+    eos_token_ids: tuple[int, ...]  # empty: never stop before max_new_tokens
+    pad_token_id: int
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise GenerationError(f"max_new_tokens={self.max_new_tokens} must be >= 0")
+        if self.do_sample and not self.temperature > 0:
+            raise GenerationError(f"temperature={self.temperature} must be > 0 when sampling")
+        if not 0 < self.top_p <= 1:
+            raise GenerationError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k is not None and self.top_k < 0:
+            raise GenerationError(f"top_k={self.top_k} must be >= 0 (0 or None: off)")
+
+
+def _checkpoint_generation_config(root: Path, model_config: dict) -> dict:
+    """generation_config.json's values (None where unset), else those of config.json, as
+    `from_pretrained` builds a model's generation_config."""
+    path = root / "generation_config.json"
+    if path.is_file():
+        try:
+            values = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise GenerationError(f"generation_config.json: cannot read: {exc}") from None
+        if not isinstance(values, dict):
+            raise GenerationError("generation_config.json: expected a JSON object")
+        return values
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    return {k: model_config.get(k) for k in keys}
+
+
+def resolve(
+    root: str | Path,
+    model_config: dict,
+    prompt_length: int,
+    *,
+    max_new_tokens: int | None = None,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = FROM_CHECKPOINT,  # type: ignore[assignment]
+    top_p: float | None = None,
+    eos_token_id: int | list[int] | None = FROM_CHECKPOINT,  # type: ignore[assignment]
+    pad_token_id: int | None = None,
+    seed: int | None = None,
+) -> Settings:
+    """The settings of one request: the arguments given, else the checkpoint's
+    generation_config.json, else transformers' defaults (greedy, 20 new tokens, top_k 50 when
+    sampling)."""
+    values = _checkpoint_generation_config(Path(root), model_config)
+    for key, neutral in UNSUPPORTED.items():
+        value = values.get(key)
+        if value is not None and value != neutral:
+            raise GenerationError(
+                f"generation_config.json sets {key}={value!r}, which this generator does not "
+                f"apply (it would change the tokens); set it to {neutral!r} or remove it"
+            )
+    if max_new_tokens is None:
+        max_new_tokens = values.get("max_new_tokens")
+    if max_new_tokens is None:
+        max_length = values.get("max_length")
+        max_new_tokens = (
+            max(max_length - prompt_length, 0) if max_length else DEFAULT_MAX_NEW_TOKENS
+        )
+    eos = values.get("eos_token_id") if eos_token_id is FROM_CHECKPOINT else eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
+    pad = pad_token_id if pad_token_id is not None else values.get("pad_token_id")
+    if pad is None:  # as generate: padding finished rows with the first end token
+        pad = eos_ids[0] if eos_ids else 0
+    return Settings(
+        max_new_tokens=int(max_new_tokens),
+        do_sample=bool(do_sample if do_sample is not None else values.get("do_sample") or False),
+        temperature=float(
+            temperature if temperature is not None else values.get("temperature") or 1.0
+        ),
+        top_k=_or(values.get("top_k"), 50) if top_k is FROM_CHECKPOINT else top_k,
+        top_p=float(top_p if top_p is not None else values.get("top_p") or 1.0),
+        eos_token_ids=tuple(int(e) for e in eos_ids),
+        pad_token_id=int(pad),
+        seed=seed,
+    )
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _next_tokens(logits: torch.Tensor, sequences: torch.Tensor, settings: Settings,
+                 generator: torch.Generator | None) -> torch.Tensor:  # fmt: skip
+    """The next token of each row from the last position's logits, as generate chooses it."""
+    scores = logits[:, -1, :].to(dtype=torch.float32, copy=True)
+    if not settings.do_sample:
+        return torch.argmax(scores, dim=-1)
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    if settings.temperature != 1.0:
+        scores = TemperatureLogitsWarper(settings.temperature)(sequences, scores)
+    if settings.top_k:
+        scores = TopKLogitsWarper(top_k=settings.top_k)(sequences, scores)
+    if settings.top_p < 1.0:
+        scores = TopPLogitsWarper(top_p=settings.top_p)(sequences, scores)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+
+
+def generate(
+    step: Step,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    settings: Settings,
+    *,
+    on_tokens: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """(batch, prompt + new) token ids, as `generate` returns its sequences. `on_tokens` sees
+    each step's new tokens (batch,) as they come (streaming)."""
+    sequences = input_ids
+    if settings.max_new_tokens == 0:
+        return sequences
+    generator = None
+    if settings.do_sample:
+        generator = torch.Generator()
+        if settings.seed is not None:
+            generator.manual_seed(settings.seed)
+        else:
+            generator.seed()
+    eos = torch.tensor(settings.eos_token_ids, dtype=sequences.dtype)
+    unfinished = torch.ones(sequences.shape[0], dtype=torch.bool)
+    logits = step(input_ids, attention_mask, position_ids)
+    for produced in range(settings.max_new_tokens):
+        tokens = _next_tokens(logits, sequences, settings, generator).to(sequences.dtype)
+        tokens = torch.where(unfinished, tokens, settings.pad_token_id)
+        sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
+        if on_tokens is not None:
+            on_tokens(tokens)
+        if len(eos):
+            unfinished &= ~torch.isin(tokens, eos)
+        if not bool(unfinished.any()) or produced + 1 == settings.max_new_tokens:
+            break
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(tokens), 1))], -1)
+        position_ids = position_ids[:, -1:] + 1
+        logits = step(tokens[:, None], attention_mask, position_ids)
+    return sequences
