@@ -346,3 +346,36 @@ def test_gpus_are_reserved_all_at_once_or_not_at_all(embedded_ray, checkpoints) 
         assert states == ["CREATED"]  # the first job's; the second's was removed
         assert torch.equal(first.forward(ids), expected)
     wait_gpus_free(NUM_GPUS)
+
+
+def test_generate_through_ray_equals_transformers_and_survives_a_lost_worker(
+    embedded_ray, checkpoints
+) -> None:  # fmt: skip
+    """Greedy generation through the Ray pipeline (bf16 llama, stages offloading) equals
+    transformers' `generate`; killing a worker mid-request recovers the job and the request
+    goes on from the tokens generated so far; no worker keeps a cache afterwards."""
+    from coordinator.reference import reference_generate
+
+    checkpoint = checkpoints["llama"]
+    config = JobConfig(checkpoint=checkpoint, gpu_memory_bytes=budget_forcing_offload(checkpoint))
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(9))
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = 0, 0
+    expected = reference_generate(checkpoint, ids, attention_mask=mask, num_threads=1,
+                                  max_new_tokens=10, do_sample=False)  # fmt: skip
+    with launch(config) as job:
+        assert torch.equal(job.generate(ids, mask, max_new_tokens=10, do_sample=False), expected)
+        streamed: list[torch.Tensor] = []
+
+        def kill_after_three(tokens: torch.Tensor) -> None:
+            streamed.append(tokens)
+            if len(streamed) == 3:
+                ray.kill(job.workers[1].actor, no_restart=True)
+
+        out = job.generate(ids, mask, max_new_tokens=10, do_sample=False,
+                           on_tokens=kill_after_three)  # fmt: skip
+        assert [e["event"] for e in job.events] == ["replaced workers"]
+        assert torch.equal(out, expected)
+        assert torch.equal(torch.stack(streamed, 1), out[:, ids.shape[1] :])
+        assert all(r["requests"] == 0 for r in job.telemetry())
+    wait_gpus_free(NUM_GPUS)

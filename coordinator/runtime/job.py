@@ -297,17 +297,18 @@ class Job:
 
 class _ResumableStep:
     """One request's steps through the pipeline, each worker caching its layers' keys and
-    values under the request's id. It remembers every position fed so far: when a worker is
-    lost, the job recovers and the whole sequence is fed again under a new id (the caches are
-    rebuilt), and the step returns the logits the lost step would have."""
+    values under the request's id. It remembers every step fed so far: when a worker is lost,
+    the job recovers and the steps are fed again, in order, under a new id. That rebuilds the
+    caches exactly as they were (same inputs, same shapes, same kernels), so the request goes
+    on with the logits it would have had: the output is the one an uninterrupted run gives."""
 
     def __init__(self, job: Job) -> None:
         self.job = job
         self.request = uuid.uuid4().hex
-        self.fed: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, positions) of each step
+        self.fed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # ids, mask, pos
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
-        self.fed.append((ids, positions))
+        self.fed.append((ids, mask, positions))
         try:
             return self.job._forward(ids, mask, positions, 1, self.request)
         except (ray.exceptions.RayError, WorkerLostError) as exc:
@@ -317,12 +318,12 @@ class _ResumableStep:
                 raise
         self.end()
         self.request = uuid.uuid4().hex
-        all_ids = torch.cat([i for i, _ in self.fed], dim=-1)
-        all_positions = torch.cat([p for _, p in self.fed], dim=-1)
         try:
-            return self.job._forward(all_ids, mask, all_positions, 1, self.request)
+            for step_ids, step_mask, step_positions in self.fed:
+                logits = self.job._forward(step_ids, step_mask, step_positions, 1, self.request)
         except ray.exceptions.RayError as again:
             raise worker_failure(again, self.job.workers) from None
+        return logits
 
     def end(self) -> None:
         """Free the request's caches on every worker (bounded; a lost worker holds none)."""
