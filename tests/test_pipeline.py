@@ -377,5 +377,17 @@ def test_generate_through_ray_equals_transformers_and_survives_a_lost_worker(
         assert [e["event"] for e in job.events] == ["replaced workers"]
         assert torch.equal(out, expected)
         assert torch.equal(torch.stack(streamed, 1), out[:, ids.shape[1] :])
+        # Three requests at once (each stage takes the next request's step while the following
+        # stage works on this one's): each gets what it gets alone.
+        from concurrent.futures import ThreadPoolExecutor
+
+        rows = [(ids[i : i + 1, 2 * i :], mask[i : i + 1, 2 * i :]) for i in range(2)] * 2
+        with ThreadPoolExecutor(3) as pool:
+            outs = list(pool.map(lambda r: job.generate(*r, max_new_tokens=6, do_sample=False),
+                                 rows[:3]))  # fmt: skip
+        for (row_ids, row_mask), got in zip(rows, outs, strict=False):
+            alone = reference_generate(checkpoint, row_ids, attention_mask=row_mask,
+                                       num_threads=1, max_new_tokens=6, do_sample=False)  # fmt: skip
+            assert torch.equal(got, alone)
         assert all(r["requests"] == 0 for r in job.telemetry())
     wait_gpus_free(NUM_GPUS)

@@ -27,6 +27,7 @@ from coordinator.planning.checkpoint import CheckpointIndex, load_index
 from coordinator.planning.planner import Plan, plan
 from coordinator.runtime import recovery, registry
 from coordinator.runtime.errors import LaunchError, WorkerLostError
+from coordinator.runtime.gate import Gate
 from coordinator.runtime.group import WorkerGroup, WorkerHandle, worker_failure
 from coordinator.runtime.inputs import check_inputs
 from coordinator.runtime.keeper import find as find_keeper
@@ -55,8 +56,8 @@ class Job:
     _loops: dict[str, tuple[threading.Thread, threading.Event]] = field(
         default_factory=dict, repr=False
     )
-    # One pass or one recovery at a time: a watcher must not re-plan under a running forward.
-    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    # Passes and generation steps at once, a recovery alone (see coordinator.runtime.gate).
+    _gate: Gate = field(default_factory=Gate, repr=False)
 
     # what the group holds, read-only here: only the group changes it
     @property
@@ -92,11 +93,11 @@ class Job:
         the pass is run once more."""
         inputs = check_inputs(input_ids, attention_mask, logits_to_keep,
                               self.index.config.get("vocab_size"))  # fmt: skip
-        with self._lock:
+        with self._gate.inside() as epoch:
             try:
                 return self._forward(*inputs)
             except (ray.exceptions.RayError, WorkerLostError) as exc:
-                if not self.recover():  # every worker alive: the pass itself failed
+                if not self._recover_since(epoch):  # every worker alive: the pass itself failed
                     if isinstance(exc, ray.exceptions.RayError):
                         raise worker_failure(exc, self.workers) from None
                     raise
@@ -157,8 +158,8 @@ class Job:
             do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
             eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed,
         )  # fmt: skip
-        with self._lock:
-            step = _ResumableStep(self)
+        with self._gate.inside() as epoch:
+            step = _ResumableStep(self, epoch)
             try:
                 return generation.generate(step, ids, mask, positions, settings,
                                            on_tokens=on_tokens)  # fmt: skip
@@ -180,13 +181,30 @@ class Job:
         coordinator.runtime.recovery); `PlanError` when those cannot hold the model. A named
         load's keeper does it (the one process that changes a named load), this job then
         takes the load's new state from its record."""
-        with self._lock:
-            if self.keeper is not None:
-                return self._recover_by_keeper()
-            dead, reports = recovery.recover(self.group, self.record_event)
+        with self._gate.alone():
+            dead = self._recover_now()
             if dead:
-                self.load_reports = reports
+                self._gate.epoch += 1
             return dead
+
+    def _recover_since(self, epoch: int) -> bool:
+        """For a pass that failed in `epoch`: recover, unless another thread changed the
+        workers since (then the pass just runs again). True when the workers changed."""
+        with self._gate.alone():
+            if self._gate.epoch != epoch:
+                return True
+            dead = self._recover_now()
+            if dead:
+                self._gate.epoch += 1
+            return bool(dead)
+
+    def _recover_now(self) -> list[int]:
+        if self.keeper is not None:
+            return self._recover_by_keeper()
+        dead, reports = recovery.recover(self.group, self.record_event)
+        if dead:
+            self.load_reports = reports
+        return dead
 
     def _recover_by_keeper(self) -> list[int]:
         timeout_s = (self.config.load_timeout_s + self.config.placement_timeout_s
@@ -250,9 +268,8 @@ class Job:
         self._every("watch", interval_s, self._check)
 
     def _check(self) -> None:
-        with self._lock:
-            if self.workers and self.dead_stages():
-                self.recover()
+        if self.workers:
+            self.recover()
 
     def _every(self, name: str, interval_s: float, action: Callable[[], object]) -> None:
         if interval_s <= 0:
@@ -282,7 +299,7 @@ class Job:
         disconnect (use `registry.unload` to release it)."""
         for name in list(self._loops):
             self._stop_loop(name)
-        with self._lock:  # a recovery in flight finishes first: nothing it starts is left over
+        with self._gate.alone():  # passes and a recovery in flight finish first
             if self.name is None or self.session.owned:
                 self.group.stop()
             self.group.handles = []
@@ -302,8 +319,9 @@ class _ResumableStep:
     caches exactly as they were (same inputs, same shapes, same kernels), so the request goes
     on with the logits it would have had: the output is the one an uninterrupted run gives."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, epoch: int) -> None:
         self.job = job
+        self.epoch = epoch  # of the workers the request's caches are on
         self.request = uuid.uuid4().hex
         self.fed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # ids, mask, pos
 
@@ -312,10 +330,11 @@ class _ResumableStep:
         try:
             return self.job._forward(ids, mask, positions, 1, self.request)
         except (ray.exceptions.RayError, WorkerLostError) as exc:
-            if not self.job.recover():
+            if not self.job._recover_since(self.epoch):
                 if isinstance(exc, ray.exceptions.RayError):
                     raise worker_failure(exc, self.job.workers) from None
                 raise
+        self.epoch = self.job._gate.epoch
         self.end()
         self.request = uuid.uuid4().hex
         try:
