@@ -150,6 +150,10 @@ class JobConfig:
     gpu_memory_bytes: int | None = None  # per-GPU budget (required without CUDA)
     host_memory_bytes: int | None = None  # per-node budget for offloaded weights
     reserve_bytes: int = 0  # per GPU, for activations
+    # KV cache reserved on the GPUs for generation: up to max_batch sequences in flight of up
+    # to max_seq_len tokens each (prompt + new). 0: none reserved, and the job cannot generate.
+    max_batch: int = 1
+    max_seq_len: int = 0
     prefetch_step: int = 1
     backend: str = "auto"
     # The dtype the model loads and computes in: "auto" (the checkpoint's: config.json's dtype,
@@ -175,7 +179,7 @@ class JobConfig:
             _check_type(f.name, str(f.type), getattr(self, f.name))
         if not self.checkpoint:
             raise ConfigError("checkpoint: a checkpoint directory is required")
-        for name in ("gpus", "reserve_bytes"):
+        for name in ("gpus", "reserve_bytes", "max_batch", "max_seq_len"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
         for name in ("gpu_memory_bytes", "host_memory_bytes"):
@@ -213,7 +217,8 @@ class JobConfig:
         """The planner's options this job sets (the rest: the planner's defaults)."""
         from coordinator.planning.planner import PlanOptions  # planning imports this module
 
-        return PlanOptions(reserve_bytes=self.reserve_bytes, prefetch_step=self.prefetch_step)
+        return PlanOptions(reserve_bytes=self.reserve_bytes, prefetch_step=self.prefetch_step,
+                           max_batch=self.max_batch, max_seq_len=self.max_seq_len)  # fmt: skip
 
 
 _SIZE_FIELDS = {"gpu_memory_bytes", "host_memory_bytes", "reserve_bytes"}

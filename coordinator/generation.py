@@ -14,7 +14,9 @@ different answer without an error.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +42,45 @@ Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 class GenerationError(ValueError):
     """A generation request that cannot run; the message names the setting and the fix."""
+
+
+class KvBudget:
+    """The KV cache the plan reserved: `max_batch` sequences in flight at once, of up to
+    `max_seq_len` tokens each. A request that would exceed it is refused with the numbers
+    before anything runs (never an out-of-memory error halfway)."""
+
+    def __init__(self, *, max_batch: int, max_seq_len: int) -> None:
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self._lock = threading.Lock()
+        self.in_flight = 0  # sequences
+
+    @contextmanager
+    def claim(self, sequences: int, tokens: int) -> Iterator[None]:
+        if self.max_seq_len == 0:
+            raise GenerationError(
+                "this job reserved no KV cache (max_seq_len=0), so it cannot generate: load it "
+                "with max_seq_len (prompt + new tokens per sequence) and max_batch (sequences at "
+                "once), e.g. --max-seq-len 512 --max-batch 4; the plan then keeps room for them"
+            )
+        if tokens > self.max_seq_len:
+            raise GenerationError(
+                f"{tokens} tokens per sequence (prompt + max_new_tokens) exceed the KV cache "
+                f"reserved for max_seq_len={self.max_seq_len}: shorten the request or load the "
+                "job with a larger max_seq_len"
+            )
+        with self._lock:
+            if self.in_flight + sequences > self.max_batch:
+                raise GenerationError(
+                    f"{sequences} sequence(s), with {self.in_flight} in flight, exceed the KV "
+                    f"cache reserved for max_batch={self.max_batch}: wait for a request to end, "
+                    "send fewer sequences, or load the job with a larger max_batch"
+                )
+            self.in_flight += sequences
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.in_flight -= sequences
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

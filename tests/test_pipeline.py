@@ -357,18 +357,33 @@ def test_generate_through_ray_equals_transformers_and_survives_a_lost_worker(
     from coordinator.reference import reference_generate
 
     checkpoint = checkpoints["llama"]
-    config = JobConfig(checkpoint=checkpoint, gpu_memory_bytes=budget_forcing_offload(checkpoint))
+    index = load_index(checkpoint)
+    max_batch, max_seq_len = 3, 16  # planned KV cache: 3 sequences of up to 16 tokens
+    kv_total = sum(x.kv_bytes(max_batch, max_seq_len) for x in index.layers)
+    config = JobConfig(checkpoint=checkpoint, max_batch=max_batch, max_seq_len=max_seq_len,
+                       gpu_memory_bytes=budget_forcing_offload(checkpoint) + kv_total // 2)  # fmt: skip
     ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(9))
     mask = torch.ones_like(ids)
     ids[0, :2], mask[0, :2] = 0, 0
     expected = reference_generate(checkpoint, ids, attention_mask=mask, num_threads=1,
                                   max_new_tokens=10, do_sample=False)  # fmt: skip
     with launch(config) as job:
+        assert sum(s.kv_bytes for s in job.plan.stages) == kv_total > 0  # planned, not found
+        assert any(s.offloaded for s in job.plan.stages)
         assert torch.equal(job.generate(ids, mask, max_new_tokens=10, do_sample=False), expected)
+        with pytest.raises(ValueError, match=r"16 tokens per sequence.* max_seq_len=16|"
+                           r"17 tokens per sequence \(prompt \+ max_new_tokens\) exceed"):  # fmt: skip
+            job.generate(ids, mask, max_new_tokens=11)
+        with pytest.raises(ValueError, match=r"4 sequence\(s\), with 0 in flight, exceed the KV "
+                           r"cache reserved for max_batch=3"):  # fmt: skip
+            job.generate(torch.cat([ids, ids]), torch.cat([mask, mask]), max_new_tokens=2)
         streamed: list[torch.Tensor] = []
+        during: list[list[dict]] = []
 
         def kill_after_three(tokens: torch.Tensor) -> None:
             streamed.append(tokens)
+            if len(streamed) == 1:
+                during.append(job.telemetry())
             if len(streamed) == 3:
                 ray.kill(job.workers[1].actor, no_restart=True)
 
@@ -376,6 +391,11 @@ def test_generate_through_ray_equals_transformers_and_survives_a_lost_worker(
                            on_tokens=kill_after_three)  # fmt: skip
         assert [e["event"] for e in job.events] == ["replaced workers"]
         assert torch.equal(out, expected)
+        # Mid-request, the stages with decoder layers held the request's KV cache.
+        [reports] = during
+        for report, stage in zip(reports, job.plan.stages, strict=True):
+            holds_decoders = any(n.startswith("layers.") for n in stage.layers)
+            assert (report["kv_cache_bytes"] > 0) == holds_decoders and report["requests"] == 1
         assert torch.equal(torch.stack(streamed, 1), out[:, ids.shape[1] :])
         # Three requests at once (each stage takes the next request's step while the following
         # stage works on this one's): each gets what it gets alone.

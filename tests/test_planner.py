@@ -66,6 +66,7 @@ def cluster(*nodes: dict) -> ClusterSnapshot:
 
 def brute_force(layers: list[LayerSpec], snap: ClusterSnapshot, opts: PlanOptions) -> float | None:
     sizes = [x.nbytes for x in layers]
+    kv = [x.kv_bytes(opts.max_batch, opts.max_seq_len) for x in layers]  # never offloaded
     decoders = [i for i, x in enumerate(layers) if x.kind == "decoder"]
     gpus = [(n, node, g) for n, node in enumerate(snap.nodes) for g in node.gpus]
     best = None
@@ -82,7 +83,8 @@ def brute_force(layers: list[LayerSpec], snap: ClusterSnapshot, opts: PlanOption
                 weights = sum(sizes[i] for i in stage)
                 off = [sizes[i] for i in stage if i in moved]
                 slots = min(opts.prefetch_step, len(off)) * max(off, default=0)
-                if weights - sum(off) + slots + opts.reserve_bytes > gpu.memory_bytes:
+                cache = sum(kv[i] for i in stage)
+                if weights - sum(off) + slots + cache + opts.reserve_bytes > gpu.memory_bytes:
                     ok = False
                     break
                 host[n] += sum(off)
@@ -114,7 +116,9 @@ def check_invariants(result: Plan, layers: list[LayerSpec], snap: ClusterSnapsho
         weights = sum(by_name[n].nbytes for n in s.layers)
         assert s.offloaded_bytes == sum(off) and s.resident_bytes == weights - sum(off)
         assert s.slot_bytes == min(opts.prefetch_step, len(off)) * max(off, default=0)
-        assert s.device_bytes == s.resident_bytes + s.slot_bytes + opts.reserve_bytes
+        kv = sum(by_name[n].kv_bytes(opts.max_batch, opts.max_seq_len) for n in s.layers)
+        assert s.kv_bytes == kv
+        assert s.device_bytes == s.resident_bytes + s.slot_bytes + kv + opts.reserve_bytes
         assert s.device_bytes <= gpu.memory_bytes
         link = node.link_bytes_per_s or opts.default_link_bytes_per_s
         assert s.compute_s == weights / opts.compute_bytes_per_s
@@ -144,7 +148,15 @@ def instances(draw, max_gpus: int = 4):
         None if embed is None else big + embed,
         None if head is None else big + head,
     )
-    sizes = [x.nbytes for x in layers]
+    kv_tokens = draw(st.sampled_from([0, 0, 1, 3]))  # KV cache of max_batch x kv_tokens
+    if kv_tokens:  # decoder layers get KV caches, some with a sliding window
+        layers = [
+            dataclasses.replace(x, kv_bytes_per_token=draw(st.integers(1, 3)),
+                                kv_window=draw(st.sampled_from([None, None, 2])))
+            if x.kind == "decoder" else x
+            for x in layers
+        ]  # fmt: skip
+    sizes = [x.nbytes + x.kv_bytes(2, kv_tokens) for x in layers]
     num_nodes = draw(st.integers(1, 2))
     gpus_left = max_gpus
     nodes = []
@@ -168,6 +180,8 @@ def instances(draw, max_gpus: int = 4):
         prefetch_step=draw(st.sampled_from([1, 1, 2])),
         compute_bytes_per_s=draw(st.sampled_from([1.0, 3.0, 4.0, 10.0])),
         default_link_bytes_per_s=draw(st.sampled_from([0.5, 2.5, 20.0])),
+        max_batch=draw(st.sampled_from([1, 2])) if kv_tokens else 0,
+        max_seq_len=kv_tokens,
     )
     return layers, cluster(*nodes), opts
 

@@ -177,6 +177,25 @@ class ModelLayout:
         return None
 
 
+def kv_per_layer(model: nn.Module) -> list[tuple[int, int | None]]:
+    """(KV bytes per token of one sequence, sliding window or None) of each decoder layer, from
+    the cache `generate` builds for the model (`DynamicCache(config=...)`: which layers slide)
+    and the attention shape of its config (key and value: KV heads x head dim each)."""
+    from transformers import DynamicCache
+
+    text = model.config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    per_token = 2 * kv_heads * head_dim * model.config.dtype.itemsize
+    cache = DynamicCache(config=model.config)
+    windows: list[int | None] = [None] * text.num_hidden_layers
+    if len(cache.layers) == text.num_hidden_layers:
+        windows = [getattr(layer, "sliding_window", None) if sliding else None
+                   for layer, sliding in zip(cache.layers, cache.is_sliding, strict=True)]  # fmt: skip
+    return [(per_token, window) for window in windows]
+
+
 def find_layout(model: nn.Module) -> ModelLayout:
     """Where `model`'s embedding, decoder blocks and head are (see the module doc)."""
     family = model.config.model_type

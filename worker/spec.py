@@ -124,6 +124,15 @@ class LayerSpec:
     kind: str  # "embed" | "decoder" | "head"
     index: int | None  # decoder layer index
     tensors: tuple[TensorSlice, ...]
+    # KV cache of a decoder layer: bytes per cached token of one sequence, and the sliding
+    # window it keeps at most (None: every token).
+    kv_bytes_per_token: int = 0
+    kv_window: int | None = None
+
+    def kv_bytes(self, sequences: int, tokens: int) -> int:
+        """KV cache bytes for `sequences` sequences of up to `tokens` tokens each."""
+        kept = tokens if self.kv_window is None else min(tokens, self.kv_window)
+        return sequences * kept * self.kv_bytes_per_token
 
     @property
     def nbytes(self) -> int:

@@ -292,7 +292,10 @@ class StageWorker:
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device)
         # CPU stand-in for a GPU: the bytes behind the stage's parameters (resident + slots)
-        return _storage_bytes(self.stage) if self.stage is not None else 0
+        # and its KV caches
+        if self.stage is None:
+            return 0
+        return _storage_bytes(self.stage) + self.kv_cache_bytes()
 
     def _pin_origin(self) -> str:
         decision = self.pin_decision()

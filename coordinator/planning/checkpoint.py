@@ -236,6 +236,7 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
         check_supported,
         find_layout,
         hf_config_from_dict,
+        kv_per_layer,
     )
     from worker.spec import torch_dtype_named
 
@@ -300,8 +301,10 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
                 f"blocks {layout.layers_path}.N, head {list(layout.head_paths)})"
             )
         by_layer[layer].append(tensor)
+    kv = kv_per_layer(model)
     layers = tuple(
-        LayerSpec(name=name, kind=_kind(name), index=_index(name), tensors=tuple(items))
+        LayerSpec(name=name, kind=_kind(name), index=_index(name), tensors=tuple(items),
+                  **_kv_fields(kv, _index(name)))
         for name, items in by_layer.items()
     )
     return CheckpointIndex(
@@ -309,6 +312,13 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
         tied_embeddings=bool(getattr(model, "all_tied_weights_keys", None)),
         dtype=compute_dtype, ignored=tuple(ignored),
     )  # fmt: skip
+
+
+def _kv_fields(kv: list[tuple[int, int | None]], index: int | None) -> dict:
+    if index is None:
+        return {}
+    per_token, window = kv[index]
+    return {"kv_bytes_per_token": per_token, "kv_window": window}
 
 
 def _kind(layer: str) -> str:

@@ -60,12 +60,19 @@ class PlanOptions:
     prefetch_step: int = 1  # device slots per offloading stage
     compute_bytes_per_s: float = 200e9  # weight bytes a stage computes through per second
     default_link_bytes_per_s: float = 25e9  # host-to-device, for nodes that did not measure it
+    # KV cache reserved on each GPU for its decoder layers: max_batch sequences of up to
+    # max_seq_len tokens each (0: none; the job cannot generate).
+    max_batch: int = 0
+    max_seq_len: int = 0
 
     def __post_init__(self) -> None:
         if not _is_int(self.reserve_bytes) or self.reserve_bytes < 0:
             raise ValueError(
                 f"PlanOptions.reserve_bytes={self.reserve_bytes!r} must be an int >= 0"
             )
+        for name in ("max_batch", "max_seq_len"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"PlanOptions.{name}={getattr(self, name)!r} must be an int >= 0")
         if not _is_int(self.prefetch_step) or not 1 <= self.prefetch_step <= MAX_PREFETCH_STEP:
             raise ValueError(
                 f"PlanOptions.prefetch_step={self.prefetch_step!r} must be an int in "
@@ -94,7 +101,7 @@ class StagePlan:
     resident_bytes: int
     slot_bytes: int  # min(prefetch_step, len(offloaded)) slots of the largest offloaded layer
     offloaded_bytes: int
-    device_bytes: int  # resident + slots + reserve
+    device_bytes: int  # resident + slots + reserve + KV cache
     pinned: bool  # the node's pin decision for the offloaded weights
     compute_s: float
     transfer_s: float
@@ -102,6 +109,7 @@ class StagePlan:
     # The node's measured host-to-device rate behind transfer_s; None: not measured, the cost
     # model used options.default_link_bytes_per_s (and plans saved before it was measured).
     link_bytes_per_s: float | None = None
+    kv_bytes: int = 0  # KV cache reserved for max_batch x max_seq_len
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -139,7 +147,8 @@ class Plan:
     def summary(self) -> str:
         """A table of the stages, with the bottleneck marked and each stage's link rate (the
         node's measured host-to-device rate, or the options' default where none was measured)."""
-        columns = "stage node gpu layers resident offloaded slots device link compute transfer time"
+        columns = ("stage node gpu layers resident offloaded slots kv-cache device link compute "
+                   "transfer time")  # fmt: skip
         head = (*columns.split(), "")
         rows = [head]
         slowest = self.bottleneck_stage if self.stages else -1
@@ -154,6 +163,7 @@ class Plan:
                     format_bytes(s.resident_bytes),
                     f"{format_bytes(s.offloaded_bytes)} ({len(s.offloaded)})",
                     format_bytes(s.slot_bytes),
+                    format_bytes(s.kv_bytes),
                     format_bytes(s.device_bytes),
                     format_rate(s.link_bytes_per_s)
                     if s.link_bytes_per_s is not None
@@ -169,7 +179,8 @@ class Plan:
         title = (
             f"plan: {len(self.stages)} stages on {nodes} node(s), "
             f"{format_bytes(self.total_bytes)} of weights, prefetch_step "
-            f"{self.options.prefetch_step}, reserve {format_bytes(self.options.reserve_bytes)}"
+            f"{self.options.prefetch_step}, reserve {format_bytes(self.options.reserve_bytes)}, "
+            f"KV cache for {self.options.max_batch} x {self.options.max_seq_len} tokens"
         )
         if self.stages:
             s = self.stages[slowest]
@@ -216,6 +227,7 @@ def plan(
         reserve_bytes=options.reserve_bytes,
         prefetch_step=options.prefetch_step,
         compute_bytes_per_s=options.compute_bytes_per_s,
+        kv_sizes=[_kv(layer, options) for layer in layers],
     )
     reached, best = search.solve()
     if reached < len(layers):
@@ -240,7 +252,8 @@ def _build(
         slots = min(options.prefetch_step, len(moved)) * max(
             (layers[j].nbytes for j in moved), default=0
         )
-        device = weights - offloaded + slots + options.reserve_bytes
+        kv = sum(_kv(layers[j], options) for j in range(p.start, p.end))
+        device = weights - offloaded + slots + kv + options.reserve_bytes
         assert device <= gpu.memory_bytes, (p, device, gpu.memory_bytes)
         compute_s, transfer_s = search.stage_times(p)
         stages.append(
@@ -261,6 +274,7 @@ def _build(
                 transfer_s=transfer_s,
                 time_s=max(compute_s, transfer_s),
                 link_bytes_per_s=node.link_bytes_per_s,
+                kv_bytes=kv,
             )
         )
     return Plan(
@@ -289,24 +303,32 @@ def _check_layers(layers: Sequence[LayerSpec]) -> None:
             )
 
 
+def _kv(layer: LayerSpec, options: PlanOptions) -> int:
+    return layer.kv_bytes(options.max_batch, options.max_seq_len)
+
+
 def _check_largest_layer(
     layers: Sequence[LayerSpec], gpus: list[tuple[NodeInfo, GpuInfo]], options: PlanOptions
 ) -> None:
-    """Every layer needs its own bytes on one device: resident, or as an offloading slot."""
+    """Every layer needs its own bytes on one device: resident, or as an offloading slot, plus
+    its KV cache."""
     node, gpu = max(gpus, key=lambda ng: ng[1].memory_bytes)
-    big = max(layers, key=lambda layer: layer.nbytes)
-    need = big.nbytes + options.reserve_bytes
+    big = max(layers, key=lambda layer: layer.nbytes + _kv(layer, options))
+    kv = _kv(big, options)
+    need = big.nbytes + kv + options.reserve_bytes
     why = (
         "offloaded, a decoder layer still needs a device slot of its size"
         if big.kind == "decoder"
         else f"the {big.kind} is never offloaded"
     )
+    cache = (f" + {format_bytes(kv)} of KV cache for max_batch {options.max_batch} x "
+             f"max_seq_len {options.max_seq_len}") if kv else ""  # fmt: skip
     if need > gpu.memory_bytes:
         raise PlanError(
             f"layer {big.name!r} needs {need} bytes on one GPU ({format_bytes(big.nbytes)} of "
-            f"weights + reserve_bytes {options.reserve_bytes}; {why}), but the largest GPU "
-            f"(node {node.node_id}, GPU {gpu.index}) has {gpu.memory_bytes} bytes: raise "
-            "--gpu-memory, lower reserve_bytes, or add larger GPUs"
+            f"weights{cache} + reserve_bytes {options.reserve_bytes}; {why}), but the largest "
+            f"GPU (node {node.node_id}, GPU {gpu.index}) has {gpu.memory_bytes} bytes: raise "
+            "--gpu-memory, lower reserve_bytes, max_batch or max_seq_len, or add larger GPUs"
         )
 
 
@@ -334,12 +356,21 @@ def _unplaceable(
     return PlanError(
         f"the layers do not fit: placed {reached} of {len(layers)} layers, stopping {where}; "
         f"{left} bytes from layer {layers[reached].name!r} on are left. Needed "
-        f"{sum(layer.nbytes for layer in layers)} bytes of weights; available "
+        f"{sum(layer.nbytes for layer in layers)} bytes of weights"
+        f"{_kv_needed(layers, options)}; available "
         f"{device_total} bytes of GPU memory (less reserve_bytes {options.reserve_bytes} per GPU) "
         f"on {cluster.num_gpus} GPUs plus {host} bytes of host offload budget on "
         f"{len(cluster.nodes)} node(s), less {options.prefetch_step} slot(s) per offloading GPU: "
         f"{KNOBS}"
     )
+
+
+def _kv_needed(layers: Sequence[LayerSpec], options: PlanOptions) -> str:
+    kv = sum(_kv(layer, options) for layer in layers)
+    if not kv:
+        return ""
+    return (f" and {kv} bytes of KV cache (max_batch {options.max_batch} x max_seq_len "
+            f"{options.max_seq_len}), which stays on the GPUs")  # fmt: skip
 
 
 # -- formatting -------------------------------------------------------------------------------

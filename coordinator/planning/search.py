@@ -152,13 +152,19 @@ class Search:
         reserve_bytes: int,
         prefetch_step: int,
         compute_bytes_per_s: float,
+        kv_sizes: Sequence[int] | None = None,
     ) -> None:
+        """`kv_sizes`: device bytes each layer needs besides its weights and never offloads
+        (its reserved KV cache); they count against the GPU's memory wherever the layer is."""
         self.num_layers = len(sizes)
         self.nodes = tuple(nodes)
         self.reserve_bytes = reserve_bytes
         self.prefetch_step = prefetch_step
         self.compute_bytes_per_s = compute_bytes_per_s
         self.prefix = list(accumulate(sizes, initial=0))
+        self.kv_prefix = list(accumulate(kv_sizes or [0] * len(sizes), initial=0))
+        # weights + KV per prefix: what a range needs on the device with nothing offloaded
+        self.device_prefix = [w + k for w, k in zip(self.prefix, self.kv_prefix, strict=True)]
         # Offloadable size per position, 0 for layers that must stay resident.
         self.movable = [s if ok and s > 0 else 0 for s, ok in zip(sizes, offloadable, strict=True)]
         self.num_movable = list(accumulate((s > 0 for s in self.movable), initial=0))
@@ -169,7 +175,8 @@ class Search:
     # -- one range on one GPU ------------------------------------------------------------------
 
     def _choice(self, start: int, end: int, memory_bytes: int) -> tuple[int, dict[int, int]] | None:
-        deficit = self.prefix[end] - self.prefix[start] + self.reserve_bytes - memory_bytes
+        deficit = (self.device_prefix[end] - self.device_prefix[start] + self.reserve_bytes
+                   - memory_bytes)  # fmt: skip
         if deficit <= 0:
             return 0, {}
         if self.uniform is not None:  # equal sizes: k * s - p * s >= deficit
@@ -205,15 +212,17 @@ class Search:
         further end that still fits. Offloaded bytes never decrease with the end (step 1), so
         the scan stops at the first misfit. The hot loop of the search: equal sizes inline."""
         prefix, base = self.prefix, self.prefix[start]
+        device, device_base = self.device_prefix, self.device_prefix[start]
         room = memory_bytes - self.reserve_bytes
         if room < 0:
             return [(start, 0)]
-        end = max(start, bisect_right(prefix, base + min(weight_cap, room), lo=start) - 1)
+        end = max(start, min(bisect_right(prefix, base + weight_cap, lo=start),
+                             bisect_right(device, device_base + room, lo=start)) - 1)  # fmt: skip
         fits = [(end, 0)]
         size, step, movable = self.uniform, self.prefetch_step, self.num_movable
         while end < self.num_layers and prefix[end + 1] - base <= weight_cap:
             if size is not None:  # k * s - p * s >= deficit, see min_offload
-                num = step + (prefix[end + 1] - base - room + size - 1) // size
+                num = step + (device[end + 1] - device_base - room + size - 1) // size
                 cost = num * size if num <= movable[end + 1] - movable[start] else None
             else:
                 cost = self.offload_bytes(start, end + 1, memory_bytes)

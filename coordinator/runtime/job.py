@@ -58,6 +58,13 @@ class Job:
     )
     # Passes and generation steps at once, a recovery alone (see coordinator.runtime.gate).
     _gate: Gate = field(default_factory=Gate, repr=False)
+    _kv: generation.KvBudget = field(default=None, repr=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self._kv is None:
+            config = self.group.config if self.group is not None else None
+            self._kv = generation.KvBudget(max_batch=config.max_batch if config else 0,
+                                           max_seq_len=config.max_seq_len if config else 0)  # fmt: skip
 
     # what the group holds, read-only here: only the group changes it
     @property
@@ -158,7 +165,8 @@ class Job:
             do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
             eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed,
         )  # fmt: skip
-        with self._gate.inside() as epoch:
+        claim = self._kv.claim(len(ids), ids.shape[1] + settings.max_new_tokens)
+        with claim, self._gate.inside() as epoch:
             step = _ResumableStep(self, epoch)
             try:
                 return generation.generate(step, ids, mask, positions, settings,

@@ -37,6 +37,8 @@ class GpuRow:
     copied_bytes: int
     copy_s: float
     stall_s: float
+    kv_cache_bytes: int
+    requests: int
     pin: bool
     pin_source: str
     pin_reason: str
@@ -109,6 +111,7 @@ def gpu_rows(reports: list[dict]) -> list[GpuRow]:
                 pageable_bytes=stats.get("pageable_bytes", 0),
                 copies=stats.get("copies", 0), copied_bytes=stats.get("copied_bytes", 0),
                 copy_s=stats.get("copy_s", 0.0), stall_s=stats.get("stall_s", 0.0),
+                kv_cache_bytes=r.get("kv_cache_bytes", 0), requests=r.get("requests", 0),
                 pin=bool(pin["pin"]), pin_source=pin["source"], pin_reason=pin["reason"],
                 pin_origin=r.get("pin_origin", ""),
             )
@@ -165,14 +168,14 @@ def _node_label(row: NodeRow) -> str:
 
 def render(reports: list[dict], events: list[dict] = ()) -> str:
     gpus = [("stage", "host", "gpu", "layers", "device used/total", "resident", "slots",
-             "offloaded (pinned)", "copies", "stall", "pin")]  # fmt: skip
+             "offloaded (pinned)", "kv cache (requests)", "copies", "stall", "pin")]  # fmt: skip
     for g in gpu_rows(reports):
         gpus.append((
             str(g.stage), g.hostname, g.gpu, g.layers,
             f"{format_bytes(g.device_used_bytes)} / {format_bytes(g.device_total_bytes)}",
             format_bytes(g.resident_bytes), format_bytes(g.buffer_bytes),
             f"{format_bytes(g.offloaded_bytes)} ({format_bytes(g.pinned_bytes)})",
-            str(g.copies), f"{g.stall_s * 1e3:.1f} ms",
+            f"{format_bytes(g.kv_cache_bytes)} ({g.requests})", str(g.copies), f"{g.stall_s * 1e3:.1f} ms",
             f"{'on' if g.pin else 'off'} ({g.pin_origin}: {g.pin_source})",
         ))  # fmt: skip
     nodes = [("node", "stages", "host available", "workers RSS", "pinned", "pageable")]
@@ -200,6 +203,7 @@ GPU_GAUGES = (
     ("offloaded_weight_bytes", "Weight bytes offloaded to host memory", "offloaded_bytes"),
     ("pinned_weight_bytes", "Offloaded weight bytes in pinned host memory", "pinned_bytes"),
     ("pageable_weight_bytes", "Offloaded weight bytes in pageable host memory", "pageable_bytes"),
+    ("kv_cache_bytes", "KV cache bytes of the requests in flight on the GPU", "kv_cache_bytes"),
     ("copies", "Host-to-device copies issued so far", "copies"),
     ("stall_seconds", "Seconds the compute side waited for copies so far", "stall_s"),
     ("pin_memory", "1 if the node pins offloaded weights", "pin"),
