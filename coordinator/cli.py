@@ -73,6 +73,11 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
                         help="dtype to load and compute in (default auto: the checkpoint's); "
                         "converted while reading")  # fmt: skip
     parser.add_argument("--cpus-per-worker", type=_positive, dest="cpus_per_worker")
+    parser.add_argument("--max-batch", type=_positive, dest="max_batch",
+                        help="sequences generating at once the KV cache is planned for")  # fmt: skip
+    parser.add_argument("--max-seq-len", type=int, dest="max_seq_len",
+                        help="tokens per sequence (prompt + new) the KV cache is planned for "
+                        "(0: none, no generation)")  # fmt: skip
     parser.add_argument("--snapshot-interval", type=float, dest="snapshot_interval_s",
                         metavar="SECONDS", help="each worker snapshots its memory this often "
                         "(default 10; 0: on request only); a named load publishes them as Ray "
@@ -81,7 +86,7 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
 
 _JOB_FIELDS = ("checkpoint", "address", "gpus", "gpu_memory_bytes", "host_memory_bytes",
                "reserve_bytes", "prefetch_step", "backend", "dtype", "cpus_per_worker",
-               "snapshot_interval_s")  # fmt: skip
+               "snapshot_interval_s", "max_batch", "max_seq_len")  # fmt: skip
 
 
 def _job_config(args: argparse.Namespace) -> JobConfig:
@@ -153,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--seed", type=int, default=0)
             sub.add_argument("--check", action="store_true",
                              help="compare with transformers in one process; exit 1 on mismatch")  # fmt: skip
+
+    from coordinator import cli_text
+
+    cli_text.add_parsers(commands, _add_job_flags, _positive)
+    cli_text.add_serve_parser(commands, _add_job_flags)
 
     for name, text in (("status", "memory of every GPU and node of a named load"),
                        ("unload", "release a named load's workers")):  # fmt: skip
@@ -433,6 +443,14 @@ def _run(args: argparse.Namespace, expected: tuple[type[Exception], ...]) -> int
             return 0
         if args.command == "plan":
             return _cmd_plan(args)
+        if args.command == "generate":
+            from coordinator import cli_text
+
+            return cli_text.cmd_generate(args, _job_config, _progress)
+        if args.command == "serve":
+            from coordinator import cli_text
+
+            return cli_text.cmd_serve(args, _job_config, _progress)
         if args.command in ("load", "run"):
             return _cmd_load_or_run(args)
         if args.command in ("status", "unload", "list"):

@@ -206,9 +206,11 @@ def generate(
     settings: Settings,
     *,
     on_tokens: Callable[[torch.Tensor], None] | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> torch.Tensor:
     """(batch, prompt + new) token ids, as `generate` returns its sequences. `on_tokens` sees
-    each step's new tokens (batch,) as they come (streaming)."""
+    each step's new tokens (batch,) as they come (streaming); when `cancelled()` turns true
+    (a client went away) the loop stops before its next step and returns what it has."""
     sequences = input_ids
     if settings.max_new_tokens == 0:
         return sequences
@@ -231,6 +233,8 @@ def generate(
         if len(eos):
             unfinished &= ~torch.isin(tokens, eos)
         if not bool(unfinished.any()) or produced + 1 == settings.max_new_tokens:
+            break
+        if cancelled is not None and cancelled():
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(tokens), 1))], -1)
         position_ids = position_ids[:, -1:] + 1

@@ -146,6 +146,7 @@ class Job:
         pad_token_id: int | None = None,
         seed: int | None = None,
         on_tokens: Callable[[torch.Tensor], None] | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
         """Token ids (batch, prompt + new), as transformers' `generate` returns its sequences:
         greedy unless `do_sample`, settings not given taken from the checkpoint's
@@ -154,7 +155,8 @@ class Job:
         own layers for the request and frees it when the request ends, however it ends; each
         decode step moves one position per sequence and only the last stage returns logits,
         of the last position. A worker lost meanwhile: the job recovers and the request goes
-        on, its caches rebuilt from the prompt and the tokens generated so far."""
+        on, its caches rebuilt from the prompt and the tokens generated so far. `cancelled()`
+        true ends the request early (its caches freed at once)."""
         ids, mask, positions, _ = check_inputs(input_ids, attention_mask, 0,
                                                self.index.config.get("vocab_size"))  # fmt: skip
         if mask is None:
@@ -170,7 +172,7 @@ class Job:
             step = _ResumableStep(self, epoch)
             try:
                 return generation.generate(step, ids, mask, positions, settings,
-                                           on_tokens=on_tokens)  # fmt: skip
+                                           on_tokens=on_tokens, cancelled=cancelled)  # fmt: skip
             finally:
                 step.end()
 

@@ -3,8 +3,11 @@ the CPU), or a bounded join of a running cluster that says why it failed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import threading
 from dataclasses import dataclass
 
 import ray
@@ -26,6 +29,25 @@ class RaySession:
 
 
 def connect(config: JobConfig) -> RaySession:
+    """Join the cluster at config.address / RAY_ADDRESS, or start an embedded one. The
+    process's own SIGTERM handler survives ray.init, which installs a handler of its own that
+    ends the process at once (the CLI's handler releases workers and placement groups first)."""
+    with _keeping_sigterm():
+        return _connect(config)
+
+
+@contextlib.contextmanager
+def _keeping_sigterm():
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if callable(handler):
+            signal.signal(signal.SIGTERM, handler)
+
+
+def _connect(config: JobConfig) -> RaySession:
     address = config.address or os.environ.get("RAY_ADDRESS")
     if ray.is_initialized():
         return RaySession(owned=False)

@@ -1,0 +1,169 @@
+"""`offloadctl generate` and `offloadctl serve`: the commands that take text in and give text
+out, through the checkpoint's own tokenizer (coordinator/text.py)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+def add_parsers(commands, add_job_flags, positive) -> None:
+    gen = commands.add_parser("generate", help="generate text from a prompt, streamed")
+    add_job_flags(gen)
+    gen.add_argument("name", nargs="?", help="a named load (default: load --checkpoint now)")
+    gen.add_argument("--prompt", required=True, help="the text to continue (or the user turn)")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt in the tokenizer's chat template as a user turn")  # fmt: skip
+    gen.add_argument("--max-new-tokens", type=positive, default=DEFAULT_MAX_NEW_TOKENS,
+                     dest="max_new_tokens")  # fmt: skip
+    gen.add_argument("--temperature", type=float,
+                     help="sample at this temperature (0: greedy; default: the checkpoint's "
+                     "generation_config.json, greedy if it says nothing)")  # fmt: skip
+    gen.add_argument("--top-p", type=float, dest="top_p")
+    gen.add_argument("--top-k", type=int, dest="top_k")
+    gen.add_argument("--seed", type=int, help="seed for sampling (reproducible output)")
+
+
+def sampling_options(temperature: float | None, top_p: float | None, top_k: int | None,
+                     seed: int | None) -> dict:  # fmt: skip
+    """Job.generate options from OpenAI-style knobs: temperature 0 is greedy, a temperature > 0
+    samples, none leaves it to the checkpoint's generation_config.json."""
+    options: dict = {"seed": seed}
+    if temperature is not None:
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
+        options["do_sample"] = temperature > 0
+        if temperature > 0:
+            options["temperature"] = temperature
+    if top_p is not None:
+        options["top_p"] = top_p
+    if top_k is not None:
+        options["top_k"] = top_k
+    return options
+
+
+def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
+    from coordinator.runtime.job import attach, launch
+    from coordinator.text import TextStream, load_tokenizer, prompt_ids
+
+    if args.name:
+        job_cm = attach(args.name, address=args.address)
+        checkpoint = job_cm.config.checkpoint
+    else:
+        config = job_config(args)
+        checkpoint = config.checkpoint
+    tokenizer = load_tokenizer(checkpoint)
+    messages = [{"role": "user", "content": args.prompt}] if args.chat else None
+    ids = prompt_ids(tokenizer, args.prompt, messages=messages)
+    if not args.name:
+        if config.max_seq_len == 0:  # reserve the KV cache this request needs
+            config = dataclasses.replace(config, max_seq_len=ids.shape[1] + args.max_new_tokens)
+        job_cm = launch(config, progress=progress)
+    options = sampling_options(args.temperature, args.top_p, args.top_k, args.seed)
+    with job_cm as job:
+        stream = TextStream(tokenizer, _end_ids(tokenizer, job))
+        times: list[float] = []
+
+        def show(tokens) -> None:
+            times.append(time.perf_counter())
+            print(stream.push(int(tokens[0])), end="", flush=True)
+
+        start = time.perf_counter()
+        out = job.generate(ids, max_new_tokens=args.max_new_tokens, on_tokens=show, **options)
+    new = out.shape[1] - ids.shape[1]
+    print()
+    first = times[0] - start if times else 0.0
+    rate = (new - 1) / (times[-1] - times[0]) if new > 1 and times[-1] > times[0] else 0.0
+    print(f"{new} tokens; first after {first:.2f} s, then {rate:.1f} tokens/s", file=sys.stderr)
+    return 0
+
+
+def _end_ids(tokenizer, job) -> tuple[int, ...]:
+    from coordinator import generation
+
+    settings = generation.resolve(job.index.root, job.index.config, 1)
+    ids = set(settings.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+DEFAULT_SERVE_SEQ_LEN = 512  # KV cache planned per sequence when serving and none was asked for
+DEFAULT_SERVE_BATCH = 4
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def add_serve_parser(commands, add_job_flags) -> None:
+    srv = commands.add_parser("serve", help="serve OpenAI-style completions over HTTP")
+    add_job_flags(srv)
+    srv.add_argument("name", nargs="?", help="a named load (default: load --checkpoint now)")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (default 127.0.0.1; others need an API key)")  # fmt: skip
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key-file", help="file holding the API key (default: OFFLOAD_API_KEY)")
+    srv.add_argument("--model-name", help="the model id clients name (default: the checkpoint "
+                     "directory's name)")  # fmt: skip
+
+
+def _api_key(path: str | None) -> str | None:
+    import os
+
+    from coordinator.config import ConfigError
+
+    if path:
+        try:
+            key = open(path).read().strip()  # noqa: SIM115 - read at once
+        except OSError as exc:
+            raise ConfigError(f"--api-key-file {path}: cannot read: {exc.strerror}") from None
+        if not key:
+            raise ConfigError(f"--api-key-file {path} is empty")
+        return key
+    return os.environ.get("OFFLOAD_API_KEY") or None
+
+
+def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
+    import uuid
+    from pathlib import Path
+
+    from coordinator.config import ConfigError
+    from coordinator.runtime import registry, serving
+    from coordinator.runtime.job import attach, launch
+
+    key = _api_key(args.api_key_file)
+    if args.host not in LOOPBACK and key is None:
+        raise ConfigError(
+            f"serving on {args.host} without an API key would let anyone who reaches it use the "
+            "GPUs: set OFFLOAD_API_KEY or --api-key-file, or serve on 127.0.0.1"
+        )
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port {args.port} must be in 1..65535")
+    if args.name:
+        job, name, ours = attach(args.name, address=args.address), args.name, False
+    else:
+        config = job_config(args)
+        if config.max_seq_len == 0:
+            config = dataclasses.replace(config, max_seq_len=DEFAULT_SERVE_SEQ_LEN,
+                                         max_batch=max(config.max_batch, DEFAULT_SERVE_BATCH))  # fmt: skip
+        name = f"serve-{uuid.uuid4().hex[:8]}"
+        job, ours = launch(config, progress=progress, name=name), True
+    model = args.model_name or Path(job.config.checkpoint).resolve().name
+    try:
+        from coordinator.text import load_tokenizer
+
+        load_tokenizer(job.config.checkpoint)  # a checkpoint without one fails here, not later
+        serving.start(name, model, host=args.host, port=args.port, api_key=key)
+        print(f"serving {model!r} (load {name!r}, {len(job.plan.stages)} stages, KV cache for "
+              f"{job.config.max_batch} x {job.config.max_seq_len} tokens) on "
+              f"http://{args.host}:{args.port}/v1; Ctrl-C stops it", flush=True)  # fmt: skip
+        while True:
+            time.sleep(3600)
+    finally:
+        serving.stop()
+        if ours:
+            registry.forget(name)
+        job.close()
+    return 0  # unreachable: Ctrl-C or SIGTERM ends the command

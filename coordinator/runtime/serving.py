@@ -1,0 +1,276 @@
+"""An OpenAI-style HTTP front for a named load, on Ray Serve.
+
+`GET /v1/models`, `POST /v1/completions` and `POST /v1/chat/completions` (where the tokenizer
+has a chat template), both with `stream: true` as server-sent events. The replica attaches to
+the named load (so it may run on any node, and several requests share its workers: the job's
+gate lets them run at once), tokenizes with the checkpoint's tokenizer and calls
+`Job.generate` in a thread; a client that goes away cancels its request, which frees its KV
+caches. With an API key, every request needs `Authorization: Bearer <key>` (401 otherwise).
+Bad requests get a 4xx naming the field; a request beyond the planned KV cache gets 400 (too
+long) or 429 (too many sequences in flight), never a 500.
+"""
+
+# No `from __future__ import annotations` here: FastAPI reads the handlers' annotations
+# (`request: Request`) as objects to know what to inject.
+import asyncio
+import hmac
+import json
+import threading
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+
+app = FastAPI()
+MAX_ONGOING_REQUESTS = 32
+
+
+class BadRequest(ValueError):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
+                        status_code=status)  # fmt: skip
+
+
+def _field(body: dict, name: str, kinds: tuple[type, ...], default=None, check=None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        raise BadRequest(f"'{name}' must be {' or '.join(k.__name__ for k in kinds)}, "
+                         f"got {type(value).__name__}")  # fmt: skip
+    if check is not None and not check(value):
+        raise BadRequest(f"'{name}'={value!r} is out of range")
+    return value
+
+
+class _Run:
+    """One request's generation in a thread, its text deltas handed to the event loop."""
+
+    def __init__(self, job, tokenizer, ids, options: dict) -> None:
+        from coordinator.text import TextStream
+
+        self.job, self.ids, self.options = job, ids, options
+        self.stream = TextStream(tokenizer, _end_ids(job, tokenizer))
+        self.cancelled = threading.Event()
+        self.error: Exception | None = None
+        self.new_tokens = 0
+        self.text = ""
+        self.finish_reason = "length"
+        self._queue: asyncio.Queue | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue = asyncio.Queue()
+        self._thread = threading.Thread(target=self._generate, daemon=True, name="offload-serve")
+        self._thread.start()
+
+    async def finish(self) -> None:
+        self.start()
+        async for _ in self.deltas():
+            pass
+        if self.error is not None:
+            raise self.error
+
+    async def deltas(self):
+        while True:
+            delta = await self._queue.get()
+            if delta is None:
+                return
+            yield delta
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def _put(self, item) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def _generate(self) -> None:
+        def on_tokens(tokens) -> None:
+            token = int(tokens[0])
+            if not self.stream.stopped:
+                self.new_tokens += 1
+            delta = self.stream.push(token)
+            if self.stream.stopped:
+                self.finish_reason = "stop"
+            if delta:
+                self.text += delta
+                self._put(delta)
+
+        try:
+            self.job.generate(self.ids, on_tokens=on_tokens, cancelled=self.cancelled.is_set,
+                              **self.options)  # fmt: skip
+        except Exception as exc:  # said to the client, not raised in a thread nobody joins
+            self.error = exc
+        finally:
+            self._put(None)
+
+    def usage(self) -> dict:
+        prompt = int(self.ids.shape[1])
+        return {"prompt_tokens": prompt, "completion_tokens": self.new_tokens,
+                "total_tokens": prompt + self.new_tokens}  # fmt: skip
+
+
+def _end_ids(job, tokenizer) -> tuple[int, ...]:
+    from coordinator.cli_text import _end_ids as end_ids
+
+    return end_ids(tokenizer, job)
+
+
+# Ray Serve pickles the deployment class when it is decorated: everything it uses is defined
+# above it.
+# No CPU of its own: the replica waits on the workers, which hold the job's CPUs (a replica
+# asking for one on a small embedded Ray would never be scheduled).
+@serve.deployment(max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class OpenAIServer:
+    def __init__(self, load_name: str, model_name: str, api_key: str | None) -> None:
+        from coordinator.runtime.job import attach
+        from coordinator.text import load_tokenizer
+
+        self.job = attach(load_name)
+        self.tokenizer = load_tokenizer(self.job.config.checkpoint)
+        self.model_name = model_name
+        self.api_key = api_key
+        self.created = int(time.time())
+
+    def _authorized(self, request: Request) -> bool:
+        if self.api_key is None:
+            return True
+        given = request.headers.get("authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+
+    @app.get("/v1/models")
+    async def models(self, request: Request):
+        if not self._authorized(request):
+            return _error(401, "missing or wrong API key (Authorization: Bearer <key>)",
+                          "authentication_error")  # fmt: skip
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                            "created": self.created,
+                                            "owned_by": "offload-coordinator"}]}  # fmt: skip
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._handle(request, chat=True)
+
+    async def _handle(self, request: Request, *, chat: bool):
+        if not self._authorized(request):
+            return _error(401, "missing or wrong API key (Authorization: Bearer <key>)",
+                          "authentication_error")  # fmt: skip
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "the request body is not JSON")
+        try:
+            if not isinstance(body, dict):
+                raise BadRequest("the request body must be a JSON object")
+            ids, options, stream = self._parse(body, chat)
+        except BadRequest as exc:
+            return _error(exc.status, str(exc))
+        except ValueError as exc:  # the tokenizer has no chat template, ...
+            return _error(400, str(exc))
+        kind = "chat.completion" if chat else "text_completion"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        run = _Run(self.job, self.tokenizer, ids, options)
+        if stream:
+            return StreamingResponse(self._events(run, rid, kind, chat, request),
+                                     media_type="text/event-stream")  # fmt: skip
+        try:
+            await run.finish()
+        except ValueError as exc:  # beyond the planned KV cache, a bad setting
+            return _error(429 if "in flight" in str(exc) else 400, str(exc))
+        message = {"role": "assistant", "content": run.text}
+        choice = {"index": 0, "finish_reason": run.finish_reason, "logprobs": None,
+                  **({"message": message} if chat else {"text": run.text})}  # fmt: skip
+        return {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name,
+                "choices": [choice], "usage": run.usage()}  # fmt: skip
+
+    def _parse(self, body: dict, chat: bool):
+        from coordinator.cli_text import sampling_options
+        from coordinator.text import prompt_ids
+
+        if _field(body, "n", (int,), 1) != 1:
+            raise BadRequest("only n=1 is supported")
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages
+            ):  # fmt: skip
+                raise BadRequest("'messages' must be a non-empty list of {role, content} with "
+                                 "string values")  # fmt: skip
+            ids = prompt_ids(self.tokenizer, messages=messages)
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if not isinstance(prompt, str) or not prompt:
+                raise BadRequest("'prompt' must be a non-empty string")
+            ids = prompt_ids(self.tokenizer, prompt)
+        limit = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+        max_tokens = _field(body, limit, (int,), 16, lambda v: v >= 1)
+        options = sampling_options(
+            _field(body, "temperature", (int, float), None, lambda v: v >= 0),
+            _field(body, "top_p", (int, float), None, lambda v: 0 < v <= 1),
+            None,
+            _field(body, "seed", (int,), None),
+        )
+        stream = _field(body, "stream", (bool,), False)
+        return ids, {"max_new_tokens": max_tokens, **options}, stream
+
+    async def _events(self, run: _Run, rid: str, kind: str, chat: bool, request: Request):
+        """Server-sent events: a chunk per text delta, a last chunk with the finish reason,
+        then [DONE]. A client that goes away cancels the request (its caches are freed)."""
+        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(delta: str | None, finish: str | None) -> str:
+            if chat:
+                piece = {"delta": {} if delta is None else {"content": delta}}
+            else:
+                piece = {"text": delta or "", "logprobs": None}
+            data = {"id": rid, "object": chunk_kind, "created": int(time.time()),
+                    "model": self.model_name,
+                    "choices": [{"index": 0, **piece, "finish_reason": finish}]}  # fmt: skip
+            return f"data: {json.dumps(data)}\n\n"
+
+        run.start()
+        try:
+            if chat:
+                yield event(None, None).replace('"delta": {}', '"delta": {"role": "assistant"}')
+            async for delta in run.deltas():
+                if await request.is_disconnected():
+                    run.cancel()
+                    return
+                yield event(delta, None)
+            if run.error is not None:
+                message = json.dumps({"error": {"message": str(run.error), "code": 400}})
+                yield f"data: {message}\n\n"
+            else:
+                yield event(None, run.finish_reason)
+            yield "data: [DONE]\n\n"
+        finally:
+            run.cancel()  # a client gone mid-stream (the generator is closed): stop and free
+
+
+def start(load_name: str, model_name: str, *, host: str, port: int,
+          api_key: str | None) -> None:  # fmt: skip
+    """Serve the named load on host:port (returns once the app answers)."""
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(OpenAIServer.bind(load_name, model_name, api_key), name="offload-openai",
+              route_prefix="/", blocking=False)  # fmt: skip
+
+
+def stop() -> None:
+    serve.shutdown()

@@ -1,0 +1,74 @@
+"""Text in, text out: the checkpoint's own tokenizer (`AutoTokenizer` from its directory), its
+chat template, and decoding a stream of generated tokens as they come."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class TokenizerError(ValueError):
+    """No usable tokenizer or chat template; the message says what to do instead."""
+
+
+def load_tokenizer(root: str | Path):
+    """The tokenizer saved with the checkpoint. A checkpoint without one is an error that says
+    token ids can still be passed from Python (`job.generate(input_ids)`)."""
+    root = Path(root)
+    if not any((root / name).is_file() for name in TOKENIZER_FILES):
+        raise TokenizerError(
+            f"{root} has no tokenizer ({', '.join(TOKENIZER_FILES)}): add the model's tokenizer "
+            "files to the checkpoint directory, or pass token ids from Python "
+            "(job.generate(input_ids))"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(root)
+    except Exception as exc:  # transformers' own error types
+        raise TokenizerError(f"{root}: cannot load its tokenizer: {exc}") from None
+
+
+def prompt_ids(tokenizer, prompt: str | None = None, *, messages: list[dict] | None = None):
+    """Token ids (1, n) of a plain prompt, or of chat `messages` through the tokenizer's chat
+    template with the assistant's turn opened (`add_generation_prompt`)."""
+    import torch
+
+    if messages is not None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise TokenizerError(
+                "this checkpoint's tokenizer has no chat template: send a plain prompt "
+                "(/v1/completions, offloadctl generate without --chat)"
+            )
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(prompt)["input_ids"]
+    if not ids:
+        raise TokenizerError("the prompt is empty once tokenized")
+    return torch.tensor([ids], dtype=torch.long)
+
+
+class TextStream:
+    """Generated tokens of one sequence to text deltas, as they come. The whole sequence is
+    decoded each time and only what is new is returned: a character split over several byte
+    tokens appears once complete, never as a replacement character."""
+
+    def __init__(self, tokenizer, stop_ids: tuple[int, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop_ids = set(stop_ids)
+        self.ids: list[int] = []
+        self.text = ""
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        if self.stopped or token_id in self.stop_ids:
+            self.stopped = True  # the end token and the padding after it are not text
+            return ""
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+            return ""
+        delta, self.text = text[len(self.text) :], text
+        return delta
