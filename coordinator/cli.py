@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="longest sequence (gpt2 learns an embedding row per position)")  # fmt: skip
     make.add_argument("--dtype", default="float32", choices=DTYPES)
     make.add_argument("--tie-embeddings", action="store_true")
+    make.add_argument("--no-tokenizer", action="store_true",
+                      help="write no tokenizer (default: a small byte-level BPE with a chat "
+                      "template, which needs --vocab >= 32)")  # fmt: skip
     make.add_argument("--shard-size", type=_size, default=2 * 2**20, dest="max_shard_bytes")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--force", action="store_true", help="write into a non-empty directory")
@@ -437,7 +440,8 @@ def _run(args: argparse.Namespace, expected: tuple[type[Exception], ...]) -> int
                       "sliding_window", "max_positions", "dtype", "max_shard_bytes",
                       "seed")  # fmt: skip
             shape = CheckpointShape(**{f: getattr(args, f) for f in fields},
-                                    tie_embeddings=args.tie_embeddings)  # fmt: skip
+                                    tie_embeddings=args.tie_embeddings,
+                                    tokenizer=not args.no_tokenizer)  # fmt: skip
             out = make_checkpoint(args.out, shape, force=args.force)
             print(f"wrote a random-weight {shape.arch} checkpoint to {out}")
             return 0

@@ -14,6 +14,12 @@ routing over several experts. Flags that do not apply to a family are ignored, n
 `num_experts` / `experts_per_token` outside the MoE families, `sliding_window` outside mistral,
 gemma2 and gemma3_text. In the MoE families `intermediate_size` is each expert's width (and
 qwen2_moe's shared expert's).
+
+Unless `tokenizer=False` (`--no-tokenizer`), the checkpoint also carries a small real tokenizer
+(`coordinator.tiny_tokenizer`) that `AutoTokenizer.from_pretrained` loads, with a ChatML chat
+template, so generation and the server deal in text; config.json and generation_config.json
+then name its pad, bos and eos ids, whatever the family's defaults, so `generate` stops at its
+eos. Without one, the family's own defaults stay (None where they fall outside the vocab).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from coordinator import tiny_tokenizer
 from worker.layout import TESTED_FAMILIES
 
 ARCHITECTURES = TESTED_FAMILIES  # every family the parity tests check
@@ -58,6 +65,7 @@ class CheckpointShape:
     max_positions: int = MAX_POSITIONS  # GPT-2 learns a position embedding of this many rows
     max_shard_bytes: int = 2 * 2**20
     seed: int = 0
+    tokenizer: bool = True  # write a tokenizer; its special-token ids go into the configs
 
     def __post_init__(self) -> None:
         for f in fields(self):  # the Python API gets the CLI's checks: a wrong type is named
@@ -90,6 +98,10 @@ class CheckpointShape:
         if self.experts_per_token > self.num_experts:
             raise ValueError(f"experts_per_token={self.experts_per_token} must be <= "
                              f"num_experts={self.num_experts}")  # fmt: skip
+        if self.tokenizer and self.vocab_size < tiny_tokenizer.MIN_VOCAB:
+            raise ValueError(f"vocab_size={self.vocab_size} is too small for a tokenizer (needs "
+                             f">= {tiny_tokenizer.MIN_VOCAB}); pass tokenizer=False "
+                             "(--no-tokenizer) for a checkpoint without one")  # fmt: skip
 
     def family_settings(self) -> dict[str, Any]:
         """What makes `arch` itself, in its config's own field names."""
@@ -140,11 +152,14 @@ class CheckpointShape:
             values["num_key_value_heads"] = self.num_kv_heads
         if "head_dim" in defaults:  # else derived from hidden/heads; gemma's 256 breaks tiny shapes
             values["head_dim"] = self.hidden_size // self.num_heads
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            # Defaults like phi3's pad 32000 fall outside a small vocab (an embedding's
-            # padding_idx must be inside it): no such token, then.
-            if isinstance(defaults.get(key), int) and defaults[key] >= self.vocab_size:
-                values[key] = None
+        if self.tokenizer:  # the ids of the tokenizer written alongside, inside any vocab
+            values |= tiny_tokenizer.SPECIAL_IDS
+        else:
+            for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                # Defaults like phi3's pad 32000 fall outside a small vocab (an embedding's
+                # padding_idx must be inside it): no such token, then.
+                if isinstance(defaults.get(key), int) and defaults[key] >= self.vocab_size:
+                    values[key] = None
         values |= self.family_settings()
         renames = _OWN_NAMES.get(self.arch, {})
         values = {renames.get(key, key): value for key, value in values.items()}
@@ -197,7 +212,14 @@ def make_checkpoint(out_dir: str | Path, shape: CheckpointShape, *, force: bool 
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, shape.dtype))
     perturb_constant_parameters(model, shape.seed)
     try:
+        # save_pretrained replaces earlier shards; an earlier tokenizer would stay (`--force`
+        # with `--no-tokenizer`, or files a newer tokenizer does not write) and mismatch.
+        tiny_tokenizer.remove_tokenizer_files(out)
         model.save_pretrained(out, max_shard_size=shape.max_shard_bytes)
+        if shape.tokenizer:
+            tiny_tokenizer.write_tokenizer(
+                out, vocab_size=shape.vocab_size, max_positions=shape.max_positions
+            )
     except OSError as exc:
         raise FileExistsError(f"cannot write the checkpoint to {out}: {exc}") from None
     return out

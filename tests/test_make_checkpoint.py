@@ -6,6 +6,10 @@ Granite's multipliers, several experts with real routing); `from_pretrained` fin
 it expects and no other; no parameter is left constant (a wrong or missing load would show);
 and saving the loaded model again gives the same tensors, which checks the loaded values even
 where `transformers` renames or fuses them (per-expert files -> fused experts, GPT-NeoX's head).
+
+Every checkpoint carries a tokenizer that `AutoTokenizer` loads: its ids fit the vocab, text
+round-trips, config.json and generation_config.json name its special tokens, the ChatML template
+renders with its markers as single special tokens, and the same shape writes the same files.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoTokenizer
 
 from coordinator.cli import main
 from coordinator.make_checkpoint import (
@@ -28,6 +32,13 @@ from coordinator.make_checkpoint import (
     SLIDING_ARCHITECTURES,
     CheckpointShape,
     make_checkpoint,
+)
+from coordinator.tiny_tokenizer import (
+    BYTE_LEVEL_MIN_VOCAB,
+    EOS,
+    IM_START,
+    MIN_VOCAB,
+    TOKENIZER_FILES,
 )
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 3, 32, 4, 2, 64, 80  # VOCAB != 3 * HIDDEN (fused qkv)
@@ -56,6 +67,12 @@ EXPERT_TENSORS = {
     "qwen2_moe": [f"mlp.experts.{{e}}.{p}_proj.weight" for p in ("gate", "up", "down")],
     "qwen3_moe": [f"mlp.experts.{{e}}.{p}_proj.weight" for p in ("gate", "up", "down")],
 }
+
+
+WRITTEN = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")  # by transformers 5
+SPECIAL_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# Lowercase English of the small vocabs' alphabet: round-trips exactly whatever the vocab size.
+SENTENCE = "the little town sat between the hills and the sea, and the boats came back at six.\n"
 
 
 def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -116,6 +133,78 @@ def test_family_loads_with_its_shape_and_features(tmp_path: Path, arch: str) -> 
     again = read_tensors(tmp_path / "again")
     assert again.keys() == saved.keys()
     assert all(torch.equal(again[name], saved[name]) for name in saved)
+
+    # Whichever tokenizer class transformers picks for the family (qwen2: its own), the
+    # checkpoint's text and special tokens work.
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.decode(tokenizer(SENTENCE)["input_ids"]) == SENTENCE
+    assert [getattr(config, key) for key in SPECIAL_KEYS] == [
+        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]  # fmt: skip
+
+
+@pytest.mark.parametrize(("arch", "vocab"), [("llama", 64), ("qwen3_moe", VOCAB), ("gpt2", 1024)])
+def test_tokenizer_fits_the_vocab_and_the_configs(tmp_path: Path, arch: str, vocab: int) -> None:
+    out = write(tmp_path, arch, vocab_size=vocab)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.is_fast and len(tokenizer) <= vocab
+    ids = tokenizer(SENTENCE)["input_ids"]
+    assert len(ids) < len(SENTENCE) and max(ids) < vocab  # merges learnt, every id in the vocab
+    assert tokenizer.decode(ids) == SENTENCE
+    if vocab >= BYTE_LEVEL_MIN_VOCAB:  # all 256 bytes: any text round-trips
+        text = "Ünïcödé, CAPITALS & tabs\t\u2713 \U0001f600!"
+        assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+
+    special = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]
+    assert len(set(special)) == 3 and max(special) < vocab
+    for name in ("config.json", "generation_config.json"):
+        values = json.loads((out / name).read_text())
+        assert [values[key] for key in SPECIAL_KEYS] == special, name
+    assert tokenizer.model_max_length == 2048 and tokenizer.padding_side == "left"
+
+
+def test_chat_template_renders_with_special_markers(tmp_path: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(write(tmp_path, "qwen3_moe"))
+    messages = [{"role": "system", "content": "be brief."}, {"role": "user", "content": "hi"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == ("<|im_start|>system\nbe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                    "<|im_start|>assistant\n")  # fmt: skip
+    start, end = (tokenizer.convert_tokens_to_ids(marker) for marker in (IM_START, EOS))
+    assert end == tokenizer.eos_token_id  # generate stops where a reply ends
+    assert {start, end} <= set(tokenizer.all_special_ids)
+    ids = tokenizer(text)["input_ids"]
+    assert ids.count(start) == 3 and ids.count(end) == 2  # each marker one token
+    plain = tokenizer.decode(ids, skip_special_tokens=True)
+    assert plain == "system\nbe brief.\nuser\nhi\nassistant\n"
+
+
+def test_small_vocab_lowercases_and_marks_unknown_characters(tmp_path: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(write(tmp_path, "llama", vocab_size=64))
+    ids = tokenizer("Hello, Wörld")["input_ids"]
+    assert tokenizer.decode(ids) == "hello, w<|unk|>rld"
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "hello, wrld"
+
+
+@pytest.mark.parametrize("vocab", [64, 1024])
+def test_same_shape_same_tokenizer_files(tmp_path: Path, vocab: int) -> None:
+    def files(name: str) -> dict[str, bytes]:
+        out = write(tmp_path / name, "llama", num_layers=1, vocab_size=vocab)
+        found = {p.name: p.read_bytes() for p in out.iterdir() if p.name in TOKENIZER_FILES}
+        assert set(found) == set(WRITTEN)
+        return found
+
+    assert files("a") == files("b")
+
+
+def test_no_tokenizer_keeps_the_family_defaults(tmp_path: Path) -> None:
+    out = write(tmp_path, "gemma", tokenizer=False)
+    assert not [name for name in TOKENIZER_FILES if (out / name).exists()]
+    config = json.loads((out / "config.json").read_text())
+    defaults = CONFIG_MAPPING["gemma"]()
+    assert [config[key] for key in SPECIAL_KEYS] == [getattr(defaults, k) for k in SPECIAL_KEYS]
+    # The tokenizer's alphabet needs MIN_VOCAB ids; a checkpoint without one does not.
+    with pytest.raises(ValueError, match=r"^vocab_size=16 is too small.*--no-tokenizer"):
+        CheckpointShape(vocab_size=16)
+    assert CheckpointShape(vocab_size=MIN_VOCAB - 1, tokenizer=False).hf_config().vocab_size == 31
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
@@ -188,6 +277,10 @@ def test_cli_writes_a_moe_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixtu
     saved = read_tensors(out)
     assert "model.layers.1.mlp.experts.2.down_proj.weight" in saved
     assert not any("experts.3." in name for name in saved)
+    assert all((out / name).is_file() for name in WRITTEN)
+    # Overwritten without one: the earlier tokenizer (ids up to 63) must not stay behind.
+    assert main([*argv[:2], "--force", "--vocab", "16", "--no-tokenizer"]) == 0
+    assert not any((out / name).exists() for name in TOKENIZER_FILES)
 
 
 def test_unknown_arch_is_refused_with_the_valid_ones() -> None:
