@@ -75,7 +75,7 @@ def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
         start = time.perf_counter()
         out = job.generate(ids, max_new_tokens=args.max_new_tokens, on_tokens=show, **options)
     new = out.shape[1] - ids.shape[1]
-    print()
+    print(stream.finish())
     first = times[0] - start if times else 0.0
     rate = (new - 1) / (times[-1] - times[0]) if new > 1 and times[-1] > times[0] else 0.0
     print(f"{new} tokens; first after {first:.2f} s, then {rate:.1f} tokens/s", file=sys.stderr)

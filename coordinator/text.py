@@ -72,3 +72,10 @@ class TextStream:
             return ""
         delta, self.text = text[len(self.text) :], text
         return delta
+
+    def finish(self) -> str:
+        """What is left once the sequence has ended: bytes held back as an incomplete
+        character, decoded as they are (the text then equals decoding every token at once)."""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        delta, self.text = text[len(self.text) :], text
+        return delta

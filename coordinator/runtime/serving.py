@@ -108,6 +108,10 @@ class _Run:
         try:
             self.job.generate(self.ids, on_tokens=on_tokens, cancelled=self.cancelled.is_set,
                               **self.options)  # fmt: skip
+            rest = self.stream.finish()
+            if rest:
+                self.text += rest
+                self._put(rest)
         except Exception as exc:  # said to the client, not raised in a thread nobody joins
             self.error = exc
         finally:

@@ -1,0 +1,176 @@
+"""`offloadctl serve` as users run it: a real server process on an embedded Ray, called with the
+official `openai` client. Completions (plain, streamed, chat) equal transformers' greedy
+`generate` decoded with the same tokenizer; a wrong key is 401, bad requests 400 with a
+message; a client that leaves mid-stream frees what its request held; Ctrl-C stops it all."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+from ray_head import free_ports
+
+from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.reference import reference_generate
+
+START_TIMEOUT_S = 240.0
+STOP_TIMEOUT_S = 30.0
+OFFLOADCTL = str(Path(sys.executable).with_name("offloadctl"))
+
+
+def greedy_text(checkpoint: str, tokenizer, ids, max_new_tokens: int) -> str:
+    out = reference_generate(checkpoint, ids, num_threads=1, max_new_tokens=max_new_tokens,
+                             do_sample=False)  # fmt: skip
+    new = out[0, ids.shape[1] :].tolist()
+    if tokenizer.eos_token_id in new:
+        new = new[: new.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(new, skip_special_tokens=True)
+
+
+def post(url: str, body: bytes, key: str) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, method="POST",
+                                     headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A served checkpoint: (base url, key, checkpoint dir); stopped with Ctrl-C at the end."""
+    root = tmp_path_factory.mktemp("serve") / "tiny-llama"
+    checkpoint = str(make_checkpoint(root, CheckpointShape(
+        num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
+        vocab_size=512, max_positions=256)))  # fmt: skip
+    port, key = free_ports(1)[0], secrets.token_hex(16)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["OFFLOAD_API_KEY"] = key
+    log = open(root.parent / "serve.log", "w+")  # noqa: SIM115 - closed in finally
+    proc = subprocess.Popen(
+        [OFFLOADCTL, "serve", "--checkpoint", checkpoint, "--gpus", "2", "--gpu-memory", "8MiB",
+         "--port", str(port), "--max-seq-len", "64", "--max-batch", "2"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert proc.poll() is None, f"server exited: {log.seek(0) or log.read()[-3000:]}"
+            try:
+                request = urllib.request.Request(f"{base}/models",
+                                                 headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+                with urllib.request.urlopen(request, timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            assert time.monotonic() < deadline, f"not up: {log.seek(0) or log.read()[-3000:]}"
+            time.sleep(1)
+        spawned = psutil.Process(proc.pid).children(recursive=True)
+        yield base, key, checkpoint
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: stops within the bound, releases everything
+        assert proc.wait(timeout=STOP_TIMEOUT_S) == 130
+        _, alive = psutil.wait_procs([p for p in spawned if p.is_running()], timeout=30)
+        assert not alive, f"left running: {[p.name() for p in alive]}"
+        log.seek(0)
+        assert "Traceback" not in log.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # only this test's own process group
+            proc.wait(timeout=STOP_TIMEOUT_S)
+        log.close()
+
+
+def test_openai_client_gets_transformers_greedy_text(server) -> None:
+    import openai
+    from transformers import AutoTokenizer
+
+    base, key, checkpoint = server
+    client = openai.OpenAI(base_url=base, api_key=key, max_retries=0)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    assert [m.id for m in client.models.list()] == ["tiny-llama"]
+
+    prompt = "the quick brown fox"
+    expected = greedy_text(checkpoint, tokenizer, tokenizer(prompt, return_tensors="pt")["input_ids"], 12)
+    done = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12,
+                                     temperature=0)  # fmt: skip
+    assert done.choices[0].text == expected
+    assert done.usage.prompt_tokens == len(tokenizer(prompt)["input_ids"])
+    streamed = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12,
+                                         temperature=0, stream=True)  # fmt: skip
+    assert "".join(chunk.choices[0].text for chunk in streamed) == expected
+
+    messages = [{"role": "user", "content": "hello there"}]
+    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)["input_ids"]  # fmt: skip
+    chat = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=8,
+                                          temperature=0)  # fmt: skip
+    assert chat.choices[0].message.content == greedy_text(checkpoint, tokenizer, chat_ids, 8)
+    deltas = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=8,
+                                            temperature=0, stream=True)  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in deltas if c.choices)
+    assert text == chat.choices[0].message.content
+
+
+def test_wrong_key_and_bad_requests_get_4xx(server) -> None:
+    import openai
+
+    base, key, _ = server
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=base, api_key=key, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="exceed the KV cache reserved for "
+                       "max_seq_len=64"):  # fmt: skip
+        client.completions.create(model="tiny-llama", prompt="hi", max_tokens=200)
+    assert post(f"{base}/completions", b"not json", key)[0] == 400
+    status, body = post(f"{base}/completions", json.dumps({"prompt": 3}).encode(), key)
+    assert status == 400 and "'prompt' must be a non-empty string" in body["error"]["message"]
+    status, body = post(f"{base}/chat/completions", json.dumps({"messages": "hi"}).encode(), key)
+    assert status == 400 and "'messages' must be a non-empty list" in body["error"]["message"]
+    assert post(f"{base}/completions", json.dumps({"prompt": "hi", "max_tokens": 2}).encode(),
+                key)[0] == 200  # the server is fine after all that  # fmt: skip
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_request(server) -> None:
+    """max_batch is 2: after a client drops a long stream, two requests at once still run,
+    so the dropped one no longer holds its sequence of the KV cache."""
+    import openai
+
+    base, key, _ = server
+    client = openai.OpenAI(base_url=base, api_key=key, max_retries=0)
+    stream = client.completions.create(model="tiny-llama", prompt="once upon", max_tokens=50,
+                                       temperature=0, stream=True)  # fmt: skip
+    next(iter(stream))
+    stream.close()  # gone mid-stream
+    results: list[str] = []
+
+    def one() -> None:
+        results.append(client.completions.create(model="tiny-llama", prompt="a b", max_tokens=20,
+                                                 temperature=0).choices[0].finish_reason)  # fmt: skip
+
+    deadline = time.monotonic() + 60
+    while True:  # the server notices the disconnect at its next token: bounded wait
+        results.clear()
+        threads = [threading.Thread(target=one) for _ in range(2)]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline
+    assert len(results) == 2
