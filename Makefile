@@ -29,6 +29,8 @@ $(DEMO_CKPT)/config.json: $(STAMP)
 
 demo: $(DEMO_CKPT)/config.json
 	$(VENV)/bin/offloadctl run --checkpoint $(DEMO_CKPT) --gpus 3 --gpu-memory 3MiB --check
+	$(VENV)/bin/offloadctl generate --checkpoint $(DEMO_CKPT) --gpus 3 --gpu-memory 3MiB \
+		--prompt "the workers keep their own layers" --max-new-tokens 24
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check $(CONSTRAINTS) -e '.[test,bench]'
