@@ -28,27 +28,10 @@ def add_parsers(commands, add_job_flags, positive) -> None:
     gen.add_argument("--seed", type=int, help="seed for sampling (reproducible output)")
 
 
-def sampling_options(temperature: float | None, top_p: float | None, top_k: int | None,
-                     seed: int | None) -> dict:  # fmt: skip
-    """Job.generate options from OpenAI-style knobs: temperature 0 is greedy, a temperature > 0
-    samples, none leaves it to the checkpoint's generation_config.json."""
-    options: dict = {"seed": seed}
-    if temperature is not None:
-        if temperature < 0:
-            raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
-        options["do_sample"] = temperature > 0
-        if temperature > 0:
-            options["temperature"] = temperature
-    if top_p is not None:
-        options["top_p"] = top_p
-    if top_k is not None:
-        options["top_k"] = top_k
-    return options
-
-
 def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
+    from coordinator import generation
     from coordinator.runtime.job import attach, launch
-    from coordinator.text import TextStream, load_tokenizer, prompt_ids
+    from coordinator.text import TextStream, end_ids, load_tokenizer, prompt_ids
 
     if args.name:
         job_cm = attach(args.name, address=args.address)
@@ -63,9 +46,9 @@ def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
         if config.max_seq_len == 0:  # reserve the KV cache this request needs
             config = dataclasses.replace(config, max_seq_len=ids.shape[1] + args.max_new_tokens)
         job_cm = launch(config, progress=progress)
-    options = sampling_options(args.temperature, args.top_p, args.top_k, args.seed)
+    options = generation.sampling_options(args.temperature, args.top_p, args.top_k, args.seed)
     with job_cm as job:
-        stream = TextStream(tokenizer, _end_ids(tokenizer, job))
+        stream = TextStream(tokenizer, end_ids(tokenizer, job.index))
         times: list[float] = []
 
         def show(tokens) -> None:
@@ -80,16 +63,6 @@ def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
     rate = (new - 1) / (times[-1] - times[0]) if new > 1 and times[-1] > times[0] else 0.0
     print(f"{new} tokens; first after {first:.2f} s, then {rate:.1f} tokens/s", file=sys.stderr)
     return 0
-
-
-def _end_ids(tokenizer, job) -> tuple[int, ...]:
-    from coordinator import generation
-
-    settings = generation.resolve(job.index.root, job.index.config, 1)
-    ids = set(settings.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return tuple(sorted(ids))
 
 
 DEFAULT_SERVE_SEQ_LEN = 512  # KV cache planned per sequence when serving and none was asked for

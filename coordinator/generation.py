@@ -172,6 +172,24 @@ def resolve(
     )
 
 
+def sampling_options(temperature: float | None, top_p: float | None, top_k: int | None,
+                     seed: int | None) -> dict:  # fmt: skip
+    """Job.generate options from OpenAI-style knobs: temperature 0 is greedy, a temperature > 0
+    samples, none leaves it to the checkpoint's generation_config.json."""
+    options: dict = {"seed": seed}
+    if temperature is not None:
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
+        options["do_sample"] = temperature > 0
+        if temperature > 0:
+            options["temperature"] = temperature
+    if top_p is not None:
+        options["top_p"] = top_p
+    if top_k is not None:
+        options["top_k"] = top_k
+    return options
+
+
 def _or(value, default):
     return default if value is None else value
 

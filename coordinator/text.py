@@ -50,6 +50,17 @@ def prompt_ids(tokenizer, prompt: str | None = None, *, messages: list[dict] | N
     return torch.tensor([ids], dtype=torch.long)
 
 
+def end_ids(tokenizer, index) -> tuple[int, ...]:
+    """The token ids that end a sequence: the checkpoint's end-of-sequence ids (its
+    generation_config.json, as generate takes them) and the tokenizer's."""
+    from coordinator import generation
+
+    ids = set(generation.resolve(index.root, index.config, 1).eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
 class TextStream:
     """Generated tokens of one sequence to text deltas, as they come. The whole sequence is
     decoded each time and only what is new is returned: a character split over several byte

@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -402,12 +403,60 @@ def test_generate_through_ray_equals_transformers_and_survives_a_lost_worker(
         from concurrent.futures import ThreadPoolExecutor
 
         rows = [(ids[i : i + 1, 2 * i :], mask[i : i + 1, 2 * i :]) for i in range(2)] * 2
+        expected_rows = [reference_generate(checkpoint, r, attention_mask=m, num_threads=1,
+                                            max_new_tokens=6, do_sample=False)
+                         for r, m in rows[:3]]  # fmt: skip
         with ThreadPoolExecutor(3) as pool:
             outs = list(pool.map(lambda r: job.generate(*r, max_new_tokens=6, do_sample=False),
                                  rows[:3]))  # fmt: skip
-        for (row_ids, row_mask), got in zip(rows, outs, strict=False):
-            alone = reference_generate(checkpoint, row_ids, attention_mask=row_mask,
-                                       num_threads=1, max_new_tokens=6, do_sample=False)  # fmt: skip
-            assert torch.equal(got, alone)
+        assert all(torch.equal(got, want) for got, want in zip(outs, expected_rows, strict=True))
+        # ...and a worker lost while they run: every one of them is recovered, none is lost.
+        seen = threading.Event()
+
+        def request(row) -> torch.Tensor:
+            def kill_once(tokens: torch.Tensor) -> None:
+                if not seen.is_set():
+                    seen.set()
+                    ray.kill(job.workers[0].actor, no_restart=True)
+
+            return job.generate(*row, max_new_tokens=6, do_sample=False, on_tokens=kill_once)
+
+        with ThreadPoolExecutor(3) as pool:
+            outs = list(pool.map(request, rows[:3]))
+        assert all(torch.equal(got, want) for got, want in zip(outs, expected_rows, strict=True))
+        assert [e["event"] for e in job.events] == ["replaced workers"] * 2
         assert all(r["requests"] == 0 for r in job.telemetry())
+    wait_gpus_free(NUM_GPUS)
+
+
+def test_offloadctl_generate_streams_the_greedy_text(embedded_ray, checkpoints, capsys,
+                                                     tmp_path) -> None:  # fmt: skip
+    """Text in, text out: the checkpoint's tokenizer, the text streamed to stdout equal to
+    transformers' greedy generate decoded the same way, time to first token and tokens/s on
+    stderr; a checkpoint without a tokenizer is refused before anything is loaded."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from coordinator.cli import main
+    from coordinator.reference import reference_generate
+
+    checkpoint = checkpoints["llama"]
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    prompt = "the cat sat"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    out = reference_generate(checkpoint, ids, num_threads=1, max_new_tokens=8, do_sample=False)
+    new = out[0, ids.shape[1] :].tolist()
+    if tokenizer.eos_token_id in new:
+        new = new[: new.index(tokenizer.eos_token_id)]
+    budget = budget_forcing_offload(checkpoint) + 64 * 1024  # room for the request's KV cache
+    assert main(["generate", "--checkpoint", checkpoint, "--gpu-memory", str(budget),
+                 "--prompt", prompt, "--max-new-tokens", "8"]) == 0  # fmt: skip
+    captured = capsys.readouterr()
+    assert captured.out == tokenizer.decode(new, skip_special_tokens=True) + "\n"
+    assert "first after" in captured.err and "tokens/s" in captured.err
+    bare = make_checkpoint(tmp_path / "bare", dataclasses.replace(SHAPES["qwen2"], tokenizer=False))
+    assert main(["generate", "--checkpoint", str(bare), "--gpu-memory", "1MiB",
+                 "--prompt", "hi"]) == 2  # fmt: skip
+    assert "has no tokenizer" in capsys.readouterr().err
     wait_gpus_free(NUM_GPUS)

@@ -54,10 +54,10 @@ class _Run:
     """One request's generation in a thread, its text deltas handed to the event loop."""
 
     def __init__(self, job, tokenizer, ids, options: dict) -> None:
-        from coordinator.text import TextStream
+        from coordinator.text import TextStream, end_ids
 
         self.job, self.ids, self.options = job, ids, options
-        self.stream = TextStream(tokenizer, _end_ids(job, tokenizer))
+        self.stream = TextStream(tokenizer, end_ids(tokenizer, job.index))
         self.cancelled = threading.Event()
         self.error: Exception | None = None
         self.new_tokens = 0
@@ -121,12 +121,6 @@ class _Run:
         prompt = int(self.ids.shape[1])
         return {"prompt_tokens": prompt, "completion_tokens": self.new_tokens,
                 "total_tokens": prompt + self.new_tokens}  # fmt: skip
-
-
-def _end_ids(job, tokenizer) -> tuple[int, ...]:
-    from coordinator.cli_text import _end_ids as end_ids
-
-    return end_ids(tokenizer, job)
 
 
 # Ray Serve pickles the deployment class when it is decorated: everything it uses is defined
@@ -202,7 +196,7 @@ class OpenAIServer:
                 "choices": [choice], "usage": run.usage()}  # fmt: skip
 
     def _parse(self, body: dict, chat: bool):
-        from coordinator.cli_text import sampling_options
+        from coordinator.generation import sampling_options
         from coordinator.text import prompt_ids
 
         if _field(body, "n", (int,), 1) != 1:
