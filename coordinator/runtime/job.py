@@ -118,9 +118,8 @@ class Job:
         self._require_open()
         if any(h.actor is None for h in self.workers):  # attached to a load that lost workers
             raise WorkerLostError("a worker of this load was lost")
-        ref = ray.put(input_ids)
-        mask_ref = ray.put(attention_mask) if attention_mask is not None else None
-        positions_ref = ray.put(position_ids) if position_ids is not None else None
+        ref, mask_ref, positions_ref = (_by_value_or_ref(t)
+                                        for t in (input_ids, attention_mask, position_ids))  # fmt: skip
         for handle in self.workers:
             ref = handle.actor.forward.remote(ref, mask_ref, positions_ref, logits_to_keep,
                                               request)  # fmt: skip
@@ -320,6 +319,19 @@ class Job:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# Below this many bytes a tensor goes inside the call itself: a decode step's ids, mask and
+# positions are a few hundred bytes, and a `ray.put` of each cost ~1.7 ms per step
+# (bench/generate.py), a third of a small model's time per token. Larger ones (a long prompt's
+# mask, sent to every stage) are put in the object store once.
+INLINE_BYTES = 64 * 1024
+
+
+def _by_value_or_ref(tensor: torch.Tensor | None):
+    if tensor is None or tensor.numel() * tensor.element_size() <= INLINE_BYTES:
+        return tensor
+    return ray.put(tensor)
 
 
 class _ResumableStep:
