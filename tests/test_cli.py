@@ -178,3 +178,16 @@ def test_ray_address_with_gpus_is_refused(monkeypatch, capsys, tmp_path) -> None
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
     with pytest.raises(ConfigError, match=r"gpus=3 creates logical GPUs .* RAY_ADDRESS="):
         connect(JobConfig(checkpoint=str(tmp_path), gpus=3))
+
+
+def test_serving_off_loopback_needs_an_api_key(monkeypatch, capsys, tmp_path) -> None:
+    """Refused at start, before anything is loaded: anyone who reaches the port would use the
+    GPUs."""
+    monkeypatch.delenv("OFFLOAD_API_KEY", raising=False)
+    assert main(["serve", "--checkpoint", str(tmp_path), "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert "serving on 0.0.0.0 without an API key" in err and "OFFLOAD_API_KEY" in err
+    empty = tmp_path / "key"
+    empty.write_text("\n")
+    assert main(["serve", "--checkpoint", str(tmp_path), "--api-key-file", str(empty)]) == 2
+    assert "is empty" in capsys.readouterr().err

@@ -38,10 +38,10 @@ def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:
         vocab_size=128))  # fmt: skip
     index = load_index(checkpoint)
     decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
-    budget = str(index.total_bytes // 3 - decoder // 4)
+    budget = str(index.total_bytes // 3 - decoder // 4 + 16 * 1024)  # + a 12 KiB KV cache
     address = ["--address", cluster.address]
     assert main(["load", "--checkpoint", str(checkpoint), "--gpu-memory", budget, "--name", "m1",
-                 "--snapshot-interval", "0.5", *address]) == 0  # fmt: skip
+                 "--snapshot-interval", "0.5", "--max-seq-len", "24", *address]) == 0  # fmt: skip
     assert "stays on the cluster" in capsys.readouterr().out
     assert ray.available_resources().get("GPU", 0) == 0  # the workers are still there
     assert list(registry.named_groups("m1")) == ["load:m1:pg-0"]  # their GPUs, reserved as one
@@ -57,6 +57,15 @@ def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "attached to load 'm1'" in out and "bitwise equal" in out
     assert ray.available_resources().get("GPU", 0) == 0  # run detached, did not release
+
+    # Text from the named load, from another command: its tokenizer, its planned KV cache.
+    assert main(["generate", "m1", "--prompt", "the cat", "--max-new-tokens", "5",
+                 *address]) == 0  # fmt: skip
+    generated = capsys.readouterr()
+    assert "tokens/s" in generated.err
+    assert main(["generate", "m1", "--prompt", "the cat", "--max-new-tokens", "40",
+                 *address]) == EXIT_ERROR  # fmt: skip
+    assert "exceed the KV cache reserved for max_seq_len=24" in capsys.readouterr().err
 
     assert main(["status", "m1", "--json", *address]) == 0
     status = json.loads(capsys.readouterr().out)
