@@ -35,6 +35,7 @@ from coordinator.runtime.keeper import start as start_keeper
 from coordinator.runtime.probing import PROBE_TIMEOUT_S, probe_cluster
 from coordinator.runtime.session import RaySession, connect
 from coordinator.runtime.telemetry import MetricsExporter, collect
+from worker.wire import pack, unpack
 
 TELEMETRY_TIMEOUT_S = 60.0
 END_REQUEST_TIMEOUT_S = 30.0
@@ -121,10 +122,10 @@ class Job:
         ref, mask_ref, positions_ref = (_by_value_or_ref(t)
                                         for t in (input_ids, attention_mask, position_ids))  # fmt: skip
         for handle in self.workers:
-            ref = handle.actor.forward.remote(ref, mask_ref, positions_ref, logits_to_keep,
-                                              request)  # fmt: skip
+            ref = handle.actor.step.remote(ref, mask_ref, positions_ref, logits_to_keep,
+                                           request)  # fmt: skip
         try:
-            return ray.get(ref, timeout=self.config.forward_timeout_s)
+            return unpack(ray.get(ref, timeout=self.config.forward_timeout_s))
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(
                 f"forward did not finish within {self.config.forward_timeout_s:.0f} s "
@@ -324,14 +325,16 @@ class Job:
 # Below this many bytes a tensor goes inside the call itself: a decode step's ids, mask and
 # positions are a few hundred bytes, and a `ray.put` of each cost ~1.7 ms per step
 # (bench/generate.py), a third of a small model's time per token. Larger ones (a long prompt's
-# mask, sent to every stage) are put in the object store once.
+# mask, sent to every stage) are put in the object store once. Either way as `wire.pack`
+# arrays, which Ray moves faster than tensors.
 INLINE_BYTES = 64 * 1024
 
 
 def _by_value_or_ref(tensor: torch.Tensor | None):
-    if tensor is None or tensor.numel() * tensor.element_size() <= INLINE_BYTES:
-        return tensor
-    return ray.put(tensor)
+    packed = pack(tensor)
+    if packed is None or packed.array.nbytes <= INLINE_BYTES:
+        return packed
+    return ray.put(packed)
 
 
 class _ResumableStep:
