@@ -26,6 +26,8 @@ def add_parsers(commands, add_job_flags, positive) -> None:
     gen.add_argument("--top-p", type=float, dest="top_p")
     gen.add_argument("--top-k", type=int, dest="top_k")
     gen.add_argument("--seed", type=int, help="seed for sampling (reproducible output)")
+    gen.add_argument("--stop", action="append", metavar="TEXT",
+                     help="end the text where TEXT begins (repeatable)")  # fmt: skip
 
 
 def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
@@ -33,6 +35,8 @@ def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
     from coordinator.runtime.job import attach, launch
     from coordinator.text import TextStream, end_ids, load_tokenizer, prompt_ids
 
+    if any(not text for text in args.stop or ()):
+        raise ValueError("--stop needs a non-empty text")
     if args.name:
         job_cm = attach(args.name, address=args.address)
         checkpoint = job_cm.config.checkpoint
@@ -48,7 +52,7 @@ def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
         job_cm = launch(config, progress=progress)
     options = generation.sampling_options(args.temperature, args.top_p, args.top_k, args.seed)
     with job_cm as job:
-        stream = TextStream(tokenizer, end_ids(tokenizer, job.index))
+        stream = TextStream(tokenizer, end_ids(tokenizer, job.index), tuple(args.stop or ()))
         times: list[float] = []
 
         def show(tokens) -> None:
@@ -56,7 +60,8 @@ def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
             print(stream.push(int(tokens[0])), end="", flush=True)
 
         start = time.perf_counter()
-        out = job.generate(ids, max_new_tokens=args.max_new_tokens, on_tokens=show, **options)
+        out = job.generate(ids, max_new_tokens=args.max_new_tokens, on_tokens=show,
+                           cancelled=lambda: stream.stopped, **options)  # fmt: skip
     new = out.shape[1] - ids.shape[1]
     print(stream.finish())
     first = times[0] - start if times else 0.0

@@ -64,14 +64,24 @@ def end_ids(tokenizer, index) -> tuple[int, ...]:
 class TextStream:
     """Generated tokens of one sequence to text deltas, as they come. The whole sequence is
     decoded each time and only what is new is returned: a character split over several byte
-    tokens appears once complete, never as a replacement character."""
+    tokens appears once complete, never as a replacement character.
 
-    def __init__(self, tokenizer, stop_ids: tuple[int, ...] = ()) -> None:
+    `stop_strings` end the text where the first of them begins (it is not part of the text, as
+    OpenAI's `stop` works); text that could still become the start of one is held back until
+    the next tokens tell, so a stop string never reaches the client in part. `stopped` turns
+    true at an end token or a stop string (`stop_string` says which)."""
+
+    def __init__(self, tokenizer, stop_ids: tuple[int, ...] = (),
+                 stop_strings: tuple[str, ...] = ()) -> None:  # fmt: skip
+        if any(not s for s in stop_strings):
+            raise ValueError("a stop string must not be empty")
         self.tokenizer = tokenizer
         self.stop_ids = set(stop_ids)
+        self.stop_strings = tuple(stop_strings)
         self.ids: list[int] = []
-        self.text = ""
+        self.text = ""  # handed out so far
         self.stopped = False
+        self.stop_string: str | None = None
 
     def push(self, token_id: int) -> str:
         if self.stopped or token_id in self.stop_ids:
@@ -81,12 +91,27 @@ class TextStream:
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
             return ""
-        delta, self.text = text[len(self.text) :], text
-        return delta
+        return self._release(text, final=False)
 
     def finish(self) -> str:
         """What is left once the sequence has ended: bytes held back as an incomplete
-        character, decoded as they are (the text then equals decoding every token at once)."""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        delta, self.text = text[len(self.text) :], text
+        character, decoded as they are, and text held back for a stop string that did not
+        come (the text then equals decoding every token at once, up to a stop string)."""
+        if self.stop_string is not None:
+            return ""
+        return self._release(self.tokenizer.decode(self.ids, skip_special_tokens=True),
+                             final=True)  # fmt: skip
+
+    def _release(self, text: str, *, final: bool) -> str:
+        found = [(text.find(s), s) for s in self.stop_strings if s in text]
+        if found:
+            end, self.stop_string = min(found)
+            self.stopped = True
+        elif final:
+            end = len(text)
+        else:  # hold back the longest end of the text that begins a stop string
+            end = len(text) - max((k for s in self.stop_strings for k in range(1, len(s))
+                                   if text.endswith(s[:k])), default=0)  # fmt: skip
+        delta = text[len(self.text) : end]
+        self.text += delta
         return delta

@@ -191,3 +191,9 @@ def test_serving_off_loopback_needs_an_api_key(monkeypatch, capsys, tmp_path) ->
     empty.write_text("\n")
     assert main(["serve", "--checkpoint", str(tmp_path), "--api-key-file", str(empty)]) == 2
     assert "is empty" in capsys.readouterr().err
+
+
+def test_an_empty_stop_text_is_refused_before_loading(capsys, tmp_path) -> None:
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "hi", "--stop", "a",
+                 "--stop", ""]) == 2  # fmt: skip
+    assert "--stop needs a non-empty text" in capsys.readouterr().err

@@ -113,6 +113,21 @@ def test_openai_client_gets_transformers_greedy_text(server) -> None:
                                          temperature=0, stream=True)  # fmt: skip
     assert "".join(chunk.choices[0].text for chunk in streamed) == expected
 
+    # A stop string inside the greedy text: the text ends where it begins, finish_reason stop,
+    # streamed alike (with the usage chunk stream_options asks for).
+    assert len(expected) >= 5
+    stop = expected[2:5]
+    before = expected[: expected.find(stop)]
+    cut = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12,
+                                    temperature=0, stop=[stop, "never in it \u2603"])  # fmt: skip
+    assert cut.choices[0].text == before and cut.choices[0].finish_reason == "stop"
+    assert cut.usage.completion_tokens < 12
+    chunks = list(client.completions.create(
+        model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0, stop=stop, stream=True,
+        stream_options={"include_usage": True}))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == before
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == cut.usage.completion_tokens
+
     messages = [{"role": "user", "content": "hello there"}]
     chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                              return_tensors="pt", return_dict=True)["input_ids"]  # fmt: skip
@@ -140,6 +155,13 @@ def test_wrong_key_and_bad_requests_get_4xx(server) -> None:
     assert status == 400 and "'prompt' must be a non-empty string" in body["error"]["message"]
     status, body = post(f"{base}/chat/completions", json.dumps({"messages": "hi"}).encode(), key)
     assert status == 400 and "'messages' must be a non-empty list" in body["error"]["message"]
+    # settings the server does not apply are refused, not ignored
+    status, body = post(f"{base}/completions", json.dumps({"prompt": "hi",
+                        "presence_penalty": 0.5}).encode(), key)  # fmt: skip
+    assert status == 400 and "'presence_penalty'=0.5 is not supported" in body["error"]["message"]
+    status, body = post(f"{base}/completions", json.dumps({"prompt": "hi",
+                        "stop": ["a", ""]}).encode(), key)  # fmt: skip
+    assert status == 400 and "'stop' must be a non-empty string" in body["error"]["message"]
     assert post(f"{base}/completions", json.dumps({"prompt": "hi", "max_tokens": 2}).encode(),
                 key)[0] == 200  # the server is fine after all that  # fmt: skip
 

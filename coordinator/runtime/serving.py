@@ -7,7 +7,10 @@ gate lets them run at once), tokenizes with the checkpoint's tokenizer and calls
 `Job.generate` in a thread; a client that goes away cancels its request, which frees its KV
 caches. With an API key, every request needs `Authorization: Bearer <key>` (401 otherwise).
 Bad requests get a 4xx naming the field; a request beyond the planned KV cache gets 400 (too
-long) or 429 (too many sequences in flight), never a 500.
+long) or 429 (too many sequences in flight), never a 500. `stop` strings end the text where
+they begin (streamed text never shows part of one); `stream_options.include_usage` adds a usage
+chunk; settings that would change the text and are not applied here (penalties, logit_bias,
+logprobs, echo, best_of, suffix, tools, response_format) are refused with 400, not ignored.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations
@@ -25,6 +28,14 @@ from ray import serve
 
 app = FastAPI()
 MAX_ONGOING_REQUESTS = 32
+MAX_STOP = 4  # stop strings per request, as OpenAI's API allows
+# Request fields this server does not apply, with the value that means "off": any other value is
+# refused with 400 rather than silently ignored (the text would not be what the client asked).
+UNSUPPORTED = {
+    "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "logprobs": False,
+    "top_logprobs": 0, "echo": False, "best_of": 1, "suffix": "", "tools": [], "functions": [],
+    "response_format": {"type": "text"},
+}  # fmt: skip
 
 
 class BadRequest(ValueError):
@@ -53,11 +64,11 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], default=None, check=N
 class _Run:
     """One request's generation in a thread, its text deltas handed to the event loop."""
 
-    def __init__(self, job, tokenizer, ids, options: dict) -> None:
+    def __init__(self, job, tokenizer, ids, options: dict, stop: tuple[str, ...] = ()) -> None:
         from coordinator.text import TextStream, end_ids
 
         self.job, self.ids, self.options = job, ids, options
-        self.stream = TextStream(tokenizer, end_ids(tokenizer, job.index))
+        self.stream = TextStream(tokenizer, end_ids(tokenizer, job.index), stop)
         self.cancelled = threading.Event()
         self.error: Exception | None = None
         self.new_tokens = 0
@@ -101,6 +112,8 @@ class _Run:
             delta = self.stream.push(token)
             if self.stream.stopped:
                 self.finish_reason = "stop"
+                if self.stream.stop_string is not None:  # the loop has no end token to see
+                    self.cancelled.set()
             if delta:
                 self.text += delta
                 self._put(delta)
@@ -174,16 +187,18 @@ class OpenAIServer:
         try:
             if not isinstance(body, dict):
                 raise BadRequest("the request body must be a JSON object")
-            ids, options, stream = self._parse(body, chat)
+            ids, options, stream, stop = self._parse(body, chat)
+            stream_options = _field(body, "stream_options", (dict,), {})
+            usage = _field(stream_options, "include_usage", (bool,), False)
         except BadRequest as exc:
             return _error(exc.status, str(exc))
         except ValueError as exc:  # the tokenizer has no chat template, ...
             return _error(400, str(exc))
         kind = "chat.completion" if chat else "text_completion"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        run = _Run(self.job, self.tokenizer, ids, options)
+        run = _Run(self.job, self.tokenizer, ids, options, stop)
         if stream:
-            return StreamingResponse(self._events(run, rid, kind, chat, request),
+            return StreamingResponse(self._events(run, rid, chat, request, usage),
                                      media_type="text/event-stream")  # fmt: skip
         try:
             await run.finish()
@@ -201,6 +216,16 @@ class OpenAIServer:
 
         if _field(body, "n", (int,), 1) != 1:
             raise BadRequest("only n=1 is supported")
+        for name, default in UNSUPPORTED.items():  # settings that would change the output
+            if body.get(name) not in (None, default):
+                raise BadRequest(f"'{name}'={body[name]!r} is not supported by this server "
+                                 f"(leave it out, or {default!r})")  # fmt: skip
+        stop = body.get("stop")
+        stop = [stop] if isinstance(stop, str) else stop
+        if stop is not None and (not isinstance(stop, list) or len(stop) > MAX_STOP or not all(
+                isinstance(s, str) and s for s in stop)):  # fmt: skip
+            raise BadRequest(f"'stop' must be a non-empty string or a list of up to {MAX_STOP} "
+                             "of them")  # fmt: skip
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(
@@ -226,9 +251,9 @@ class OpenAIServer:
             _field(body, "seed", (int,), None),
         )
         stream = _field(body, "stream", (bool,), False)
-        return ids, {"max_new_tokens": max_tokens, **options}, stream
+        return ids, {"max_new_tokens": max_tokens, **options}, stream, tuple(stop or ())
 
-    async def _events(self, run: _Run, rid: str, kind: str, chat: bool, request: Request):
+    async def _events(self, run: _Run, rid: str, chat: bool, request: Request, usage: bool):
         """Server-sent events: a chunk per text delta, a last chunk with the finish reason,
         then [DONE]. A client that goes away cancels the request (its caches are freed)."""
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
@@ -257,6 +282,10 @@ class OpenAIServer:
                 yield f"data: {message}\n\n"
             else:
                 yield event(None, run.finish_reason)
+                if usage:  # stream_options.include_usage: one more chunk, no choices
+                    data = {"id": rid, "object": chunk_kind, "created": int(time.time()),
+                            "model": self.model_name, "choices": [], "usage": run.usage()}  # fmt: skip
+                    yield f"data: {json.dumps(data)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             run.cancel()  # a client gone mid-stream (the generator is closed): stop and free
