@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
+
+from worker.decode import Sampling, advance, choose
 
 FROM_CHECKPOINT = object()  # "the checkpoint's value": distinct from None ("no such token")
 DEFAULT_MAX_NEW_TOKENS = 20  # transformers' default (max_length 20 on top of the prompt)
@@ -93,6 +96,11 @@ class Settings:
     eos_token_ids: tuple[int, ...]  # empty: never stop before max_new_tokens
     pad_token_id: int
     seed: int | None = None
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(do_sample=self.do_sample, temperature=self.temperature,
+                        top_k=self.top_k, top_p=self.top_p)  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -194,30 +202,23 @@ def _or(value, default):
     return default if value is None else value
 
 
-def _next_tokens(logits: torch.Tensor, sequences: torch.Tensor, settings: Settings,
-                 generator: torch.Generator | None) -> torch.Tensor:  # fmt: skip
-    """The next token of each row from the last position's logits, as generate chooses it."""
-    scores = logits[:, -1, :].to(dtype=torch.float32, copy=True)
-    if not settings.do_sample:
-        return torch.argmax(scores, dim=-1)
-    from transformers.generation.logits_process import (
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
+class Burst(Protocol):
+    """A pipeline that can also run decode steps on its own (a job of one stage: its worker
+    chooses each token and feeds it straight back, with no round trip to the driver per
+    token). `burst` yields each step's tokens (batch,) as they come, up to `count` steps or
+    until every row has ended: the tokens `generate` would choose here, the generator's state
+    moving alike. It may stop early (a worker was lost and recovered): the loop then goes on
+    from the last token it got."""
 
-    if settings.temperature != 1.0:
-        scores = TemperatureLogitsWarper(settings.temperature)(sequences, scores)
-    if settings.top_k:
-        scores = TopKLogitsWarper(top_k=settings.top_k)(sequences, scores)
-    if settings.top_p < 1.0:
-        scores = TopPLogitsWarper(top_p=settings.top_p)(sequences, scores)
-    probs = torch.softmax(scores, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor): ...
+
+    def burst(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+              unfinished: torch.Tensor, count: int, settings: Settings,
+              generator: torch.Generator | None) -> Generator[torch.Tensor, None, None]: ...  # fmt: skip
 
 
 def generate(
-    step: Step,
+    step: Step | Burst,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
@@ -228,7 +229,8 @@ def generate(
 ) -> torch.Tensor:
     """(batch, prompt + new) token ids, as `generate` returns its sequences. `on_tokens` sees
     each step's new tokens (batch,) as they come (streaming); when `cancelled()` turns true
-    (a client went away) the loop stops before its next step and returns what it has."""
+    (a client went away) the loop stops before its next step and returns what it has. A `step`
+    with a `burst` (`Burst`; None: not now) runs the decode steps through it."""
     sequences = input_ids
     if settings.max_new_tokens == 0:
         return sequences
@@ -241,20 +243,44 @@ def generate(
             generator.seed()
     eos = torch.tensor(settings.eos_token_ids, dtype=sequences.dtype)
     unfinished = torch.ones(sequences.shape[0], dtype=torch.bool)
-    logits = step(input_ids, attention_mask, position_ids)
-    for produced in range(settings.max_new_tokens):
-        tokens = _next_tokens(logits, sequences, settings, generator).to(sequences.dtype)
-        tokens = torch.where(unfinished, tokens, settings.pad_token_id)
+
+    def take(tokens: torch.Tensor) -> bool:
+        """Add one step's tokens; True when the request is over."""
+        nonlocal sequences, unfinished
         sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
         if on_tokens is not None:
             on_tokens(tokens)
         if len(eos):
-            unfinished &= ~torch.isin(tokens, eos)
-        if not bool(unfinished.any()) or produced + 1 == settings.max_new_tokens:
-            break
-        if cancelled is not None and cancelled():
-            break
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(tokens), 1))], -1)
-        position_ids = position_ids[:, -1:] + 1
-        logits = step(tokens[:, None], attention_mask, position_ids)
+            unfinished = unfinished & ~torch.isin(tokens, eos)
+        produced = sequences.shape[1] - input_ids.shape[1]
+        if not bool(unfinished.any()) or produced == settings.max_new_tokens:
+            return True
+        return cancelled is not None and cancelled()
+
+    logits = step(input_ids, attention_mask, position_ids)
+    tokens = choose(logits, sequences, settings.sampling, generator, unfinished,
+                    settings.pad_token_id)  # fmt: skip
+    done = take(tokens)
+    while not done:
+        attention_mask, position_ids = advance(attention_mask, position_ids)
+        burst = getattr(step, "burst", None)  # asked each time: the pipeline may change
+        if burst is None:
+            logits = step(tokens[:, None], attention_mask, position_ids)
+            tokens = choose(logits, sequences, settings.sampling, generator, unfinished,
+                            settings.pad_token_id)  # fmt: skip
+            done = take(tokens)
+            continue
+        left = settings.max_new_tokens - (sequences.shape[1] - input_ids.shape[1])
+        steps = burst(tokens[:, None], attention_mask, position_ids, unfinished, left, settings,
+                      generator)  # fmt: skip
+        try:
+            for tokens in steps:  # the last one feeds the next burst
+                done = take(tokens)
+                if done:
+                    break
+                attention_mask, position_ids = advance(attention_mask, position_ids)
+        finally:
+            steps.close()  # stops the worker's steps when this loop ended first
+        if not done:  # the burst ended (its length, or a recovery): the next one goes on
+            attention_mask, position_ids = attention_mask[:, :-1], position_ids - 1
     return sequences

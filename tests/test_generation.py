@@ -13,6 +13,7 @@ from coordinator import generation
 from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import load_index
 from coordinator.reference import reference_generate
+from worker.wire import unpack
 
 FAMILIES = ("llama", "mistral", "qwen3", "gemma2", "mixtral")
 
@@ -168,3 +169,76 @@ def test_settings_come_from_generation_config(indexes, tmp_path) -> None:
     (root / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.2}))
     with pytest.raises(generation.GenerationError, match=r"repetition_penalty=1.2.*set it to 1.0"):
         generation.resolve(root, config, 7)
+
+
+class OneStageBursts:
+    """A one-stage pipeline whose worker runs the decode steps itself, `limit` per burst, as a
+    one-stage job's worker does over Ray (`StageWorker.decode`, `generation.Burst`)."""
+
+    def __init__(self, pipeline: Pipeline, limit: int) -> None:
+        [self.worker] = pipeline.workers
+        self.limit, self.bursts = limit, 0
+
+    def __call__(self, x, mask, positions):
+        return self.worker.forward(x, mask, positions, 1, "request")
+
+    def burst(self, tokens, mask, positions, unfinished, count, settings, generator):
+        self.bursts += 1
+        start = generator.get_state() if generator is not None else None
+        for chosen, state in self.worker.decode(
+            "request", tokens, mask, positions, unfinished, min(count, self.limit),
+            settings.sampling, settings.eos_token_ids, settings.pad_token_id, start,
+        ):  # fmt: skip
+            if generator is not None:
+                generator.set_state(unpack(state))
+            yield unpack(chosen)
+
+
+def run_bursts(pipeline: Pipeline, ids, mask, limit: int, **options) -> tuple[torch.Tensor, int]:
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    settings = generation.resolve(pipeline.index.root, pipeline.index.config, ids.shape[1],
+                                  **options)  # fmt: skip
+    step = OneStageBursts(pipeline, limit)
+    try:
+        return generation.generate(step, ids, mask, positions, settings), step.bursts
+    finally:
+        pipeline.workers[0].end_request("request")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_bursts_on_the_worker_equal_transformers_generate(indexes, family: str) -> None:
+    """Decode steps run by a one-stage job's worker itself, 3 per burst: the same tokens as
+    transformers' generate, a row that ends early padded while the other goes on."""
+    index = indexes(family)
+    ids, mask = left_padded_batch(seed=11)
+    one_stage = [[layer.name for layer in index.layers]]
+    plain = reference_generate(str(index.root), ids, attention_mask=mask, num_threads=1,
+                               max_new_tokens=12, do_sample=False, eos_token_id=None)  # fmt: skip
+    eos = int(plain[0, ids.shape[1] + 4])  # row 0 ends at its 5th new token
+    assert eos not in plain[1, ids.shape[1] : ids.shape[1] + 5].tolist()  # row 1 goes on
+    expected = reference_generate(str(index.root), ids, attention_mask=mask, num_threads=1,
+                                  max_new_tokens=12, do_sample=False, eos_token_id=eos)  # fmt: skip
+    pipeline = Pipeline(index, one_stage)
+    try:
+        ours, bursts = run_bursts(pipeline, ids, mask, 3, max_new_tokens=12, do_sample=False,
+                                  eos_token_id=eos)  # fmt: skip
+        report = pipeline.workers[0].report()
+    finally:
+        pipeline.close()
+    assert torch.equal(ours, expected), (ours, expected)
+    assert bursts >= 3 and report["requests"] == 0
+
+
+def test_seeded_sampling_in_bursts_equals_step_by_step(indexes) -> None:
+    """The generator's state goes to the worker and back with every burst: the same draws."""
+    index = indexes("qwen3")
+    ids, mask = left_padded_batch(seed=3)
+    options = dict(max_new_tokens=10, do_sample=True, temperature=1.5, top_k=20, top_p=0.9,
+                   eos_token_id=None, seed=7)  # fmt: skip
+    pipeline = Pipeline(index, [[layer.name for layer in index.layers]])
+    try:
+        stepped = run(pipeline, ids, mask, **options)
+        bursts, count = run_bursts(pipeline, ids, mask, 4, **options)
+    finally:
+        pipeline.close()
+    assert count == 3 and torch.equal(bursts, stepped)

@@ -50,7 +50,9 @@ def post(url: str, body: bytes, key: str) -> tuple[int, dict]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """A served checkpoint: (base url, key, checkpoint dir); stopped with Ctrl-C at the end."""
+    """A served checkpoint: (base url, key, checkpoint dir); stopped with Ctrl-C at the end. One
+    GPU, so one stage: its worker runs the decode steps in bursts (stop strings and clients
+    that leave end a burst midway)."""
     root = tmp_path_factory.mktemp("serve") / "tiny-llama"
     checkpoint = str(make_checkpoint(root, CheckpointShape(
         num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
@@ -60,7 +62,7 @@ def server(tmp_path_factory):
     env["OFFLOAD_API_KEY"] = key
     log = open(root.parent / "serve.log", "w+")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(
-        [OFFLOADCTL, "serve", "--checkpoint", checkpoint, "--gpus", "2", "--gpu-memory", "8MiB",
+        [OFFLOADCTL, "serve", "--checkpoint", checkpoint, "--gpus", "1", "--gpu-memory", "8MiB",
          "--port", str(port), "--max-seq-len", "64", "--max-batch", "2"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip

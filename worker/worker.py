@@ -26,6 +26,7 @@ from offload import OffloadConfig, create_offloader, probe_node
 from offload.host_store import decide_for_device
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV, PinDecision
 from offload.probe import DECISION_STEPS
+from worker.decode import Sampling, advance, choose
 from worker.layout import hf_config_from_dict, model_class_for
 from worker.loader import TensorReader
 from worker.node import probe_here
@@ -294,6 +295,43 @@ class StageWorker:
         out = self.forward(unpack(x), unpack(attention_mask), unpack(position_ids),
                            logits_to_keep, request)  # fmt: skip
         return pack(out)
+
+    def decode(
+        self,
+        request: str,
+        tokens: Packed | torch.Tensor,
+        attention_mask: Packed | torch.Tensor,
+        position_ids: Packed | torch.Tensor,
+        unfinished: Packed | torch.Tensor,
+        count: int,
+        sampling: Sampling,
+        eos_token_ids: tuple[int, ...],
+        pad_token_id: int,
+        generator_state: Packed | torch.Tensor | None = None,
+    ):
+        """Up to `count` decode steps of `request` run here, for a job whose only stage this
+        is: feed `tokens` (batch, 1), choose the next ones from the logits as the driver's loop
+        would (`worker.decode.choose`, from `generator_state` when sampling) and feed them
+        back, with no round trip to the driver per token. Yields, per step, the tokens and the
+        generator's state after them (packed); stops early when every row has ended. Called
+        through Ray as a streaming generator, so the driver gets each token as it comes."""
+        tokens, mask, positions = unpack(tokens), unpack(attention_mask), unpack(position_ids)
+        unfinished = unpack(unfinished)
+        generator = None
+        if sampling.do_sample:
+            generator = torch.Generator()
+            generator.set_state(unpack(generator_state))
+        eos = torch.tensor(eos_token_ids, dtype=tokens.dtype)
+        for _ in range(count):
+            logits = self.forward(tokens, mask, positions, 1, request)
+            chosen = choose(logits, tokens, sampling, generator, unfinished, pad_token_id)
+            yield pack(chosen), (pack(generator.get_state()) if generator is not None else None)
+            if len(eos):
+                unfinished = unfinished & ~torch.isin(chosen, eos)
+            if not bool(unfinished.any()):
+                return
+            mask, positions = advance(mask, positions)
+            tokens = chosen[:, None]
 
     def end_request(self, request: str) -> bool:
         """Free the KV cache of `request`; False when this worker never saw the request."""

@@ -1,0 +1,99 @@
+"""A one-stage job generating over Ray: its worker runs the decode steps itself, a burst per
+call (`StageWorker.decode` as a streaming generator), each token streamed as it comes. Greedy
+output equals transformers' `generate` across several bursts; seeded sampling draws what it
+draws a step at a time; a worker killed mid-burst is recovered and the request goes on with
+the same output; a request cancelled mid-burst stops the worker's steps and frees its cache."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+from helpers import wait_gpus_free
+
+from coordinator.config import JobConfig
+from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.reference import reference_generate
+from coordinator.runtime import job as job_module
+from coordinator.runtime.job import BURST_STEPS, launch
+
+NEW_TOKENS = 2 * BURST_STEPS + 3  # three bursts after the prefill's token
+
+
+@pytest.fixture(scope="module")
+def one_stage_job(tmp_path_factory):
+    checkpoint = str(make_checkpoint(tmp_path_factory.mktemp("burst") / "llama", CheckpointShape(
+        num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
+        vocab_size=128)))  # fmt: skip
+    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        config = JobConfig(checkpoint=checkpoint, gpu_memory_bytes=8 * 2**20, max_batch=2,
+                           max_seq_len=32)  # fmt: skip
+        with launch(config) as job:
+            assert len(job.plan.stages) == 1
+            yield job, checkpoint
+        wait_gpus_free(1)
+    finally:
+        ray.shutdown()
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = 0, 0
+    return ids, mask
+
+
+def test_bursts_equal_transformers_and_survive_a_killed_worker(one_stage_job,
+                                                               monkeypatch) -> None:  # fmt: skip
+    job, checkpoint = one_stage_job
+    ids, mask = batch()
+    expected = reference_generate(checkpoint, ids, attention_mask=mask, num_threads=1,
+                                  max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)  # fmt: skip
+    calls_before = job.telemetry()[0]["forwards"]
+    bursts = []
+    real_burst = job_module._ResumableStep._burst
+
+    def counted(self, *args):
+        bursts.append(args[4])  # steps asked for
+        yield from real_burst(self, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(job_module._ResumableStep, "_burst", counted)
+        out = job.generate(ids, mask, max_new_tokens=NEW_TOKENS, eos_token_id=None)
+    assert torch.equal(out, expected)
+    assert bursts == [NEW_TOKENS - 1 - i * BURST_STEPS for i in range(3)]  # 8 + 8 + 2 steps
+    assert job.telemetry()[0]["forwards"] - calls_before == NEW_TOKENS  # a forward per token
+
+    streamed: list[torch.Tensor] = []
+
+    def kill_mid_burst(tokens: torch.Tensor) -> None:
+        streamed.append(tokens)
+        if len(streamed) == BURST_STEPS // 2 + 2:  # inside the first burst
+            ray.kill(job.workers[0].actor, no_restart=True)
+
+    out = job.generate(ids, mask, max_new_tokens=NEW_TOKENS, eos_token_id=None,
+                       on_tokens=kill_mid_burst)  # fmt: skip
+    assert torch.equal(out, expected) and [e["event"] for e in job.events] == ["replaced workers"]
+    assert torch.equal(torch.stack(streamed, 1), expected[:, ids.shape[1] :])
+    assert job.telemetry()[0]["requests"] == 0
+
+
+def test_seeded_sampling_and_cancelling_mid_burst(one_stage_job, monkeypatch) -> None:
+    job, _ = one_stage_job
+    ids, mask = batch()
+    options = dict(max_new_tokens=NEW_TOKENS, do_sample=True, temperature=1.3, top_k=30,
+                   eos_token_id=None, seed=5)  # fmt: skip
+    bursts = job.generate(ids, mask, **options)
+    with monkeypatch.context() as patch:  # the same request a step (and a Ray call) at a time
+        patch.setattr(job_module._ResumableStep, "burst", property(lambda self: None))
+        stepped = job.generate(ids, mask, **options)
+    assert torch.equal(bursts, stepped)
+
+    seen: list[torch.Tensor] = []
+    out = job.generate(ids, mask, **options, on_tokens=seen.append,
+                       cancelled=lambda: len(seen) >= 3)  # fmt: skip
+    assert out.shape[1] == ids.shape[1] + 3 and torch.equal(out, bursts[:, : ids.shape[1] + 3])
+    report = job.telemetry()[0]
+    assert report["requests"] == 0 and report["kv_cache_bytes"] == 0
+    assert torch.equal(job.generate(ids, mask, **options), bursts)  # the worker is free again
