@@ -29,8 +29,9 @@ heads, intermediate 1408, vocab 4096, float32), page cache warm. For each stage 
   worker    - each worker's own `forward_s` / `forwards` over the 8-token runs (telemetry
               before and after): the compute of one step on each stage, the rest of a token's
               time being Ray calls, transfers and the driver's loop
-  Ray       - median round trip of a no-op actor call: a decode step calls each stage once,
-              its ids, mask and positions inside the call
+  Ray       - median round trip of a no-op actor call: on 2 and 3 stages a decode step calls
+              each stage once (its ids, mask and positions inside the call); a one-stage
+              job's worker runs up to 8 decode steps per call itself (`StageWorker.decode`)
 
 The transformers side is `AutoModelForCausalLM.from_pretrained` in this process with
 torch.set_num_threads(1), as the workers; its runs take turns with ours (interleaved, medians of
