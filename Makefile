@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(PY) bench/load.py
 	$(PY) bench/recovery.py
 	$(PY) bench/families.py
+	$(PY) bench/generate.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache .hypothesis
