@@ -393,16 +393,17 @@ class _ResumableStep:
         Every step is recorded as if fed from here, so a lost worker is recovered as in
         `__call__` (the burst then ends early and the loop goes on from its last token)."""
         timeout_s = self.job.config.forward_timeout_s
-        actor = self.job.workers[0].actor
-        count = min(count, BURST_STEPS)
-        call = actor.decode.options(num_returns="streaming").remote(
-            self.request, pack(tokens), pack(mask), pack(positions), pack(unfinished), count,
-            settings.sampling, settings.eos_token_ids, settings.pad_token_id,
-            pack(generator.get_state()) if generator is not None else None,
-        )  # fmt: skip
-        eos = torch.tensor(settings.eos_token_ids, dtype=tokens.dtype)
+        call = None
         try:
-            for _ in range(count):
+            actor = self.job.workers[0].actor
+            if actor is None:  # attached to a load that lost its worker
+                raise WorkerLostError("the worker of this load was lost")
+            call = actor.decode.options(num_returns="streaming").remote(
+                self.request, pack(tokens), pack(mask), pack(positions), pack(unfinished),
+                min(count, BURST_STEPS), settings.sampling, settings.eos_token_ids,
+                settings.pad_token_id, pack(generator.get_state()) if generator is not None else None,
+            )  # fmt: skip
+            while True:
                 ready, _ = ray.wait([call], timeout=timeout_s)
                 if not ready:
                     raise self.job._forward_timeout()
@@ -415,15 +416,14 @@ class _ResumableStep:
                 if generator is not None:
                     generator.set_state(unpack(state))
                 yield chosen
-                if len(eos):
-                    unfinished = unfinished & ~torch.isin(chosen, eos)
                 mask, positions = advance(mask, positions)
                 tokens = chosen[:, None]
         except (ray.exceptions.RayError, WorkerLostError) as exc:
             self._recover(exc)  # the caches hold every step taken; the loop goes on from there
         finally:
-            with contextlib.suppress(Exception):  # a burst left early: its worker stops stepping
-                ray.cancel(call)
+            if call is not None:
+                with contextlib.suppress(Exception):  # left early: its worker stops stepping
+                    ray.cancel(call)
 
     def end(self) -> None:
         """Free the request's caches on every worker (bounded; a lost worker holds none)."""
