@@ -97,3 +97,27 @@ def test_seeded_sampling_and_cancelling_mid_burst(one_stage_job, monkeypatch) ->
     report = job.telemetry()[0]
     assert report["requests"] == 0 and report["kv_cache_bytes"] == 0
     assert torch.equal(job.generate(ids, mask, **options), bursts)  # the worker is free again
+
+
+def test_a_burst_that_outlasts_forward_timeout_is_a_timeout_error(one_stage_job,
+                                                                  monkeypatch) -> None:  # fmt: skip
+    """The burst waits for each token at most forward_timeout_s (here: a wait that finds
+    nothing ready, as a stuck worker would give)."""
+    job, _ = one_stage_job
+    ids, mask = batch()
+
+    class NothingReady:  # job.py's view of Ray, whose waits on a burst find nothing ready
+        def __getattr__(self, name):
+            return getattr(ray, name)
+
+        @staticmethod
+        def wait(refs, *args, **kwargs):
+            if isinstance(refs[0], ray.ObjectRefGenerator):
+                return [], refs
+            return ray.wait(refs, *args, **kwargs)
+
+    monkeypatch.setattr(job_module, "ray", NothingReady())
+    with pytest.raises(TimeoutError, match=r"forward did not finish within 300 s"):
+        job.generate(ids, mask, max_new_tokens=4)
+    monkeypatch.undo()
+    assert job.telemetry()[0]["requests"] == 0

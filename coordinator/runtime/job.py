@@ -129,10 +129,11 @@ class Job:
         try:
             return unpack(ray.get(ref, timeout=self.config.forward_timeout_s))
         except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(
-                f"forward did not finish within {self.config.forward_timeout_s:.0f} s "
-                "(forward_timeout_s)"
-            ) from None
+            raise self._forward_timeout() from None
+
+    def _forward_timeout(self) -> TimeoutError:
+        return TimeoutError(f"forward did not finish within {self.config.forward_timeout_s:.0f} "
+                            "s (forward_timeout_s)")  # fmt: skip
 
     def generate(
         self,
