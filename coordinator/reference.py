@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 
-def reference_logits(
-    checkpoint: str,
-    input_ids: torch.Tensor,
-    *,
-    dtype: str = "auto",
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    logits_to_keep: int = 0,
-    attn_implementation: str | None = None,
-    num_threads: int | None = None,
-) -> torch.Tensor:
-    """Logits of the plain Hugging Face model, loaded by `from_pretrained` in `dtype` ("auto":
-    the checkpoint's, as our loader resolves it). Run it with the workers' thread count: a
-    matmul split over a different number of threads may sum in a different order."""
+@contextmanager
+def _reference_model(checkpoint: str, dtype: str, num_threads: int | None,
+                     attn_implementation: str | None = None) -> Iterator[torch.nn.Module]:  # fmt: skip
+    """The plain Hugging Face model, loaded by `from_pretrained` in `dtype` ("auto": the
+    checkpoint's, as our loader resolves it), run on `num_threads` threads (the workers'
+    count: a matmul split over another number of threads may sum in another order)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -35,10 +30,26 @@ def reference_logits(
             checkpoint, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
         )
         with torch.no_grad():
-            return model(input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         logits_to_keep=logits_to_keep).logits  # fmt: skip
+            yield model
     finally:
         torch.set_num_threads(previous)
+
+
+def reference_logits(
+    checkpoint: str,
+    input_ids: torch.Tensor,
+    *,
+    dtype: str = "auto",
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    logits_to_keep: int = 0,
+    attn_implementation: str | None = None,
+    num_threads: int | None = None,
+) -> torch.Tensor:
+    """Logits of the plain Hugging Face model (see `_reference_model`)."""
+    with _reference_model(checkpoint, dtype, num_threads, attn_implementation) as model:
+        return model(input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     logits_to_keep=logits_to_keep).logits  # fmt: skip
 
 
 def reference_generate(
@@ -52,20 +63,5 @@ def reference_generate(
 ) -> torch.Tensor:
     """`generate`'s sequences from the plain Hugging Face model in one process (same dtype and
     thread count as the workers), for the generation parity tests."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    if dtype == "auto":
-        from coordinator.planning.checkpoint import load_index
-
-        dtype = load_index(checkpoint).dtype
-    hf_logging.disable_progress_bar()
-    previous = torch.get_num_threads()
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype))
-        with torch.no_grad():
-            return model.generate(input_ids, attention_mask=attention_mask, **kwargs)
-    finally:
-        torch.set_num_threads(previous)
+    with _reference_model(checkpoint, dtype, num_threads) as model:
+        return model.generate(input_ids, attention_mask=attention_mask, **kwargs)
