@@ -14,8 +14,9 @@ from helpers import wait_gpus_free
 from coordinator.config import JobConfig
 from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.reference import reference_generate
-from coordinator.runtime import job as job_module
-from coordinator.runtime.job import BURST_STEPS, launch
+from coordinator.runtime import request as request_module
+from coordinator.runtime.job import launch
+from coordinator.runtime.request import BURST_STEPS
 
 NEW_TOKENS = 2 * BURST_STEPS + 3  # three bursts after the prefill's token
 
@@ -52,14 +53,14 @@ def test_bursts_equal_transformers_and_survive_a_killed_worker(one_stage_job,
                                   max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)  # fmt: skip
     calls_before = job.telemetry()[0]["forwards"]
     bursts = []
-    real_burst = job_module._ResumableStep._burst
+    real_burst = request_module.RequestSteps._burst
 
     def counted(self, *args):
         bursts.append(args[4])  # steps asked for
         yield from real_burst(self, *args)
 
     with monkeypatch.context() as patch:
-        patch.setattr(job_module._ResumableStep, "_burst", counted)
+        patch.setattr(request_module.RequestSteps, "_burst", counted)
         out = job.generate(ids, mask, max_new_tokens=NEW_TOKENS, eos_token_id=None)
     assert torch.equal(out, expected)
     assert bursts == [NEW_TOKENS - 1 - i * BURST_STEPS for i in range(3)]  # 8 + 8 + 2 steps
@@ -86,7 +87,7 @@ def test_seeded_sampling_and_cancelling_mid_burst(one_stage_job, monkeypatch) ->
                    eos_token_id=None, seed=5)  # fmt: skip
     bursts = job.generate(ids, mask, **options)
     with monkeypatch.context() as patch:  # the same request a step (and a Ray call) at a time
-        patch.setattr(job_module._ResumableStep, "burst", property(lambda self: None))
+        patch.setattr(request_module.RequestSteps, "burst", property(lambda self: None))
         stepped = job.generate(ids, mask, **options)
     assert torch.equal(bursts, stepped)
 
@@ -106,7 +107,7 @@ def test_a_burst_that_outlasts_forward_timeout_is_a_timeout_error(one_stage_job,
     job, _ = one_stage_job
     ids, mask = batch()
 
-    class NothingReady:  # job.py's view of Ray, whose waits on a burst find nothing ready
+    class NothingReady:  # request.py's view of Ray, whose waits on a burst find nothing ready
         def __getattr__(self, name):
             return getattr(ray, name)
 
@@ -116,7 +117,7 @@ def test_a_burst_that_outlasts_forward_timeout_is_a_timeout_error(one_stage_job,
                 return [], refs
             return ray.wait(refs, *args, **kwargs)
 
-    monkeypatch.setattr(job_module, "ray", NothingReady())
+    monkeypatch.setattr(request_module, "ray", NothingReady())
     with pytest.raises(TimeoutError, match=r"forward did not finish within 300 s"):
         job.generate(ids, mask, max_new_tokens=4)
     monkeypatch.undo()

@@ -12,10 +12,8 @@ decides what a lost worker needs and the group applies it.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,13 +32,12 @@ from coordinator.runtime.inputs import check_inputs
 from coordinator.runtime.keeper import find as find_keeper
 from coordinator.runtime.keeper import start as start_keeper
 from coordinator.runtime.probing import PROBE_TIMEOUT_S, probe_cluster
+from coordinator.runtime.request import RequestSteps
 from coordinator.runtime.session import RaySession, connect
 from coordinator.runtime.telemetry import MetricsExporter, collect
-from worker.decode import advance
 from worker.wire import pack, unpack
 
 TELEMETRY_TIMEOUT_S = 60.0
-END_REQUEST_TIMEOUT_S = 30.0
 # close() waits this long for a background tick in flight; the thread is a daemon either way.
 LOOP_JOIN_TIMEOUT_S = 5.0
 
@@ -107,14 +104,11 @@ class Job:
             try:
                 return self._forward(*inputs)
             except (ray.exceptions.RayError, WorkerLostError) as exc:
-                if not self._recover_since(epoch):  # every worker alive: the pass itself failed
-                    if isinstance(exc, ray.exceptions.RayError):
-                        raise worker_failure(exc, self.workers) from None
-                    raise
-                try:
-                    return self._forward(*inputs)
-                except ray.exceptions.RayError as again:
-                    raise worker_failure(again, self.workers) from None
+                self._recover_or_raise(exc, epoch)
+            try:
+                return self._forward(*inputs)
+            except ray.exceptions.RayError as again:
+                raise worker_failure(again, self.workers) from None
 
     def _forward(self, input_ids, attention_mask, position_ids, logits_to_keep,
                  request: str | None = None) -> torch.Tensor:  # fmt: skip
@@ -172,7 +166,7 @@ class Job:
         )  # fmt: skip
         claim = self._kv.claim(len(ids), ids.shape[1] + settings.max_new_tokens)
         with claim, self._gate.inside() as epoch:
-            step = _ResumableStep(self, epoch)
+            step = RequestSteps(self, epoch)
             try:
                 return generation.generate(step, ids, mask, positions, settings,
                                            on_tokens=on_tokens, cancelled=cancelled)  # fmt: skip
@@ -210,6 +204,15 @@ class Job:
             if dead:
                 self._gate.epoch += 1
             return bool(dead)
+
+    def _recover_or_raise(self, exc: Exception, epoch: int) -> None:
+        """After a pass of `epoch` failed with `exc`: recover the job, or raise `exc` (a Ray
+        error as the clear error naming the stage) when every worker is alive: then the pass
+        itself failed."""
+        if not self._recover_since(epoch):
+            if isinstance(exc, ray.exceptions.RayError):
+                raise worker_failure(exc, self.workers) from None
+            raise exc
 
     def _recover_now(self) -> list[int]:
         if self.keeper is not None:
@@ -331,10 +334,6 @@ class Job:
 # mask, sent to every stage) are put in the object store once. Either way as `wire.pack`
 # arrays, which Ray moves faster than tensors.
 INLINE_BYTES = 64 * 1024
-# Decode steps a one-stage job's worker runs per call (`_ResumableStep.burst`): the Ray call's
-# fixed cost (~2.5 ms here) is paid once per burst instead of once per token, while other
-# requests' steps still get the worker between bursts.
-BURST_STEPS = 8
 
 
 def _by_value_or_ref(tensor: torch.Tensor | None):
@@ -342,95 +341,6 @@ def _by_value_or_ref(tensor: torch.Tensor | None):
     if packed is None or packed.array.nbytes <= INLINE_BYTES:
         return packed
     return ray.put(packed)
-
-
-class _ResumableStep:
-    """One request's steps through the pipeline, each worker caching its layers' keys and
-    values under the request's id. It remembers every step fed so far: when a worker is lost,
-    the job recovers and the steps are fed again, in order, under a new id. That rebuilds the
-    caches exactly as they were (same inputs, same shapes, same kernels), so the request goes
-    on with the logits it would have had: the output is the one an uninterrupted run gives."""
-
-    def __init__(self, job: Job, epoch: int) -> None:
-        self.job = job
-        self.epoch = epoch  # of the workers the request's caches are on
-        self.request = uuid.uuid4().hex
-        self.fed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # ids, mask, pos
-
-    def __call__(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
-        self.fed.append((ids, mask, positions))
-        try:
-            return self.job._forward(ids, mask, positions, 1, self.request)
-        except (ray.exceptions.RayError, WorkerLostError) as exc:
-            return self._recover(exc)
-
-    def _recover(self, exc: Exception) -> torch.Tensor:
-        """After a step failed with `exc`: recover the job and feed every recorded step again
-        under a new id; the last step's logits. Raises `exc` (as a clear error) when no worker
-        was lost: then the step itself failed."""
-        if not self.job._recover_since(self.epoch):
-            if isinstance(exc, ray.exceptions.RayError):
-                raise worker_failure(exc, self.job.workers) from None
-            raise exc
-        self.epoch = self.job._gate.epoch
-        self.end()
-        self.request = uuid.uuid4().hex
-        try:
-            for step_ids, step_mask, step_positions in self.fed:
-                logits = self.job._forward(step_ids, step_mask, step_positions, 1, self.request)
-        except ray.exceptions.RayError as again:
-            raise worker_failure(again, self.job.workers) from None
-        return logits
-
-    @property
-    def burst(self):
-        """`generation.Burst` when the job has one stage (read again before every burst: a
-        recovery may re-plan the job onto another number of stages)."""
-        return self._burst if len(self.job.workers) == 1 else None
-
-    def _burst(self, tokens, mask, positions, unfinished, count, settings, generator):
-        """Decode steps run by the job's one worker itself: one streaming call for up to
-        BURST_STEPS tokens, each coming back as it is chosen, instead of a call per token.
-        Every step is recorded as if fed from here, so a lost worker is recovered as in
-        `__call__` (the burst then ends early and the loop goes on from its last token)."""
-        timeout_s = self.job.config.forward_timeout_s
-        call = None
-        try:
-            actor = self.job.workers[0].actor
-            if actor is None:  # attached to a load that lost its worker
-                raise WorkerLostError("the worker of this load was lost")
-            call = actor.decode.options(num_returns="streaming").remote(
-                self.request, pack(tokens), pack(mask), pack(positions), pack(unfinished),
-                min(count, BURST_STEPS), settings.sampling, settings.eos_token_ids,
-                settings.pad_token_id, pack(generator.get_state()) if generator is not None else None,
-            )  # fmt: skip
-            while True:
-                ready, _ = ray.wait([call], timeout=timeout_s)
-                if not ready:
-                    raise self.job._forward_timeout()
-                try:
-                    chosen, state = ray.get(next(call), timeout=timeout_s)
-                except StopIteration:
-                    return
-                self.fed.append((tokens, mask, positions))
-                chosen = unpack(chosen)
-                if generator is not None:
-                    generator.set_state(unpack(state))
-                yield chosen
-                mask, positions = advance(mask, positions)
-                tokens = chosen[:, None]
-        except (ray.exceptions.RayError, WorkerLostError) as exc:
-            self._recover(exc)  # the caches hold every step taken; the loop goes on from there
-        finally:
-            if call is not None:
-                with contextlib.suppress(Exception):  # left early: its worker stops stepping
-                    ray.cancel(call)
-
-    def end(self) -> None:
-        """Free the request's caches on every worker (bounded; a lost worker holds none)."""
-        refs = [h.actor.end_request.remote(self.request) for h in self.job.workers if h.actor]
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=END_REQUEST_TIMEOUT_S)
 
 
 def launch(
