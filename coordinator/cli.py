@@ -13,12 +13,11 @@ checkpoint, the config or the plan are printed as one message, without a traceba
 from __future__ import annotations
 
 import argparse
-import hashlib
 import signal
 import sys
 import threading
-import time
 
+from coordinator.cli_loads import EXIT_MISMATCH
 from coordinator.config import ConfigError, JobConfig, load_job_config, parse_bytes
 from coordinator.make_checkpoint import (
     ARCHITECTURES,
@@ -31,7 +30,6 @@ from coordinator.planning.checkpoint import CheckpointError
 from coordinator.planning.snapshot import ClusterSnapshot
 from worker.spec import COMPUTE_DTYPES
 
-EXIT_MISMATCH = 1
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 EXIT_TERMINATED = 143  # 128 + SIGTERM
@@ -227,71 +225,6 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise Terminated()
 
 
-def _stage_table(reports: list[dict]) -> str:
-    from coordinator.planning.planner import format_bytes, layer_range
-
-    rows = [("stage", "host", "gpu", "device", "layers", "resident", "offloaded", "pin",
-             "decided by")]  # fmt: skip
-    for r in reports:
-        pin = r["pin"] or {"pin": False, "reason": "", "source": ""}
-        rows.append((
-            str(r["stage"]), r["hostname"], r.get("gpu") or "-", r["device"],
-            layer_range(r["layers"]), format_bytes(r["stats"].get("resident_bytes", 0)),
-            f"{format_bytes(r['stats'].get('offloaded_bytes', 0))} ({len(r['offloaded'])})",
-            "on" if pin["pin"] else "off", f"{r['pin_origin']}: {pin['source']}: {pin['reason']}",
-        ))  # fmt: skip
-    from coordinator.tables import render
-
-    return render(rows)
-
-
-def _report_memory(job, args: argparse.Namespace) -> None:
-    import json
-
-    from coordinator.runtime import telemetry
-
-    reports = job.telemetry()
-    print(telemetry.render(reports, job.events))
-    if args.memory_json:
-        with open(args.memory_json, "w") as f:
-            json.dump(telemetry.summary(reports, job.events), f, indent=1)
-        print(f"memory snapshot written to {args.memory_json}")
-    if args.plot:
-        telemetry.plot(reports, args.plot)
-        print(f"memory plot written to {args.plot}")
-
-
-def _cmd_named(args: argparse.Namespace) -> int:
-    import json
-
-    from coordinator.runtime import registry, telemetry
-    from coordinator.runtime.job import attach
-    from coordinator.runtime.session import connect
-
-    if args.command == "status":
-        with attach(args.name, address=args.address) as job:
-            reports, events = job.telemetry(), job.events
-        if args.json:
-            print(json.dumps(telemetry.summary(reports, events), indent=1))
-        else:
-            print(telemetry.render(reports, events))
-        if args.plot:
-            telemetry.plot(reports, args.plot)
-            print(f"memory plot written to {args.plot}", file=sys.stderr)
-        return 0
-    session = connect(JobConfig(checkpoint="-", address=args.address or "auto"))
-    try:
-        if args.command == "list":
-            names = registry.list_loads()
-            print("\n".join(names) if names else "no named loads")
-            return 0
-        killed = registry.unload(args.name)
-        print(f"unloaded {args.name!r}: {killed} workers released")
-        return 0
-    finally:
-        session.close()
-
-
 def plan_cluster(config: JobConfig, result: dict, num_nodes: int) -> ClusterSnapshot:
     """`offloadctl plan`'s cluster: `num_nodes` nodes like this machine, as `probe_here()` saw
     it (`result`), with `config.gpus` GPUs each, budgeted by the runtime's own function (probing.py)."""
@@ -318,91 +251,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                                 prefetch_step=config.prefetch_step))  # fmt: skip
     print(the_plan.to_json() if args.json else the_plan.summary())
     return 0
-
-
-def _cmd_load_or_run(args: argparse.Namespace) -> int:
-    import torch
-
-    from coordinator.runtime.job import attach, launch
-
-    name = getattr(args, "name", None)
-    attached = bool(args.command == "run" and name)
-    if attached:
-        job_cm = attach(name, address=args.address)
-        config = job_cm.config
-    else:
-        config = _job_config(args)
-        started = time.perf_counter()
-        job_cm = launch(config, progress=_progress, name=name)
-    with job_cm as job:
-        if not attached:
-            print(f"model: {job.index.family}, {job.index.dtype}, "
-                  f"{job.index.num_decoder_layers} blocks{_untested(job.index.family)}")
-            print(job.plan.summary())
-            print(_stage_table(job.load_reports))
-            print(f"loaded {job.index.total_bytes / 2**20:.1f} MiB on {len(job.workers)} workers "
-                  f"in {time.perf_counter() - started:.1f} s")  # fmt: skip
-        else:
-            print(f"attached to load {name!r}: {len(job.workers)} stages")
-        if args.command == "load" or args.memory_json or args.plot:
-            _report_memory(job, args)
-        if args.command == "load":
-            if job.session.owned:
-                print("note: on the embedded Ray the load lives for this process only; it is "
-                      "released now (use --address to keep a named load)")  # fmt: skip
-            elif name:
-                print(f"load {name!r} stays on the cluster: offloadctl run/status/unload {name}")
-            return 0
-        if args.input_ids:
-            ids = torch.tensor([[int(t) for t in args.input_ids.split(",")]])
-        else:
-            generator = torch.Generator().manual_seed(args.seed)
-            ids = torch.randint(0, job.index.config["vocab_size"], (args.batch, args.seq_len),
-                                generator=generator)  # fmt: skip
-        job.forward(ids)  # warm-up: first calls import and allocate
-        start = time.perf_counter()
-        logits = job.forward(ids)
-        forward_ms = (time.perf_counter() - start) * 1e3
-        # The bits themselves (numpy has no bfloat16): equal digests mean bitwise equal logits.
-        digest = hashlib.sha256(logits.contiguous().view(torch.uint8).numpy()).hexdigest()[:16]
-        print(f"logits {list(logits.shape)} {str(logits.dtype).removeprefix('torch.')}: sum {float(logits.double().sum()):.6f}, "
-              f"sha256 {digest}; forward {forward_ms:.1f} ms")  # fmt: skip
-        if not args.check:
-            return 0
-        return _check(job, config, ids, logits)
-
-
-def _untested(family: str) -> str:
-    from worker.layout import TESTED_FAMILIES
-
-    return "" if family in TESTED_FAMILIES else " (a family not tested against transformers)"
-
-
-def _check(job, config: JobConfig, ids, logits) -> int:
-    """Compare with transformers loading the same files in the same dtype, in one process with
-    the workers' thread count: bitwise equal is expected (same code, same weights); in
-    bfloat16 / float16 a difference within two units of rounding at the logits' scale passes."""
-    import torch
-
-    from coordinator.reference import reference_logits
-
-    expected = reference_logits(config.checkpoint, ids, dtype=job.index.dtype,
-                                attn_implementation=config.attn_implementation,
-                                num_threads=config.cpus_per_worker)  # fmt: skip
-    where = f"transformers in one process ({job.index.dtype})"
-    if torch.equal(logits, expected):
-        print(f"check: logits are bitwise equal to {where}")
-        return 0
-    diff = float((logits.float() - expected.float()).abs().max())
-    tolerance = 0.0
-    if expected.dtype != torch.float32:
-        tolerance = 2 * torch.finfo(expected.dtype).eps * float(expected.float().abs().max())
-    if diff <= tolerance:
-        print(f"check: logits within {job.index.dtype} rounding of {where} "
-              f"(max abs difference {diff:.3e} <= {tolerance:.3e})")  # fmt: skip
-        return 0
-    print(f"check FAILED: max abs difference {diff:.3e} from {where}")
-    return EXIT_MISMATCH
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -456,9 +304,13 @@ def _run(args: argparse.Namespace, expected: tuple[type[Exception], ...]) -> int
 
             return cli_text.cmd_serve(args, _job_config, _progress)
         if args.command in ("load", "run"):
-            return _cmd_load_or_run(args)
+            from coordinator import cli_loads
+
+            return cli_loads.cmd_load_or_run(args, _job_config, _progress)
         if args.command in ("status", "unload", "list"):
-            return _cmd_named(args)
+            from coordinator import cli_loads
+
+            return cli_loads.cmd_named(args)
         if args.command == "check-cluster":
             from coordinator.cluster_yaml import check_cluster_config
 
