@@ -205,17 +205,21 @@ def run_bursts(pipeline: Pipeline, ids, mask, limit: int, **options) -> tuple[to
         pipeline.workers[0].end_request("request")
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_bursts_on_the_worker_equal_transformers_generate(indexes, family: str) -> None:
+@pytest.mark.parametrize(("family", "dtype"), [("llama", "float32"), ("mistral", "float32"),
+                                               ("llama", "bfloat16"), ("qwen3", "bfloat16")])  # fmt: skip
+def test_bursts_on_the_worker_equal_transformers_generate(indexes, family: str, dtype: str) -> None:
     """Decode steps run by a one-stage job's worker itself, 3 per burst: the same tokens as
-    transformers' generate, a row that ends early padded while the other goes on."""
-    index = indexes(family)
+    transformers' generate (same files, same dtype), a row that ends early padded while the
+    other goes on."""
+    index = indexes(family, dtype)
     ids, mask = left_padded_batch(seed=11)
     one_stage = [[layer.name for layer in index.layers]]
     plain = reference_generate(str(index.root), ids, attention_mask=mask, num_threads=1,
                                max_new_tokens=12, do_sample=False, eos_token_id=None)  # fmt: skip
-    eos = int(plain[0, ids.shape[1] + 4])  # row 0 ends at its 5th new token
-    assert eos not in plain[1, ids.shape[1] : ids.shape[1] + 5].tolist()  # row 1 goes on
+    new0, new1 = plain[0, ids.shape[1] :].tolist(), plain[1, ids.shape[1] :].tolist()
+    # an end token that ends row 0 after a few tokens while row 1 goes on past it
+    at = next(i for i in range(2, 11) if new0[i] not in new0[:i] + new1[: i + 1])
+    eos = new0[at]
     expected = reference_generate(str(index.root), ids, attention_mask=mask, num_threads=1,
                                   max_new_tokens=12, do_sample=False, eos_token_id=eos)  # fmt: skip
     pipeline = Pipeline(index, one_stage)
