@@ -6,6 +6,8 @@ the same output; a request cancelled mid-burst stops the worker's steps and free
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 import torch
@@ -103,7 +105,10 @@ def test_seeded_sampling_and_cancelling_mid_burst(one_stage_job, monkeypatch) ->
 def test_a_burst_that_outlasts_forward_timeout_is_a_timeout_error(one_stage_job,
                                                                   monkeypatch) -> None:  # fmt: skip
     """The burst waits for each token at most forward_timeout_s (here: a wait that finds
-    nothing ready, as a stuck worker would give)."""
+    nothing ready, as a stuck worker would give). A burst left before its first token is not
+    cancelled: cancelling a call the actor has not received held the driver's next calls to
+    that worker for 30 s, and the request's end_request timed out with its cache kept (about
+    one time in two; so it is left five times here)."""
     job, _ = one_stage_job
     ids, mask = batch()
 
@@ -117,8 +122,12 @@ def test_a_burst_that_outlasts_forward_timeout_is_a_timeout_error(one_stage_job,
                 return [], refs
             return ray.wait(refs, *args, **kwargs)
 
-    monkeypatch.setattr(request_module, "ray", NothingReady())
-    with pytest.raises(TimeoutError, match=r"forward did not finish within 300 s"):
-        job.generate(ids, mask, max_new_tokens=4)
-    monkeypatch.undo()
-    assert job.telemetry()[0]["requests"] == 0
+    for _ in range(5):
+        with monkeypatch.context() as patch:
+            patch.setattr(request_module, "ray", NothingReady())
+            start = time.monotonic()
+            with pytest.raises(TimeoutError, match=r"forward did not finish within 300 s"):
+                job.generate(ids, mask, max_new_tokens=4)
+            assert time.monotonic() - start < 10  # its end_request was not held back
+    report = job.telemetry()[0]
+    assert report["requests"] == 0 and report["kv_cache_bytes"] == 0

@@ -70,7 +70,7 @@ class RequestSteps:
         Every step is recorded as if fed from here, so a lost worker is recovered as in
         `__call__` (the burst then ends early and the loop goes on from its last token)."""
         timeout_s = self.job.config.forward_timeout_s
-        call = None
+        call, running = None, False
         try:
             actor = self.job.workers[0].actor
             if actor is None:  # attached to a load that lost its worker
@@ -87,7 +87,9 @@ class RequestSteps:
                 try:
                     chosen, state = ray.get(next(call), timeout=timeout_s)
                 except StopIteration:
+                    call = None  # finished: nothing to stop
                     return
+                running = True
                 self.fed.append((tokens, mask, positions))
                 chosen = unpack(chosen)
                 if generator is not None:
@@ -98,8 +100,14 @@ class RequestSteps:
         except (ray.exceptions.RayError, WorkerLostError) as exc:
             self._recover(exc)  # the caches hold every step taken; the loop goes on from there
         finally:
-            if call is not None:
-                with contextlib.suppress(Exception):  # left early: its worker stops stepping
+            # Left early: the worker stops stepping at its next token. Only a call that has
+            # streamed a token is cancelled: cancelling one the actor has not received yet
+            # leaves a hole in the actor's queue, and Ray holds this driver's later calls to
+            # it (end_request included) for up to 30 s before it moves on. A call left
+            # uncancelled runs at most BURST_STEPS steps, and the request's end_request is
+            # queued after it.
+            if call is not None and running:
+                with contextlib.suppress(Exception):
                     ray.cancel(call)
 
     def end(self) -> None:
