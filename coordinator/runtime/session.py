@@ -90,6 +90,8 @@ def _join(address: str) -> None:
                 f"cannot reach a Ray cluster at {address} ({resolved}): {exc}; check that its "
                 "head is up (ray status on it) and the address (--address or RAY_ADDRESS)"
             ) from None
+    if resolved and _refuses_token(resolved):  # at once; ray.init takes ~20 s to give up
+        raise _token_refused(address)
     try:
         ray.init(address=address, log_to_driver=False)
     except Exception as exc:
@@ -98,15 +100,32 @@ def _join(address: str) -> None:
         while link is not None and link not in chain:
             chain.append(link)
             link = link.__cause__ or link.__context__
-        wants_token = any(
-            isinstance(e, ray.exceptions.AuthenticationError) or "InvalidAuthToken" in str(e)
-            for e in chain
-        )
-        if not wants_token:
+        if not any(_is_token_refusal(e) for e in chain):
             raise ConnectionError(f"cannot join the Ray cluster at {address}: {exc}") from None
-        raise ConnectionError(
-            f"the Ray cluster at {address} refused this client's token (RAY_AUTH_MODE="
-            f"{os.environ.get('RAY_AUTH_MODE', 'unset')}): it uses token authentication; set "
-            "RAY_AUTH_MODE=token and give the cluster's token in ~/.ray/auth_token, "
-            "RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN (see README: Run on a cluster)"
-        ) from None
+        raise _token_refused(address) from None
+
+
+def _is_token_refusal(exc: BaseException) -> bool:
+    return isinstance(exc, ray.exceptions.AuthenticationError) or "InvalidAuthToken" in str(exc)
+
+
+def _refuses_token(gcs_address: str) -> bool:
+    """Whether the GCS at `gcs_address` refuses this process's token (or its lack of one):
+    one GCS client, which asks for the cluster id with the token as ray.init would send it.
+    Anything else that goes wrong is left to ray.init, which says what it is."""
+    try:
+        from ray._raylet import GcsClient
+
+        GcsClient(address=gcs_address)
+    except Exception as exc:
+        return _is_token_refusal(exc)
+    return False
+
+
+def _token_refused(address: str) -> ConnectionError:
+    return ConnectionError(
+        f"the Ray cluster at {address} refused this client's token (RAY_AUTH_MODE="
+        f"{os.environ.get('RAY_AUTH_MODE', 'unset')}): it uses token authentication; set "
+        "RAY_AUTH_MODE=token and give the cluster's token in ~/.ray/auth_token, "
+        "RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN (see README: Run on a cluster)"
+    )
