@@ -178,36 +178,6 @@ def llama_case(checkpoints, seed: int) -> tuple[str, JobConfig, torch.Tensor, to
                                                      num_threads=config.cpus_per_worker)  # fmt: skip
 
 
-def test_a_killed_worker_is_replaced_and_only_its_stage_reloaded(embedded_ray, checkpoints) -> None:
-    checkpoint, config, ids, expected = llama_case(checkpoints, seed=3)
-    with launch(config) as job:
-        assert torch.equal(job.forward(ids), expected)
-        before = {r["stage"]: r["pid"] for r in job.telemetry()}
-        ray.kill(job.workers[1].actor, no_restart=True)  # asynchronous: wait until it is gone
-        deadline = time.monotonic() + 30
-        while job.dead_stages() != [1]:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        lost = job.telemetry()  # the other stages still report; the lost one is marked
-        assert [r.get("lost", False) for r in lost] == [False, True, False]
-        assert "stage 1 " in telemetry.render(lost) and "LOST" in telemetry.render(lost)
-        assert torch.equal(job.forward(ids), expected)  # recovered inside forward
-        after = {r["stage"]: r for r in job.telemetry()}
-        assert [e["stages"] for e in job.events] == [[1]]
-        assert after[1]["pid"] != before[1] and after[0]["pid"] == before[0]
-        assert after[2]["pid"] == before[2]
-        share = sum(layer.file_bytes for layer in load_index(checkpoint).layers
-                    if layer.name in job.plan.stages[1].layers)  # fmt: skip
-        assert after[1]["bytes_read"] == share  # the replacement read its own stage only
-        assert job.dead_stages() == []
-        assert "replaced workers" in telemetry.render(list(after.values()), job.events)
-        job.export_metrics()
-        events = {"replaced workers": 1.0}
-        assert scrape_gauges("offload_recovery_events", events, METRICS_PORT,
-                             tag="event") == events  # fmt: skip
-    wait_gpus_free(NUM_GPUS)
-
-
 def test_a_worker_killed_while_loading_is_replaced(embedded_ray, checkpoints) -> None:
     """The kill lands between the chunks and finish_load: launch replaces the worker, the
     others do not read again, and the logits are right."""
@@ -242,21 +212,6 @@ def test_a_worker_killed_while_loading_is_replaced(embedded_ray, checkpoints) ->
             assert torch.equal(job.forward(ids), expected)
     finally:
         registry.forget("dying")  # a named load on a Ray it did not start: close() detaches
-    wait_gpus_free(NUM_GPUS)
-
-
-def test_a_watched_job_recovers_before_the_next_forward(embedded_ray, checkpoints) -> None:
-    _, config, ids, expected = llama_case(checkpoints, seed=5)
-    with launch(config) as job:
-        job.watch(0.3)
-        ray.kill(job.workers[2].actor, no_restart=True)
-        deadline = time.monotonic() + 60
-        while not job.events:  # no forward is running: the watcher notices on its own
-            assert time.monotonic() < deadline, "the watcher did not recover the lost stage"
-            time.sleep(0.2)
-        assert [(e["event"], e["stages"]) for e in job.events] == [("replaced workers", [2])]
-        assert torch.equal(job.forward(ids), expected)
-        assert len(job.events) == 1  # the forward found every stage alive
     wait_gpus_free(NUM_GPUS)
 
 
@@ -317,24 +272,80 @@ def test_a_signal_mid_load_stops_the_command_and_releases_everything(
         assert registry.list_loads() == [] and registry.named_groups(name) == {}
 
 
-def test_gpus_are_reserved_all_at_once_or_not_at_all(embedded_ray, checkpoints) -> None:
-    """A job needing the 3 GPUs another job holds starts nothing (Ray's placement group is all
-    or nothing), says which GPUs it waited for and how long, and leaves the first job as it
-    was."""
-    import dataclasses
+@pytest.fixture(scope="class")
+def job(embedded_ray, checkpoints):
+    """The llama job of `llama_case`, from the first to the last test of a class."""
+    _, config, _, _ = llama_case(checkpoints, seed=0)
+    with launch(config) as job:
+        yield job
+    wait_gpus_free(NUM_GPUS)
 
-    from ray.util import placement_group_table
 
-    _, config, ids, expected = llama_case(checkpoints, seed=6)
-    with launch(config) as first:
+class TestOneRunningJob:
+    """Tests of a job that keeps running after them (its lost workers replaced), on one
+    launch: workers take ~12 s to start here, most of it importing torch and transformers.
+    The job holds every GPU until the last of these tests ends; the watched one is last (its
+    watcher runs until the job closes)."""
+
+    def test_gpus_are_reserved_all_at_once_or_not_at_all(self, job, checkpoints) -> None:
+        """A job needing the 3 GPUs another job holds starts nothing (Ray's placement group is
+        all or nothing), says which GPUs it waited for and how long, and leaves the first job
+        as it was."""
+        import dataclasses
+
+        from ray.util import placement_group_table
+
+        _, config, ids, expected = llama_case(checkpoints, seed=6)
         blocked = dataclasses.replace(config, placement_timeout_s=3.0)
         with pytest.raises(LaunchError, match=r"did not reserve 3 GPU\(s\) \(.*GPU 0.*\) within "
                            r"3 s \(placement_timeout_s\).*nothing was started"):  # fmt: skip
             launch(blocked)
         states = [g["state"] for g in placement_group_table().values() if g["state"] != "REMOVED"]
         assert states == ["CREATED"]  # the first job's; the second's was removed
-        assert torch.equal(first.forward(ids), expected)
-    wait_gpus_free(NUM_GPUS)
+        assert torch.equal(job.forward(ids), expected)
+
+    def test_a_killed_worker_is_replaced_and_only_its_stage_reloaded(self, job,
+                                                                     checkpoints) -> None:  # fmt: skip
+        checkpoint, _, ids, expected = llama_case(checkpoints, seed=3)
+        events_before = len(job.events)
+        assert torch.equal(job.forward(ids), expected)
+        before = {r["stage"]: r["pid"] for r in job.telemetry()}
+        ray.kill(job.workers[1].actor, no_restart=True)  # asynchronous: wait until it is gone
+        deadline = time.monotonic() + 30
+        while job.dead_stages() != [1]:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        lost = job.telemetry()  # the other stages still report; the lost one is marked
+        assert [r.get("lost", False) for r in lost] == [False, True, False]
+        assert "stage 1 " in telemetry.render(lost) and "LOST" in telemetry.render(lost)
+        assert torch.equal(job.forward(ids), expected)  # recovered inside forward
+        after = {r["stage"]: r for r in job.telemetry()}
+        assert [e["stages"] for e in job.events[events_before:]] == [[1]]
+        assert after[1]["pid"] != before[1] and after[0]["pid"] == before[0]
+        assert after[2]["pid"] == before[2]
+        share = sum(layer.file_bytes for layer in load_index(checkpoint).layers
+                    if layer.name in job.plan.stages[1].layers)  # fmt: skip
+        assert after[1]["bytes_read"] == share  # the replacement read its own stage only
+        assert job.dead_stages() == []
+        assert "replaced workers" in telemetry.render(list(after.values()), job.events)
+        job.export_metrics()
+        events = {"replaced workers": float(len(job.events))}
+        assert scrape_gauges("offload_recovery_events", events, METRICS_PORT,
+                             tag="event") == events  # fmt: skip
+
+    def test_a_watched_job_recovers_before_the_next_forward(self, job, checkpoints) -> None:
+        _, _, ids, expected = llama_case(checkpoints, seed=5)
+        events_before = len(job.events)
+        job.watch(0.3)
+        ray.kill(job.workers[2].actor, no_restart=True)
+        deadline = time.monotonic() + 60
+        while len(job.events) == events_before:  # no forward runs: the watcher notices
+            assert time.monotonic() < deadline, "the watcher did not recover the lost stage"
+            time.sleep(0.2)
+        events = [(e["event"], e["stages"]) for e in job.events[events_before:]]
+        assert events == [("replaced workers", [2])]
+        assert torch.equal(job.forward(ids), expected)
+        assert len(job.events) == events_before + 1  # the forward found every stage alive
 
 
 def test_generate_through_ray_equals_transformers_and_survives_a_lost_worker(
