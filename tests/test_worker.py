@@ -74,6 +74,8 @@ def test_reconfigure_reads_only_the_layers_it_did_not_hold(index) -> None:
     worker = StageWorker(stage_spec(index, first, offloaded=("layers.1",)), device="cpu")
     try:
         worker.load()
+        worker.forward(ids)
+        assert worker.report()["stats"]["copies"] > 0  # the snapshot counts them from here
         embed_ptr = worker.stage.model.get_input_embeddings().weight.data_ptr()
         everything = [layer.name for layer in index.layers]
         # layers.0: resident -> offloaded, layers.1: offloaded -> resident, embed: kept resident
@@ -83,6 +85,8 @@ def test_reconfigure_reads_only_the_layers_it_did_not_hold(index) -> None:
             worker.load_chunk(chunk)
         report = worker.finish_load()
         assert report["bytes_read"] == nbytes(index, everything)  # every byte read exactly once
+        # A new offloader counts from zero, and so do the rates of the next snapshot.
+        assert report["since_last"]["copies"] == report["stats"]["copies"] >= 0
         assert worker.stage.model.get_input_embeddings().weight.data_ptr() == embed_ptr  # adopted, not copied
         assert report["offloaded"] == ["layers.0", "layers.3"]
         assert torch.equal(worker.forward(ids), expected)

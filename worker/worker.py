@@ -9,13 +9,10 @@ chunks); `finish_load()` starts the prefetch and checks the device budget; then 
 
 from __future__ import annotations
 
-import collections
 import os
 import platform
 import resource
 import socket
-import sys
-import threading
 import time
 
 import psutil
@@ -26,17 +23,17 @@ from offload import OffloadConfig, create_offloader, probe_node
 from offload.host_store import decide_for_device
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV, PinDecision
 from offload.probe import DECISION_STEPS
-from worker.decode import Sampling, advance, choose
+from worker.decode import Sampling, steps
 from worker.layout import hf_config_from_dict, model_class_for
 from worker.loader import TensorReader
 from worker.node import probe_here
 from worker.placement import Placement
+from worker.reporting import Snapshots
 from worker.spec import StageSpec, torch_dtype_named
 from worker.stage import Stage
 from worker.wire import Packed, pack, unpack
 
 LOAD_CHUNK_BYTES = 64 * 2**20  # progress granularity
-SNAPSHOT_HISTORY = 360  # periodic snapshots kept: an hour at 10 s
 
 
 class WorkerError(RuntimeError):
@@ -90,14 +87,8 @@ class StageWorker:
         self._forward_s = 0.0
         self._forwards = 0
         self._caches: dict[str, object] = {}  # request id -> StageCache (None: no decoder layer)
-        self._started = time.monotonic()
-        self._last_counters: tuple[dict, float] | None = None
-        self._report_lock = threading.Lock()  # `since_last` is shared with the snapshot thread
-        self._history: collections.deque[dict] = collections.deque(maxlen=SNAPSHOT_HISTORY)
-        self._stop = threading.Event()
-        if snapshot_interval_s > 0:
-            threading.Thread(target=self._snapshot_loop, args=(snapshot_interval_s,),
-                             name="offload-snapshots", daemon=True).start()  # fmt: skip
+        self._snapshots = Snapshots(self._snapshot, ready=lambda: self._ready, where=self._where,
+                                    interval_s=snapshot_interval_s)  # fmt: skip
 
     @property
     def offloader(self):
@@ -182,7 +173,7 @@ class StageWorker:
         self.stage, self._placement = stage, placement
         self._chunks = self._make_chunks([n for n in names if n not in carried])
         self._ready = False
-        self._history.clear()  # snapshots of the old stage would pass for the new one
+        self._snapshots.restart()
         self._caches.clear()  # caches of the old layers: a request in flight starts again
 
     def _make_chunks(self, names: list[str]) -> list[list[str]]:
@@ -309,29 +300,20 @@ class StageWorker:
         pad_token_id: int,
         generator_state: Packed | torch.Tensor | None = None,
     ):
-        """Up to `count` decode steps of `request` run here, for a job whose only stage this
-        is: feed `tokens` (batch, 1), choose the next ones from the logits as the driver's loop
-        would (`worker.decode.choose`, from `generator_state` when sampling) and feed them
-        back, with no round trip to the driver per token. Yields, per step, the tokens and the
-        generator's state after them (packed); stops early when every row has ended. Called
-        through Ray as a streaming generator, so the driver gets each token as it comes."""
-        tokens, mask, positions = unpack(tokens), unpack(attention_mask), unpack(position_ids)
-        unfinished = unpack(unfinished)
+        """Up to `count` decode steps of `request` run here (`worker.decode.steps`), for a job
+        whose only stage this is, with no round trip to the driver per token. Yields, per
+        step, the tokens and the generator's state after them (packed); stops early when
+        every row has ended. Called through Ray as a streaming generator, so the driver gets
+        each token as it comes."""
         generator = None
         if sampling.do_sample:
             generator = torch.Generator()
             generator.set_state(unpack(generator_state))
-        eos = torch.tensor(eos_token_ids, dtype=tokens.dtype)
-        for _ in range(count):
-            logits = self.forward(tokens, mask, positions, 1, request)
-            chosen = choose(logits, tokens, sampling, generator, unfinished, pad_token_id)
+        burst = steps(lambda t, m, p: self.forward(t, m, p, 1, request), unpack(tokens),
+                      unpack(attention_mask), unpack(position_ids), unpack(unfinished), count,
+                      sampling, eos_token_ids, pad_token_id, generator)  # fmt: skip
+        for chosen in burst:
             yield pack(chosen), (pack(generator.get_state()) if generator is not None else None)
-            if len(eos):
-                unfinished = unfinished & ~torch.isin(chosen, eos)
-            if not bool(unfinished.any()):
-                return
-            mask, positions = advance(mask, positions)
-            tokens = chosen[:, None]
 
     def end_request(self, request: str) -> bool:
         """Free the KV cache of `request`; False when this worker never saw the request."""
@@ -373,39 +355,19 @@ class StageWorker:
                 decision = PinDecision(pin=False, reason=f"invalid setting: {exc}", source="error")
         return decision
 
-    def _since_last(self, stats: dict) -> dict:
-        """Copy counters since the previous report, so a series of snapshots shows rates."""
-        now = time.monotonic()
-        keys = ("copies", "copied_bytes", "copy_s", "stall_s")
-        current = {k: stats.get(k, 0) for k in keys}
-        previous, then = self._last_counters or (dict.fromkeys(keys, 0), self._started)
-        self._last_counters = (current, now)
-        return {"interval_s": now - then, **{k: current[k] - previous[k] for k in keys}}
-
-    def _snapshot_loop(self, interval_s: float) -> None:
-        """Snapshot every `interval_s` once loaded, keeping the last SNAPSHOT_HISTORY."""
-        while not self._stop.wait(interval_s):
-            if not self._ready:
-                continue
-            try:
-                self._history.append(self.report())
-            except Exception as exc:  # the stage changed under us (reconfigure): next tick
-                print(f"{self._where()}: snapshot skipped: {exc}", file=sys.stderr)
-
     def history(self, since: float = 0.0) -> list[dict]:
         """The periodic snapshots taken after time `since` (seconds since the epoch)."""
-        return [s for s in list(self._history) if s["time"] > since]
+        return self._snapshots.history(since)
 
     def latest(self) -> dict:
         """The last periodic snapshot, or a fresh one when none was taken yet."""
-        history = list(self._history)
-        return history[-1] if history else self.report()
+        return self._snapshots.latest()
 
     def report(self) -> dict:
-        with self._report_lock:
-            return self._report()
+        """A snapshot of this worker now: memory, offloading, pinning, load and run times."""
+        return self._snapshots.take()
 
-    def _report(self) -> dict:
+    def _snapshot(self, since_last) -> dict:
         stats = self.offloader.stats().to_dict() if self.offloader is not None else {}
         decision = self.pin_decision()
         vm = psutil.virtual_memory()
@@ -443,7 +405,7 @@ class StageWorker:
             "kv_cache_bytes": self.kv_cache_bytes(),
             "requests": len(self._caches),
             "stats": stats,
-            "since_last": self._since_last(stats),
+            "since_last": since_last(stats),
             "time": time.time(),
             "probe_errors": list(self.probe.errors),
         }
@@ -457,7 +419,7 @@ class StageWorker:
         return os.getpid()
 
     def close(self) -> None:
-        self._stop.set()
+        self._snapshots.stop()
         self._reader.close()
         if self.offloader is not None:
             self.offloader.detach(restore=False)  # the stage goes with it: nothing to restore

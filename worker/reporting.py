@@ -1,0 +1,76 @@
+"""A worker's snapshots over time: taken on demand (`report`) and every few seconds by a
+background thread, the last SNAPSHOT_HISTORY kept, each carrying the offloader's copy counters
+since the snapshot before it (so a series shows rates). What a snapshot holds is the worker's
+business (`StageWorker.snapshot`); this module only takes, keeps and paces them."""
+
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+SNAPSHOT_HISTORY = 360  # periodic snapshots kept: an hour at 10 s
+COPY_COUNTERS = ("copies", "copied_bytes", "copy_s", "stall_s")
+
+
+class Snapshots:
+    """`take(since_last)` builds one snapshot, given the function that turns the offloader's
+    counters into their increase since the previous snapshot. Snapshots are taken one at a
+    time (the periodic thread and callers share the counters); the thread skips ticks while
+    `ready()` is false and says on stderr (naming `where()`) when a snapshot fails."""
+
+    def __init__(self, take: Callable[[Callable[[dict], dict]], dict], *,
+                 ready: Callable[[], bool], where: Callable[[], str],
+                 interval_s: float = 0.0) -> None:  # fmt: skip
+        self._take = take
+        self._ready = ready
+        self._where = where
+        self._started = time.monotonic()
+        self._last_counters: tuple[dict, float] | None = None
+        self._lock = threading.Lock()
+        self._history: collections.deque[dict] = collections.deque(maxlen=SNAPSHOT_HISTORY)
+        self._stop = threading.Event()
+        if interval_s > 0:
+            threading.Thread(target=self._loop, args=(interval_s,), name="offload-snapshots",
+                             daemon=True).start()  # fmt: skip
+
+    def take(self) -> dict:
+        with self._lock:
+            return self._take(self._since_last)
+
+    def _since_last(self, stats: dict) -> dict:
+        now = time.monotonic()
+        current = {k: stats.get(k, 0) for k in COPY_COUNTERS}
+        previous, then = self._last_counters or (dict.fromkeys(COPY_COUNTERS, 0), self._started)
+        self._last_counters = (current, now)
+        return {"interval_s": now - then, **{k: current[k] - previous[k] for k in COPY_COUNTERS}}
+
+    def _loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            if not self._ready():
+                continue
+            try:
+                self._history.append(self.take())
+            except Exception as exc:  # the stage changed under us (reconfigure): next tick
+                print(f"{self._where()}: snapshot skipped: {exc}", file=sys.stderr)
+
+    def history(self, since: float = 0.0) -> list[dict]:
+        """The periodic snapshots taken after time `since` (seconds since the epoch)."""
+        return [s for s in list(self._history) if s["time"] > since]
+
+    def latest(self) -> dict:
+        """The last periodic snapshot, or a fresh one when none was taken yet."""
+        history = list(self._history)
+        return history[-1] if history else self.take()
+
+    def restart(self) -> None:
+        """For a new stage (reconfigure): its snapshots would pass for the new one's, and its
+        offloader counts from zero again."""
+        with self._lock:
+            self._history.clear()
+            self._last_counters = (dict.fromkeys(COPY_COUNTERS, 0), time.monotonic())
+
+    def stop(self) -> None:
+        self._stop.set()
