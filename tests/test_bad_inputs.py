@@ -122,3 +122,14 @@ def test_a_mutated_job_file_gives_one_line(valid: Path, capsys, data) -> None:
         path = Path(tmp) / "job.yaml"
         path.write_text(yaml.safe_dump(job))
         run_plan(["plan", "--config", str(path)], capsys)
+
+
+@pytest.mark.parametrize("model_type", [[None], ["llama"], 3, {"llama": 1}])
+def test_a_model_type_that_is_not_a_string_is_one_line(valid: Path, capsys, tmp_path,
+                                                       model_type) -> None:  # fmt: skip
+    """Found by the test above: a list reached transformers' config registry (a TypeError)."""
+    root = Path(shutil.copytree(valid, tmp_path / "ckpt"))
+    config = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    assert main(["plan", "--checkpoint", str(root), "--gpus", "2", "--gpu-memory", "1MiB"]) == 2
+    assert "config.json: model_type must be a string" in capsys.readouterr().err

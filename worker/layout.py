@@ -44,6 +44,11 @@ def check_supported(config: dict) -> None:
     family = config.get("model_type")
     if not family:
         raise UnsupportedModelError(f"config.json has no model_type; supported: {_supported_text()}")
+    if not isinstance(family, str):
+        raise UnsupportedModelError(
+            f"config.json: model_type must be a string, got {family!r}; supported: "
+            f"{_supported_text()}"
+        )
     quant = config.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
