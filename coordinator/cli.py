@@ -238,17 +238,17 @@ def plan_cluster(config: JobConfig, result: dict, num_nodes: int) -> ClusterSnap
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from coordinator.planning.checkpoint import load_index
-    from coordinator.planning.planner import PlanOptions, plan
+    from coordinator.planning.context import check_max_seq_len
+    from coordinator.planning.planner import plan
     from worker.node import probe_here
 
     config = _job_config(args)
     if not config.gpus:
         raise ConfigError(f"plan without Ray needs --gpus (GPUs per node), got {config.gpus}")
     index = load_index(config.checkpoint, dtype=config.dtype)
+    check_max_seq_len(index.config, config.max_seq_len)
     cluster = plan_cluster(config, probe_here(), args.nodes)
-    the_plan = plan(index.layers, cluster,
-                    PlanOptions(reserve_bytes=config.reserve_bytes,
-                                prefetch_step=config.prefetch_step))  # fmt: skip
+    the_plan = plan(index.layers, cluster, config.plan_options())
     print(the_plan.to_json() if args.json else the_plan.summary())
     return 0
 

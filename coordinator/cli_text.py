@@ -32,6 +32,7 @@ def add_parsers(commands, add_job_flags, positive) -> None:
 
 def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
     from coordinator import generation
+    from coordinator.planning.checkpoint import read_config
     from coordinator.runtime.job import attach, launch
     from coordinator.text import TextStream, end_ids, load_tokenizer, prompt_ids
 
@@ -47,6 +48,9 @@ def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
     messages = [{"role": "user", "content": args.prompt}] if args.chat else None
     ids = prompt_ids(tokenizer, args.prompt, messages=messages)
     if not args.name:
+        # Past the model's context: said in the request's terms, before anything starts.
+        generation.resolve(checkpoint, read_config(checkpoint), ids.shape[1],
+                           max_new_tokens=args.max_new_tokens)  # fmt: skip
         if config.max_seq_len == 0:  # reserve the KV cache this request needs
             config = dataclasses.replace(config, max_seq_len=ids.shape[1] + args.max_new_tokens)
         job_cm = launch(config, progress=progress)
@@ -108,6 +112,8 @@ def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
     from pathlib import Path
 
     from coordinator.config import ConfigError
+    from coordinator.planning.checkpoint import read_config
+    from coordinator.planning.context import model_context
     from coordinator.runtime import registry, serving
     from coordinator.runtime.job import attach, launch
 
@@ -123,8 +129,10 @@ def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
         job, name, ours = attach(args.name, address=args.address), args.name, False
     else:
         config = job_config(args)
-        if config.max_seq_len == 0:
-            config = dataclasses.replace(config, max_seq_len=DEFAULT_SERVE_SEQ_LEN,
+        if config.max_seq_len == 0:  # the default, within the model's context
+            context = model_context(read_config(config.checkpoint))
+            seq_len = min(DEFAULT_SERVE_SEQ_LEN, context.tokens if context else DEFAULT_SERVE_SEQ_LEN)
+            config = dataclasses.replace(config, max_seq_len=seq_len,
                                          max_batch=max(config.max_batch, DEFAULT_SERVE_BATCH))  # fmt: skip
         name = f"serve-{uuid.uuid4().hex[:8]}"
         job, ours = launch(config, progress=progress, name=name), True

@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from coordinator.planning.context import beyond_context
 from worker.decode import Sampling, advance, choose
 
 FROM_CHECKPOINT = object()  # "the checkpoint's value": distinct from None ("no such token")
@@ -160,6 +161,13 @@ def resolve(
         max_length = values.get("max_length")
         max_new_tokens = (
             max(max_length - prompt_length, 0) if max_length else DEFAULT_MAX_NEW_TOKENS
+        )
+    total = prompt_length + int(max_new_tokens)
+    if context := beyond_context(model_config, total):
+        raise GenerationError(
+            f"{total} tokens per sequence (a {prompt_length}-token prompt + max_new_tokens "
+            f"{max_new_tokens}) exceed the model's context of {context}: shorten the prompt or "
+            "lower max_new_tokens"
         )
     eos = values.get("eos_token_id") if eos_token_id is FROM_CHECKPOINT else eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))

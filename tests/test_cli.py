@@ -197,3 +197,34 @@ def test_an_empty_stop_text_is_refused_before_loading(capsys, tmp_path) -> None:
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "hi", "--stop", "a",
                  "--stop", ""]) == 2  # fmt: skip
     assert "--stop needs a non-empty text" in capsys.readouterr().err
+
+
+def test_plan_reserves_the_kv_cache_asked_for(checkpoint: str, capsys) -> None:
+    """--max-batch / --max-seq-len reach the planner (they were dropped by `plan`, which then
+    showed no KV cache), and a window past the model's context is refused."""
+    argv = ["plan", "--checkpoint", checkpoint, "--gpus", "2", "--gpu-memory", "200KiB"]
+    capsys.readouterr()
+    assert main([*argv, "--max-batch", "2", "--max-seq-len", "64", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    # llama: 2 (keys, values) x 2 KV heads x head dim 8 x 4 bytes (fp32), per token and layer
+    assert sum(s["kv_bytes"] for s in plan["stages"]) == 4 * 2 * 64 * 2 * 2 * 8 * 4
+    assert main([*argv, "--max-batch", "2", "--max-seq-len", "64"]) == 0
+    assert "KV cache for 2 x 64 tokens" in capsys.readouterr().out
+    assert main([*argv, "--max-seq-len", "4096"]) == EXIT_ERROR
+    assert ("error: max_seq_len=4096 exceeds the model's context of 2048 tokens "
+            "(max_position_embeddings in config.json)") in capsys.readouterr().err
+
+
+def test_a_prompt_past_the_context_is_refused_before_loading(tmp_path, capsys) -> None:
+    import ray
+
+    short = tmp_path / "short"
+    assert main(["make-checkpoint", str(short), *TINY, "--max-positions", "16"]) == 0
+    capsys.readouterr()
+    argv = ["generate", "--checkpoint", str(short), "--gpu-memory", "1MiB", "--prompt",
+            "the workers keep their own layers " * 4, "--max-new-tokens", "8"]  # fmt: skip
+    assert main(argv) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "exceed the model's context of 16 tokens (max_position_embeddings in config.json): " \
+           "shorten the prompt or lower max_new_tokens" in err, err  # fmt: skip
+    assert not ray.is_initialized()

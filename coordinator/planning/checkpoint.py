@@ -154,6 +154,14 @@ def _tensor_slice(
     )  # fmt: skip
 
 
+def read_config(root: str | os.PathLike) -> dict:
+    """The checkpoint's config.json, as a dict (CheckpointError when missing or not JSON)."""
+    path = Path(root) / "config.json"
+    if not (path.exists() or path.is_symlink()):
+        raise CheckpointError(f"{root}: config.json is missing")
+    return _read_json(path, "config.json")
+
+
 def _read_json(path: Path, name: str) -> dict:
     """A JSON object from `path`; anything else (a directory, a link loop, not JSON, not an
     object) is a CheckpointError naming the file."""
@@ -246,10 +254,7 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
     # Weights first: a pickle-only directory must hear why it is refused, not that it lacks
     # config.json (adding one would only lead to the pickle refusal).
     weight_map = _tensor_files(root)
-    config_path = root / "config.json"
-    if not (config_path.exists() or config_path.is_symlink()):
-        raise CheckpointError(f"{root}: config.json is missing")
-    config = _read_json(config_path, "config.json")
+    config = read_config(root)
     files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
     tensors: dict[str, TensorSlice] = {}
     identities: list[FileIdentity] = []

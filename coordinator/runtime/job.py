@@ -23,6 +23,7 @@ import torch
 from coordinator import generation
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import CheckpointIndex, load_index
+from coordinator.planning.context import check_max_seq_len
 from coordinator.planning.planner import Plan, plan
 from coordinator.runtime import recovery, registry
 from coordinator.runtime.errors import LaunchError, WorkerLostError
@@ -353,6 +354,7 @@ def launch(
     is released. With `name`, the workers and their placement groups are detached and named,
     so they outlive this process (on a cluster) and `attach(name)` finds them again."""
     index = load_index(config.checkpoint, dtype=config.dtype)
+    check_max_seq_len(index.config, config.max_seq_len)
     session = connect(config)
     job = None
     claimed = False  # the name is ours to release: no load of that name existed
