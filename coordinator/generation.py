@@ -58,8 +58,8 @@ class KvBudget:
         self._lock = threading.Lock()
         self.in_flight = 0  # sequences
 
-    @contextmanager
-    def claim(self, sequences: int, tokens: int) -> Iterator[None]:
+    def check(self, sequences: int, tokens: int) -> None:
+        """Refuse a request that could never fit, whatever else is in flight."""
         if self.max_seq_len == 0:
             raise GenerationError(
                 "this job reserved no KV cache (max_seq_len=0), so it cannot generate: load it "
@@ -72,6 +72,16 @@ class KvBudget:
                 f"reserved for max_seq_len={self.max_seq_len}: shorten the request or load the "
                 "job with a larger max_seq_len"
             )
+        if sequences > self.max_batch:
+            raise GenerationError(
+                f"{sequences} sequence(s) exceed the KV cache reserved for max_batch="
+                f"{self.max_batch}: send fewer sequences, or load the job with a larger max_batch"
+            )
+
+    @contextmanager
+    def claim(self, sequences: int, tokens: int) -> Iterator[None]:
+        """Hold room for `sequences` of up to `tokens` each while the request runs."""
+        self.check(sequences, tokens)
         with self._lock:
             if self.in_flight + sequences > self.max_batch:
                 raise GenerationError(

@@ -246,3 +246,24 @@ def test_seeded_sampling_in_bursts_equals_step_by_step(indexes) -> None:
     finally:
         pipeline.close()
     assert count == 3 and torch.equal(bursts, stepped)
+
+
+def test_the_kv_budget_refuses_never_and_not_now_apart() -> None:
+    """What can never fit (longer than max_seq_len, more sequences than max_batch) is refused
+    by `check`, before a server starts streaming; what does not fit now (others in flight)
+    only by `claim`, whose room is given back however the request ends."""
+    budget = generation.KvBudget(max_batch=2, max_seq_len=10)
+    with pytest.raises(generation.GenerationError, match=r"11 tokens per sequence .* max_seq_len=10"):
+        budget.check(1, 11)
+    with pytest.raises(generation.GenerationError, match=r"3 sequence\(s\) exceed .* max_batch=2"):
+        budget.check(3, 5)
+    budget.check(2, 10)
+    with budget.claim(1, 10):
+        budget.check(2, 10)  # fits once the one in flight ends
+        refused = pytest.raises(generation.GenerationError, match=r"2 sequence\(s\), with 1 in flight")
+        with refused, budget.claim(2, 5):
+            pass
+        assert budget.in_flight == 1
+    with pytest.raises(RuntimeError), budget.claim(2, 10):
+        raise RuntimeError("the request failed")
+    assert budget.in_flight == 0

@@ -155,6 +155,13 @@ def test_wrong_key_and_bad_requests_get_4xx(server) -> None:
     with pytest.raises(openai.BadRequestError, match=r"exceed the model's context of 256 tokens "
                        r"\(max_position_embeddings in config.json\)"):  # fmt: skip
         client.completions.create(model="tiny-llama", prompt="hi", max_tokens=300)
+    with pytest.raises(openai.BadRequestError, match=r"exceed the model's context"):  # streamed:
+        client.completions.create(model="tiny-llama", prompt="hi", max_tokens=300,  # 400 first
+                                  stream=True)  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match=r"exceed the KV cache reserved for "
+                       r"max_seq_len=64"):  # fmt: skip
+        client.chat.completions.create(model="tiny-llama", max_tokens=100, stream=True,
+                                       messages=[{"role": "user", "content": "hi"}])  # fmt: skip
     assert post(f"{base}/completions", b"not json", key)[0] == 400
     status, body = post(f"{base}/completions", json.dumps({"prompt": 3}).encode(), key)
     assert status == 400 and "'prompt' must be a non-empty string" in body["error"]["message"]

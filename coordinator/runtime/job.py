@@ -160,10 +160,10 @@ class Job:
         if mask is None:
             mask = torch.ones_like(ids)
             positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
-        settings = generation.resolve(
-            self.index.root, self.index.config, ids.shape[1], max_new_tokens=max_new_tokens,
-            do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-            eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed,
+        settings = self.check_request(
+            ids.shape[1], len(ids), max_new_tokens=max_new_tokens, do_sample=do_sample,
+            temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id, seed=seed,
         )  # fmt: skip
         claim = self._kv.claim(len(ids), ids.shape[1] + settings.max_new_tokens)
         with claim, self._gate.inside() as epoch:
@@ -173,6 +173,17 @@ class Job:
                                            on_tokens=on_tokens, cancelled=cancelled)  # fmt: skip
             finally:
                 step.end()
+
+    def check_request(self, prompt_length: int, sequences: int = 1,
+                      **options) -> generation.Settings:  # fmt: skip
+        """The settings of a request of `sequences` prompts of `prompt_length` tokens (options:
+        `generate`'s); GenerationError when it could never run here: a setting this loop does
+        not apply, past the model's context, beyond the planned KV cache. Checked before
+        anything runs (a server checks before it starts streaming)."""
+        settings = generation.resolve(self.index.root, self.index.config, prompt_length,
+                                      **options)  # fmt: skip
+        self._kv.check(sequences, prompt_length + settings.max_new_tokens)
+        return settings
 
     def _require_open(self) -> None:
         if not self.workers:

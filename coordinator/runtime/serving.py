@@ -190,9 +190,10 @@ class OpenAIServer:
             ids, options, stream, stop = self._parse(body, chat)
             stream_options = _field(body, "stream_options", (dict,), {})
             usage = _field(stream_options, "include_usage", (bool,), False)
+            self.job.check_request(ids.shape[1], **options)  # a 400 now, not mid-stream
         except BadRequest as exc:
             return _error(exc.status, str(exc))
-        except ValueError as exc:  # the tokenizer has no chat template, ...
+        except ValueError as exc:  # no chat template, past the context or the KV plan, ...
             return _error(400, str(exc))
         kind = "chat.completion" if chat else "text_completion"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
