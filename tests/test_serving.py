@@ -103,7 +103,7 @@ def test_openai_client_gets_transformers_greedy_text(server) -> None:
     base, key, checkpoint = server
     client = openai.OpenAI(base_url=base, api_key=key, max_retries=0)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    assert [m.id for m in client.models.list()] == ["tiny-llama"]
+    assert [(m.id, m.max_model_len) for m in client.models.list()] == [("tiny-llama", 64)]
 
     prompt = "the quick brown fox"
     expected = greedy_text(checkpoint, tokenizer, tokenizer(prompt, return_tensors="pt")["input_ids"], 12)

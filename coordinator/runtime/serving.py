@@ -164,9 +164,12 @@ class OpenAIServer:
         if not self._authorized(request):
             return _error(401, "missing or wrong API key (Authorization: Bearer <key>)",
                           "authentication_error")  # fmt: skip
+        # max_model_len as vLLM reports it: the longest prompt + completion a request may ask
+        # for (the planned KV cache per sequence, which launch keeps within the context)
         return {"object": "list", "data": [{"id": self.model_name, "object": "model",
                                             "created": self.created,
-                                            "owned_by": "offload-coordinator"}]}  # fmt: skip
+                                            "owned_by": "offload-coordinator",
+                                            "max_model_len": self.job.config.max_seq_len}]}  # fmt: skip
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
