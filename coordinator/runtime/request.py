@@ -102,10 +102,10 @@ class RequestSteps:
         finally:
             # Left early: the worker stops stepping at its next token. Only a call that has
             # streamed a token is cancelled: cancelling one the actor has not received yet
-            # leaves a hole in the actor's queue, and Ray holds this driver's later calls to
-            # it (end_request included) for up to 30 s before it moves on. A call left
-            # uncancelled runs at most BURST_STEPS steps, and the request's end_request is
-            # queued after it.
+            # leaves a hole in the order of this driver's calls to it, and the actor holds the
+            # later ones for its 30 s reorder wait, then drops them (end_request included: the
+            # cache was kept; ray-project/ray#65785 describes that queue). A call left
+            # uncancelled runs at most BURST_STEPS steps; end_request is queued after it.
             if call is not None and running:
                 with contextlib.suppress(Exception):
                     ray.cancel(call)
