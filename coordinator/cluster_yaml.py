@@ -56,6 +56,8 @@ def _ray_validation(raw: dict) -> tuple[dict | None, str | None]:
         validate_config(full)
     except Exception as exc:  # jsonschema.ValidationError, ValueError, RuntimeError
         message = getattr(exc, "message", None) or str(exc).splitlines()[0]
+        if isinstance(exc, KeyError):  # Ray reads a key the file lacks
+            message = f"the required key {exc.args[0]!r} is missing"
         where = "/".join(str(p) for p in getattr(exc, "absolute_path", []) or [])
         return None, f"Ray's launcher rejects it{f' at {where}' if where else ''}: {message}"
     return full, None
@@ -104,7 +106,7 @@ def _check_ray_version(config: dict, check: ClusterCheck) -> None:
 
 def _check_security(config: dict, check: ClusterCheck) -> None:
     head = _commands(config, "head_start_ray_commands")
-    hosts = re.findall(r"--dashboard-host[= ](\S+)", head)
+    hosts = [h.strip("'\"") for h in re.findall(r"--dashboard-host[= ](\S+)", head)]
     if any(h in ("0.0.0.0", "::", "[::]") for h in hosts):
         check.errors.append(
             "head_start_ray_commands bind the dashboard to all interfaces "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,9 +180,16 @@ class JobConfig:
             _check_type(f.name, str(f.type), getattr(self, f.name))
         if not self.checkpoint:
             raise ConfigError("checkpoint: a checkpoint directory is required")
-        for name in ("gpus", "reserve_bytes", "max_batch", "max_seq_len"):
+        for name in ("gpus", "reserve_bytes", "max_seq_len"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.max_batch < 1:
+            raise ConfigError(f"max_batch={self.max_batch} must be >= 1 (sequences at once)")
+        for name in ("load_timeout_s", "forward_timeout_s", "placement_timeout_s",
+                     "snapshot_interval_s", "watch_interval_s"):  # fmt: skip
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"{name}={getattr(self, name)} must be a finite number of "
+                                  "seconds")  # fmt: skip
         for name in ("gpu_memory_bytes", "host_memory_bytes"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -305,8 +313,10 @@ def job_config_from_dict(raw: dict, *, where: str = "job config") -> JobConfig:
         raise ConfigError(f"{where}: {exc}") from None
 
 
-def load_job_config(path: str | Path, **cli_values: object) -> JobConfig:
-    """Read a YAML job file; values given on the command line (not None) win over the file."""
+def load_job_config(path: str | Path, defaults: dict | None = None,
+                    **cli_values: object) -> JobConfig:  # fmt: skip
+    """Read a YAML job file; values given on the command line (not None) win over the file,
+    and the file over `defaults` (a command's own defaults, for keys neither sets)."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
@@ -315,4 +325,4 @@ def load_job_config(path: str | Path, **cli_values: object) -> JobConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a job config is a mapping of keys to values")
     raw.update({k: v for k, v in cli_values.items() if v is not None})
-    return job_config_from_dict(raw, where=str(path))
+    return job_config_from_dict({**(defaults or {}), **raw}, where=str(path))

@@ -56,6 +56,10 @@ MUTATIONS: list[tuple[str, Callable[[dict], None], str]] = [
     ("public dashboard", lambda c: c.update(head_start_ray_commands=[
         "export RAY_AUTH_MODE=token; ray start --head --dashboard-host=0.0.0.0"]),
      "bind the dashboard to all interfaces"),
+    ("public dashboard, quoted", lambda c: c.update(head_start_ray_commands=[
+        'export RAY_AUTH_MODE=token; ray start --head --dashboard-host="0.0.0.0"']),
+     "bind the dashboard to all interfaces"),
+    ("no provider", lambda c: c.pop("provider"), "the required key 'provider' is missing"),
     ("Ray's aws defaults", lambda c: c.pop("head_start_ray_commands"),
      "bind the dashboard to all interfaces"),
     ("token auth off on workers", lambda c: c.update(worker_start_ray_commands=[

@@ -28,9 +28,11 @@ from coordinator.tables import render as render_table
 from worker.spec import LayerSpec
 
 MAX_PREFETCH_STEP = 64
+# What can make a plan fit, as flags (and the job-file keys behind them).
 KNOBS = (
-    "add GPUs, raise --gpu-memory, raise the node's host budget, lower prefetch_step, "
-    "lower reserve_bytes"
+    "add GPUs, raise --gpu-memory, raise the node's host budget (--host-memory / "
+    "host_memory_bytes), lower --prefetch-step, --reserve (reserve_bytes), --max-batch or "
+    "--max-seq-len"
 )
 _JSON_VERSION = 1
 
@@ -328,7 +330,8 @@ def _check_largest_layer(
             f"layer {big.name!r} needs {need} bytes on one GPU ({format_bytes(big.nbytes)} of "
             f"weights{cache} + reserve_bytes {options.reserve_bytes}; {why}), but the largest "
             f"GPU (node {node.node_id}, GPU {gpu.index}) has {gpu.memory_bytes} bytes: raise "
-            "--gpu-memory, lower reserve_bytes, max_batch or max_seq_len, or add larger GPUs"
+            "--gpu-memory, lower --reserve (reserve_bytes), --max-batch or --max-seq-len, or add "
+            "larger GPUs"
         )
 
 
