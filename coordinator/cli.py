@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 
-from coordinator.cli_loads import EXIT_MISMATCH
+from coordinator.cli_loads import EXIT_MISMATCH, RANDOM_INPUT
 from coordinator.config import ConfigError, JobConfig, load_job_config, parse_bytes
 from coordinator.make_checkpoint import (
     ARCHITECTURES,
@@ -82,19 +82,41 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
                         "gauges")  # fmt: skip
 
 
-_JOB_FIELDS = ("checkpoint", "address", "gpus", "gpu_memory_bytes", "host_memory_bytes",
-               "reserve_bytes", "prefetch_step", "backend", "dtype", "cpus_per_worker",
-               "snapshot_interval_s", "max_batch", "max_seq_len")  # fmt: skip
+# JobConfig field -> the flag that sets it (every one defaults to None: "not given")
+_JOB_FLAGS = {
+    "checkpoint": "--checkpoint", "address": "--address", "gpus": "--gpus",
+    "gpu_memory_bytes": "--gpu-memory", "host_memory_bytes": "--host-memory",
+    "reserve_bytes": "--reserve", "prefetch_step": "--prefetch-step", "backend": "--backend",
+    "dtype": "--dtype", "cpus_per_worker": "--cpus-per-worker",
+    "snapshot_interval_s": "--snapshot-interval", "max_batch": "--max-batch",
+    "max_seq_len": "--max-seq-len",
+}  # fmt: skip
 
 
-def _job_config(args: argparse.Namespace) -> JobConfig:
-    values = {name: getattr(args, name) for name in _JOB_FIELDS}
+def _job_config(args: argparse.Namespace, defaults: dict | None = None) -> JobConfig:
+    """The job the flags and --config describe; `defaults` (a command's own) fill what
+    neither sets."""
+    values = {name: getattr(args, name) for name in _JOB_FLAGS}
     if args.config:
-        return load_job_config(args.config, **values)
+        return load_job_config(args.config, defaults, **values)
     from coordinator.config import job_config_from_dict
 
-    return job_config_from_dict({k: v for k, v in values.items() if v is not None},
-                                where="command line")  # fmt: skip
+    given = {k: v for k, v in values.items() if v is not None}
+    return job_config_from_dict({**(defaults or {}), **given}, where="command line")
+
+
+def _refuse_load_flags(args: argparse.Namespace) -> None:
+    """A named load runs as it was loaded: flags that describe loading have nothing to act on."""
+    given = [flag for name, flag in _JOB_FLAGS.items()
+             if name != "address" and getattr(args, name, None) is not None]  # fmt: skip
+    if getattr(args, "config", None):
+        given.append("--config")
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)} set how a model is loaded, but {args.name!r} is a load that "
+            f"exists: it runs as loaded (offloadctl status {args.name} shows how); drop them, "
+            "or unload it and load it again with them"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,9 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "run":
             sub.add_argument("name", nargs="?", help="a named load to run (default: load one)")
             sub.add_argument("--input-ids", help="comma-separated token ids (default: random)")
-            sub.add_argument("--batch", type=_positive, default=2)
-            sub.add_argument("--seq-len", type=_positive, default=16)
-            sub.add_argument("--seed", type=int, default=0)
+            sub.add_argument("--batch", type=_positive,
+                             help=f"random input: sequences (default {RANDOM_INPUT['batch']})")
+            sub.add_argument("--seq-len", type=_positive,
+                             help=f"random input: tokens each (default {RANDOM_INPUT['seq_len']})")
+            sub.add_argument("--seed", type=int,
+                             help=f"random input: its seed (default {RANDOM_INPUT['seed']})")
             sub.add_argument("--check", action="store_true",
                              help="compare with transformers in one process; exit 1 on mismatch")  # fmt: skip
 
@@ -225,18 +250,22 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise Terminated()
 
 
-def plan_cluster(config: JobConfig, result: dict, num_nodes: int) -> ClusterSnapshot:
+def plan_cluster(config: JobConfig, result: dict, num_nodes: int,
+                 origins: dict[str, str] | None = None) -> ClusterSnapshot:  # fmt: skip
     """`offloadctl plan`'s cluster: `num_nodes` nodes like this machine, as `probe_here()` saw
     it (`result`), with `config.gpus` GPUs each, budgeted by the runtime's own function (probing.py)."""
     from coordinator.planning.budgets import node_info
 
     return ClusterSnapshot(nodes=tuple(
-        node_info(config, result, node_id=f"node-{n}", num_gpus=config.gpus)
+        node_info(config, result, node_id=f"node-{n}", num_gpus=config.gpus, origins=origins)
         for n in range(num_nodes)
     ))  # fmt: skip
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    import socket
+
+    from coordinator.config import node_env
     from coordinator.planning.checkpoint import load_index
     from coordinator.planning.context import check_max_seq_len
     from coordinator.planning.planner import plan
@@ -247,7 +276,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"plan without Ray needs --gpus (GPUs per node), got {config.gpus}")
     index = load_index(config.checkpoint, dtype=config.dtype)
     check_max_seq_len(index.config, config.max_seq_len)
-    cluster = plan_cluster(config, probe_here(), args.nodes)
+    # The job's overrides that match this machine (by hostname; `plan` knows no node labels
+    # or ids), as the runtime gives them to each node's workers.
+    env, origins = node_env(config.overrides, node_id="", hostname=socket.gethostname(),
+                            labels={})  # fmt: skip
+    cluster = plan_cluster(config, probe_here(env=env), args.nodes, origins)
     the_plan = plan(index.layers, cluster, config.plan_options())
     print(the_plan.to_json() if args.json else the_plan.summary())
     return 0
@@ -295,6 +328,8 @@ def _run(args: argparse.Namespace, expected: tuple[type[Exception], ...]) -> int
             return 0
         if args.command == "plan":
             return _cmd_plan(args)
+        if args.command in ("run", "generate", "serve") and getattr(args, "name", None):
+            _refuse_load_flags(args)
         if args.command == "generate":
             from coordinator import cli_text
 

@@ -12,6 +12,7 @@ import time
 from coordinator.config import JobConfig
 
 EXIT_MISMATCH = 1  # the check found logits unequal to transformers' (or a config problem)
+RANDOM_INPUT = {"batch": 2, "seq_len": 16, "seed": 0}  # `run`'s input without --input-ids
 
 
 def cmd_load_or_run(args: argparse.Namespace, job_config, progress) -> int:
@@ -21,11 +22,14 @@ def cmd_load_or_run(args: argparse.Namespace, job_config, progress) -> int:
 
     name = getattr(args, "name", None)
     attached = bool(args.command == "run" and name)
+    ids = _input_ids(args) if args.command == "run" else None  # a tensor, or a random one's shape
     if attached:
         job_cm = attach(name, address=args.address)
         config = job_cm.config
     else:
         config = job_config(args)
+        if ids is not None:  # a learned-position model fails past it; a RoPE one says nothing
+            _check_context(config.checkpoint, ids[1] if isinstance(ids, tuple) else ids.shape[1])
         started = time.perf_counter()
         job_cm = launch(config, progress=progress, name=name)
     with job_cm as job:
@@ -47,12 +51,10 @@ def cmd_load_or_run(args: argparse.Namespace, job_config, progress) -> int:
             elif name:
                 print(f"load {name!r} stays on the cluster: offloadctl run/status/unload {name}")
             return 0
-        if args.input_ids:
-            ids = torch.tensor([[int(t) for t in args.input_ids.split(",")]])
-        else:
-            generator = torch.Generator().manual_seed(args.seed)
-            ids = torch.randint(0, job.index.config["vocab_size"], (args.batch, args.seq_len),
-                                generator=generator)  # fmt: skip
+        if isinstance(ids, tuple):  # random ids, drawn now that the vocabulary is known
+            seed = RANDOM_INPUT["seed"] if args.seed is None else args.seed
+            generator = torch.Generator().manual_seed(seed)
+            ids = torch.randint(0, job.index.config["vocab_size"], ids, generator=generator)
         job.forward(ids)  # warm-up: first calls import and allocate
         start = time.perf_counter()
         logits = job.forward(ids)
@@ -64,6 +66,34 @@ def cmd_load_or_run(args: argparse.Namespace, job_config, progress) -> int:
         if not args.check:
             return 0
         return _check(job, config, ids, logits)
+
+
+def _input_ids(args: argparse.Namespace):
+    """--input-ids as a (1, n) tensor; else the shape of the random input (batch, tokens), drawn
+    once the vocabulary is known. --batch/--seq-len/--seed only shape random input."""
+    import torch
+
+    if args.input_ids:
+        given = [flag for flag, value in (("--batch", args.batch), ("--seq-len", args.seq_len),
+                                          ("--seed", args.seed)) if value is not None]  # fmt: skip
+        if given:
+            raise ValueError(f"--input-ids gives the tokens; {', '.join(given)} shape random "
+                             "input only: drop them")  # fmt: skip
+        try:
+            return torch.tensor([[int(t) for t in args.input_ids.split(",")]])
+        except ValueError:
+            raise ValueError(f"--input-ids {args.input_ids!r}: expected comma-separated token "
+                             "ids, e.g. 1,15043,3186") from None  # fmt: skip
+    return (args.batch or RANDOM_INPUT["batch"], args.seq_len or RANDOM_INPUT["seq_len"])
+
+
+def _check_context(checkpoint: str, tokens: int) -> None:
+    from coordinator.planning.checkpoint import read_config
+    from coordinator.planning.context import beyond_context
+
+    if context := beyond_context(read_config(checkpoint), tokens):
+        raise ValueError(f"{tokens} input tokens exceed the model's context of {context}: "
+                         "lower --seq-len or pass fewer --input-ids")  # fmt: skip
 
 
 def _untested(family: str) -> str:

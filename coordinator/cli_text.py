@@ -32,6 +32,7 @@ def add_parsers(commands, add_job_flags, positive) -> None:
 
 def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
     from coordinator import generation
+    from coordinator.config import ConfigError
     from coordinator.planning.checkpoint import read_config
     from coordinator.runtime.job import attach, launch
     from coordinator.text import TextStream, end_ids, load_tokenizer, prompt_ids
@@ -47,14 +48,23 @@ def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
     tokenizer = load_tokenizer(checkpoint)
     messages = [{"role": "user", "content": args.prompt}] if args.chat else None
     ids = prompt_ids(tokenizer, args.prompt, messages=messages)
-    if not args.name:
-        # Past the model's context: said in the request's terms, before anything starts.
-        generation.resolve(checkpoint, read_config(checkpoint), ids.shape[1],
-                           max_new_tokens=args.max_new_tokens)  # fmt: skip
-        if config.max_seq_len == 0:  # reserve the KV cache this request needs
-            config = dataclasses.replace(config, max_seq_len=ids.shape[1] + args.max_new_tokens)
-        job_cm = launch(config, progress=progress)
     options = generation.sampling_options(args.temperature, args.top_p, args.top_k, args.seed)
+    if not args.name:
+        # What the request could never do is said before anything starts, in its own terms:
+        # a bad setting, past the model's context, past an explicit --max-seq-len.
+        generation.resolve(checkpoint, read_config(checkpoint), ids.shape[1],
+                           max_new_tokens=args.max_new_tokens, **options)  # fmt: skip
+        needed = ids.shape[1] + args.max_new_tokens
+        if config.max_seq_len == 0:  # reserve the KV cache this request needs
+            config = dataclasses.replace(config, max_seq_len=needed)
+        elif config.max_seq_len < needed:
+            raise ConfigError(
+                f"the prompt ({ids.shape[1]} tokens) + --max-new-tokens {args.max_new_tokens} "
+                f"need a KV cache of {needed} tokens per sequence, more than --max-seq-len "
+                f"{config.max_seq_len}: raise it, or leave it out (generate then plans what the "
+                "request needs)"
+            )
+        job_cm = launch(config, progress=progress)
     with job_cm as job:
         stream = TextStream(tokenizer, end_ids(tokenizer, job.index), tuple(args.stop or ()))
         times: list[float] = []
@@ -128,12 +138,12 @@ def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
     if args.name:
         job, name, ours = attach(args.name, address=args.address), args.name, False
     else:
-        config = job_config(args)
-        if config.max_seq_len == 0:  # the default, within the model's context
+        # serve's own defaults, for what neither the flags nor the job file set
+        config = job_config(args, defaults={"max_batch": DEFAULT_SERVE_BATCH})
+        if config.max_seq_len == 0:  # 512 tokens, within the model's context
             context = model_context(read_config(config.checkpoint))
             seq_len = min(DEFAULT_SERVE_SEQ_LEN, context.tokens if context else DEFAULT_SERVE_SEQ_LEN)
-            config = dataclasses.replace(config, max_seq_len=seq_len,
-                                         max_batch=max(config.max_batch, DEFAULT_SERVE_BATCH))  # fmt: skip
+            config = dataclasses.replace(config, max_seq_len=seq_len)
         name = f"serve-{uuid.uuid4().hex[:8]}"
         job, ours = launch(config, progress=progress, name=name), True
     model = args.model_name or Path(job.config.checkpoint).resolve().name

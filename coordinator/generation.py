@@ -201,7 +201,9 @@ def resolve(
 def sampling_options(temperature: float | None, top_p: float | None, top_k: int | None,
                      seed: int | None) -> dict:  # fmt: skip
     """Job.generate options from OpenAI-style knobs: temperature 0 is greedy, a temperature > 0
-    samples, none leaves it to the checkpoint's generation_config.json."""
+    samples; with none, a top_p < 1 or a top_k asks for sampling (at the checkpoint's
+    temperature: OpenAI's API samples unless told otherwise, and a knob that only acts when
+    sampling must not be dropped without a word), else generation_config.json decides."""
     options: dict = {"seed": seed}
     if temperature is not None:
         if temperature < 0:
@@ -209,6 +211,8 @@ def sampling_options(temperature: float | None, top_p: float | None, top_k: int 
         options["do_sample"] = temperature > 0
         if temperature > 0:
             options["temperature"] = temperature
+    elif (top_p is not None and top_p < 1) or top_k:
+        options["do_sample"] = True
     if top_p is not None:
         options["top_p"] = top_p
     if top_k is not None:

@@ -95,7 +95,7 @@ class CheckpointShape:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
             )
-        if self.experts_per_token > self.num_experts:
+        if self.arch in MOE_ARCHITECTURES and self.experts_per_token > self.num_experts:
             raise ValueError(f"experts_per_token={self.experts_per_token} must be <= "
                              f"num_experts={self.num_experts}")  # fmt: skip
         if self.tokenizer and self.vocab_size < tiny_tokenizer.MIN_VOCAB:

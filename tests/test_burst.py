@@ -131,3 +131,12 @@ def test_a_burst_that_outlasts_forward_timeout_is_a_timeout_error(one_stage_job,
             assert time.monotonic() - start < 10  # its end_request was not held back
     report = job.telemetry()[0]
     assert report["requests"] == 0 and report["kv_cache_bytes"] == 0
+
+
+def test_a_forward_past_the_context_is_refused(one_stage_job) -> None:
+    """A learned-position model fails deep in a worker past its window, a RoPE one answers
+    with no error: both are refused before anything runs."""
+    job, _ = one_stage_job
+    with pytest.raises(ValueError, match=r"2049 tokens per sequence exceed the model's context "
+                       r"of 2048 tokens \(max_position_embeddings in config.json\)"):  # fmt: skip
+        job.forward(torch.zeros(1, 2049, dtype=torch.long))

@@ -123,7 +123,7 @@ def test_bad_flag_values_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> 
     assert "is not a size" in capsys.readouterr().err
 
 
-def test_run_check_mismatch_exits_1(monkeypatch, capsys) -> None:
+def test_run_check_mismatch_exits_1(monkeypatch, capsys, tmp_path) -> None:
     """The --check plumbing on its own: a job whose logits differ from the reference."""
     import contextlib
 
@@ -150,7 +150,8 @@ def test_run_check_mismatch_exits_1(monkeypatch, capsys) -> None:
     monkeypatch.setattr(
         coordinator.reference, "reference_logits", lambda *a, **k: torch.full((2, 16, 10), 1e-3)
     )
-    assert main(["run", "--checkpoint", "x", "--check"]) == 1
+    (tmp_path / "config.json").write_text("{}")  # read before loading: no context window
+    assert main(["run", "--checkpoint", str(tmp_path), "--check"]) == 1
     assert "check FAILED: max abs difference 1.000e-03" in capsys.readouterr().out
 
 
@@ -228,3 +229,125 @@ def test_a_prompt_past_the_context_is_refused_before_loading(tmp_path, capsys) -
     assert "exceed the model's context of 16 tokens (max_position_embeddings in config.json): " \
            "shorten the prompt or lower max_new_tokens" in err, err  # fmt: skip
     assert not ray.is_initialized()
+
+
+class LaunchCalled(Exception):
+    """Raised by a stand-in for `launch`: the command got as far as loading, with `config`."""
+
+    def __init__(self, config) -> None:
+        super().__init__("launch called")
+        self.config = config
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """`launch` replaced: commands are checked up to the point where they would load."""
+    import coordinator.runtime.job as job_module
+
+    def launch(config, **_):
+        raise LaunchCalled(config)
+
+    monkeypatch.setattr(job_module, "launch", launch)
+
+
+def test_serve_defaults_fill_only_what_is_not_given(checkpoint, tmp_path, no_launch) -> None:
+    """serve plans 4 sequences of 512 tokens (or the model's window) unless the flags or the
+    job file say otherwise; an explicit --max-batch below 4 used to be raised to 4."""
+
+    def planned(*extra: str) -> tuple[int, int]:
+        with pytest.raises(LaunchCalled) as called:
+            main(["serve", "--checkpoint", checkpoint, "--gpus", "1", "--gpu-memory", "8MiB",
+                  *extra])  # fmt: skip
+        return called.value.config.max_batch, called.value.config.max_seq_len
+
+    assert planned() == (4, 512)
+    assert planned("--max-batch", "2") == (2, 512)
+    assert planned("--max-seq-len", "256") == (4, 256)
+    job = tmp_path / "job.yaml"
+    job.write_text(f"checkpoint: {checkpoint}\nmax_batch: 3\n")
+    assert planned("--config", str(job)) == (3, 512)
+    assert planned("--config", str(job), "--max-batch", "1") == (1, 512)
+    short = tmp_path / "short"
+    assert main(["make-checkpoint", str(short), *TINY, "--max-positions", "100"]) == 0
+    with pytest.raises(LaunchCalled) as called:
+        main(["serve", "--checkpoint", str(short), "--gpus", "1", "--gpu-memory", "8MiB"])
+    assert called.value.config.max_seq_len == 100  # the model's window, when under 512
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "mine", "--gpus", "2"],
+    ["run", "mine", "--checkpoint", "x", "--max-batch", "2"],
+    ["generate", "mine", "--prompt", "hi", "--gpu-memory", "1MiB"],
+    ["serve", "mine", "--config", "job.yaml"],
+])  # fmt: skip
+def test_a_named_load_refuses_flags_that_describe_loading(argv, capsys) -> None:
+    import ray
+
+    assert main(argv) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "set how a model is loaded, but 'mine' is a load that exists" in err, err
+    assert not ray.is_initialized()  # said before connecting to anything
+
+
+def test_generate_settles_its_settings_before_loading(checkpoint, capsys, no_launch) -> None:
+    base = ["generate", "--checkpoint", checkpoint, "--gpus", "1", "--gpu-memory", "8MiB",
+            "--prompt", "the workers keep their own layers"]  # fmt: skip
+    assert main([*base, "--temperature", "-1"]) == EXIT_ERROR
+    assert "temperature=-1.0 must be >= 0" in capsys.readouterr().err
+    assert main([*base, "--max-seq-len", "8", "--max-new-tokens", "20"]) == EXIT_ERROR
+    assert "more than --max-seq-len 8: raise it, or leave it out" in capsys.readouterr().err
+    with pytest.raises(LaunchCalled) as called:  # left out: planned for the request
+        main([*base, "--max-new-tokens", "20"])
+    assert called.value.config.max_seq_len > 20
+
+
+def test_top_p_or_top_k_without_a_temperature_samples() -> None:
+    from coordinator.generation import sampling_options
+
+    assert sampling_options(None, 0.3, None, None)["do_sample"] is True
+    assert sampling_options(None, None, 5, 7)["do_sample"] is True
+    assert "do_sample" not in sampling_options(None, 1.0, None, 7)  # top_p 1: no knob turned
+    assert sampling_options(0, 0.3, None, None)["do_sample"] is False  # temperature 0: greedy
+
+
+def test_run_checks_its_input_before_loading(tmp_path, capsys) -> None:
+    import ray
+
+    short = tmp_path / "short"
+    assert main(["make-checkpoint", str(short), *TINY, "--max-positions", "16"]) == 0
+    base = ["run", "--checkpoint", str(short), "--gpus", "1", "--gpu-memory", "8MiB"]
+    capsys.readouterr()
+    assert main([*base, "--seq-len", "32"]) == EXIT_ERROR
+    assert ("32 input tokens exceed the model's context of 16 tokens (max_position_embeddings "
+            "in config.json): lower --seq-len") in capsys.readouterr().err  # fmt: skip
+    assert main([*base, "--input-ids", "1,2,3", "--seq-len", "3", "--seed", "1"]) == EXIT_ERROR
+    assert "--input-ids gives the tokens; --seq-len, --seed shape random input only" in \
+        capsys.readouterr().err  # fmt: skip
+    assert main([*base, "--input-ids", "1,two"]) == EXIT_ERROR
+    assert "expected comma-separated token ids" in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
+def test_plan_applies_the_job_files_overrides(checkpoint, tmp_path, capsys) -> None:
+    """As `run` does: an override forcing pinned memory where there is nothing to pin for is
+    refused by `plan` too, and the message says the job's override set it."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("pinning is possible with CUDA")
+    job = tmp_path / "job.yaml"
+    job.write_text(f"checkpoint: {checkpoint}\ngpus: 1\ngpu_memory_bytes: 8MiB\noverrides:\n"
+                   "  - match: {hostname: '*'}\n    env: {OFFLOAD_PIN_MEMORY: 'on'}\n")  # fmt: skip
+    capsys.readouterr()
+    assert main(["plan", "--config", str(job)]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "forces pinned host memory" in err
+    assert "(OFFLOAD_PIN_MEMORY is set by the job override for this node: change it there)" in err
+    job.write_text(job.read_text().replace("'on'", "'off'"))
+    assert main(["plan", "--config", str(job)]) == 0
+
+
+def test_make_checkpoint_ignores_expert_flags_outside_moe(tmp_path) -> None:
+    assert main(["make-checkpoint", str(tmp_path / "c"), *TINY, "--experts", "1"]) == 0
+    assert main(["make-checkpoint", str(tmp_path / "m"), *TINY, "--arch", "mixtral",
+                 "--experts", "1"]) == EXIT_ERROR  # fmt: skip

@@ -163,6 +163,9 @@ def test_wrong_key_and_bad_requests_get_4xx(server) -> None:
         client.chat.completions.create(model="tiny-llama", max_tokens=100, stream=True,
                                        messages=[{"role": "user", "content": "hi"}])  # fmt: skip
     assert post(f"{base}/completions", b"not json", key)[0] == 400
+    with pytest.raises(openai.NotFoundError, match=r"the model 'other' does not exist here: this "
+                       r"server serves 'tiny-llama'"):  # fmt: skip
+        client.completions.create(model="other", prompt="hi", max_tokens=2)
     status, body = post(f"{base}/completions", json.dumps({"prompt": 3}).encode(), key)
     assert status == 400 and "'prompt' must be a non-empty string" in body["error"]["message"]
     status, body = post(f"{base}/chat/completions", json.dumps({"messages": "hi"}).encode(), key)

@@ -12,10 +12,13 @@ import socket
 from offload import decide_pinning, probe_node
 
 
-def probe_here(planned_bytes: int = 0) -> dict:
+def probe_here(planned_bytes: int = 0, env: dict[str, str] | None = None) -> dict:
+    """This node's probe and pin decision; `env` set over this process's environment (what a
+    job's overrides would give its workers here)."""
     probe = probe_node()
     try:
-        decision = decide_pinning(dict(os.environ), probe, planned_bytes=planned_bytes).to_dict()
+        environ = {**os.environ, **(env or {})}
+        decision = decide_pinning(environ, probe, planned_bytes=planned_bytes).to_dict()
         error = None
     except (ValueError, RuntimeError) as exc:
         decision, error = None, str(exc)

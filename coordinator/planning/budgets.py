@@ -28,13 +28,15 @@ def node_info(
     num_gpus: int,
     labels: Mapping[str, str] | None = None,
     held_bytes: int = 0,
+    origins: Mapping[str, str] | None = None,
 ) -> NodeInfo:
     """The planner's view of one node with `num_gpus` GPUs.
 
     `result` is what `worker.node.probe_here()` returned on the node: its hostname, its
     `NodeProbe`, its pin decision and the error that prevented one. `held_bytes` is host memory
     this job's own workers hold there (their arenas), counted as available because a re-plan
-    replaces them. Budgets: per GPU `--gpu-memory`, else GPU_BUDGET_FRACTION of each CUDA
+    replaces them. `origins`: where the variables set for the node's workers come from (job
+    override, node label), named in an error they caused. Budgets: per GPU `--gpu-memory`, else GPU_BUDGET_FRACTION of each CUDA
     device; host `--host-memory`, else HOST_BUDGET_FRACTION of available host memory; pinned,
     PIN_HEADROOM_FRACTION of it (the pin policy's own limit). The link rate is the one measured
     from the memory the node will offload to (pinned or pageable); None when not measured.
@@ -42,7 +44,10 @@ def node_info(
     hostname = result["hostname"]
     where = f"node {hostname} ({node_id[:8]})"
     if result["error"]:
-        raise ConfigError(f"{where}: {result['error']}")
+        causes = [f"{name} is set by the {origin} for this node" for name, origin
+                  in (origins or {}).items() if name in result["error"]]  # fmt: skip
+        said = f" ({'; '.join(causes)}: change it there)" if causes else ""
+        raise ConfigError(f"{where}: {result['error']}{said}")
     probe: NodeProbe = result["probe"]
     if config.gpu_memory_bytes is not None:
         budgets = [config.gpu_memory_bytes] * num_gpus

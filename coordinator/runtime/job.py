@@ -23,7 +23,7 @@ import torch
 from coordinator import generation
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import CheckpointIndex, load_index
-from coordinator.planning.context import check_max_seq_len
+from coordinator.planning.context import beyond_context, check_max_seq_len
 from coordinator.planning.planner import Plan, plan
 from coordinator.runtime import recovery, registry
 from coordinator.runtime.errors import LaunchError, WorkerLostError
@@ -101,6 +101,9 @@ class Job:
         the pass is run once more."""
         inputs = check_inputs(input_ids, attention_mask, logits_to_keep,
                               self.index.config.get("vocab_size"))  # fmt: skip
+        if context := beyond_context(self.index.config, inputs[0].shape[1]):
+            raise ValueError(f"{inputs[0].shape[1]} tokens per sequence exceed the model's "
+                             f"context of {context}: pass shorter sequences")  # fmt: skip
         with self._gate.inside() as epoch:
             try:
                 return self._forward(*inputs)

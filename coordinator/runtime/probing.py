@@ -70,14 +70,15 @@ def probe_cluster(
     infos = []
     for node, result in zip(nodes, results, strict=True):
         held = (held_bytes or {}).get(node["NodeID"], 0)
-        infos.append(_node_info(config, node, result, held))
+        infos.append(_node_info(config, node, result, held, envs[node["NodeID"]][1]))
     return ClusterSnapshot(nodes=tuple(infos)), envs
 
 
-def _node_info(config: JobConfig, node: dict, result: dict, held_bytes: int = 0) -> NodeInfo:
+def _node_info(config: JobConfig, node: dict, result: dict, held_bytes: int = 0,
+               origins: dict[str, str] | None = None) -> NodeInfo:  # fmt: skip
     """The budgets of the Ray node `node` (an entry of `ray.nodes()`) from its probe result."""
     return node_info(config, result, node_id=node["NodeID"], num_gpus=int(node["Resources"]["GPU"]),
-                     labels=_user_labels(node), held_bytes=held_bytes)  # fmt: skip
+                     labels=_user_labels(node), held_bytes=held_bytes, origins=origins)  # fmt: skip
 
 
 def _user_labels(node: dict) -> dict[str, str]:

@@ -187,6 +187,9 @@ class OpenAIServer:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             return _error(400, "the request body is not JSON")
+        if isinstance(body, dict) and body.get("model", self.model_name) != self.model_name:
+            return _error(404, f"the model {body['model']!r} does not exist here: this server "
+                          f"serves {self.model_name!r} (GET /v1/models)", "NotFoundError")  # fmt: skip
         try:
             if not isinstance(body, dict):
                 raise BadRequest("the request body must be a JSON object")
