@@ -18,7 +18,7 @@ from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from worker.spec import LayerSpec, TensorSlice
 
 GiB = 1 << 30
-KNOB_WORDS = ("add GPUs", "--gpu-memory", "host budget", "prefetch_step", "reserve_bytes")
+KNOB_WORDS = ("add GPUs", "--gpu-memory", "host budget", "--prefetch-step", "--reserve")
 
 
 def layer(name: str, kind: str, nbytes: int) -> LayerSpec:
