@@ -46,6 +46,15 @@ def _positive(text: str) -> int:
     return value
 
 
+def _prefetch_step(text: str) -> int:
+    from offload.config import MAX_PREFETCH_STEP
+
+    value = int(text)
+    if not 1 <= value <= MAX_PREFETCH_STEP:
+        raise argparse.ArgumentTypeError(f"must be in 1..{MAX_PREFETCH_STEP}, got {value}")
+    return value
+
+
 def _size(text: str) -> int:
     try:
         return parse_bytes(text)
@@ -65,7 +74,7 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
                         help="per-node host budget for offloaded weights")  # fmt: skip
     parser.add_argument("--reserve", type=_size, dest="reserve_bytes",
                         help="per-GPU bytes kept free for activations")  # fmt: skip
-    parser.add_argument("--prefetch-step", type=_positive, dest="prefetch_step")
+    parser.add_argument("--prefetch-step", type=_prefetch_step, dest="prefetch_step")
     parser.add_argument("--backend", choices=("auto", "prefetch", "uva"))
     parser.add_argument("--dtype", choices=("auto", *COMPUTE_DTYPES),
                         help="dtype to load and compute in (default auto: the checkpoint's); "
@@ -208,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--layers", type=_positive, default=8)
     demo.add_argument("--hidden", type=_positive, default=1024)
     demo.add_argument("--batch", type=_positive, default=16)
-    demo.add_argument("--step", type=_positive, default=2, help="prefetch slots")
+    demo.add_argument("--step", type=_prefetch_step, default=2, help="prefetch slots")
     demo.add_argument("--repeats", type=_positive, default=15)
     return parser
 

@@ -45,7 +45,11 @@ def parse_bytes(value: str | int, *, field_name: str = "size") -> int:
         raise ConfigError(
             f"{field_name}={value!r} is not a size; write e.g. 512MiB, 1.5GB or a byte count"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    number = float(match.group(1))
+    if _UNITS[unit] == 1 and not number.is_integer():  # `--gpu-memory 1.5` is not 1 byte
+        raise ConfigError(f"{field_name}={value!r}: a byte count is a whole number; for larger "
+                          "units write them, e.g. 1.5GiB")  # fmt: skip
+    return int(number * _UNITS[unit])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -121,6 +121,10 @@ def test_bad_flag_values_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit):
         main(["plan", "--checkpoint", "x", "--gpu-memory", "lots"])
     assert "is not a size" in capsys.readouterr().err
+    for argv in (["node-demo", "--step", "65"], ["plan", "--checkpoint", "x", "--prefetch-step", "0"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "must be in 1..64, got" in capsys.readouterr().err  # the flag, before any work
 
 
 def test_run_check_mismatch_exits_1(monkeypatch, capsys, tmp_path) -> None:

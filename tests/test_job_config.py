@@ -28,7 +28,7 @@ def test_parse_bytes(text: str | int, expected: int) -> None:
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "lots", "5 MiBs", "-1", "1e3", "MiB", -5])
+@pytest.mark.parametrize("text", ["", "lots", "5 MiBs", "-1", "1e3", "MiB", -5, "1.5", "0.5b"])
 def test_parse_bytes_rejects_garbage(text: str | int) -> None:
     with pytest.raises(ConfigError, match="gpu_memory_bytes"):
         parse_bytes(text, field_name="gpu_memory_bytes")
