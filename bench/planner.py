@@ -30,7 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from coordinator.planning.planner import Plan, PlanOptions, format_bytes, format_seconds, plan
+from coordinator.planning.formats import format_bytes, format_seconds
+from coordinator.planning.planner import Plan, PlanOptions, plan
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from worker.spec import LayerSpec, TensorSlice
 
@@ -252,7 +253,7 @@ def compare_with_accelerate(args: argparse.Namespace) -> dict:
 
 
 def print_comparison(result: dict, ours: Plan) -> None:
-    from coordinator.planning.planner import layer_range
+    from coordinator.planning.formats import layer_range
 
     print(
         f"\n{result['model']}: {format_bytes(result['total_bytes'])} of weights; GPU budgets "

@@ -130,7 +130,7 @@ def _check(job, config: JobConfig, ids, logits) -> int:
 
 
 def _stage_table(reports: list[dict]) -> str:
-    from coordinator.planning.planner import format_bytes, layer_range
+    from coordinator.planning.formats import format_bytes, layer_range
 
     rows = [("stage", "host", "gpu", "device", "layers", "resident", "offloaded", "pin",
              "decided by")]  # fmt: skip

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.planning.planner import Plan, PlanError, PlanOptions, layer_range, plan
+from coordinator.planning.formats import layer_range
+from coordinator.planning.planner import Plan, PlanError, PlanOptions, plan
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from worker.spec import LayerSpec, TensorSlice
 

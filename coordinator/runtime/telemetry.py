@@ -13,7 +13,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from coordinator.planning.planner import StagePlan, format_bytes, layer_range
+from coordinator.planning.formats import format_bytes, layer_range
+from coordinator.planning.planner import StagePlan
 from coordinator.tables import render as render_table
 
 METRIC_PREFIX = "offload_"
