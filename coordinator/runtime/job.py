@@ -12,8 +12,6 @@ decides what a lost worker needs and the group applies it.
 
 from __future__ import annotations
 
-import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +30,7 @@ from coordinator.runtime.group import WorkerGroup, WorkerHandle, worker_failure
 from coordinator.runtime.inputs import check_inputs
 from coordinator.runtime.keeper import find as find_keeper
 from coordinator.runtime.keeper import start as start_keeper
+from coordinator.runtime.loops import Loops
 from coordinator.runtime.probing import PROBE_TIMEOUT_S, probe_cluster
 from coordinator.runtime.request import RequestSteps
 from coordinator.runtime.session import RaySession, connect
@@ -39,8 +38,6 @@ from coordinator.runtime.telemetry import MetricsExporter, collect
 from worker.wire import pack, unpack
 
 TELEMETRY_TIMEOUT_S = 60.0
-# close() waits this long for a background tick in flight; the thread is a daemon either way.
-LOOP_JOIN_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -53,10 +50,7 @@ class Job:
     next_worker: int = 0  # number of the next worker name of a named load
     keeper: ray.actor.ActorHandle | None = None  # a named load's keeper, once it runs
     _exporter: object | None = field(default=None, repr=False)
-    # background loops by name ("export", "watch"): (thread, stop event)
-    _loops: dict[str, tuple[threading.Thread, threading.Event]] = field(
-        default_factory=dict, repr=False
-    )
+    _loops: Loops = field(default_factory=Loops, repr=False)  # "export", "watch"
     # Passes and generation steps at once, a recovery alone (see coordinator.runtime.gate).
     _gate: Gate = field(default_factory=Gate, repr=False)
     _kv: generation.KvBudget = field(default=None, repr=False)  # type: ignore[assignment]
@@ -290,46 +284,22 @@ class Job:
     def export_metrics_every(self, interval_s: float) -> None:
         """Publish the gauges every `interval_s` seconds from a background thread, until
         close(). A failed snapshot is reported on stderr and retried at the next tick."""
-        self._every("export", interval_s, self.export_metrics)
+        self._loops.every("export", interval_s, self.export_metrics)
 
     def watch(self, interval_s: float) -> None:
         """Check every stage every `interval_s` seconds from a background thread and recover a
         lost one at once, rather than at the next forward. Until close(); a recovery that fails
         (say, a PlanError) is recorded in `events` and tried again at the next tick."""
-        self._every("watch", interval_s, self._check)
+        self._loops.every("watch", interval_s, self._check)
 
     def _check(self) -> None:
         if self.workers:
             self.recover()
 
-    def _every(self, name: str, interval_s: float, action: Callable[[], object]) -> None:
-        if interval_s <= 0:
-            raise ValueError(f"interval_s={interval_s} must be > 0")
-        self._stop_loop(name)  # one loop of a kind at a time
-        stop = threading.Event()
-
-        def loop() -> None:
-            while not stop.wait(interval_s):
-                try:
-                    action()
-                except Exception as exc:  # a worker may be busy or gone: say so, keep going
-                    print(f"{name}: {exc}", file=sys.stderr)
-
-        thread = threading.Thread(target=loop, name=f"offload-{name}", daemon=True)
-        thread.start()
-        self._loops[name] = (thread, stop)
-
-    def _stop_loop(self, name: str) -> None:
-        if name in self._loops:
-            thread, stop = self._loops.pop(name)
-            stop.set()
-            thread.join(timeout=LOOP_JOIN_TIMEOUT_S)
-
     def close(self) -> None:
         """Release the workers and their placement groups; for a named load on a cluster, only
         disconnect (use `registry.unload` to release it)."""
-        for name in list(self._loops):
-            self._stop_loop(name)
+        self._loops.stop_all()
         with self._gate.alone():  # passes and a recovery in flight finish first
             if self.name is None or self.session.owned:
                 self.group.stop()
