@@ -1,15 +1,23 @@
 """A worker's snapshots over time: taken on demand (`report`) and every few seconds by a
 background thread, the last SNAPSHOT_HISTORY kept, each carrying the offloader's copy counters
 since the snapshot before it (so a series shows rates). What a snapshot holds is the worker's
-business (`StageWorker.snapshot`); this module only takes, keeps and paces them."""
+business (`StageWorker._snapshot`); this module takes, keeps and paces them, and works out the
+parts that need no worker state: the pin decision and where it came from, storage bytes."""
 
 from __future__ import annotations
 
 import collections
+import os
 import sys
 import threading
 import time
 from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from offload.host_store import decide_for_device
+from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV, PinDecision
 
 SNAPSHOT_HISTORY = 360  # periodic snapshots kept: an hour at 10 s
 COPY_COUNTERS = ("copies", "copied_bytes", "copy_s", "stall_s")
@@ -74,3 +82,37 @@ class Snapshots:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def pin_decision(offloader, probe, device: torch.device) -> PinDecision:
+    """The offloader's decision; for a stage that offloads nothing, what the node's policy
+    would decide (so every stage reports one)."""
+    decision = getattr(offloader, "pin_decision", None)
+    if decision is None:
+        try:
+            decision = decide_for_device(os.environ, probe, 0, device)
+        except (ValueError, RuntimeError) as exc:
+            decision = PinDecision(pin=False, reason=f"invalid setting: {exc}", source="error")
+    return decision
+
+
+def pin_origin(decision: PinDecision | None, spec) -> str:
+    """Who set the variable behind `decision`: the job (its override, a node label, as the
+    stage's `spec` records them), the node's own environment, or nobody (the probe)."""
+    if decision is None:
+        return "none"
+    if decision.source in (PIN_ENV, VLLM_DISABLE_PIN_ENV):
+        if decision.source in spec.env:
+            return spec.env_origins.get(decision.source, "job override")
+        return "node environment"
+    return "probe"
+
+
+def storage_bytes(module: nn.Module) -> int:
+    """Bytes behind `module`'s materialised parameters, each storage counted once."""
+    storages = {}
+    for param in module.parameters():
+        if not param.is_meta:
+            storage = param.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())

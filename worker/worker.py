@@ -17,18 +17,16 @@ import time
 
 import psutil
 import torch
-from torch import nn
 
 from offload import OffloadConfig, create_offloader, probe_node
-from offload.host_store import decide_for_device
-from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV, PinDecision
+from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV
 from offload.probe import DECISION_STEPS
 from worker.decode import Sampling, steps
 from worker.layout import hf_config_from_dict, model_class_for
 from worker.loader import TensorReader
 from worker.node import probe_here
 from worker.placement import Placement
-from worker.reporting import Snapshots
+from worker.reporting import Snapshots, pin_decision, pin_origin, storage_bytes
 from worker.spec import StageSpec, torch_dtype_named
 from worker.stage import Stage
 from worker.wire import Packed, pack, unpack
@@ -38,15 +36,6 @@ LOAD_CHUNK_BYTES = 64 * 2**20  # progress granularity
 
 class WorkerError(RuntimeError):
     """A worker could not load or run its stage; the message says which stage and why."""
-
-
-def _storage_bytes(module: nn.Module) -> int:
-    storages = {}
-    for param in module.parameters():
-        if not param.is_meta:
-            storage = param.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
 
 
 class StageWorker:
@@ -332,28 +321,7 @@ class StageWorker:
         # and its KV caches
         if self.stage is None:
             return 0
-        return _storage_bytes(self.stage) + self.kv_cache_bytes()
-
-    def _pin_origin(self) -> str:
-        decision = self.pin_decision()
-        if decision is None:
-            return "none"
-        if decision.source in (PIN_ENV, VLLM_DISABLE_PIN_ENV):
-            if decision.source in self.spec.env:
-                return self.spec.env_origins.get(decision.source, "job override")
-            return "node environment"
-        return "probe"
-
-    def pin_decision(self) -> PinDecision | None:
-        """The offloader's decision; for a stage that offloads nothing, what the node's policy
-        would decide (so every stage reports one)."""
-        decision = getattr(self.offloader, "pin_decision", None)
-        if decision is None:
-            try:
-                decision = decide_for_device(os.environ, self.probe, 0, self.device)
-            except (ValueError, RuntimeError) as exc:
-                decision = PinDecision(pin=False, reason=f"invalid setting: {exc}", source="error")
-        return decision
+        return storage_bytes(self.stage) + self.kv_cache_bytes()
 
     def history(self, since: float = 0.0) -> list[dict]:
         """The periodic snapshots taken after time `since` (seconds since the epoch)."""
@@ -369,7 +337,7 @@ class StageWorker:
 
     def _snapshot(self, since_last) -> dict:
         stats = self.offloader.stats().to_dict() if self.offloader is not None else {}
-        decision = self.pin_decision()
+        decision = pin_decision(self.offloader, self.probe, self.device)
         vm = psutil.virtual_memory()
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -389,7 +357,7 @@ class StageWorker:
             "backend": self.offloader.backend if self.offloader else "none",
             "backend_reason": getattr(self.offloader, "backend_reason", ""),
             "pin": decision.to_dict() if decision else None,
-            "pin_origin": self._pin_origin(),
+            "pin_origin": pin_origin(decision, self.spec),
             "env": {k: os.environ[k] for k in (PIN_ENV, VLLM_DISABLE_PIN_ENV) if k in os.environ},
             "device_total_bytes": total,
             "device_used_bytes": self.device_bytes(),
