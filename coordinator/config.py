@@ -208,12 +208,6 @@ class JobConfig:
             )
         if self.backend not in ("auto", "prefetch", "uva"):
             raise ConfigError(f"backend={self.backend!r} must be auto, prefetch or uva")
-        if self.backend == "uva" and self.gpus:
-            raise ConfigError(
-                f"backend='uva' has the GPU read pinned host memory, but gpus={self.gpus} "
-                "creates logical GPUs that the CPU stands in for: use backend prefetch or auto "
-                "(--backend), or run on a cluster with CUDA GPUs"
-            )
         if self.gpus and self.address is not None:
             raise ConfigError(
                 f"gpus={self.gpus} creates logical GPUs on an embedded Ray; it cannot be combined "

@@ -6,14 +6,19 @@ the entry point.
 """
 
 from offload.arena import HostArena, TensorSpec
-from offload.base import BaseOffloader, NoopOffloader, OffloadError, OffloadStats
+from offload.base import BaseOffloader, NoopOffloader, OffloadStats
 from offload.config import OffloadConfig
+from offload.errors import (
+    OffloadCoordinatorError,
+    OffloadError,
+    OffloadUnavailableError,
+    PinningUnavailableError,
+)
 from offload.factory import create_offloader
 from offload.policy import (
     PIN_ENV,
     VLLM_DISABLE_PIN_ENV,
     PinDecision,
-    PinningUnavailableError,
     decide_pinning,
 )
 from offload.probe import DeviceInfo, NodeProbe, probe_node
@@ -22,7 +27,6 @@ from offload.probe import DeviceInfo, NodeProbe, probe_node
 _LAZY = {
     "PrefetchOffloader": "offload.prefetch",
     "UVAOffloader": "offload.uva",
-    "OffloadUnavailableError": "offload.uva",
 }
 
 
@@ -43,6 +47,7 @@ __all__ = [
     "NodeProbe",
     "NoopOffloader",
     "OffloadConfig",
+    "OffloadCoordinatorError",
     "OffloadError",
     "OffloadStats",
     "OffloadUnavailableError",

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.policy import PinningUnavailableError
+from offload.errors import PinningUnavailableError
 
 # 256 bytes: the CUDA caching allocator's own alignment, so zero-copy views are as aligned as
 # ordinary device tensors (vectorised kernels need 16 B; DMA engines like larger).

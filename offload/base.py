@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from offload.arena import HostArena
+from offload.errors import OffloadError
 from offload.policy import PinDecision
 
 # Set on each wrapped module so a second offloader (or the same one twice) refuses it.
 _MARK = "_offload_coordinator_owner"
-
-
-class OffloadError(RuntimeError):
-    """Misuse of an offloader: wrapping twice, a module already offloaded, a shared weight."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,10 +57,17 @@ class BaseOffloader(ABC):
         self._modules: list[nn.Module] = []
         self.pin_decision: PinDecision | None = None
         self.backend_reason = ""  # set by create_offloader: why this backend
+        self._arena: HostArena | None = None  # the offloaded weights, for backends that keep any
 
     @property
     def wrapped(self) -> bool:
         return bool(self._modules)
+
+    def host_tensors(self) -> Mapping[str, torch.Tensor]:
+        """The host memory behind the offloaded weights, by f"{module index}.{param name}":
+        a loader may write weights here after `wrap_modules` and before `post_init`. Empty for
+        a backend that keeps nothing in host memory."""
+        return self._arena if self._arena is not None else {}
 
     def wrap_modules(self, modules: Sequence[nn.Module]) -> list[nn.Module]:
         """Offload (some of) `modules`, given in execution order; returns them, changed in place."""

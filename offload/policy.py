@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from offload.errors import ConfigError, PinningUnavailableError
 from offload.probe import NodeProbe
 
 PIN_ENV = "OFFLOAD_PIN_MEMORY"
@@ -31,10 +32,6 @@ PIN_HEADROOM_FRACTION = 0.5
 _TRUE = frozenset({"1", "on", "true", "yes"})
 _FALSE = frozenset({"0", "off", "false", "no"})
 PIN_ENV_ALLOWED = ("auto", "on", "off", "1", "0", "true", "false", "yes", "no")
-
-
-class PinningUnavailableError(RuntimeError):
-    """Pinning was forced on where this node cannot pin."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,7 +55,7 @@ def parse_pin_mode(value: str | None, *, variable: str = PIN_ENV) -> str:
         return "on"
     if token in _FALSE:
         return "off"
-    raise ValueError(
+    raise ConfigError(
         f"{variable}={value!r} is not a valid pin setting; "
         f"allowed values (case-insensitive): {', '.join(PIN_ENV_ALLOWED)}"
     )
@@ -72,7 +69,7 @@ def _parse_vllm_disable(value: str | None) -> bool:
         return True
     if token in _FALSE:
         return False
-    raise ValueError(
+    raise ConfigError(
         f"{VLLM_DISABLE_PIN_ENV}={value!r} is not a boolean; use 1 to disable pinning or 0"
     )
 
@@ -125,7 +122,7 @@ def _probe_rule(probe: NodeProbe, planned_bytes: int) -> PinDecision | None:
 def decide_pinning(
     env: Mapping[str, str], probe: NodeProbe, *, planned_bytes: int = 0
 ) -> PinDecision:
-    """Decide pinning for one node. Raises ValueError on a bad env value and
+    """Decide pinning for one node. Raises ConfigError (a ValueError) on a bad env value and
     PinningUnavailableError when pinning is forced on where it cannot work."""
     if planned_bytes < 0:
         raise ValueError(f"planned_bytes must be >= 0, got {planned_bytes}")

@@ -71,12 +71,6 @@ class PrefetchOffloader(BaseOffloader):
     def num_slots(self) -> int:
         return len(self._slots)
 
-    def host_tensors(self) -> Mapping[str, torch.Tensor]:
-        """The arena: offloaded weights by f"{module index}.{param name}". A loader may write
-        weights here after `wrap_modules` and before `post_init`."""
-        assert self._arena is not None, "wrap_modules first"
-        return self._arena
-
     # lifecycle
     def _wrap(self, modules: list[nn.Module]) -> None:
         layers = select_offloaded(modules, self.config)

@@ -10,18 +10,41 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 import platform
 import resource
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import psutil
 import torch
 
+from offload import link
+from offload.errors import ConfigError
+
 # CUdevice_attribute values from cuda.h (stable across CUDA 10..13).
 _CU_ATTR_PAGEABLE_MEMORY_ACCESS = 88
 _CU_ATTR_HOST_REGISTER_SUPPORTED = 99
 _CU_ATTR_PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES = 100
+
+# On a node without CUDA the CPU stands in for the GPUs (logical GPUs with simulated budgets).
+# This variable says which kind of GPU it stands in for, so that what depends on the kind (the
+# backend `auto` picks, the pin decision) runs, and is tested, without that hardware:
+# "discrete" (a PCIe GPU: the default) or "coherent" (GH200/GB200 class: the GPU reads host
+# memory through the host page tables). Ignored, and said so in `errors`, where CUDA is present.
+SIMULATED_GPU_ENV = "OFFLOAD_SIMULATED_GPU"
+SIMULATED_GPU_KINDS = ("discrete", "coherent")
+
+
+def simulated_gpu_kind(env: Mapping[str, str]) -> str:
+    """The kind of GPU a CPU stand-in simulates, from `OFFLOAD_SIMULATED_GPU` in `env`."""
+    value = env.get(SIMULATED_GPU_ENV, "").strip().lower() or "discrete"
+    if value not in SIMULATED_GPU_KINDS:
+        raise ConfigError(
+            f"{SIMULATED_GPU_ENV}={env[SIMULATED_GPU_ENV]!r} is not a simulated GPU kind; "
+            f"allowed: {', '.join(SIMULATED_GPU_KINDS)}"
+        )
+    return value
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,6 +83,8 @@ class NodeProbe:
     # pinned memory only on CUDA; without CUDA "pageable" is the CPU stand-in's memcpy rate.
     link_pinned_bytes_per_s: float | None = None
     link_pageable_bytes_per_s: float | None = None
+    # Without CUDA: the kind of GPU the CPU stands in for (see SIMULATED_GPU_ENV); None with CUDA.
+    simulated_gpu: str | None = None
     errors: tuple[str, ...] = field(default=())
 
     @property
@@ -68,7 +93,11 @@ class NodeProbe:
 
     @property
     def any_coherent_unified_memory(self) -> bool:
-        return any(d.coherent_unified_memory for d in self.devices)
+        """A GPU here reads host memory through the host page tables (or the CPU stands in
+        for such a GPU)."""
+        return self.simulated_gpu == "coherent" or any(
+            d.coherent_unified_memory for d in self.devices
+        )
 
     def link_bytes_per_s(self, *, pin: bool) -> float | None:
         """The rate the offloader's copies get: from pinned memory when the node pins."""
@@ -131,6 +160,13 @@ def _probe_cuda(fields: dict, errors: list[str]) -> None:
     fields["devices"] = tuple(devices)
 
 
+def _probe_simulated_gpu(fields: dict, errors: list[str]) -> None:
+    if not fields.get("cuda_available"):
+        fields["simulated_gpu"] = simulated_gpu_kind(os.environ)
+    elif os.environ.get(SIMULATED_GPU_ENV):
+        errors.append(f"{SIMULATED_GPU_ENV} is ignored: this node has CUDA devices")
+
+
 def _probe_wsl(fields: dict, errors: list[str]) -> None:
     release = platform.uname().release.lower()
     fields["is_wsl"] = "microsoft" in release or "wsl" in release
@@ -152,8 +188,6 @@ def _probe_arch(fields: dict, errors: list[str]) -> None:
 
 
 def _probe_link(fields: dict, errors: list[str]) -> None:
-    from offload import link  # here: offload.link -> arena -> policy imports this module
-
     if not torch.cuda.is_available():
         fields["link_pageable_bytes_per_s"] = link.measure_cpu_copy()
         return
@@ -169,6 +203,7 @@ def _probe_link(fields: dict, errors: list[str]) -> None:
 ProbeStep = Callable[[dict, list], None]
 PROBE_STEPS: dict[str, ProbeStep] = {
     "cuda": _probe_cuda,
+    "simulated_gpu": _probe_simulated_gpu,  # after "cuda": only without it
     "wsl": _probe_wsl,
     "host_memory": _probe_host_memory,
     "memlock": _probe_memlock,

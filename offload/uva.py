@@ -4,6 +4,11 @@ The GPU reads the weights over the interconnect each time a kernel touches them:
 memory, no copies, bandwidth bound by PCIe (or NVLink-C2C on GH200/GB200). The host memory must
 be pinned (registered and mapped into the device address space) unless the GPU reads pageable
 memory through the host page tables (ATS), where the arena may stay pageable.
+
+On a CPU device (the stand-in for a GPU on machines without one) the compute already reads host
+memory, so the parameters are plain views of the arena: the same backend, loader path and
+accounting as on CUDA, with the pointer mapping as the identity. That is what lets a UVA job be
+loaded, run, recovered and re-planned in CI.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from torch import nn
 from offload.arena import HostArena
 from offload.base import BaseOffloader, OffloadStats, param_bytes, require_inference
 from offload.config import OffloadConfig
+from offload.errors import OffloadUnavailableError
 from offload.host_store import (
     OffloadedLayer,
     decide_for_device,
@@ -26,10 +32,6 @@ from offload.host_store import (
     set_param_data,
 )
 from offload.probe import NodeProbe, probe_node
-
-
-class OffloadUnavailableError(RuntimeError):
-    """The requested backend cannot run on this node; the message names the alternative."""
 
 
 class _DeviceMemory:
@@ -70,10 +72,15 @@ class UVAOffloader(BaseOffloader):
     ) -> None:
         super().__init__()
         self.device = torch.device(device)
-        if self.device.type != "cuda" or not torch.cuda.is_available():
+        if self.device.type == "cuda" and not torch.cuda.is_available():
             raise OffloadUnavailableError(
-                f"the UVA backend needs a CUDA device (got device={self.device}, CUDA "
-                f"available={torch.cuda.is_available()}); use backend='prefetch' or 'auto'"
+                f"the UVA backend was given device={self.device}, but this process sees no "
+                "CUDA device; use backend='prefetch' or 'auto', or device='cpu'"
+            )
+        if self.device.type not in ("cuda", "cpu"):
+            raise OffloadUnavailableError(
+                f"the UVA backend runs on a CUDA device or on the CPU, not device={self.device}; "
+                "use backend='prefetch' or 'auto'"
             )
         self.config = config
         self._env = dict(os.environ if env is None else env)
@@ -88,7 +95,8 @@ class UVAOffloader(BaseOffloader):
         probe = self._probe if self._probe is not None else probe_node()
         self.pin_decision = decide_for_device(self._env, probe, planned, self.device)
         ats = probe.any_coherent_unified_memory
-        if not self.pin_decision.pin and not ats:
+        on_host = self.device.type == "cpu"  # the compute reads host memory already
+        if not self.pin_decision.pin and not ats and not on_host:
             raise OffloadUnavailableError(
                 "the UVA backend needs pinned host memory on a GPU without ATS, but the pin "
                 f"policy says off ({self.pin_decision.source}: {self.pin_decision.reason}); "
@@ -96,9 +104,12 @@ class UVAOffloader(BaseOffloader):
             )
         arena = move_to_arena(layers, pin=self.pin_decision.pin)
         try:
-            base = _mapped_device_pointer(arena.data_ptr) if arena.pinned else arena.data_ptr
-            with torch.cuda.device(self.device):
-                flat = torch.as_tensor(_DeviceMemory(base, arena.nbytes), device=self.device)
+            if on_host:
+                flat = arena.bytes(0, arena.nbytes)
+            else:
+                base = _mapped_device_pointer(arena.data_ptr) if arena.pinned else arena.data_ptr
+                with torch.cuda.device(self.device):
+                    flat = torch.as_tensor(_DeviceMemory(base, arena.nbytes), device=self.device)
         except BaseException:
             arena.close()
             raise
@@ -121,7 +132,8 @@ class UVAOffloader(BaseOffloader):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        torch.cuda.synchronize(self.device)  # kernels may still read the host memory
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # kernels may still read the host memory
         with torch.no_grad():
             for layer in self._layers if restore else ():
                 for position, key in enumerate(layer.keys):

@@ -8,6 +8,7 @@ from helpers import block_stack, run_stack
 from test_policy import GH200, X86_H100
 
 from offload import (
+    NodeProbe,
     NoopOffloader,
     OffloadConfig,
     OffloadUnavailableError,
@@ -40,9 +41,20 @@ def test_explicit_backend_is_kept() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
-def test_uva_without_cuda_is_a_clear_error() -> None:
+def test_uva_on_cuda_without_cuda_is_a_clear_error() -> None:
     with pytest.raises(OffloadUnavailableError, match="backend='prefetch' or 'auto'"):
-        create_offloader(OffloadConfig(backend="uva", layers=(0,)), device="cpu", env={})
+        create_offloader(OffloadConfig(backend="uva", layers=(0,)), device="cuda", env={})
+
+
+def test_auto_on_a_simulated_coherent_gpu_is_uva() -> None:
+    """The CPU standing in for a GH200-class GPU (OFFLOAD_SIMULATED_GPU=coherent) takes the
+    backend that hardware takes, so the uva path runs without it."""
+    probe = NodeProbe(simulated_gpu="coherent")
+    offloader = create_offloader(OffloadConfig(layers=(0,)), device="cpu", env={}, probe=probe)
+    assert offloader.backend == "uva" and "simulated coherent GPU" in offloader.backend_reason
+    plain = create_offloader(OffloadConfig(layers=(0,)), device="cpu", env={},
+                             probe=NodeProbe(simulated_gpu="discrete"))  # fmt: skip
+    assert plain.backend == "prefetch"
 
 
 def test_none_offloads_nothing_and_says_so() -> None:

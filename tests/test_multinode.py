@@ -24,7 +24,8 @@ def cluster():
     plain    - nothing set: the probe decides;
     env-off  - OFFLOAD_PIN_MEMORY=off in the node's own environment;
     labelled - the offload-pin-memory=off label, over OFFLOAD_PIN_MEMORY=auto in its environment;
-    override - the same label and environment, and the job overrides both."""
+    override - the same label and environment, and the job overrides both (and makes its GPU
+               stand in for a GH200-class one: OFFLOAD_SIMULATED_GPU=coherent)."""
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
     try:
         c.add_node(num_cpus=1, num_gpus=1, labels={"pool": "plain"})
@@ -55,11 +56,13 @@ def test_pin_decisions_follow_precedence_and_output_matches(cluster, tmp_path) -
         host_memory_bytes=decoder,
         # "0" rather than "off": the decision's reason shows whose setting won.
         overrides=(
-            Override(match=NodeMatch(labels={"pool": "override"}), env={"OFFLOAD_PIN_MEMORY": "0"}),
+            Override(match=NodeMatch(labels={"pool": "override"}),
+                     env={"OFFLOAD_PIN_MEMORY": "0", "OFFLOAD_SIMULATED_GPU": "coherent"}),
         ),
     )
     with launch(config) as job:
-        assert len(job.plan.stages) == 4
+        stages = job.plan.stages
+        assert len(stages) == 4
         ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(2))
         logits = job.forward(ids)
         reports = {r["stage"]: r for r in job.telemetry()}
@@ -85,5 +88,15 @@ def test_pin_decisions_follow_precedence_and_output_matches(cluster, tmp_path) -
         "job override",
     )
     assert override["pin"]["reason"].startswith("OFFLOAD_PIN_MEMORY=0")
+    # backend auto per node: uva where the probe says coherent memory, prefetch elsewhere; the
+    # plan gives the uva stage no prefetch slots (the uva job itself: test_pipeline).
+    backends = {pool: s.backend for s in stages for pool, r in by_pool.items()
+                if r["stage"] == s.stage}  # fmt: skip
+    if override["device"] == "cpu":  # with CUDA present the simulated kind is ignored
+        assert backends == {"plain": "prefetch", "env-off": "prefetch", "labelled": "prefetch",
+                            "override": "uva"}  # fmt: skip
+        assert [s.slot_bytes for s in stages if s.backend == "uva"] == [0]
+        [uva] = [s for s in stages if s.backend == "uva"]
+        assert "simulated coherent GPU" in uva.backend_reason
     assert not any(r["pin"]["pin"] for pool, r in by_pool.items() if pool != "plain")
     assert torch.equal(logits, reference_logits(checkpoint, ids, num_threads=1))

@@ -274,8 +274,18 @@ def test_a_signal_mid_load_stops_the_command_and_releases_everything(
 
 @pytest.fixture(scope="class")
 def job(embedded_ray, checkpoints):
-    """The llama job of `llama_case`, from the first to the last test of a class."""
+    """The llama job of `llama_case`, from the first to the last test of a class, on GPUs that
+    stand in for GH200-class ones: the job sets OFFLOAD_SIMULATED_GPU=coherent on every node, so
+    backend `auto` takes uva there as on that hardware. KV cache for one sequence of 16."""
+    import dataclasses
+
+    from coordinator.config import NodeMatch, Override
+
     _, config, _, _ = llama_case(checkpoints, seed=0)
+    kv_total = sum(x.kv_bytes(1, 16) for x in load_index(config.checkpoint).layers)
+    coherent = Override(match=NodeMatch(), env={"OFFLOAD_SIMULATED_GPU": "coherent"})
+    config = dataclasses.replace(config, overrides=(coherent,), max_batch=1, max_seq_len=16,
+                                 gpu_memory_bytes=config.gpu_memory_bytes + kv_total // 2)  # fmt: skip
     with launch(config) as job:
         yield job
     wait_gpus_free(NUM_GPUS)
@@ -286,6 +296,31 @@ class TestOneRunningJob:
     launch: workers take ~12 s to start here, most of it importing torch and transformers.
     The job holds every GPU until the last of these tests ends; the watched one is last (its
     watcher runs until the job closes)."""
+
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="the simulated probe yields to CUDA")
+    def test_auto_on_coherent_nodes_is_uva_end_to_end(self, job, checkpoints) -> None:
+        """The plan knows each stage's backend (uva: no prefetch slots), the workers run it
+        (parameters read in place, no copies), the reports and the table say so, and the
+        logits and greedy tokens equal transformers'."""
+        from coordinator.reference import reference_generate
+
+        checkpoint, _, ids, expected = llama_case(checkpoints, seed=8)
+        stages = job.plan.stages
+        assert [s.backend for s in stages] == ["uva"] * 3 and any(s.offloaded for s in stages)
+        assert all(s.slot_bytes == 0 and s.prefetch_step == 0 for s in stages)
+        assert torch.equal(job.forward(ids), expected)
+        reports = job.telemetry()
+        for report, stage in zip(reports, stages, strict=True):
+            assert report["backend"] == "uva" and "simulated coherent" in report["backend_reason"]
+            assert report["stats"]["buffer_bytes"] == report["stats"]["copies"] == 0
+            assert report["stats"]["offloaded_bytes"] == stage.offloaded_bytes
+            assert report["device_used_bytes"] == stage.resident_bytes  # the arena is host memory
+        assert " uva " in telemetry.render(reports)
+        prompt = ids[:, :4]
+        want = reference_generate(checkpoint, prompt, attention_mask=torch.ones_like(prompt),
+                                  num_threads=1, max_new_tokens=8, do_sample=False)  # fmt: skip
+        got = job.generate(prompt, torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
+        assert torch.equal(got, want)
 
     def test_gpus_are_reserved_all_at_once_or_not_at_all(self, job, checkpoints) -> None:
         """A job needing the 3 GPUs another job holds starts nothing (Ray's placement group is

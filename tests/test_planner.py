@@ -55,6 +55,7 @@ def cluster(*nodes: dict) -> ClusterSnapshot:
                 pinned_budget_bytes=spec.get("pinned", 0),
                 pin=spec.get("pin", False),
                 link_bytes_per_s=spec.get("link"),
+                backend=spec.get("backend", "prefetch"),
             )
             for n, spec in enumerate(nodes)
         )
@@ -63,6 +64,11 @@ def cluster(*nodes: dict) -> ClusterSnapshot:
 
 # -- the brute force: every split over the GPUs (empty ranges = skipped GPUs), every subset of
 # decoder layers offloaded; the same cost model, written out independently of the planner.
+# A prefetching GPU holds prefetch_step slots of its largest offloaded layer, a UVA GPU none.
+
+
+def slot_count(node: NodeInfo, opts: PlanOptions) -> int:
+    return 0 if node.backend == "uva" else opts.prefetch_step
 
 
 def brute_force(layers: list[LayerSpec], snap: ClusterSnapshot, opts: PlanOptions) -> float | None:
@@ -83,7 +89,7 @@ def brute_force(layers: list[LayerSpec], snap: ClusterSnapshot, opts: PlanOption
                     continue
                 weights = sum(sizes[i] for i in stage)
                 off = [sizes[i] for i in stage if i in moved]
-                slots = min(opts.prefetch_step, len(off)) * max(off, default=0)
+                slots = min(slot_count(node, opts), len(off)) * max(off, default=0)
                 cache = sum(kv[i] for i in stage)
                 if weights - sum(off) + slots + cache + opts.reserve_bytes > gpu.memory_bytes:
                     ok = False
@@ -116,7 +122,8 @@ def check_invariants(result: Plan, layers: list[LayerSpec], snap: ClusterSnapsho
         off = [by_name[n].nbytes for n in s.offloaded]
         weights = sum(by_name[n].nbytes for n in s.layers)
         assert s.offloaded_bytes == sum(off) and s.resident_bytes == weights - sum(off)
-        assert s.slot_bytes == min(opts.prefetch_step, len(off)) * max(off, default=0)
+        assert (s.backend, s.prefetch_step) == (node.backend, slot_count(node, opts))
+        assert s.slot_bytes == min(s.prefetch_step, len(off)) * max(off, default=0)
         kv = sum(by_name[n].kv_bytes(opts.max_batch, opts.max_seq_len) for n in s.layers)
         assert s.kv_bytes == kv
         assert s.device_bytes == s.resident_bytes + s.slot_bytes + kv + opts.reserve_bytes
@@ -174,6 +181,7 @@ def instances(draw, max_gpus: int = 4):
                 "pinned": draw(budget),
                 "pin": draw(st.booleans()),
                 "link": draw(st.sampled_from([None, 1.0, 3.0, 10.0, 40.0])),
+                "backend": draw(st.sampled_from(["prefetch", "prefetch", "uva"])),
             }
         )
     opts = PlanOptions(
@@ -219,12 +227,14 @@ def test_matches_brute_force(instance) -> None:
     host=st.integers(0, 200),
     step=st.integers(1, 3),
     link=st.sampled_from([1.0, 5.0, 20.0]),
+    backend=st.sampled_from(["prefetch", "uva"]),
 )
-def test_one_gpu_offload_choice_is_optimal(decoders, fraction, host, step, link) -> None:
-    """One GPU, up to 10 decoders of mixed sizes: the offload subset (a knapsack) is exact."""
+def test_one_gpu_offload_choice_is_optimal(decoders, fraction, host, step, link, backend) -> None:
+    """One GPU, up to 10 decoders of mixed sizes: the offload subset (a knapsack) is exact,
+    with prefetch slots and without them (uva)."""
     layers = model(decoders)
     memory = max(max(decoders), int(sum(decoders) * fraction))
-    snap = cluster({"gpus": [memory], "host": host, "link": link})
+    snap = cluster({"gpus": [memory], "host": host, "link": link, "backend": backend})
     assert_optimal(layers, snap, PlanOptions(prefetch_step=step, compute_bytes_per_s=10.0))
 
 
@@ -309,6 +319,35 @@ def test_offloaded_layers_are_spread_and_use_default_link() -> None:
     indices = [int(n.split(".")[1]) for n in stage.offloaded]
     assert min(b - a for a, b in itertools.pairwise(indices)) >= 2  # never back to back
     assert stage.transfer_s == 40 / 2.0
+
+
+def test_a_uva_gpu_offloads_only_its_deficit() -> None:
+    """The same 100 bytes on a 70-byte GPU: prefetch must free 30 bytes plus a 10-byte slot
+    (4 layers offloaded), UVA reads offloaded layers in place (3 layers, no slot)."""
+    layers = model([10] * 10)
+    options = PlanOptions(compute_bytes_per_s=1.0, default_link_bytes_per_s=2.0)
+    prefetch = plan(layers, cluster({"gpus": [70], "host": 1000}), options).stages[0]
+    uva = plan(layers, cluster({"gpus": [70], "host": 1000, "backend": "uva"}), options).stages[0]
+    assert (len(prefetch.offloaded), prefetch.slot_bytes, prefetch.backend) == (4, 10, "prefetch")
+    assert (len(uva.offloaded), uva.slot_bytes, uva.prefetch_step, uva.backend) == (3, 0, 0, "uva")
+    assert uva.device_bytes == 70 and uva.transfer_s == 30 / 2.0
+    assert "uva" in plan(layers, cluster({"gpus": [70], "host": 1000, "backend": "uva"}),
+                         options).summary()  # fmt: skip
+
+
+def test_a_uva_gpu_smaller_than_a_layer_still_runs_it() -> None:
+    """A decoder layer larger than the GPU: refused with prefetch (its slot cannot fit), placed
+    with UVA (read in place), and the mixed cluster puts the decoders on the UVA node."""
+    layers = model([50, 50], embed=5, head=5)
+    with pytest.raises(PlanError, match="needs a device slot of its size"):
+        plan(layers, cluster({"gpus": [40], "host": 1000}), PlanOptions())
+    result = assert_optimal(layers, cluster({"gpus": [40], "host": 1000, "backend": "uva"}),
+                            PlanOptions())  # fmt: skip
+    assert result is not None and result.stages[0].offloaded == ("layers.0", "layers.1")
+    mixed = cluster({"gpus": [40], "host": 1000}, {"gpus": [40], "host": 1000, "backend": "uva"})
+    result = assert_optimal(layers, mixed, PlanOptions())
+    assert result is not None
+    assert {s.backend for s in result.stages if s.offloaded} == {"uva"}
 
 
 def test_measured_link_rate_sets_transfer_time() -> None:

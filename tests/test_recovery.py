@@ -42,7 +42,7 @@ def cluster():
         c.shutdown()
 
 
-def budgets(index) -> tuple[int, int]:
+def budgets(index, backend: str = "prefetch") -> tuple[int, int]:
     """Per-GPU and per-node host bytes such that three GPUs hold the model resident, two need
     offloading, and one cannot hold it at all (checked on the planner itself)."""
     decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
@@ -50,7 +50,8 @@ def budgets(index) -> tuple[int, int]:
 
     def offloaded(num_nodes: int) -> int:
         nodes = tuple(NodeInfo(node_id=f"n{i}", gpus=(GpuInfo(index=0, memory_bytes=gpu),),
-                               host_budget_bytes=host) for i in range(num_nodes))  # fmt: skip
+                               host_budget_bytes=host, backend=backend)
+                      for i in range(num_nodes))  # fmt: skip
         p = plan(index.layers, ClusterSnapshot(nodes=nodes), PlanOptions())
         return sum(s.offloaded_bytes for s in p.stages)
 
@@ -124,12 +125,14 @@ def keeper_gone(name: str) -> bool:
 
 
 def test_lost_nodes_replan_fail_with_numbers_then_recover(cluster, tmp_path, capsys) -> None:
+    """With backend uva (the other test's load re-plans with prefetch): a re-plan moves layers
+    between the device and the arena the UVA parameters are views of."""
     c, nodes = cluster
     checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
     index = load_index(checkpoint)
-    gpu, host = budgets(index)
+    gpu, host = budgets(index, "uva")
     config = JobConfig(checkpoint=checkpoint, address=c.address, gpu_memory_bytes=gpu,
-                       host_memory_bytes=host)  # fmt: skip
+                       host_memory_bytes=host, backend="uva")  # fmt: skip
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(7))
     expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
     nbytes = {layer.name: layer.file_bytes for layer in index.layers}
@@ -149,6 +152,9 @@ def test_lost_nodes_replan_fail_with_numbers_then_recover(cluster, tmp_path, cap
         assert len(job.plan.stages) == 2 and event["stages_on_new_workers"] == []
         after = job.telemetry()
         assert sum(r["stats"]["offloaded_bytes"] for r in after) > 0  # more offloading
+        assert all(s.backend == "uva" and s.slot_bytes == 0 for s in job.plan.stages)
+        assert {r["backend"] for r in after if r["offloaded"]} == {"uva"}
+        assert sum(r["stats"]["copies"] + r["stats"]["buffer_bytes"] for r in after) == 0
         taken_over: set[str] = set()
         for report in after:
             old = before[report["pid"]]  # the same process: a survivor, reconfigured

@@ -168,3 +168,44 @@ def test_a_checkpoint_rewritten_under_the_job_is_never_read(tmp_path) -> None:
         assert worker.report()["bytes_read"] == 0  # nothing of the new file was read
     finally:
         worker.close()
+
+
+def test_a_uva_stage_reads_weights_in_place_and_takes_a_new_plan(index) -> None:
+    """backend uva on the CPU stand-in: the offloaded layers' parameters are views of the host
+    arena the loader wrote (no slots, no copies), the simulated GPU counts only what is
+    resident, and the logits equal transformers'. A re-plan (reconfigure) moves layers between
+    the arena and the device and still equals transformers."""
+    import dataclasses
+
+    from coordinator.reference import reference_logits
+
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(11))
+    expected = reference_logits(str(index.root), ids)
+    everything = [layer.name for layer in index.layers]
+    uva = lambda spec: dataclasses.replace(spec, backend="uva")  # noqa: E731
+    resident = StageWorker(stage_spec(index, everything), device="cpu")
+    worker = StageWorker(uva(stage_spec(index, everything, offloaded=("layers.1", "layers.2"))),
+                         device="cpu")  # fmt: skip
+    try:
+        all_resident = resident.load()["device_used_bytes"]
+        report = worker.load()
+        stats = report["stats"]
+        assert report["backend"] == "uva" and "uva requested" in report["backend_reason"]
+        offloaded = nbytes(index, ["layers.1", "layers.2"])
+        assert (stats["offloaded_bytes"], stats["buffer_bytes"]) == (offloaded, 0)
+        assert report["device_used_bytes"] == all_resident - offloaded  # the arena is host memory
+        arena = worker.offloader.host_tensors()
+        block = worker.stage.model.model.layers[1]
+        weight = block.mlp.down_proj.weight
+        assert any(weight.data_ptr() == t.data_ptr() for t in arena.values())  # in place
+        assert torch.equal(worker.forward(ids), expected)
+        assert worker.report()["stats"]["copies"] == 0
+        # Re-plan: layers.1 comes back to the device, layers.0 and layers.3 go to the arena.
+        worker.reconfigure(uva(stage_spec(index, everything, offloaded=("layers.0", "layers.3"))))
+        report = worker.finish_load()
+        assert report["bytes_read"] == index.file_bytes  # moved in memory, nothing read again
+        assert report["stats"]["offloaded_bytes"] == nbytes(index, ["layers.0", "layers.3"])
+        assert torch.equal(worker.forward(ids), expected)
+    finally:
+        worker.close()
+        resident.close()

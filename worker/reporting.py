@@ -11,7 +11,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -108,11 +108,15 @@ def pin_origin(decision: PinDecision | None, spec) -> str:
     return "probe"
 
 
-def storage_bytes(module: nn.Module) -> int:
-    """Bytes behind `module`'s materialised parameters, each storage counted once."""
+def storage_bytes(module: nn.Module, host: Mapping[str, torch.Tensor] | None = None) -> int:
+    """Bytes behind `module`'s materialised parameters, each storage counted once, but those
+    behind `host` (an offloader's host tensors: UVA parameters on the CPU stand-in are views of
+    its arena, which is host memory, not the simulated GPU's)."""
+    skip = {t.untyped_storage().data_ptr() for t in (host or {}).values()}
     storages = {}
     for param in module.parameters():
         if not param.is_meta:
             storage = param.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            if storage.data_ptr() not in skip:
+                storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())

@@ -159,5 +159,6 @@ class StageSpec:
     offloaded: tuple[str, ...] = ()  # layer names kept in host memory
     prefetch_step: int = 1
     backend: str = "auto"
+    backend_reason: str = ""  # why the plan chose `backend` for this node (reported)
     env: dict[str, str] = field(default_factory=dict)  # set on this worker by the job
     env_origins: dict[str, str] = field(default_factory=dict)  # "job override" | "node label"

@@ -151,6 +151,8 @@ class StageWorker:
         else:
             config = OffloadConfig(backend="none")
         offloader = create_offloader(config, device=self.device, probe=self.probe)
+        if spec.offloaded and spec.backend_reason:  # the plan resolved "auto" for this node
+            offloader.backend_reason = spec.backend_reason
         offloader.wrap_modules(list(modules.values()))
         placement = Placement(spec, stage.layout, modules, offloader, loaded=set(carried))
         with torch.no_grad():
@@ -321,7 +323,8 @@ class StageWorker:
         # and its KV caches
         if self.stage is None:
             return 0
-        return storage_bytes(self.stage) + self.kv_cache_bytes()
+        host = self.offloader.host_tensors() if self.offloader is not None else None
+        return storage_bytes(self.stage, host) + self.kv_cache_bytes()
 
     def history(self, since: float = 0.0) -> list[dict]:
         """The periodic snapshots taken after time `since` (seconds since the epoch)."""

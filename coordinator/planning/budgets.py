@@ -11,6 +11,7 @@ from typing import Any
 
 from coordinator.config import ConfigError, JobConfig
 from coordinator.planning.snapshot import GpuInfo, NodeInfo
+from offload.factory import resolve_backend
 from offload.policy import PIN_HEADROOM_FRACTION
 from offload.probe import NodeProbe
 
@@ -68,6 +69,8 @@ def node_info(
         ]
     available = (probe.host_available_bytes or 0) + held_bytes
     pin = bool(result["pin"]["pin"])
+    backend, backend_reason = resolve_backend(config.backend, probe,
+                                 device_type="cuda" if probe.cuda_available else "cpu")  # fmt: skip
     return NodeInfo(
         node_id=node_id,
         hostname=hostname,
@@ -77,4 +80,6 @@ def node_info(
         pinned_budget_bytes=int(available * PIN_HEADROOM_FRACTION),
         pin=pin,
         link_bytes_per_s=probe.link_bytes_per_s(pin=pin),
+        backend=backend,
+        backend_reason=backend_reason,
     )

@@ -8,7 +8,10 @@ builds the `ClusterSnapshot`, `offloadctl plan` and the tests build one by hand.
 Cost model, per stage: compute_s = all its weight bytes / compute_bytes_per_s; transfer_s =
 its offloaded bytes / the node's host-to-device bandwidth (`NodeInfo.link_bytes_per_s`, which
 the node's probe measures; `PlanOptions.default_link_bytes_per_s` where it did not); the copies
-overlap compute, so the stage takes max(compute_s, transfer_s). The search
+overlap compute, so the stage takes max(compute_s, transfer_s). The same holds for UVA, whose
+kernels read the offloaded bytes over the same link as they compute. What the backends differ in
+is device memory: a prefetching GPU holds `prefetch_step` slots of its largest offloaded layer,
+a UVA GPU none (`NodeInfo.backend`, resolved per node from its probe). The search
 (`coordinator.planning.search`) returns the exact optimum of this model; its module doc gives the
 argument.
 """
@@ -100,7 +103,7 @@ class StagePlan:
     gpu_index: int
     layers: tuple[str, ...]  # contiguous, in model order
     offloaded: tuple[str, ...]  # decoder layers of this stage kept in host memory
-    prefetch_step: int
+    prefetch_step: int  # device slots when it offloads: options.prefetch_step, 0 for uva
     resident_bytes: int
     slot_bytes: int  # min(prefetch_step, len(offloaded)) slots of the largest offloaded layer
     offloaded_bytes: int
@@ -113,6 +116,10 @@ class StagePlan:
     # model used options.default_link_bytes_per_s (and plans saved before it was measured).
     link_bytes_per_s: float | None = None
     kv_bytes: int = 0  # KV cache reserved for max_batch x max_seq_len
+    # How the offloaded layers reach the GPU: "prefetch" (copied into slots ahead of use) or
+    # "uva" (read in place); the node's, resolved from the job's backend and the node's probe.
+    backend: str = "prefetch"
+    backend_reason: str = ""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -150,8 +157,8 @@ class Plan:
     def summary(self) -> str:
         """A table of the stages, with the bottleneck marked and each stage's link rate (the
         node's measured host-to-device rate, or the options' default where none was measured)."""
-        columns = ("stage node gpu layers resident offloaded slots kv-cache device link compute "
-                   "transfer time")  # fmt: skip
+        columns = ("stage node gpu layers resident offloaded backend slots kv-cache device link "
+                   "compute transfer time")  # fmt: skip
         head = (*columns.split(), "")
         rows = [head]
         slowest = self.bottleneck_stage if self.stages else -1
@@ -165,6 +172,7 @@ class Plan:
                     layer_range(s.layers),
                     format_bytes(s.resident_bytes),
                     f"{format_bytes(s.offloaded_bytes)} ({len(s.offloaded)})",
+                    s.backend,
                     format_bytes(s.slot_bytes),
                     format_bytes(s.kv_bytes),
                     format_bytes(s.device_bytes),
@@ -220,6 +228,7 @@ def plan(
             gpu_memory_bytes=tuple(g.memory_bytes for g in node.gpus),
             offload_budget_bytes=node.offload_budget_bytes,
             link_bytes_per_s=node.link_bytes_per_s or options.default_link_bytes_per_s,
+            slots=_slots(node, options),
         )
         for node in cluster.nodes
     ]
@@ -228,7 +237,6 @@ def plan(
         [layer.kind == "decoder" for layer in layers],
         limits,
         reserve_bytes=options.reserve_bytes,
-        prefetch_step=options.prefetch_step,
         compute_bytes_per_s=options.compute_bytes_per_s,
         kv_sizes=[_kv(layer, options) for layer in layers],
     )
@@ -249,10 +257,11 @@ def _build(
     for i, p in enumerate(placements):
         node = cluster.nodes[p.node]
         gpu = node.gpus[p.gpu]
-        moved = search.offloaded_positions(p.start, p.end, gpu.memory_bytes)
+        step = _slots(node, options)
+        moved = search.offloaded_positions(p.start, p.end, gpu.memory_bytes, step)
         weights = sum(layers[j].nbytes for j in range(p.start, p.end))
         offloaded = sum(layers[j].nbytes for j in moved)
-        slots = min(options.prefetch_step, len(moved)) * max(
+        slots = min(step, len(moved)) * max(
             (layers[j].nbytes for j in moved), default=0
         )
         kv = sum(_kv(layers[j], options) for j in range(p.start, p.end))
@@ -267,7 +276,7 @@ def _build(
                 gpu_index=gpu.index,
                 layers=tuple(layers[j].name for j in range(p.start, p.end)),
                 offloaded=tuple(layers[j].name for j in moved),
-                prefetch_step=options.prefetch_step,
+                prefetch_step=step,
                 resident_bytes=weights - offloaded,
                 slot_bytes=slots,
                 offloaded_bytes=offloaded,
@@ -278,6 +287,8 @@ def _build(
                 time_s=max(compute_s, transfer_s),
                 link_bytes_per_s=node.link_bytes_per_s,
                 kv_bytes=kv,
+                backend=node.backend,
+                backend_reason=node.backend_reason,
             )
         )
     return Plan(
@@ -306,6 +317,11 @@ def _check_layers(layers: Sequence[LayerSpec]) -> None:
             )
 
 
+def _slots(node: NodeInfo, options: PlanOptions) -> int:
+    """Device slots an offloading GPU of `node` holds: none where the GPU reads in place."""
+    return 0 if node.backend == "uva" else options.prefetch_step
+
+
 def _kv(layer: LayerSpec, options: PlanOptions) -> int:
     return layer.kv_bytes(options.max_batch, options.max_seq_len)
 
@@ -313,26 +329,39 @@ def _kv(layer: LayerSpec, options: PlanOptions) -> int:
 def _check_largest_layer(
     layers: Sequence[LayerSpec], gpus: list[tuple[NodeInfo, GpuInfo]], options: PlanOptions
 ) -> None:
-    """Every layer needs its own bytes on one device: resident, or as an offloading slot, plus
-    its KV cache."""
-    node, gpu = max(gpus, key=lambda ng: ng[1].memory_bytes)
-    big = max(layers, key=lambda layer: layer.nbytes + _kv(layer, options))
-    kv = _kv(big, options)
-    need = big.nbytes + kv + options.reserve_bytes
-    why = (
-        "offloaded, a decoder layer still needs a device slot of its size"
-        if big.kind == "decoder"
-        else f"the {big.kind} is never offloaded"
-    )
-    cache = (f" + {format_bytes(kv)} of KV cache for max_batch {options.max_batch} x "
-             f"max_seq_len {options.max_seq_len}") if kv else ""  # fmt: skip
-    if need > gpu.memory_bytes:
+    """Every layer needs its own bytes on one device (resident, or as a prefetch slot; a UVA GPU
+    reads an offloaded decoder layer in place), plus its KV cache."""
+    # The largest GPU of each backend: the only candidates that matter for a single layer.
+    largest: dict[str, tuple[NodeInfo, GpuInfo]] = {}
+    for node, gpu in gpus:
+        if node.backend not in largest or gpu.memory_bytes > largest[node.backend][1].memory_bytes:
+            largest[node.backend] = (node, gpu)
+
+    def need(layer: LayerSpec, node: NodeInfo) -> int:
+        in_place = layer.kind == "decoder" and node.backend == "uva"
+        return (0 if in_place else layer.nbytes) + _kv(layer, options) + options.reserve_bytes
+
+    for big in sorted(layers, key=lambda layer: layer.nbytes + _kv(layer, options), reverse=True):
+        node, gpu = max(largest.values(), key=lambda ng: ng[1].memory_bytes - need(big, ng[0]))
+        if need(big, node) <= gpu.memory_bytes:
+            continue
+        kv = _kv(big, options)
+        why = (
+            "offloaded, a decoder layer still needs a device slot of its size"
+            if big.kind == "decoder" and node.backend != "uva"
+            else f"the {big.kind} is never offloaded"
+            if big.kind != "decoder"
+            else "its KV cache stays on the GPU"
+        )
+        cache = (f" + {format_bytes(kv)} of KV cache for max_batch {options.max_batch} x "
+                 f"max_seq_len {options.max_seq_len}") if kv else ""  # fmt: skip
+        weights = 0 if big.kind == "decoder" and node.backend == "uva" else big.nbytes
         raise PlanError(
-            f"layer {big.name!r} needs {need} bytes on one GPU ({format_bytes(big.nbytes)} of "
-            f"weights{cache} + reserve_bytes {options.reserve_bytes}; {why}), but the largest "
-            f"GPU (node {node.node_id}, GPU {gpu.index}) has {gpu.memory_bytes} bytes: raise "
-            "--gpu-memory, lower --reserve (reserve_bytes), --max-batch or --max-seq-len, or add "
-            "larger GPUs"
+            f"layer {big.name!r} needs {need(big, node)} bytes on one GPU "
+            f"({format_bytes(weights)} of weights{cache} + reserve_bytes "
+            f"{options.reserve_bytes}; {why}), but the largest GPU (node {node.node_id}, GPU "
+            f"{gpu.index}) has {gpu.memory_bytes} bytes: raise --gpu-memory, lower --reserve "
+            "(reserve_bytes), --max-batch or --max-seq-len, or add larger GPUs"
         )
 
 
@@ -364,7 +393,7 @@ def _unplaceable(
         f"{_kv_needed(layers, options)}; available "
         f"{device_total} bytes of GPU memory (less reserve_bytes {options.reserve_bytes} per GPU) "
         f"on {cluster.num_gpus} GPUs plus {host} bytes of host offload budget on "
-        f"{len(cluster.nodes)} node(s), less {options.prefetch_step} slot(s) per offloading GPU: "
+        f"{len(cluster.nodes)} node(s), less {options.prefetch_step} slot(s) per prefetching GPU: "
         f"{KNOBS}"
     )
 

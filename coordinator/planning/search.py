@@ -11,7 +11,7 @@ the public types. Why the search is exact, in four steps:
    (transfer time, the node's host budget) except device memory, which only asks for a subset
    that fits. So each range has one cost, the minimal offloaded bytes `offload_bytes(a, b, gpu)`.
    That is a bounded knapsack (minimal subset sum above a target, with the largest chosen layer
-   setting the slot size); equal decoder sizes, the usual case, have a closed form, and mixed
+   setting the slot size; a UVA node has no slots, and the same search runs with zero of them); equal decoder sizes, the usual case, have a closed form, and mixed
    sizes are enumerated by size class (polynomial for a fixed number of distinct sizes).
 3. Nodes have independent host budgets, and by (1) starting later never hurts, so each node
    takes the furthest reach it can (greedy across nodes). Within a node the host budget couples
@@ -42,6 +42,10 @@ class NodeLimits:
     gpu_memory_bytes: tuple[int, ...]  # the node's GPUs in pipeline order
     offload_budget_bytes: int
     link_bytes_per_s: float
+    # Device slots an offloading GPU of this node holds, each the size of its largest offloaded
+    # layer: the prefetch step for the prefetch backend, 0 for UVA (the GPU reads the weights
+    # in host memory where they are).
+    slots: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +125,7 @@ def min_offload(
     Offloading S frees sum(S) resident bytes but costs min(p, |S|) * max(S) slot bytes, so with
     deficit > 0 it needs |S| > p and sum(S) - p * max(S) >= deficit. We try each size x as the
     largest offloaded one: the rest, all of size <= x, must sum to >= deficit + (p - 1) * x.
+    With p = 0 (UVA: no slots) that is sum(S) >= deficit, the same search.
     """
     if deficit <= 0:
         return 0, {}
@@ -150,7 +155,6 @@ class Search:
         nodes: Sequence[NodeLimits],
         *,
         reserve_bytes: int,
-        prefetch_step: int,
         compute_bytes_per_s: float,
         kv_sizes: Sequence[int] | None = None,
     ) -> None:
@@ -159,7 +163,6 @@ class Search:
         self.num_layers = len(sizes)
         self.nodes = tuple(nodes)
         self.reserve_bytes = reserve_bytes
-        self.prefetch_step = prefetch_step
         self.compute_bytes_per_s = compute_bytes_per_s
         self.prefix = list(accumulate(sizes, initial=0))
         self.kv_prefix = list(accumulate(kv_sizes or [0] * len(sizes), initial=0))
@@ -170,34 +173,37 @@ class Search:
         self.num_movable = list(accumulate((s > 0 for s in self.movable), initial=0))
         distinct = {s for s in self.movable if s > 0}
         self.uniform = distinct.pop() if len(distinct) == 1 else None
-        self._memo: dict[tuple[int, int, int], tuple[int, dict[int, int]] | None] = {}
+        self._memo: dict[tuple[int, int, int, int], tuple[int, dict[int, int]] | None] = {}
 
     # -- one range on one GPU ------------------------------------------------------------------
 
-    def _choice(self, start: int, end: int, memory_bytes: int) -> tuple[int, dict[int, int]] | None:
+    def _choice(
+        self, start: int, end: int, memory_bytes: int, slots: int
+    ) -> tuple[int, dict[int, int]] | None:
         deficit = (self.device_prefix[end] - self.device_prefix[start] + self.reserve_bytes
                    - memory_bytes)  # fmt: skip
         if deficit <= 0:
             return 0, {}
         if self.uniform is not None:  # equal sizes: k * s - p * s >= deficit
-            num = self.prefetch_step + -(-deficit // self.uniform)
+            num = slots + -(-deficit // self.uniform)
             if num > self.num_movable[end] - self.num_movable[start]:
                 return None
             return num * self.uniform, {self.uniform: num}
-        key = (start, end, memory_bytes)
+        key = (start, end, memory_bytes, slots)
         if key not in self._memo:
-            self._memo[key] = min_offload(self.movable[start:end], deficit, self.prefetch_step)
+            self._memo[key] = min_offload(self.movable[start:end], deficit, slots)
         return self._memo[key]
 
-    def offload_bytes(self, start: int, end: int, memory_bytes: int) -> int | None:
-        """Minimal offloaded bytes for layers [start, end) on a GPU; None if they cannot fit."""
-        choice = self._choice(start, end, memory_bytes)
+    def offload_bytes(self, start: int, end: int, memory_bytes: int, slots: int) -> int | None:
+        """Minimal offloaded bytes for layers [start, end) on a GPU with `slots` prefetch slots
+        when it offloads; None if they cannot fit."""
+        choice = self._choice(start, end, memory_bytes, slots)
         return None if choice is None else choice[0]
 
-    def offloaded_positions(self, start: int, end: int, memory_bytes: int) -> list[int]:
+    def offloaded_positions(self, start: int, end: int, memory_bytes: int, slots: int) -> list[int]:
         """Which layers to offload: per size class, spread evenly through the range so that
         compute sits between the copies (e.g. every other layer when half are offloaded)."""
-        choice = self._choice(start, end, memory_bytes)
+        choice = self._choice(start, end, memory_bytes, slots)
         assert choice is not None, "offloaded_positions of an infeasible range"
         chosen: list[int] = []
         for size, num in choice[1].items():
@@ -206,7 +212,7 @@ class Search:
         return sorted(chosen)
 
     def _fits(
-        self, start: int, memory_bytes: int, weight_cap: int, offload_cap: int
+        self, start: int, memory_bytes: int, weight_cap: int, offload_cap: int, slots: int
     ) -> list[tuple[int, int]]:
         """(end, offloaded bytes) for the furthest end with nothing offloaded, then for each
         further end that still fits. Offloaded bytes never decrease with the end (step 1), so
@@ -219,13 +225,13 @@ class Search:
         end = max(start, min(bisect_right(prefix, base + weight_cap, lo=start),
                              bisect_right(device, device_base + room, lo=start)) - 1)  # fmt: skip
         fits = [(end, 0)]
-        size, step, movable = self.uniform, self.prefetch_step, self.num_movable
+        size, step, movable = self.uniform, slots, self.num_movable
         while end < self.num_layers and prefix[end + 1] - base <= weight_cap:
             if size is not None:  # k * s - p * s >= deficit, see min_offload
                 num = step + (device[end + 1] - device_base - room + size - 1) // size
                 cost = num * size if num <= movable[end + 1] - movable[start] else None
             else:
-                cost = self.offload_bytes(start, end + 1, memory_bytes)
+                cost = self.offload_bytes(start, end + 1, memory_bytes, slots)
             if cost is None or cost > offload_cap:
                 break
             end += 1
@@ -241,7 +247,7 @@ class Search:
         ranges: list[tuple[int, int]] = []
         pos, used = start, 0
         for memory in node.gpu_memory_bytes:  # per-GPU greedy, host budget ignored
-            end, cost = self._fits(pos, memory, weight_cap, offload_cap)[-1]
+            end, cost = self._fits(pos, memory, weight_cap, offload_cap, node.slots)[-1]
             ranges.append((pos, end))
             pos, used = end, used + cost
         if used <= node.offload_budget_bytes:
@@ -254,7 +260,8 @@ class Search:
             best: dict[int, tuple[int, int]] = {}  # end -> (host bytes, start)
             for begin, cost in front.items():
                 cap = min(offload_cap, node.offload_budget_bytes - cost)
-                for end, extra in [(begin, 0), *self._fits(begin, memory, weight_cap, cap)]:
+                fits = self._fits(begin, memory, weight_cap, cap, node.slots)
+                for end, extra in [(begin, 0), *fits]:
                     if end not in best or cost + extra < best[end][0]:  # (begin, 0): GPU unused
                         best[end] = (cost + extra, begin)
             front, parent, least = {}, {}, None
@@ -327,7 +334,7 @@ class Search:
 
     def stage_times(self, p: LayerRange) -> tuple[float, float]:
         node = self.nodes[p.node]
-        offloaded = self.offload_bytes(p.start, p.end, node.gpu_memory_bytes[p.gpu])
+        offloaded = self.offload_bytes(p.start, p.end, node.gpu_memory_bytes[p.gpu], node.slots)
         assert offloaded is not None
         weights = self.prefix[p.end] - self.prefix[p.start]
         return weights / self.compute_bytes_per_s, offloaded / node.link_bytes_per_s

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+NODE_BACKENDS = ("prefetch", "uva")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GpuInfo:
@@ -26,8 +28,17 @@ class NodeInfo:
     pinned_budget_bytes: int = 0  # of which may be pinned (only counts when `pin` is True)
     pin: bool = False  # the node's pin decision for the offloaded weights
     link_bytes_per_s: float | None = None  # host-to-device bandwidth, when measured
+    # How this node's GPUs reach offloaded weights: "prefetch" (slots on the device) or "uva"
+    # (in place: no slots). The job's backend, with "auto" resolved by the node's probe.
+    backend: str = "prefetch"
+    backend_reason: str = ""  # why: the request, or what the probe found for "auto"
 
     def __post_init__(self) -> None:
+        if self.backend not in NODE_BACKENDS:
+            raise ValueError(
+                f"NodeInfo({self.node_id}).backend={self.backend!r} must be one of "
+                f"{', '.join(NODE_BACKENDS)} (auto is resolved per node before planning)"
+            )
         if self.host_budget_bytes < 0 or self.pinned_budget_bytes < 0:
             raise ValueError(
                 f"NodeInfo({self.node_id}): host_budget_bytes and pinned_budget_bytes must be "

@@ -71,7 +71,8 @@ def stage_specs(config: JobConfig, index: CheckpointIndex, the_plan: Plan,
             layers=tuple(by_name[name] for name in s.layers),
             offloaded=s.offloaded,
             prefetch_step=s.prefetch_step,
-            backend=config.backend,
+            backend=s.backend,  # the node's: "auto" resolved by its probe
+            backend_reason=s.backend_reason,
             env=envs.get(s.node_id, ({}, {}))[0],
             env_origins=envs.get(s.node_id, ({}, {}))[1],
         )

@@ -26,6 +26,7 @@ class GpuRow:
     hostname: str
     gpu: str
     layers: str
+    backend: str  # how its offloaded layers reach the device: prefetch, uva, none
     device_total_bytes: int
     device_used_bytes: int
     device_free_bytes: int
@@ -101,7 +102,7 @@ def gpu_rows(reports: list[dict]) -> list[GpuRow]:
         rows.append(
             GpuRow(
                 stage=r["stage"], hostname=r["hostname"], gpu=r.get("gpu") or "-",
-                layers=layer_range(r["layers"]),
+                layers=layer_range(r["layers"]), backend=r.get("backend", "none"),
                 device_total_bytes=r["device_total_bytes"],
                 device_used_bytes=r["device_used_bytes"],
                 device_free_bytes=r["device_free_bytes"],
@@ -168,11 +169,11 @@ def _node_label(row: NodeRow) -> str:
 
 
 def render(reports: list[dict], events: list[dict] = ()) -> str:
-    gpus = [("stage", "host", "gpu", "layers", "device used/total", "resident", "slots",
+    gpus = [("stage", "host", "gpu", "layers", "backend", "device used/total", "resident", "slots",
              "offloaded (pinned)", "kv cache (requests)", "copies", "stall", "pin")]  # fmt: skip
     for g in gpu_rows(reports):
         gpus.append((
-            str(g.stage), g.hostname, g.gpu, g.layers,
+            str(g.stage), g.hostname, g.gpu, g.layers, g.backend,
             f"{format_bytes(g.device_used_bytes)} / {format_bytes(g.device_total_bytes)}",
             format_bytes(g.resident_bytes), format_bytes(g.buffer_bytes),
             f"{format_bytes(g.offloaded_bytes)} ({format_bytes(g.pinned_bytes)})",
