@@ -275,6 +275,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     import socket
 
     from coordinator.config import node_env
+    from coordinator.family_check import check_family
     from coordinator.planning.checkpoint import load_index
     from coordinator.planning.context import check_max_seq_len
     from coordinator.planning.planner import plan
@@ -285,6 +286,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"plan without Ray needs --gpus (GPUs per node), got {config.gpus}")
     index = load_index(config.checkpoint, dtype=config.dtype)
     check_max_seq_len(index.config, config.max_seq_len)
+    check_family(index.config, attn_implementation=config.attn_implementation)  # as launch does
     # The job's overrides that match this machine (by hostname; `plan` knows no node labels
     # or ids), as the runtime gives them to each node's workers.
     env, origins = node_env(config.overrides, node_id="", hostname=socket.gethostname(),

@@ -30,8 +30,9 @@ def _top_level(modules: set[str]) -> set[str]:
             {"ray", "worker", "coordinator"},
         ),
         ("worker", {"coordinator"}),
-        # The planning side of the driver, which `offloadctl plan` runs without Ray.
-        ("coordinator.cli, coordinator.planning", {"ray"}),
+        # The planning side of the driver, which `offloadctl plan` runs without Ray, and the
+        # pre-launch check of untested families that it runs too.
+        ("coordinator.cli, coordinator.planning, coordinator.family_check", {"ray"}),
         # every module of planning/ explicitly (the package imports none of them)
         ("coordinator.planning.checkpoint, coordinator.planning.weight_map, "
          "coordinator.planning.snapshot, coordinator.planning.budgets, "

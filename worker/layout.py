@@ -5,8 +5,11 @@ no weights) in the dtype it will compute in. Its decoder blocks are the `nn.Modu
 base model whose entries are the block class the model names in `_no_split_modules` (the unit
 `transformers` itself never splits across devices), one per `num_hidden_layers`. What the base
 model registers before that list (token and position embeddings) is the pipeline's "embed"
-layer; what it registers after it (the final norm) plus the LM head is the "head" layer. Every
-decoder-only model in `transformers` is written in that order, which the family tests check.
+layer; what it registers after it (the final norm) plus the LM head is the "head" layer. Nearly
+every decoder-only model in `transformers` is written in that order, which the family tests
+check; where the base model's forward first uses a module registered before the blocks only
+after them (OPT's final norm), that module is in the head. Families outside the tests are
+checked before launch (coordinator/family_check.py).
 
 This is the one place that knows how checkpoint and parameter names map onto pipeline layers:
 the checkpoint index, the stage and the worker's placement all ask a `ModelLayout`.
@@ -14,7 +17,10 @@ the checkpoint index, the stage and the worker's placement all ask a `ModelLayou
 
 from __future__ import annotations
 
+import ast
+import inspect
 import re
+import textwrap
 from dataclasses import dataclass
 
 import torch
@@ -226,12 +232,20 @@ def find_layout(model: nn.Module) -> ModelLayout:
     before: list[str] = []
     after: list[str] = []
     seen_layers = False
+    # Registration order, corrected by where the base model's forward first uses a module: OPT
+    # registers its final norm (and project_out) before its blocks but runs them after.
+    first_use = _first_uses(base)
+    blocks_at = first_use.get(layers_path.rpartition(".")[2])
     for name, child in base.named_children():
         path = f"{base_path}.{name}" if base_path else name
         if path == layers_path:
             seen_layers = True
-        elif _has_weights(child):
-            (after if seen_layers else before).append(path)
+        else:
+            used_after = blocks_at is not None and first_use.get(name, blocks_at) > blocks_at
+            if _has_weights(child):
+                (after if seen_layers or used_after else before).append(path)
+            elif used_after:  # a norm without weights (OLMo's): passed through before the end
+                after.append(path)
     # Modules outside the base model (the LM head): after the blocks.
     for name, child in model.named_children():
         if name != base_path.split(".")[0] and _has_weights(child):
@@ -246,6 +260,23 @@ def find_layout(model: nn.Module) -> ModelLayout:
         )
     return ModelLayout(family=family, layers_path=layers_path, num_layers=num_layers,
                        embed_paths=tuple(before), head_paths=tuple(after))  # fmt: skip
+
+
+def _first_uses(module: nn.Module) -> dict[str, tuple[int, int]]:
+    """Child name -> (line, column) of the first `self.<name>` in `module`'s forward source;
+    empty when the source cannot be read (then registration order alone decides)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(type(module).forward))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    first: dict[str, tuple[int, int]] = {}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id == "self"):  # fmt: skip
+            at = (node.lineno, node.col_offset)
+            first[node.attr] = min(first.get(node.attr, at), at)
+    return first
 
 
 def _has_weights(module: nn.Module) -> bool:

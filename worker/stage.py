@@ -19,6 +19,11 @@ last block; the last stage calls the causal LM and returns its logits (soft-capp
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
+
 import torch
 from torch import nn
 
@@ -27,26 +32,73 @@ from worker.layout import EMBED, HEAD, build_meta_model, find_layout
 
 
 class PassThrough(nn.Module):
-    """Stands in for a module another stage holds: returns the hidden states it is given."""
+    """Stands in for a module another stage holds: returns the hidden states it is given. In
+    place of a decoder block whose forward returns a tuple (Falcon, GPT-J, Bloom: `(hidden,
+    attn_weights)`, the model taking `outputs[0]`), it returns a tuple of as many entries, the
+    hidden states first: a bare tensor would be indexed by the model, losing its batch dim."""
+
+    def __init__(self, tuple_length: int = 0) -> None:
+        super().__init__()
+        self.tuple_length = tuple_length
 
     def forward(self, *args, **kwargs):
         if args:
-            return args[0]
-        return kwargs["hidden_states"] if "hidden_states" in kwargs else next(iter(kwargs.values()))
+            hidden = args[0]
+        elif "hidden_states" in kwargs:
+            hidden = kwargs["hidden_states"]
+        else:
+            hidden = next(iter(kwargs.values()))
+        if self.tuple_length:
+            return (hidden, *(None,) * (self.tuple_length - 1))
+        return hidden
 
 
 class ZeroEmbedding(nn.Module):
     """Stands in for an embedding another stage holds. Only a position embedding is called on a
-    later stage (GPT-2 adds it to `inputs_embeds`): it adds nothing, and the entry hook restores
-    the received hidden states anyway."""
+    later stage (GPT-2 adds `wpe(position_ids)` to `inputs_embeds`; OPT calls its learned one
+    as `(attention_mask, past_length, position_ids=...)`): it adds nothing, and the entry hook
+    restores the received hidden states anyway. Shaped like the positions it is given, so it
+    broadcasts as the real one does."""
 
     def __init__(self, embedding_dim: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.embedding_dim = embedding_dim
         self.dtype = dtype
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        ids = kwargs.get("position_ids")
+        if ids is None:
+            ids = args[0] if args else next(iter(kwargs.values()))
         return torch.zeros(*ids.shape, self.embedding_dim, dtype=self.dtype, device=ids.device)
+
+
+@functools.cache
+def block_tuple_length(block_class: type) -> int:
+    """How many values `block_class.forward` returns when it returns a tuple literal on every
+    path (`return output, attn_weights`: 2); 0 when it returns a tensor (most families) or when
+    its source cannot tell. Read from the source because the model is on the meta device and
+    a block cannot be run to see; a wrong answer is caught by the pre-launch family check
+    (coordinator/family_check.py), never silently: the model then fails or differs there."""
+    try:
+        source = textwrap.dedent(inspect.getsource(block_class.forward))
+        function = ast.parse(source).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return 0
+    returns = [node.value for node in ast.walk(function) if isinstance(node, ast.Return)]
+    lengths = {len(value.elts) if isinstance(value, ast.Tuple) else 0 for value in returns}
+    return lengths.pop() if len(lengths) == 1 else 0
+
+
+def _stand_in_for(block: nn.Module) -> PassThrough:
+    """A pass-through for decoder block `block`, returning what its kind returns and keeping
+    its plain settings (an `attention_type` the model reads to pick each block's mask)."""
+    stand_in = PassThrough(block_tuple_length(type(block)))
+    for name, value in vars(block).items():
+        if not (name.startswith("_") or hasattr(stand_in, name)) and (
+            value is None or isinstance(value, str | int | float | bool)
+        ):  # fmt: skip
+            setattr(stand_in, name, value)
+    return stand_in
 
 
 class Stage(nn.Module):
@@ -67,7 +119,7 @@ class Stage(nn.Module):
         blocks = model.get_submodule(layout.layers_path)
         for i in range(layout.num_layers):
             if f"layers.{i}" not in held:
-                blocks[i] = PassThrough()
+                blocks[i] = _stand_in_for(blocks[i])
         if not self.is_first:
             for path in layout.embed_paths:
                 module = model.get_submodule(path)

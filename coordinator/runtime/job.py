@@ -20,6 +20,7 @@ import torch
 
 from coordinator import generation
 from coordinator.config import JobConfig
+from coordinator.family_check import check_family
 from coordinator.planning.checkpoint import CheckpointIndex, load_index
 from coordinator.planning.context import beyond_context, check_max_seq_len
 from coordinator.planning.planner import Plan, plan
@@ -339,6 +340,9 @@ def launch(
     so they outlive this process (on a cluster) and `attach(name)` finds them again."""
     index = load_index(config.checkpoint, dtype=config.dtype)
     check_max_seq_len(index.config, config.max_seq_len)
+    # An untested family is run split and whole in this process first: refused here, before
+    # Ray and any worker start, when its split does not reproduce the model.
+    check_family(index.config, attn_implementation=config.attn_implementation)
     session = connect(config)
     job = None
     claimed = False  # the name is ours to release: no load of that name existed

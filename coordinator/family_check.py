@@ -1,0 +1,403 @@
+"""Families outside the tested list, checked in the driver before any worker starts.
+
+`worker.layout.TESTED_FAMILIES` are compared with transformers in CI. Other decoder-only families
+the checkpoint index accepts could fail only inside a worker, after Ray and every worker started
+(Falcon's blocks return tuples; OPT's position embedding takes `position_ids`), or differ with no
+error. So the driver first runs the family's own class, from the checkpoint's config shrunk to 2
+layers and tiny widths (structural flags kept: sliding windows, rope type, tying, MoE routing),
+random float32 weights, in this process on the CPU: whole, and split into pass-through stages as
+workers build them (`worker.stage.Stage`), for several splits, through a plain forward, a
+left-padded prefill and decode steps in each stage's KV cache. Logits bitwise equal: it loads
+(the CLI says untested, self-checked). Else, or if the check raises, `FamilyCheckError` (a user
+error, exit 2) names the module that did not pass through. Tested families skip the check.
+Verdicts are cached per (family, shrunk config) in this process. No Ray: `plan` runs it too.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from worker.layout import (
+    TESTED_FAMILIES,
+    UnsupportedModelError,
+    find_layout,
+    hf_config_from_dict,
+    model_class_for,
+)
+from worker.stage import Stage
+
+NUM_LAYERS = 2
+HIDDEN, HEADS, HEAD_DIM, FFN, LORA_RANK = 32, 4, 8, 48, 16
+VOCAB, EXPERTS, EXPERTS_PER_TOKEN = 128, 4, 2
+WINDOW = 4  # a sliding window the 9-token sequences below outrun
+SEED = 0
+BATCH, PROMPT, PAD, DECODE_STEPS = 2, 7, 2, 2
+FFN_KEYS = ("ffn_dim", "n_inner", "ffn_hidden_size", "d_ff")
+KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token")
+# "Layers below this index are X": a threshold past the shrunk depth keeps every layer X,
+# one inside it keeps both kinds (layer 0 X, layer 1 not).
+THRESHOLD_KEYS = ("first_k_dense_replace", "max_window_layers")
+
+
+class FamilyCheckError(UnsupportedModelError):
+    """An untested family whose pipeline split did not reproduce its whole model in the
+    pre-launch check; the message names the family and the module that did not pass through."""
+
+
+_verdicts: dict[tuple, str | None] = {}  # (family, shrunk config, attention) -> refusal or None
+_lock = threading.Lock()
+
+
+def check_family(config: dict, *, attn_implementation: str | None = None) -> bool:
+    """Check config.json's family before launch (see the module doc): False for a tested family
+    (not checked), True for an untested one that passed; FamilyCheckError when it failed."""
+    family = config.get("model_type")
+    if family in TESTED_FAMILIES:
+        return False
+    try:
+        small = shrink_config(config)
+    except Exception as exc:  # any surprise in config.json: refused in one line, no traceback
+        raise FamilyCheckError(f"{family}: the pre-launch check of this untested family cannot "
+                               f"shrink its config ({_describe(exc)})") from None  # fmt: skip
+    key = (family, json.dumps(small, sort_keys=True, default=repr), attn_implementation)
+    with _lock:  # two jobs launched at once from one driver: checked once
+        if key not in _verdicts:
+            _verdicts[key] = _check(small, attn_implementation)
+        verdict = _verdicts[key]
+    if verdict is not None:
+        raise FamilyCheckError(verdict)
+    return True
+
+
+def shrink_config(config: dict) -> dict:
+    """config.json's values with `NUM_LAYERS` decoder layers and tiny widths, shrunk together
+    (heads x head dim = hidden; grouped-query and multi-query attention stay so); every other
+    key, the structural flags, as it was. Per-layer lists keep a layer of each kind."""
+    from transformers import CONFIG_MAPPING
+
+    family = config["model_type"]
+    aliases = getattr(CONFIG_MAPPING[family], "attribute_map", {})
+    small = {k: v for k, v in config.items() if k not in ("dtype", "torch_dtype")}
+
+    def key(name: str) -> str:  # the family's own spelling (GPT-2's n_embd for hidden_size)
+        own = aliases.get(name, name)
+        return own if own in small else name
+
+    def ints(keys) -> Iterator[tuple[str, int]]:
+        for k in keys:
+            value = small.get(k)
+            if isinstance(value, int) and not isinstance(value, bool):
+                yield k, value
+
+    layers_key = key("num_hidden_layers")
+    depth = small[layers_key]
+    hidden = small.get(key("hidden_size"))
+    heads = small.get(key("num_attention_heads"))
+    head_dim = small.get("head_dim") or (hidden // heads if hidden and heads else None)
+    kept = _kept_layers(small.get("layer_types"), depth)
+    small[layers_key] = len(kept)
+    for k, value in list(small.items()):  # per-layer lists and dicts: the kept layers' entries
+        if isinstance(value, list) and len(value) == depth and not k.endswith("_token_id"):
+            small[k] = [value[i] for i in kept]
+        elif isinstance(value, dict) and value and all(str(i).isdigit() for i in value):
+            small[k] = {type(i)(kept.index(int(i))): v for i, v in value.items() if int(i) in kept}
+    if isinstance(small.get("mlp_only_layers"), list):
+        small["mlp_only_layers"] = [kept.index(i) for i in small["mlp_only_layers"] if i in kept]
+    for k, value in ints(THRESHOLD_KEYS):
+        small[k] = len(kept) if value >= depth else min(value, 1)
+    for k, _ in ints([key("hidden_size")]):
+        small[k] = HIDDEN
+    for k, value in ints(("word_embed_proj_dim", "embedding_size")):  # projected embeddings
+        small[k] = HIDDEN if value == hidden else HIDDEN // 2
+    for k, _ in ints([key("num_attention_heads")]):
+        small[k] = HEADS
+    for k, value in ints(KV_HEAD_KEYS):  # as many as the heads, one (multi-query), or fewer
+        small[k] = HEADS if value == heads else 1 if value == 1 else 2
+    for k, _ in ints(["head_dim", "kv_channels", *(k for k in small if k.endswith("_head_dim"))]):
+        small[k] = HEAD_DIM
+    for k, value in ints(["rotary_dim"]):  # partial rotary stays partial
+        small[k] = HEAD_DIM if head_dim and value >= head_dim else HEAD_DIM // 2
+    for k, _ in ints(k for k in small if k.endswith("_lora_rank")):
+        small[k] = LORA_RANK
+    for k, _ in ints([*(k for k in small if k.endswith("intermediate_size")), *FFN_KEYS]):
+        small[k] = FFN
+    for k, value in list(small.items()):  # a width per layer
+        if k.endswith("intermediate_size") and isinstance(value, list):
+            small[k] = [FFN if isinstance(v, int) else v for v in value]
+    for k, value in ints(key(name) for name in EXPERT_KEYS):
+        small[k] = min(value, EXPERTS)
+    for k, value in ints(key(name) for name in TOP_K_KEYS):
+        small[k] = min(value, EXPERTS_PER_TOKEN)
+    for k, _ in ints(("n_group", "topk_group")):  # expert groups must divide the experts
+        small[k] = 1
+    for k, value in ints(("sliding_window", "attention_chunk_size")):
+        small[k] = min(value, WINDOW)
+    for k, _ in ints([key("vocab_size")]):
+        small[k] = VOCAB
+    for k, value in list(small.items()):  # special tokens inside the small vocabulary
+        if k.endswith("_token_id"):
+            small[k] = _inside_vocab(value)
+    return small
+
+
+def _kept_layers(layer_types: list | None, depth: int) -> list[int]:
+    """Which of `depth` layers the shrunk model keeps: layer 0 and the first of another kind
+    (a full-attention layer after sliding ones), else layer 1."""
+    if depth < NUM_LAYERS:
+        return list(range(depth))
+    if isinstance(layer_types, list) and len(layer_types) == depth:
+        other = next((i for i, kind in enumerate(layer_types) if kind != layer_types[0]), 1)
+        return [0, other]
+    return [0, 1]
+
+
+def _inside_vocab(value):
+    if isinstance(value, list):
+        return [_inside_vocab(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool) and value >= VOCAB:
+        return VOCAB - 1
+    return value
+
+
+@dataclass(slots=True)
+class _Call:
+    """One call of a pipeline layer's module during a step: what came in and went out."""
+
+    stage: int  # -1: the whole model
+    path: str
+    module: nn.Module
+    held: bool  # the stage's own module (compared by value), not a stand-in (by kind)
+    input: object
+    output: object
+
+
+def _check(small: dict, attn_implementation: str | None) -> str | None:
+    """The refusal (one line) when the split does not reproduce the whole model, else None."""
+    family = small["model_type"]
+    failed = f"{family}: the pipeline split does not reproduce the whole model"
+
+    def hf_config():  # a fresh config per model, as each worker builds its own
+        return hf_config_from_dict(
+            small, dtype=torch.float32, attn_implementation=attn_implementation
+        )
+
+    with _quiet_and_seeded():
+        try:
+            whole = model_class_for(hf_config())._from_config(hf_config(), dtype=torch.float32)
+            from coordinator.make_checkpoint import perturb_constant_parameters
+
+            perturb_constant_parameters(whole, SEED)  # norms and biases count too
+            whole.eval()
+            layout = find_layout(whole)
+        except Exception as exc:
+            return (f"{family}: the pre-launch check of this untested family cannot build a "
+                    f"{NUM_LAYERS}-layer copy of its model ({_describe(exc)})")  # fmt: skip
+        weights = whole.state_dict()
+        names = layout.layer_names()
+        # Three stages (embed+layer 0 | layer 1 | head), two with other boundaries, and one
+        # (a job on one GPU): each stage boundary a model's forward may see.
+        splits = [[names[:2], names[2:-1], names[-1:]], [names[:1], names[1:]], [names]]
+        for split in splits:
+            split = [group for group in split if group]
+            label = " | ".join("+".join(group) for group in split)
+            try:
+                stages = [_stage(hf_config(), group, weights) for group in split]
+                refusal = _compare(whole, stages, layout)
+            except Exception as exc:  # building a stage, or the whole model's own forward
+                refusal = f"the check raised {_describe(exc)}"
+            if refusal is not None:
+                return f"{failed} ({refusal}; stages {label})"
+    return None
+
+
+def _stage(hf_config, layer_names: list[str], weights: dict[str, torch.Tensor]) -> Stage:
+    """A stage as a worker builds it (held modules given memory, buffers initialised as
+    `from_pretrained` does), its tensors then filled from the whole model's."""
+    stage = Stage(hf_config, layer_names)
+    for module in stage.layer_modules().values():
+        module.to_empty(device="cpu")
+    stage.init_buffers(torch.device("cpu"))
+    with torch.no_grad():
+        for name, tensor in stage.model.state_dict(keep_vars=True).items():
+            tensor.copy_(weights[name])
+    return stage
+
+
+def _compare(whole: nn.Module, stages: list[Stage], layout) -> str | None:
+    """Run the steps through the whole model and through `stages`; where they first differ."""
+    from transformers import DynamicCache
+
+    from worker.decode import advance
+
+    generator = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(2, VOCAB, (BATCH, PROMPT), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :PAD] = 0  # a left-padded row, as batched generation sends it
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    whole_cache = DynamicCache(config=whole.config)
+    caches = [stage.new_cache() for stage in stages]
+    stage_modules = [entry for s, stage in enumerate(stages)
+                     for entry in _layer_modules(s, stage.model, stage.layout, stage.layer_names)]  # fmt: skip
+    # (what, ids, mask, positions, logits_to_keep, cached): `run`'s forward, then generation
+    steps: list[tuple] = [("plain forward", ids, None, None, 0, False),
+                          ("prefill", ids, mask, positions, 0, True)]  # fmt: skip
+    step = 0
+    while step < len(steps):
+        what, x, m, p, keep, cached = steps[step]
+        calls: list[_Call] = []
+        with _recording(_layer_modules(-1, whole, layout, None), calls), torch.inference_mode():
+            expected = whole(input_ids=x, attention_mask=m, position_ids=p, logits_to_keep=keep,
+                             past_key_values=whole_cache if cached else None,
+                             use_cache=cached).logits  # fmt: skip
+        reference = {call.path: call for call in calls}
+        calls.clear()
+        got, error = x, None
+        with _recording(stage_modules, calls), torch.inference_mode():
+            try:
+                for stage, cache in zip(stages, caches, strict=True):
+                    got = stage(got, attention_mask=m, position_ids=p, logits_to_keep=keep,
+                                cache=cache if cached else None)  # fmt: skip
+            except Exception as exc:
+                error = exc
+        if error is not None or not torch.equal(got, expected):
+            return f"{_first_difference(calls, reference, stages, error)}, {what}"
+        if cached and len(steps) < 2 + DECODE_STEPS:
+            tokens = expected[:, -1].argmax(-1, keepdim=True)
+            m, p = advance(m, p)
+            steps.append((f"decode step {len(steps) - 1}", tokens, m, p, 1, True))
+        step += 1
+    return None
+
+
+def _first_difference(calls: list[_Call], reference: dict[str, _Call], stages: list[Stage],
+                      error: Exception | None) -> str:  # fmt: skip
+    """The first module, in the order the stages ran them, whose input or output differs from
+    the whole model's (a stand-in: whose kind of output differs), else where `error` arose."""
+    raised = f"; then {_describe(error)}" if error is not None else ""
+    for call in calls:
+        ref = reference.get(call.path)
+        if ref is None:
+            continue
+        name = f"stage {call.stage}, module {call.path} / {type(call.module).__name__}"
+        if call.held:
+            if not _same(call.input, ref.input):
+                return f"{name}: its input differs from the whole model's{raised}"
+            if not _same(call.output, ref.output):
+                return f"{name}: its output differs from the whole model's{raised}"
+        elif _kind(call.output) != _kind(ref.output):
+            return (f"{name} returns {_kind(call.output)} where {type(ref.module).__name__} "
+                    f"returns {_kind(ref.output)}{raised}")  # fmt: skip
+    if error is not None:
+        return f"{_raising_module(error, stages)} raised {_describe(error)}"
+    return "the logits differ while every module's output matched"
+
+
+def _raising_module(error: Exception, stages: list[Stage]) -> str:
+    """'stage S, module PATH / Class' of the innermost module of `stages` in the traceback."""
+    where = {id(m): (s, path, m) for s, stage in enumerate(stages)
+             for path, m in stage.model.named_modules()}  # fmt: skip
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if id(owner) in where:
+            found = where[id(owner)]
+        tb = tb.tb_next
+    if found is None:
+        return "the split"
+    s, path, module = found
+    return f"stage {s}, module {path or '(the model)'} / {type(module).__name__}"
+
+
+def _layer_modules(stage: int, model: nn.Module, layout, held: list[str] | None) -> list[tuple]:
+    """(stage, path, module, held) of every pipeline-layer module of `model`, stand-ins
+    included; `held`: the layers that are the stage's own (None: all, the whole model)."""
+    return [(stage, path, model.get_submodule(path), held is None or layer in held)
+            for layer in layout.layer_names() for path in layout.module_paths(layer)]  # fmt: skip
+
+
+@contextmanager
+def _recording(modules: list[tuple], calls: list[_Call]) -> Iterator[None]:
+    """Append a `_Call` to `calls` for each of `modules` (see `_layer_modules`) as it runs: its
+    hidden-states input (after earlier pre-hooks, such as the stage's restoring of received
+    hidden states) and its output, cloned (a later module may change them in place)."""
+    handles = []
+    try:
+        for stage, path, module, held in modules:
+            seen: dict[str, object] = {}
+
+            def before(module, args, kwargs, seen=seen) -> None:
+                first = next(iter(kwargs.values()), None)
+                seen["input"] = _clone(args[0] if args else kwargs.get("hidden_states", first))
+
+            def after(module, args, kwargs, output, seen=seen, stage=stage, path=path,
+                      held=held) -> None:  # fmt: skip
+                calls.append(_Call(stage=stage, path=path, module=module, held=held,
+                                   input=seen.pop("input", None), output=_clone(output)))  # fmt: skip
+
+            handles += [module.register_forward_pre_hook(before, with_kwargs=True),
+                        module.register_forward_hook(after, with_kwargs=True)]  # fmt: skip
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _clone(value):
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, tuple):
+        return tuple(_clone(v) for v in value)
+    return value
+
+
+def _kind(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "a tensor"
+    if isinstance(value, tuple):
+        return f"a tuple of {len(value)}"
+    return f"a {type(value).__name__}"
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    return type(a) is type(b) and not isinstance(a, torch.Tensor | tuple)
+
+
+def _describe(exc: BaseException) -> str:
+    """`Type: message` on one line (transformers' validation errors put the reason on line 2)."""
+    text = " ".join(line.strip() for line in str(exc).strip().splitlines()[:3])
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+
+
+@contextmanager
+def _quiet_and_seeded() -> Iterator[None]:
+    """Seeded weights without touching the caller's random state, one thread (the check's
+    models are tiny, and the same thread count for both sides), no transformers chatter."""
+    from transformers.utils import logging as hf_logging
+
+    threads, verbosity = torch.get_num_threads(), hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(SEED)
+            yield
+    finally:
+        torch.set_num_threads(threads)
+        hf_logging.set_verbosity(verbosity)
+
+
+__all__ = ["FamilyCheckError", "check_family", "shrink_config"]

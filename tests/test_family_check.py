@@ -1,0 +1,248 @@
+"""Families outside the tested list are checked in the driver before any worker starts
+(coordinator/family_check.py): the model's own class, shrunk, run whole and split into
+pass-through stages, logits bitwise equal, or a one-line refusal naming the module.
+
+Falcon and OPT, as transformers' `save_pretrained` writes them, used to fail inside a Ray
+worker after every worker had started (Falcon's blocks return `(hidden, attn_weights)`; OPT's
+learned position embedding takes `position_ids`, and OPT registers its final norm before its
+blocks). They now pass the check and load bitwise equal to transformers; the tests also show
+that the old stand-ins are refused before launch with the module named. In-process workers as
+in test_families.py; one `offloadctl run` starts Ray.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from test_families import VOCAB, Pipeline, reference
+from test_generation import left_padded_batch, run
+
+import worker.stage
+from coordinator import family_check
+from coordinator.cli import EXIT_ERROR, main
+from coordinator.family_check import FamilyCheckError, check_family, shrink_config
+from coordinator.planning.checkpoint import CheckpointIndex, load_index
+from coordinator.reference import reference_generate
+from worker.layout import UnsupportedModelError
+
+TINY = dict(num_hidden_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+            max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+CASES = {  # name -> (config class, its settings, dtype written)
+    # Falcon-7B's layout (multi-query, parallel attention), in bfloat16 as it is published
+    "falcon": ("FalconConfig", dict(new_decoder_architecture=False, multi_query=True,
+                                    parallel_attn=True, ffn_hidden_size=48), "bfloat16"),
+    # Falcon-40B/180B's: grouped KV heads, two layer norms in parallel
+    "falcon-new": ("FalconConfig", dict(new_decoder_architecture=True, num_kv_heads=2,
+                                        num_ln_in_parallel_attn=2, ffn_hidden_size=48), "float32"),
+    "opt": ("OPTConfig", dict(ffn_dim=48, word_embed_proj_dim=32, dropout=0.0), "float32"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    import transformers
+
+    from coordinator.make_checkpoint import perturb_constant_parameters
+
+    made: dict[str, CheckpointIndex] = {}
+
+    def get(name: str) -> CheckpointIndex:
+        if name not in made:
+            cls, settings, dtype = CASES[name]
+            config = getattr(transformers, cls)(**TINY, **settings)
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, dtype=getattr(torch, dtype)
+            )
+            perturb_constant_parameters(model, 0)
+            root = tmp_path_factory.mktemp(name) / "ckpt"
+            model.save_pretrained(root)
+            made[name] = load_index(root)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(autouse=True)
+def fresh_verdicts(monkeypatch):
+    """Each test checks anew (verdicts are cached per process)."""
+    monkeypatch.setattr(family_check, "_verdicts", {})
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_falcon_and_opt_pass_the_check_and_load_as_transformers_does(checkpoints, name) -> None:
+    """The check passes; then a real load (the planner's split over 3 stages, layers
+    offloaded, same files, same dtype) gives transformers' logits bitwise, plain and
+    left-padded, and its greedy `generate` tokens through the stages' KV caches."""
+    index = checkpoints(name)
+    assert check_family(index.config) is True
+    ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
+    padded, mask = left_padded_batch(seed=1)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    pipeline = Pipeline(index)
+    try:
+        logits = pipeline(ids)
+        padded_logits = pipeline(padded, mask)
+        tokens = run(pipeline, padded, mask, max_new_tokens=6, do_sample=False)
+    finally:
+        pipeline.close()
+    assert logits.dtype == getattr(torch, index.dtype)
+    assert torch.equal(logits, reference(index, ids))
+    assert torch.equal(padded_logits, reference(index, padded, attention_mask=mask,
+                                                position_ids=positions))  # fmt: skip
+    expected = reference_generate(str(index.root), padded, attention_mask=mask, num_threads=1,
+                                  max_new_tokens=6, do_sample=False)  # fmt: skip
+    assert torch.equal(tokens, expected)
+
+
+def _one_line_refusal(config: dict, family: str) -> str:
+    with pytest.raises(FamilyCheckError) as caught:
+        check_family(config)
+    message = str(caught.value)
+    assert isinstance(caught.value, UnsupportedModelError)  # the CLI's user errors: exit 2
+    assert "\n" not in message
+    assert message.startswith(f"{family}: the pipeline split does not reproduce the whole model")
+    return message
+
+
+def test_the_old_stand_ins_are_refused_naming_the_module(checkpoints, monkeypatch) -> None:
+    """What used to fail inside a worker fails in the check, naming the module: a bare-tensor
+    stand-in for Falcon's tuple-returning block, a position embedding stand-in without
+    `position_ids`, and OPT's final norm taken for an embedding."""
+    with monkeypatch.context() as patch:
+        patch.setattr(worker.stage, "block_tuple_length", lambda block_class: 0)
+        message = _one_line_refusal(checkpoints("falcon").config, "falcon")
+    assert (
+        "module transformer.h.1 / PassThrough returns a tensor where FalconDecoderLayer "
+        "returns a tuple of 2; then ValueError: not enough values to unpack"
+    ) in message
+
+    def old_forward(self, ids):
+        return torch.zeros(*ids.shape, self.embedding_dim, dtype=self.dtype)
+
+    opt = checkpoints("opt").config
+    with monkeypatch.context() as patch:
+        patch.setattr(family_check, "_verdicts", {})
+        patch.setattr(worker.stage.ZeroEmbedding, "forward", old_forward)
+        message = _one_line_refusal(opt, "opt")
+    assert "module model.decoder.embed_positions / ZeroEmbedding raised TypeError: " in message
+    assert "old_forward() got an unexpected keyword argument 'position_ids'" in message
+    with monkeypatch.context() as patch:
+        patch.setattr(family_check, "_verdicts", {})
+        patch.setattr("worker.layout._first_uses", lambda module: {})  # registration order
+        message = _one_line_refusal(opt, "opt")
+    assert "module model.decoder.final_layer_norm / LayerNorm: its input differs" in message
+
+
+def _drop_layer_1(monkeypatch) -> None:
+    """Break the split on purpose: the stage holding decoder layer 1 passes it through."""
+    build = worker.stage.Stage.__init__
+
+    def broken(self, hf_config, layer_names) -> None:
+        build(self, hf_config, layer_names)
+        if "layers.1" in self.layer_names:
+            self.model.get_submodule(self.layout.layers_path)[1] = worker.stage.PassThrough()
+
+    monkeypatch.setattr(worker.stage.Stage, "__init__", broken)
+
+
+def test_a_broken_pass_through_is_refused_and_nothing_starts(checkpoints, monkeypatch,
+                                                             capsys) -> None:  # fmt: skip
+    """A module dropped from the split: `plan`, `run` and `launch` all refuse in one line
+    naming it (exit 2), before Ray or any worker starts."""
+    import coordinator.runtime.job as job_module
+    from coordinator.config import JobConfig
+
+    root = str(checkpoints("opt").root)
+    _drop_layer_1(monkeypatch)
+    message = _one_line_refusal(checkpoints("opt").config, "opt")
+    assert "stage 1, module model.decoder.layers.1 / PassThrough: its output differs" in message
+
+    def no_ray(config):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(job_module, "connect", no_ray)
+    monkeypatch.setattr(family_check, "_verdicts", {})
+    flags = ["--checkpoint", root, "--gpus", "2", "--gpu-memory", "1MiB"]
+    assert main(["run", *flags]) == EXIT_ERROR
+    assert main(["plan", *flags]) == EXIT_ERROR
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and err[0] == err[1] == f"error: {message}"
+    with pytest.raises(FamilyCheckError, match=r"model\.decoder\.layers\.1 / PassThrough"):
+        job_module.launch(JobConfig(checkpoint=root, gpus=2, gpu_memory_bytes=2**20))
+
+
+def test_tested_families_skip_the_check_and_verdicts_are_cached(checkpoints,
+                                                                monkeypatch) -> None:  # fmt: skip
+    calls = []
+    check = family_check._check
+    monkeypatch.setattr(family_check, "_check", lambda *a: calls.append(a) or check(*a))
+    start = time.perf_counter()
+    assert check_family({"model_type": "llama", "num_hidden_layers": 80}) is False
+    assert time.perf_counter() - start < 0.01 and calls == []
+    opt = checkpoints("opt").config
+    assert check_family(opt) and check_family(dict(opt)) and len(calls) == 1  # launched twice
+    assert check_family({**opt, "do_layer_norm_before": False}) and len(calls) == 2  # OPT-350M
+
+
+def test_the_config_shrinks_keeping_its_structure() -> None:
+    """2 layers of tiny widths, consistently: heads x head dim, grouped KV heads, a layer of
+    each kind (Gemma 3: 5 sliding, 1 full), windows the check's input outruns; the rest kept."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        "gemma3_text", num_hidden_layers=12, hidden_size=2560, intermediate_size=10240,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, sliding_window=1024,
+        vocab_size=262208, tie_word_embeddings=True, eos_token_id=[1, 106],
+        final_logit_softcapping=30.0, pad_token_id=262207,
+    ).to_dict()  # fmt: skip
+    small = shrink_config(config)
+    assert small["num_hidden_layers"] == 2
+    assert small["layer_types"] == ["sliding_attention", "full_attention"]
+    assert (small["hidden_size"], small["num_attention_heads"], small["num_key_value_heads"],
+            small["head_dim"], small["intermediate_size"]) == (32, 4, 2, 8, 48)  # fmt: skip
+    assert small["sliding_window"] == 4 and small["vocab_size"] == 128
+    assert small["pad_token_id"] == 127 and small["eos_token_id"] == [1, 106]
+    for key in ("tie_word_embeddings", "final_logit_softcapping", "rope_parameters",
+                "query_pre_attn_scalar", "sliding_window_pattern"):  # fmt: skip
+        assert small.get(key) == config.get(key), key
+
+
+def test_offloadctl_run_says_the_family_was_self_checked(checkpoints, monkeypatch,
+                                                         capsys) -> None:  # fmt: skip
+    """`offloadctl run --check` on OPT: checked before launch, then its output says the family
+    is untested and self-checked, and the logits match transformers. The job is the in-process
+    pipeline (the Ray path runs the same workers; a Ray start would cost this test ~15 s)."""
+    import coordinator.runtime.job as job_module
+
+    index = checkpoints("opt")
+
+    class InProcessJob:
+        def __init__(self, config) -> None:
+            check_family(index.config)  # what launch() runs before Ray starts
+            self.pipeline = Pipeline(index)
+            self.index, self.plan = index, self.pipeline.plan
+            self.workers = self.pipeline.workers
+            self.load_reports = [worker.report() for worker in self.workers]
+            self.session = type("Session", (), {"owned": True})()
+
+        def forward(self, ids):
+            return self.pipeline(ids)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.pipeline.close()
+
+    monkeypatch.setattr(job_module, "launch", lambda config, **_: InProcessJob(config))
+    argv = ["run", "--checkpoint", str(index.root), "--seq-len", "9", "--check"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert (
+        "model: opt, float32, 4 blocks (a family not tested against transformers; "
+        "self-checked before launch"
+    ) in out
+    assert "check: logits are bitwise equal" in out
