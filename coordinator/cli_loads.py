@@ -10,6 +10,7 @@ import sys
 import time
 
 from coordinator.config import JobConfig
+from offload.errors import ConfigError, NeverFitsError
 
 EXIT_MISMATCH = 1  # the check found logits unequal to transformers' (or a config problem)
 RANDOM_INPUT = {"batch": 2, "seq_len": 16, "seed": 0}  # `run`'s input without --input-ids
@@ -77,12 +78,12 @@ def _input_ids(args: argparse.Namespace):
         given = [flag for flag, value in (("--batch", args.batch), ("--seq-len", args.seq_len),
                                           ("--seed", args.seed)) if value is not None]  # fmt: skip
         if given:
-            raise ValueError(f"--input-ids gives the tokens; {', '.join(given)} shape random "
+            raise ConfigError(f"--input-ids gives the tokens; {', '.join(given)} shape random "
                              "input only: drop them")  # fmt: skip
         try:
             return torch.tensor([[int(t) for t in args.input_ids.split(",")]])
         except ValueError:
-            raise ValueError(f"--input-ids {args.input_ids!r}: expected comma-separated token "
+            raise ConfigError(f"--input-ids {args.input_ids!r}: expected comma-separated token "
                              "ids, e.g. 1,15043,3186") from None  # fmt: skip
     return (args.batch or RANDOM_INPUT["batch"], args.seq_len or RANDOM_INPUT["seq_len"])
 
@@ -92,7 +93,7 @@ def _check_context(checkpoint: str, tokens: int) -> None:
     from coordinator.planning.context import beyond_context
 
     if context := beyond_context(read_config(checkpoint), tokens):
-        raise ValueError(f"{tokens} input tokens exceed the model's context of {context}: "
+        raise NeverFitsError(f"{tokens} input tokens exceed the model's context of {context}: "
                          "lower --seq-len or pass fewer --input-ids")  # fmt: skip
 
 

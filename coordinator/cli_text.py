@@ -38,7 +38,7 @@ def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
     from coordinator.text import TextStream, end_ids, load_tokenizer, prompt_ids
 
     if any(not text for text in args.stop or ()):
-        raise ValueError("--stop needs a non-empty text")
+        raise ConfigError("--stop needs a non-empty text")
     if args.name:
         job_cm = attach(args.name, address=args.address)
         checkpoint = job_cm.config.checkpoint

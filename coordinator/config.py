@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from offload.errors import ConfigError
 from offload.policy import PIN_ENV, parse_pin_mode
 from worker.spec import COMPUTE_DTYPES
 
@@ -27,10 +28,6 @@ OVERRIDE_ALLOWED_PREFIXES = ("OFFLOAD_", "VLLM_WEIGHT_OFFLOADING_")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
           "tib": 2**40}  # fmt: skip
-
-
-class ConfigError(ValueError):
-    """A job configuration that cannot run; the message names the key and the fix."""
 
 
 def parse_bytes(value: str | int, *, field_name: str = "size") -> int:

@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 
 from coordinator.planning.context import beyond_context
+from offload.errors import BusyError, ConfigError, NeverFitsError
 from worker.decode import Sampling, advance, choose
 
 FROM_CHECKPOINT = object()  # "the checkpoint's value": distinct from None ("no such token")
@@ -44,8 +45,16 @@ UNSUPPORTED = {
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class GenerationError(ValueError):
+class GenerationError(ConfigError):
     """A generation request that cannot run; the message names the setting and the fix."""
+
+
+class KvNeverFitsError(GenerationError, NeverFitsError):
+    """Beyond the KV cache the plan reserved, whatever else runs: never fits (HTTP 400)."""
+
+
+class KvBusyError(GenerationError, BusyError):
+    """Fits the reserved KV cache, but not beside the requests in flight: retry (HTTP 429)."""
 
 
 class KvBudget:
@@ -61,19 +70,19 @@ class KvBudget:
     def check(self, sequences: int, tokens: int) -> None:
         """Refuse a request that could never fit, whatever else is in flight."""
         if self.max_seq_len == 0:
-            raise GenerationError(
+            raise KvNeverFitsError(
                 "this job reserved no KV cache (max_seq_len=0), so it cannot generate: load it "
                 "with max_seq_len (prompt + new tokens per sequence) and max_batch (sequences at "
                 "once), e.g. --max-seq-len 512 --max-batch 4; the plan then keeps room for them"
             )
         if tokens > self.max_seq_len:
-            raise GenerationError(
+            raise KvNeverFitsError(
                 f"{tokens} tokens per sequence (prompt + max_new_tokens) exceed the KV cache "
                 f"reserved for max_seq_len={self.max_seq_len}: shorten the request or load the "
                 "job with a larger max_seq_len"
             )
         if sequences > self.max_batch:
-            raise GenerationError(
+            raise KvNeverFitsError(
                 f"{sequences} sequence(s) exceed the KV cache reserved for max_batch="
                 f"{self.max_batch}: send fewer sequences, or load the job with a larger max_batch"
             )
@@ -84,7 +93,7 @@ class KvBudget:
         self.check(sequences, tokens)
         with self._lock:
             if self.in_flight + sequences > self.max_batch:
-                raise GenerationError(
+                raise KvBusyError(
                     f"{sequences} sequence(s), with {self.in_flight} in flight, exceed the KV "
                     f"cache reserved for max_batch={self.max_batch}: wait for a request to end, "
                     "send fewer sequences, or load the job with a larger max_batch"
@@ -207,7 +216,7 @@ def sampling_options(temperature: float | None, top_p: float | None, top_k: int 
     options: dict = {"seed": seed}
     if temperature is not None:
         if temperature < 0:
-            raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
+            raise GenerationError(f"temperature={temperature} must be >= 0 (0: greedy)")
         options["do_sample"] = temperature > 0
         if temperature > 0:
             options["temperature"] = temperature

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator import tiny_tokenizer
+from offload.errors import ConfigError
 from worker.layout import TESTED_FAMILIES
 
 ARCHITECTURES = TESTED_FAMILIES  # every family the parity tests check
@@ -71,35 +72,35 @@ class CheckpointShape:
         for f in fields(self):  # the Python API gets the CLI's checks: a wrong type is named
             value, wanted = getattr(self, f.name), {"int": int, "bool": bool, "str": str}[f.type]
             if not isinstance(value, wanted) or (wanted is int and isinstance(value, bool)):
-                raise ValueError(f"{f.name}={value!r} must be of type {f.type}")
+                raise ConfigError(f"{f.name}={value!r} must be of type {f.type}")
         if self.arch not in ARCHITECTURES:
-            raise ValueError(f"arch={self.arch!r} is not one of {', '.join(ARCHITECTURES)}")
+            raise ConfigError(f"arch={self.arch!r} is not one of {', '.join(ARCHITECTURES)}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
+            raise ConfigError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
                      "intermediate_size", "vocab_size", "num_experts", "experts_per_token",
                      "sliding_window", "max_positions", "max_shard_bytes"):  # fmt: skip
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.hidden_size % self.num_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"hidden_size={self.hidden_size} must be a multiple of num_heads={self.num_heads}"
             )
         head_dim = self.hidden_size // self.num_heads
         if self.arch != "gpt2" and head_dim % 2:  # every other family rotates pairs (RoPE)
-            raise ValueError(
+            raise ConfigError(
                 f"hidden_size={self.hidden_size} / num_heads={self.num_heads} = {head_dim}: "
                 f"{self.arch}'s rotary embedding needs an even head dim"
             )
         if self.arch not in NO_KV_HEADS and self.num_heads % self.num_kv_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
             )
         if self.arch in MOE_ARCHITECTURES and self.experts_per_token > self.num_experts:
-            raise ValueError(f"experts_per_token={self.experts_per_token} must be <= "
+            raise ConfigError(f"experts_per_token={self.experts_per_token} must be <= "
                              f"num_experts={self.num_experts}")  # fmt: skip
         if self.tokenizer and self.vocab_size < tiny_tokenizer.MIN_VOCAB:
-            raise ValueError(f"vocab_size={self.vocab_size} is too small for a tokenizer (needs "
+            raise ConfigError(f"vocab_size={self.vocab_size} is too small for a tokenizer (needs "
                              f">= {tiny_tokenizer.MIN_VOCAB}); pass tokenizer=False "
                              "(--no-tokenizer) for a checkpoint without one")  # fmt: skip
 
@@ -207,7 +208,7 @@ def make_checkpoint(out_dir: str | Path, shape: CheckpointShape, *, force: bool 
     try:
         config = shape.hf_config()
     except Exception as exc:  # transformers' own validation (its own error types)
-        raise ValueError(f"{shape.arch} rejects this shape: {str(exc).strip()[:400]}") from None
+        raise ConfigError(f"{shape.arch} rejects this shape: {str(exc).strip()[:400]}") from None
     torch.manual_seed(shape.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, shape.dtype))
     perturb_constant_parameters(model, shape.seed)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from offload.errors import CheckpointError, ConfigError
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(CheckpointError):
     """No usable tokenizer or chat template; the message says what to do instead."""
 
 
@@ -74,7 +76,7 @@ class TextStream:
     def __init__(self, tokenizer, stop_ids: tuple[int, ...] = (),
                  stop_strings: tuple[str, ...] = ()) -> None:  # fmt: skip
         if any(not s for s in stop_strings):
-            raise ValueError("a stop string must not be empty")
+            raise ConfigError("a stop string must not be empty")
         self.tokenizer = tokenizer
         self.stop_ids = set(stop_ids)
         self.stop_strings = tuple(stop_strings)

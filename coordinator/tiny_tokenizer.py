@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from offload.errors import ConfigError
+
 PAD, BOS, EOS, IM_START, UNK = "<|pad|>", "<|bos|>", "<|im_end|>", "<|im_start|>", "<|unk|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, IM_START, UNK)  # ids 0..4, in this order
 # In config.json's names: what the model's embedding and `generate` know them by.
@@ -113,7 +115,7 @@ def alphabet_for(vocab_size: int) -> str | None:
     if vocab_size >= BYTE_LEVEL_MIN_VOCAB:
         return None
     if vocab_size < MIN_VOCAB:
-        raise ValueError(f"vocab_size={vocab_size} is too small for a tokenizer (needs >= "
+        raise ConfigError(f"vocab_size={vocab_size} is too small for a tokenizer (needs >= "
                          f"{MIN_VOCAB}: {len(SPECIAL_TOKENS)} special tokens, space and a-z)")  # fmt: skip
     return ALPHABET[: vocab_size - len(SPECIAL_TOKENS)]
 

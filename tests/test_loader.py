@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from offload.errors import CheckpointError
 from worker.loader import PIECE_BYTES, TensorReader
 from worker.spec import TensorSlice
 
@@ -45,7 +46,7 @@ def test_short_file_and_wrong_destination(shard, tmp_path) -> None:
     big = slices(shard)["big"]
     cut = tmp_path / shard.name
     cut.write_bytes(shard.read_bytes()[: big.end - 10])
-    with TensorReader(tmp_path, threads=2) as reader, pytest.raises(OSError, match="'big'"):
+    with TensorReader(tmp_path, threads=2) as reader, pytest.raises(CheckpointError, match="'big'"):
         reader.read_into(big, torch.empty(big.shape))
     with TensorReader(shard.parent) as reader, pytest.raises(ValueError, match="'big' is F32"):
         reader.read_into(big, torch.empty(3))

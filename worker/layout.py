@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from offload.errors import CheckpointError
+
 # Families checked against transformers in CI (tests/test_families.py). Others that pass the
 # checks below load too, untested: `offloadctl` says so.
 TESTED_FAMILIES = (
@@ -36,7 +38,7 @@ EMBED, HEAD = "embed", "head"
 _DECODER = re.compile(r"^layers\.(\d+)$")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(CheckpointError):
     """A checkpoint this project cannot run; the message names the family and what is supported."""
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from offload.errors import CheckpointError
 from worker.spec import FileIdentity, TensorSlice
 
 STAGING_BYTES = 64 * 2**20  # GPU loads go through this much host memory at a time
@@ -39,7 +40,7 @@ PIECE_BYTES = 8 * 2**20  # unit of parallel reads: big enough for one syscall to
 MAX_HEADER_BYTES = 100_000_000
 
 
-class CheckpointChangedError(ValueError):
+class CheckpointChangedError(CheckpointError):
     """A checkpoint file is not the file the job indexed; the message names it and the fix."""
 
 
@@ -81,7 +82,7 @@ def _pread_exact(fd: int, view: memoryview, offset: int, where: str) -> None:
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if not n:
-            raise OSError(f"{where}: file ended after {done} of {len(view)} bytes")
+            raise CheckpointError(f"{where}: file ended after {done} of {len(view)} bytes")
         done += n
 
 

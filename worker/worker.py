@@ -19,6 +19,7 @@ import psutil
 import torch
 
 from offload import OffloadConfig, create_offloader, probe_node
+from offload.errors import LaunchError
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV
 from offload.probe import DECISION_STEPS
 from worker.decode import Sampling, steps
@@ -34,7 +35,7 @@ from worker.wire import Packed, pack, unpack
 LOAD_CHUNK_BYTES = 64 * 2**20  # progress granularity
 
 
-class WorkerError(RuntimeError):
+class WorkerError(LaunchError):
     """A worker could not load or run its stage; the message says which stage and why."""
 
 

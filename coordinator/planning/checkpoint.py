@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.planning.weight_map import WeightMapError, map_tensors
+from offload.errors import CheckpointError
 from worker.loader import MAX_HEADER_BYTES, identify
 from worker.spec import (
     COMPUTE_DTYPES,
@@ -35,10 +36,6 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names the file and tensor."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from offload.errors import ConfigError
+
 # config.json keys that bound the positions a model takes, across families (the smallest wins).
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length",
                 "max_sequence_length", "max_seq_length", "seq_len")  # fmt: skip
@@ -54,5 +56,5 @@ def beyond_context(config: dict, tokens: int) -> Context | None:
 def check_max_seq_len(config: dict, max_seq_len: int) -> None:
     """A job's KV cache is planned for at most the model's context per sequence."""
     if context := beyond_context(config, max_seq_len):
-        raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's context of {context}: "
+        raise ConfigError(f"max_seq_len={max_seq_len} exceeds the model's context of {context}: "
                          f"lower --max-seq-len to {context.tokens} or less")  # fmt: skip

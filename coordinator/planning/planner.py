@@ -29,6 +29,7 @@ from coordinator.planning.formats import format_bytes, format_rate, format_secon
 from coordinator.planning.search import LayerRange, NodeLimits, Search
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from coordinator.tables import render as render_table
+from offload.errors import ConfigError, PlanError
 from worker.spec import LayerSpec
 
 MAX_PREFETCH_STEP = 64
@@ -39,10 +40,6 @@ KNOBS = (
     "--max-seq-len"
 )
 _JSON_VERSION = 1
-
-
-class PlanError(ValueError):
-    """The layers cannot be placed on this cluster; the message has the numbers and the knobs."""
 
 
 def _is_int(value: Any) -> bool:
@@ -73,21 +70,21 @@ class PlanOptions:
 
     def __post_init__(self) -> None:
         if not _is_int(self.reserve_bytes) or self.reserve_bytes < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"PlanOptions.reserve_bytes={self.reserve_bytes!r} must be an int >= 0"
             )
         for name in ("max_batch", "max_seq_len"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
-                raise ValueError(f"PlanOptions.{name}={getattr(self, name)!r} must be an int >= 0")
+                raise ConfigError(f"PlanOptions.{name}={getattr(self, name)!r} must be an int >= 0")
         if not _is_int(self.prefetch_step) or not 1 <= self.prefetch_step <= MAX_PREFETCH_STEP:
-            raise ValueError(
+            raise ConfigError(
                 f"PlanOptions.prefetch_step={self.prefetch_step!r} must be an int in "
                 f"1..{MAX_PREFETCH_STEP}"
             )
         for name in ("compute_bytes_per_s", "default_link_bytes_per_s"):
             value = getattr(self, name)
             if not _is_rate(value):
-                raise ValueError(f"PlanOptions.{name}={value!r} must be a finite number > 0")
+                raise ConfigError(f"PlanOptions.{name}={value!r} must be a finite number > 0")
 
 
 DEFAULT_OPTIONS = PlanOptions()
@@ -142,7 +139,7 @@ class Plan:
     def from_json(cls, text: str) -> Plan:
         data = json.loads(text)
         if data.pop("version", None) != _JSON_VERSION:
-            raise ValueError(f"Plan.from_json: expected version {_JSON_VERSION}")
+            raise ConfigError(f"Plan.from_json: expected version {_JSON_VERSION}")
         stages = tuple(
             StagePlan(**{**s, "layers": tuple(s["layers"]), "offloaded": tuple(s["offloaded"])})
             for s in data["stages"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from offload.errors import ConfigError
+
 NODE_BACKENDS = ("prefetch", "uva")
 
 
@@ -15,7 +17,7 @@ class GpuInfo:
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:
-            raise ValueError(f"GpuInfo.memory_bytes={self.memory_bytes} must be > 0")
+            raise ConfigError(f"GpuInfo.memory_bytes={self.memory_bytes} must be > 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,12 +37,12 @@ class NodeInfo:
 
     def __post_init__(self) -> None:
         if self.backend not in NODE_BACKENDS:
-            raise ValueError(
+            raise ConfigError(
                 f"NodeInfo({self.node_id}).backend={self.backend!r} must be one of "
                 f"{', '.join(NODE_BACKENDS)} (auto is resolved per node before planning)"
             )
         if self.host_budget_bytes < 0 or self.pinned_budget_bytes < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"NodeInfo({self.node_id}): host_budget_bytes and pinned_budget_bytes must be "
                 f">= 0, got {self.host_budget_bytes} and {self.pinned_budget_bytes}"
             )
@@ -61,7 +63,7 @@ class ClusterSnapshot:
     def __post_init__(self) -> None:
         ids = [n.node_id for n in self.nodes]
         if len(set(ids)) != len(ids):
-            raise ValueError(f"ClusterSnapshot: duplicate node ids in {ids}")
+            raise ConfigError(f"ClusterSnapshot: duplicate node ids in {ids}")
 
     @property
     def num_gpus(self) -> int:

@@ -20,10 +20,11 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from offload.errors import CheckpointError
 from worker.spec import TensorSlice, apply_view
 
 
-class WeightMapError(ValueError):
+class WeightMapError(CheckpointError):
     """A checkpoint tensor that does not fit the model; the message names it and the file."""
 
 

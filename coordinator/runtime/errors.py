@@ -1,11 +1,16 @@
-"""The runtime's errors: each message names what failed and what to change."""
+"""The runtime's errors: kinds of `offload.errors.LaunchError`, each message naming what failed
+and what to change."""
 
 from __future__ import annotations
 
+from offload.errors import LaunchError
 
-class LaunchError(RuntimeError):
-    """Starting, loading or running the workers failed; what was started has been released."""
+__all__ = ["ClusterUnreachableError", "LaunchError", "WorkerLostError"]
 
 
 class WorkerLostError(LaunchError):
     """A worker died (its process or its node) while the driver waited for it."""
+
+
+class ClusterUnreachableError(LaunchError, ConnectionError):
+    """The Ray cluster to join cannot be reached or refuses this client (its token)."""

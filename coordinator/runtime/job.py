@@ -36,6 +36,7 @@ from coordinator.runtime.probing import PROBE_TIMEOUT_S, probe_cluster
 from coordinator.runtime.request import RequestSteps
 from coordinator.runtime.session import RaySession, connect
 from coordinator.runtime.telemetry import MetricsExporter, collect
+from offload.errors import NeverFitsError
 from worker.wire import pack, unpack
 
 TELEMETRY_TIMEOUT_S = 60.0
@@ -97,7 +98,7 @@ class Job:
         inputs = check_inputs(input_ids, attention_mask, logits_to_keep,
                               self.index.config.get("vocab_size"))  # fmt: skip
         if context := beyond_context(self.index.config, inputs[0].shape[1]):
-            raise ValueError(f"{inputs[0].shape[1]} tokens per sequence exceed the model's "
+            raise NeverFitsError(f"{inputs[0].shape[1]} tokens per sequence exceed the model's "
                              f"context of {context}: pass shorter sequences")  # fmt: skip
         with self._gate.inside() as epoch:
             try:
@@ -185,7 +186,7 @@ class Job:
 
     def _require_open(self) -> None:
         if not self.workers:
-            raise RuntimeError("the job is closed")
+            raise LaunchError("the job is closed")
 
     def dead_stages(self) -> list[int]:
         """Stages whose worker is gone (its actor died or its node left), all pinged at once."""

@@ -8,6 +8,8 @@ import sys
 import threading
 from collections.abc import Callable
 
+from offload.errors import ConfigError
+
 # stop() waits this long for a tick in flight; the thread is a daemon either way.
 LOOP_JOIN_TIMEOUT_S = 5.0
 
@@ -19,7 +21,7 @@ class Loops:
     def every(self, name: str, interval_s: float, action: Callable[[], object]) -> None:
         """Run `action` every `interval_s` seconds, replacing the loop called `name`."""
         if interval_s <= 0:
-            raise ValueError(f"interval_s={interval_s} must be > 0")
+            raise ConfigError(f"interval_s={interval_s} must be > 0")
         self.stop(name)
         stop = threading.Event()
 

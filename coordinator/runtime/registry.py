@@ -16,13 +16,14 @@ from ray.util.placement_group import PlacementGroup
 
 from coordinator.config import JobConfig, job_config_from_dict
 from coordinator.runtime.group import NAMESPACE, Slot, WorkerGroup, WorkerHandle, remove_group
+from offload.errors import ConfigError, NotFoundError
 
 ATTACH_TIMEOUT_S = 60.0
 _RECORD_PREFIX = "load:"
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
 
 
-class LoadNotFoundError(LookupError):
+class LoadNotFoundError(NotFoundError):
     """No load of that name on the cluster."""
 
 
@@ -59,12 +60,12 @@ class LoadRecord:
 
 def check_name(name: str) -> None:
     if not name or ":" in name or "/" in name:
-        raise ValueError(f"load name {name!r} must be non-empty, without ':' or '/'")
+        raise ConfigError(f"load name {name!r} must be non-empty, without ':' or '/'")
     try:
         ray.get_actor(record_name(name), namespace=NAMESPACE)
     except ValueError:
         return
-    raise ValueError(f"a load named {name!r} already exists; unload it or choose another name")
+    raise ConfigError(f"a load named {name!r} already exists; unload it or choose another name")
 
 
 def _state(group: WorkerGroup) -> dict:

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from coordinator.planning.formats import format_bytes, layer_range
 from coordinator.planning.planner import StagePlan
 from coordinator.tables import render as render_table
+from offload.errors import LaunchError
 
 METRIC_PREFIX = "offload_"
 
@@ -275,7 +276,7 @@ def plot(reports: list[dict], path: str) -> None:
 
     gpus, nodes = gpu_rows(reports), node_rows(reports)
     if not gpus:
-        raise ValueError("no live worker to plot: every stage of the job is lost")
+        raise LaunchError("no live worker to plot: every stage of the job is lost")
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     _stacked(
         left,
