@@ -129,3 +129,25 @@ def test_measured_link_rates_reach_the_plan() -> None:
     assert "8.0 GB/s" in text and "32.0 GB/s" in text and "(default)" not in text
     slow, fast = plan_on(host_memory_bytes=None).stages  # host budgets do not bind
     assert slow.offloaded_bytes < fast.offloaded_bytes
+
+
+def test_a_simulated_coherent_node_plans_uva_and_a_typo_is_an_error() -> None:
+    """OFFLOAD_SIMULATED_GPU, set for a node without CUDA (here as a job override would set it),
+    makes the node plan as a GH200-class one: backend auto -> uva, and the reason says why; a
+    value that is not a kind is a ConfigError naming the variable, not a silent default."""
+    if probe_here()["probe"].cuda_available:
+        pytest.skip("the simulated kind is ignored where CUDA is present")
+    config = JobConfig(checkpoint="ckpt/", gpu_memory_bytes=1 << 20)
+    coherent = node_info(config, probe_here(env={"OFFLOAD_SIMULATED_GPU": "coherent"}),
+                         node_id="n0", num_gpus=1)  # fmt: skip
+    assert coherent.backend == "uva" and "simulated coherent GPU" in coherent.backend_reason
+    plain = node_info(config, probe_here(env={}), node_id="n0", num_gpus=1)
+    assert plain.backend == "prefetch"
+    forced = node_info(dataclasses.replace(config, backend="prefetch"),
+                       probe_here(env={"OFFLOAD_SIMULATED_GPU": "coherent"}), node_id="n0",
+                       num_gpus=1)  # fmt: skip
+    assert (forced.backend, forced.backend_reason) == ("prefetch", "backend=prefetch requested")
+    with pytest.raises(ConfigError, match=r"OFFLOAD_SIMULATED_GPU='gh200' is not a simulated GPU "
+                       r"kind; allowed: discrete, coherent"):  # fmt: skip
+        node_info(config, probe_here(env={"OFFLOAD_SIMULATED_GPU": "gh200"}), node_id="n0",
+                  num_gpus=1)  # fmt: skip

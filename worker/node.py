@@ -6,10 +6,13 @@ the job's environment for it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 
 from offload import decide_pinning, probe_node
+from offload.errors import ConfigError
+from offload.probe import simulated_gpu_kind
 
 
 def probe_here(planned_bytes: int = 0, env: dict[str, str] | None = None) -> dict:
@@ -18,8 +21,10 @@ def probe_here(planned_bytes: int = 0, env: dict[str, str] | None = None) -> dic
     probe = probe_node()
     try:
         environ = {**os.environ, **(env or {})}
+        if not probe.cuda_available:  # `env` may set it (a job override, in `offloadctl plan`)
+            probe = dataclasses.replace(probe, simulated_gpu=simulated_gpu_kind(environ))
         decision = decide_pinning(environ, probe, planned_bytes=planned_bytes).to_dict()
         error = None
-    except (ValueError, RuntimeError) as exc:
+    except ConfigError as exc:
         decision, error = None, str(exc)
     return {"hostname": socket.gethostname(), "probe": probe, "pin": decision, "error": error}
