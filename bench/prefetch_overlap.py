@@ -6,6 +6,8 @@ batch size, the median over repeats of:
   copy      - the same layers' bytes copied by the copy engine alone, nothing computed
   sync      - offloaded, each layer copied in just before it runs (prefetch_step=0)
   prefetch  - offloaded, layer i+k copied while layer i computes (prefetch_step=--step)
+  uva       - offloaded, read in place: zero-copy device views of the host arena (on the CPU,
+              plain views of it, so uva/resident there is the cost of the arena's layout alone)
 Overlap efficiency = (sync - prefetch) / min(copy, compute): 1.0 hides the smaller of the two
 completely, 0.0 hides nothing. Target on the CPU: >= 0.5 where copy <= compute.
 
@@ -33,7 +35,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from offload import OffloadConfig, PrefetchOffloader
+from offload import OffloadConfig, PrefetchOffloader, create_offloader
 from offload.arena import HostArena, TensorSpec
 from offload.copy_engine import make_copy_engine
 
@@ -112,6 +114,10 @@ def overlap_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
         offloaders[mode] = PrefetchOffloader(config, device=device, env={})
         offloaders[mode].wrap_modules(stacks[mode])
         offloaders[mode].post_init()
+    stacks["uva"] = make_stack(args.layers, args.hidden, device)
+    uva = create_offloader(OffloadConfig(backend="uva", layers=tuple(range(args.layers))),
+                           device=device, env={})  # fmt: skip
+    uva.wrap_modules(stacks["uva"])
     copy_fn, copy_close = copy_alone_fn(resident, device)
     rows = []
     try:
@@ -138,6 +144,8 @@ def overlap_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
                     "sync_ms": t["sync"] * 1e3,
                     "prefetch_ms": t["prefetch"] * 1e3,
                     "prefetch_over_resident": t["prefetch"] / t["resident"],
+                    "uva_ms": t["uva"] * 1e3,
+                    "uva_over_resident": t["uva"] / t["resident"],
                     "overlap_efficiency": (t["sync"] - t["prefetch"]) / hidden_s,
                     "copy_le_compute": t["copy"] <= t["resident"],
                     # The offloader's own counters: time the compute side waited for copies.
@@ -151,6 +159,7 @@ def overlap_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
         rows[-1]["prefetch_sync_loads"] = offloaders["prefetch"].stats().sync_loads
     finally:
         copy_close()
+        uva.detach()
         for offloader in offloaders.values():
             offloader.detach()
     return rows
@@ -262,13 +271,15 @@ def main(argv: list[str] | None = None) -> int:
             f"\n{key}: {args.layers} layers x {args.hidden}^2 fp32, all offloaded, step {args.step}"
         )
         print(f"{'batch':>6} {'resident':>9} {'copy':>8} {'sync':>8} {'prefetch':>9} "
-              f"{'pf/res':>7} {'overlap':>8} {'stall sync/prefetch':>20}")  # fmt: skip
+              f"{'pf/res':>7} {'overlap':>8} {'stall sync/prefetch':>20} {'uva':>9} "
+              f"{'uva/res':>7}")  # fmt: skip
         for r in result[key]:
             print(
                 f"{r['batch']:>6} {r['resident_ms']:>7.2f}ms {r['copy_ms']:>6.2f}ms "
                 f"{r['sync_ms']:>6.2f}ms {r['prefetch_ms']:>7.2f}ms "
                 f"{r['prefetch_over_resident']:>7.2f} {r['overlap_efficiency']:>8.2f} "
-                f"{r['sync_stall_ms']:>8.2f}/{r['prefetch_stall_ms']:.2f}ms"
+                f"{r['sync_stall_ms']:>8.2f}/{r['prefetch_stall_ms']:.2f}ms "
+                f"{r['uva_ms']:>7.2f}ms {r['uva_over_resident']:>7.2f}"
                 + ("" if r["copy_le_compute"] else "  (copy > compute)")
             )
     rss = result["cpu_rss"]

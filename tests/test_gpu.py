@@ -138,10 +138,12 @@ def test_worker_reconfigure_moves_layers_within_device_memory(tmp_path) -> None:
         worker.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "mixtral"])
-def test_bf16_stages_on_cuda_match_transformers_on_cuda(tmp_path, arch: str) -> None:
+@pytest.mark.parametrize(("arch", "backend"),
+                         [("llama", "prefetch"), ("mixtral", "prefetch"), ("llama", "uva")])
+def test_bf16_stages_on_cuda_match_transformers_on_cuda(tmp_path, arch: str, backend: str) -> None:
     """Two stages on the GPU, bf16 as published, one layer offloaded per stage (prefetch on a
-    side stream): the logits of transformers on the same GPU, to bf16 rounding."""
+    side stream, or uva: read in place from pinned host memory): the logits of transformers on
+    the same GPU, to bf16 rounding."""
     from transformers import AutoModelForCausalLM
 
     from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
@@ -159,10 +161,11 @@ def test_bf16_stages_on_cuda_match_transformers_on_cuda(tmp_path, arch: str) -> 
         spec = StageSpec(stage=stage, num_stages=2, checkpoint_dir=str(index.root),
                          config=index.config, dtype=index.dtype,
                          layers=tuple(x for x in index.layers if x.name in group),
-                         offloaded=tuple(n for n in group if n in ("layers.1", "layers.3")))  # fmt: skip
+                         offloaded=tuple(n for n in group if n in ("layers.1", "layers.3")),
+                         backend=backend)  # fmt: skip
         worker = StageWorker(spec, device="cuda")
         try:
-            worker.load()
+            assert worker.load()["backend"] == backend
             x = worker.forward(x)
         finally:
             worker.close()

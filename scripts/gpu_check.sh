@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one go, for a lent GPU machine (never needed by CI): the
+# `gpu`-marked tests, then the copy/compute overlap benchmark (prefetch on a side stream vs UVA
+# zero-copy vs resident) and the host-to-device bandwidths. Output goes to $OUT (default out/gpu)
+# as text and JSON, to be copied into bench/RESULTS.md.
+#   bash scripts/gpu_check.sh            # after `make .venv/.installed` (pip keeps a CUDA torch)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+PY=${PY:-.venv/bin/python}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+status=0
+timeout 300 "$PY" -m pytest -m gpu -v -rA tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.txt" || status=1
+timeout 240 "$PY" bench/prefetch_overlap.py --json "$OUT/overlap.json" 2>&1 | tee "$OUT/overlap.txt" || status=1
+exit $status
