@@ -115,6 +115,33 @@ def time_plans(repeats: int) -> list[dict]:
     return rows
 
 
+# -- what the backend changes in a plan ---------------------------------------------------------
+
+
+def backend_rows() -> list[dict]:
+    """A Llama-3-70B-shaped model (80 decoder layers of 1.63 GiB bf16, embedding and head of
+    1.96 GiB) on one 96 GB GPU (86 GiB planned, 4 GiB reserve), planned for the prefetch backend
+    (2 slots of the largest offloaded layer) and for uva (read in place, no slots), over a
+    GH200's NVLink-C2C (450 GB/s) and over PCIe 5 x16 (64 GB/s). Same layers, budgets and cost
+    model: the difference is only the slots."""
+    layers = synthetic_model(80, int(1.63 * GiB), int(1.96 * GiB))
+    rows = []
+    for link in (450e9, 64e9):
+        for backend in ("prefetch", "uva"):
+            cluster = ClusterSnapshot(nodes=(NodeInfo(
+                node_id="gpu", gpus=(GpuInfo(index=0, memory_bytes=86 * GiB),),
+                host_budget_bytes=400 * GiB, link_bytes_per_s=link, backend=backend),))  # fmt: skip
+            result = plan(layers, cluster, PlanOptions(prefetch_step=2, reserve_bytes=4 * GiB))
+            rows.append({
+                "link_bytes_per_s": link, "backend": backend,
+                "offloaded_bytes": sum(s.offloaded_bytes for s in result.stages),
+                "slot_bytes": sum(s.slot_bytes for s in result.stages),
+                "resident_bytes": sum(s.resident_bytes for s in result.stages),
+                "bottleneck_s": result.bottleneck_s,
+            })  # fmt: skip
+    return rows
+
+
 # -- plan quality against Accelerate --------------------------------------------------------------
 
 
@@ -321,6 +348,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['median_s'] * 1e3:>7.1f}ms {r['max_s'] * 1e3:>7.1f}ms {r['num_stages']:>6} "
             f"{format_bytes(r['offloaded_bytes']):>11} {format_seconds(r['bottleneck_s']):>11}"
         )
+
+    result["backends"] = backend_rows()
+    print("\nprefetch (2 slots) vs uva (none), Llama-70B shape on one 86 GiB GPU:")
+    print(f"{'link':>9} {'backend':<8} {'offloaded':>11} {'slots':>10} {'resident':>11} "
+          f"{'bottleneck':>11}")  # fmt: skip
+    for r in result["backends"]:
+        link = f"{r['link_bytes_per_s'] / 1e9:.0f} GB/s"
+        print(f"{link:>9} {r['backend']:<8} {format_bytes(r['offloaded_bytes']):>11} "
+              f"{format_bytes(r['slot_bytes']):>10} {format_bytes(r['resident_bytes']):>11} "
+              f"{format_seconds(r['bottleneck_s']):>11}")  # fmt: skip
 
     try:
         import accelerate  # noqa: F401
