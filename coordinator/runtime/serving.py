@@ -300,10 +300,14 @@ class OpenAIServer:
 
 def start(load_name: str, model_name: str, *, host: str, port: int,
           api_key: str | None) -> None:  # fmt: skip
-    """Serve the named load on host:port (returns once the app answers)."""
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(OpenAIServer.bind(load_name, model_name, api_key), name="offload-openai",
-              route_prefix="/", blocking=False)  # fmt: skip
+    """Serve the named load on host:port (returns once the app answers). The process's own
+    SIGINT and SIGTERM handlers are kept, whatever Serve's start installs."""
+    from coordinator.runtime.session import keeping_handlers
+
+    with keeping_handlers():
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(OpenAIServer.bind(load_name, model_name, api_key), name="offload-openai",
+                  route_prefix="/", blocking=False)  # fmt: skip
 
 
 def stop() -> None:

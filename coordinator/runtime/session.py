@@ -3,6 +3,7 @@ the CPU), or a bounded join of a running cluster that says why it failed."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -10,11 +11,13 @@ import socket
 import threading
 from dataclasses import dataclass
 
+import psutil
 import ray
 
 from coordinator.config import ConfigError, JobConfig
 
 CONNECT_TIMEOUT_S = 30.0  # a TCP connect to the head before ray.init, which retries for minutes
+STOP_TIMEOUT_S = 15.0  # an embedded Ray's processes, after ray.shutdown asked them to stop
 
 
 @dataclass(slots=True)
@@ -24,27 +27,105 @@ class RaySession:
     owned: bool
 
     def close(self) -> None:
-        if self.owned and ray.is_initialized():
-            ray.shutdown()
+        if self.owned:
+            release_embedded()
+            if ray.is_initialized():  # one the guard did not get to know
+                ray.shutdown()
+
+
+class EmbeddedGuard:
+    """The embedded Ray this process started, known by its session directory, which the command
+    line of each of its processes (GCS, raylet, dashboard, monitors) names; Ray's workers are
+    their children. `release` shuts it down and then makes sure that none of those processes is
+    left: each still running STOP_TIMEOUT_S after ray.shutdown is killed. RaySession.close
+    releases it, and so does an atexit hook, whatever ended the process's Python code (an
+    error, a signal, a handler of Ray's own that exits)."""
+
+    def __init__(self) -> None:
+        self.session_dir: str | None = None
+        self._hooked = False
+
+    def started(self) -> None:
+        self.session_dir = _session_dir()
+        if not self._hooked:
+            atexit.register(self.release)  # after Ray's own atexit hook is registered: runs first
+            self._hooked = True
+
+    def processes(self) -> list[psutil.Process]:
+        """This process's descendants that belong to the embedded Ray."""
+        if not self.session_dir:
+            return []
+        roots, found = [], {}
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if any(self.session_dir in arg for arg in child.cmdline()):
+                    roots.append(child)
+        for root in roots:
+            found[root.pid] = root
+            with contextlib.suppress(psutil.Error):
+                found.update((p.pid, p) for p in root.children(recursive=True))
+        return list(found.values())
+
+    def release(self) -> None:
+        if self.session_dir is None:
+            return
+        left = self.processes()  # before the shutdown: its workers are still the raylet's
+        try:
+            if ray.is_initialized() and _session_dir() == self.session_dir:
+                ray.shutdown()
+        finally:
+            self.session_dir = None
+            _, alive = psutil.wait_procs(left, timeout=STOP_TIMEOUT_S)
+            for process in alive:
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
+            psutil.wait_procs(alive, timeout=STOP_TIMEOUT_S)
+
+
+def _session_dir() -> str | None:
+    """The session directory of the Ray this process started or joined (None: none)."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    with contextlib.suppress(Exception):
+        return node.get_session_dir_path() if node is not None else None
+    return None
+
+
+_embedded = EmbeddedGuard()
+
+
+def release_embedded(unless: str | None = None) -> None:
+    """Stop the embedded Ray this process started, if one runs (see EmbeddedGuard), unless its
+    session directory is `unless` (one that an earlier caller started and still uses)."""
+    if _embedded.session_dir != unless:
+        _embedded.release()
+
+
+def embedded_session() -> str | None:
+    """The session directory of the embedded Ray this process started and runs, if any."""
+    return _embedded.session_dir
 
 
 def connect(config: JobConfig) -> RaySession:
     """Join the cluster at config.address / RAY_ADDRESS, or start an embedded one. The
-    process's own SIGTERM handler survives ray.init, which installs a handler of its own that
-    ends the process at once (the CLI's handler releases workers and placement groups first)."""
-    with _keeping_sigterm():
+    process's own SIGINT and SIGTERM handlers survive ray.init, which installs a SIGTERM
+    handler of its own that ends the process at once (the CLI's handlers release workers and
+    placement groups first)."""
+    with keeping_handlers():
         return _connect(config)
 
 
 @contextlib.contextmanager
-def _keeping_sigterm():
+def keeping_handlers():
+    """Put the process's own SIGINT and SIGTERM handlers back after the body (ray.init, Serve's
+    start), whatever handlers it installed."""
     main = threading.current_thread() is threading.main_thread()
-    handler = signal.getsignal(signal.SIGTERM) if main else None
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
     try:
         yield
     finally:
-        if callable(handler):
-            signal.signal(signal.SIGTERM, handler)
+        for signum, handler in saved.items():
+            if callable(handler):
+                signal.signal(signum, handler)
 
 
 def _connect(config: JobConfig) -> RaySession:
@@ -65,8 +146,11 @@ def _connect(config: JobConfig) -> RaySession:
     cpus = max(os.cpu_count() or 1, (config.gpus or 1) * config.cpus_per_worker)
     # address="local": always a new cluster. A bare ray.init() joins a Ray that another process
     # on this machine started (/tmp/ray/ray_current_cluster), then refuses num_cpus/num_gpus.
-    ray.init(address="local", num_cpus=cpus, num_gpus=num_gpus, include_dashboard=False,
-             log_to_driver=False, configure_logging=False)  # fmt: skip
+    try:
+        ray.init(address="local", num_cpus=cpus, num_gpus=num_gpus, include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)  # fmt: skip
+    finally:
+        _embedded.started()  # also when a signal interrupts ray.init: what it started is known
     return RaySession(owned=True)
 
 
