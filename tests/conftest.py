@@ -4,11 +4,21 @@ fails for a change, not for a draw; run without it, they explore new examples ea
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import warnings
 
 import pytest
 import torch
 from hypothesis import settings
+
+# Ray starts its workers at nice 15: beside anything else at nice 0 on a 2-core machine (another
+# suite, a pip install, `make test-busy`'s hogs) they got ~3% of a core, and every Ray test
+# crawled towards its timeouts. Every Ray the tests start (in-process, Cluster nodes, private
+# heads, offloadctl subprocesses: they inherit this environment) runs its workers at nice 0,
+# as the tests themselves run.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
@@ -21,3 +31,46 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+
+def _connected() -> bool:
+    ray = sys.modules.get("ray")  # not imported: nothing to release, and no import for it
+    return ray is not None and ray.is_initialized()
+
+
+def _ray_holdings() -> tuple[set[str], set[str]]:
+    """(named loads, placement groups not removed) of the Ray this process is connected to."""
+    from ray.util import placement_group_table
+
+    from coordinator.runtime import registry
+
+    groups = {pg_id for pg_id, g in placement_group_table().items() if g["state"] != "REMOVED"}
+    return set(registry.list_loads()), groups
+
+
+@pytest.fixture(autouse=True)
+def release_what_the_test_left():
+    """After each test, the named loads and placement groups it made and did not release (it
+    failed midway, say) are released, with a warning: one failure never leaves GPUs held for
+    later tests, which would then wait out their placement timeouts. What existed before the
+    test (a module's or a class's job: wider fixtures are set up before this one) stays."""
+    loads_before, groups_before = _ray_holdings() if _connected() else (set(), set())
+    yield
+    if not _connected():
+        return
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    from coordinator.runtime import registry
+
+    loads = sorted(_ray_holdings()[0] - loads_before)
+    for name in loads:
+        registry.forget(name)  # its workers, keeper, record and placement groups
+    groups = sorted(_ray_holdings()[1] - groups_before)
+    for pg_id in groups:  # also kills the actors in it (an unnamed job left open)
+        with contextlib.suppress(Exception):  # removed meanwhile: nothing held
+            remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
+    if loads or groups:
+        warnings.warn(f"left behind, now released: named loads {loads}, placement groups "
+                      f"{groups}", stacklevel=1)  # fmt: skip

@@ -62,6 +62,65 @@ def wait_gpus_free(expected: int, timeout_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+def kill_actor(actor, timeout_s: float = 60.0) -> None:
+    """ray.kill, then wait (bounded) until the actor is dead: ray.kill only asks, and the actor
+    may answer more calls meanwhile. A test that asserts on what a kill causes (a recovery, an
+    error) kills with this, so the work it races cannot finish first."""
+    import time
+
+    import ray
+
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        assert time.monotonic() < deadline, f"actor still alive {timeout_s} s after ray.kill"
+        time.sleep(0.1)
+
+
+def ray_session_processes(session_dir: str) -> list:
+    """Processes on this machine whose command line names Ray session `session_dir` (its GCS,
+    raylet, dashboard and monitors do)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if any(session_dir in arg for arg in process.info["cmdline"] or ()):
+            found.append(process)
+    return found
+
+
+def still_running(processes) -> list:
+    """Those of `processes` (psutil) that still run: neither ended nor a zombie."""
+    import psutil
+
+    running = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                running.append(process)
+        except psutil.Error:
+            pass
+    return running
+
+
+def session_dir_of(processes) -> str:
+    """The Ray session directory that the raylet among `processes` was started for."""
+    import re
+
+    for process in processes:
+        if process.name() == "raylet":
+            match = re.search(r"(/\S*?/session_[^/\s]+)", " ".join(process.cmdline()))
+            if match:
+                return match.group(1)
+    raise AssertionError(f"no raylet among {[p.name() for p in processes]}")
+
+
 def scrape_gauges(name: str, expected: dict[str, float], port: int, *, tag: str = "stage",
                   timeout_s: float = 30.0) -> dict[str, float]:  # fmt: skip
     """`tag` value -> value of Ray gauge `name` on this node's Prometheus endpoint at `port`, polled

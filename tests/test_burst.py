@@ -11,7 +11,7 @@ import time
 import pytest
 import ray
 import torch
-from helpers import wait_gpus_free
+from helpers import kill_actor, wait_gpus_free
 
 from coordinator.config import JobConfig
 from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
@@ -28,7 +28,9 @@ def one_stage_job(tmp_path_factory):
     checkpoint = str(make_checkpoint(tmp_path_factory.mktemp("burst") / "llama", CheckpointShape(
         num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
         vocab_size=128)))  # fmt: skip
-    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    # address="local": a new Ray, never one another process on this machine runs
+    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False,
+             log_to_driver=False)  # fmt: skip
     try:
         config = JobConfig(checkpoint=checkpoint, gpu_memory_bytes=8 * 2**20, max_batch=2,
                            max_seq_len=32)  # fmt: skip
@@ -73,7 +75,7 @@ def test_bursts_equal_transformers_and_survive_a_killed_worker(one_stage_job,
     def kill_mid_burst(tokens: torch.Tensor) -> None:
         streamed.append(tokens)
         if len(streamed) == BURST_STEPS // 2 + 2:  # inside the first burst
-            ray.kill(job.workers[0].actor, no_restart=True)
+            kill_actor(job.workers[0].actor)  # dead before the request takes another token
 
     out = job.generate(ids, mask, max_new_tokens=NEW_TOKENS, eos_token_id=None,
                        on_tokens=kill_mid_burst)  # fmt: skip

@@ -1,26 +1,47 @@
 """The job's gate: passes run at once, a change runs alone; a thread inside a pass can make a
 change (its own pass steps out), and two threads that both need one do not wait for each
-other."""
+other.
+
+"Nothing happened yet" is asserted only once the thread that must wait is known to wait: the
+gate's condition tells the test when a thread waits on it, so a slow machine cannot make the
+assertion pass early or fail (a thread that had not yet reached the gate)."""
 
 from __future__ import annotations
 
 import threading
-import time
 
 from coordinator.runtime.gate import Gate
 
 WAIT_S = 10.0
 
 
-def test_passes_run_at_once_and_a_change_waits_for_them() -> None:
+class SeenWaiting(threading.Condition):
+    """A condition that sets `waiting` whenever a thread waits on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return super().wait(timeout)
+
+
+def watched_gate() -> tuple[Gate, SeenWaiting]:
     gate = Gate()
-    both_inside = threading.Barrier(2, timeout=WAIT_S)
+    gate._cond = SeenWaiting()  # nothing waits on it yet
+    return gate, gate._cond
+
+
+def test_passes_run_at_once_and_a_change_waits_for_them() -> None:
+    gate, cond = watched_gate()
+    inside = threading.Barrier(3, timeout=WAIT_S)  # both passes and the test
     release = threading.Event()
     order: list[str] = []
 
     def a_pass() -> None:
         with gate.inside():
-            both_inside.wait()  # two passes inside at the same time, or this times out
+            inside.wait()  # two passes inside at the same time, or this times out
             release.wait(WAIT_S)
             order.append("pass")
 
@@ -31,14 +52,15 @@ def test_passes_run_at_once_and_a_change_waits_for_them() -> None:
     passes = [threading.Thread(target=a_pass) for _ in range(2)]
     for t in passes:
         t.start()
-    time.sleep(0.2)
+    inside.wait()  # both passes are inside, and stay until released
     change = threading.Thread(target=a_change)
     change.start()
-    time.sleep(0.2)
+    assert cond.waiting.wait(WAIT_S), "the change never waited"
     assert order == []  # the change waits for both passes
     release.set()
     for t in [*passes, change]:
         t.join(WAIT_S)
+        assert not t.is_alive()
     assert order == ["pass", "pass", "change"]
 
 
@@ -66,7 +88,7 @@ def test_two_passes_that_both_need_a_change_do_not_deadlock() -> None:
 
 
 def test_a_pass_waits_while_a_change_runs() -> None:
-    gate = Gate()
+    gate, cond = watched_gate()
     inside_change = threading.Event()
     finish = threading.Event()
     seen: list[str] = []
@@ -83,12 +105,13 @@ def test_a_pass_waits_while_a_change_runs() -> None:
 
     t1 = threading.Thread(target=change)
     t1.start()
-    inside_change.wait(WAIT_S)
+    assert inside_change.wait(WAIT_S)
     t2 = threading.Thread(target=a_pass)
     t2.start()
-    time.sleep(0.2)
+    assert cond.waiting.wait(WAIT_S), "the pass never waited"
     assert seen == []
     finish.set()
     t1.join(WAIT_S)
     t2.join(WAIT_S)
+    assert not t1.is_alive() and not t2.is_alive()
     assert seen == ["change done", "pass"]

@@ -7,13 +7,14 @@ import itertools
 import json
 import os
 import signal
+import sys
 import threading
 import time
 
 import pytest
 import ray
 import torch
-from helpers import assert_probe_decided_pin, scrape_gauges, wait_gpus_free
+from helpers import assert_probe_decided_pin, kill_actor, scrape_gauges, wait_gpus_free
 from ray_head import free_ports
 
 from coordinator.config import JobConfig
@@ -24,6 +25,7 @@ from coordinator.runtime import telemetry
 from coordinator.runtime.errors import LaunchError
 from coordinator.runtime.inputs import check_inputs
 from coordinator.runtime.job import launch
+from worker.worker import HOLD_ENV
 
 NUM_GPUS = 3
 
@@ -43,8 +45,9 @@ SHAPES = {
 @pytest.fixture(scope="module")
 def embedded_ray():
     """One embedded Ray for the module: jobs on it leave it running (they did not start it)."""
-    ray.init(num_cpus=4, num_gpus=NUM_GPUS, include_dashboard=False, log_to_driver=False,
-             _metrics_export_port=METRICS_PORT,
+    # address="local": a new Ray, never one another process on this machine runs
+    ray.init(address="local", num_cpus=4, num_gpus=NUM_GPUS, include_dashboard=False,
+             log_to_driver=False, _metrics_export_port=METRICS_PORT,
              _system_config={"metrics_report_interval_ms": 500})  # fmt: skip
     yield
     ray.shutdown()
@@ -230,7 +233,7 @@ def test_a_replacement_never_reads_a_rewritten_checkpoint(embedded_ray, checkpoi
         job.forward(ids)
         for shard in other.glob("*.safetensors"):
             shutil.copyfile(shard, root / shard.name)
-        ray.kill(job.workers[1].actor, no_restart=True)
+        kill_actor(job.workers[1].actor)  # dead before the forward: it must recover
         with pytest.raises(LaunchError, match=r"model-\d+-of-\d+.safetensors: the checkpoint "
                            r"file changed since the job indexed it"):  # fmt: skip
             job.forward(ids)
@@ -238,32 +241,66 @@ def test_a_replacement_never_reads_a_rewritten_checkpoint(embedded_ray, checkpoi
     wait_gpus_free(NUM_GPUS)
 
 
+def held_load_config(tmp_path) -> str:
+    """A job file whose workers hold their load at the first chunk until a file appears that
+    no one creates (worker.worker.HOLD_ENV): a load that is certainly under way."""
+    job = tmp_path / "held.yaml"
+    job.write_text(f"overrides:\n  - match: {{hostname: '*'}}\n"
+                   f"    env: {{{HOLD_ENV}: '{tmp_path / 'never'}'}}\n")  # fmt: skip
+    return str(job)
+
+
+def waiting_for_chunks(thread_id: int) -> bool:
+    """Whether thread `thread_id` is in `load_workers`, inside `ray.wait` (for the chunks)."""
+    frame = sys._current_frames().get(thread_id)
+    stack = []
+    while frame is not None:
+        stack.append((frame.f_code.co_name, frame.f_code.co_filename))
+        frame = frame.f_back
+    return (bool(stack) and stack[0][0] == "wait" and f"{os.sep}ray{os.sep}" in stack[0][1]
+            and any(name == "load_workers" for name, _ in stack))  # fmt: skip
+
+
 @pytest.mark.parametrize(("signum", "code", "word", "name"),
                          [(signal.SIGTERM, 143, "terminated", None),
                           (signal.SIGINT, 130, "interrupted", "ctrl-c")])  # fmt: skip
 def test_a_signal_mid_load_stops_the_command_and_releases_everything(
-    embedded_ray, checkpoints, monkeypatch, capsys, signum, code, word, name
+    embedded_ray, checkpoints, capsys, tmp_path, signum, code, word, name
 ) -> None:  # fmt: skip
-    """Ctrl-C or SIGTERM while workers load: the command ends within 10 s with 130 / 143, one
-    line after the progress bar (no traceback), and every GPU it took is free again; a named
-    load interrupted so leaves no record, keeper or placement group behind."""
+    """Ctrl-C or SIGTERM while workers load (held at their first chunk, so the load cannot
+    finish first), sent while the command waits on Ray for the chunks (Ray's waits let only a
+    KeyboardInterrupt through at once: a SIGTERM raised as anything else waited for the whole
+    load): the command ends within 10 s with 130 / 143, one line after the progress bar (no
+    traceback), and every GPU it took is free again; a named load interrupted so leaves no
+    record, keeper or placement group behind."""
     import coordinator.cli as cli
     from coordinator.runtime import registry
 
+    main_thread = threading.get_ident()
     sent: list[float] = []
-    real_progress = cli._progress
 
-    def progress(done: int, total: int) -> None:
-        real_progress(done, total)
-        if not sent:
-            sent.append(time.monotonic())
-            os.kill(os.getpid(), signum)
+    def send() -> None:
+        deadline = time.monotonic() + 120
+        while not waiting_for_chunks(main_thread):
+            if time.monotonic() > deadline:
+                return  # the command's result says what went wrong
+            time.sleep(0.05)
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signum)
 
-    monkeypatch.setattr(cli, "_progress", progress)
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
     budget = budget_forcing_offload(checkpoints["llama"])
-    argv = ["load", "--checkpoint", checkpoints["llama"], "--gpu-memory", str(budget)]
-    assert cli.main(argv + (["--name", name] if name else [])) == code
-    assert time.monotonic() - sent[0] < 10
+    argv = ["load", "--checkpoint", checkpoints["llama"], "--gpu-memory", str(budget),
+            "--config", held_load_config(tmp_path)]  # fmt: skip
+    # SIGINT ignored, as a shell script's background job inherits it (Python then installs no
+    # handler): the command takes Ctrl-C all the same.
+    inherited = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert cli.main(argv + (["--name", name] if name else [])) == code
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+    assert sent and time.monotonic() - sent[0] < 10
     err = capsys.readouterr().err
     assert f"]\n{word}: every worker and Ray this command started was released" in err
     assert "Traceback" not in err
@@ -419,8 +456,8 @@ def test_generate_through_ray_equals_transformers_and_survives_a_lost_worker(
             streamed.append(tokens)
             if len(streamed) == 1:
                 during.append(job.telemetry())
-            if len(streamed) == 3:
-                ray.kill(job.workers[1].actor, no_restart=True)
+            if len(streamed) == 3:  # dead before the next step: the request must recover
+                kill_actor(job.workers[1].actor)
 
         out = job.generate(ids, mask, max_new_tokens=10, do_sample=False,
                            on_tokens=kill_after_three)  # fmt: skip
@@ -451,7 +488,7 @@ def test_generate_through_ray_equals_transformers_and_survives_a_lost_worker(
             def kill_once(tokens: torch.Tensor) -> None:
                 if not seen.is_set():
                     seen.set()
-                    ray.kill(job.workers[0].actor, no_restart=True)
+                    kill_actor(job.workers[0].actor)  # dead before these requests end
 
             return job.generate(*row, max_new_tokens=6, do_sample=False, on_tokens=kill_once)
 

@@ -1,7 +1,8 @@
 """`offloadctl serve` as users run it: a real server process on an embedded Ray, called with the
 official `openai` client. Completions (plain, streamed, chat) equal transformers' greedy
 `generate` decoded with the same tokenizer; a wrong key is 401, bad requests 400 with a
-message; a client that leaves mid-stream frees what its request held; Ctrl-C stops it all."""
+message; a client that leaves mid-stream frees what its request held; SIGTERM stops it all,
+its embedded Ray included."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
+from helpers import ray_session_processes, session_dir_of, still_running
 from ray_head import free_ports
 
 from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
@@ -48,11 +51,26 @@ def post(url: str, body: bytes, key: str) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
+@dataclass
+class Served:
+    base: str  # the API's base URL
+    key: str
+    checkpoint: str
+    proc: subprocess.Popen
+    log_path: Path
+    spawned: list[psutil.Process]  # the processes the command had started once it served
+    session: str  # its embedded Ray's session directory
+
+    def log(self) -> str:
+        return self.log_path.read_text()[-3000:]
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """A served checkpoint: (base url, key, checkpoint dir); stopped with Ctrl-C at the end. One
-    GPU, so one stage: its worker runs the decode steps in bursts (stop strings and clients
-    that leave end a burst midway)."""
+def served(tmp_path_factory):
+    """`offloadctl serve` of a tiny checkpoint on its own embedded Ray. One GPU, so one stage:
+    its worker runs the decode steps in bursts (stop strings and clients that leave end a burst
+    midway). The module's last test stops it; if a test fails before, it is stopped here
+    (SIGTERM, then its whole process group killed), so nothing outlives the module."""
     root = tmp_path_factory.mktemp("serve") / "tiny-llama"
     checkpoint = str(make_checkpoint(root, CheckpointShape(
         num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
@@ -60,7 +78,8 @@ def server(tmp_path_factory):
     port, key = free_ports(1)[0], secrets.token_hex(16)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["OFFLOAD_API_KEY"] = key
-    log = open(root.parent / "serve.log", "w+")  # noqa: SIM115 - closed in finally
+    log_path = root.parent / "serve.log"
+    log = open(log_path, "w")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(
         [OFFLOADCTL, "serve", "--checkpoint", checkpoint, "--gpus", "1", "--gpu-memory", "8MiB",
          "--port", str(port), "--max-seq-len", "64", "--max-batch", "2"],
@@ -70,7 +89,7 @@ def server(tmp_path_factory):
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
-            assert proc.poll() is None, f"server exited: {log.seek(0) or log.read()[-3000:]}"
+            assert proc.poll() is None, f"server exited: {log_path.read_text()[-3000:]}"
             try:
                 request = urllib.request.Request(f"{base}/models",
                                                  headers={"Authorization": f"Bearer {key}"})  # fmt: skip
@@ -79,21 +98,25 @@ def server(tmp_path_factory):
                         break
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
-            assert time.monotonic() < deadline, f"not up: {log.seek(0) or log.read()[-3000:]}"
+            assert time.monotonic() < deadline, f"not up: {log_path.read_text()[-3000:]}"
             time.sleep(1)
         spawned = psutil.Process(proc.pid).children(recursive=True)
-        yield base, key, checkpoint
-        proc.send_signal(signal.SIGINT)  # Ctrl-C: stops within the bound, releases everything
-        assert proc.wait(timeout=STOP_TIMEOUT_S) == 130
-        _, alive = psutil.wait_procs([p for p in spawned if p.is_running()], timeout=30)
-        assert not alive, f"left running: {[p.name() for p in alive]}"
-        log.seek(0)
-        assert "Traceback" not in log.read()
+        yield Served(base, key, checkpoint, proc, log_path, spawned, session_dir_of(spawned))
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # only this test's own process group
-            proc.wait(timeout=STOP_TIMEOUT_S)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # only this test's own process group
+                proc.wait(timeout=STOP_TIMEOUT_S)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(served) -> tuple[str, str, str]:
+    """(base url, key, checkpoint dir) of the served checkpoint."""
+    return served.base, served.key, served.checkpoint
 
 
 def test_openai_client_gets_transformers_greedy_text(server) -> None:
@@ -215,3 +238,20 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server) -> None:
         assert time.monotonic() < deadline, "the dropped stream kept its KV sequence"
         time.sleep(0.5)
     assert len(results) == 2 and set(results) <= {"stop", "length"}
+
+
+def test_sigterm_stops_the_server_and_its_embedded_ray(served) -> None:
+    """Last in this module: SIGTERM (a service manager's stop) ends the server with 143 within
+    the bound, one line and no traceback, and no process of its embedded Ray is left: neither
+    one whose command line names its session directory (GCS, raylet, dashboard, monitors) nor
+    any process the command had spawned (Serve's controller, proxy and replica, the worker)."""
+    assert {"gcs_server", "raylet"} <= {p.name() for p in served.spawned}
+    served.proc.send_signal(signal.SIGTERM)
+    assert served.proc.wait(timeout=STOP_TIMEOUT_S) == 143, served.log()
+    log = served.log()
+    assert "terminated: every worker and Ray this command started was released" in log, log
+    assert "Traceback" not in log, log
+    deadline = time.monotonic() + 10  # reaped: the command waited for each of them to end
+    while left := ray_session_processes(served.session) + still_running(served.spawned):
+        assert time.monotonic() < deadline, f"left running: {[p.name() for p in left]}"
+        time.sleep(0.2)

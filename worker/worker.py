@@ -33,10 +33,20 @@ from worker.stage import Stage
 from worker.wire import Packed, pack, unpack
 
 LOAD_CHUNK_BYTES = 64 * 2**20  # progress granularity
+# Tests only: a file path; every chunk waits until that file exists (at most HOLD_MAX_S), so a
+# test can act while a load is certainly under way (a signal, a kill) instead of racing it.
+HOLD_ENV = "OFFLOAD_TEST_HOLD_LOAD"
+HOLD_MAX_S = 60.0
 
 
 class WorkerError(LaunchError):
     """A worker could not load or run its stage; the message says which stage and why."""
+
+
+def _held(path: str | None) -> None:
+    deadline = time.monotonic() + HOLD_MAX_S
+    while path and not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 class StageWorker:
@@ -186,6 +196,7 @@ class StageWorker:
         placement = self._placement
         if self._chunks[index][0] in placement.loaded:
             return 0
+        _held(os.environ.get(HOLD_ENV))
         start = time.perf_counter()
         before = self._reader.stats.bytes_read
         try:
