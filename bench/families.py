@@ -153,9 +153,9 @@ def run_job(checkpoint: str, budget: int, ids: torch.Tensor) -> dict:
             "offloaded_bytes": sum(s.offloaded_bytes for s in stages),
             "plan_summary": job.plan.summary(),
             "launch_wall_s": launch_wall_s,
-            "load_s": [r["load_s"] for r in job.load_reports],
-            "init_s": [r["init_s"] for r in job.load_reports],
-            "bytes_read": [r["bytes_read"] for r in job.load_reports],
+            "load_s": [r.load_s for r in job.load_reports],
+            "init_s": [r.init_s for r in job.load_reports],
+            "bytes_read": [r.bytes_read for r in job.load_reports],
             "logits": logits,
         }
     wait_gpus_released(NUM_GPUS)

@@ -128,7 +128,7 @@ def theirs(model, ids: torch.Tensor, new_tokens: int) -> tuple[dict, torch.Tenso
 
 
 def worker_steps(job) -> list[tuple[float, int]]:
-    return [(r["forward_s"], r["forwards"]) for r in job.telemetry()]
+    return [(r.forward_s, r.forwards) for r in job.telemetry()]
 
 
 def ray_call_s(job, count: int = PINGS) -> float:

@@ -149,8 +149,8 @@ def run_job(config: JobConfig, index: CheckpointIndex) -> dict:
     with launch(config, progress=lambda done, total: ticks.append(time.perf_counter())) as job:
         wall_s = time.perf_counter() - start
         time.sleep(SETTLE_S)  # let the copy thread fill the first prefetch slots
-        later = {r["stage"]: r for r in job.telemetry()}
-        reports = {r["stage"]: r for r in job.load_reports}
+        later = {r.stage: r for r in job.telemetry()}
+        reports = {r.stage: r for r in job.load_reports}
         workers = []
         for stage in job.plan.stages:
             report = reports[stage.stage]
@@ -164,14 +164,14 @@ def run_job(config: JobConfig, index: CheckpointIndex) -> dict:
                     "resident_bytes": stage.resident_bytes,
                     "offloaded_bytes": stage.offloaded_bytes,
                     "slot_bytes": stage.slot_bytes,
-                    "bytes_read": report["bytes_read"],
-                    "load_s": report["load_s"],
-                    "host_rss_bytes": report["host_rss_bytes"],
-                    "host_peak_rss_bytes": report["host_peak_rss_bytes"],
-                    "host_peak_rss_settled_bytes": later[stage.stage]["host_peak_rss_bytes"],
-                    "backend": report["backend"],
-                    "device_used_bytes": report["device_used_bytes"],
-                    "stats": report["stats"],
+                    "bytes_read": report.bytes_read,
+                    "load_s": report.load_s,
+                    "host_rss_bytes": report.host_rss_bytes,
+                    "host_peak_rss_bytes": report.host_peak_rss_bytes,
+                    "host_peak_rss_settled_bytes": later[stage.stage].host_peak_rss_bytes,
+                    "backend": report.backend,
+                    "device_used_bytes": report.device_used_bytes,
+                    "stats": report.stats.to_dict(),
                 }
             )
     wait_gpus_released(config.gpus)

@@ -80,7 +80,7 @@ def run(cluster, nodes, config, ids, expected, total) -> dict:
     job = launch(config)
     try:
         assert torch.equal(job.forward(ids), expected)
-        before = {r["pid"]: r["bytes_read"] for r in job.telemetry()}
+        before = {r.pid: r.bytes_read for r in job.telemetry()}
         stages_before = len(job.plan.stages)
         cluster.remove_node(nodes[job.workers[1].node_id])
         start = time.perf_counter()
@@ -88,8 +88,8 @@ def run(cluster, nodes, config, ids, expected, total) -> dict:
         recovery_s = time.perf_counter() - start
         assert torch.equal(logits, expected), "logits differ after recovery"
         after = job.telemetry()
-        reread = sum(r["bytes_read"] - before.get(r["pid"], 0) for r in after)
-        offloaded = sum(r["stats"]["offloaded_bytes"] for r in after)
+        reread = sum(r.bytes_read - before.get(r.pid, 0) for r in after)
+        offloaded = sum(r.stats.offloaded_bytes for r in after)
         event = job.events[-1]
         stages_after = len(job.plan.stages)
     finally:
@@ -99,8 +99,8 @@ def run(cluster, nodes, config, ids, expected, total) -> dict:
         assert torch.equal(fresh.forward(ids), expected)
         relaunch_s = time.perf_counter() - start
         fresh_reports = fresh.telemetry()
-        relaunch_read = sum(r["bytes_read"] for r in fresh_reports)
-        relaunch_load_s = max(r["load_s"] for r in fresh_reports)
+        relaunch_read = sum(r.bytes_read for r in fresh_reports)
+        relaunch_load_s = max(r.load_s for r in fresh_reports)
     return {
         "stages": f"{stages_before} -> {stages_after}",
         "event": event,

@@ -8,9 +8,14 @@ import argparse
 import hashlib
 import sys
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from coordinator.config import JobConfig
 from offload.errors import ConfigError, NeverFitsError
+
+if TYPE_CHECKING:
+    from worker.snapshot import StageSnapshot
 
 EXIT_MISMATCH = 1  # the check found logits unequal to transformers' (or a config problem)
 RANDOM_INPUT = {"batch": 2, "seq_len": 16, "seed": 0}  # `run`'s input without --input-ids
@@ -134,18 +139,17 @@ def _check(job, config: JobConfig, ids, logits) -> int:
     return EXIT_MISMATCH
 
 
-def _stage_table(reports: list[dict]) -> str:
+def _stage_table(reports: Sequence[StageSnapshot]) -> str:
     from coordinator.planning.formats import format_bytes, layer_range
 
     rows = [("stage", "host", "gpu", "device", "layers", "resident", "offloaded", "pin",
              "decided by")]  # fmt: skip
     for r in reports:
-        pin = r["pin"] or {"pin": False, "reason": "", "source": ""}
         rows.append((
-            str(r["stage"]), r["hostname"], r.get("gpu") or "-", r["device"],
-            layer_range(r["layers"]), format_bytes(r["stats"].get("resident_bytes", 0)),
-            f"{format_bytes(r['stats'].get('offloaded_bytes', 0))} ({len(r['offloaded'])})",
-            "on" if pin["pin"] else "off", f"{r['pin_origin']}: {pin['source']}: {pin['reason']}",
+            str(r.stage), r.hostname, r.gpu or "-", r.device,
+            layer_range(r.layers), format_bytes(r.stats.resident_bytes),
+            f"{format_bytes(r.stats.offloaded_bytes)} ({len(r.offloaded)})",
+            "on" if r.pin.pin else "off", f"{r.pin_origin}: {r.pin.source}: {r.pin.reason}",
         ))  # fmt: skip
     from coordinator.tables import render
 

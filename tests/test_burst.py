@@ -55,7 +55,7 @@ def test_bursts_equal_transformers_and_survive_a_killed_worker(one_stage_job,
     ids, mask = batch()
     expected = reference_generate(checkpoint, ids, attention_mask=mask, num_threads=1,
                                   max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)  # fmt: skip
-    calls_before = job.telemetry()[0]["forwards"]
+    calls_before = job.telemetry()[0].forwards
     bursts = []
     real_burst = request_module.RequestSteps._burst
 
@@ -68,7 +68,7 @@ def test_bursts_equal_transformers_and_survive_a_killed_worker(one_stage_job,
         out = job.generate(ids, mask, max_new_tokens=NEW_TOKENS, eos_token_id=None)
     assert torch.equal(out, expected)
     assert bursts == [NEW_TOKENS - 1 - i * BURST_STEPS for i in range(3)]  # 8 + 8 + 2 steps
-    assert job.telemetry()[0]["forwards"] - calls_before == NEW_TOKENS  # a forward per token
+    assert job.telemetry()[0].forwards - calls_before == NEW_TOKENS  # a forward per token
 
     streamed: list[torch.Tensor] = []
 
@@ -81,7 +81,7 @@ def test_bursts_equal_transformers_and_survive_a_killed_worker(one_stage_job,
                        on_tokens=kill_mid_burst)  # fmt: skip
     assert torch.equal(out, expected) and [e["event"] for e in job.events] == ["replaced workers"]
     assert torch.equal(torch.stack(streamed, 1), expected[:, ids.shape[1] :])
-    assert job.telemetry()[0]["requests"] == 0
+    assert job.telemetry()[0].requests == 0
 
 
 def test_seeded_sampling_and_cancelling_mid_burst(one_stage_job, monkeypatch) -> None:
@@ -100,7 +100,7 @@ def test_seeded_sampling_and_cancelling_mid_burst(one_stage_job, monkeypatch) ->
                        cancelled=lambda: len(seen) >= 3)  # fmt: skip
     assert out.shape[1] == ids.shape[1] + 3 and torch.equal(out, bursts[:, : ids.shape[1] + 3])
     report = job.telemetry()[0]
-    assert report["requests"] == 0 and report["kv_cache_bytes"] == 0
+    assert report.requests == 0 and report.kv_cache_bytes == 0
     assert torch.equal(job.generate(ids, mask, **options), bursts)  # the worker is free again
 
 
@@ -132,7 +132,7 @@ def test_a_burst_that_outlasts_forward_timeout_is_a_timeout_error(one_stage_job,
                 job.generate(ids, mask, max_new_tokens=4)
             assert time.monotonic() - start < 10  # its end_request was not held back
     report = job.telemetry()[0]
-    assert report["requests"] == 0 and report["kv_cache_bytes"] == 0
+    assert report.requests == 0 and report.kv_cache_bytes == 0
 
 
 def test_a_forward_past_the_context_is_refused(one_stage_job) -> None:

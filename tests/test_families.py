@@ -114,10 +114,10 @@ def test_family_matches_transformers(checkpoints, family: str, dtype: str) -> No
     assert torch.equal(last, reference(index, ids, logits_to_keep=1))
     # The stages held what the plan said, and read exactly their layers' bytes.
     for report, stage in zip(reports, pipeline.plan.stages, strict=True):
-        assert report["offloaded"] == list(stage.offloaded)
+        assert report.offloaded == stage.offloaded
         share = sum(x.file_bytes for x in index.layers if x.name in stage.layers)
-        assert report["bytes_read"] == share
-    offloaded = sum(r["stats"].get("offloaded_bytes", 0) for r in reports)
+        assert report.bytes_read == share
+    offloaded = sum(r.stats.offloaded_bytes for r in reports)
     planned = sum(s.offloaded_bytes for s in pipeline.plan.stages)
     assert offloaded == planned > 0
 

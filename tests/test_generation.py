@@ -75,7 +75,7 @@ def test_greedy_equals_transformers_generate(indexes, family: str, dtype: str) -
                                   max_new_tokens=12, do_sample=False)  # fmt: skip
     assert torch.equal(ours, expected), (ours, expected)
     assert ours.shape[1] > ids.shape[1] + 4  # past every sliding window (4)
-    assert all(r["requests"] == 0 and r["kv_cache_bytes"] == 0 for r in kv_after)
+    assert all(r.requests == 0 and r.kv_cache_bytes == 0 for r in kv_after)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "mistral"])
@@ -230,7 +230,7 @@ def test_bursts_on_the_worker_equal_transformers_generate(indexes, family: str, 
     finally:
         pipeline.close()
     assert torch.equal(ours, expected), (ours, expected)
-    assert bursts >= 3 and report["requests"] == 0
+    assert bursts >= 3 and report.requests == 0
 
 
 def test_seeded_sampling_in_bursts_equals_step_by_step(indexes) -> None:

@@ -132,7 +132,7 @@ def test_worker_reconfigure_moves_layers_within_device_memory(tmp_path) -> None:
         decoder = max(x.nbytes for x in index.layers if x.kind == "decoder")
         # three more layers in host memory; one prefetch slot was there before and stays
         assert used_before - torch.cuda.memory_allocated() >= 3 * decoder * 0.99
-        assert report["stats"]["offloaded_bytes"] == 4 * decoder
+        assert report.stats.offloaded_bytes == 4 * decoder
         assert torch.equal(worker.forward(ids), before)
     finally:
         worker.close()
@@ -165,7 +165,7 @@ def test_bf16_stages_on_cuda_match_transformers_on_cuda(tmp_path, arch: str, bac
                          backend=backend)  # fmt: skip
         worker = StageWorker(spec, device="cuda")
         try:
-            assert worker.load()["backend"] == backend
+            assert worker.load().backend == backend
             x = worker.forward(x)
         finally:
             worker.close()

@@ -65,38 +65,38 @@ def test_pin_decisions_follow_precedence_and_output_matches(cluster, tmp_path) -
         assert len(stages) == 4
         ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(2))
         logits = job.forward(ids)
-        reports = {r["stage"]: r for r in job.telemetry()}
+        reports = {r.stage: r for r in job.telemetry()}
         labels = {n["NodeID"]: n["Labels"] for n in ray.nodes()}
         by_pool = {labels[s.node_id]["pool"]: reports[s.stage] for s in job.plan.stages}
     assert set(by_pool) == {"plain", "env-off", "labelled", "override"}
     plain, env_off, override = by_pool["plain"], by_pool["env-off"], by_pool["override"]
     labelled = by_pool["labelled"]
-    assert (labelled["pin"]["source"], labelled["pin_origin"]) == (
+    assert (labelled.pin.source, labelled.pin_origin) == (
         "OFFLOAD_PIN_MEMORY",
         "node label",
     )
-    assert labelled["pin"]["reason"].startswith("OFFLOAD_PIN_MEMORY=off")
-    assert plain["pin_origin"] == "probe"
-    assert_probe_decided_pin(plain["device"], plain["pin"])  # "cpu", or on a GPU host "cuda"
-    assert (env_off["pin"]["source"], env_off["pin_origin"]) == (
+    assert labelled.pin.reason.startswith("OFFLOAD_PIN_MEMORY=off")
+    assert plain.pin_origin == "probe"
+    assert_probe_decided_pin(plain.device, plain.pin.to_dict())  # "cpu", or on a GPU host "cuda"
+    assert (env_off.pin.source, env_off.pin_origin) == (
         "OFFLOAD_PIN_MEMORY",
         "node environment",
     )
-    assert env_off["pin"]["reason"].startswith("OFFLOAD_PIN_MEMORY=off")
-    assert (override["pin"]["source"], override["pin_origin"]) == (
+    assert env_off.pin.reason.startswith("OFFLOAD_PIN_MEMORY=off")
+    assert (override.pin.source, override.pin_origin) == (
         "OFFLOAD_PIN_MEMORY",
         "job override",
     )
-    assert override["pin"]["reason"].startswith("OFFLOAD_PIN_MEMORY=0")
+    assert override.pin.reason.startswith("OFFLOAD_PIN_MEMORY=0")
     # backend auto per node: uva where the probe says coherent memory, prefetch elsewhere; the
     # plan gives the uva stage no prefetch slots (the uva job itself: test_pipeline).
     backends = {pool: s.backend for s in stages for pool, r in by_pool.items()
-                if r["stage"] == s.stage}  # fmt: skip
-    if override["device"] == "cpu":  # with CUDA present the simulated kind is ignored
+                if r.stage == s.stage}  # fmt: skip
+    if override.device == "cpu":  # with CUDA present the simulated kind is ignored
         assert backends == {"plain": "prefetch", "env-off": "prefetch", "labelled": "prefetch",
                             "override": "uva"}  # fmt: skip
         assert [s.slot_bytes for s in stages if s.backend == "uva"] == [0]
         [uva] = [s for s in stages if s.backend == "uva"]
         assert "simulated coherent GPU" in uva.backend_reason
-    assert not any(r["pin"]["pin"] for pool, r in by_pool.items() if pool != "plain")
+    assert not any(r.pin.pin for pool, r in by_pool.items() if pool != "plain")
     assert torch.equal(logits, reference_logits(checkpoint, ids, num_threads=1))

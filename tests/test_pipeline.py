@@ -84,12 +84,12 @@ def test_pipeline_matches_transformers(embedded_ray, checkpoints, arch: str) -> 
         mask[1, :4] = 0  # row 1 left-padded
         last = job.forward(ids, mask, logits_to_keep=1)
         reports = job.export_metrics()
-        expected_gauges = {str(r["stage"]): float(r["stats"]["offloaded_bytes"]) for r in reports}
+        expected_gauges = {str(r.stage): float(r.stats.offloaded_bytes) for r in reports}
         scraped = scrape_gauges("offload_offloaded_weight_bytes", expected_gauges, METRICS_PORT)
         # Periodic export picks up what changes: the copies of one more forward.
         job.export_metrics_every(0.3)
         job.forward(ids)
-        copies = {str(r["stage"]): float(r["stats"]["copies"]) for r in job.telemetry()}
+        copies = {str(r.stage): float(r.stats.copies) for r in job.telemetry()}
         assert scrape_gauges("offload_copies", copies, METRICS_PORT) == copies
         # Bad input is refused in the driver, by name, and leaves the job usable.
         with pytest.raises(ValueError, match="out of the vocabulary"):
@@ -113,12 +113,12 @@ def test_pipeline_matches_transformers(embedded_ray, checkpoints, arch: str) -> 
     for report, stage in zip(reports, job.plan.stages, strict=True):
         share = sum(layer.file_bytes for layer in load_index(checkpoint).layers
                     if layer.name in stage.layers)  # fmt: skip
-        assert report["bytes_read"] == share  # each worker read exactly its own tensors
-        assert report["offloaded"] == list(stage.offloaded)
+        assert report.bytes_read == share  # each worker read exactly its own tensors
+        assert report.offloaded == stage.offloaded
         if stage.offloaded:
-            assert report["stats"]["offloaded_bytes"] > 0 and report["stats"]["copies"] > 0
-        assert report["device_used_bytes"] <= config.gpu_memory_bytes
-        assert_probe_decided_pin(report["device"], report["pin"])
+            assert report.stats.offloaded_bytes > 0 and report.stats.copies > 0
+        assert report.device_used_bytes <= config.gpu_memory_bytes
+        assert_probe_decided_pin(report.device, report.pin.to_dict())
     wait_gpus_free(NUM_GPUS)
 
 
@@ -211,7 +211,7 @@ def test_a_worker_killed_while_loading_is_replaced(embedded_ray, checkpoints) ->
             index = load_index(checkpoint)
             for report, stage in zip(reports, job.plan.stages, strict=True):
                 share = sum(x.file_bytes for x in index.layers if x.name in stage.layers)
-                assert report["bytes_read"] == share  # nothing read twice, by anyone
+                assert report.bytes_read == share  # nothing read twice, by anyone
             assert torch.equal(job.forward(ids), expected)
     finally:
         registry.forget("dying")  # a named load on a Ray it did not start: close() detaches
@@ -348,10 +348,10 @@ class TestOneRunningJob:
         assert torch.equal(job.forward(ids), expected)
         reports = job.telemetry()
         for report, stage in zip(reports, stages, strict=True):
-            assert report["backend"] == "uva" and "simulated coherent" in report["backend_reason"]
-            assert report["stats"]["buffer_bytes"] == report["stats"]["copies"] == 0
-            assert report["stats"]["offloaded_bytes"] == stage.offloaded_bytes
-            assert report["device_used_bytes"] == stage.resident_bytes  # the arena is host memory
+            assert report.backend == "uva" and "simulated coherent" in report.backend_reason
+            assert report.stats.buffer_bytes == report.stats.copies == 0
+            assert report.stats.offloaded_bytes == stage.offloaded_bytes
+            assert report.device_used_bytes == stage.resident_bytes  # the arena is host memory
         assert " uva " in telemetry.render(reports)
         prompt = ids[:, :4]
         want = reference_generate(checkpoint, prompt, attention_mask=torch.ones_like(prompt),
@@ -381,23 +381,23 @@ class TestOneRunningJob:
         checkpoint, _, ids, expected = llama_case(checkpoints, seed=3)
         events_before = len(job.events)
         assert torch.equal(job.forward(ids), expected)
-        before = {r["stage"]: r["pid"] for r in job.telemetry()}
+        before = {r.stage: r.pid for r in job.telemetry()}
         ray.kill(job.workers[1].actor, no_restart=True)  # asynchronous: wait until it is gone
         deadline = time.monotonic() + 30
         while job.dead_stages() != [1]:
             assert time.monotonic() < deadline
             time.sleep(0.2)
         lost = job.telemetry()  # the other stages still report; the lost one is marked
-        assert [r.get("lost", False) for r in lost] == [False, True, False]
+        assert [isinstance(r, telemetry.LostStage) for r in lost] == [False, True, False]
         assert "stage 1 " in telemetry.render(lost) and "LOST" in telemetry.render(lost)
         assert torch.equal(job.forward(ids), expected)  # recovered inside forward
-        after = {r["stage"]: r for r in job.telemetry()}
+        after = {r.stage: r for r in job.telemetry()}
         assert [e["stages"] for e in job.events[events_before:]] == [[1]]
-        assert after[1]["pid"] != before[1] and after[0]["pid"] == before[0]
-        assert after[2]["pid"] == before[2]
+        assert after[1].pid != before[1] and after[0].pid == before[0]
+        assert after[2].pid == before[2]
         share = sum(layer.file_bytes for layer in load_index(checkpoint).layers
                     if layer.name in job.plan.stages[1].layers)  # fmt: skip
-        assert after[1]["bytes_read"] == share  # the replacement read its own stage only
+        assert after[1].bytes_read == share  # the replacement read its own stage only
         assert job.dead_stages() == []
         assert "replaced workers" in telemetry.render(list(after.values()), job.events)
         job.export_metrics()
@@ -450,7 +450,7 @@ def test_generate_through_ray_equals_transformers_and_survives_a_lost_worker(
                            r"for max_batch=3: send fewer"):  # fmt: skip
             job.generate(torch.cat([ids, ids]), torch.cat([mask, mask]), max_new_tokens=2)
         streamed: list[torch.Tensor] = []
-        during: list[list[dict]] = []
+        during: list[list[telemetry.Report]] = []
 
         def kill_after_three(tokens: torch.Tensor) -> None:
             streamed.append(tokens)
@@ -467,7 +467,7 @@ def test_generate_through_ray_equals_transformers_and_survives_a_lost_worker(
         [reports] = during
         for report, stage in zip(reports, job.plan.stages, strict=True):
             holds_decoders = any(n.startswith("layers.") for n in stage.layers)
-            assert (report["kv_cache_bytes"] > 0) == holds_decoders and report["requests"] == 1
+            assert (report.kv_cache_bytes > 0) == holds_decoders and report.requests == 1
         assert torch.equal(torch.stack(streamed, 1), out[:, ids.shape[1] :])
         # Three requests at once (each stage takes the next request's step while the following
         # stage works on this one's): each gets what it gets alone.
@@ -496,7 +496,7 @@ def test_generate_through_ray_equals_transformers_and_survives_a_lost_worker(
             outs = list(pool.map(request, rows[:3]))
         assert all(torch.equal(got, want) for got, want in zip(outs, expected_rows, strict=True))
         assert [e["event"] for e in job.events] == ["replaced workers"] * 2
-        assert all(r["requests"] == 0 for r in job.telemetry())
+        assert all(r.requests == 0 for r in job.telemetry())
     wait_gpus_free(NUM_GPUS)
 
 

@@ -141,7 +141,7 @@ def test_lost_nodes_replan_fail_with_numbers_then_recover(cluster, tmp_path, cap
     try:
         assert len(job.plan.stages) == 3 and not any(s.offloaded for s in job.plan.stages)
         assert torch.equal(job.forward(ids), expected)
-        before = {r["pid"]: r for r in job.telemetry()}
+        before = {r.pid: r for r in job.telemetry()}
         lost_layers = set(job.plan.stages[1].layers)
 
         # 1. The node of the middle stage leaves: two GPUs are left, enough with offloading.
@@ -151,17 +151,17 @@ def test_lost_nodes_replan_fail_with_numbers_then_recover(cluster, tmp_path, cap
         assert event["event"] == "re-planned" and event["lost_stages"] == [1]
         assert len(job.plan.stages) == 2 and event["stages_on_new_workers"] == []
         after = job.telemetry()
-        assert sum(r["stats"]["offloaded_bytes"] for r in after) > 0  # more offloading
+        assert sum(r.stats.offloaded_bytes for r in after) > 0  # more offloading
         assert all(s.backend == "uva" and s.slot_bytes == 0 for s in job.plan.stages)
-        assert {r["backend"] for r in after if r["offloaded"]} == {"uva"}
-        assert sum(r["stats"]["copies"] + r["stats"]["buffer_bytes"] for r in after) == 0
+        assert {r.backend for r in after if r.offloaded} == {"uva"}
+        assert sum(r.stats.copies + r.stats.buffer_bytes for r in after) == 0
         taken_over: set[str] = set()
         for report in after:
-            old = before[report["pid"]]  # the same process: a survivor, reconfigured
-            moved = set(report["layers"]) - set(old["layers"])
+            old = before[report.pid]  # the same process: a survivor, reconfigured
+            moved = set(report.layers) - set(old.layers)
             taken_over |= moved
             # It read exactly the layers new to it; what it held moved in memory.
-            assert report["bytes_read"] - old["bytes_read"] == sum(nbytes[n] for n in moved)
+            assert report.bytes_read - old.bytes_read == sum(nbytes[n] for n in moved)
         # The survivors took over the lost stage's layers (which survivor takes how many is
         # the planner's choice, with the link rates the probes measured).
         assert lost_layers <= taken_over
@@ -176,7 +176,7 @@ def test_lost_nodes_replan_fail_with_numbers_then_recover(cluster, tmp_path, cap
                            rf"\({index.total_bytes} bytes\).*Needed"):  # fmt: skip
             job.forward(ids)
         reports = job.telemetry()  # still usable: the survivor reports, the lost stage is marked
-        assert [bool(r.get("lost")) for r in reports] == [True, False]
+        assert [isinstance(r, telemetry.LostStage) for r in reports] == [True, False]
         assert "LOST" in telemetry.render(reports, job.events)
         assert main(["status", "survivor", "--json", *address]) == 0  # as another process would
         status = json.loads(capsys.readouterr().out)

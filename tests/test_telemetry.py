@@ -1,25 +1,48 @@
-"""Telemetry from worker snapshots: per-GPU and per-node aggregation, table, plot."""
+"""Telemetry from worker snapshots: per-GPU and per-node aggregation, table, gauges, plot."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import pickle
 from pathlib import Path
 
-from coordinator.runtime.telemetry import gpu_rows, node_rows, plot, render, summary
+import pytest
+
+from coordinator.runtime.telemetry import (
+    GpuRow,
+    LostStage,
+    MetricsExporter,
+    NodeRow,
+    gpu_rows,
+    node_rows,
+    plot,
+    render,
+    summary,
+)
+from offload.base import OffloadStats
+from offload.policy import PinDecision
+from worker.snapshot import CopyCounters, StageSnapshot
 
 MIB = 2**20
 
 
-def report(stage: int, host: str, *, offloaded: int, pinned: bool, rss: int) -> dict:
-    return {
-        "stage": stage, "hostname": host, "gpu": str(stage % 2), "layers": [f"layers.{stage}"],
-        "device_total_bytes": 80 * MIB, "device_used_bytes": 30 * MIB, "device_free_bytes": 50 * MIB,
-        "host_rss_bytes": rss, "host_available_bytes": (100 - stage) * MIB,
-        "pin": {"pin": pinned, "source": "probe", "reason": "discrete GPU"}, "pin_origin": "probe",
-        "stats": {"resident_bytes": 20 * MIB, "buffer_bytes": 5 * MIB, "offloaded_bytes": offloaded,
-                  "pinned_bytes": offloaded if pinned else 0,
-                  "pageable_bytes": 0 if pinned else offloaded, "copies": 7, "copied_bytes": 70,
-                  "copy_s": 0.5, "stall_s": 0.25},
-    }  # fmt: skip
+def report(stage: int, host: str, *, offloaded: int, pinned: bool, rss: int) -> StageSnapshot:
+    return StageSnapshot(
+        stage=stage, hostname=host, pid=1000 + stage, cpu_arch="x86_64", device="cpu",
+        gpu=str(stage % 2), layers=(f"layers.{stage}",), offloaded=(f"layers.{stage}",),
+        backend="prefetch", backend_reason="discrete GPU: prefetch",
+        device_total_bytes=80 * MIB, device_used_bytes=30 * MIB, device_free_bytes=50 * MIB,
+        host_rss_bytes=rss, host_peak_rss_bytes=rss, host_available_bytes=(100 - stage) * MIB,
+        pin=PinDecision(pin=pinned, source="probe", reason="discrete GPU"), pin_origin="probe",
+        stats=OffloadStats(backend="prefetch", offloaded_layers=1, resident_bytes=20 * MIB,
+                           buffer_bytes=5 * MIB, offloaded_bytes=offloaded,
+                           pinned_bytes=offloaded if pinned else 0,
+                           pageable_bytes=0 if pinned else offloaded, copies=7, copied_bytes=70,
+                           copy_s=0.5, stall_s=0.25),
+        since_last=CopyCounters(interval_s=10.0, copies=2, copied_bytes=20, copy_s=0.1),
+        kv_cache_bytes=MIB, requests=1, time=1_700_000_000.0,
+    )  # fmt: skip
 
 
 REPORTS = [
@@ -46,7 +69,7 @@ def test_rows_per_gpu_and_per_node() -> None:
 def test_ray_nodes_sharing_a_host_are_separate_rows() -> None:
     """Simulated (or containerised) Ray nodes may share a hostname: the node id the driver
     adds keeps them apart, in the rows and in the table."""
-    reports = [{**r, "node_id": f"{node}{'0' * 30}"}
+    reports = [dataclasses.replace(r, node_id=f"{node}{'0' * 30}")
                for r, node in zip(REPORTS, ("cc", "aa", "bb"), strict=True)]  # fmt: skip
     rows = node_rows(reports)
     assert [(n.hostname, n.node_id[:2], n.stages) for n in rows] == [
@@ -66,3 +89,98 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     plot(REPORTS, str(out))
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_a_snapshot_round_trips_to_json_with_the_keys_it_always_had() -> None:
+    """`to_dict` is JSON as it is (nested values as dicts, tuples as lists) and has every key
+    the worker's snapshot dict had, so files and scripts written against it keep working; a
+    snapshot crosses processes (Ray pickles it) unchanged."""
+    snapshot = dataclasses.replace(REPORTS[1], node_id="aa" * 16, probe_errors=("no numa",))
+    data = snapshot.to_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert {
+        "stage", "hostname", "pid", "cpu_arch", "device", "gpu", "layers", "offloaded", "backend",
+        "backend_reason", "pin", "pin_origin", "env", "device_total_bytes", "device_used_bytes",
+        "device_free_bytes", "host_rss_bytes", "host_peak_rss_bytes", "host_available_bytes",
+        "bytes_read", "init_s", "load_s", "forward_s", "forwards", "kv_cache_bytes", "requests",
+        "stats", "since_last", "time", "probe_errors", "node_id",
+    } == set(data)  # fmt: skip
+    assert data["stats"] == snapshot.stats.to_dict() and data["pin"] == snapshot.pin.to_dict()
+    assert data["since_last"]["copies"] == 2 and data["layers"] == ["layers.0"]
+    assert data["probe_errors"] == ["no numa"]
+    assert pickle.loads(pickle.dumps(snapshot)) == snapshot
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        snapshot.stage = 3  # type: ignore[misc]
+
+
+def test_rows_read_every_number_from_the_snapshot() -> None:
+    [row] = gpu_rows([REPORTS[1]])
+    assert row == GpuRow(
+        stage=0, hostname="a", gpu="0", layers="layers.0", backend="prefetch",
+        device_total_bytes=80 * MIB, device_used_bytes=30 * MIB, device_free_bytes=50 * MIB,
+        resident_bytes=20 * MIB, buffer_bytes=5 * MIB, offloaded_bytes=10 * MIB,
+        pinned_bytes=10 * MIB, pageable_bytes=0, copies=7, copied_bytes=70, copy_s=0.5,
+        stall_s=0.25, kv_cache_bytes=MIB, requests=1, pin=True, pin_source="probe",
+        pin_reason="discrete GPU", pin_origin="probe",
+    )  # fmt: skip
+    no_gpu = dataclasses.replace(REPORTS[1], gpu="")
+    assert gpu_rows([no_gpu])[0].gpu == "-"
+    [node] = node_rows([REPORTS[1]])
+    assert node == NodeRow(hostname="a", node_id="", stages=(0,), host_available_bytes=100 * MIB,
+                           workers_rss_bytes=400 * MIB, pinned_bytes=10 * MIB, pageable_bytes=0)
+
+
+LOST = LostStage(stage=3, hostname="c", node_id="dd" * 16, layers=("layers.3", "head"))
+
+
+def test_status_json_keys_are_unchanged_and_a_lost_stage_is_listed() -> None:
+    """`offloadctl status --json` prints `summary`: users' scripts read these keys."""
+    data = json.loads(json.dumps(summary([*REPORTS, LOST],
+                                         [{"event": "replaced workers", "time": 1.0}])))  # fmt: skip
+    assert list(data) == ["gpus", "nodes", "lost", "events"]
+    assert list(data["gpus"][0]) == [
+        "stage", "hostname", "gpu", "layers", "backend", "device_total_bytes", "device_used_bytes",
+        "device_free_bytes", "resident_bytes", "buffer_bytes", "offloaded_bytes", "pinned_bytes",
+        "pageable_bytes", "copies", "copied_bytes", "copy_s", "stall_s", "kv_cache_bytes",
+        "requests", "pin", "pin_source", "pin_reason", "pin_origin",
+    ]  # fmt: skip
+    assert list(data["nodes"][0]) == ["hostname", "node_id", "stages", "host_available_bytes",
+                                      "workers_rss_bytes", "pinned_bytes", "pageable_bytes"]  # fmt: skip
+    assert data["lost"] == [{"stage": 3, "hostname": "c", "layers": ["layers.3", "head"]}]
+    assert [g["stage"] for g in data["gpus"]] == [0, 1, 2]  # the lost stage has no GPU row
+    text = render([*REPORTS, LOST])
+    assert "stage 3 (layers.3,head, on c): worker LOST" in text
+
+
+def test_gauges_are_set_from_the_snapshots(monkeypatch) -> None:
+    """Per live stage every GPU gauge and `stage_up` 1; a lost stage's `stage_up` 0."""
+    import ray.util.metrics
+
+    values: dict[tuple[str, tuple], float] = {}
+
+    class Gauge:
+        def __init__(self, name: str, *, description: str = "", tag_keys: tuple = ()) -> None:
+            self.name = name
+
+        def set(self, value: float, tags: dict) -> None:
+            values[(self.name, tuple(sorted(tags.items())))] = value
+
+    monkeypatch.setattr(ray.util.metrics, "Gauge", Gauge)
+    MetricsExporter().export([*REPORTS, LOST], [{"event": "replaced workers", "time": 1.0}])
+    stage0 = (("gpu", "0"), ("node", "a"), ("stage", "0"))
+    assert values[("offload_offloaded_weight_bytes", stage0)] == 10 * MIB
+    assert values[("offload_copies", stage0)] == 7.0
+    assert values[("offload_pin_memory", stage0)] == 1.0
+    assert values[("offload_kv_cache_bytes", stage0)] == MIB
+    assert values[("offload_stage_up", stage0)] == 1.0
+    assert values[("offload_stage_up", (("gpu", "-"), ("node", "c"), ("stage", "3")))] == 0.0
+    assert values[("offload_recovery_events", (("event", "replaced workers"),))] == 1.0
+
+
+def test_the_load_table_reads_the_snapshots() -> None:
+    from coordinator.cli_loads import _stage_table
+
+    table = _stage_table([REPORTS[1], dataclasses.replace(REPORTS[0], gpu="")])
+    assert "on" in table and "probe: probe: discrete GPU" in table
+    assert "10.00 MiB (1)" in table and "20.00 MiB" in table  # offloaded (layers), resident
+    assert " - " in table  # no CUDA_VISIBLE_DEVICES

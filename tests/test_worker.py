@@ -29,16 +29,16 @@ def test_snapshots_report_counters_since_the_last_one(index) -> None:
     worker = StageWorker(spec_for(index, offloaded=("layers.1", "layers.3")), device="cpu")
     try:
         first = worker.load()
-        assert first["bytes_read"] == index.file_bytes
+        assert first.bytes_read == index.file_bytes
         ids = torch.randint(0, 64, (1, 5))
         worker.forward(ids)
         worker.forward(ids)
         report = worker.report()
         # one slot, two offloaded layers: each forward reloads both
-        assert report["since_last"]["copies"] == 4
-        assert report["stats"]["copies"] == first["stats"]["copies"] + 4
-        assert worker.report()["since_last"]["copies"] == 0
-        assert report["forwards"] == 2 and report["init_s"] > 0
+        assert report.since_last.copies == 4
+        assert report.stats.copies == first.stats.copies + 4
+        assert worker.report().since_last.copies == 0
+        assert report.forwards == 2 and report.init_s > 0
     finally:
         worker.close()
 
@@ -75,7 +75,7 @@ def test_reconfigure_reads_only_the_layers_it_did_not_hold(index) -> None:
     try:
         worker.load()
         worker.forward(ids)
-        assert worker.report()["stats"]["copies"] > 0  # the snapshot counts them from here
+        assert worker.report().stats.copies > 0  # the snapshot counts them from here
         embed_ptr = worker.stage.model.get_input_embeddings().weight.data_ptr()
         everything = [layer.name for layer in index.layers]
         # layers.0: resident -> offloaded, layers.1: offloaded -> resident, embed: kept resident
@@ -84,15 +84,15 @@ def test_reconfigure_reads_only_the_layers_it_did_not_hold(index) -> None:
         for chunk in chunks:
             worker.load_chunk(chunk)
         report = worker.finish_load()
-        assert report["bytes_read"] == nbytes(index, everything)  # every byte read exactly once
+        assert report.bytes_read == nbytes(index, everything)  # every byte read exactly once
         # A new offloader counts from zero, and so do the rates of the next snapshot.
-        assert report["since_last"]["copies"] == report["stats"]["copies"] >= 0
+        assert report.since_last.copies == report.stats.copies >= 0
         assert worker.stage.model.get_input_embeddings().weight.data_ptr() == embed_ptr  # adopted, not copied
-        assert report["offloaded"] == ["layers.0", "layers.3"]
+        assert report.offloaded == ("layers.0", "layers.3")
         assert torch.equal(worker.forward(ids), expected)
         # Shrinking to a suffix reads nothing: every layer it keeps is already here.
         assert worker.reconfigure(stage_spec(index, everything, offloaded=("layers.2",))) == {}
-        assert worker.finish_load()["bytes_read"] == nbytes(index, everything)
+        assert worker.finish_load().bytes_read == nbytes(index, everything)
         assert torch.equal(worker.forward(ids), expected)
     finally:
         worker.close()
@@ -114,7 +114,7 @@ def test_an_interrupted_load_resumes_where_it_stopped(index, monkeypatch) -> Non
         assert worker.load_chunk(1) == 0  # read already
         for chunk in worker.prepare():
             worker.load_chunk(chunk)
-        assert worker.finish_load()["bytes_read"] == index.file_bytes
+        assert worker.finish_load().bytes_read == index.file_bytes
         assert worker.prepare() == {}
     finally:
         worker.close()
@@ -131,15 +131,15 @@ def test_periodic_snapshots_add_up_to_the_counters(index) -> None:
         first = worker.load()
         ids = torch.randint(0, 64, (1, 4))
         deadline = time.monotonic() + 30
-        while len(worker.history(since=first["time"])) < 3:
+        while len(worker.history(since=first.time)) < 3:
             worker.forward(ids)
             time.sleep(0.03)
             assert time.monotonic() < deadline, "no periodic snapshots"
         final = worker.report()
-        periodic = [s for s in worker.history(since=first["time"]) if s["time"] <= final["time"]]
-        copies = sum(s["since_last"]["copies"] for s in periodic) + final["since_last"]["copies"]
-        assert copies == final["stats"]["copies"] - first["stats"]["copies"] > 0
-        assert worker.latest()["time"] >= periodic[-1]["time"]
+        periodic = [s for s in worker.history(since=first.time) if s.time <= final.time]
+        copies = sum(s.since_last.copies for s in periodic) + final.since_last.copies
+        assert copies == final.stats.copies - first.stats.copies > 0
+        assert worker.latest().time >= periodic[-1].time
     finally:
         worker.close()
 
@@ -165,7 +165,7 @@ def test_a_checkpoint_rewritten_under_the_job_is_never_read(tmp_path) -> None:
         with pytest.raises(WorkerError, match=r"model.safetensors: the checkpoint file changed "
                            r"since the job indexed it \(mtime_ns \d+ -> \d+\).*load the job again"):
             worker.load()
-        assert worker.report()["bytes_read"] == 0  # nothing of the new file was read
+        assert worker.report().bytes_read == 0  # nothing of the new file was read
     finally:
         worker.close()
 
@@ -187,24 +187,24 @@ def test_a_uva_stage_reads_weights_in_place_and_takes_a_new_plan(index) -> None:
     worker = StageWorker(uva(stage_spec(index, everything, offloaded=("layers.1", "layers.2"))),
                          device="cpu")  # fmt: skip
     try:
-        all_resident = resident.load()["device_used_bytes"]
+        all_resident = resident.load().device_used_bytes
         report = worker.load()
-        stats = report["stats"]
-        assert report["backend"] == "uva" and "uva requested" in report["backend_reason"]
+        stats = report.stats
+        assert report.backend == "uva" and "uva requested" in report.backend_reason
         offloaded = nbytes(index, ["layers.1", "layers.2"])
-        assert (stats["offloaded_bytes"], stats["buffer_bytes"]) == (offloaded, 0)
-        assert report["device_used_bytes"] == all_resident - offloaded  # the arena is host memory
+        assert (stats.offloaded_bytes, stats.buffer_bytes) == (offloaded, 0)
+        assert report.device_used_bytes == all_resident - offloaded  # the arena is host memory
         arena = worker.offloader.host_tensors()
         block = worker.stage.model.model.layers[1]
         weight = block.mlp.down_proj.weight
         assert any(weight.data_ptr() == t.data_ptr() for t in arena.values())  # in place
         assert torch.equal(worker.forward(ids), expected)
-        assert worker.report()["stats"]["copies"] == 0
+        assert worker.report().stats.copies == 0
         # Re-plan: layers.1 comes back to the device, layers.0 and layers.3 go to the arena.
         worker.reconfigure(uva(stage_spec(index, everything, offloaded=("layers.0", "layers.3"))))
         report = worker.finish_load()
-        assert report["bytes_read"] == index.file_bytes  # moved in memory, nothing read again
-        assert report["stats"]["offloaded_bytes"] == nbytes(index, ["layers.0", "layers.3"])
+        assert report.bytes_read == index.file_bytes  # moved in memory, nothing read again
+        assert report.stats.offloaded_bytes == nbytes(index, ["layers.0", "layers.3"])
         assert torch.equal(worker.forward(ids), expected)
     finally:
         worker.close()

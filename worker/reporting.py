@@ -1,8 +1,9 @@
 """A worker's snapshots over time: taken on demand (`report`) and every few seconds by a
 background thread, the last SNAPSHOT_HISTORY kept, each carrying the offloader's copy counters
-since the snapshot before it (so a series shows rates). What a snapshot holds is the worker's
-business (`StageWorker._snapshot`); this module takes, keeps and paces them, and works out the
-parts that need no worker state: the pin decision and where it came from, storage bytes."""
+since the snapshot before it (so a series shows rates). What a snapshot holds is
+`worker.snapshot.StageSnapshot`, filled in by the worker (`StageWorker._snapshot`); this module
+takes, keeps and paces them, and works out the parts that need no worker state: the pin
+decision and where it came from, storage bytes."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from offload.base import OffloadStats
 from offload.host_store import decide_for_device
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV, PinDecision
+from worker.snapshot import CopyCounters, StageSnapshot
 
 SNAPSHOT_HISTORY = 360  # periodic snapshots kept: an hour at 10 s
-COPY_COUNTERS = ("copies", "copied_bytes", "copy_s", "stall_s")
+_NO_COPIES = OffloadStats(backend="none")  # the counters before a stage's first snapshot
 
 
 class Snapshots:
@@ -29,31 +32,30 @@ class Snapshots:
     time (the periodic thread and callers share the counters); the thread skips ticks while
     `ready()` is false and says on stderr (naming `where()`) when a snapshot fails."""
 
-    def __init__(self, take: Callable[[Callable[[dict], dict]], dict], *,
+    def __init__(self, take: Callable[[Callable[[OffloadStats], CopyCounters]], StageSnapshot], *,
                  ready: Callable[[], bool], where: Callable[[], str],
                  interval_s: float = 0.0) -> None:  # fmt: skip
         self._take = take
         self._ready = ready
         self._where = where
         self._started = time.monotonic()
-        self._last_counters: tuple[dict, float] | None = None
+        self._last_counters: tuple[OffloadStats, float] | None = None
         self._lock = threading.Lock()
-        self._history: collections.deque[dict] = collections.deque(maxlen=SNAPSHOT_HISTORY)
+        self._history: collections.deque[StageSnapshot] = collections.deque(maxlen=SNAPSHOT_HISTORY)
         self._stop = threading.Event()
         if interval_s > 0:
             threading.Thread(target=self._loop, args=(interval_s,), name="offload-snapshots",
                              daemon=True).start()  # fmt: skip
 
-    def take(self) -> dict:
+    def take(self) -> StageSnapshot:
         with self._lock:
             return self._take(self._since_last)
 
-    def _since_last(self, stats: dict) -> dict:
+    def _since_last(self, stats: OffloadStats) -> CopyCounters:
         now = time.monotonic()
-        current = {k: stats.get(k, 0) for k in COPY_COUNTERS}
-        previous, then = self._last_counters or (dict.fromkeys(COPY_COUNTERS, 0), self._started)
-        self._last_counters = (current, now)
-        return {"interval_s": now - then, **{k: current[k] - previous[k] for k in COPY_COUNTERS}}
+        previous, then = self._last_counters or (_NO_COPIES, self._started)
+        self._last_counters = (stats, now)
+        return CopyCounters.between(previous, stats, interval_s=now - then)
 
     def _loop(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
@@ -64,11 +66,11 @@ class Snapshots:
             except Exception as exc:  # the stage changed under us (reconfigure): next tick
                 print(f"{self._where()}: snapshot skipped: {exc}", file=sys.stderr)
 
-    def history(self, since: float = 0.0) -> list[dict]:
+    def history(self, since: float = 0.0) -> list[StageSnapshot]:
         """The periodic snapshots taken after time `since` (seconds since the epoch)."""
-        return [s for s in list(self._history) if s["time"] > since]
+        return [s for s in list(self._history) if s.time > since]
 
-    def latest(self) -> dict:
+    def latest(self) -> StageSnapshot:
         """The last periodic snapshot, or a fresh one when none was taken yet."""
         history = list(self._history)
         return history[-1] if history else self.take()
@@ -78,7 +80,7 @@ class Snapshots:
         offloader counts from zero again."""
         with self._lock:
             self._history.clear()
-            self._last_counters = (dict.fromkeys(COPY_COUNTERS, 0), time.monotonic())
+            self._last_counters = (_NO_COPIES, time.monotonic())
 
     def stop(self) -> None:
         self._stop.set()

@@ -14,11 +14,13 @@ import platform
 import resource
 import socket
 import time
+from collections.abc import Callable
 
 import psutil
 import torch
 
 from offload import OffloadConfig, create_offloader, probe_node
+from offload.base import OffloadStats
 from offload.errors import LaunchError
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV
 from offload.probe import DECISION_STEPS
@@ -28,6 +30,7 @@ from worker.loader import TensorReader
 from worker.node import probe_here
 from worker.placement import Placement
 from worker.reporting import Snapshots, pin_decision, pin_origin, storage_bytes
+from worker.snapshot import CopyCounters, StageSnapshot
 from worker.spec import StageSpec, torch_dtype_named
 from worker.stage import Stage
 from worker.wire import Packed, pack, unpack
@@ -212,7 +215,7 @@ class StageWorker:
         self._load_s += time.perf_counter() - start
         return self._reader.stats.bytes_read - before
 
-    def finish_load(self) -> dict:
+    def finish_load(self) -> StageSnapshot:
         """Start the prefetch and check the device budget; once ready, just a report."""
         if self._ready:
             return self.report()
@@ -237,7 +240,7 @@ class StageWorker:
         self._ready = True
         return self.report()
 
-    def load(self) -> dict:
+    def load(self) -> StageSnapshot:
         """prepare + every chunk + finish, for callers that need no progress."""
         for index in self.prepare():
             self.load_chunk(index)
@@ -338,60 +341,61 @@ class StageWorker:
         host = self.offloader.host_tensors() if self.offloader is not None else None
         return storage_bytes(self.stage, host) + self.kv_cache_bytes()
 
-    def history(self, since: float = 0.0) -> list[dict]:
+    def history(self, since: float = 0.0) -> list[StageSnapshot]:
         """The periodic snapshots taken after time `since` (seconds since the epoch)."""
         return self._snapshots.history(since)
 
-    def latest(self) -> dict:
+    def latest(self) -> StageSnapshot:
         """The last periodic snapshot, or a fresh one when none was taken yet."""
         return self._snapshots.latest()
 
-    def report(self) -> dict:
+    def report(self) -> StageSnapshot:
         """A snapshot of this worker now: memory, offloading, pinning, load and run times."""
         return self._snapshots.take()
 
-    def _snapshot(self, since_last) -> dict:
-        stats = self.offloader.stats().to_dict() if self.offloader is not None else {}
-        decision = pin_decision(self.offloader, self.probe, self.device)
+    def _snapshot(self, since_last: Callable[[OffloadStats], CopyCounters]) -> StageSnapshot:
+        offloader = self.offloader
+        stats = offloader.stats() if offloader is not None else OffloadStats(backend="none")
+        decision = pin_decision(offloader, self.probe, self.device)
         vm = psutil.virtual_memory()
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
         else:
             total = self.gpu_memory_bytes or 0
             free = max(total - self.device_bytes(), 0)
-        return {
-            "stage": self.spec.stage,
-            "hostname": socket.gethostname(),
-            "pid": os.getpid(),
-            "cpu_arch": platform.machine(),
-            "device": str(self.device),
+        return StageSnapshot(
+            stage=self.spec.stage,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            cpu_arch=platform.machine(),
+            device=str(self.device),
             # Ray gives each actor its GPU through CUDA_VISIBLE_DEVICES (logical GPUs too).
-            "gpu": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-            "layers": [layer.name for layer in self.spec.layers],
-            "offloaded": list(self.spec.offloaded),
-            "backend": self.offloader.backend if self.offloader else "none",
-            "backend_reason": getattr(self.offloader, "backend_reason", ""),
-            "pin": decision.to_dict() if decision else None,
-            "pin_origin": pin_origin(decision, self.spec),
-            "env": {k: os.environ[k] for k in (PIN_ENV, VLLM_DISABLE_PIN_ENV) if k in os.environ},
-            "device_total_bytes": total,
-            "device_used_bytes": self.device_bytes(),
-            "device_free_bytes": free,
-            "host_rss_bytes": psutil.Process().memory_info().rss,
-            "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "host_available_bytes": vm.available,
-            "bytes_read": self._reader.stats.bytes_read,
-            "init_s": self.init_s,
-            "load_s": self._load_s,
-            "forward_s": self._forward_s,
-            "forwards": self._forwards,
-            "kv_cache_bytes": self.kv_cache_bytes(),
-            "requests": len(self._caches),
-            "stats": stats,
-            "since_last": since_last(stats),
-            "time": time.time(),
-            "probe_errors": list(self.probe.errors),
-        }
+            gpu=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+            layers=tuple(layer.name for layer in self.spec.layers),
+            offloaded=tuple(self.spec.offloaded),
+            backend=offloader.backend if offloader is not None else "none",
+            backend_reason=offloader.backend_reason if offloader is not None else "",
+            pin=decision,
+            pin_origin=pin_origin(decision, self.spec),
+            env={k: os.environ[k] for k in (PIN_ENV, VLLM_DISABLE_PIN_ENV) if k in os.environ},
+            device_total_bytes=total,
+            device_used_bytes=self.device_bytes(),
+            device_free_bytes=free,
+            host_rss_bytes=psutil.Process().memory_info().rss,
+            host_peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            host_available_bytes=vm.available,
+            bytes_read=self._reader.stats.bytes_read,
+            init_s=self.init_s,
+            load_s=self._load_s,
+            forward_s=self._forward_s,
+            forwards=self._forwards,
+            kv_cache_bytes=self.kv_cache_bytes(),
+            requests=len(self._caches),
+            stats=stats,
+            since_last=since_last(stats),
+            time=time.time(),
+            probe_errors=tuple(self.probe.errors),
+        )
 
     def node_probe(self) -> dict:
         """This node's probe and pin decision, as the runtime's probe task reports them."""

@@ -25,6 +25,7 @@ from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import CheckpointIndex
 from coordinator.planning.planner import Plan, StagePlan
 from coordinator.runtime.errors import LaunchError, WorkerLostError
+from worker.snapshot import StageSnapshot
 from worker.spec import StageSpec
 from worker.worker import StageWorker
 
@@ -166,7 +167,7 @@ class WorkerGroup:
         return handles
 
     # loading
-    def load(self, progress: Callable[[int, int], None] | None = None) -> list[dict]:
+    def load(self, progress: Callable[[int, int], None] | None = None) -> list[StageSnapshot]:
         return load_workers(self.handles, self.config.load_timeout_s, progress)
 
     # liveness
@@ -272,7 +273,7 @@ def load_workers(
     handles: list[WorkerHandle],
     timeout_s: float,
     progress: Callable[[int, int], None] | None = None,
-) -> list[dict]:
+) -> list[StageSnapshot]:
     """prepare -> every chunk -> finish on all workers at once; `progress(done, total)` bytes.
     Workers that are loaded already take part at no cost (they have no chunks left), so a load
     interrupted by a lost worker is finished by calling this again with its replacement."""

@@ -35,8 +35,9 @@ from coordinator.runtime.loops import Loops
 from coordinator.runtime.probing import PROBE_TIMEOUT_S, probe_cluster
 from coordinator.runtime.request import RequestSteps
 from coordinator.runtime.session import RaySession, connect
-from coordinator.runtime.telemetry import MetricsExporter, collect
+from coordinator.runtime.telemetry import MetricsExporter, Report, collect
 from offload.errors import NeverFitsError
+from worker.snapshot import StageSnapshot
 from worker.wire import pack, unpack
 
 TELEMETRY_TIMEOUT_S = 60.0
@@ -46,7 +47,7 @@ TELEMETRY_TIMEOUT_S = 60.0
 class Job:
     group: WorkerGroup
     session: RaySession
-    load_reports: list[dict] = field(default_factory=list)
+    load_reports: list[StageSnapshot] = field(default_factory=list)
     name: str | None = None  # a named load outlives this Job object: close() only detaches
     events: list[dict] = field(default_factory=list)  # recoveries, for telemetry
     next_worker: int = 0  # number of the next worker name of a named load
@@ -265,9 +266,9 @@ class Job:
         if self.name is not None:
             registry.update(self.name, self.group, self.events)
 
-    def telemetry(self) -> list[dict]:
+    def telemetry(self) -> list[Report]:
         """A fresh memory snapshot from every worker (see StageWorker.report); a stage whose
-        worker is lost gets a stub with `lost: True` instead (see telemetry.collect)."""
+        worker is lost gets a `LostStage` instead (see telemetry.collect)."""
         self._require_open()
         refs = [h.actor.report.remote() if h.actor is not None else None for h in self.workers]
         try:
@@ -275,7 +276,7 @@ class Job:
         except TimeoutError as exc:
             raise LaunchError(str(exc)) from None
 
-    def export_metrics(self) -> list[dict]:
+    def export_metrics(self) -> list[Report]:
         """Snapshot every worker and publish the numbers as Ray gauges (Prometheus)."""
         if self._exporter is None:
             self._exporter = MetricsExporter()

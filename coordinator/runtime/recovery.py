@@ -26,6 +26,7 @@ from coordinator.planning.planner import Plan, PlanError, StagePlan, plan
 from coordinator.runtime.errors import WorkerLostError
 from coordinator.runtime.group import WorkerGroup
 from coordinator.runtime.probing import gpu_nodes, probe_cluster
+from worker.snapshot import StageSnapshot
 
 # Each round replaces what was lost; a worker lost during a round's load starts another.
 MAX_RECOVERY_ROUNDS = 3
@@ -145,7 +146,7 @@ def add_event(events: list[dict], event: dict) -> None:
         events.append({"time": time.time(), **event})
 
 
-def load_recovering(group: WorkerGroup, record: Record, progress=None) -> list[dict]:
+def load_recovering(group: WorkerGroup, record: Record, progress=None) -> list[StageSnapshot]:
     """Load every worker of `group`; a worker lost meanwhile is replaced (bounded rounds) and
     the load finishes where it stopped: workers that finished read nothing again."""
     for round_ in range(MAX_RECOVERY_ROUNDS + 1):
@@ -165,7 +166,7 @@ def recover(
     *,
     dead: list[int] | None = None,
     left_out: frozenset[str] = frozenset(),
-) -> tuple[list[int], list[dict]]:
+) -> tuple[list[int], list[StageSnapshot]]:
     """Find lost stages (or take `dead`), replace them and load what moved; returns the stages
     that were lost and the load reports (none when nothing was lost)."""
     start = time.perf_counter()

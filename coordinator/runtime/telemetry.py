@@ -1,9 +1,10 @@
 """Where memory goes on every GPU and node: aggregation of worker snapshots, a table, Ray
 metrics (scraped by Prometheus from each node's metrics endpoint) and a plot.
 
-The worker's `report()` is the snapshot; everything here is a pure function of a list of them,
-except `collect`, which waits for them, `MetricsExporter`, which owns the Ray gauges, and
-`plot`, which writes a PNG.
+The worker's `report()` is the snapshot (`worker.snapshot.StageSnapshot`); everything here is
+a pure function of a list of them (with a `LostStage` where a worker is gone), except `collect`,
+which waits for them, `MetricsExporter`, which owns the Ray gauges, and `plot`, which writes a
+PNG.
 """
 
 from __future__ import annotations
@@ -11,14 +12,32 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from coordinator.planning.formats import format_bytes, layer_range
 from coordinator.planning.planner import StagePlan
 from coordinator.tables import render as render_table
 from offload.errors import LaunchError
+from worker.snapshot import StageSnapshot
 
 METRIC_PREFIX = "offload_"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LostStage:
+    """A planned stage whose worker is gone: what the driver knows of it from the plan.
+
+    A type of its own rather than a `lost` flag on StageSnapshot: a live snapshot then has
+    every field set (no reader checks for a missing number), and the few readers that show
+    lost stages pick them out by type (`lost_stages`)."""
+
+    stage: int
+    hostname: str
+    node_id: str
+    layers: tuple[str, ...]
+
+
+Report = StageSnapshot | LostStage  # what `collect` returns per planned stage
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,11 +79,11 @@ class NodeRow:
 
 
 def collect(stages: Sequence[StagePlan], refs: Sequence[object | None],
-            timeout_s: float) -> list[dict]:  # fmt: skip
+            timeout_s: float) -> list[Report]:  # fmt: skip
     """One snapshot per planned stage, from `refs` (a pending worker call per stage, None where
-    the worker is gone), each with its stage's Ray node id. A lost worker's stage gets
-    `{"stage", "hostname", "node_id", "layers", "lost": True}`. All within `timeout_s`, else
-    TimeoutError naming the stage that did not answer."""
+    the worker is gone), each with its stage's Ray node id. A lost worker's stage gets a
+    `LostStage`. All within `timeout_s`, else TimeoutError naming the stage that did not
+    answer."""
     import ray
 
     deadline = time.monotonic() + timeout_s
@@ -73,7 +92,7 @@ def collect(stages: Sequence[StagePlan], refs: Sequence[object | None],
         try:
             if ref is not None:
                 report = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1))
-                reports.append({**report, "node_id": stage.node_id})
+                reports.append(replace(report, node_id=stage.node_id))
                 continue
         except ray.exceptions.RayActorError:
             pass
@@ -81,78 +100,80 @@ def collect(stages: Sequence[StagePlan], refs: Sequence[object | None],
             raise TimeoutError(
                 f"stage {stage.stage} on {stage.hostname} did not report within {timeout_s:.0f} s"
             ) from None
-        reports.append({"stage": stage.stage, "hostname": stage.hostname, "lost": True,
-                        "node_id": stage.node_id, "layers": list(stage.layers)})  # fmt: skip
+        reports.append(LostStage(stage=stage.stage, hostname=stage.hostname,
+                                 node_id=stage.node_id, layers=tuple(stage.layers)))  # fmt: skip
     return reports
 
 
-def live(reports: list[dict]) -> list[dict]:
-    """The snapshots of live workers (a lost stage has a stub with `lost: True`)."""
-    return [r for r in reports if not r.get("lost")]
+def live(reports: Sequence[Report]) -> list[StageSnapshot]:
+    """The snapshots of live workers (a lost stage is a `LostStage`)."""
+    return [r for r in reports if isinstance(r, StageSnapshot)]
 
 
-def lost_stages(reports: list[dict]) -> list[dict]:
-    return [r for r in reports if r.get("lost")]
+def lost_stages(reports: Sequence[Report]) -> list[LostStage]:
+    return [r for r in reports if isinstance(r, LostStage)]
 
 
-def gpu_rows(reports: list[dict]) -> list[GpuRow]:
+def gpu_rows(reports: Sequence[Report]) -> list[GpuRow]:
     rows = []
-    for r in sorted(live(reports), key=lambda r: r["stage"]):
-        stats = r.get("stats") or {}
-        pin = r.get("pin") or {"pin": False, "source": "", "reason": ""}
+    for r in sorted(live(reports), key=lambda r: r.stage):
+        stats, pin = r.stats, r.pin
         rows.append(
             GpuRow(
-                stage=r["stage"], hostname=r["hostname"], gpu=r.get("gpu") or "-",
-                layers=layer_range(r["layers"]), backend=r.get("backend", "none"),
-                device_total_bytes=r["device_total_bytes"],
-                device_used_bytes=r["device_used_bytes"],
-                device_free_bytes=r["device_free_bytes"],
-                resident_bytes=stats.get("resident_bytes", 0),
-                buffer_bytes=stats.get("buffer_bytes", 0),
-                offloaded_bytes=stats.get("offloaded_bytes", 0),
-                pinned_bytes=stats.get("pinned_bytes", 0),
-                pageable_bytes=stats.get("pageable_bytes", 0),
-                copies=stats.get("copies", 0), copied_bytes=stats.get("copied_bytes", 0),
-                copy_s=stats.get("copy_s", 0.0), stall_s=stats.get("stall_s", 0.0),
-                kv_cache_bytes=r.get("kv_cache_bytes", 0), requests=r.get("requests", 0),
-                pin=bool(pin["pin"]), pin_source=pin["source"], pin_reason=pin["reason"],
-                pin_origin=r.get("pin_origin", ""),
+                stage=r.stage, hostname=r.hostname, gpu=r.gpu or "-",
+                layers=layer_range(r.layers), backend=r.backend,
+                device_total_bytes=r.device_total_bytes,
+                device_used_bytes=r.device_used_bytes,
+                device_free_bytes=r.device_free_bytes,
+                resident_bytes=stats.resident_bytes,
+                buffer_bytes=stats.buffer_bytes,
+                offloaded_bytes=stats.offloaded_bytes,
+                pinned_bytes=stats.pinned_bytes,
+                pageable_bytes=stats.pageable_bytes,
+                copies=stats.copies, copied_bytes=stats.copied_bytes,
+                copy_s=stats.copy_s, stall_s=stats.stall_s,
+                kv_cache_bytes=r.kv_cache_bytes, requests=r.requests,
+                pin=pin.pin, pin_source=pin.source, pin_reason=pin.reason,
+                pin_origin=r.pin_origin,
             )
         )  # fmt: skip
     return rows
 
 
-def node_rows(reports: list[dict]) -> list[NodeRow]:
+def node_rows(reports: Sequence[Report]) -> list[NodeRow]:
     """Per node (Ray's node id, which the driver adds to each snapshot; else the hostname:
     several Ray nodes may share a host): the host memory its workers hold. Workers of one node
     report the same `host_available_bytes` (sampled at slightly different times): the smallest
     is kept."""
-    by_node: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    by_node: dict[tuple[str, str], list[StageSnapshot]] = defaultdict(list)
     for r in live(reports):
-        by_node[(r["hostname"], r.get("node_id", ""))].append(r)
+        by_node[(r.hostname, r.node_id)].append(r)
     rows = []
     for (hostname, node_id), items in sorted(by_node.items()):
-        stats = [i.get("stats") or {} for i in items]
         rows.append(
             NodeRow(
                 hostname=hostname,
                 node_id=node_id,
-                stages=tuple(sorted(i["stage"] for i in items)),
-                host_available_bytes=min(i["host_available_bytes"] for i in items),
-                workers_rss_bytes=sum(i["host_rss_bytes"] for i in items),
-                pinned_bytes=sum(s.get("pinned_bytes", 0) for s in stats),
-                pageable_bytes=sum(s.get("pageable_bytes", 0) for s in stats),
+                stages=tuple(sorted(i.stage for i in items)),
+                host_available_bytes=min(i.host_available_bytes for i in items),
+                workers_rss_bytes=sum(i.host_rss_bytes for i in items),
+                pinned_bytes=sum(i.stats.pinned_bytes for i in items),
+                pageable_bytes=sum(i.stats.pageable_bytes for i in items),
             )
         )
     return rows
 
 
-def summary(reports: list[dict], events: list[dict] = ()) -> dict:
-    """JSON-ready: per GPU and per node, the stages whose worker is lost, recovery events."""
+def summary(reports: Sequence[Report], events: list[dict] = ()) -> dict:
+    """JSON-ready: per GPU and per node, the stages whose worker is lost, recovery events.
+    What `offloadctl status --json` prints: its keys are what users' scripts read."""
+    lost = lost_stages(reports)
     return {
         "gpus": [asdict(row) for row in gpu_rows(reports)],
         "nodes": [asdict(row) for row in node_rows(reports)],
-        "lost": [{k: r[k] for k in ("stage", "hostname", "layers")} for r in lost_stages(reports)],
+        "lost": [
+            {"stage": r.stage, "hostname": r.hostname, "layers": list(r.layers)} for r in lost
+        ],
         "events": list(events),
     }
 
@@ -169,7 +190,7 @@ def _node_label(row: NodeRow) -> str:
 
 
 
-def render(reports: list[dict], events: list[dict] = ()) -> str:
+def render(reports: Sequence[Report], events: list[dict] = ()) -> str:
     gpus = [("stage", "host", "gpu", "layers", "backend", "device used/total", "resident", "slots",
              "offloaded (pinned)", "kv cache (requests)", "copies", "stall", "pin")]  # fmt: skip
     for g in gpu_rows(reports):
@@ -190,7 +211,7 @@ def render(reports: list[dict], events: list[dict] = ()) -> str:
         ))  # fmt: skip
     out = render_table(gpus) + "\n\n" + render_table(nodes)
     for r in lost_stages(reports):
-        out += (f"\nstage {r['stage']} ({layer_range(r['layers'])}, on {r['hostname']}): worker "
+        out += (f"\nstage {r.stage} ({layer_range(r.layers)}, on {r.hostname}): worker "
                 "LOST; the next forward recovers it, or unload")  # fmt: skip
     if events:
         out += "\n\nevents:\n" + "\n".join(_event_line(e) for e in events)
@@ -233,14 +254,14 @@ class MetricsExporter:
 
         self._was_up: set[tuple[str, str, str]] = set()
 
-    def export(self, reports: list[dict], events: list[dict] = ()) -> None:
+    def export(self, reports: Sequence[Report], events: list[dict] = ()) -> None:
         up = set()
         for row in gpu_rows(reports):
             tags = {"node": row.hostname, "gpu": row.gpu, "stage": str(row.stage)}
             for field, gauge in self._gauges.items():
                 gauge.set(float(getattr(row, field)), tags=tags)
             up.add((row.hostname, row.gpu, str(row.stage)))
-        down = {(r["hostname"], "-", str(r["stage"])) for r in lost_stages(reports)}
+        down = {(r.hostname, "-", str(r.stage)) for r in lost_stages(reports)}
         # A stage renumbered or gone after a re-plan must not stay "up" under its old tags.
         down |= self._was_up - up
         for value, keys in ((1.0, up), (0.0, down)):
@@ -266,7 +287,7 @@ def _stacked(ax, labels: list[str], parts: list[tuple[str, list[int]]], title: s
     ax.legend()
 
 
-def plot(reports: list[dict], path: str) -> None:
+def plot(reports: Sequence[Report], path: str) -> None:
     """Per GPU: stacked resident / prefetch buffers / other used / free; per node: pinned /
     pageable offloaded weights and free host memory."""
     import matplotlib
