@@ -6,8 +6,11 @@
     offloadctl check-cluster cluster.yaml   # validate a launcher config offline
     offloadctl node-demo          # the node-local offloader alone, timed
 
-Every job flag can also come from a YAML file (--config job.yaml; flags win). Errors in the
-checkpoint, the config or the plan are printed as one message, without a traceback.
+Every job flag can also come from a YAML file (--config job.yaml; flags win). An error the
+project raises on purpose (a kind of `offload.errors.OffloadCoordinatorError`: config,
+checkpoint, plan, capacity, launch) or one of the file system or network (OSError: a path the
+user gave, a cluster address) is one line and exit 2; anything else is a bug, reported as one
+with its traceback and exit 1.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import signal
 import sys
 import threading
+import traceback
 
 from coordinator.cli_loads import EXIT_MISMATCH, RANDOM_INPUT
 from coordinator.config import ConfigError, JobConfig, load_job_config, parse_bytes
@@ -26,11 +30,12 @@ from coordinator.make_checkpoint import (
     NO_KV_HEADS,
     SLIDING_ARCHITECTURES,
 )
-from coordinator.planning.checkpoint import CheckpointError
 from coordinator.planning.snapshot import ClusterSnapshot
+from offload.errors import OffloadCoordinatorError
 from worker.spec import COMPUTE_DTYPES
 
 EXIT_ERROR = 2
+EXIT_BUG = 1  # an exception that is not one of our kinds
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 EXIT_TERMINATED = 143  # 128 + SIGTERM
 RELEASED = "every worker and Ray this command started was released (named loads stay)"
@@ -314,16 +319,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from coordinator.planning.planner import PlanError
-
     expected: tuple[type[Exception], ...] = (
-        CheckpointError, ConfigError, PlanError, ValueError, LookupError,
-        OSError,  # a path the user gave: missing, a directory, unreadable; ConnectionError
-    )  # fmt: skip
-    if args.command not in RAY_FREE_COMMANDS:
-        from coordinator.runtime.errors import LaunchError  # imports Ray: only where Ray is used
-
-        expected += (LaunchError,)
+        OffloadCoordinatorError,
+        OSError,  # a path the user gave: missing, a directory, unreadable; a cluster address
+    )
     main_thread = threading.current_thread() is threading.main_thread()
     previous = _install_handlers() if main_thread else {}
     running = _embedded_ray()  # one the caller started (tests): not this command's to stop
@@ -407,6 +406,12 @@ def _run(args: argparse.Namespace, expected: tuple[type[Exception], ...]) -> int
                             step=args.step, repeats=args.repeats)  # fmt: skip
     except expected as exc:
         return _fail(f"error: {exc}", EXIT_ERROR)
+    except Exception:  # not a kind we raise: a bug, with what it needs to be fixed
+        _end_progress()
+        traceback.print_exc()
+        print(f"offloadctl {args.command}: internal error (a bug: please report it with the "
+              "traceback above)", file=sys.stderr)  # fmt: skip
+        return EXIT_BUG
     raise AssertionError(args.command)
 
 

@@ -235,8 +235,9 @@ def test_a_prompt_past_the_context_is_refused_before_loading(tmp_path, capsys) -
     assert not ray.is_initialized()
 
 
-class LaunchCalled(Exception):
-    """Raised by a stand-in for `launch`: the command got as far as loading, with `config`."""
+class LaunchCalled(BaseException):
+    """Raised by a stand-in for `launch`: the command got as far as loading, with `config`. A
+    BaseException, so it passes through the CLI's report of unexpected exceptions as bugs."""
 
     def __init__(self, config) -> None:
         super().__init__("launch called")
@@ -355,3 +356,20 @@ def test_make_checkpoint_ignores_expert_flags_outside_moe(tmp_path) -> None:
     assert main(["make-checkpoint", str(tmp_path / "c"), *TINY, "--experts", "1"]) == 0
     assert main(["make-checkpoint", str(tmp_path / "m"), *TINY, "--arch", "mixtral",
                  "--experts", "1"]) == EXIT_ERROR  # fmt: skip
+
+
+def test_an_exception_that_is_not_ours_is_a_bug_with_its_traceback(checkpoint, monkeypatch,
+                                                                   capsys) -> None:  # fmt: skip
+    """Only our error kinds (and OSError) are one-line user errors; a stray ValueError from a
+    library is reported as a bug: traceback, exit 1, never dressed up as the user's mistake."""
+    import coordinator.cli as cli
+
+    def broken(*_args, **_kwargs):
+        raise ValueError("something inside a library")
+
+    monkeypatch.setattr("coordinator.planning.planner.plan", broken)
+    code = cli.main(["plan", "--checkpoint", checkpoint, "--gpus", "1", "--gpu-memory", "8MiB"])
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_BUG == 1
+    assert "Traceback" in err and "ValueError: something inside a library" in err
+    assert "internal error (a bug" in err and "error: something" not in err

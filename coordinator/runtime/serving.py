@@ -6,8 +6,9 @@ the named load (so it may run on any node, and several requests share its worker
 gate lets them run at once), tokenizes with the checkpoint's tokenizer and calls
 `Job.generate` in a thread; a client that goes away cancels its request, which frees its KV
 caches. With an API key, every request needs `Authorization: Bearer <key>` (401 otherwise).
-Bad requests get a 4xx naming the field; a request beyond the planned KV cache gets 400 (too
-long) or 429 (too many sequences in flight), never a 500. `stop` strings end the text where
+Bad requests get a 4xx naming the field. The status comes from the error's kind, never its text
+(`STATUS_OF_KIND`): a request beyond the planned KV cache gets 400 (never fits) or 429 (busy:
+too many sequences in flight), a lost worker 503, and only a bug a 500. `stop` strings end the text where
 they begin (streamed text never shows part of one); `stream_options.include_usage` adds a usage
 chunk; settings that would change the text and are not applied here (penalties, logit_bias,
 logprobs, echo, best_of, suffix, tools, response_format) are refused with 400, not ignored.
@@ -18,6 +19,7 @@ logprobs, echo, best_of, suffix, tools, response_format) are refused with 400, n
 import asyncio
 import hmac
 import json
+import logging
 import threading
 import time
 import uuid
@@ -26,7 +28,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
+from offload.errors import (
+    BusyError,
+    ConfigError,
+    LaunchError,
+    NotFoundError,
+    OffloadCoordinatorError,
+)
+
 app = FastAPI()
+logger = logging.getLogger(__name__)
 MAX_ONGOING_REQUESTS = 32
 MAX_STOP = 4  # stop strings per request, as OpenAI's API allows
 # Request fields this server does not apply, with the value that means "off": any other value is
@@ -38,15 +49,40 @@ UNSUPPORTED = {
 }  # fmt: skip
 
 
-class BadRequest(ValueError):
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
+class BadRequest(ConfigError):
+    """A request field the server cannot take: a 400 naming the field."""
+
+
+# The project's error kinds -> HTTP status and OpenAI error type, first match wins (the kinds
+# derive from one another: BusyError before its base, NotFoundError before ConfigError's kin).
+# Nothing reads message texts. Anything else is the server's bug: a 500.
+STATUS_OF_KIND: tuple[tuple[type[OffloadCoordinatorError], int, str], ...] = (
+    (BusyError, 429, "rate_limit_error"),
+    (NotFoundError, 404, "NotFoundError"),
+    (LaunchError, 503, "service_unavailable"),
+    (OffloadCoordinatorError, 400, "invalid_request_error"),  # config, checkpoint, never fits
+)
+
+
+def status_of(exc: BaseException) -> tuple[int, str]:
+    """HTTP status and error type for an exception a request ended with."""
+    for kind, status, name in STATUS_OF_KIND:
+        if isinstance(exc, kind):
+            return status, name
+    return 500, "internal_error"
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
                         status_code=status)  # fmt: skip
+
+
+def _error_for(exc: BaseException) -> JSONResponse:
+    status, kind = status_of(exc)
+    if status == 500:  # a bug: the client gets no internals, the log gets the traceback
+        logger.exception("request failed", exc_info=exc)
+        return _error(500, f"internal error ({type(exc).__name__}); see the server log", kind)
+    return _error(status, str(exc), kind)
 
 
 def _field(body: dict, name: str, kinds: tuple[type, ...], default=None, check=None):
@@ -197,10 +233,8 @@ class OpenAIServer:
             stream_options = _field(body, "stream_options", (dict,), {})
             usage = _field(stream_options, "include_usage", (bool,), False)
             self.job.check_request(ids.shape[1], **options)  # a 400 now, not mid-stream
-        except BadRequest as exc:
-            return _error(exc.status, str(exc))
-        except ValueError as exc:  # no chat template, past the context or the KV plan, ...
-            return _error(400, str(exc))
+        except OffloadCoordinatorError as exc:  # no chat template, past the context or the KV plan
+            return _error_for(exc)
         kind = "chat.completion" if chat else "text_completion"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         run = _Run(self.job, self.tokenizer, ids, options, stop)
@@ -209,8 +243,8 @@ class OpenAIServer:
                                      media_type="text/event-stream")  # fmt: skip
         try:
             await run.finish()
-        except ValueError as exc:  # beyond the planned KV cache, a bad setting
-            return _error(429 if "in flight" in str(exc) else 400, str(exc))
+        except Exception as exc:  # busy (429), a lost worker (503), a bug (500): by kind
+            return _error_for(exc)
         message = {"role": "assistant", "content": run.text}
         choice = {"index": 0, "finish_reason": run.finish_reason, "logprobs": None,
                   **({"message": message} if chat else {"text": run.text})}  # fmt: skip
@@ -285,7 +319,9 @@ class OpenAIServer:
                     return
                 yield event(delta, None)
             if run.error is not None:
-                message = json.dumps({"error": {"message": str(run.error), "code": 400}})
+                status, kind = status_of(run.error)
+                text = str(run.error) if status != 500 else "internal error; see the server log"
+                message = json.dumps({"error": {"message": text, "type": kind, "code": status}})
                 yield f"data: {message}\n\n"
             else:
                 yield event(None, run.finish_reason)

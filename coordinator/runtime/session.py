@@ -15,6 +15,7 @@ import psutil
 import ray
 
 from coordinator.config import ConfigError, JobConfig
+from coordinator.runtime.errors import ClusterUnreachableError
 
 CONNECT_TIMEOUT_S = 30.0  # a TCP connect to the head before ray.init, which retries for minutes
 STOP_TIMEOUT_S = 15.0  # an embedded Ray's processes, after ray.shutdown asked them to stop
@@ -162,7 +163,7 @@ def _join(address: str) -> None:
 
         resolved = canonicalize_bootstrap_address(address)
     except ConnectionError as exc:  # "auto" with no cluster on this machine
-        raise ConnectionError(f"no Ray cluster to join at address={address!r}: {exc}") from None
+        raise ClusterUnreachableError(f"no Ray cluster to join at address={address!r}: {exc}") from None
     except Exception:  # a private helper that moved: leave the address to ray.init
         resolved = None
     host, _, port = (resolved or "").rpartition(":")
@@ -170,7 +171,7 @@ def _join(address: str) -> None:
         try:
             socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
         except OSError as exc:
-            raise ConnectionError(
+            raise ClusterUnreachableError(
                 f"cannot reach a Ray cluster at {address} ({resolved}): {exc}; check that its "
                 "head is up (ray status on it) and the address (--address or RAY_ADDRESS)"
             ) from None
@@ -185,7 +186,7 @@ def _join(address: str) -> None:
             chain.append(link)
             link = link.__cause__ or link.__context__
         if not any(_is_token_refusal(e) for e in chain):
-            raise ConnectionError(f"cannot join the Ray cluster at {address}: {exc}") from None
+            raise ClusterUnreachableError(f"cannot join the Ray cluster at {address}: {exc}") from None
         raise _token_refused(address) from None
 
 
@@ -206,8 +207,8 @@ def _refuses_token(gcs_address: str) -> bool:
     return False
 
 
-def _token_refused(address: str) -> ConnectionError:
-    return ConnectionError(
+def _token_refused(address: str) -> ClusterUnreachableError:
+    return ClusterUnreachableError(
         f"the Ray cluster at {address} refused this client's token (RAY_AUTH_MODE="
         f"{os.environ.get('RAY_AUTH_MODE', 'unset')}): it uses token authentication; set "
         "RAY_AUTH_MODE=token and give the cluster's token in ~/.ray/auth_token, "
