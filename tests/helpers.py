@@ -109,16 +109,36 @@ def still_running(processes) -> list:
     return running
 
 
+def names_of(processes) -> set[str]:
+    """The names of those of `processes` (psutil) that still exist: a short-lived one (a Ray
+    worker that came and went) may have ended since it was listed."""
+    import contextlib
+
+    import psutil
+
+    names = set()
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            names.add(process.name())
+    return names
+
+
 def session_dir_of(processes) -> str:
     """The Ray session directory that the raylet among `processes` was started for."""
     import re
 
+    import psutil
+
     for process in processes:
-        if process.name() == "raylet":
+        try:
+            if process.name() != "raylet":
+                continue
             match = re.search(r"(/\S*?/session_[^/\s]+)", " ".join(process.cmdline()))
-            if match:
-                return match.group(1)
-    raise AssertionError(f"no raylet among {[p.name() for p in processes]}")
+        except psutil.Error:  # ended since it was listed
+            continue
+        if match:
+            return match.group(1)
+    raise AssertionError(f"no raylet among {sorted(names_of(processes))}")
 
 
 def scrape_gauges(name: str, expected: dict[str, float], port: int, *, tag: str = "stage",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import ray_session_processes, session_dir_of, still_running
+from helpers import names_of, ray_session_processes, session_dir_of, still_running
 from ray_head import free_ports
 
 from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
@@ -245,7 +245,7 @@ def test_sigterm_stops_the_server_and_its_embedded_ray(served) -> None:
     the bound, one line and no traceback, and no process of its embedded Ray is left: neither
     one whose command line names its session directory (GCS, raylet, dashboard, monitors) nor
     any process the command had spawned (Serve's controller, proxy and replica, the worker)."""
-    assert {"gcs_server", "raylet"} <= {p.name() for p in served.spawned}
+    assert {"gcs_server", "raylet"} <= names_of(served.spawned)
     served.proc.send_signal(signal.SIGTERM)
     assert served.proc.wait(timeout=STOP_TIMEOUT_S) == 143, served.log()
     log = served.log()
@@ -253,5 +253,5 @@ def test_sigterm_stops_the_server_and_its_embedded_ray(served) -> None:
     assert "Traceback" not in log, log
     deadline = time.monotonic() + 10  # reaped: the command waited for each of them to end
     while left := ray_session_processes(served.session) + still_running(served.spawned):
-        assert time.monotonic() < deadline, f"left running: {[p.name() for p in left]}"
+        assert time.monotonic() < deadline, f"left running: {sorted(names_of(left))}"
         time.sleep(0.2)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import psutil
-from helpers import ray_session_processes, session_dir_of, still_running
+from helpers import names_of, ray_session_processes, session_dir_of, still_running
 
 from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from worker.worker import HOLD_ENV
@@ -54,7 +54,7 @@ def test_ctrl_c_mid_load_ends_the_command_and_its_embedded_ray(tmp_path) -> None
         wait_for(loading, START_TIMEOUT_S, "no progress bar")
         spawned = psutil.Process(proc.pid).children(recursive=True)
         session = session_dir_of(spawned)
-        assert {"gcs_server", "raylet"} <= {p.name() for p in spawned}
+        assert {"gcs_server", "raylet"} <= names_of(spawned)
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=STOP_BOUND_S + 30) == 130, log_path.read_text()[-3000:]
