@@ -12,8 +12,6 @@ in test_families.py; one `offloadctl run` starts Ray.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from test_families import VOCAB, Pipeline, reference
@@ -179,9 +177,8 @@ def test_tested_families_skip_the_check_and_verdicts_are_cached(checkpoints,
     calls = []
     check = family_check._check
     monkeypatch.setattr(family_check, "_check", lambda *a: calls.append(a) or check(*a))
-    start = time.perf_counter()
     assert check_family({"model_type": "llama", "num_hidden_layers": 80}) is False
-    assert time.perf_counter() - start < 0.01 and calls == []
+    assert calls == []  # nothing built: the check is skipped, not merely fast
     opt = checkpoints("opt").config
     assert check_family(opt) and check_family(dict(opt)) and len(calls) == 1  # launched twice
     assert check_family({**opt, "do_layer_norm_before": False}) and len(calls) == 2  # OPT-350M
