@@ -142,13 +142,13 @@ def _check(job, config: JobConfig, ids, logits) -> int:
 def _stage_table(reports: Sequence[StageSnapshot]) -> str:
     from coordinator.planning.formats import format_bytes, layer_range
 
-    rows = [("stage", "host", "gpu", "device", "layers", "resident", "offloaded", "pin",
-             "decided by")]  # fmt: skip
+    rows = [("stage", "host", "gpu", "device", "layers", "resident", "offloaded", "backend",
+             "pin", "decided by")]  # fmt: skip
     for r in reports:
         rows.append((
             str(r.stage), r.hostname, r.gpu or "-", r.device,
             layer_range(r.layers), format_bytes(r.stats.resident_bytes),
-            f"{format_bytes(r.stats.offloaded_bytes)} ({len(r.offloaded)})",
+            f"{format_bytes(r.stats.offloaded_bytes)} ({len(r.offloaded)})", r.backend,
             "on" if r.pin.pin else "off", f"{r.pin_origin}: {r.pin.source}: {r.pin.reason}",
         ))  # fmt: skip
     from coordinator.tables import render

@@ -161,7 +161,8 @@ def test_offloadctl_run_check(embedded_ray, checkpoints, capsys, tmp_path) -> No
 
 def stage_table_rows(out: str) -> list[tuple[str, dict]]:
     """(device, {"pin", "source"}) of each row of offloadctl's per-stage table, whose columns
-    are: stage host gpu device layers resident offloaded pin, then "origin: source: reason"."""
+    are: stage host gpu device layers resident offloaded backend pin, then "origin: source:
+    reason"."""
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.endswith("decided by"))
     rows = []

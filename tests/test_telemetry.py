@@ -183,4 +183,6 @@ def test_the_load_table_reads_the_snapshots() -> None:
     table = _stage_table([REPORTS[1], dataclasses.replace(REPORTS[0], gpu="")])
     assert "on" in table and "probe: probe: discrete GPU" in table
     assert "10.00 MiB (1)" in table and "20.00 MiB" in table  # offloaded (layers), resident
+    assert "backend" in table.splitlines()[0]
+    assert {REPORTS[0].backend, REPORTS[1].backend} <= set(table.split())
     assert " - " in table  # no CUDA_VISIBLE_DEVICES
