@@ -21,6 +21,7 @@ import sys
 import threading
 import traceback
 
+from coordinator import cli_exit
 from coordinator.cli_loads import EXIT_MISMATCH, RANDOM_INPUT
 from coordinator.config import ConfigError, JobConfig, load_job_config, parse_bytes
 from coordinator.make_checkpoint import (
@@ -255,30 +256,6 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread so every `finally` and `with` releases what it holds,
-    as Ctrl-C's KeyboardInterrupt does. A KeyboardInterrupt on purpose: Ray's waits (ray.get,
-    ray.wait) end at once on a KeyboardInterrupt from a signal handler, raising one of their own,
-    but hold any other exception until the wait is over (then as a SystemError): a SIGTERM
-    during a load went unheard for as long as the load took."""
-
-
-_received: list[int] = []  # the signals this command received, first first
-
-
-def _on_signal(signum: int, frame: object) -> None:
-    _received.append(signum)
-    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
-
-
-def _install_handlers() -> dict[int, object]:
-    """Ctrl-C and SIGTERM end any command with 130 / 143 after releasing what it holds. SIGINT
-    is taken even where it was inherited ignored (a background job of a shell script): Python
-    then installs no handler for it, and Ctrl-C or `kill -INT` was lost."""
-    _received.clear()
-    return {signum: signal.signal(signum, _on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
-
-
 def plan_cluster(config: JobConfig, result: dict, num_nodes: int,
                  origins: dict[str, str] | None = None) -> ClusterSnapshot:  # fmt: skip
     """`offloadctl plan`'s cluster: `num_nodes` nodes like this machine, as `probe_here()` saw
@@ -324,34 +301,19 @@ def main(argv: list[str] | None = None) -> int:
         OSError,  # a path the user gave: missing, a directory, unreadable; a cluster address
     )
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = _install_handlers() if main_thread else {}
-    running = _embedded_ray()  # one the caller started (tests): not this command's to stop
+    previous = cli_exit.install_handlers() if main_thread else {}
+    running = cli_exit.embedded_ray()  # one the caller started (tests): not this command's to stop
     try:
         return _run(args, expected)
     except KeyboardInterrupt:  # Terminated too; Ray raises a KeyboardInterrupt of its own
-        if _received[:1] == [signal.SIGTERM]:
+        if cli_exit.first_signal() == signal.SIGTERM:
             return _fail(f"terminated: {RELEASED}", EXIT_TERMINATED)
         return _fail(f"interrupted: {RELEASED}", EXIT_INTERRUPTED)
     finally:
         try:
-            _release_embedded_ray(unless=running)
+            cli_exit.release_embedded_ray(unless=running)
         finally:
-            for signum, handler in previous.items():
-                if handler is not None:  # None: installed outside Python, cannot be put back
-                    signal.signal(signum, handler)
-
-
-def _embedded_ray() -> str | None:
-    session = sys.modules.get("coordinator.runtime.session")  # imported with Ray, if at all
-    return session.embedded_session() if session is not None else None
-
-
-def _release_embedded_ray(unless: str | None) -> None:
-    """However the command ended (an error, a signal, a handler of Ray's own), an embedded Ray
-    it started is stopped before it returns (see coordinator.runtime.session.EmbeddedGuard)."""
-    session = sys.modules.get("coordinator.runtime.session")
-    if session is not None:
-        session.release_embedded(unless=unless)
+            cli_exit.restore_handlers(previous)
 
 
 def _run(args: argparse.Namespace, expected: tuple[type[Exception], ...]) -> int:
