@@ -1,0 +1,58 @@
+"""The planner's knobs and its cost model's rates: a frozen, validated `PlanOptions`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from offload.config import MAX_PREFETCH_STEP  # the offloader's own bound, not a second copy
+from offload.errors import ConfigError
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_rate(value: Any) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanOptions:
+    """The planner's knobs and its cost model's rates."""
+
+    reserve_bytes: int = 0  # per GPU, kept free for activations and workspace
+    prefetch_step: int = 1  # device slots per offloading stage
+    compute_bytes_per_s: float = 200e9  # weight bytes a stage computes through per second
+    default_link_bytes_per_s: float = 25e9  # host-to-device, for nodes that did not measure it
+    # KV cache reserved on each GPU for its decoder layers: max_batch sequences of up to
+    # max_seq_len tokens each (0: none; the job cannot generate).
+    max_batch: int = 0
+    max_seq_len: int = 0
+
+    def __post_init__(self) -> None:
+        if not is_int(self.reserve_bytes) or self.reserve_bytes < 0:
+            raise ConfigError(
+                f"PlanOptions.reserve_bytes={self.reserve_bytes!r} must be an int >= 0"
+            )
+        for name in ("max_batch", "max_seq_len"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise ConfigError(f"PlanOptions.{name}={getattr(self, name)!r} must be an int >= 0")
+        if not is_int(self.prefetch_step) or not 1 <= self.prefetch_step <= MAX_PREFETCH_STEP:
+            raise ConfigError(
+                f"PlanOptions.prefetch_step={self.prefetch_step!r} must be an int in "
+                f"1..{MAX_PREFETCH_STEP}"
+            )
+        for name in ("compute_bytes_per_s", "default_link_bytes_per_s"):
+            value = getattr(self, name)
+            if not is_rate(value):
+                raise ConfigError(f"PlanOptions.{name}={value!r} must be a finite number > 0")
+
+
+DEFAULT_OPTIONS = PlanOptions()

@@ -1,0 +1,125 @@
+"""What the planner refuses, and why, with the numbers and the knobs: malformed layer lists, a
+layer that fits no GPU, layers the cluster cannot hold. Also the two per-stage byte rules every
+check and the plan share: KV cache per layer and prefetch slots per GPU. No Ray here."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from coordinator.planning.formats import format_bytes
+from coordinator.planning.options import PlanOptions
+from coordinator.planning.search import LayerRange
+from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
+from offload.errors import PlanError
+from worker.spec import LayerSpec
+
+# What can make a plan fit, as flags (and the job-file keys behind them).
+KNOBS = (
+    "add GPUs, raise --gpu-memory, raise the node's host budget (--host-memory / "
+    "host_memory_bytes), lower --prefetch-step, --reserve (reserve_bytes), --max-batch or "
+    "--max-seq-len"
+)
+
+
+def check_layers(layers: Sequence[LayerSpec]) -> None:
+    if not layers:
+        raise PlanError("no layers to place")
+    names = [layer.name for layer in layers]
+    if len(set(names)) != len(names):
+        raise PlanError(f"duplicate layer names in {names}")
+    for i, layer in enumerate(layers):
+        if layer.kind not in ("embed", "decoder", "head"):
+            raise PlanError(f"layer {layer.name!r}: kind={layer.kind!r} is not embed/decoder/head")
+        if (layer.kind == "embed" and i != 0) or (layer.kind == "head" and i != len(layers) - 1):
+            raise PlanError(
+                f"layer {layer.name!r} ({layer.kind}) is at position {i} of {len(layers)}"
+            )
+
+
+def slot_count(node: NodeInfo, options: PlanOptions) -> int:
+    """Device slots an offloading GPU of `node` holds: none where the GPU reads in place."""
+    return 0 if node.backend == "uva" else options.prefetch_step
+
+
+def kv_bytes(layer: LayerSpec, options: PlanOptions) -> int:
+    return layer.kv_bytes(options.max_batch, options.max_seq_len)
+
+
+def check_largest_layer(
+    layers: Sequence[LayerSpec], gpus: list[tuple[NodeInfo, GpuInfo]], options: PlanOptions
+) -> None:
+    """Every layer needs its own bytes on one device (resident, or as a prefetch slot; a UVA GPU
+    reads an offloaded decoder layer in place), plus its KV cache."""
+    # The largest GPU of each backend: the only candidates that matter for a single layer.
+    largest: dict[str, tuple[NodeInfo, GpuInfo]] = {}
+    for node, gpu in gpus:
+        if node.backend not in largest or gpu.memory_bytes > largest[node.backend][1].memory_bytes:
+            largest[node.backend] = (node, gpu)
+
+    def need(layer: LayerSpec, node: NodeInfo) -> int:
+        in_place = layer.kind == "decoder" and node.backend == "uva"
+        return (0 if in_place else layer.nbytes) + kv_bytes(layer, options) + options.reserve_bytes
+
+    for big in sorted(layers, key=lambda layer: layer.nbytes + kv_bytes(layer, options), reverse=True):
+        node, gpu = max(largest.values(), key=lambda ng: ng[1].memory_bytes - need(big, ng[0]))
+        if need(big, node) <= gpu.memory_bytes:
+            continue
+        kv = kv_bytes(big, options)
+        why = (
+            "offloaded, a decoder layer still needs a device slot of its size"
+            if big.kind == "decoder" and node.backend != "uva"
+            else f"the {big.kind} is never offloaded"
+            if big.kind != "decoder"
+            else "its KV cache stays on the GPU"
+        )
+        cache = (f" + {format_bytes(kv)} of KV cache for max_batch {options.max_batch} x "
+                 f"max_seq_len {options.max_seq_len}") if kv else ""  # fmt: skip
+        weights = 0 if big.kind == "decoder" and node.backend == "uva" else big.nbytes
+        raise PlanError(
+            f"layer {big.name!r} needs {need(big, node)} bytes on one GPU "
+            f"({format_bytes(weights)} of weights{cache} + reserve_bytes "
+            f"{options.reserve_bytes}; {why}), but the largest GPU (node {node.node_id}, GPU "
+            f"{gpu.index}) has {gpu.memory_bytes} bytes: raise --gpu-memory, lower --reserve "
+            "(reserve_bytes), --max-batch or --max-seq-len, or add larger GPUs"
+        )
+
+
+def unplaceable(
+    layers: Sequence[LayerSpec],
+    cluster: ClusterSnapshot,
+    options: PlanOptions,
+    reached: int,
+    placements: Sequence[LayerRange],
+) -> PlanError:
+    left = sum(layer.nbytes for layer in layers[reached:])
+    device_total = sum(
+        max(0, g.memory_bytes - options.reserve_bytes) for n in cluster.nodes for g in n.gpus
+    )
+    host = sum(n.offload_budget_bytes for n in cluster.nodes)
+    where = "before any GPU took a layer"
+    if placements:
+        last = placements[-1]
+        node = cluster.nodes[last.node]
+        gpu = node.gpus[last.gpu]
+        where = (
+            f"after node {node.node_id} GPU {gpu.index} ({gpu.memory_bytes} bytes; the node's "
+            f"offload budget is {node.offload_budget_bytes} bytes)"
+        )
+    return PlanError(
+        f"the layers do not fit: placed {reached} of {len(layers)} layers, stopping {where}; "
+        f"{left} bytes from layer {layers[reached].name!r} on are left. Needed "
+        f"{sum(layer.nbytes for layer in layers)} bytes of weights"
+        f"{_kv_needed(layers, options)}; available "
+        f"{device_total} bytes of GPU memory (less reserve_bytes {options.reserve_bytes} per GPU) "
+        f"on {cluster.num_gpus} GPUs plus {host} bytes of host offload budget on "
+        f"{len(cluster.nodes)} node(s), less {options.prefetch_step} slot(s) per prefetching GPU: "
+        f"{KNOBS}"
+    )
+
+
+def _kv_needed(layers: Sequence[LayerSpec], options: PlanOptions) -> str:
+    kv = sum(kv_bytes(layer, options) for layer in layers)
+    if not kv:
+        return ""
+    return (f" and {kv} bytes of KV cache (max_batch {options.max_batch} x max_seq_len "
+            f"{options.max_seq_len}), which stays on the GPUs")  # fmt: skip
