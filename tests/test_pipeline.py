@@ -25,7 +25,7 @@ from coordinator.runtime import telemetry
 from coordinator.runtime.errors import LaunchError
 from coordinator.runtime.inputs import check_inputs
 from coordinator.runtime.job import launch
-from worker.worker import HOLD_ENV
+from worker.loader import HOLD_ENV
 
 NUM_GPUS = 3
 
@@ -244,7 +244,7 @@ def test_a_replacement_never_reads_a_rewritten_checkpoint(embedded_ray, checkpoi
 
 def held_load_config(tmp_path) -> str:
     """A job file whose workers hold their load at the first chunk until a file appears that
-    no one creates (worker.worker.HOLD_ENV): a load that is certainly under way."""
+    no one creates (worker.loader.HOLD_ENV): a load that is certainly under way."""
     job = tmp_path / "held.yaml"
     job.write_text(f"overrides:\n  - match: {{hostname: '*'}}\n"
                    f"    env: {{{HOLD_ENV}: '{tmp_path / 'never'}'}}\n")  # fmt: skip

@@ -3,7 +3,7 @@ exits with 130 within a bound, says so in one line, and leaves no process of its
 behind (found by the session directory its raylet was started for, and by the processes the
 command had spawned). Started with SIGINT ignored, as a shell script's background job is: the
 command takes Ctrl-C all the same. The load is held at its first chunk until a file appears
-that no one creates (worker.worker.HOLD_ENV), so the signal certainly lands mid-load. The
+that no one creates (worker.loader.HOLD_ENV), so the signal certainly lands mid-load. The
 SIGTERM of `offloadctl serve` is tested with the server (test_serving.py)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import psutil
 from helpers import names_of, ray_session_processes, session_dir_of, still_running
 
 from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
-from worker.worker import HOLD_ENV
+from worker.loader import HOLD_ENV
 
 OFFLOADCTL = str(Path(sys.executable).with_name("offloadctl"))
 START_TIMEOUT_S = 240.0  # imports, the embedded Ray, a worker: ~25 s on a quiet 2-core machine

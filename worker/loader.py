@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -85,6 +86,20 @@ def _pread_exact(fd: int, view: memoryview, offset: int, where: str) -> None:
             raise CheckpointError(f"{where}: file ended after {done} of {len(view)} bytes")
         done += n
 
+
+
+# Tests only: a file path; every chunk a worker loads waits until that file exists (at most
+# HOLD_MAX_S), so a test can act while a load is certainly under way (a signal, a kill) instead
+# of racing it.
+HOLD_ENV = "OFFLOAD_TEST_HOLD_LOAD"
+HOLD_MAX_S = 60.0
+
+
+def hold_if_asked() -> None:
+    path = os.environ.get(HOLD_ENV)
+    deadline = time.monotonic() + HOLD_MAX_S
+    while path and not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 class TensorReader:
     """Reads tensor bytes of one checkpoint directory into given tensors.

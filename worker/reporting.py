@@ -122,3 +122,12 @@ def storage_bytes(module: nn.Module, host: Mapping[str, torch.Tensor] | None = N
             if storage.data_ptr() not in skip:
                 storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
+
+
+def device_memory(device: torch.device, budget_bytes: int | None, used_bytes: int) -> tuple[int, int]:
+    """(free, total) bytes of a stage's device: CUDA's own count, or on the CPU stand-in the
+    simulated GPU's budget less what the stage holds."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)
+    total = budget_bytes or 0
+    return max(total - used_bytes, 0), total

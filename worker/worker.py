@@ -26,30 +26,20 @@ from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV
 from offload.probe import DECISION_STEPS
 from worker.decode import Sampling, steps
 from worker.layout import hf_config_from_dict, model_class_for
-from worker.loader import TensorReader
+from worker.loader import TensorReader, hold_if_asked
 from worker.node import probe_here
 from worker.placement import Placement
-from worker.reporting import Snapshots, pin_decision, pin_origin, storage_bytes
+from worker.reporting import Snapshots, device_memory, pin_decision, pin_origin, storage_bytes
 from worker.snapshot import CopyCounters, StageSnapshot
 from worker.spec import StageSpec, torch_dtype_named
 from worker.stage import Stage
 from worker.wire import Packed, pack, unpack
 
 LOAD_CHUNK_BYTES = 64 * 2**20  # progress granularity
-# Tests only: a file path; every chunk waits until that file exists (at most HOLD_MAX_S), so a
-# test can act while a load is certainly under way (a signal, a kill) instead of racing it.
-HOLD_ENV = "OFFLOAD_TEST_HOLD_LOAD"
-HOLD_MAX_S = 60.0
 
 
 class WorkerError(LaunchError):
     """A worker could not load or run its stage; the message says which stage and why."""
-
-
-def _held(path: str | None) -> None:
-    deadline = time.monotonic() + HOLD_MAX_S
-    while path and not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 class StageWorker:
@@ -199,7 +189,7 @@ class StageWorker:
         placement = self._placement
         if self._chunks[index][0] in placement.loaded:
             return 0
-        _held(os.environ.get(HOLD_ENV))
+        hold_if_asked()  # tests only: OFFLOAD_TEST_HOLD_LOAD
         start = time.perf_counter()
         before = self._reader.stats.bytes_read
         try:
@@ -358,11 +348,7 @@ class StageWorker:
         stats = offloader.stats() if offloader is not None else OffloadStats(backend="none")
         decision = pin_decision(offloader, self.probe, self.device)
         vm = psutil.virtual_memory()
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-        else:
-            total = self.gpu_memory_bytes or 0
-            free = max(total - self.device_bytes(), 0)
+        free, total = device_memory(self.device, self.gpu_memory_bytes, self.device_bytes())
         return StageSnapshot(
             stage=self.spec.stage,
             hostname=socket.gethostname(),
