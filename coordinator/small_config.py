@@ -1,0 +1,110 @@
+"""A checkpoint's config.json shrunk to a model small enough to build and run in the driver in
+a second: 2 decoder layers and tiny widths, changed together so the model still builds, with
+its structural flags kept (sliding windows, rope type, tying, MoE routing, per-layer kinds).
+The family pre-launch check (`coordinator.family_check`) runs this copy whole and split."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+NUM_LAYERS = 2
+HIDDEN, HEADS, HEAD_DIM, FFN, LORA_RANK = 32, 4, 8, 48, 16
+VOCAB, EXPERTS, EXPERTS_PER_TOKEN = 128, 4, 2
+WINDOW = 4  # a sliding window the 9-token sequences below outrun
+FFN_KEYS = ("ffn_dim", "n_inner", "ffn_hidden_size", "d_ff")
+KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token")
+# "Layers below this index are X": a threshold past the shrunk depth keeps every layer X,
+# one inside it keeps both kinds (layer 0 X, layer 1 not).
+THRESHOLD_KEYS = ("first_k_dense_replace", "max_window_layers")
+
+
+def shrink_config(config: dict) -> dict:
+    """config.json's values with `NUM_LAYERS` decoder layers and tiny widths, shrunk together
+    (heads x head dim = hidden; grouped-query and multi-query attention stay so); every other
+    key, the structural flags, as it was. Per-layer lists keep a layer of each kind."""
+    from transformers import CONFIG_MAPPING
+
+    family = config["model_type"]
+    aliases = getattr(CONFIG_MAPPING[family], "attribute_map", {})
+    small = {k: v for k, v in config.items() if k not in ("dtype", "torch_dtype")}
+
+    def key(name: str) -> str:  # the family's own spelling (GPT-2's n_embd for hidden_size)
+        own = aliases.get(name, name)
+        return own if own in small else name
+
+    def ints(keys) -> Iterator[tuple[str, int]]:
+        for k in keys:
+            value = small.get(k)
+            if isinstance(value, int) and not isinstance(value, bool):
+                yield k, value
+
+    layers_key = key("num_hidden_layers")
+    depth = small[layers_key]
+    hidden = small.get(key("hidden_size"))
+    heads = small.get(key("num_attention_heads"))
+    head_dim = small.get("head_dim") or (hidden // heads if hidden and heads else None)
+    kept = _kept_layers(small.get("layer_types"), depth)
+    small[layers_key] = len(kept)
+    for k, value in list(small.items()):  # per-layer lists and dicts: the kept layers' entries
+        if isinstance(value, list) and len(value) == depth and not k.endswith("_token_id"):
+            small[k] = [value[i] for i in kept]
+        elif isinstance(value, dict) and value and all(str(i).isdigit() for i in value):
+            small[k] = {type(i)(kept.index(int(i))): v for i, v in value.items() if int(i) in kept}
+    if isinstance(small.get("mlp_only_layers"), list):
+        small["mlp_only_layers"] = [kept.index(i) for i in small["mlp_only_layers"] if i in kept]
+    for k, value in ints(THRESHOLD_KEYS):
+        small[k] = len(kept) if value >= depth else min(value, 1)
+    for k, _ in ints([key("hidden_size")]):
+        small[k] = HIDDEN
+    for k, value in ints(("word_embed_proj_dim", "embedding_size")):  # projected embeddings
+        small[k] = HIDDEN if value == hidden else HIDDEN // 2
+    for k, _ in ints([key("num_attention_heads")]):
+        small[k] = HEADS
+    for k, value in ints(KV_HEAD_KEYS):  # as many as the heads, one (multi-query), or fewer
+        small[k] = HEADS if value == heads else 1 if value == 1 else 2
+    for k, _ in ints(["head_dim", "kv_channels", *(k for k in small if k.endswith("_head_dim"))]):
+        small[k] = HEAD_DIM
+    for k, value in ints(["rotary_dim"]):  # partial rotary stays partial
+        small[k] = HEAD_DIM if head_dim and value >= head_dim else HEAD_DIM // 2
+    for k, _ in ints(k for k in small if k.endswith("_lora_rank")):
+        small[k] = LORA_RANK
+    for k, _ in ints([*(k for k in small if k.endswith("intermediate_size")), *FFN_KEYS]):
+        small[k] = FFN
+    for k, value in list(small.items()):  # a width per layer
+        if k.endswith("intermediate_size") and isinstance(value, list):
+            small[k] = [FFN if isinstance(v, int) else v for v in value]
+    for k, value in ints(key(name) for name in EXPERT_KEYS):
+        small[k] = min(value, EXPERTS)
+    for k, value in ints(key(name) for name in TOP_K_KEYS):
+        small[k] = min(value, EXPERTS_PER_TOKEN)
+    for k, _ in ints(("n_group", "topk_group")):  # expert groups must divide the experts
+        small[k] = 1
+    for k, value in ints(("sliding_window", "attention_chunk_size")):
+        small[k] = min(value, WINDOW)
+    for k, _ in ints([key("vocab_size")]):
+        small[k] = VOCAB
+    for k, value in list(small.items()):  # special tokens inside the small vocabulary
+        if k.endswith("_token_id"):
+            small[k] = _inside_vocab(value)
+    return small
+
+
+def _kept_layers(layer_types: list | None, depth: int) -> list[int]:
+    """Which of `depth` layers the shrunk model keeps: layer 0 and the first of another kind
+    (a full-attention layer after sliding ones), else layer 1."""
+    if depth < NUM_LAYERS:
+        return list(range(depth))
+    if isinstance(layer_types, list) and len(layer_types) == depth:
+        other = next((i for i, kind in enumerate(layer_types) if kind != layer_types[0]), 1)
+        return [0, other]
+    return [0, 1]
+
+
+def _inside_vocab(value):
+    if isinstance(value, list):
+        return [_inside_vocab(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool) and value >= VOCAB:
+        return VOCAB - 1
+    return value
