@@ -27,6 +27,7 @@ from worker.worker import WorkerError
         (LoadNotFoundError("no load named 'x'"), 404),
         (WorkerLostError("a worker died"), 503),
         (WorkerError("stage 0: loading failed"), 503),
+        (errors.OffloadError("wrap_modules was already called"), 500),  # misuse: our bug
         (ValueError("a library's own ValueError"), 500),  # not ours: a bug, not a 400
         (KeyError("x"), 500),
     ],

@@ -34,6 +34,7 @@ from offload.errors import (
     LaunchError,
     NotFoundError,
     OffloadCoordinatorError,
+    OffloadError,
 )
 
 app = FastAPI()
@@ -60,6 +61,7 @@ STATUS_OF_KIND: tuple[tuple[type[OffloadCoordinatorError], int, str], ...] = (
     (BusyError, 429, "rate_limit_error"),
     (NotFoundError, 404, "NotFoundError"),
     (LaunchError, 503, "service_unavailable"),
+    (OffloadError, 500, "internal_error"),  # the library misused: our bug, not the request's
     (OffloadCoordinatorError, 400, "invalid_request_error"),  # config, checkpoint, never fits
 )
 
