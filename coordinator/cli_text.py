@@ -69,12 +69,12 @@ def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
         stream = TextStream(tokenizer, end_ids(tokenizer, job.index), tuple(args.stop or ()))
         times: list[float] = []
 
-        def show(tokens) -> None:
+        def show(row: int, token: int) -> None:
             times.append(time.perf_counter())
-            print(stream.push(int(tokens[0])), end="", flush=True)
+            print(stream.push(token), end="", flush=True)
 
         start = time.perf_counter()
-        out = job.generate(ids, max_new_tokens=args.max_new_tokens, on_tokens=show,
+        out = job.generate(ids, max_new_tokens=args.max_new_tokens, on_token=show,
                            cancelled=lambda: stream.stopped, **options)  # fmt: skip
     new = out.shape[1] - ids.shape[1]
     print(stream.finish())

@@ -156,6 +156,12 @@ class JobConfig:
     # to max_seq_len tokens each (prompt + new). 0: none reserved, and the job cannot generate.
     max_batch: int = 1
     max_seq_len: int = 0
+    # Sequences that may wait for a KV slot (beyond: busy, HTTP 429); prompt tokens per prefill
+    # step (a long prompt is prefilled in chunks, decodes of others between them); micro-batches
+    # the running sequences are split into (0: one per stage, so every stage has work).
+    max_queue: int = 1024
+    prefill_tokens: int = 512
+    micro_batches: int = 0
     prefetch_step: int = 1
     backend: str = "auto"
     # The dtype the model loads and computes in: "auto" (the checkpoint's: config.json's dtype,
@@ -181,11 +187,13 @@ class JobConfig:
             _check_type(f.name, str(f.type), getattr(self, f.name))
         if not self.checkpoint:
             raise ConfigError("checkpoint: a checkpoint directory is required")
-        for name in ("gpus", "reserve_bytes", "max_seq_len"):
+        for name in ("gpus", "reserve_bytes", "max_seq_len", "max_queue", "micro_batches"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
         if self.max_batch < 1:
             raise ConfigError(f"max_batch={self.max_batch} must be >= 1 (sequences at once)")
+        if self.prefill_tokens < 1:
+            raise ConfigError(f"prefill_tokens={self.prefill_tokens} must be >= 1")
         for name in ("load_timeout_s", "forward_timeout_s", "placement_timeout_s",
                      "snapshot_interval_s", "watch_interval_s"):  # fmt: skip
             if not math.isfinite(getattr(self, name)):

@@ -135,8 +135,6 @@ def _compare(whole: nn.Module, stages: list[Stage], layout) -> str | None:
     """Run the steps through the whole model and through `stages`; where they first differ."""
     from transformers import DynamicCache
 
-    from worker.decode import advance
-
     generator = torch.Generator().manual_seed(SEED)
     ids = torch.randint(2, VOCAB, (BATCH, PROMPT), generator=generator)
     mask = torch.ones_like(ids)
@@ -175,6 +173,12 @@ def _compare(whole: nn.Module, stages: list[Stage], layout) -> str | None:
             steps.append((f"decode step {len(steps) - 1}", tokens, m, p, 1, True))
         step += 1
     return None
+
+
+def advance(attention_mask: torch.Tensor, position_ids: torch.Tensor):
+    """The mask and positions of the next decode step: one more token per row."""
+    ones = attention_mask.new_ones((attention_mask.shape[0], 1))
+    return torch.cat([attention_mask, ones], -1), position_ids[:, -1:] + 1
 
 
 def _first_difference(calls: list[_Call], reference: dict[str, _Call], stages: list[Stage],

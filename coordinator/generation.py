@@ -1,31 +1,22 @@
-"""Generating tokens: the settings a checkpoint's `generation_config.json` gives, as
-`transformers` takes them, and the decoding loop over any pipeline (`step`).
+"""A generation request's settings: the checkpoint's `generation_config.json`, as
+`transformers` takes them, under the arguments given; and the KV budget a request must fit.
 
-The loop is `generate`'s greedy / sampling loop: a prefill of the (left-padded) prompt, then one
-position per sequence per step, the positions counted from the attention mask, rows that hit an
-end-of-sequence token padded with `pad_token_id` until every row has ended or `max_new_tokens`
-is reached. Only the last position's logits come back from a step. Sampling applies the same
-warpers as `transformers` (temperature, top-k, top-p) and draws from a generator seeded by
-`seed`, so a seeded request is reproducible. Settings that would change what `generate` returns
-and that this loop does not apply (repetition penalty, beams, ...) are refused by name: never a
-different answer without an error.
+The engine (`coordinator.engine`) runs the steps: each sequence greedy or sampled with the same
+warpers as `transformers` (temperature, top-k, top-p), drawing from its own generator seeded by
+`seed`, so a seeded request is reproducible whatever else is in the batch. Settings that would
+change what `generate` returns and that the engine does not apply (repetition penalty, beams,
+...) are refused by name: never a different answer without an error.
 """
 
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Callable, Generator, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
-
-import torch
 
 from coordinator.planning.context import beyond_context
-from offload.errors import BusyError, ConfigError, NeverFitsError
-from worker.decode import Sampling, advance, choose
+from offload.errors import ConfigError, NeverFitsError
+from worker.decode import Sampling
 
 FROM_CHECKPOINT = object()  # "the checkpoint's value": distinct from None ("no such token")
 DEFAULT_MAX_NEW_TOKENS = 20  # transformers' default (max_length 20 on top of the prompt)
@@ -40,9 +31,6 @@ UNSUPPORTED = {
     "penalty_alpha": None, "guidance_scale": None, "encoder_repetition_penalty": 1.0,
 }  # fmt: skip
 
-# step(ids (batch, n), attention_mask (batch, total), position_ids (batch, n)) -> logits of the
-# last position (batch, 1, vocab); the pipeline keeps each request's KV cache between steps.
-Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class GenerationError(ConfigError):
@@ -53,19 +41,14 @@ class KvNeverFitsError(GenerationError, NeverFitsError):
     """Beyond the KV cache the plan reserved, whatever else runs: never fits (HTTP 400)."""
 
 
-class KvBusyError(GenerationError, BusyError):
-    """Fits the reserved KV cache, but not beside the requests in flight: retry (HTTP 429)."""
-
-
 class KvBudget:
     """The KV cache the plan reserved: `max_batch` sequences in flight at once, of up to
-    `max_seq_len` tokens each. A request that would exceed it is refused with the numbers
-    before anything runs (never an out-of-memory error halfway)."""
+    `max_seq_len` tokens each. A request that could never fit is refused with the numbers
+    before anything runs (never an out-of-memory error halfway); one that fits waits in the
+    engine's queue for its slots."""
 
     def __init__(self, *, max_batch: int, max_seq_len: int) -> None:
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
-        self._lock = threading.Lock()
-        self.in_flight = 0  # sequences
 
     def check(self, sequences: int, tokens: int) -> None:
         """Refuse a request that could never fit, whatever else is in flight."""
@@ -86,24 +69,6 @@ class KvBudget:
                 f"{sequences} sequence(s) exceed the KV cache reserved for max_batch="
                 f"{self.max_batch}: send fewer sequences, or load the job with a larger max_batch"
             )
-
-    @contextmanager
-    def claim(self, sequences: int, tokens: int) -> Iterator[None]:
-        """Hold room for `sequences` of up to `tokens` each while the request runs."""
-        self.check(sequences, tokens)
-        with self._lock:
-            if self.in_flight + sequences > self.max_batch:
-                raise KvBusyError(
-                    f"{sequences} sequence(s), with {self.in_flight} in flight, exceed the KV "
-                    f"cache reserved for max_batch={self.max_batch}: wait for a request to end, "
-                    "send fewer sequences, or load the job with a larger max_batch"
-                )
-            self.in_flight += sequences
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.in_flight -= sequences
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -231,87 +196,3 @@ def sampling_options(temperature: float | None, top_p: float | None, top_k: int 
 
 def _or(value, default):
     return default if value is None else value
-
-
-class Burst(Protocol):
-    """A pipeline that can also run decode steps on its own (a job of one stage: its worker
-    chooses each token and feeds it straight back, with no round trip to the driver per
-    token). `burst` yields each step's tokens (batch,) as they come, up to `count` steps or
-    until every row has ended: the tokens `generate` would choose here, the generator's state
-    moving alike. It may stop early (a worker was lost and recovered): the loop then goes on
-    from the last token it got."""
-
-    def __call__(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor): ...
-
-    def burst(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-              unfinished: torch.Tensor, count: int, settings: Settings,
-              generator: torch.Generator | None) -> Generator[torch.Tensor, None, None]: ...  # fmt: skip
-
-
-def generate(
-    step: Step | Burst,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-    settings: Settings,
-    *,
-    on_tokens: Callable[[torch.Tensor], None] | None = None,
-    cancelled: Callable[[], bool] | None = None,
-) -> torch.Tensor:
-    """(batch, prompt + new) token ids, as `generate` returns its sequences. `on_tokens` sees
-    each step's new tokens (batch,) as they come (streaming); when `cancelled()` turns true
-    (a client went away) the loop stops before its next step and returns what it has. A `step`
-    with a `burst` (`Burst`; None: not now) runs the decode steps through it."""
-    sequences = input_ids
-    if settings.max_new_tokens == 0:
-        return sequences
-    generator = None
-    if settings.do_sample:
-        generator = torch.Generator()
-        if settings.seed is not None:
-            generator.manual_seed(settings.seed)
-        else:
-            generator.seed()
-    eos = torch.tensor(settings.eos_token_ids, dtype=sequences.dtype)
-    unfinished = torch.ones(sequences.shape[0], dtype=torch.bool)
-
-    def take(tokens: torch.Tensor) -> bool:
-        """Add one step's tokens; True when the request is over."""
-        nonlocal sequences, unfinished
-        sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
-        if on_tokens is not None:
-            on_tokens(tokens)
-        if len(eos):
-            unfinished = unfinished & ~torch.isin(tokens, eos)
-        produced = sequences.shape[1] - input_ids.shape[1]
-        if not bool(unfinished.any()) or produced == settings.max_new_tokens:
-            return True
-        return cancelled is not None and cancelled()
-
-    logits = step(input_ids, attention_mask, position_ids)
-    tokens = choose(logits, sequences, settings.sampling, generator, unfinished,
-                    settings.pad_token_id)  # fmt: skip
-    done = take(tokens)
-    while not done:
-        attention_mask, position_ids = advance(attention_mask, position_ids)
-        burst = getattr(step, "burst", None)  # asked each time: the pipeline may change
-        if burst is None:
-            logits = step(tokens[:, None], attention_mask, position_ids)
-            tokens = choose(logits, sequences, settings.sampling, generator, unfinished,
-                            settings.pad_token_id)  # fmt: skip
-            done = take(tokens)
-            continue
-        left = settings.max_new_tokens - (sequences.shape[1] - input_ids.shape[1])
-        steps = burst(tokens[:, None], attention_mask, position_ids, unfinished, left, settings,
-                      generator)  # fmt: skip
-        try:
-            for tokens in steps:  # the last one feeds the next burst
-                done = take(tokens)
-                if done:
-                    break
-                attention_mask, position_ids = advance(attention_mask, position_ids)
-        finally:
-            steps.close()  # stops the worker's steps when this loop ended first
-        if not done:  # the burst ended (its length, or a recovery): the next one goes on
-            attention_mask, position_ids = attention_mask[:, :-1], position_ids - 1
-    return sequences

@@ -15,14 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 from test_families import VOCAB, Pipeline, reference
-from test_generation import left_padded_batch, run
+from test_generation import alone, generate_each
 
 import worker.stage
 from coordinator import family_check
 from coordinator.cli import EXIT_ERROR, main
 from coordinator.family_check import FamilyCheckError, check_family, shrink_config
 from coordinator.planning.checkpoint import CheckpointIndex, load_index
-from coordinator.reference import reference_generate
 from worker.layout import UnsupportedModelError
 
 TINY = dict(num_hidden_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
@@ -73,26 +72,27 @@ def fresh_verdicts(monkeypatch):
 def test_falcon_and_opt_pass_the_check_and_load_as_transformers_does(checkpoints, name) -> None:
     """The check passes; then a real load (the planner's split over 3 stages, layers
     offloaded, same files, same dtype) gives transformers' logits bitwise, plain and
-    left-padded, and its greedy `generate` tokens through the stages' KV caches."""
+    left-padded, and each prompt's greedy `generate` tokens through the engine's batched
+    steps (two prompts of different lengths in one batch)."""
     index = checkpoints(name)
     assert check_family(index.config) is True
     ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
-    padded, mask = left_padded_batch(seed=1)
+    padded, mask = ids[:, :7].clone(), torch.ones_like(ids[:, :7])
+    padded[1, :3], mask[1, :3] = 0, 0
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     pipeline = Pipeline(index)
     try:
         logits = pipeline(ids)
         padded_logits = pipeline(padded, mask)
-        tokens = run(pipeline, padded, mask, max_new_tokens=6, do_sample=False)
+        prompts = [padded[0].tolist(), padded[1, 3:].tolist()]
+        tokens = generate_each(pipeline, prompts, 6)
     finally:
         pipeline.close()
     assert logits.dtype == getattr(torch, index.dtype)
     assert torch.equal(logits, reference(index, ids))
     assert torch.equal(padded_logits, reference(index, padded, attention_mask=mask,
                                                 position_ids=positions))  # fmt: skip
-    expected = reference_generate(str(index.root), padded, attention_mask=mask, num_threads=1,
-                                  max_new_tokens=6, do_sample=False)  # fmt: skip
-    assert torch.equal(tokens, expected)
+    assert tokens == [alone(index, prompt, 6) for prompt in prompts]
 
 
 def _one_line_refusal(config: dict, family: str) -> str:

@@ -1,7 +1,8 @@
-"""Generation through the stages, each worker keeping the KV cache of its own layers: greedy
-output equal to transformers' `generate` on left-padded batches (sliding windows outrun), seeded
-sampling reproducible, caches freed when the request ends. In-process workers, as in
-test_families.py; the Ray path is in test_pipeline.py."""
+"""Continuous batching on the real models: requests of different prompt lengths join the
+running batch at different steps and leave at different steps, and each request's greedy
+tokens equal transformers' `generate` on that prompt alone (same files, same dtype, one
+process). In-process workers driven by the engine (`LocalPipeline`), on one stage and on two
+with offloaded layers; the Ray path is in test_pipeline.py, the server's in test_serving.py."""
 
 from __future__ import annotations
 
@@ -10,12 +11,22 @@ import torch
 from test_families import VOCAB, Pipeline
 
 from coordinator import generation
+from coordinator.engine import Engine, EngineConfig
+from coordinator.engine.pipelines import LocalPipeline
 from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import load_index
 from coordinator.reference import reference_generate
-from worker.wire import unpack
+from worker.decode import Sampling
 
 FAMILIES = ("llama", "mistral", "qwen3", "gemma2", "mixtral")
+WAIT_S = 120.0
+MAX_SEQ_LEN = 40
+# (prompt length, new tokens, joins when the previous request has this many tokens)
+REQUESTS = ((7, 14, 0), (4, 6, 2), (11, 10, 3), (3, 9, 1))
+TWO_STAGES = ([["embed", "layers.0", "layers.1"], ["layers.2", "layers.3", "head"]],
+              ("layers.1", "layers.3"))  # fmt: skip
+ONE_STAGE = ([["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]],
+             ("layers.0", "layers.2"))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -34,121 +45,157 @@ def indexes(tmp_path_factory):
     return get
 
 
-def left_padded_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def prompts(seed: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (2, 7), generator=generator)
-    mask = torch.ones_like(ids)
-    ids[1, :3], mask[1, :3] = 0, 0  # row 1: four tokens, left-padded
-    return ids, mask
+    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n, _, _ in REQUESTS]
 
 
-def run(pipeline: Pipeline, ids, mask, **options) -> torch.Tensor:
-    """`generation.generate` over the in-process stages, one request id, caches freed after."""
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    settings = generation.resolve(pipeline.index.root, pipeline.index.config, ids.shape[1],
-                                  **options)  # fmt: skip
+def run_joining(pipeline: Pipeline, prompt_ids: list[list[int]], *, num_slots: int = 3,
+                samplings=None, seeds=None, **config) -> tuple[list[list[int]], Engine]:  # fmt: skip
+    """Submit request i+1 when request i has made its `joins` tokens (from the engine's own
+    callback, so the step it joins at is exact); returns each request's new tokens."""
+    engine = Engine(LocalPipeline(pipeline.workers),
+                    EngineConfig(num_slots=num_slots, max_seq_len=MAX_SEQ_LEN, prefill_tokens=8,
+                                 **config))  # fmt: skip
+    requests = []
+    samplings = samplings or [Sampling()] * len(REQUESTS)
+    seeds = seeds or [None] * len(REQUESTS)
 
-    def step(x, step_mask, step_positions):
-        for worker in pipeline.workers:
-            x = worker.forward(x, step_mask, step_positions, 1, "request")
-        return x
+    def submit(i: int) -> None:
+        counts = [0]
+
+        def on_token(row: int, token: int) -> None:
+            counts[0] += 1
+            if i + 1 < len(REQUESTS) and counts[0] == REQUESTS[i + 1][2]:
+                submit(i + 1)
+
+        requests.append(engine.submit([prompt_ids[i]], sampling=samplings[i],
+                                      max_new_tokens=REQUESTS[i][1], seed=seeds[i],
+                                      on_token=on_token))  # fmt: skip
+        if i + 1 < len(REQUESTS) and REQUESTS[i + 1][2] == 0:
+            submit(i + 1)
 
     try:
-        return generation.generate(step, ids, mask, positions, settings)
+        submit(0)
+        while len(requests) < len(REQUESTS):
+            requests[-1].wait(0.05)
+            if requests[-1].done() and len(requests) < len(REQUESTS):
+                raise AssertionError("a request ended before the next one joined")
+        return [r.result(WAIT_S)[0] for r in requests], engine
     finally:
-        for worker in pipeline.workers:
-            worker.end_request("request")
+        engine.close()
 
 
-@pytest.mark.parametrize(("family", "dtype"),
-                         [(f, "float32") for f in FAMILIES] + [("llama", "bfloat16")])  # fmt: skip
-def test_greedy_equals_transformers_generate(indexes, family: str, dtype: str) -> None:
-    index = indexes(family, dtype)
-    ids, mask = left_padded_batch(seed=1)
-    pipeline = Pipeline(index)
+def generate_each(pipeline: Pipeline, prompt_ids: list[list[int]], new: int) -> list[list[int]]:
+    """Greedy tokens of each prompt, all submitted at once to an engine over `pipeline`."""
+    engine = Engine(LocalPipeline(pipeline.workers),
+                    EngineConfig(num_slots=len(prompt_ids), max_seq_len=MAX_SEQ_LEN))  # fmt: skip
     try:
-        ours = run(pipeline, ids, mask, max_new_tokens=12, do_sample=False)
-        kv_after = [w.report() for w in pipeline.workers]
+        requests = [engine.submit([p], sampling=Sampling(), max_new_tokens=new) for p in prompt_ids]
+        return [r.result(WAIT_S)[0] for r in requests]
     finally:
-        pipeline.close()
-    expected = reference_generate(str(index.root), ids, attention_mask=mask, num_threads=1,
-                                  max_new_tokens=12, do_sample=False)  # fmt: skip
-    assert torch.equal(ours, expected), (ours, expected)
-    assert ours.shape[1] > ids.shape[1] + 4  # past every sliding window (4)
-    assert all(r.requests == 0 and r.kv_cache_bytes == 0 for r in kv_after)
+        engine.close()
 
 
-@pytest.mark.parametrize("family", ["gemma2", "mistral"])
-def test_greedy_with_stages_that_miss_layer_0_and_a_layer_kind(indexes, family: str) -> None:
-    """The model sizes its masks from the cache's first full and first sliding layer and its
-    positions from layer 0: stages that hold none of them (gemma2 alternates sliding and full
-    layers) still get the right sizes from the layers they hold."""
+def alone(index, prompt: list[int], new: int) -> list[int]:
+    out = reference_generate(str(index.root), torch.tensor([prompt]), num_threads=1,
+                             max_new_tokens=new, do_sample=False, eos_token_id=None)  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("stages", ["one stage", "two stages"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_joining_and_leaving_requests_equal_transformers_alone(indexes, family: str,
+                                                                stages: str) -> None:  # fmt: skip
+    """Four requests, three slots: one waits for a slot, the 11-token prompt goes in two
+    chunks, every request leaves at its own step; sliding windows (4) are outrun."""
     index = indexes(family)
-    groups = [["embed", "layers.0"], ["layers.1", "layers.2"], ["layers.3", "head"]]
-    ids, mask = left_padded_batch(seed=5)
-    pipeline = Pipeline(index, groups, offloaded=("layers.1", "layers.3"))
+    groups, offloaded = ONE_STAGE if stages == "one stage" else TWO_STAGES
+    pipeline = Pipeline(index, groups, offloaded=offloaded)
     try:
-        ours = run(pipeline, ids, mask, max_new_tokens=12, do_sample=False)
+        ids = prompts(seed=1)
+        ours, engine = run_joining(pipeline, ids)
+        reports = [w.report() for w in pipeline.workers]
     finally:
         pipeline.close()
-    expected = reference_generate(str(index.root), ids, attention_mask=mask, num_threads=1,
-                                  max_new_tokens=12, do_sample=False)  # fmt: skip
-    assert torch.equal(ours, expected)
+    for prompt, (_, new, _), tokens in zip(ids, REQUESTS, ours, strict=True):
+        assert tokens == alone(index, prompt, new), (family, stages)
+    stats = engine.stats
+    assert stats.step_rows > stats.steps  # sequences shared steps
+    # one forward per stage per step, whatever the number of sequences in it
+    assert all(r.forwards == stats.steps for r in reports)
+    assert any(r.stats.copies > 0 for r in reports)  # layers were offloaded
 
 
-def test_no_eos_generates_exactly_max_new_tokens(indexes) -> None:
-    index = indexes("llama")
-    ids, mask = left_padded_batch(seed=2)
-    pipeline = Pipeline(index)
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_bf16_requests_match_transformers_as_closely_as_its_own_batches(indexes,
+                                                                         family: str) -> None:  # fmt: skip
+    """In bf16 a batch and a lone prompt may round differently. Each request's tokens agree
+    with transformers alone for at least as long as transformers' own left-padded batch of the
+    same prompts agrees with it alone (here: all of them)."""
+    index = indexes(family, "bfloat16")
+    pipeline = Pipeline(index, *TWO_STAGES)
     try:
-        out = run(pipeline, ids, mask, max_new_tokens=9, eos_token_id=None)
+        ids = prompts(seed=2)
+        ours, _ = run_joining(pipeline, ids)
     finally:
         pipeline.close()
-    assert out.shape == (2, 7 + 9)
+    width = max(len(p) for p in ids)
+    batch = torch.tensor([[0] * (width - len(p)) + p for p in ids])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
+    longest = max(new for _, new, _ in REQUESTS)
+    batched = reference_generate(str(index.root), batch, attention_mask=mask, num_threads=1,
+                                 max_new_tokens=longest, do_sample=False, eos_token_id=None)  # fmt: skip
+    for r, (prompt, (_, new, _), tokens) in enumerate(zip(ids, REQUESTS, ours, strict=True)):
+        reference = alone(index, prompt, new)
+        theirs = batched[r, width : width + new].tolist()
+        agree = next((i for i, (a, b) in enumerate(zip(theirs, reference, strict=True)) if a != b), new)
+        assert tokens[:agree] == reference[:agree], (family, r)
 
 
-def test_seeded_sampling_is_reproducible(indexes) -> None:
+def test_seeded_sampling_is_the_same_whatever_else_is_in_the_batch(indexes) -> None:
+    """A seeded request draws from its own generator: the same tokens alone and next to three
+    other requests (greedy and sampled); another seed, other tokens."""
     index = indexes("qwen3")
-    ids, mask = left_padded_batch(seed=3)
-    pipeline = Pipeline(index)
+    pipeline = Pipeline(index, *ONE_STAGE)
+    sampled = Sampling(do_sample=True, temperature=1.5, top_k=20, top_p=0.9)
+    ids = prompts(seed=3)
     try:
-        options = dict(max_new_tokens=10, do_sample=True, temperature=1.5, top_k=20, top_p=0.9,
-                       eos_token_id=None)  # fmt: skip
-        first = run(pipeline, ids, mask, seed=7, **options)
-        again = run(pipeline, ids, mask, seed=7, **options)
-        other = run(pipeline, ids, mask, seed=8, **options)
-        greedy = run(pipeline, ids, mask, max_new_tokens=10, eos_token_id=None)
+        in_batch, _ = run_joining(pipeline, ids, samplings=[sampled, Sampling(), sampled, sampled],
+                                  seeds=[7, None, 8, 7])  # fmt: skip
+        engine = Engine(LocalPipeline(pipeline.workers),
+                        EngineConfig(num_slots=3, max_seq_len=MAX_SEQ_LEN))  # fmt: skip
+        try:
+            lone = engine.submit([ids[0]], sampling=sampled, max_new_tokens=REQUESTS[0][1],
+                                 seed=7).result(WAIT_S)[0]  # fmt: skip
+        finally:
+            engine.close()
     finally:
         pipeline.close()
-    assert torch.equal(first, again)
-    assert not torch.equal(first, other) and not torch.equal(first, greedy)
+    assert in_batch[0] == lone
+    assert in_batch[1] == alone(index, ids[1], REQUESTS[1][1])  # greedy beside sampled rows
+    assert in_batch[2] != lone[: len(in_batch[2])]
 
 
-def test_the_kv_cache_lives_on_the_stages_and_grows_by_one_position(indexes) -> None:
-    """Each worker caches only its own layers; a decode step adds one position per sequence."""
+def test_the_kv_slots_hold_only_the_stage_layers_within_the_plan(indexes) -> None:
+    """Each stage's KV pool: its own decoder layers only, slots x max_seq_len positions, never
+    more than the plan reserves for those layers (max_batch x max_seq_len)."""
     index = indexes("llama")
-    ids, mask = left_padded_batch(seed=4)
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    pipeline = Pipeline(index)
+    pipeline = Pipeline(index, *TWO_STAGES)
     try:
-        x = ids
-        for worker in pipeline.workers:
-            x = worker.forward(x, mask, positions, 1, "r")
-        assert x.shape == (2, 1, VOCAB)  # only the last position's logits come back
-        prefill = [w.kv_cache_bytes() for w in pipeline.workers]
-        x = torch.tensor([[5], [6]])
-        mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], -1)
-        for worker in pipeline.workers:
-            x = worker.forward(x, mask, positions[:, -1:] + 1, 1, "r")
-        decoded = [w.kv_cache_bytes() for w in pipeline.workers]
-        for worker, before, after in zip(pipeline.workers, prefill, decoded, strict=True):
-            layers = len(worker.stage.decoder_indices)
-            assert (before > 0) == (layers > 0)
-            assert after * 7 == before * 8  # 7 positions, then 8
-        assert [w.end_request("r") for w in pipeline.workers] == [True] * len(pipeline.workers)
-        assert sum(w.kv_cache_bytes() for w in pipeline.workers) == 0
+        run_joining(pipeline, prompts(seed=4), num_slots=3)
+        pools = [w.kv_cache_bytes() for w in pipeline.workers]
+        held = [w.stage.decoder_indices for w in pipeline.workers]
     finally:
         pipeline.close()
+    config = index.config
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    per_layer = 2 * 3 * config["num_key_value_heads"] * MAX_SEQ_LEN * head_dim * 4  # k+v, fp32
+    assert pools == [per_layer * len(h) for h in held] and all(pools)
+    by_name = {layer.name: layer for layer in index.layers}
+    for pool, layers in zip(pools, held, strict=True):
+        reserved = sum(by_name[f"layers.{i}"].kv_bytes(3, MAX_SEQ_LEN) for i in layers)
+        assert pool <= reserved
 
 
 def test_settings_come_from_generation_config(indexes, tmp_path) -> None:
@@ -171,99 +218,12 @@ def test_settings_come_from_generation_config(indexes, tmp_path) -> None:
         generation.resolve(root, config, 7)
 
 
-class OneStageBursts:
-    """A one-stage pipeline whose worker runs the decode steps itself, `limit` per burst, as a
-    one-stage job's worker does over Ray (`StageWorker.decode`, `generation.Burst`)."""
-
-    def __init__(self, pipeline: Pipeline, limit: int) -> None:
-        [self.worker] = pipeline.workers
-        self.limit, self.bursts = limit, 0
-
-    def __call__(self, x, mask, positions):
-        return self.worker.forward(x, mask, positions, 1, "request")
-
-    def burst(self, tokens, mask, positions, unfinished, count, settings, generator):
-        self.bursts += 1
-        start = generator.get_state() if generator is not None else None
-        for chosen, state in self.worker.decode(
-            "request", tokens, mask, positions, unfinished, min(count, self.limit),
-            settings.sampling, settings.eos_token_ids, settings.pad_token_id, start,
-        ):  # fmt: skip
-            if generator is not None:
-                generator.set_state(unpack(state))
-            yield unpack(chosen)
-
-
-def run_bursts(pipeline: Pipeline, ids, mask, limit: int, **options) -> tuple[torch.Tensor, int]:
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    settings = generation.resolve(pipeline.index.root, pipeline.index.config, ids.shape[1],
-                                  **options)  # fmt: skip
-    step = OneStageBursts(pipeline, limit)
-    try:
-        return generation.generate(step, ids, mask, positions, settings), step.bursts
-    finally:
-        pipeline.workers[0].end_request("request")
-
-
-@pytest.mark.parametrize(("family", "dtype"), [("llama", "float32"), ("mistral", "float32"),
-                                               ("llama", "bfloat16"), ("qwen3", "bfloat16")])  # fmt: skip
-def test_bursts_on_the_worker_equal_transformers_generate(indexes, family: str, dtype: str) -> None:
-    """Decode steps run by a one-stage job's worker itself, 3 per burst: the same tokens as
-    transformers' generate (same files, same dtype), a row that ends early padded while the
-    other goes on."""
-    index = indexes(family, dtype)
-    ids, mask = left_padded_batch(seed=11)
-    one_stage = [[layer.name for layer in index.layers]]
-    plain = reference_generate(str(index.root), ids, attention_mask=mask, num_threads=1,
-                               max_new_tokens=12, do_sample=False, eos_token_id=None)  # fmt: skip
-    new0, new1 = plain[0, ids.shape[1] :].tolist(), plain[1, ids.shape[1] :].tolist()
-    # an end token that ends row 0 after a few tokens while row 1 goes on past it
-    at = next(i for i in range(2, 11) if new0[i] not in new0[:i] + new1[: i + 1])
-    eos = new0[at]
-    expected = reference_generate(str(index.root), ids, attention_mask=mask, num_threads=1,
-                                  max_new_tokens=12, do_sample=False, eos_token_id=eos)  # fmt: skip
-    pipeline = Pipeline(index, one_stage)
-    try:
-        ours, bursts = run_bursts(pipeline, ids, mask, 3, max_new_tokens=12, do_sample=False,
-                                  eos_token_id=eos)  # fmt: skip
-        report = pipeline.workers[0].report()
-    finally:
-        pipeline.close()
-    assert torch.equal(ours, expected), (ours, expected)
-    assert bursts >= 3 and report.requests == 0
-
-
-def test_seeded_sampling_in_bursts_equals_step_by_step(indexes) -> None:
-    """The generator's state goes to the worker and back with every burst: the same draws."""
-    index = indexes("qwen3")
-    ids, mask = left_padded_batch(seed=3)
-    options = dict(max_new_tokens=10, do_sample=True, temperature=1.5, top_k=20, top_p=0.9,
-                   eos_token_id=None, seed=7)  # fmt: skip
-    pipeline = Pipeline(index, [[layer.name for layer in index.layers]])
-    try:
-        stepped = run(pipeline, ids, mask, **options)
-        bursts, count = run_bursts(pipeline, ids, mask, 4, **options)
-    finally:
-        pipeline.close()
-    assert count == 3 and torch.equal(bursts, stepped)
-
-
-def test_the_kv_budget_refuses_never_and_not_now_apart() -> None:
+def test_the_kv_budget_refuses_what_never_fits() -> None:
     """What can never fit (longer than max_seq_len, more sequences than max_batch) is refused
-    by `check`, before a server starts streaming; what does not fit now (others in flight)
-    only by `claim`, whose room is given back however the request ends."""
+    before a server starts streaming; what fits waits in the engine's queue."""
     budget = generation.KvBudget(max_batch=2, max_seq_len=10)
     with pytest.raises(generation.GenerationError, match=r"11 tokens per sequence .* max_seq_len=10"):
         budget.check(1, 11)
     with pytest.raises(generation.GenerationError, match=r"3 sequence\(s\) exceed .* max_batch=2"):
         budget.check(3, 5)
     budget.check(2, 10)
-    with budget.claim(1, 10):
-        budget.check(2, 10)  # fits once the one in flight ends
-        refused = pytest.raises(generation.GenerationError, match=r"2 sequence\(s\), with 1 in flight")
-        with refused, budget.claim(2, 5):
-            pass
-        assert budget.in_flight == 1
-    with pytest.raises(RuntimeError), budget.claim(2, 10):
-        raise RuntimeError("the request failed")
-    assert budget.in_flight == 0

@@ -72,7 +72,7 @@ class StageSnapshot:
     forward_s: float = 0.0
     forwards: int = 0
     kv_cache_bytes: int = 0
-    requests: int = 0  # requests whose KV cache this worker holds
+    requests: int = 0  # sequences in the last generation step (the KV slots in use then)
     stats: OffloadStats  # the offloader's counters since the stage was built
     since_last: CopyCounters = field(default_factory=CopyCounters)
     time: float  # seconds since the epoch

@@ -22,11 +22,13 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import sys
 import textwrap
 
 import torch
 from torch import nn
 
+from worker.batch_cache import BatchView
 from worker.cache import StageCache
 from worker.layout import EMBED, HEAD, build_meta_model, find_layout
 
@@ -133,6 +135,7 @@ class Stage(nn.Module):
             for path in layout.head_paths:
                 model.set_submodule(path, PassThrough())
         _untie(model)
+        _route_masks(type(model.get_submodule(layout.base_path)))
         self.model = model
         self.base = model.get_submodule(layout.base_path)
         self._incoming: torch.Tensor | None = None
@@ -189,11 +192,13 @@ class Stage(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         logits_to_keep: int = 0,
-        cache: StageCache | None = None,
+        cache: StageCache | BatchView | None = None,
     ) -> torch.Tensor:
         """Token ids (first stage) or hidden states in; hidden states, or logits from the last
         stage (of the last `logits_to_keep` positions; 0: all). With `cache`, the keys and
-        values of this stage's layers are appended to it and attended to (generation)."""
+        values of this stage's layers are appended to it and attended to (generation); with a
+        `BatchView`, each row at its own positions and with its own masks (the mask argument
+        is then unused)."""
         kwargs = {"attention_mask": attention_mask, "position_ids": position_ids,
                   "use_cache": cache is not None, "past_key_values": cache}  # fmt: skip
         if self.is_first:
@@ -207,6 +212,36 @@ class Stage(nn.Module):
             return self.base(**kwargs).last_hidden_state
         finally:
             self._incoming = None
+
+
+def _route_masks(base_class: type) -> None:
+    """Let the model's own code ask a `BatchView` for its masks: the module defining
+    `base_class` calls `create_causal_mask` / `create_sliding_window_causal_mask` for each kind
+    of layer it has (one mask, or one per kind in gemma2's alternation); those names in that
+    module become wrappers that answer from the step's `BatchView` (each row its own length,
+    the config's window for the sliding kind) and call transformers' function for anything
+    else, so the model in every other use is unchanged. Once per module."""
+    module = sys.modules[base_class.__module__]
+    for name, sliding in (("create_causal_mask", False), ("create_sliding_window_causal_mask", True)):
+        original = getattr(module, name, None)
+        if original is None or getattr(original, "_routes_batches", False):
+            continue
+        setattr(module, name, _mask_router(original, sliding))
+
+
+def _mask_router(original, sliding: bool):
+    @functools.wraps(original)
+    def route(*args, **kwargs):
+        cache = kwargs.get("past_key_values")
+        if not isinstance(cache, BatchView):
+            return original(*args, **kwargs)
+        config, embeds = kwargs["config"], kwargs["inputs_embeds"]
+        window = getattr(config, "sliding_window", None) if sliding else None
+        return cache.mask(sliding_window=window, dtype=embeds.dtype,
+                          implementation=config._attn_implementation)  # fmt: skip
+
+    route._routes_batches = True
+    return route
 
 
 def _untie(model: nn.Module) -> None:

@@ -24,7 +24,7 @@ from offload.base import OffloadStats
 from offload.errors import LaunchError
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV
 from offload.probe import DECISION_STEPS
-from worker.decode import Sampling, steps
+from worker.batched import BatchRunner, Draw, Drawn, StepRows, packed
 from worker.layout import hf_config_from_dict, model_class_for
 from worker.loader import TensorReader, hold_if_asked
 from worker.node import probe_here
@@ -79,7 +79,7 @@ class StageWorker:
         self._load_s = 0.0
         self._forward_s = 0.0
         self._forwards = 0
-        self._caches: dict[str, object] = {}  # request id -> StageCache (None: no decoder layer)
+        self._batches = BatchRunner(self.device)  # generation steps and their KV slots
         self._snapshots = Snapshots(self._snapshot, ready=lambda: self._ready, where=self._where,
                                     interval_s=snapshot_interval_s)  # fmt: skip
 
@@ -169,7 +169,7 @@ class StageWorker:
         self._chunks = self._make_chunks([n for n in names if n not in carried])
         self._ready = False
         self._snapshots.restart()
-        self._caches.clear()  # caches of the old layers: a request in flight starts again
+        self._batches.reset()  # caches of the old layers: the sequences in flight start again
 
     def _make_chunks(self, names: list[str]) -> list[list[str]]:
         chunks: list[list[str]] = []
@@ -243,31 +243,30 @@ class StageWorker:
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         logits_to_keep: int = 0,
-        request: str | None = None,
     ) -> torch.Tensor:
         """Token ids (first stage) or the previous stage's hidden states in; hidden states, or
-        the logits of the last `logits_to_keep` positions (0: all) from the last stage. With a
-        `request` id, the KV cache of this stage's layers for that request is used and grown
-        (created on its first step; `end_request` frees it)."""
-        if not self._ready:
-            raise WorkerError(f"{self._where()}: forward before load")
+        the logits of the last `logits_to_keep` positions (0: all) from the last stage. No KV
+        cache: a whole pass (generation runs `batch_step`)."""
+        self._require_ready()
         start = time.perf_counter()
-        cache = None
-        if request is not None:
-            if request not in self._caches:
-                self._caches[request] = self.stage.new_cache()
-            cache = self._caches[request]
         to_device = lambda t: t.to(self.device) if t is not None else None  # noqa: E731
         # inference_mode, not just no_grad: no version counters or view tracking on the
-        # activations and caches, 4-6% of a decode step of a small model on one CPU thread
+        # activations, 4-6% of a decode step of a small model on one CPU thread
         with torch.inference_mode():
             out = self.stage(to_device(x), attention_mask=to_device(attention_mask),
                              position_ids=to_device(position_ids),
-                             logits_to_keep=logits_to_keep, cache=cache)  # fmt: skip
+                             logits_to_keep=logits_to_keep)  # fmt: skip
         out = out.cpu()
+        self._count_forward(start)
+        return out
+
+    def _require_ready(self) -> None:
+        if not self._ready:
+            raise WorkerError(f"{self._where()}: forward before load")
+
+    def _count_forward(self, start: float) -> None:
         self._forward_s += time.perf_counter() - start
         self._forwards += 1
-        return out
 
     def step(
         self,
@@ -275,50 +274,40 @@ class StageWorker:
         attention_mask: Packed | torch.Tensor | None = None,
         position_ids: Packed | torch.Tensor | None = None,
         logits_to_keep: int = 0,
-        request: str | None = None,
     ) -> Packed:
         """`forward` for calls across Ray: tensors in and out as `wire.pack` arrays (the
         driver's and the previous stage's), which Ray moves far more cheaply than tensors."""
         out = self.forward(unpack(x), unpack(attention_mask), unpack(position_ids),
-                           logits_to_keep, request)  # fmt: skip
+                           logits_to_keep)  # fmt: skip
         return pack(out)
 
-    def decode(
-        self,
-        request: str,
-        tokens: Packed | torch.Tensor,
-        attention_mask: Packed | torch.Tensor,
-        position_ids: Packed | torch.Tensor,
-        unfinished: Packed | torch.Tensor,
-        count: int,
-        sampling: Sampling,
-        eos_token_ids: tuple[int, ...],
-        pad_token_id: int,
-        generator_state: Packed | torch.Tensor | None = None,
-    ):
-        """Up to `count` decode steps of `request` run here (`worker.decode.steps`), for a job
-        whose only stage this is, with no round trip to the driver per token. Yields, per
-        step, the tokens and the generator's state after them (packed); stops early when
-        every row has ended. Called through Ray as a streaming generator, so the driver gets
-        each token as it comes."""
-        generator = None
-        if sampling.do_sample:
-            generator = torch.Generator()
-            generator.set_state(unpack(generator_state))
-        burst = steps(lambda t, m, p: self.forward(t, m, p, 1, request), unpack(tokens),
-                      unpack(attention_mask), unpack(position_ids), unpack(unfinished), count,
-                      sampling, eos_token_ids, pad_token_id, generator)  # fmt: skip
-        for chosen in burst:
-            yield pack(chosen), (pack(generator.get_state()) if generator is not None else None)
+    def batch_step(self, rows: StepRows, x: Packed | torch.Tensor,
+                   draw: Draw | None = None) -> Packed | Drawn:  # fmt: skip
+        """One generation step of a micro-batch (`worker.batched`): every row at once, each
+        in its own KV slot; hidden states out, or from the last stage each row's next token."""
+        self._require_ready()
+        start = time.perf_counter()
+        if draw is not None and draw.states is not None:
+            draw = Draw(draw.samplings, unpack(draw.states))
+        out = self._batches.step(self.stage, rows, unpack(x), draw)
+        self._count_forward(start)
+        return packed(out)
 
-    def end_request(self, request: str) -> bool:
-        """Free the KV cache of `request`; False when this worker never saw the request."""
-        known = request in self._caches
-        self._caches.pop(request, None)
-        return known
+    def batch_steps(self, rows: StepRows, x: Packed | torch.Tensor, draw: Draw, count: int):
+        """Up to `count` decode steps of a micro-batch run here, each chosen token fed straight
+        back, for a job whose only stage this is: no round trip to the driver per token.
+        Called through Ray as a streaming generator: each step's `Drawn` comes as it is made."""
+        self._require_ready()
+        if draw.states is not None:
+            draw = Draw(draw.samplings, unpack(draw.states))
+        start = time.perf_counter()
+        for out in self._batches.steps(self.stage, rows, unpack(x), draw, count):
+            self._count_forward(start)
+            yield packed(out)
+            start = time.perf_counter()
 
     def kv_cache_bytes(self) -> int:
-        return sum(c.nbytes() for c in self._caches.values() if c is not None)
+        return self._batches.nbytes()
 
     # reporting
     def device_bytes(self) -> int:
@@ -376,7 +365,7 @@ class StageWorker:
             forward_s=self._forward_s,
             forwards=self._forwards,
             kv_cache_bytes=self.kv_cache_bytes(),
-            requests=len(self._caches),
+            requests=self._batches.last_rows,
             stats=stats,
             since_last=since_last(stats),
             time=time.time(),

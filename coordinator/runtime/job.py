@@ -12,6 +12,7 @@ decides what a lost worker needs and the group applies it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,6 +21,8 @@ import torch
 
 from coordinator import generation
 from coordinator.config import JobConfig
+from coordinator.engine import Engine, EngineConfig
+from coordinator.engine.ray_pipeline import RayPipeline
 from coordinator.family_check import check_family
 from coordinator.planning.checkpoint import CheckpointIndex, load_index
 from coordinator.planning.context import beyond_context, check_max_seq_len
@@ -33,7 +36,6 @@ from coordinator.runtime.keeper import find as find_keeper
 from coordinator.runtime.keeper import start as start_keeper
 from coordinator.runtime.loops import Loops
 from coordinator.runtime.probing import PROBE_TIMEOUT_S, probe_cluster
-from coordinator.runtime.request import RequestSteps
 from coordinator.runtime.session import RaySession, connect
 from coordinator.runtime.telemetry import MetricsExporter, Report, collect
 from offload.errors import NeverFitsError
@@ -41,6 +43,7 @@ from worker.snapshot import StageSnapshot
 from worker.wire import pack, unpack
 
 TELEMETRY_TIMEOUT_S = 60.0
+CANCEL_POLL_S = 0.05  # how often a waiting generate asks its `cancelled()`
 
 
 @dataclass
@@ -57,6 +60,8 @@ class Job:
     # Passes and generation steps at once, a recovery alone (see coordinator.runtime.gate).
     _gate: Gate = field(default_factory=Gate, repr=False)
     _kv: generation.KvBudget = field(default=None, repr=False)  # type: ignore[assignment]
+    _engine: Engine | None = field(default=None, repr=False)
+    _engine_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         if self._kv is None:
@@ -111,16 +116,14 @@ class Job:
             except ray.exceptions.RayError as again:
                 raise worker_failure(again, self.workers) from None
 
-    def _forward(self, input_ids, attention_mask, position_ids, logits_to_keep,
-                 request: str | None = None) -> torch.Tensor:  # fmt: skip
+    def _forward(self, input_ids, attention_mask, position_ids, logits_to_keep) -> torch.Tensor:
         self._require_open()
         if any(h.actor is None for h in self.workers):  # attached to a load that lost workers
             raise WorkerLostError("a worker of this load was lost")
         ref, mask_ref, positions_ref = (_by_value_or_ref(t)
                                         for t in (input_ids, attention_mask, position_ids))  # fmt: skip
         for handle in self.workers:
-            ref = handle.actor.step.remote(ref, mask_ref, positions_ref, logits_to_keep,
-                                           request)  # fmt: skip
+            ref = handle.actor.step.remote(ref, mask_ref, positions_ref, logits_to_keep)
         try:
             return unpack(ray.get(ref, timeout=self.config.forward_timeout_s))
         except ray.exceptions.GetTimeoutError:
@@ -143,36 +146,65 @@ class Job:
         eos_token_id: int | list[int] | None = generation.FROM_CHECKPOINT,  # type: ignore[assignment]
         pad_token_id: int | None = None,
         seed: int | None = None,
-        on_tokens: Callable[[torch.Tensor], None] | None = None,
+        on_token: Callable[[int, int], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
         """Token ids (batch, prompt + new), as transformers' `generate` returns its sequences:
         greedy unless `do_sample`, settings not given taken from the checkpoint's
-        generation_config.json (`eos_token_id=None`: exactly `max_new_tokens` new tokens).
-        Left-pad batches and pass their `attention_mask`. Each worker keeps the KV cache of its
-        own layers for the request and frees it when the request ends, however it ends; each
-        decode step moves one position per sequence and only the last stage returns logits,
-        of the last position. A worker lost meanwhile: the job recovers and the request goes
-        on, its caches rebuilt from the prompt and the tokens generated so far. `cancelled()`
-        true ends the request early (its caches freed at once)."""
-        ids, mask, positions, _ = check_inputs(input_ids, attention_mask, 0,
-                                               self.index.config.get("vocab_size"))  # fmt: skip
-        if mask is None:
-            mask = torch.ones_like(ids)
-            positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+        generation_config.json (`eos_token_id=None`: exactly `max_new_tokens` new tokens);
+        rows that end early are padded with `pad_token_id`. Left-pad batches and pass their
+        `attention_mask`: each row is its own sequence.
+
+        The request joins the job's engine (`coordinator.engine`): its rows wait for KV slots
+        in a FIFO queue, then move one token per step in a batch with every other sequence in
+        flight. `on_token(row, token)` sees each token as it comes (from the engine's thread:
+        keep it short); `cancelled()` true ends the request at the next step (its slots freed).
+        A worker lost meanwhile: the job recovers and the request goes on with the text an
+        uninterrupted run gives. A seeded request draws the same tokens whatever else runs."""
+        ids, mask, _, _ = check_inputs(input_ids, attention_mask, 0,
+                                       self.index.config.get("vocab_size"))  # fmt: skip
         settings = self.check_request(
             ids.shape[1], len(ids), max_new_tokens=max_new_tokens, do_sample=do_sample,
             temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
             pad_token_id=pad_token_id, seed=seed,
         )  # fmt: skip
-        claim = self._kv.claim(len(ids), ids.shape[1] + settings.max_new_tokens)
-        with claim, self._gate.inside() as epoch:
-            step = RequestSteps(self, epoch)
-            try:
-                return generation.generate(step, ids, mask, positions, settings,
-                                           on_tokens=on_tokens, cancelled=cancelled)  # fmt: skip
-            finally:
-                step.end()
+        keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+        prompts = [row[keep_row].tolist() for row, keep_row in zip(ids, keep, strict=True)]
+        engine = self.engine()
+        request = engine.submit(prompts, sampling=settings.sampling,
+                                max_new_tokens=settings.max_new_tokens,
+                                eos_token_ids=settings.eos_token_ids, seed=settings.seed,
+                                on_token=on_token)  # fmt: skip
+        try:
+            while not request.wait(CANCEL_POLL_S):
+                if cancelled is not None and cancelled():
+                    engine.cancel(request)
+                    request.wait()
+        finally:
+            if not request.done():  # interrupted (Ctrl-C): the slots go back
+                engine.cancel(request)
+        new = request.result()
+        width = max(len(tokens) for tokens in new)
+        tail = torch.full((len(ids), width), settings.pad_token_id, dtype=ids.dtype)
+        for row, tokens in enumerate(new):
+            tail[row, : len(tokens)] = torch.tensor(tokens, dtype=ids.dtype)
+        return torch.cat([ids, tail], dim=-1)
+
+    def engine(self) -> Engine:
+        """The job's generation engine, started at the first request."""
+        with self._engine_lock:
+            if self._engine is None:
+                self._require_open()
+                config = self.config
+                self._engine = Engine(
+                    RayPipeline(self),
+                    EngineConfig(num_slots=config.max_batch, max_seq_len=max(config.max_seq_len, 1),
+                                 max_queue=config.max_queue, prefill_tokens=config.prefill_tokens,
+                                 micro_batches=config.micro_batches,
+                                 step_timeout_s=config.forward_timeout_s),
+                    recover=self._recover_or_raise, epoch=lambda: self._gate.epoch,
+                )  # fmt: skip
+            return self._engine
 
     def check_request(self, prompt_length: int, sequences: int = 1,
                       **options) -> generation.Settings:  # fmt: skip
@@ -303,6 +335,10 @@ class Job:
         """Release the workers and their placement groups; for a named load on a cluster, only
         disconnect (use `registry.unload` to release it)."""
         self._loops.stop_all()
+        with self._engine_lock:
+            engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()  # requests not finished end with EngineClosedError
         with self._gate.alone():  # passes and a recovery in flight finish first
             if self.name is None or self.session.owned:
                 self.group.stop()

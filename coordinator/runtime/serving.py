@@ -143,8 +143,7 @@ class _Run:
         self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
     def _generate(self) -> None:
-        def on_tokens(tokens) -> None:
-            token = int(tokens[0])
+        def on_token(row: int, token: int) -> None:
             if not self.stream.stopped:
                 self.new_tokens += 1
             delta = self.stream.push(token)
@@ -157,7 +156,7 @@ class _Run:
                 self._put(delta)
 
         try:
-            self.job.generate(self.ids, on_tokens=on_tokens, cancelled=self.cancelled.is_set,
+            self.job.generate(self.ids, on_token=on_token, cancelled=self.cancelled.is_set,
                               **self.options)  # fmt: skip
             rest = self.stream.finish()
             if rest:

@@ -1,0 +1,67 @@
+"""How the engine runs a step on the stages: `RayPipeline` chains the job's workers through Ray
+(the activations pass from actor to actor as object refs, the driver only waits for the last
+stage's tokens); `LocalPipeline` calls in-process workers (tests, the family check). Both give
+the engine handles it can wait on while other micro-batches' steps run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+
+from coordinator.engine.scheduler import Step
+from worker.batched import Draw, Drawn
+from worker.wire import pack, unpack
+
+Tokens = tuple[torch.Tensor, torch.Tensor | None]  # each row's token, sampling rows' states
+
+
+class Handle(Protocol):
+    def results(self, timeout_s: float) -> Iterator[Tokens]:
+        """The step's tokens as they come (a burst yields one per decode step)."""
+
+
+class Pipeline(Protocol):
+    num_stages: int
+
+    def submit(self, step: Step) -> Handle: ...
+
+    def wait(self, handles: list[Handle], timeout_s: float) -> list[Handle]:
+        """Those of `handles` whose first tokens are ready ([] after `timeout_s`)."""
+
+
+def _drawn(out: Drawn) -> Tokens:
+    return unpack(out.tokens), unpack(out.states)
+
+
+def _packed_draw(draw: Draw) -> Draw:
+    return Draw(draw.samplings, pack(draw.states) if draw.states is not None else None)
+
+
+class _Done:
+    def __init__(self, outputs: list[Tokens]) -> None:
+        self.outputs = outputs
+
+    def results(self, timeout_s: float) -> Iterator[Tokens]:
+        yield from self.outputs
+
+
+class LocalPipeline:
+    """In-process `StageWorker`s, stepped one after another in the calling thread."""
+
+    def __init__(self, workers: list) -> None:
+        self.workers = workers
+        self.num_stages = len(workers)
+
+    def submit(self, step: Step) -> _Done:
+        if step.count > 1:
+            return _Done([_drawn(out) for out in self.workers[0].batch_steps(
+                step.rows, step.x, step.draw, step.count)])  # fmt: skip
+        x = step.x
+        for worker in self.workers[:-1]:
+            x = worker.batch_step(step.rows, x)
+        return _Done([_drawn(self.workers[-1].batch_step(step.rows, x, step.draw))])
+
+    def wait(self, handles: list[_Done], timeout_s: float) -> list[_Done]:
+        return list(handles)

@@ -1,0 +1,70 @@
+"""`Pipeline` over a job's Ray workers. A step is one call per stage, chained by object refs:
+stage s+1's call takes stage s's result as its argument, so the activations go from actor to
+actor and the driver only fetches the last stage's tokens. Each actor runs its calls in the
+order this driver made them, so while stage 1 works on micro-batch A, stage 0 already works on
+micro-batch B: every stage busy when there are as many micro-batches as stages.
+
+A job of one stage runs a decode step as a burst: the worker feeds each chosen token straight
+back for up to `Step.count` steps, streaming every step's tokens as it makes them (one call per
+burst instead of one per token)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import ray
+
+from coordinator.engine.pipelines import Tokens, _drawn, _packed_draw
+from coordinator.engine.scheduler import Step
+from coordinator.runtime.errors import WorkerLostError
+from worker.wire import pack
+
+# Below this many bytes an input goes inside the call itself (a decode step's token ids);
+# larger ones (a long prefill) are put in the object store once.
+INLINE_BYTES = 64 * 1024
+
+
+class _StepRef:
+    def __init__(self, ref) -> None:
+        self.waitable = ref
+
+    def results(self, timeout_s: float) -> Iterator[Tokens]:
+        yield _drawn(ray.get(self.waitable, timeout=timeout_s))
+
+
+class _Burst:
+    def __init__(self, stream) -> None:
+        self.waitable = stream
+
+    def results(self, timeout_s: float) -> Iterator[Tokens]:
+        for ref in self.waitable:  # each next() waits for the worker's next step
+            yield _drawn(ray.get(ref, timeout=timeout_s))
+
+
+class RayPipeline:
+    def __init__(self, job) -> None:
+        self.job = job  # coordinator.runtime.job.Job (not imported: it imports the engine)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.job.workers)
+
+    def submit(self, step: Step) -> _StepRef | _Burst:
+        actors = [h.actor for h in self.job.workers]
+        if not actors or any(a is None for a in actors):  # attached to a load that lost workers
+            raise WorkerLostError("a worker of this load was lost")
+        draw = _packed_draw(step.draw)
+        x = pack(step.x)
+        if step.count > 1:
+            stream = actors[0].batch_steps.options(num_returns="streaming").remote(
+                step.rows, x, draw, step.count)  # fmt: skip
+            return _Burst(stream)
+        ref = x if x.array.nbytes <= INLINE_BYTES else ray.put(x)
+        for s, actor in enumerate(actors):
+            ref = actor.batch_step.remote(step.rows, ref, draw if s == len(actors) - 1 else None)
+        return _StepRef(ref)
+
+    def wait(self, handles: list, timeout_s: float) -> list:
+        by_waitable = {h.waitable: h for h in handles}
+        ready, _ = ray.wait(list(by_waitable), num_returns=1, timeout=timeout_s)
+        return [by_waitable[w] for w in ready]

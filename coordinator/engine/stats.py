@@ -1,0 +1,125 @@
+"""What the engine counts, under the names vLLM gives the same quantities (so dashboards built
+for vLLM read ours): sequences running and waiting, KV slot usage, time to first token and
+inter-token latency histograms, tokens generated. `EngineStats` is plain Python (the loop
+updates it, `snapshot()` reads it); `export` publishes it as Ray metrics (Prometheus)."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+# vLLM's bucket bounds (seconds) for these two histograms.
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+RECENT = 4096  # latency samples kept for percentiles
+
+
+def percentile(values, q: float) -> float | None:
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+@dataclass
+class EngineStats:
+    requests: int = 0  # submitted
+    rejected: int = 0  # queue full
+    steps: int = 0
+    step_rows: int = 0  # sequences over all steps: step_rows / steps is the mean batch
+    restarts: int = 0  # caches rebuilt after workers were replaced
+    generated: int = 0  # tokens
+    ended: int = 0  # sequences
+    running: int = 0
+    waiting: int = 0
+    num_slots: int = 0
+    ttft_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+    itl_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+    _new_ttft: list = field(default_factory=list)
+    _new_itl: list = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def token(self, seq, now: float) -> None:
+        with self._lock:
+            self.generated += 1
+            if seq.last_token_s is None:
+                seq.request.first_token_s = seq.request.first_token_s or now
+                sample, into, new = now - seq.request.submitted_s, self.ttft_s, self._new_ttft
+            else:
+                sample, into, new = now - seq.last_token_s, self.itl_s, self._new_itl
+            into.append(sample)
+            new.append(sample)
+            seq.last_token_s = now
+
+    def finished(self, seq) -> None:
+        with self._lock:
+            self.ended += 1
+
+    def occupancy(self) -> float:
+        """Mean sequences per step over the KV slots: how full the batches ran."""
+        if not self.steps or not self.num_slots:
+            return 0.0
+        return self.step_rows / self.steps / self.num_slots
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            ttft, itl = list(self.ttft_s), list(self.itl_s)
+            return {
+                "requests_running": self.running, "requests_waiting": self.waiting,
+                "kv_slots": self.num_slots, "batch_occupancy": round(self.occupancy(), 4),
+                "mean_batch": round(self.step_rows / self.steps, 3) if self.steps else 0.0,
+                "requests": self.requests, "rejected": self.rejected, "steps": self.steps,
+                "generation_tokens": self.generated, "restarts": self.restarts,
+                "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+                "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+            }  # fmt: skip
+
+    def drain_samples(self) -> tuple[list[float], list[float]]:
+        """Latency samples since the last call (for the Prometheus histograms)."""
+        with self._lock:
+            ttft, itl = self._new_ttft, self._new_itl
+            self._new_ttft, self._new_itl = [], []
+            return ttft, itl
+
+
+class EngineMetrics:
+    """The stats as Ray metrics, vLLM's names with ':' spelt '_' (Ray's metric names), tagged
+    with the model name."""
+
+    def __init__(self, model_name: str) -> None:
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        self.tags = {"model_name": model_name}
+        keys = ("model_name",)
+        self.running = Gauge("vllm_num_requests_running", tag_keys=keys,
+                             description="Sequences in the running batch")  # fmt: skip
+        self.waiting = Gauge("vllm_num_requests_waiting", tag_keys=keys,
+                             description="Sequences waiting for a KV slot")  # fmt: skip
+        self.usage = Gauge("vllm_kv_cache_usage_perc", tag_keys=keys,
+                           description="Fraction of KV slots in use (1 = full)")  # fmt: skip
+        self.occupancy = Gauge("offload_batch_occupancy", tag_keys=keys,
+                               description="Mean sequences per step over the KV slots")  # fmt: skip
+        self.tokens = Counter("vllm_generation_tokens", tag_keys=keys,
+                              description="Tokens generated")  # fmt: skip
+        self.ttft = Histogram("vllm_time_to_first_token_seconds", boundaries=list(TTFT_BUCKETS_S),
+                              tag_keys=keys, description="Time to first token")  # fmt: skip
+        self.itl = Histogram("vllm_inter_token_latency_seconds", boundaries=list(ITL_BUCKETS_S),
+                             tag_keys=keys, description="Time between tokens of a sequence")  # fmt: skip
+        self._tokens_seen = 0
+
+    def export(self, stats: EngineStats) -> None:
+        self.running.set(stats.running, tags=self.tags)
+        self.waiting.set(stats.waiting, tags=self.tags)
+        self.usage.set(stats.running / stats.num_slots if stats.num_slots else 0.0, tags=self.tags)
+        self.occupancy.set(stats.occupancy(), tags=self.tags)
+        if stats.generated > self._tokens_seen:
+            self.tokens.inc(stats.generated - self._tokens_seen, tags=self.tags)
+            self._tokens_seen = stats.generated
+        ttft, itl = stats.drain_samples()
+        for value in ttft:
+            self.ttft.observe(value, tags=self.tags)
+        for value in itl:
+            self.itl.observe(value, tags=self.tags)

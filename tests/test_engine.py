@@ -1,0 +1,271 @@
+"""The engine's loop on a stand-in pipeline whose "model" is a pure function of each slot's
+cached tokens: what it answers depends only on what the scheduler wrote where, so these tests
+check the bookkeeping (queue, slots, chunked prefill, micro-batches, bursts, cancellation,
+failures, recovery) fast and exactly. The real models are in test_generation.py."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from coordinator.engine import Engine, EngineConfig, Finish, QueueFullError
+from coordinator.engine.engine import EngineClosedError
+from coordinator.engine.pipelines import _Done
+from coordinator.runtime.errors import WorkerLostError
+from offload.errors import BusyError, NeverFitsError
+from worker.batched import NO_TOKEN
+from worker.decode import Sampling
+
+GREEDY = Sampling()
+WAIT_S = 30.0
+
+
+def next_token(tokens: list[int]) -> int:
+    return (sum(tokens) * 31 + len(tokens)) % 97 + 3
+
+
+def expected(prompt: list[int], count: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(count):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt) :]
+
+
+class FakePipeline:
+    """Slots of token lists: a step writes each row's real tokens at its start, and a row that
+    chooses gets `next_token` of its slot's contents. Records every step; `fail` makes the next
+    submits raise (a lost worker, or another error)."""
+
+    def __init__(self, num_stages: int = 1) -> None:
+        self.num_stages = num_stages
+        self.slots: dict[int, list[int]] = {}
+        self.steps: list[tuple[bool, tuple[int, ...], tuple[int, ...], int]] = []
+        self.fail: list[BaseException] = []
+        self.recoveries = 0
+        self.starts: list[tuple[int, ...]] = []
+        self.epoch = 0
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def submit(self, step) -> _Done:
+        self.gate.wait(WAIT_S)
+        if self.fail:
+            raise self.fail.pop(0)
+        rows, x, outputs = step.rows, step.x, []
+        self.steps.append((step.prefill, rows.slots, rows.counts, step.count))
+        self.starts.append(rows.starts)
+        for _ in range(step.count):
+            tokens = torch.full((len(rows.slots),), NO_TOKEN)
+            for r, (slot, start, count) in enumerate(zip(rows.slots, rows.starts, rows.counts, strict=True)):
+                cached = self.slots.setdefault(slot, [])
+                del cached[start:]
+                assert len(cached) == start, "a row starts past what its slot holds"
+                cached.extend(x[r, rows.width - count :].tolist())
+                if step.draw.samplings[r] is not None:
+                    tokens[r] = next_token(cached)
+            outputs.append((tokens, None))
+            rows, x = rows.advanced(), tokens[:, None]
+        return _Done(outputs)
+
+    def wait(self, handles, timeout_s):
+        return list(handles)
+
+    def recover(self, exc, epoch) -> None:
+        if not isinstance(exc, WorkerLostError):
+            raise exc
+        self.recoveries += 1
+        self.epoch += 1
+        self.slots.clear()  # the new worker holds no cache
+
+
+@pytest.fixture
+def make():
+    engines = []
+
+    def make(pipeline=None, **options) -> tuple[Engine, FakePipeline]:
+        pipeline = pipeline or FakePipeline()
+        config = EngineConfig(**{"num_slots": 2, "max_seq_len": 64, **options})
+        engine = Engine(pipeline, config, recover=pipeline.recover, epoch=lambda: pipeline.epoch)
+        engines.append(engine)
+        return engine, pipeline
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def submit(engine, prompt, count, **kw):
+    return engine.submit([prompt], sampling=GREEDY, max_new_tokens=count, **kw)
+
+
+def test_sequences_join_and_leave_and_each_gets_its_own_tokens(make) -> None:
+    engine, pipeline = make(num_slots=2, prefill_tokens=4)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15, 16], [17]]
+    counts = [9, 3, 5, 7]
+    requests = [submit(engine, p, n) for p, n in zip(prompts, counts, strict=True)]
+    for request, prompt, count in zip(requests, prompts, counts, strict=True):
+        assert request.result(WAIT_S) == [expected(prompt, count)]
+        assert request.finish_reasons == [Finish.LENGTH]
+    # never more rows than slots; a decode step carries every decoding sequence at once
+    assert all(len(slots) <= 2 and len(set(slots)) == len(slots) for _, slots, _, _ in pipeline.steps)
+    assert any(len(slots) == 2 for prefill, slots, _, _ in pipeline.steps if not prefill)
+    # the 7-token prompt went in chunks of at most 4 tokens (rows x width <= prefill_tokens)
+    assert max(sum(c) for p, _, c, _ in pipeline.steps if p) <= 4
+    assert engine.scheduler.free_slots and len(engine.scheduler.free_slots) == 2
+
+
+def test_a_long_prompt_is_chunked_and_decodes_go_on_between_chunks(make) -> None:
+    engine, pipeline = make(num_slots=2, prefill_tokens=4, burst_steps=1)
+    joined = []
+
+    def join_at_the_second_token(row, token):  # the first sequence is decoding by then
+        if not joined and len(first.sequences[0].generated) == 2:
+            joined.append(submit(engine, list(range(3, 20)), 2))  # 17 tokens: 5 chunks
+
+    first = submit(engine, [3, 4], 30, on_token=join_at_the_second_token)
+    assert first.result(WAIT_S) == [expected([3, 4], 30)]
+    [long] = joined
+    assert long.result(WAIT_S) == [expected(list(range(3, 20)), 2)]
+    slot = long.sequences[0].slot_used
+    chunks = [i for i, (prefill, slots, _, _) in enumerate(pipeline.steps) if prefill and slots == (slot,)]
+    assert [pipeline.steps[i][2] for i in chunks] == [(4,), (4,), (4,), (4,)]
+    # between two chunks of the long prompt, one decode step of the running sequence; its
+    # last token (a chunk of one) joins that sequence's decode step
+    assert all(not pipeline.steps[i + 1][0] for i in chunks)
+    assert pipeline.steps[chunks[-1] + 1][1:3] == ((0, slot), (1, 1))
+
+
+def test_the_queue_is_fifo_bounded_and_only_full_is_busy(make) -> None:
+    engine, pipeline = make(num_slots=1, max_queue=2)
+    pipeline.gate.clear()  # steps wait: everything queues
+    running = submit(engine, [3], 4)
+    while engine.scheduler.free_slots:  # the first took the slot
+        running.wait(0.01)
+    queued = [submit(engine, [4 + i], 2) for i in range(2)]
+    with pytest.raises(QueueFullError, match=r"2 sequence\(s\) already wait .*max_queue=2") as err:
+        submit(engine, [9], 2)
+    assert isinstance(err.value, BusyError)
+    with pytest.raises(NeverFitsError, match="max_seq_len 64"):
+        submit(engine, [3] * 60, 10)  # never fits: refused at once, not queued
+    with pytest.raises(NeverFitsError, match="2 sequences exceed the 1 KV slots"):
+        engine.submit([[3], [4]], sampling=GREEDY, max_new_tokens=2)
+    pipeline.gate.set()
+    assert [r.result(WAIT_S) for r in queued] == [[expected([4], 2)], [expected([5], 2)]]
+    order = [slots for _, slots, _, _ in pipeline.steps]
+    assert order.count((0,)) == len(order)  # one slot, reused by each in turn
+    assert queued[0].first_token_s < queued[1].first_token_s  # first come, first served
+    assert engine.stats.rejected == 1
+
+
+def test_a_cancelled_request_frees_its_slot_for_the_next_at_once(make) -> None:
+    engine, _ = make(num_slots=1, burst_steps=1)
+    seen = []
+
+    def cancel_at_the_third(row, token):  # as a client going away mid-stream
+        seen.append(token)
+        if len(seen) == 3:
+            engine.cancel(long)
+
+    long = submit(engine, [3, 4], 50, on_token=cancel_at_the_third)
+    waiting = submit(engine, [5], 3)
+    assert waiting.result(WAIT_S) == [expected([5], 3)]
+    assert long.done() and long.finish_reasons == [Finish.ABORT]
+    assert len(long.sequences[0].generated) == 3  # not one step more
+    assert long.sequences[0].generated == expected([3, 4], 50)[: len(long.sequences[0].generated)]
+
+
+def test_eos_ends_a_sequence_and_its_slot_is_reused(make) -> None:
+    engine, _ = make(num_slots=1)
+    tokens = expected([3, 4], 6)
+    eos = tokens[2]
+    request = submit(engine, [3, 4], 6, eos_token_ids=(eos,))
+    assert request.result(WAIT_S) == [tokens[: tokens.index(eos) + 1]]
+    assert request.finish_reasons == [Finish.STOP]
+    assert submit(engine, [6], 2).result(WAIT_S) == [expected([6], 2)]
+
+
+def test_bursts_on_one_stage_only_when_nothing_waits(make) -> None:
+    engine, pipeline = make(num_slots=2, burst_steps=4)
+    request = submit(engine, [3, 4], 11)
+    assert request.result(WAIT_S) == [expected([3, 4], 11)]
+    counts = [count for prefill, _, _, count in pipeline.steps if not prefill]
+    assert counts == [4, 4, 2]  # 1 token from the prefill, then never past max_new_tokens
+    two, _ = make(FakePipeline(num_stages=2), num_slots=2, burst_steps=4)
+    assert submit(two, [3, 4], 5).result(WAIT_S) == [expected([3, 4], 5)]
+
+
+def test_micro_batches_split_the_running_sequences(make) -> None:
+    engine, pipeline = make(FakePipeline(num_stages=2), num_slots=4)
+    pipeline.gate.clear()
+    requests = [submit(engine, [3 + i], 6) for i in range(4)]
+    pipeline.gate.set()
+    for i, request in enumerate(requests):
+        assert request.result(WAIT_S) == [expected([3 + i], 6)]
+    decode_rows = [len(slots) for prefill, slots, _, _ in pipeline.steps if not prefill]
+    assert max(decode_rows) == 2  # two micro-batches of two, one per stage
+
+
+def test_a_lost_worker_is_recovered_and_every_sequence_goes_on_exactly(make) -> None:
+    engine, pipeline = make(num_slots=2, burst_steps=1)
+    seen = []
+
+    def on_token(row, token):
+        seen.append(token)
+        if len(seen) == 5:
+            pipeline.fail.append(WorkerLostError("worker died"))
+
+    a = submit(engine, [3, 4, 5], 12, on_token=on_token)
+    b = submit(engine, [6, 7], 9)
+    assert a.result(WAIT_S) == [expected([3, 4, 5], 12)]
+    assert b.result(WAIT_S) == [expected([6, 7], 9)]
+    assert pipeline.recoveries == 1 and engine.stats.restarts == 1
+    # after the recovery, both running sequences fed their prompt and tokens so far again,
+    # from position 0, in one prefill step
+    restart = next(i for i, s in enumerate(pipeline.steps) if s[0] and i > 1)
+    # 5 tokens each by then (a: 3 + 5, b: 2 + 5), each fed whole
+    assert pipeline.starts[restart] == (0, 0) and sorted(pipeline.steps[restart][2]) == [7, 8]
+
+
+def test_a_failing_step_ends_its_requests_with_the_error_and_the_engine_goes_on(make) -> None:
+    engine, pipeline = make(num_slots=2)
+    pipeline.fail.append(ValueError("the stage broke"))
+    failed = submit(engine, [3], 4)
+    with pytest.raises(ValueError, match="the stage broke"):
+        failed.result(WAIT_S)
+    assert failed.finish_reasons == [Finish.ERROR]
+    assert submit(engine, [4], 3).result(WAIT_S) == [expected([4], 3)]
+    assert len(engine.scheduler.free_slots) == 2
+
+
+def test_a_client_callback_that_raises_ends_only_its_request(make) -> None:
+    engine, _ = make(num_slots=2)
+
+    def broken(row, token):
+        raise RuntimeError("client gone")
+
+    bad = submit(engine, [3], 5, on_token=broken)
+    good = submit(engine, [4], 5)
+    with pytest.raises(RuntimeError, match="client gone"):
+        bad.result(WAIT_S)
+    assert good.result(WAIT_S) == [expected([4], 5)]
+
+
+def test_close_ends_waiting_and_running_requests(make) -> None:
+    engine, pipeline = make(num_slots=1)
+    pipeline.gate.clear()
+    running, waiting = submit(engine, [3], 5), submit(engine, [4], 5)
+    engine.close()
+    pipeline.gate.set()
+    for request in (running, waiting):
+        with pytest.raises(EngineClosedError):
+            request.result(WAIT_S)
+    with pytest.raises(EngineClosedError):
+        submit(engine, [5], 1)
+
+
+def test_zero_new_tokens_is_done_at_once(make) -> None:
+    engine, pipeline = make()
+    assert submit(engine, [3, 4], 0).result(WAIT_S) == [[]]
+    assert pipeline.steps == []
