@@ -15,7 +15,7 @@ heads, intermediate 1408, vocab 4096, float32), page cache warm. For each stage 
               (JobConfig's default cpus_per_worker: each worker computes on 1 thread)
   per token - one request of batch 1, greedy, eos_token_id=None (exactly --new-tokens new
               tokens), at an 8-token and a 384-token prompt. Each token is timestamped as it
-              comes (ours: `on_tokens`; transformers: a streamer): prefill = time to the first
+              comes (ours: `on_token`; transformers: a streamer): prefill = time to the first
               token, per token = (last token - first token) / (new tokens - 1). Target: per token
               at 384 within 2x of per token at 8; one stage within 1.3x of transformers
   prefill   - a 512-token prompt, max_new_tokens=1: time to the first token, both sides
@@ -99,7 +99,7 @@ def ours(job, ids: torch.Tensor, new_tokens: int) -> tuple[dict, torch.Tensor]:
     stamps: list[float] = []
     start = time.perf_counter()
     out = job.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                       on_tokens=lambda _: stamps.append(time.perf_counter()))  # fmt: skip
+                       on_token=lambda row, token: stamps.append(time.perf_counter()))  # fmt: skip
     assert len(stamps) == new_tokens, (len(stamps), new_tokens)
     return timing(start, stamps), out
 

@@ -52,6 +52,11 @@ def _positive(text: str) -> int:
     return value
 
 
+def _batch(text: str) -> int:
+    """--max-batch: a count, or auto (0: sized from memory when the job is planned)."""
+    return 0 if text == "auto" else _positive(text)
+
+
 def _prefetch_step(text: str) -> int:
     from offload.config import MAX_PREFETCH_STEP
 
@@ -86,11 +91,22 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
                         help="dtype to load and compute in (default auto: the checkpoint's); "
                         "converted while reading")  # fmt: skip
     parser.add_argument("--cpus-per-worker", type=_positive, dest="cpus_per_worker")
-    parser.add_argument("--max-batch", type=_positive, dest="max_batch",
-                        help="sequences generating at once the KV cache is planned for")  # fmt: skip
+    parser.add_argument("--max-batch", type=_batch, dest="max_batch",
+                        help="sequences generating at once the KV cache is planned for; 'auto': "
+                        "as many as fit beside the planned weights (serve's default)")  # fmt: skip
     parser.add_argument("--max-seq-len", type=int, dest="max_seq_len",
                         help="tokens per sequence (prompt + new) the KV cache is planned for "
                         "(0: none, no generation)")  # fmt: skip
+    parser.add_argument("--max-queue", type=int, dest="max_queue",
+                        help="sequences that may wait for a KV slot (default 1024); beyond, "
+                        "busy (HTTP 429)")  # fmt: skip
+    parser.add_argument("--prefill-tokens", type=_positive, dest="prefill_tokens",
+                        help="prompt tokens per prefill step (default 512): a long prompt goes "
+                        "in chunks, the decodes of others between them")  # fmt: skip
+    parser.add_argument("--micro-batches", type=int, dest="micro_batches",
+                        help="micro-batches the running sequences are split into (default 0: "
+                        "one per stage, every stage busy; 1: one batch, each offloaded layer "
+                        "brought in once per step for all)")  # fmt: skip
     parser.add_argument("--snapshot-interval", type=float, dest="snapshot_interval_s",
                         metavar="SECONDS", help="each worker snapshots its memory this often "
                         "(default 10; 0: on request only); a named load publishes them as Ray "
@@ -104,7 +120,8 @@ _JOB_FLAGS = {
     "reserve_bytes": "--reserve", "prefetch_step": "--prefetch-step", "backend": "--backend",
     "dtype": "--dtype", "cpus_per_worker": "--cpus-per-worker",
     "snapshot_interval_s": "--snapshot-interval", "max_batch": "--max-batch",
-    "max_seq_len": "--max-seq-len",
+    "max_seq_len": "--max-seq-len", "max_queue": "--max-queue",
+    "prefill_tokens": "--prefill-tokens", "micro_batches": "--micro-batches",
 }  # fmt: skip
 
 
@@ -273,9 +290,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from coordinator.config import node_env
     from coordinator.family_check import check_family
+    from coordinator.planning.batch_size import plan_job
     from coordinator.planning.checkpoint import load_index
     from coordinator.planning.context import check_max_seq_len
-    from coordinator.planning.planner import plan
     from worker.node import probe_here
 
     config = _job_config(args)
@@ -289,8 +306,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     env, origins = node_env(config.overrides, node_id="", hostname=socket.gethostname(),
                             labels={})  # fmt: skip
     cluster = plan_cluster(config, probe_here(env=env), args.nodes, origins)
-    the_plan = plan(index.layers, cluster, config.plan_options())
+    sized, the_plan = plan_job(config, index, cluster)
     print(the_plan.to_json() if args.json else the_plan.summary())
+    if not config.max_batch and not args.json:
+        print(f"max_batch auto: {sized.max_batch} sequences of up to {sized.max_seq_len} tokens "
+              "(the largest batch whose KV cache fits beside the planned weights)")  # fmt: skip
     return 0
 
 

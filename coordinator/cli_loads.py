@@ -182,10 +182,12 @@ def cmd_named(args: argparse.Namespace) -> int:
     if args.command == "status":
         with attach(args.name, address=args.address) as job:
             reports, events = job.telemetry(), job.events
+            serving = job.serving_stats()
         if args.json:
-            print(json.dumps(telemetry.summary(reports, events), indent=1))
+            print(json.dumps({**telemetry.summary(reports, events), "serving": serving}, indent=1))
         else:
             print(telemetry.render(reports, events))
+            print(telemetry.serving_line(serving))
         if args.plot:
             telemetry.plot(reports, args.plot)
             print(f"memory plot written to {args.plot}", file=sys.stderr)

@@ -85,7 +85,7 @@ def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
 
 
 DEFAULT_SERVE_SEQ_LEN = 512  # KV cache planned per sequence when serving and none was asked for
-DEFAULT_SERVE_BATCH = 4
+DEFAULT_SERVE_BATCH = 0  # auto: the largest batch whose KV cache fits beside the weights
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -135,11 +135,13 @@ def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
         )
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port} must be in 1..65535")
+    auto = False
     if args.name:
         job, name, ours = attach(args.name, address=args.address), args.name, False
     else:
         # serve's own defaults, for what neither the flags nor the job file set
         config = job_config(args, defaults={"max_batch": DEFAULT_SERVE_BATCH})
+        auto = config.max_batch == 0
         if config.max_seq_len == 0:  # 512 tokens, within the model's context
             context = model_context(read_config(config.checkpoint))
             seq_len = min(DEFAULT_SERVE_SEQ_LEN, context.tokens if context else DEFAULT_SERVE_SEQ_LEN)
@@ -151,9 +153,12 @@ def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
         from coordinator.text import load_tokenizer
 
         load_tokenizer(job.config.checkpoint)  # a checkpoint without one fails here, not later
-        serving.start(name, model, host=args.host, port=args.port, api_key=key)
+        serving.start(name, model, host=args.host, port=args.port, api_key=key,
+                      max_ongoing_requests=job.config.max_queue + job.config.max_batch)  # fmt: skip
+        sized = " (auto: as many as fit beside the weights)" if auto else ""
         print(f"serving {model!r} (load {name!r}, {len(job.plan.stages)} stages, KV cache for "
-              f"{job.config.max_batch} x {job.config.max_seq_len} tokens) on "
+              f"{job.config.max_batch} x {job.config.max_seq_len} tokens{sized}, up to "
+              f"{job.config.max_queue} waiting) on "
               f"http://{args.host}:{args.port}/v1; Ctrl-C stops it", flush=True)  # fmt: skip
         while True:
             time.sleep(3600)

@@ -153,7 +153,9 @@ class JobConfig:
     host_memory_bytes: int | None = None  # per-node budget for offloaded weights
     reserve_bytes: int = 0  # per GPU, for activations
     # KV cache reserved on the GPUs for generation: up to max_batch sequences in flight of up
-    # to max_seq_len tokens each (prompt + new). 0: none reserved, and the job cannot generate.
+    # to max_seq_len tokens each (prompt + new). max_seq_len 0: none reserved, and the job
+    # cannot generate. max_batch 0 ("auto"): the largest batch whose KV cache fits beside the
+    # planned weights (coordinator/planning/batch_size.py), resolved when the job is planned.
     max_batch: int = 1
     max_seq_len: int = 0
     # Sequences that may wait for a KV slot (beyond: busy, HTTP 429); prompt tokens per prefill
@@ -190,8 +192,9 @@ class JobConfig:
         for name in ("gpus", "reserve_bytes", "max_seq_len", "max_queue", "micro_batches"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
-        if self.max_batch < 1:
-            raise ConfigError(f"max_batch={self.max_batch} must be >= 1 (sequences at once)")
+        if self.max_batch < 0:
+            raise ConfigError(f"max_batch={self.max_batch} must be >= 1 (sequences at once), or "
+                              "0 (auto: as many as fit beside the weights)")  # fmt: skip
         if self.prefill_tokens < 1:
             raise ConfigError(f"prefill_tokens={self.prefill_tokens} must be >= 1")
         for name in ("load_timeout_s", "forward_timeout_s", "placement_timeout_s",

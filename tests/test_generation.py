@@ -177,10 +177,12 @@ def test_seeded_sampling_is_the_same_whatever_else_is_in_the_batch(indexes) -> N
     assert in_batch[2] != lone[: len(in_batch[2])]
 
 
-def test_the_kv_slots_hold_only_the_stage_layers_within_the_plan(indexes) -> None:
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_the_kv_slots_hold_only_the_stage_layers_within_the_plan(indexes, family: str) -> None:
     """Each stage's KV pool: its own decoder layers only, slots x max_seq_len positions, never
-    more than the plan reserves for those layers (max_batch x max_seq_len)."""
-    index = indexes("llama")
+    more than the plan reserves for those layers (max_batch x max_seq_len; sliding layers too,
+    whose window is shorter than the sequences here)."""
+    index = indexes(family)
     pipeline = Pipeline(index, *TWO_STAGES)
     try:
         run_joining(pipeline, prompts(seed=4), num_slots=3)

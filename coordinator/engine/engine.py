@@ -88,7 +88,8 @@ class Engine:
     # clients
     def submit(self, prompts: list[list[int]], *, sampling, max_new_tokens: int,
                eos_token_ids: tuple[int, ...] = (), seed: int | None = None,
-               on_token: Callable[[int, int], None] | None = None) -> Request:  # fmt: skip
+               on_token: Callable[[int, int], None] | None = None,
+               on_finish: Callable[[], None] | None = None) -> Request:  # fmt: skip
         """Queue one request of `len(prompts)` sequences; returns at once. Raises
         QueueFullError when the queue cannot take them, NeverFitsError when they could never
         run here."""
@@ -100,7 +101,8 @@ class Engine:
             raise NeverFitsError(f"{longest} tokens per sequence exceed max_seq_len "
                                  f"{self.config.max_seq_len}, or a prompt is empty")  # fmt: skip
         request = Request(sampling=sampling, max_new_tokens=max_new_tokens,
-                          eos_token_ids=frozenset(eos_token_ids), on_token=on_token)  # fmt: skip
+                          eos_token_ids=frozenset(eos_token_ids), on_token=on_token,
+                          on_finish=on_finish)  # fmt: skip
         for row, prompt in enumerate(prompts):
             seq = Sequence(request=request, row=row, prompt=list(prompt))
             if sampling.do_sample:

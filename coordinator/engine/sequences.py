@@ -62,6 +62,7 @@ class Request:
     max_new_tokens: int
     eos_token_ids: frozenset[int]
     on_token: Callable[[int, int], None] | None = None  # (row, token), from the engine thread
+    on_finish: Callable[[], None] | None = None  # once, when the request is done
     submitted_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     sequences: list[Sequence] = field(default_factory=list)
@@ -96,5 +97,8 @@ class Request:
         return [s.finish for s in self.sequences]
 
     def _end_if_done(self) -> None:
-        if all(s.finish is not None for s in self.sequences):
-            self._done.set()
+        if self._done.is_set() or not all(s.finish is not None for s in self.sequences):
+            return
+        self._done.set()
+        if self.on_finish is not None:
+            self.on_finish()

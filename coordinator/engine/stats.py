@@ -17,6 +17,30 @@ ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
 RECENT = 4096  # latency samples kept for percentiles
 
 
+class Histogram:
+    """Cumulative bucket counts, sum and count: a Prometheus histogram's state."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf)
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))] += 1
+        self.total += value
+        self.count += 1
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        out, running = [], 0
+        for bound, count in zip((*self.bounds, "+Inf"), self.counts, strict=True):
+            running += count
+            out.append(f'{name}_bucket{{{labels},le="{bound}"}} {running}')
+        out.append(f"{name}_sum{{{labels}}} {self.total}")
+        out.append(f"{name}_count{{{labels}}} {self.count}")
+        return out
+
+
 def percentile(values, q: float) -> float | None:
     ordered = sorted(values)
     if not ordered:
@@ -38,6 +62,8 @@ class EngineStats:
     num_slots: int = 0
     ttft_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     itl_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
+    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS_S))
     _new_ttft: list = field(default_factory=list)
     _new_itl: list = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -52,6 +78,7 @@ class EngineStats:
                 sample, into, new = now - seq.last_token_s, self.itl_s, self._new_itl
             into.append(sample)
             new.append(sample)
+            (self.ttft if into is self.ttft_s else self.itl).observe(sample)
             seq.last_token_s = now
 
     def finished(self, seq) -> None:
@@ -76,6 +103,27 @@ class EngineStats:
                 "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
                 "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
             }  # fmt: skip
+
+    def prometheus(self, model_name: str) -> str:
+        """The stats in Prometheus' text format under vLLM's metric names (a server's
+        `GET /metrics`)."""
+        labels = f'model_name="{model_name}"'
+        with self._lock:
+            lines = []
+            for name, kind, value in (
+                ("vllm:num_requests_running", "gauge", self.running),
+                ("vllm:num_requests_waiting", "gauge", self.waiting),
+                ("vllm:kv_cache_usage_perc", "gauge",
+                 self.running / self.num_slots if self.num_slots else 0.0),
+                ("offload:batch_occupancy", "gauge", self.occupancy()),
+                ("vllm:generation_tokens_total", "counter", self.generated),
+                ("vllm:request_success_total", "counter", self.ended),
+            ):  # fmt: skip
+                lines += [f"# TYPE {name} {kind}", f"{name}{{{labels}}} {value}"]
+            for name, histogram in (("vllm:time_to_first_token_seconds", self.ttft),
+                                    ("vllm:inter_token_latency_seconds", self.itl)):  # fmt: skip
+                lines += [f"# TYPE {name} histogram", *histogram.lines(name, labels)]
+        return "\n".join(lines) + "\n"
 
     def drain_samples(self) -> tuple[list[float], list[float]]:
         """Latency samples since the last call (for the Prometheus histograms)."""

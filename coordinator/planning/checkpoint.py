@@ -317,10 +317,13 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
 
 
 def _kv_fields(kv: list[tuple[int, int | None]], index: int | None) -> dict:
+    """A decoder layer's KV cache bytes per token. No window: the workers' KV slots keep every
+    position of a sequence for every layer, sliding ones included (worker/batch_cache.py), so
+    the plan reserves that much, never less than they use."""
     if index is None:
         return {}
-    per_token, window = kv[index]
-    return {"kv_bytes_per_token": per_token, "kv_window": window}
+    per_token, _window = kv[index]
+    return {"kv_bytes_per_token": per_token}
 
 
 def _kind(layer: str) -> str:

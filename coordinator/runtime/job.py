@@ -15,18 +15,20 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import ray
 import torch
 
 from coordinator import generation
 from coordinator.config import JobConfig
-from coordinator.engine import Engine, EngineConfig
+from coordinator.engine import Engine, EngineConfig, Request
 from coordinator.engine.ray_pipeline import RayPipeline
 from coordinator.family_check import check_family
+from coordinator.planning.batch_size import plan_job
 from coordinator.planning.checkpoint import CheckpointIndex, load_index
 from coordinator.planning.context import beyond_context, check_max_seq_len
-from coordinator.planning.planner import Plan, plan
+from coordinator.planning.planner import Plan
 from coordinator.runtime import recovery, registry
 from coordinator.runtime.errors import LaunchError, WorkerLostError
 from coordinator.runtime.gate import Gate
@@ -62,6 +64,7 @@ class Job:
     _kv: generation.KvBudget = field(default=None, repr=False)  # type: ignore[assignment]
     _engine: Engine | None = field(default=None, repr=False)
     _engine_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _engine_metrics: object | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self._kv is None:
@@ -161,20 +164,11 @@ class Job:
         keep it short); `cancelled()` true ends the request at the next step (its slots freed).
         A worker lost meanwhile: the job recovers and the request goes on with the text an
         uninterrupted run gives. A seeded request draws the same tokens whatever else runs."""
-        ids, mask, _, _ = check_inputs(input_ids, attention_mask, 0,
-                                       self.index.config.get("vocab_size"))  # fmt: skip
-        settings = self.check_request(
-            ids.shape[1], len(ids), max_new_tokens=max_new_tokens, do_sample=do_sample,
-            temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id, seed=seed,
-        )  # fmt: skip
-        keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
-        prompts = [row[keep_row].tolist() for row, keep_row in zip(ids, keep, strict=True)]
+        options = dict(max_new_tokens=max_new_tokens, do_sample=do_sample,
+                       temperature=temperature, top_k=top_k, top_p=top_p,
+                       eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed)  # fmt: skip
+        ids, request, settings = self._submit(input_ids, attention_mask, on_token, None, options)
         engine = self.engine()
-        request = engine.submit(prompts, sampling=settings.sampling,
-                                max_new_tokens=settings.max_new_tokens,
-                                eos_token_ids=settings.eos_token_ids, seed=settings.seed,
-                                on_token=on_token)  # fmt: skip
         try:
             while not request.wait(CANCEL_POLL_S):
                 if cancelled is not None and cancelled():
@@ -190,6 +184,26 @@ class Job:
             tail[row, : len(tokens)] = torch.tensor(tokens, dtype=ids.dtype)
         return torch.cat([ids, tail], dim=-1)
 
+    def submit(self, input_ids: torch.Tensor, *, on_token: Callable[[int, int], None] | None = None,
+               on_finish: Callable[[], None] | None = None, **options) -> Request:  # fmt: skip
+        """Queue a request of unpadded `input_ids` (1, n) and return at once: the engine's
+        `Request`, to wait on or `cancel` (through `engine().cancel`). `on_token(row, token)` and
+        `on_finish()` are called from the engine's thread (a server hands them to its event
+        loop). Options and errors: `generate`'s, checked before anything is queued."""
+        return self._submit(input_ids, None, on_token, on_finish, options)[1]
+
+    def _submit(self, input_ids, attention_mask, on_token, on_finish, options: dict):
+        ids, mask, _, _ = check_inputs(input_ids, attention_mask, 0,
+                                       self.index.config.get("vocab_size"))  # fmt: skip
+        settings = self.check_request(ids.shape[1], len(ids), **options)
+        keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+        prompts = [row[keep_row].tolist() for row, keep_row in zip(ids, keep, strict=True)]
+        request = self.engine().submit(prompts, sampling=settings.sampling,
+                                       max_new_tokens=settings.max_new_tokens,
+                                       eos_token_ids=settings.eos_token_ids, seed=settings.seed,
+                                       on_token=on_token, on_finish=on_finish)  # fmt: skip
+        return ids, request, settings
+
     def engine(self) -> Engine:
         """The job's generation engine, started at the first request."""
         with self._engine_lock:
@@ -204,7 +218,32 @@ class Job:
                                  step_timeout_s=config.forward_timeout_s),
                     recover=self._recover_or_raise, epoch=lambda: self._gate.epoch,
                 )  # fmt: skip
+                if config.snapshot_interval_s > 0:
+                    self._loops.every("engine", config.snapshot_interval_s, self._publish_engine)
             return self._engine
+
+    def _publish_engine(self) -> None:
+        """The engine's stats as Ray metrics (vLLM's names), and to a named load's keeper, for
+        `offloadctl status` from any process."""
+        engine = self._engine
+        if engine is None:
+            return
+        if self._engine_metrics is None:
+            from coordinator.engine.stats import EngineMetrics
+
+            self._engine_metrics = EngineMetrics(Path(self.config.checkpoint).name)
+        self._engine_metrics.export(engine.stats)
+        if self.keeper is not None:
+            self.keeper.put_engine_stats.remote(engine.stats.snapshot())  # no reply to wait for
+
+    def serving_stats(self) -> dict | None:
+        """A named load's latest generation stats, as its serving process published them."""
+        if self.keeper is None:
+            return self._engine.stats.snapshot() if self._engine is not None else None
+        try:
+            return ray.get(self.keeper.engine_stats.remote(), timeout=TELEMETRY_TIMEOUT_S)
+        except (ray.exceptions.RayError, TimeoutError):
+            return None
 
     def check_request(self, prompt_length: int, sequences: int = 1,
                       **options) -> generation.Settings:  # fmt: skip
@@ -389,7 +428,7 @@ def launch(
             registry.check_name(name)
             claimed = True
         snapshot, envs = probe_cluster(config)
-        the_plan = plan(index.layers, snapshot, config.plan_options())
+        config, the_plan = plan_job(config, index, snapshot)
         group = WorkerGroup(config=config, index=index, plan=the_plan, load_name=name)
         job = Job(group=group, session=session, name=name)
         if name is not None:

@@ -130,6 +130,14 @@ class LoadKeeper:
             except Exception as exc:  # keep publishing; say why this tick was skipped
                 print(f"load {self.name!r}: export skipped: {exc}", file=sys.stderr)
 
+    # serving
+    def put_engine_stats(self, snapshot: dict) -> None:
+        """The latest generation stats of the process serving this load (its engine's)."""
+        self._engine_stats = {**snapshot, "time": time.time()}
+
+    def engine_stats(self) -> dict | None:
+        return getattr(self, "_engine_stats", None)
+
     def ping(self) -> bool:
         return True
 

@@ -2,13 +2,14 @@
 
 `GET /v1/models`, `POST /v1/completions` and `POST /v1/chat/completions` (where the tokenizer
 has a chat template), both with `stream: true` as server-sent events. The replica attaches to
-the named load (so it may run on any node, and several requests share its workers: the job's
-gate lets them run at once), tokenizes with the checkpoint's tokenizer and calls
-`Job.generate` in a thread; a client that goes away cancels its request, which frees its KV
-caches. With an API key, every request needs `Authorization: Bearer <key>` (401 otherwise).
+the named load (so it may run on any node), tokenizes with the checkpoint's tokenizer and
+submits each request to the job's engine (`coordinator.engine`), which runs every request in
+flight in one batch per step; a request beyond the batch waits in the engine's FIFO queue (a
+streamed one gets its first byte with its first token), and only a full queue is answered 429.
+A client that goes away cancels its request, which frees its KV slot. With an API key, every request needs `Authorization: Bearer <key>` (401 otherwise).
 Bad requests get a 4xx naming the field. The status comes from the error's kind, never its text
-(`STATUS_OF_KIND`): a request beyond the planned KV cache gets 400 (never fits) or 429 (busy:
-too many sequences in flight), a lost worker 503, and only a bug a 500. `stop` strings end the text where
+(`STATUS_OF_KIND`): a request beyond the planned KV cache gets 400 (never fits), one the full queue cannot take
+429 (busy), a lost worker 503, and only a bug a 500. `stop` strings end the text where
 they begin (streamed text never shows part of one); `stream_options.include_usage` adds a usage
 chunk; settings that would change the text and are not applied here (penalties, logit_bias,
 logprobs, echo, best_of, suffix, tools, response_format) are refused with 400, not ignored.
@@ -20,12 +21,11 @@ import asyncio
 import hmac
 import json
 import logging
-import threading
 import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 
 from offload.errors import (
@@ -39,7 +39,10 @@ from offload.errors import (
 
 app = FastAPI()
 logger = logging.getLogger(__name__)
-MAX_ONGOING_REQUESTS = 32
+# Requests a replica takes at once unless `start` is told the load's queue: Serve holds the rest
+# in front of it. `start` sizes it to the engine's queue + batch, so that the engine's queue
+# (FIFO, 429 only when full) is the one that decides.
+MAX_ONGOING_REQUESTS = 1024 + 64
 MAX_STOP = 4  # stop strings per request, as OpenAI's API allows
 # Request fields this server does not apply, with the value that means "off": any other value is
 # refused with 400 rather than silently ignored (the text would not be what the client asked).
@@ -99,28 +102,35 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], default=None, check=N
     return value
 
 
+_NOTHING = object()
+DISCONNECT_POLL_S = 1.0  # a streamed request waiting in the queue checks its client this often
+
+
 class _Run:
-    """One request's generation in a thread, its text deltas handed to the event loop."""
+    """One request in the job's engine, its text deltas handed to the event loop (the engine's
+    thread calls back; no thread per request). Waiting in the engine's queue costs nothing
+    here: the client gets its first byte with the first token."""
 
     def __init__(self, job, tokenizer, ids, options: dict, stop: tuple[str, ...] = ()) -> None:
         from coordinator.text import TextStream, end_ids
 
         self.job, self.ids, self.options = job, ids, options
         self.stream = TextStream(tokenizer, end_ids(tokenizer, job.index), stop)
-        self.cancelled = threading.Event()
         self.error: Exception | None = None
         self.new_tokens = 0
         self.text = ""
         self.finish_reason = "length"
+        self._request = None
+        self._first = _NOTHING  # an item `started` took from the queue
         self._queue: asyncio.Queue | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        """Queue the request (raises what the engine refuses: a full queue is a BusyError)."""
         self._loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue()
-        self._thread = threading.Thread(target=self._generate, daemon=True, name="offload-serve")
-        self._thread.start()
+        self._request = self.job.submit(self.ids, on_token=self._on_token,
+                                        on_finish=lambda: self._put(None), **self.options)  # fmt: skip
 
     async def finish(self) -> None:
         self.start()
@@ -129,43 +139,62 @@ class _Run:
         if self.error is not None:
             raise self.error
 
-    async def deltas(self):
+    async def started(self, request: Request) -> bool:
+        """Wait until the request has its first token (or has ended): it waited its turn in
+        the engine's queue until then. False when the client went away meanwhile (the request
+        is then cancelled)."""
         while True:
-            delta = await self._queue.get()
+            try:
+                self._first = await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_S)
+                return True
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.cancel()
+                    return False
+
+    async def deltas(self):
+        first, self._first = self._first, _NOTHING
+        while True:
+            delta = first if first is not _NOTHING else await self._queue.get()
+            first = _NOTHING
             if delta is None:
+                rest = self._end()
+                if rest:
+                    yield rest
                 return
             yield delta
 
     def cancel(self) -> None:
-        self.cancelled.set()
+        if self._request is not None and not self._request.done():
+            self.job.engine().cancel(self._request)
 
     def _put(self, item) -> None:
         self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
-    def _generate(self) -> None:
-        def on_token(row: int, token: int) -> None:
-            if not self.stream.stopped:
-                self.new_tokens += 1
-            delta = self.stream.push(token)
-            if self.stream.stopped:
-                self.finish_reason = "stop"
-                if self.stream.stop_string is not None:  # the loop has no end token to see
-                    self.cancelled.set()
-            if delta:
-                self.text += delta
-                self._put(delta)
+    def _on_token(self, row: int, token: int) -> None:
+        if not self.stream.stopped:
+            self.new_tokens += 1
+        delta = self.stream.push(token)
+        if self.stream.stopped:
+            self.finish_reason = "stop"
+            if self.stream.stop_string is not None:  # the engine has no end token to see
+                self.cancel()
+        if delta:
+            self.text += delta
+            self._put(delta)
 
-        try:
-            self.job.generate(self.ids, on_token=on_token, cancelled=self.cancelled.is_set,
-                              **self.options)  # fmt: skip
-            rest = self.stream.finish()
-            if rest:
-                self.text += rest
-                self._put(rest)
-        except Exception as exc:  # said to the client, not raised in a thread nobody joins
-            self.error = exc
-        finally:
-            self._put(None)
+    def _end(self) -> str:
+        """The request is over: keep its error, or return the text held back (an incomplete
+        character, a stop string that did not come)."""
+        error = self._request.error
+        if error is not None and not isinstance(error, Exception):
+            error = RuntimeError(str(error))
+        self.error = error
+        if error is not None:
+            return ""
+        rest = self.stream.finish()
+        self.text += rest
+        return rest
 
     def usage(self) -> dict:
         prompt = int(self.ids.shape[1])
@@ -208,6 +237,16 @@ class OpenAIServer:
                                             "owned_by": "offload-coordinator",
                                             "max_model_len": self.job.config.max_seq_len}]}  # fmt: skip
 
+    @app.get("/metrics")
+    async def metrics(self, request: Request):
+        """Prometheus' text format, vLLM's metric names: sequences running and waiting, KV slot
+        usage, time to first token and inter-token latency histograms, tokens generated."""
+        if not self._authorized(request):
+            return _error(401, "missing or wrong API key (Authorization: Bearer <key>)",
+                          "authentication_error")  # fmt: skip
+        return PlainTextResponse(self.job.engine().stats.prometheus(self.model_name),
+                                 media_type="text/plain; version=0.0.4")  # fmt: skip
+
     @app.post("/v1/completions")
     async def completions(self, request: Request):
         return await self._handle(request, chat=False)
@@ -240,6 +279,12 @@ class OpenAIServer:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         run = _Run(self.job, self.tokenizer, ids, options, stop)
         if stream:
+            try:
+                run.start()  # a full queue is a 429 here, before the stream's 200
+            except OffloadCoordinatorError as exc:
+                return _error_for(exc)
+            if not await run.started(request):  # no byte until the request runs
+                return _error(499, "the client went away while the request waited")
             return StreamingResponse(self._events(run, rid, chat, request, usage),
                                      media_type="text/event-stream")  # fmt: skip
         try:
@@ -310,7 +355,6 @@ class OpenAIServer:
                     "choices": [{"index": 0, **piece, "finish_reason": finish}]}  # fmt: skip
             return f"data: {json.dumps(data)}\n\n"
 
-        run.start()
         try:
             if chat:
                 yield event(None, None).replace('"delta": {}', '"delta": {"role": "assistant"}')
@@ -335,15 +379,16 @@ class OpenAIServer:
             run.cancel()  # a client gone mid-stream (the generator is closed): stop and free
 
 
-def start(load_name: str, model_name: str, *, host: str, port: int,
-          api_key: str | None) -> None:  # fmt: skip
+def start(load_name: str, model_name: str, *, host: str, port: int, api_key: str | None,
+          max_ongoing_requests: int = MAX_ONGOING_REQUESTS) -> None:  # fmt: skip
     """Serve the named load on host:port (returns once the app answers). The process's own
     SIGINT and SIGTERM handlers are kept, whatever Serve's start installs."""
     from coordinator.runtime.session import keeping_handlers
 
+    deployment = OpenAIServer.options(max_ongoing_requests=max_ongoing_requests)
     with keeping_handlers():
         serve.start(http_options={"host": host, "port": port})
-        serve.run(OpenAIServer.bind(load_name, model_name, api_key), name="offload-openai",
+        serve.run(deployment.bind(load_name, model_name, api_key), name="offload-openai",
                   route_prefix="/", blocking=False)  # fmt: skip
 
 

@@ -218,6 +218,26 @@ def render(reports: Sequence[Report], events: list[dict] = ()) -> str:
     return out
 
 
+def serving_line(stats: dict | None) -> str:
+    """One line of a served load's generation stats (the engine's, published through the
+    load's keeper), or that nothing serves it."""
+    if not stats:
+        return "\nserving: no engine has published stats for this load (not served?)"
+
+    def ms(key: str) -> str:
+        value = stats.get(key)
+        return "-" if value is None else f"{value * 1e3:.0f} ms"
+
+    age = time.time() - stats["time"] if "time" in stats else 0.0
+    return (f"\nserving ({age:.0f} s ago): {stats['requests_running']} running, "
+            f"{stats['requests_waiting']} waiting, {stats['kv_slots']} KV slots, batch occupancy "
+            f"{stats['batch_occupancy']:.0%} (mean batch {stats['mean_batch']}), "
+            f"{stats['generation_tokens']} tokens generated, {stats['requests']} requests "
+            f"({stats['rejected']} refused: queue full); time to first token p50 "
+            f"{ms('ttft_p50_s')} p99 {ms('ttft_p99_s')}, inter-token p50 {ms('itl_p50_s')} "
+            f"p99 {ms('itl_p99_s')}")  # fmt: skip
+
+
 # (metric name, description, GpuRow field)
 GPU_GAUGES = (
     ("device_used_bytes", "Device memory in use on the GPU", "device_used_bytes"),

@@ -1,0 +1,303 @@
+"""Continuous batching benchmark: N requests at once (threads calling `job.generate`, as a
+server receives them) against transformers' `generate` on one batch of the same N prompts,
+same checkpoint, same thread count, with layers offloaded; and the host->device bytes each
+generated token costs.
+
+One random-weight Llama checkpoint (`make_checkpoint`: 8 layers, hidden 512, 8 heads / 4 kv
+heads, intermediate 1408, vocab 4096, float32, 106 MiB), page cache warm. For each stage count
+(1, 2: a fresh embedded Ray with that many logical GPUs, the device being the CPU), one job
+whose per-GPU budget keeps 40% of the decoder weights resident (the rest offloaded, printed)
+beside a KV cache of max_batch 16 x 32 tokens. Per N in 1, 4, 8, 16:
+
+  ours      - N threads, each `job.generate` of one 8-token prompt, greedy, no end token,
+              --new-tokens new tokens; tokens/s = N x new / wall time
+  bytes     - host->device bytes the workers copied (their offloaders' `copied_bytes`, before
+              and after) / tokens generated; target <= 1.25 x offloaded bytes / N
+  theirs    - transformers `generate` on the N prompts as one batch (no padding: same length)
+  ratio     - ours / theirs tokens/s, the median over interleaved repeats of each of our runs
+              against the transformers run right after it; target at N = 8: >= 0.8
+  batch 1   - ms per token at N = 1 (first to last token, timestamped as they come) against
+              transformers at batch 1; target <= 1.15x
+
+On 2 stages the engine splits the running sequences into one micro-batch per stage (every
+stage busy) by default; `micro_batches=1` (one batch, stages taking turns) is run too, since
+each micro-batch brings the offloaded layers in once per step: the split trades bytes for
+overlap. Then the stall: 4 requests decoding while a 1024-token prompt joins, the longest gap
+between two tokens of a decoding request against its median gap, with the prompt prefilled in
+chunks of 256 tokens (`prefill_tokens`) and whole (4096).
+
+Correctness: every greedy output must equal transformers' `generate` on that prompt alone; a
+mismatch is printed and the script exits 1. About 6 minutes on 2 cores (--quick: 1).
+
+    python bench/batching.py [--quick] [--stages 1,2] [--batches 1,4,8,16] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import ray
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from coordinator.config import JobConfig
+from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.planning.checkpoint import load_index
+from coordinator.runtime.job import launch
+
+MIB = 2**20
+THREADS = 1  # per worker (JobConfig's cpus_per_worker default) and for transformers
+MAX_BATCH = 16
+RESIDENT_SHARE = 0.4  # of the decoder bytes each GPU's budget keeps resident
+STALL_PROMPT = 1024
+STALL_CHUNKS = (256, 4096)  # prefill_tokens: in chunks, and the whole prompt in one step
+TARGET_RATIO_AT_8 = 0.8
+TARGET_BYTES = 1.25
+TARGET_BATCH1 = 1.15
+
+
+def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (1, length), generator=g) for _ in range(n)]
+
+
+def copied_bytes(job) -> int:
+    return sum(r.stats.copied_bytes for r in job.telemetry())
+
+
+def ours(job, pool, prompts: list[torch.Tensor], new: int) -> tuple[float, list, list[float]]:
+    """tokens/s of the prompts as concurrent requests; outputs; the first request's token
+    timestamps."""
+    stamps: list[float] = []
+
+    def one(i: int):
+        on_token = (lambda row, token: stamps.append(time.perf_counter())) if i == 0 else None
+        return job.generate(prompts[i], max_new_tokens=new, do_sample=False, eos_token_id=None,
+                            on_token=on_token)  # fmt: skip
+
+    start = time.perf_counter()
+    outs = list(pool.map(one, range(len(prompts))))
+    return len(prompts) * new / (time.perf_counter() - start), outs, stamps
+
+
+def theirs(model, prompts: list[torch.Tensor], new: int) -> tuple[float, torch.Tensor, list[float]]:
+    from transformers.generation.streamers import BaseStreamer
+
+    class Stamps(BaseStreamer):
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
+
+        def put(self, value) -> None:
+            self.stamps.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    batch = torch.cat(prompts)
+    streamer = Stamps() if len(prompts) == 1 else None
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=new,
+                             do_sample=False, eos_token_id=None, streamer=streamer)  # fmt: skip
+    rate = len(prompts) * new / (time.perf_counter() - start)
+    return rate, out, streamer.stamps[1:] if streamer else []
+
+
+def per_token(stamps: list[float]) -> float:
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+
+
+def stall(job, pool, vocab: int, new: int) -> dict:
+    """4 requests decoding; a long prompt joins once they have made 4 tokens each. The longest
+    and the median gap between two tokens of the first request."""
+    stamps: list[float] = []
+    joined = []
+    long = prompts_for(1, STALL_PROMPT, vocab, 99)[0]
+
+    def first(row: int, token: int) -> None:
+        stamps.append(time.perf_counter())
+        if len(stamps) == 4 and not joined:
+            joined.append(pool.submit(job.generate, long, max_new_tokens=2, do_sample=False,
+                                      eos_token_id=None))  # fmt: skip
+
+    short = prompts_for(4, 8, vocab, 98)
+    futures = [pool.submit(job.generate, short[i], max_new_tokens=new, do_sample=False,
+                           eos_token_id=None, on_token=first if i == 0 else None)
+               for i in range(4)]  # fmt: skip
+    for f in futures:
+        f.result()
+    joined[0].result()
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    return {"max_gap_s": max(gaps), "median_gap_s": statistics.median(gaps)}
+
+
+def budget_for(index, gpus: int, max_seq_len: int) -> int:
+    """A per-GPU budget that keeps RESIDENT_SHARE of the decoder bytes resident over `gpus`
+    GPUs: the embedding or head each end stage holds, a prefetch slot, the stage's KV cache."""
+    decoders = [x for x in index.layers if x.kind == "decoder"]
+    ends = [x.nbytes for x in index.layers if x.kind != "decoder"]
+    kv = sum(x.kv_bytes(MAX_BATCH, max_seq_len) for x in index.layers)
+    largest = max(x.nbytes for x in decoders)
+    return int((sum(ends) if gpus == 1 else max(ends)) + sum(x.nbytes for x in decoders)
+               * RESIDENT_SHARE / gpus + largest + kv / gpus)  # fmt: skip
+
+
+def run(num_gpus: int, checkpoint: str, model, args, expected: dict, index, *,
+        batches: list[int], max_seq_len: int, micro_batches: int = 0, prefill_tokens: int = 512,
+        measure_stall: bool = False) -> dict:  # fmt: skip
+    budget = budget_for(index, num_gpus, max_seq_len)
+    row: dict = {"gpus": num_gpus, "micro_batches": micro_batches, "batches": batches,
+                 "prefill_tokens": prefill_tokens, "load_average": psutil.getloadavg()[0]}  # fmt: skip
+    mismatches: list[str] = []
+    ray.init(address="local", num_cpus=num_gpus + 1, num_gpus=num_gpus, include_dashboard=False,
+             log_to_driver=False)  # fmt: skip
+    try:
+        config = JobConfig(checkpoint=checkpoint, gpu_memory_bytes=budget, max_batch=MAX_BATCH,
+                           max_seq_len=max_seq_len, micro_batches=micro_batches,
+                           prefill_tokens=prefill_tokens)  # fmt: skip
+        with launch(config) as job, ThreadPoolExecutor(MAX_BATCH + 1) as pool:
+            row["stages"] = len(job.plan.stages)
+            row["offloaded_bytes"] = sum(s.offloaded_bytes for s in job.plan.stages)
+            warm = expected["prompts"][:2]
+            ours(job, pool, warm, 4)
+            for n in batches:
+                prompts = expected["prompts"][:n]
+                rates, ratios, per_byte, batch1 = [], [], [], []
+                for _ in range(args.repeats):
+                    before = copied_bytes(job)
+                    rate, outs, stamps = ours(job, pool, prompts, args.new_tokens)
+                    per_byte.append((copied_bytes(job) - before) / (n * args.new_tokens))
+                    hf_rate, _, hf_stamps = theirs(model, prompts, args.new_tokens)
+                    rates.append((rate, hf_rate))
+                    ratios.append(rate / hf_rate)
+                    if n == 1:
+                        batch1.append(per_token(stamps) / per_token(hf_stamps))
+                    for i, out in enumerate(outs):
+                        if out[0, prompts[i].shape[1] :].tolist() != expected["tokens"][i]:
+                            mismatches.append(f"N={n} request {i}")
+                row[n] = {"ours_tokens_per_s": statistics.median(r[0] for r in rates),
+                          "hf_tokens_per_s": statistics.median(r[1] for r in rates),
+                          "ratio": statistics.median(ratios),
+                          "bytes_per_token": statistics.median(per_byte),
+                          "batch1_ratio": statistics.median(batch1) if batch1 else None}  # fmt: skip
+                print(f"  {num_gpus} GPU(s), micro_batches {micro_batches or 'per stage'}, N={n}: "
+                      f"{row[n]['ours_tokens_per_s']:.1f} vs {row[n]['hf_tokens_per_s']:.1f} "
+                      f"tokens/s, {row[n]['bytes_per_token'] / MIB:.2f} MiB/token", flush=True)  # fmt: skip
+            if measure_stall:
+                row["stall"] = stall(job, pool, expected["vocab"], args.new_tokens)
+    finally:
+        ray.shutdown()
+    row["mismatches"] = mismatches
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, N in 1,4, 1 repeat")
+    parser.add_argument("--stages", default="1,2")
+    parser.add_argument("--batches", default="1,4,8,16")
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    shape = CheckpointShape(arch="llama", num_layers=8, hidden_size=512, num_heads=8,
+                            num_kv_heads=4, intermediate_size=1408, vocab_size=4096,
+                            max_positions=2048, max_shard_bytes=64 * MIB)  # fmt: skip
+    if args.quick:
+        shape = dataclasses.replace(shape, num_layers=4, hidden_size=64, num_heads=4,
+                                    num_kv_heads=2, intermediate_size=128, vocab_size=512)  # fmt: skip
+        args.batches, args.repeats, args.new_tokens = "1,4", 1, 8
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.stall = not args.quick
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(THREADS)
+    started = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-batching-"))
+    rows = []
+    try:
+        checkpoint = str(make_checkpoint(tmp / "llama", shape))
+        index = load_index(checkpoint)
+        for name in index.files:
+            (index.root / name).read_bytes()  # page cache warm
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        vocab = index.config["vocab_size"]
+        prompts = prompts_for(max(args.batches), 8, vocab, 1)
+        expected = {"prompts": prompts, "vocab": vocab,
+                    "tokens": [theirs(model, [p], args.new_tokens)[1][0, 8:].tolist() for p in prompts]}  # fmt: skip
+        sweep = 8 + args.new_tokens
+        for gpus in sorted(int(s) for s in args.stages.split(",")):
+            rows.append(run(gpus, checkpoint, model, args, expected, index, batches=args.batches,
+                            max_seq_len=sweep))  # fmt: skip
+            if gpus > 1:
+                rows.append(run(gpus, checkpoint, model, args, expected, index,
+                                batches=args.batches, max_seq_len=sweep, micro_batches=1))  # fmt: skip
+        if args.stall:  # a long prompt joining: in chunks, and whole
+            for chunk in STALL_CHUNKS:
+                rows.append(run(1, checkpoint, model, args, expected, index, batches=[],
+                                max_seq_len=STALL_PROMPT + 8, prefill_tokens=chunk,
+                                measure_stall=True))  # fmt: skip
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    report(rows, args, index, started)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2, default=str))
+    bad = [m for r in rows for m in r["mismatches"]]
+    if bad:
+        print(f"\ngreedy output differs from transformers' generate alone: {bad}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def report(rows: list[dict], args, index, started: float) -> None:
+    import transformers
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
+                .splitlines() if line.startswith("model name")), platform.processor())  # fmt: skip
+    print(f"\nmachine: {platform.machine()} ({cpu}), {psutil.cpu_count()} CPUs, "
+          f"{psutil.virtual_memory().total / 2**30:.0f} GiB; torch {torch.__version__}, "
+          f"transformers {transformers.__version__}, ray {ray.__version__}; {THREADS} thread per "
+          f"worker and for transformers; total {time.perf_counter() - started:.0f} s")  # fmt: skip
+    print(f"model: {index.total_bytes / MIB:.1f} MiB; {args.new_tokens} new tokens per request, "
+          f"greedy; medians of {args.repeats} interleaved runs\n")  # fmt: skip
+    print("| stages | micro-batches | offloaded MiB | N | ours tokens/s | transformers batch of N "
+          "tokens/s | ours / transformers | H2D MiB per token | x (offloaded / N) | "
+          "batch-1 ms/token ratio | greedy = transformers |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        off = r["offloaded_bytes"]
+        for n in r["batches"]:
+            c = r[n]
+            b1 = f"{c['batch1_ratio']:.2f}" if c["batch1_ratio"] else "-"
+            print(f"| {r['stages']} | {r['micro_batches'] or 'one per stage'} | {off / MIB:.1f} | "
+                  f"{n} | {c['ours_tokens_per_s']:.1f} | {c['hf_tokens_per_s']:.1f} | "
+                  f"{c['ratio']:.2f} | {c['bytes_per_token'] / MIB:.2f} | "
+                  f"{c['bytes_per_token'] / (off / n) if off else 0:.2f} | {b1} | "
+                  f"{'yes' if not r['mismatches'] else 'NO'} |")  # fmt: skip
+    for r in rows:
+        if "stall" in r:
+            s = r["stall"]
+            print(f"\nstall ({r['stages']} stage, prefill_tokens {r['prefill_tokens']}): a "
+                  f"{STALL_PROMPT}-token prompt joining 4 decoding requests: longest gap between "
+                  f"two tokens {s['max_gap_s'] * 1e3:.0f} ms, median gap "
+                  f"{s['median_gap_s'] * 1e3:.0f} ms")  # fmt: skip
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,62 @@
+"""How many sequences a job can generate at once: the largest `max_batch` whose KV cache fits
+beside the planned weights.
+
+"Beside the weights" means the batch takes only memory the weights leave free: the plan for
+that batch offloads no more weight bytes than the plan for a batch of one. A larger batch would
+pay for its KV cache by moving more weights to the host every step; whether that trade is worth
+it is a throughput question (the planner of issue 17), not a sizing default. Capped at
+AUTO_MAX_BATCH: past it, a step's activations and sampling grow while the offloaded bytes per
+token barely shrink (1/N). Pure, no Ray: `launch`, `offloadctl plan` and `serve` use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from coordinator.planning.checkpoint import LayerSpec
+from coordinator.planning.options import PlanOptions
+from coordinator.planning.planner import Plan, plan
+from coordinator.planning.snapshot import ClusterSnapshot
+from offload.errors import PlanError
+
+AUTO_MAX_BATCH = 64
+
+
+def offloaded_bytes(the_plan: Plan) -> int:
+    return sum(s.offloaded_bytes for s in the_plan.stages)
+
+
+def largest_batch(layers: Sequence[LayerSpec], cluster: ClusterSnapshot, options: PlanOptions,
+                  cap: int = AUTO_MAX_BATCH) -> tuple[int, Plan]:  # fmt: skip
+    """(max_batch, its plan): the largest batch up to `cap` whose plan offloads no more weight
+    bytes than a batch of one does. PlanError when not even one sequence fits."""
+    if options.max_seq_len < 1:
+        raise PlanError("sizing max_batch from memory needs max_seq_len (tokens per sequence): "
+                        "set --max-seq-len, or give --max-batch")  # fmt: skip
+    if cap < 1:
+        raise PlanError(f"cap={cap} must be >= 1")
+    best = plan(layers, cluster, dataclasses.replace(options, max_batch=1))
+    floor = offloaded_bytes(best)
+    low, high = 1, cap  # the answer is in [low, high]; fewer bytes free per sequence as it grows
+    while low < high:
+        mid = (low + high + 1) // 2
+        try:
+            candidate = plan(layers, cluster, dataclasses.replace(options, max_batch=mid))
+        except PlanError:
+            high = mid - 1
+            continue
+        if offloaded_bytes(candidate) <= floor:
+            low, best = mid, candidate
+        else:
+            high = mid - 1
+    return low, best
+
+
+def plan_job(config, index, snapshot: ClusterSnapshot):
+    """(config, plan) of a job (`coordinator.config.JobConfig`) on `snapshot`: the config's
+    max_batch resolved when it is 0 (auto), as `launch` and `offloadctl plan` both plan."""
+    if config.max_batch:
+        return config, plan(index.layers, snapshot, config.plan_options())
+    batch, the_plan = largest_batch(index.layers, snapshot, config.plan_options())
+    return dataclasses.replace(config, max_batch=batch), the_plan
