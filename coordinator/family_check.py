@@ -7,10 +7,17 @@ error. So the driver first runs the family's own class, from the checkpoint's co
 layers and tiny widths (structural flags kept: sliding windows, rope type, tying, MoE routing),
 random float32 weights, in this process on the CPU: whole, and split into pass-through stages as
 workers build them (`worker.stage.Stage`), for several splits, through a plain forward, a
-left-padded prefill and decode steps in each stage's KV cache. Logits bitwise equal: it loads
+left-padded prefill and decode steps in each stage's KV cache, logits bitwise equal; then as
+the engine generates (`worker.batched`: two prompts of different lengths as left-padded rows of
+one prefill step, then greedy decode steps, each stage in its slot pool, each row at its own
+positions with its own masks, no 2D attention mask), each row's logits within a float32
+tolerance of the whole model's on that prompt alone, same argmax (a padded batch sums in other
+shapes: never bitwise). That catches a family reading what batched steps do not give (ALiBi or
+positions from the 2D mask, masks built other than by `create_causal_mask`). Both pass: it loads
 (the CLI says untested, self-checked). Else, or if the check raises, `FamilyCheckError` (a user
-error, exit 2) names the module that did not pass through. Tested families skip the check.
-Verdicts are cached per (family, shrunk config) in this process. No Ray: `plan` runs it too.
+error, exit 2) names the module that did not pass through, or the batched step and row that
+differ. Tested families skip the check. Verdicts (of both parts) are cached per (family, shrunk
+config) in this process. No Ray: `plan` runs it too.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import torch
 from torch import nn
 
 from coordinator.small_config import NUM_LAYERS, VOCAB, shrink_config
+from worker.batch_cache import SlotPool
+from worker.batched import StepRows
 from worker.layout import (
     TESTED_FAMILIES,
     UnsupportedModelError,
@@ -36,10 +45,17 @@ from worker.stage import Stage
 
 SEED = 0
 BATCH, PROMPT, PAD, DECODE_STEPS = 2, 7, 2, 2
+PROMPTS = (7, 4)  # the batched check's prompt lengths: the shorter row is left-padded
+# Batched rows against each prompt alone: float32 sums in other shapes. Measured (1 thread, max
+# abs logit difference over the prefill and 2 decode steps, every split): 1.5e-7 for gemma2, at
+# most 1.1e-7 for the other tested families and Falcon / OPT (logits up to 0.6); a decode
+# position one too far (OPT) or a mask showing unwritten slot keys (Falcon) gives 0.035.
+ATOL = RTOL = 1e-4
+
 
 class FamilyCheckError(UnsupportedModelError):
-    """An untested family whose pipeline split did not reproduce its whole model in the
-    pre-launch check; the message names the family and the module that did not pass through."""
+    """An untested family whose pipeline split or batched generation did not reproduce its whole
+    model in the pre-launch check; the message names the family and the module or step."""
 
 
 _verdicts: dict[tuple, str | None] = {}  # (family, shrunk config, attention) -> refusal or None
@@ -80,7 +96,7 @@ class _Call:
 
 
 def _check(small: dict, attn_implementation: str | None) -> str | None:
-    """The refusal (one line) when the split does not reproduce the whole model, else None."""
+    """The refusal (one line) when the split or its batched generation differs, else None."""
     family = small["model_type"]
     failed = f"{family}: the pipeline split does not reproduce the whole model"
 
@@ -105,6 +121,7 @@ def _check(small: dict, attn_implementation: str | None) -> str | None:
         # Three stages (embed+layer 0 | layer 1 | head), two with other boundaries, and one
         # (a job on one GPU): each stage boundary a model's forward may see.
         splits = [[names[:2], names[2:-1], names[-1:]], [names[:1], names[1:]], [names]]
+        built: list[tuple[str, list[Stage]]] = []  # (label, stages) of the splits that passed
         for split in splits:
             split = [group for group in split if group]
             label = " | ".join("+".join(group) for group in split)
@@ -115,6 +132,13 @@ def _check(small: dict, attn_implementation: str | None) -> str | None:
                 refusal = f"the check raised {_describe(exc)}"
             if refusal is not None:
                 return f"{failed} ({refusal}; stages {label})"
+            built.append((label, stages))
+        try:
+            refusal = _check_batched(whole, built)
+        except Exception as exc:  # the whole model's own forward on a prompt alone
+            refusal = f"the check raised {_describe(exc)}"
+        if refusal is not None:
+            return f"{family}: batched generation does not reproduce the model ({refusal})"
     return None
 
 
@@ -173,6 +197,74 @@ def _compare(whole: nn.Module, stages: list[Stage], layout) -> str | None:
             steps.append((f"decode step {len(steps) - 1}", tokens, m, p, 1, True))
         step += 1
     return None
+
+
+def _check_batched(whole: nn.Module, built: list[tuple[str, list[Stage]]]) -> str | None:
+    """Where generation through batched steps first differs from the whole model run on each
+    prompt alone (see the module doc): the step, split and row, or what raised; else None."""
+    generator = torch.Generator().manual_seed(SEED)
+    prompts = [torch.randint(2, VOCAB, (n,), generator=generator) for n in PROMPTS]
+    alone = [_alone(whole, prompt) for prompt in prompts]
+    for label, stages in built:
+        steps = _batched_steps(stages, prompts, alone)
+        for n in range(DECODE_STEPS + 1):
+            what = f"decode step {n}" if n else "prefill"
+            try:
+                got = next(steps)
+            except Exception as exc:
+                return (f"{what}: {_raising_module(exc, stages)} raised {_describe(exc)}; "
+                        f"stages {label}")  # fmt: skip
+            for row, expected in enumerate(alone):
+                want = expected[n]
+                if not (torch.allclose(got[row], want, atol=ATOL, rtol=RTOL)
+                        and torch.equal(got[row].argmax(), want.argmax())):  # fmt: skip
+                    diff = (got[row] - want).abs().max().item()
+                    return (f"{what}, row {row} (its {len(prompts[row])}-token prompt): logits "
+                            f"differ by up to {diff:.3g}; stages {label}")  # fmt: skip
+    return None
+
+
+def _alone(whole: nn.Module, prompt: torch.Tensor) -> list[torch.Tensor]:
+    """The whole model on `prompt` alone, as plain transformers generates (its own cache, no
+    padding, no positions given): the last position's logits of the prefill and of each greedy
+    decode step."""
+    from transformers import DynamicCache
+
+    cache, x, out = DynamicCache(config=whole.config), prompt[None], []
+    with torch.inference_mode():
+        for _ in range(DECODE_STEPS + 1):
+            out.append(whole(input_ids=x, past_key_values=cache, use_cache=True).logits[0, -1])
+            x = out[-1].argmax().reshape(1, 1)
+    return out
+
+
+def _batched_steps(stages: list[Stage], prompts: list[torch.Tensor],
+                   alone: list[list[torch.Tensor]]) -> Iterator[torch.Tensor]:  # fmt: skip
+    """Each step's last-position logits (rows, vocab) through `stages` as `BatchRunner.step`
+    runs them: one prefill of the prompts as rows left-padded with token 0 (as the engine pads
+    them), then decode steps feeding each row the token its prompt chose alone, so both sides
+    see the same inputs. Rows sit in slots of the other order, as the engine may assign them."""
+    width = max(len(prompt) for prompt in prompts)
+    rows = StepRows(slots=tuple(reversed(range(len(prompts)))), starts=(0,) * len(prompts),
+                    counts=tuple(len(prompt) for prompt in prompts), width=width,
+                    num_slots=len(prompts), max_seq_len=width + DECODE_STEPS + 1)  # fmt: skip
+    pools = [SlotPool(stage.decoder_indices, num_slots=rows.num_slots,
+                      max_seq_len=rows.max_seq_len, device=torch.device("cpu"))
+             if stage.decoder_indices else None for stage in stages]  # fmt: skip
+    x = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        x[row, width - len(prompt) :] = prompt
+    for n in range(DECODE_STEPS + 1):
+        if n:
+            rows = rows.advanced()
+            x = torch.stack([expected[n - 1].argmax() for expected in alone])[:, None]
+        where = (list(rows.slots), list(rows.starts), list(rows.counts), rows.width)
+        with torch.inference_mode():
+            for stage, pool in zip(stages, pools, strict=True):
+                view = None if pool is None else pool.view(*where)
+                x = stage(x, position_ids=rows.positions(),
+                          logits_to_keep=1 if stage.is_last else 0, cache=view)  # fmt: skip
+        yield x[:, -1]
 
 
 def advance(attention_mask: torch.Tensor, position_ids: torch.Tensor):

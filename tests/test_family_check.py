@@ -6,8 +6,10 @@ Falcon and OPT, as transformers' `save_pretrained` writes them, used to fail ins
 worker after every worker had started (Falcon's blocks return `(hidden, attn_weights)`; OPT's
 learned position embedding takes `position_ids`, and OPT registers its final norm before its
 blocks). They now pass the check and load bitwise equal to transformers; the tests also show
-that the old stand-ins are refused before launch with the module named. In-process workers as
-in test_families.py; one `offloadctl run` starts Ray.
+that the old stand-ins are refused before launch with the module named, and that the check's
+batched generation part (the engine's steps, against each prompt alone) refuses a wrong batched
+path or unrouted masks naming the step. In-process workers as in test_families.py; one
+`offloadctl run` starts Ray.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import torch
 from test_families import VOCAB, Pipeline, reference
 from test_generation import alone, generate_each
 
+import worker.batch_cache
+import worker.batched
 import worker.stage
 from coordinator import family_check
 from coordinator.cli import EXIT_ERROR, main
@@ -95,13 +99,17 @@ def test_falcon_and_opt_pass_the_check_and_load_as_transformers_does(checkpoints
     assert tokens == [alone(index, prompt, 6) for prompt in prompts]
 
 
-def _one_line_refusal(config: dict, family: str) -> str:
+SPLIT_DIFFERS = "the pipeline split does not reproduce the whole model"
+BATCHED_DIFFERS = "batched generation does not reproduce the model"
+
+
+def _one_line_refusal(config: dict, family: str, what: str = SPLIT_DIFFERS) -> str:
     with pytest.raises(FamilyCheckError) as caught:
         check_family(config)
     message = str(caught.value)
     assert isinstance(caught.value, UnsupportedModelError)  # the CLI's user errors: exit 2
     assert "\n" not in message
-    assert message.startswith(f"{family}: the pipeline split does not reproduce the whole model")
+    assert message.startswith(f"{family}: {what}")
     return message
 
 
@@ -132,6 +140,53 @@ def test_the_old_stand_ins_are_refused_naming_the_module(checkpoints, monkeypatc
         patch.setattr("worker.layout._first_uses", lambda module: {})  # registration order
         message = _one_line_refusal(opt, "opt")
     assert "module model.decoder.final_layer_norm / LayerNorm: its input differs" in message
+
+
+def test_a_wrong_batched_path_is_refused_naming_the_step(checkpoints, monkeypatch) -> None:
+    """A family whose split is bitwise right through the per-request cache can still generate
+    wrong tokens in batches: the check also runs the engine's batched steps (two prompts,
+    left-padded, then decode steps), against each prompt alone, and names the step and row."""
+    positions, mask = worker.batched.StepRows.positions, worker.batch_cache.BatchView.mask
+
+    def one_too_far_when_decoding(self) -> torch.Tensor:
+        return positions(self) + (self.width == 1)
+
+    with monkeypatch.context() as patch:  # OPT's learned positions are absolute: it shows
+        patch.setattr(worker.batched.StepRows, "positions", one_too_far_when_decoding)
+        message = _one_line_refusal(checkpoints("opt").config, "opt", BATCHED_DIFFERS)
+    assert "(decode step 1, row 0 (its 7-token prompt): logits differ by up to " in message
+    assert message.endswith("; stages embed+layers.0 | layers.1 | head)")
+
+    def shows_unwritten_keys(self, **kwargs) -> torch.Tensor:
+        """Each row also sees the step's keys past its own sequence: the slot positions the
+        shorter, left-padded row never wrote (zeros, or a freed sequence's keys)."""
+        allowed = mask(self, **kwargs)
+        past = torch.arange(self.kv_length) >= (self.starts + self.counts)[:, None, None, None]
+        return allowed | past if allowed.dtype == torch.bool else allowed.masked_fill(past, 0)
+
+    with monkeypatch.context() as patch:  # Falcon's rotary positions: a mask that leaks
+        patch.setattr(family_check, "_verdicts", {})
+        patch.setattr(worker.batch_cache.BatchView, "mask", shows_unwritten_keys)
+        message = _one_line_refusal(checkpoints("falcon").config, "falcon", BATCHED_DIFFERS)
+    assert "(prefill, row 1 (its 4-token prompt): logits differ by up to " in message
+
+
+def test_a_family_whose_masks_are_not_routed_is_refused(checkpoints, monkeypatch) -> None:
+    """A family building its masks other than through the two functions `worker.stage` routes
+    (here: OPT with routing undone) reaches the `BatchView`'s refusal; the check turns it into
+    one line naming batched generation, the step and the module, not a traceback."""
+    import transformers.masking_utils
+    import transformers.models.opt.modeling_opt
+
+    monkeypatch.setattr(worker.stage, "_route_masks", lambda base_class: None)
+    # and undone where an earlier test's stages routed them already
+    monkeypatch.setattr(transformers.models.opt.modeling_opt, "create_causal_mask",
+                        transformers.masking_utils.create_causal_mask)  # fmt: skip
+    message = _one_line_refusal(checkpoints("opt").config, "opt", BATCHED_DIFFERS)
+    assert (
+        "(prefill: stage 0, module model.decoder / OPTDecoder raised NotImplementedError: this "
+        "model builds an attention mask that batched generation does not route"
+    ) in message
 
 
 def _drop_layer_1(monkeypatch) -> None:

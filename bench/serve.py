@@ -1,0 +1,216 @@
+"""Serving benchmark: `offloadctl serve` under 1, 8, 32 and 128 concurrent clients of the
+official `openai` client, as vLLM's serving benchmark runs it.
+
+One random-weight Llama checkpoint with its tokenizer (`make_checkpoint`: 8 layers, hidden 512,
+float32, 106 MiB), served on an embedded Ray with one logical GPU whose budget keeps 40% of the
+decoder weights resident (the rest offloaded) and `--max-batch auto` (sized from what the
+budget leaves beside the weights, for 128-token sequences), default queue (1024). For each
+concurrency C, C client threads each send --requests-per-client streamed completions one after
+another (distinct prompts, --max-tokens tokens, temperature 0, `stream_options.include_usage`),
+all starting at once:
+
+  output tokens/s - completion tokens of every request / wall time of the level
+  TTFT            - request sent -> first streamed text (p50, p99)
+  ITL             - between two streamed chunks of a request (p50, p99)
+  errors          - requests that did not end with 200 and a finish reason (429 included)
+
+Target: 0 errors at 128 clients with the default queue; tokens/s growing with clients until
+memory (the batch) or compute bounds it. About 4 minutes on 2 cores (--quick: 1).
+
+    python bench/serve.py [--quick] [--clients 1,8,32,128] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import re
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.batching import budget_for
+from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.planning.checkpoint import load_index
+
+MIB = 2**20
+MAX_SEQ_LEN = 128
+START_TIMEOUT_S = 300.0
+OFFLOADCTL = str(Path(sys.executable).with_name("offloadctl"))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(checkpoint: str, budget: int, port: int, key: str, log: Path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["OFFLOAD_API_KEY"] = key
+    proc = subprocess.Popen(
+        [OFFLOADCTL, "serve", "--checkpoint", checkpoint, "--gpus", "1", "--gpu-memory",
+         str(budget), "--port", str(port), "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch",
+         "auto"],
+        env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,  # noqa: SIM115
+    )  # fmt: skip
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: {log.read_text()[-2000:]}")
+        match = re.search(r"KV cache for (\d+) x", log.read_text())
+        if match:
+            try:
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models",
+                                                 headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+                with urllib.request.urlopen(request, timeout=5):
+                    return proc, int(match.group(1))
+            except OSError:
+                pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start: {log.read_text()[-2000:]}")
+        time.sleep(1)
+
+
+def stop_server(proc) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # our own process group only
+            proc.wait(timeout=30)
+
+
+def level(base: str, key: str, clients: int, per_client: int, max_tokens: int) -> dict:
+    import openai
+
+    client = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=600)
+    ttft, itl, tokens, errors = [], [], [], []
+    lock = threading.Lock()
+    barrier = threading.Barrier(clients)
+
+    def one(c: int) -> None:
+        barrier.wait()
+        for r in range(per_client):
+            sent = time.perf_counter()
+            stamps, usage, finish = [], None, None
+            try:
+                stream = client.completions.create(
+                    model="llama", prompt=f"client {c} request {r}: tell me a story about cats",
+                    max_tokens=max_tokens, temperature=0, stream=True,
+                    stream_options={"include_usage": True})  # fmt: skip
+                for chunk in stream:
+                    if chunk.choices and chunk.choices[0].text:
+                        stamps.append(time.perf_counter())
+                    if chunk.choices and chunk.choices[0].finish_reason:
+                        finish = chunk.choices[0].finish_reason
+                    if chunk.usage is not None:
+                        usage = chunk.usage.completion_tokens
+            except Exception as exc:  # counted, with its kind
+                with lock:
+                    errors.append(type(exc).__name__)
+                continue
+            with lock:
+                if finish is None or usage is None:
+                    errors.append("no finish")
+                    continue
+                tokens.append(usage)
+                if stamps:
+                    ttft.append(stamps[0] - sent)
+                    itl.extend(b - a for a, b in itertools.pairwise(stamps))
+
+    threads = [threading.Thread(target=one, args=(c,)) for c in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+
+    def pct(values: list[float], q: float) -> float | None:
+        return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else (values or [None])[0]
+
+    return {"clients": clients, "requests": clients * per_client, "wall_s": wall,
+            "tokens_per_s": sum(tokens) / wall, "ttft_p50_s": pct(ttft, 50),
+            "ttft_p99_s": pct(ttft, 99), "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
+            "errors": len(errors), "error_kinds": sorted(set(errors))}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, 1 and 8 clients")
+    parser.add_argument("--clients", default="1,8,32,128")
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    shape = CheckpointShape(arch="llama", num_layers=8, hidden_size=512, num_heads=8,
+                            num_kv_heads=4, intermediate_size=1408, vocab_size=4096,
+                            max_positions=2048, max_shard_bytes=64 * MIB)  # fmt: skip
+    if args.quick:
+        import dataclasses
+
+        shape = dataclasses.replace(shape, num_layers=4, hidden_size=64, num_heads=4,
+                                    num_kv_heads=2, intermediate_size=128, vocab_size=512)  # fmt: skip
+        args.clients, args.max_tokens = "1,8", 16
+    started = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    rows, proc = [], None
+    try:
+        checkpoint = str(make_checkpoint(tmp / "llama", shape))
+        index = load_index(checkpoint)
+        budget = budget_for(index, 1, MAX_SEQ_LEN)  # sized for 16 sequences of MAX_SEQ_LEN
+        port, key = free_port(), secrets.token_hex(16)
+        proc, batch = start_server(checkpoint, budget, port, key, tmp / "serve.log")
+        base = f"http://127.0.0.1:{port}/v1"
+        level(base, key, 2, 1, 4)  # warm-up
+        for clients in (int(c) for c in args.clients.split(",")):
+            rows.append(level(base, key, clients, args.requests_per_client, args.max_tokens))
+            r = rows[-1]
+            print(f"{clients} clients: {r['tokens_per_s']:.1f} tokens/s, errors {r['errors']}",
+                  flush=True)  # fmt: skip
+    finally:
+        if proc is not None:
+            stop_server(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\nmachine: {platform.machine()}, {psutil.cpu_count()} CPUs, "
+          f"{psutil.virtual_memory().total / 2**30:.0f} GiB; model {index.total_bytes / MIB:.1f} "
+          f"MiB, GPU budget {budget / MIB:.1f} MiB, max_batch auto = {batch}, max_seq_len "
+          f"{MAX_SEQ_LEN}; {args.requests_per_client} streamed requests per client, "
+          f"{args.max_tokens} tokens each; total {time.perf_counter() - started:.0f} s\n")  # fmt: skip
+
+    def ms(v):
+        return "-" if v is None else f"{v * 1e3:.0f}"
+
+    print("| clients | requests | output tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | "
+          "ITL p99 ms | errors |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['clients']} | {r['requests']} | {r['tokens_per_s']:.1f} | "
+              f"{ms(r['ttft_p50_s'])} | {ms(r['ttft_p99_s'])} | {ms(r['itl_p50_s'])} | "
+              f"{ms(r['itl_p99_s'])} | {r['errors']} {' '.join(r['error_kinds'])} |")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 1 if any(r["errors"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
