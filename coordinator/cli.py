@@ -105,8 +105,8 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
                         "in chunks, the decodes of others between them")  # fmt: skip
     parser.add_argument("--micro-batches", type=int, dest="micro_batches",
                         help="micro-batches the running sequences are split into (default 0: "
-                        "one per stage, every stage busy; 1: one batch, each offloaded layer "
-                        "brought in once per step for all)")  # fmt: skip
+                        "one when layers are offloaded, each offloaded layer brought in once "
+                        "per step for all; else one per stage, every stage busy)")  # fmt: skip
     parser.add_argument("--snapshot-interval", type=float, dest="snapshot_interval_s",
                         metavar="SECONDS", help="each worker snapshots its memory this often "
                         "(default 10; 0: on request only); a named load publishes them as Ray "

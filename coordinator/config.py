@@ -160,7 +160,8 @@ class JobConfig:
     max_seq_len: int = 0
     # Sequences that may wait for a KV slot (beyond: busy, HTTP 429); prompt tokens per prefill
     # step (a long prompt is prefilled in chunks, decodes of others between them); micro-batches
-    # the running sequences are split into (0: one per stage, so every stage has work).
+    # the running sequences are split into (0: one when any stage offloads, as each micro-batch
+    # brings the offloaded layers in again; else one per stage, so that every stage has work).
     max_queue: int = 1024
     prefill_tokens: int = 512
     micro_batches: int = 0

@@ -192,8 +192,14 @@ def test_bursts_on_one_stage_only_when_nothing_waits(make) -> None:
     assert request.result(WAIT_S) == [expected([3, 4], 11)]
     counts = [count for prefill, _, _, count in pipeline.steps if not prefill]
     assert counts == [4, 4, 2]  # 1 token from the prefill, then never past max_new_tokens
-    two, _ = make(FakePipeline(num_stages=2), num_slots=2, burst_steps=4)
+    # two stages in two micro-batches: the driver keeps each one's steps in flight
+    two, pipelined = make(FakePipeline(num_stages=2), num_slots=2, burst_steps=4)
     assert submit(two, [3, 4], 5).result(WAIT_S) == [expected([3, 4], 5)]
+    assert {count for _, _, _, count in pipelined.steps} == {1}
+    # two stages in one micro-batch: bursts, driven by the first stage through the others
+    one, ring = make(FakePipeline(num_stages=2), num_slots=2, burst_steps=4, micro_batches=1)
+    assert submit(one, [3, 4], 5).result(WAIT_S) == [expected([3, 4], 5)]
+    assert [count for prefill, _, _, count in ring.steps if not prefill] == [4]
 
 
 def test_micro_batches_split_the_running_sequences(make) -> None:

@@ -103,18 +103,20 @@ def alone(index, prompt: list[int], new: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("stages", ["one stage", "two stages"])
+@pytest.mark.parametrize("stages", ["one stage", "two stages", "two stages, one micro-batch"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_joining_and_leaving_requests_equal_transformers_alone(indexes, family: str,
                                                                 stages: str) -> None:  # fmt: skip
     """Four requests, three slots: one waits for a slot, the 11-token prompt goes in two
-    chunks, every request leaves at its own step; sliding windows (4) are outrun."""
+    chunks, every request leaves at its own step; sliding windows (4) are outrun. Two stages
+    run two micro-batches (steps from the driver), or one (decode bursts driven by the first
+    stage through the second)."""
     index = indexes(family)
     groups, offloaded = ONE_STAGE if stages == "one stage" else TWO_STAGES
     pipeline = Pipeline(index, groups, offloaded=offloaded)
     try:
         ids = prompts(seed=1)
-        ours, engine = run_joining(pipeline, ids)
+        ours, engine = run_joining(pipeline, ids, micro_batches=1 if "one micro" in stages else 0)
         reports = [w.report() for w in pipeline.workers]
     finally:
         pipeline.close()

@@ -11,7 +11,7 @@ so a replaced worker, or a different batch, never changes what a seeded request 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -135,18 +135,43 @@ class BatchRunner:
                 raise ValueError("the last stage needs a Draw with one entry per row")
             return choose_rows(out[:, -1], draw)
 
-    def steps(self, stage, rows: StepRows, x: torch.Tensor, draw: Draw,
-              count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:  # fmt: skip
-        """Up to `count` steps of a job whose only stage this is: each row's chosen token is fed
-        back as its next input, so the tokens are those of `count` separate steps. Every row
-        must choose at every step (decode rows)."""
+    def steps(self, stage, rows: StepRows, x: torch.Tensor, draw: Draw, count: int,
+              downstream: Sequence = (), timeout_s: float = 300.0,
+              ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:  # fmt: skip
+        """Up to `count` decode steps run from this stage, the first: each row's chosen token
+        is fed back as its next input, so the tokens are those of `count` separate steps. With
+        `downstream` (the later stages, in order: Ray actor handles, or in-process workers),
+        each step goes on through them, actor to actor, and the last stage's tokens come
+        straight back here: no round trip to the driver per token. Every row must choose at
+        every step (decode rows)."""
         if any(s is None for s in draw.samplings):
             raise ValueError("steps run together need every row to choose a token")
         for _ in range(count):
-            tokens, states = self.step(stage, rows, x, draw)
+            if downstream:
+                hidden = self.step(stage, rows, x, None)
+                tokens, states = _through(downstream, rows, hidden, draw, timeout_s)
+            else:
+                tokens, states = self.step(stage, rows, x, draw)
             yield tokens, states
             rows, x = rows.advanced(), tokens[:, None]
             draw = Draw(draw.samplings, states)
+
+
+def _through(downstream: Sequence, rows: StepRows, hidden: torch.Tensor, draw: Draw,
+             timeout_s: float) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """A step through the later stages: the activations passed from one to the next (object
+    refs between actors), the last stage's choice fetched here."""
+    x: object = pack(hidden)
+    wire_draw = Draw(draw.samplings, pack(unpack(draw.states)) if draw.states is not None else None)
+    for i, worker in enumerate(downstream):
+        last_draw = wire_draw if i == len(downstream) - 1 else None
+        call = getattr(worker.batch_step, "remote", None)
+        x = call(rows, x, last_draw) if call is not None else worker.batch_step(rows, x, last_draw)
+    if not isinstance(x, Drawn):  # an object ref from an actor
+        import ray  # only here: a worker driven in-process never needs Ray
+
+        x = ray.get(x, timeout=timeout_s)
+    return unpack(x.tokens), unpack(x.states)
 
 
 def packed(result) -> Packed | Drawn:

@@ -293,15 +293,19 @@ class StageWorker:
         self._count_forward(start)
         return packed(out)
 
-    def batch_steps(self, rows: StepRows, x: Packed | torch.Tensor, draw: Draw, count: int):
-        """Up to `count` decode steps of a micro-batch run here, each chosen token fed straight
-        back, for a job whose only stage this is: no round trip to the driver per token.
-        Called through Ray as a streaming generator: each step's `Drawn` comes as it is made."""
+    def batch_steps(self, rows: StepRows, x: Packed | torch.Tensor, draw: Draw, count: int,
+                    downstream: tuple = (), timeout_s: float = 300.0):  # fmt: skip
+        """Up to `count` decode steps of a micro-batch driven from here, the first stage: each
+        step goes through this stage and then the `downstream` ones (actor to actor), and the
+        last stage's tokens come back here as the next step's input: no round trip to the
+        driver per token (a job of one stage has no downstream). Called through Ray as a
+        streaming generator: each step's `Drawn` comes as it is made."""
         self._require_ready()
         if draw.states is not None:
             draw = Draw(draw.samplings, unpack(draw.states))
         start = time.perf_counter()
-        for out in self._batches.steps(self.stage, rows, unpack(x), draw, count):
+        for out in self._batches.steps(self.stage, rows, unpack(x), draw, count, downstream,
+                                       timeout_s):  # fmt: skip
             self._count_forward(start)
             yield packed(out)
             start = time.perf_counter()

@@ -215,10 +215,11 @@ class Engine:
             self._in_flight[handle] = (step, epoch)
 
     def _burst(self, step: Step) -> int:
-        """Decode steps this step may run on the worker: several on a one-stage job when
-        nothing waits for a step boundary (a new sequence, a prompt chunk); never past a
-        sequence's max_new_tokens."""
-        if step.prefill or self.pipeline.num_stages > 1 or self.config.burst_steps == 1:
+        """Decode steps this step may run on the workers without the driver: several with one
+        micro-batch when nothing waits for a step boundary (a new sequence, a prompt chunk);
+        never past a sequence's max_new_tokens. With several micro-batches the driver keeps
+        each one's steps in flight, so that every stage has one to work on."""
+        if step.prefill or len(self.scheduler.groups) > 1 or self.config.burst_steps == 1:
             return 1
         scheduler = self.scheduler
         if scheduler.waiting or self._incoming or self._cancelled:

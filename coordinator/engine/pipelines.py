@@ -55,9 +55,9 @@ class LocalPipeline:
         self.num_stages = len(workers)
 
     def submit(self, step: Step) -> _Done:
-        if step.count > 1:
+        if step.count > 1:  # the first stage drives the steps through the others
             return _Done([_drawn(out) for out in self.workers[0].batch_steps(
-                step.rows, step.x, step.draw, step.count)])  # fmt: skip
+                step.rows, step.x, step.draw, step.count, tuple(self.workers[1:]))])  # fmt: skip
         x = step.x
         for worker in self.workers[:-1]:
             x = worker.batch_step(step.rows, x)

@@ -4,9 +4,11 @@ actor and the driver only fetches the last stage's tokens. Each actor runs its c
 order this driver made them, so while stage 1 works on micro-batch A, stage 0 already works on
 micro-batch B: every stage busy when there are as many micro-batches as stages.
 
-A job of one stage runs a decode step as a burst: the worker feeds each chosen token straight
-back for up to `Step.count` steps, streaming every step's tokens as it makes them (one call per
-burst instead of one per token)."""
+With one micro-batch, decode steps run as a burst: the first stage's worker drives up to
+`Step.count` steps itself, passing each step's activations on to the next stage and taking the
+last stage's tokens straight back as its next input (actor to actor), streaming every step's
+tokens to the driver as they come: one driver call per burst instead of one per token, and
+the driver off the per-token path."""
 
 from __future__ import annotations
 
@@ -55,9 +57,10 @@ class RayPipeline:
             raise WorkerLostError("a worker of this load was lost")
         draw = _packed_draw(step.draw)
         x = pack(step.x)
-        if step.count > 1:
+        if step.count > 1:  # stage 0 drives the steps through the others, actor to actor
             stream = actors[0].batch_steps.options(num_returns="streaming").remote(
-                step.rows, x, draw, step.count)  # fmt: skip
+                step.rows, x, draw, step.count, tuple(actors[1:]),
+                self.job.config.forward_timeout_s)  # fmt: skip
             return _Burst(stream)
         ref = x if x.array.nbytes <= INLINE_BYTES else ray.put(x)
         for s, actor in enumerate(actors):

@@ -14,9 +14,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from coordinator.planning import planner
 from coordinator.planning.checkpoint import LayerSpec
 from coordinator.planning.options import PlanOptions
-from coordinator.planning.planner import Plan, plan
+from coordinator.planning.planner import Plan
 from coordinator.planning.snapshot import ClusterSnapshot
 from offload.errors import PlanError
 
@@ -36,13 +37,13 @@ def largest_batch(layers: Sequence[LayerSpec], cluster: ClusterSnapshot, options
                         "set --max-seq-len, or give --max-batch")  # fmt: skip
     if cap < 1:
         raise PlanError(f"cap={cap} must be >= 1")
-    best = plan(layers, cluster, dataclasses.replace(options, max_batch=1))
+    best = planner.plan(layers, cluster, dataclasses.replace(options, max_batch=1))
     floor = offloaded_bytes(best)
     low, high = 1, cap  # the answer is in [low, high]; fewer bytes free per sequence as it grows
     while low < high:
         mid = (low + high + 1) // 2
         try:
-            candidate = plan(layers, cluster, dataclasses.replace(options, max_batch=mid))
+            candidate = planner.plan(layers, cluster, dataclasses.replace(options, max_batch=mid))
         except PlanError:
             high = mid - 1
             continue
@@ -57,6 +58,7 @@ def plan_job(config, index, snapshot: ClusterSnapshot):
     """(config, plan) of a job (`coordinator.config.JobConfig`) on `snapshot`: the config's
     max_batch resolved when it is 0 (auto), as `launch` and `offloadctl plan` both plan."""
     if config.max_batch:
-        return config, plan(index.layers, snapshot, config.plan_options())
+        # through the module: tests replace the planner there
+        return config, planner.plan(index.layers, snapshot, config.plan_options())
     batch, the_plan = largest_batch(index.layers, snapshot, config.plan_options())
     return dataclasses.replace(config, max_batch=batch), the_plan

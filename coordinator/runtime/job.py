@@ -214,13 +214,21 @@ class Job:
                     RayPipeline(self),
                     EngineConfig(num_slots=config.max_batch, max_seq_len=max(config.max_seq_len, 1),
                                  max_queue=config.max_queue, prefill_tokens=config.prefill_tokens,
-                                 micro_batches=config.micro_batches,
+                                 micro_batches=self._micro_batches(),
                                  step_timeout_s=config.forward_timeout_s),
                     recover=self._recover_or_raise, epoch=lambda: self._gate.epoch,
                 )  # fmt: skip
                 if config.snapshot_interval_s > 0:
                     self._loops.every("engine", config.snapshot_interval_s, self._publish_engine)
             return self._engine
+
+    def _micro_batches(self) -> int:
+        """The config's, or by default: one when any stage offloads (each micro-batch brings
+        the offloaded layers in once per step: one batch brings them in once for all), else
+        one per stage (nothing to bring in: keep every stage busy)."""
+        if self.config.micro_batches:
+            return self.config.micro_batches
+        return 1 if any(s.offloaded for s in self.plan.stages) else len(self.plan.stages)
 
     def _publish_engine(self) -> None:
         """The engine's stats as Ray metrics (vLLM's names), and to a named load's keeper, for
