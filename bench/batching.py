@@ -19,10 +19,11 @@ beside a KV cache of max_batch 16 x 32 tokens. Per N in 1, 4, 8, 16:
   batch 1   - ms per token at N = 1 (first to last token, timestamped as they come) against
               transformers at batch 1; target <= 1.15x
 
-On 2 stages the engine splits the running sequences into one micro-batch per stage (every
-stage busy) by default; `micro_batches=1` (one batch, stages taking turns) is run too, since
-each micro-batch brings the offloaded layers in once per step: the split trades bytes for
-overlap. Then the stall: 4 requests decoding while a 1024-token prompt joins, the longest gap
+On 2 stages with layers offloaded the engine runs one micro-batch by default (its decode
+steps driven by the first stage through the second, actor to actor); one micro-batch per
+stage (every stage busy) is run too: each micro-batch brings the offloaded layers in once per
+step, so the split trades bytes for overlap. Then, with nothing offloaded (where the default
+is one micro-batch per stage), 1 stage against 2 at N = 8 and 16: what a second stage adds. Then the stall: 4 requests decoding while a 1024-token prompt joins, the longest gap
 between two tokens of a decoding request against its median gap, with the prompt prefilled in
 chunks of 256 tokens (`prefill_tokens`) and whole (4096).
 
@@ -157,8 +158,10 @@ def budget_for(index, gpus: int, max_seq_len: int) -> int:
 
 def run(num_gpus: int, checkpoint: str, model, args, expected: dict, index, *,
         batches: list[int], max_seq_len: int, micro_batches: int = 0, prefill_tokens: int = 512,
-        measure_stall: bool = False) -> dict:  # fmt: skip
+        measure_stall: bool = False, resident: bool = False) -> dict:  # fmt: skip
     budget = budget_for(index, num_gpus, max_seq_len)
+    if resident:  # room for every layer on every GPU: nothing offloaded
+        budget = index.total_bytes + sum(x.kv_bytes(MAX_BATCH, max_seq_len) for x in index.layers) + 64 * MIB
     row: dict = {"gpus": num_gpus, "micro_batches": micro_batches, "batches": batches,
                  "prefill_tokens": prefill_tokens, "load_average": psutil.getloadavg()[0]}  # fmt: skip
     mismatches: list[str] = []
@@ -246,9 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         for gpus in sorted(int(s) for s in args.stages.split(",")):
             rows.append(run(gpus, checkpoint, model, args, expected, index, batches=args.batches,
                             max_seq_len=sweep))  # fmt: skip
-            if gpus > 1:
+            if gpus > 1:  # one micro-batch per stage: every stage busy, the weights brought in twice
                 rows.append(run(gpus, checkpoint, model, args, expected, index,
-                                batches=args.batches, max_seq_len=sweep, micro_batches=1))  # fmt: skip
+                                batches=args.batches, max_seq_len=sweep, micro_batches=gpus))  # fmt: skip
+        if not args.quick:  # nothing offloaded: does a second stage add throughput?
+            for gpus in (1, 2):
+                rows.append(run(gpus, checkpoint, model, args, expected, index,
+                                batches=[8, 16], max_seq_len=sweep, resident=True))  # fmt: skip
         if args.stall:  # a long prompt joining: in chunks, and whole
             for chunk in STALL_CHUNKS:
                 rows.append(run(1, checkpoint, model, args, expected, index, batches=[],
@@ -285,7 +292,8 @@ def report(rows: list[dict], args, index, started: float) -> None:
         for n in r["batches"]:
             c = r[n]
             b1 = f"{c['batch1_ratio']:.2f}" if c["batch1_ratio"] else "-"
-            print(f"| {r['stages']} | {r['micro_batches'] or 'one per stage'} | {off / MIB:.1f} | "
+            micro = r["micro_batches"] or ("auto: 1" if off else f"auto: {r['stages']}")
+            print(f"| {r['stages']} | {micro} | {off / MIB:.1f} | "
                   f"{n} | {c['ours_tokens_per_s']:.1f} | {c['hf_tokens_per_s']:.1f} | "
                   f"{c['ratio']:.2f} | {c['bytes_per_token'] / MIB:.2f} | "
                   f"{c['bytes_per_token'] / (off / n) if off else 0:.2f} | {b1} | "

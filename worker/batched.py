@@ -11,6 +11,7 @@ so a replaced worker, or a different batch, never changes what a seeded request 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -101,6 +102,7 @@ class BatchRunner:
         self.device = device
         self.pool: SlotPool | None = None
         self.last_rows = 0  # sequences in the last step, for reports
+        self.last_step_s = 0.0  # this stage's own time in its last step (not the others')
 
     def reset(self) -> None:
         """Forget every sequence's keys and values (the stage's layers changed)."""
@@ -125,6 +127,13 @@ class BatchRunner:
             raise ValueError(f"step input of shape {tuple(x.shape)} does not match "
                              f"{len(rows.slots)} rows of width {rows.width}")  # fmt: skip
         self.last_rows = len(rows.slots)
+        start = time.perf_counter()
+        try:
+            return self._forward(stage, rows, x, view, draw)
+        finally:
+            self.last_step_s = time.perf_counter() - start
+
+    def _forward(self, stage, rows: StepRows, x: torch.Tensor, view, draw: Draw | None):
         # inference_mode: no version counters or view tracking on activations and caches
         with torch.inference_mode():
             out = stage(x.to(self.device), position_ids=rows.positions().to(self.device),

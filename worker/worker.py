@@ -264,8 +264,10 @@ class StageWorker:
         if not self._ready:
             raise WorkerError(f"{self._where()}: forward before load")
 
-    def _count_forward(self, start: float) -> None:
-        self._forward_s += time.perf_counter() - start
+    def _count_forward(self, start: float | None = None) -> None:
+        """One forward more; its time since `start`, or the batch runner's own last step."""
+        elapsed = self._batches.last_step_s if start is None else time.perf_counter() - start
+        self._forward_s += elapsed
         self._forwards += 1
 
     def step(
@@ -286,11 +288,10 @@ class StageWorker:
         """One generation step of a micro-batch (`worker.batched`): every row at once, each
         in its own KV slot; hidden states out, or from the last stage each row's next token."""
         self._require_ready()
-        start = time.perf_counter()
         if draw is not None and draw.states is not None:
             draw = Draw(draw.samplings, unpack(draw.states))
         out = self._batches.step(self.stage, rows, unpack(x), draw)
-        self._count_forward(start)
+        self._count_forward()
         return packed(out)
 
     def batch_steps(self, rows: StepRows, x: Packed | torch.Tensor, draw: Draw, count: int,
@@ -303,12 +304,10 @@ class StageWorker:
         self._require_ready()
         if draw.states is not None:
             draw = Draw(draw.samplings, unpack(draw.states))
-        start = time.perf_counter()
         for out in self._batches.steps(self.stage, rows, unpack(x), draw, count, downstream,
                                        timeout_s):  # fmt: skip
-            self._count_forward(start)
+            self._count_forward()  # this stage's own part of the step
             yield packed(out)
-            start = time.perf_counter()
 
     def kv_cache_bytes(self) -> int:
         return self._batches.nbytes()
