@@ -55,9 +55,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.config import JobConfig
-from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import load_index
 from coordinator.runtime.job import launch
+from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 
 MIB = 2**20
 THREADS = 1  # per worker (JobConfig's cpus_per_worker default) and for transformers

@@ -60,11 +60,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from load import wait_gpus_released  # bench/load.py, beside this script
 
 from coordinator.config import JobConfig
-from coordinator.make_checkpoint import NO_KV_HEADS, CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import CheckpointIndex, load_index
 from coordinator.planning.planner import PlanError
-from coordinator.reference import reference_logits
 from coordinator.runtime.job import launch
+from coordinator.tools.make_checkpoint import NO_KV_HEADS, CheckpointShape, make_checkpoint
+from coordinator.tools.reference import reference_logits
 from worker.layout import TESTED_FAMILIES
 
 MIB = 2**20

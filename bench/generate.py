@@ -20,18 +20,17 @@ heads, intermediate 1408, vocab 4096, float32), page cache warm. For each stage 
               at 384 within 2x of per token at 8; one stage within 1.3x of transformers
   prefill   - a 512-token prompt, max_new_tokens=1: time to the first token, both sides
   in flight - 1 request vs 4 requests at once (4 threads calling `job.generate`, each batch 1
-              with its own 8-token prompt): tokens/s = all new tokens / wall time. For context,
-              transformers with the 4 prompts as one batch of 4 (batching, which our 4 requests
-              are not)
+              with its own 8-token prompt, batched by the engine): tokens/s = all new tokens /
+              wall time. For context, transformers with the 4 prompts as one batch of 4
   ratios    - ours / transformers per token: the median, over the interleaved runs, of each of
               our runs against the transformers run right after it (robust to the machine's
               drift, which moves both of a pair alike)
   worker    - each worker's own `forward_s` / `forwards` over the 8-token runs (telemetry
               before and after): the compute of one step on each stage, the rest of a token's
               time being Ray calls, transfers and the driver's loop
-  Ray       - median round trip of a no-op actor call: on 2 and 3 stages a decode step calls
-              each stage once (its ids, mask and positions inside the call); a one-stage
-              job's worker runs up to 8 decode steps per call itself (`StageWorker.decode`)
+  Ray       - median round trip of a no-op actor call: the engine's decode steps run in bursts
+              of up to 8 driven by the first stage (`StageWorker.batch_steps`), one actor call
+              per stage per step, the driver called once per burst
 
 The transformers side is `AutoModelForCausalLM.from_pretrained` in this process with
 torch.set_num_threads(1), as the workers; its runs take turns with ours (interleaved, medians of
@@ -63,9 +62,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.config import JobConfig
-from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import CheckpointIndex, load_index
 from coordinator.runtime.job import launch
+from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 
 MIB = 2**20
 WORKER_THREADS = 1  # JobConfig's default cpus_per_worker; transformers runs with as many

@@ -43,10 +43,10 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.config import JobConfig
-from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import CheckpointIndex, load_index
 from coordinator.runtime.job import launch
 from coordinator.runtime.session import connect
+from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 
 READ_TARGET = 1.3  # worker load_s / single-process safetensors
 BYTES_TOLERANCE = 0.01  # bytes read vs share

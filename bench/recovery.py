@@ -32,10 +32,10 @@ from ray.cluster_utils import Cluster
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.config import JobConfig
-from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import load_index
-from coordinator.reference import reference_logits
 from coordinator.runtime.job import launch
+from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.tools.reference import reference_logits
 
 MIB = 2**20
 

@@ -45,8 +45,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.batching import budget_for
-from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import load_index
+from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 
 MIB = 2**20
 MAX_SEQ_LEN = 128

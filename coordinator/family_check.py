@@ -108,7 +108,7 @@ def _check(small: dict, attn_implementation: str | None) -> str | None:
     with _quiet_and_seeded():
         try:
             whole = model_class_for(hf_config())._from_config(hf_config(), dtype=torch.float32)
-            from coordinator.make_checkpoint import perturb_constant_parameters
+            from coordinator.tools.make_checkpoint import perturb_constant_parameters
 
             perturb_constant_parameters(whole, SEED)  # norms and biases count too
             whole.eval()

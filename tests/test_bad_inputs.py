@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from coordinator.cli import main
-from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 
 MAX_MESSAGE_CHARS = 2000
 JOB = {"checkpoint": None, "gpus": 2, "gpu_memory_bytes": "1MiB", "prefetch_step": 1,

@@ -26,7 +26,6 @@ import safetensors
 import torch
 from safetensors import safe_open
 
-from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import (
     INDEX_FILE,
     SINGLE_FILE,
@@ -35,6 +34,7 @@ from coordinator.planning.checkpoint import (
     load_index,
     read_header,
 )
+from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 from worker.spec import SAFETENSORS_DTYPES, TensorSlice
 
 TINY = dict(hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64, vocab_size=128)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -133,8 +134,8 @@ def test_run_check_mismatch_exits_1(monkeypatch, capsys, tmp_path) -> None:
 
     import torch
 
-    import coordinator.reference
     import coordinator.runtime.job
+    import coordinator.tools.reference
 
     class FakeJob:
         index = type("Index", (), {"config": {"vocab_size": 10}, "total_bytes": 0,
@@ -152,7 +153,7 @@ def test_run_check_mismatch_exits_1(monkeypatch, capsys, tmp_path) -> None:
         coordinator.runtime.job, "launch", lambda config, progress, name: contextlib.nullcontext(FakeJob())
     )
     monkeypatch.setattr(
-        coordinator.reference, "reference_logits", lambda *a, **k: torch.full((2, 16, 10), 1e-3)
+        coordinator.tools.reference, "reference_logits", lambda *a, **k: torch.full((2, 16, 10), 1e-3)
     )
     (tmp_path / "config.json").write_text("{}")  # read before loading: no context window
     assert main(["run", "--checkpoint", str(tmp_path), "--check"]) == 1
@@ -256,8 +257,9 @@ def no_launch(monkeypatch):
 
 
 def test_serve_defaults_fill_only_what_is_not_given(checkpoint, tmp_path, no_launch) -> None:
-    """serve plans 4 sequences of 512 tokens (or the model's window) unless the flags or the
-    job file say otherwise; an explicit --max-batch below 4 used to be raised to 4."""
+    """serve plans sequences of 512 tokens (or the model's window), as many as fit beside the
+    weights (max_batch 0: auto, sized when planned), unless the flags or the job file say
+    otherwise; an explicit --max-batch is kept as given."""
 
     def planned(*extra: str) -> tuple[int, int]:
         with pytest.raises(LaunchCalled) as called:
@@ -265,9 +267,10 @@ def test_serve_defaults_fill_only_what_is_not_given(checkpoint, tmp_path, no_lau
                   *extra])  # fmt: skip
         return called.value.config.max_batch, called.value.config.max_seq_len
 
-    assert planned() == (4, 512)
+    assert planned() == (0, 512)
     assert planned("--max-batch", "2") == (2, 512)
-    assert planned("--max-seq-len", "256") == (4, 256)
+    assert planned("--max-batch", "auto") == (0, 512)
+    assert planned("--max-seq-len", "256") == (0, 256)
     job = tmp_path / "job.yaml"
     job.write_text(f"checkpoint: {checkpoint}\nmax_batch: 3\n")
     assert planned("--config", str(job)) == (3, 512)
@@ -307,7 +310,7 @@ def test_generate_settles_its_settings_before_loading(checkpoint, capsys, no_lau
 
 
 def test_top_p_or_top_k_without_a_temperature_samples() -> None:
-    from coordinator.generation import sampling_options
+    from coordinator.engine.generation import sampling_options
 
     assert sampling_options(None, 0.3, None, None)["do_sample"] is True
     assert sampling_options(None, None, 5, 7)["do_sample"] is True
@@ -373,3 +376,17 @@ def test_an_exception_that_is_not_ours_is_a_bug_with_its_traceback(checkpoint, m
     assert code == cli.EXIT_BUG == 1
     assert "Traceback" in err and "ValueError: something inside a library" in err
     assert "internal error (a bug" in err and "error: something" not in err
+
+
+def test_plan_shows_the_batch_it_sizes_from_memory(checkpoint, capsys) -> None:
+    """--max-batch auto: plan says how many sequences fit beside the weights, and planning with
+    that many gives the same placement; without --max-seq-len there is nothing to size by."""
+    args = ["plan", "--checkpoint", checkpoint, "--gpus", "1", "--gpu-memory", "8MiB"]
+    assert main([*args, "--max-seq-len", "64", "--max-batch", "auto"]) == 0
+    out = capsys.readouterr().out
+    batch = int(re.search(r"max_batch auto: (\d+) sequences of up to 64 tokens", out).group(1))
+    assert 1 <= batch <= 64
+    assert main([*args, "--max-seq-len", "64", "--max-batch", str(batch)]) == 0
+    assert capsys.readouterr().out.splitlines()[:-1] == out.splitlines()[:-2]
+    assert main([*args, "--max-batch", "auto"]) == EXIT_ERROR
+    assert "needs max_seq_len" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from coordinator.cli import main
-from coordinator.cluster_yaml import check_cluster_config, pinned_ray_version
+from coordinator.tools.cluster_yaml import check_cluster_config, pinned_ray_version
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "cluster.yaml"

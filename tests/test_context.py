@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoConfig
 
-from coordinator import generation
+from coordinator.engine import generation
 from coordinator.planning.context import check_max_seq_len, model_context
 
 

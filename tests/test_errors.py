@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from coordinator.engine import QueueFullError
-from coordinator.generation import GenerationError, KvBudget, KvNeverFitsError
+from coordinator.engine.generation import GenerationError, KvBudget, KvNeverFitsError
 from coordinator.runtime.errors import ClusterUnreachableError, WorkerLostError
 from coordinator.runtime.inputs import InputError, check_inputs
 from coordinator.runtime.registry import LoadNotFoundError
-from coordinator.runtime.serving import BadRequest, status_of
+from coordinator.serving.app import BadRequest, status_of
 from offload import errors
 from worker.worker import WorkerError
 

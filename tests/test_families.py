@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from coordinator.config import JobConfig
-from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import CheckpointIndex, load_index
 from coordinator.planning.planner import Plan, PlanOptions, plan
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
-from coordinator.reference import reference_logits
 from coordinator.runtime.group import stage_specs
 from coordinator.runtime.inputs import check_inputs
+from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.tools.reference import reference_logits
 from worker.layout import TESTED_FAMILIES
 from worker.spec import StageSpec
 from worker.worker import StageWorker

@@ -45,7 +45,7 @@ CASES = {  # name -> (config class, its settings, dtype written)
 def checkpoints(tmp_path_factory):
     import transformers
 
-    from coordinator.make_checkpoint import perturb_constant_parameters
+    from coordinator.tools.make_checkpoint import perturb_constant_parameters
 
     made: dict[str, CheckpointIndex] = {}
 

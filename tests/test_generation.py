@@ -10,12 +10,11 @@ import pytest
 import torch
 from test_families import VOCAB, Pipeline
 
-from coordinator import generation
-from coordinator.engine import Engine, EngineConfig
+from coordinator.engine import Engine, EngineConfig, generation
 from coordinator.engine.pipelines import LocalPipeline
-from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import load_index
-from coordinator.reference import reference_generate
+from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.tools.reference import reference_generate
 from worker.decode import Sampling
 
 FAMILIES = ("llama", "mistral", "qwen3", "gemma2", "mixtral")

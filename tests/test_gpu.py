@@ -105,8 +105,8 @@ def test_worker_reconfigure_moves_layers_within_device_memory(tmp_path) -> None:
     """On a GPU: a re-plan that offloads more frees the device memory of the layers that went
     to the arena (nothing restored on the way), a layer kept resident is not copied, and the
     logits are those of the same worker before the change (same device, same kernels)."""
-    from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
     from coordinator.planning.checkpoint import load_index
+    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
     from worker.spec import StageSpec
     from worker.worker import StageWorker
 
@@ -146,8 +146,8 @@ def test_bf16_stages_on_cuda_match_transformers_on_cuda(tmp_path, arch: str, bac
     the same GPU, to bf16 rounding."""
     from transformers import AutoModelForCausalLM
 
-    from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
     from coordinator.planning.checkpoint import load_index
+    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
     from worker.spec import StageSpec
     from worker.worker import StageWorker
 

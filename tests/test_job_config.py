@@ -87,7 +87,7 @@ def test_command_line_values_win_over_the_file(tmp_path: Path) -> None:
         ("checkpoint: a/\nbackend: gpu\n", "backend='gpu'"),
         ("checkpoint: a/\ngpus: 2\naddress: auto\n", "cannot be combined"),
         ("checkpoint: [unclosed\n", "cannot read job config"),
-        ("checkpoint: a/\nmax_batch: 0\n", "max_batch=0 must be >= 1"),
+        ("checkpoint: a/\nmax_batch: -1\n", "max_batch=-1 must be >= 1"),
         ("checkpoint: a/\nsnapshot_interval_s: .nan\n", "snapshot_interval_s=nan must be a finite"),
         ("checkpoint: a/\nforward_timeout_s: .inf\n", "forward_timeout_s=inf must be a finite"),
     ],

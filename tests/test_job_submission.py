@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from ray_head import private_ray_head
 
-from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import load_index
+from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 
 JOB_TIMEOUT_S = 300.0
 CONNECT_BOUND_S = 15.0  # the CLI's own start (imports); the token refusal itself is immediate

@@ -33,6 +33,9 @@ def _top_level(modules: set[str]) -> set[str]:
         # The planning side of the driver, which `offloadctl plan` runs without Ray, and the
         # pre-launch check of untested families that it runs too.
         ("coordinator.cli, coordinator.planning, coordinator.family_check", {"ray"}),
+        # The engine's loop and scheduler run in-process pipelines without Ray (the Ray
+        # pipeline is a module of its own), and batch sizing is planning.
+        ("coordinator.engine, coordinator.planning.batch_size", {"ray"}),
         # every module of planning/ explicitly (the package imports none of them)
         ("coordinator.planning.checkpoint, coordinator.planning.weight_map, "
          "coordinator.planning.snapshot, coordinator.planning.budgets, "

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoTokenizer
 
 from coordinator.cli import main
-from coordinator.make_checkpoint import (
+from coordinator.tools.make_checkpoint import (
     ARCHITECTURES,
     MOE_ARCHITECTURES,
     NO_KV_HEADS,
@@ -33,7 +33,7 @@ from coordinator.make_checkpoint import (
     CheckpointShape,
     make_checkpoint,
 )
-from coordinator.tiny_tokenizer import (
+from coordinator.tools.tiny_tokenizer import (
     BYTE_LEVEL_MIN_VOCAB,
     EOS,
     IM_START,

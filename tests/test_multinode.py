@@ -12,10 +12,10 @@ from helpers import assert_probe_decided_pin
 from ray.cluster_utils import Cluster
 
 from coordinator.config import JobConfig, NodeMatch, Override
-from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import load_index
-from coordinator.reference import reference_logits
 from coordinator.runtime.job import launch
+from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.tools.reference import reference_logits
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ from ray.cluster_utils import Cluster
 from ray_head import free_ports
 
 from coordinator.cli import EXIT_ERROR, main
-from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import load_index
 from coordinator.runtime import registry
+from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 
 METRICS_PORT = free_ports(1)[0]
 

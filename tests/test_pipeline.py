@@ -18,13 +18,13 @@ from helpers import assert_probe_decided_pin, kill_actor, scrape_gauges, wait_gp
 from ray_head import free_ports
 
 from coordinator.config import JobConfig
-from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import load_index
-from coordinator.reference import reference_logits
 from coordinator.runtime import telemetry
 from coordinator.runtime.errors import LaunchError
 from coordinator.runtime.inputs import check_inputs
 from coordinator.runtime.job import launch
+from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.tools.reference import reference_logits
 from worker.loader import HOLD_ENV
 
 NUM_GPUS = 3
@@ -340,7 +340,7 @@ class TestOneRunningJob:
         """The plan knows each stage's backend (uva: no prefetch slots), the workers run it
         (parameters read in place, no copies), the reports and the table say so, and the
         logits and greedy tokens equal transformers'."""
-        from coordinator.reference import reference_generate
+        from coordinator.tools.reference import reference_generate
 
         checkpoint, _, ids, expected = llama_case(checkpoints, seed=8)
         stages = job.plan.stages
@@ -428,7 +428,7 @@ def test_generate_through_ray_equals_transformers_and_survives_a_lost_worker(
     left-padded batch gets the greedy tokens transformers' `generate` gives its prompt alone;
     killing a worker mid-request recovers the job and the request goes on from the tokens made
     so far; several requests at once share the steps, and all of them survive a lost worker."""
-    from coordinator.reference import reference_generate
+    from coordinator.tools.reference import reference_generate
 
     checkpoint = checkpoints["llama"]
     index = load_index(checkpoint)
@@ -520,7 +520,7 @@ def test_offloadctl_generate_streams_the_greedy_text(embedded_ray, checkpoints, 
     from transformers import AutoTokenizer
 
     from coordinator.cli import main
-    from coordinator.reference import reference_generate
+    from coordinator.tools.reference import reference_generate
 
     checkpoint = checkpoints["llama"]
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)

@@ -17,14 +17,14 @@ from ray.cluster_utils import Cluster
 
 from coordinator.cli import main
 from coordinator.config import JobConfig
-from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import load_index
 from coordinator.planning.planner import PlanError, PlanOptions, plan
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
-from coordinator.reference import reference_logits
 from coordinator.runtime import telemetry
 from coordinator.runtime.job import launch
 from coordinator.runtime.recovery import match_survivors
+from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.tools.reference import reference_logits
 
 SHAPE = CheckpointShape(arch="llama", num_layers=6, hidden_size=64, num_heads=4, num_kv_heads=2,
                         intermediate_size=128, vocab_size=128, max_shard_bytes=200_000)  # fmt: skip

@@ -25,8 +25,8 @@ import pytest
 from helpers import names_of, ray_session_processes, session_dir_of, still_running
 from ray_head import free_ports
 
-from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
-from coordinator.reference import reference_generate
+from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.tools.reference import reference_generate
 
 START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 30.0

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 from helpers import names_of, ray_session_processes, session_dir_of, still_running
 
-from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 from worker.loader import HOLD_ENV
 
 OFFLOADCTL = str(Path(sys.executable).with_name("offloadctl"))

@@ -178,7 +178,7 @@ def test_gauges_are_set_from_the_snapshots(monkeypatch) -> None:
 
 
 def test_the_load_table_reads_the_snapshots() -> None:
-    from coordinator.cli_loads import _stage_table
+    from coordinator.cli.loads import _stage_table
 
     table = _stage_table([REPORTS[1], dataclasses.replace(REPORTS[0], gpu="")])
     assert "on" in table and "probe: probe: discrete GPU" in table

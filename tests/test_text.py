@@ -1,12 +1,12 @@
-"""coordinator.text.TextStream: tokens to text deltas as they come, with OpenAI-style stop
+"""coordinator.serving.text.TextStream: tokens to text deltas as they come, with OpenAI-style stop
 strings, on the real (tiny, trained) tokenizer make-checkpoint writes."""
 
 from __future__ import annotations
 
 import pytest
 
-from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
-from coordinator.text import TextStream, load_tokenizer
+from coordinator.serving.text import TextStream, load_tokenizer
+from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 
 TEXT = "the cat sat on the mat. the dog ran to the cat and sat."
 

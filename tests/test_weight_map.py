@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import load_index
+from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 from worker.loader import TensorReader
 from worker.spec import apply_view
 

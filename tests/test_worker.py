@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.planning.checkpoint import load_index
+from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 from worker.spec import StageSpec
 from worker.worker import StageWorker, WorkerError
 
@@ -66,7 +66,7 @@ def test_reconfigure_reads_only_the_layers_it_did_not_hold(index) -> None:
     """A re-plan grows a stage and changes what it offloads: the layers it held move in memory
     (resident -> arena, arena -> device, resident kept as is), only new ones come from disk,
     and the logits equal transformers' own."""
-    from coordinator.reference import reference_logits
+    from coordinator.tools.reference import reference_logits
 
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(5))
     expected = reference_logits(str(index.root), ids)
@@ -177,7 +177,7 @@ def test_a_uva_stage_reads_weights_in_place_and_takes_a_new_plan(index) -> None:
     the arena and the device and still equals transformers."""
     import dataclasses
 
-    from coordinator.reference import reference_logits
+    from coordinator.tools.reference import reference_logits
 
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(11))
     expected = reference_logits(str(index.root), ids)

@@ -20,9 +20,8 @@ from pathlib import Path
 import ray
 import torch
 
-from coordinator import generation
 from coordinator.config import JobConfig
-from coordinator.engine import Engine, EngineConfig, Request
+from coordinator.engine import Engine, EngineConfig, Request, generation
 from coordinator.engine.ray_pipeline import RayPipeline
 from coordinator.family_check import check_family
 from coordinator.planning.batch_size import plan_job

@@ -16,7 +16,7 @@ gemma2 and gemma3_text. In the MoE families `intermediate_size` is each expert's
 qwen2_moe's shared expert's).
 
 Unless `tokenizer=False` (`--no-tokenizer`), the checkpoint also carries a small real tokenizer
-(`coordinator.tiny_tokenizer`) that `AutoTokenizer.from_pretrained` loads, with a ChatML chat
+(`coordinator.tools.tiny_tokenizer`) that `AutoTokenizer.from_pretrained` loads, with a ChatML chat
 template, so generation and the server deal in text; config.json and generation_config.json
 then name its pad, bos and eos ids, whatever the family's defaults, so `generate` stops at its
 eos. Without one, the family's own defaults stay (None where they fall outside the vocab).
@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from coordinator import tiny_tokenizer
+from coordinator.tools import tiny_tokenizer
 from offload.errors import ConfigError
 from worker.layout import TESTED_FAMILIES
 

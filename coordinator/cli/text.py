@@ -1,5 +1,5 @@
 """`offloadctl generate` and `offloadctl serve`: the commands that take text in and give text
-out, through the checkpoint's own tokenizer (coordinator/text.py)."""
+out, through the checkpoint's own tokenizer (coordinator/serving/text.py)."""
 
 from __future__ import annotations
 
@@ -31,11 +31,11 @@ def add_parsers(commands, add_job_flags, positive) -> None:
 
 
 def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
-    from coordinator import generation
     from coordinator.config import ConfigError
+    from coordinator.engine import generation
     from coordinator.planning.checkpoint import read_config
     from coordinator.runtime.job import attach, launch
-    from coordinator.text import TextStream, end_ids, load_tokenizer, prompt_ids
+    from coordinator.serving.text import TextStream, end_ids, load_tokenizer, prompt_ids
 
     if any(not text for text in args.stop or ()):
         raise ConfigError("--stop needs a non-empty text")
@@ -124,7 +124,8 @@ def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
     from coordinator.config import ConfigError
     from coordinator.planning.checkpoint import read_config
     from coordinator.planning.context import model_context
-    from coordinator.runtime import registry, serving
+    from coordinator.runtime import registry
+    from coordinator.serving import app as serving
     from coordinator.runtime.job import attach, launch
 
     key = _api_key(args.api_key_file)
@@ -150,7 +151,7 @@ def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
         job, ours = launch(config, progress=progress, name=name), True
     model = args.model_name or Path(job.config.checkpoint).resolve().name
     try:
-        from coordinator.text import load_tokenizer
+        from coordinator.serving.text import load_tokenizer
 
         load_tokenizer(job.config.checkpoint)  # a checkpoint without one fails here, not later
         serving.start(name, model, host=args.host, port=args.port, api_key=key,

@@ -21,17 +21,17 @@ import sys
 import threading
 import traceback
 
-from coordinator import cli_exit
-from coordinator.cli_loads import EXIT_MISMATCH, RANDOM_INPUT
+import coordinator.cli.ending as ending
+from coordinator.cli.loads import EXIT_MISMATCH, RANDOM_INPUT
 from coordinator.config import ConfigError, JobConfig, load_job_config, parse_bytes
-from coordinator.make_checkpoint import (
+from coordinator.planning.snapshot import ClusterSnapshot
+from coordinator.tools.make_checkpoint import (
     ARCHITECTURES,
     DTYPES,
     MOE_ARCHITECTURES,
     NO_KV_HEADS,
     SLIDING_ARCHITECTURES,
 )
-from coordinator.planning.snapshot import ClusterSnapshot
 from offload.errors import OffloadCoordinatorError
 from worker.spec import COMPUTE_DTYPES
 
@@ -217,10 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--check", action="store_true",
                              help="compare with transformers in one process; exit 1 on mismatch")  # fmt: skip
 
-    from coordinator import cli_text
+    import coordinator.cli.text as text_commands
 
-    cli_text.add_parsers(commands, _add_job_flags, _positive)
-    cli_text.add_serve_parser(commands, _add_job_flags)
+    text_commands.add_parsers(commands, _add_job_flags, _positive)
+    text_commands.add_serve_parser(commands, _add_job_flags)
 
     for name, text in (("status", "memory of every GPU and node of a named load"),
                        ("unload", "release a named load's workers")):  # fmt: skip
@@ -321,25 +321,25 @@ def main(argv: list[str] | None = None) -> int:
         OSError,  # a path the user gave: missing, a directory, unreadable; a cluster address
     )
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = cli_exit.install_handlers() if main_thread else {}
-    running = cli_exit.embedded_ray()  # one the caller started (tests): not this command's to stop
+    previous = ending.install_handlers() if main_thread else {}
+    running = ending.embedded_ray()  # one the caller started (tests): not this command's to stop
     try:
         return _run(args, expected)
     except KeyboardInterrupt:  # Terminated too; Ray raises a KeyboardInterrupt of its own
-        if cli_exit.first_signal() == signal.SIGTERM:
+        if ending.first_signal() == signal.SIGTERM:
             return _fail(f"terminated: {RELEASED}", EXIT_TERMINATED)
         return _fail(f"interrupted: {RELEASED}", EXIT_INTERRUPTED)
     finally:
         try:
-            cli_exit.release_embedded_ray(unless=running)
+            ending.release_embedded_ray(unless=running)
         finally:
-            cli_exit.restore_handlers(previous)
+            ending.restore_handlers(previous)
 
 
 def _run(args: argparse.Namespace, expected: tuple[type[Exception], ...]) -> int:
     try:
         if args.command == "make-checkpoint":
-            from coordinator.make_checkpoint import CheckpointShape, make_checkpoint
+            from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 
             fields = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
                       "intermediate_size", "vocab_size", "num_experts", "experts_per_token",
@@ -356,23 +356,23 @@ def _run(args: argparse.Namespace, expected: tuple[type[Exception], ...]) -> int
         if args.command in ("run", "generate", "serve") and getattr(args, "name", None):
             _refuse_load_flags(args)
         if args.command == "generate":
-            from coordinator import cli_text
+            import coordinator.cli.text as text_commands
 
-            return cli_text.cmd_generate(args, _job_config, _progress)
+            return text_commands.cmd_generate(args, _job_config, _progress)
         if args.command == "serve":
-            from coordinator import cli_text
+            import coordinator.cli.text as text_commands
 
-            return cli_text.cmd_serve(args, _job_config, _progress)
+            return text_commands.cmd_serve(args, _job_config, _progress)
         if args.command in ("load", "run"):
-            from coordinator import cli_loads
+            import coordinator.cli.loads as load_commands
 
-            return cli_loads.cmd_load_or_run(args, _job_config, _progress)
+            return load_commands.cmd_load_or_run(args, _job_config, _progress)
         if args.command in ("status", "unload", "list"):
-            from coordinator import cli_loads
+            import coordinator.cli.loads as load_commands
 
-            return cli_loads.cmd_named(args)
+            return load_commands.cmd_named(args)
         if args.command == "check-cluster":
-            from coordinator.cluster_yaml import check_cluster_config
+            from coordinator.tools.cluster_yaml import check_cluster_config
 
             result = check_cluster_config(args.path)
             for warning in result.warnings:
@@ -382,7 +382,7 @@ def _run(args: argparse.Namespace, expected: tuple[type[Exception], ...]) -> int
             print(f"{args.path}: {'ok' if result.ok else f'{len(result.errors)} problem(s)'}")
             return 0 if result.ok else EXIT_MISMATCH
         if args.command == "node-demo":
-            from coordinator.demo import run_demo
+            from coordinator.tools.demo import run_demo
 
             return run_demo(num_layers=args.layers, hidden=args.hidden, batch=args.batch,
                             step=args.step, repeats=args.repeats)  # fmt: skip

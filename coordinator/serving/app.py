@@ -112,7 +112,7 @@ class _Run:
     here: the client gets its first byte with the first token."""
 
     def __init__(self, job, tokenizer, ids, options: dict, stop: tuple[str, ...] = ()) -> None:
-        from coordinator.text import TextStream, end_ids
+        from coordinator.serving.text import TextStream, end_ids
 
         self.job, self.ids, self.options = job, ids, options
         self.stream = TextStream(tokenizer, end_ids(tokenizer, job.index), stop)
@@ -211,7 +211,7 @@ class _Run:
 class OpenAIServer:
     def __init__(self, load_name: str, model_name: str, api_key: str | None) -> None:
         from coordinator.runtime.job import attach
-        from coordinator.text import load_tokenizer
+        from coordinator.serving.text import load_tokenizer
 
         self.job = attach(load_name)
         self.tokenizer = load_tokenizer(self.job.config.checkpoint)
@@ -298,8 +298,8 @@ class OpenAIServer:
                 "choices": [choice], "usage": run.usage()}  # fmt: skip
 
     def _parse(self, body: dict, chat: bool):
-        from coordinator.generation import sampling_options
-        from coordinator.text import prompt_ids
+        from coordinator.engine.generation import sampling_options
+        from coordinator.serving.text import prompt_ids
 
         if _field(body, "n", (int,), 1) != 1:
             raise BadRequest("only n=1 is supported")

@@ -118,7 +118,7 @@ def _check(job, config: JobConfig, ids, logits) -> int:
     bfloat16 / float16 a difference within two units of rounding at the logits' scale passes."""
     import torch
 
-    from coordinator.reference import reference_logits
+    from coordinator.tools.reference import reference_logits
 
     expected = reference_logits(config.checkpoint, ids, dtype=job.index.dtype,
                                 attn_implementation=config.attn_implementation,

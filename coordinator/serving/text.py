@@ -55,7 +55,7 @@ def prompt_ids(tokenizer, prompt: str | None = None, *, messages: list[dict] | N
 def end_ids(tokenizer, index) -> tuple[int, ...]:
     """The token ids that end a sequence: the checkpoint's end-of-sequence ids (its
     generation_config.json, as generate takes them) and the tokenizer's."""
-    from coordinator import generation
+    from coordinator.engine import generation
 
     ids = set(generation.resolve(index.root, index.config, 1).eos_token_ids)
     if tokenizer.eos_token_id is not None:
