@@ -160,7 +160,8 @@ def test_the_queue_is_fifo_bounded_and_only_full_is_busy(make) -> None:
 
 
 def test_a_cancelled_request_frees_its_slot_for_the_next_at_once(make) -> None:
-    engine, _ = make(num_slots=1, burst_steps=1)
+    """Cancelled mid-burst (8 decode steps per call): the burst ends at that step."""
+    engine, _ = make(num_slots=1, burst_steps=8)
     seen = []
 
     def cancel_at_the_third(row, token):  # as a client going away mid-stream
@@ -200,6 +201,25 @@ def test_bursts_on_one_stage_only_when_nothing_waits(make) -> None:
     one, ring = make(FakePipeline(num_stages=2), num_slots=2, burst_steps=4, micro_batches=1)
     assert submit(one, [3, 4], 5).result(WAIT_S) == [expected([3, 4], 5)]
     assert [count for prefill, _, _, count in ring.steps if not prefill] == [4]
+
+
+def test_a_burst_ends_at_the_step_a_request_arrives(make) -> None:
+    """A request arriving mid-burst joins at the next step boundary, not after the burst; the
+    running sequence goes on exactly where the burst was cut."""
+    engine, pipeline = make(num_slots=2, burst_steps=8)
+    joined = []
+
+    def join_at_the_third(row, token):
+        if len(first.sequences[0].generated) == 3 and not joined:
+            joined.append(submit(engine, [9, 8, 7], 4))
+
+    first = submit(engine, [3, 4], 20, on_token=join_at_the_third)
+    assert first.result(WAIT_S) == [expected([3, 4], 20)]
+    assert joined[0].result(WAIT_S) == [expected([9, 8, 7], 4)]
+    # prefill (token 1), a burst of 8 cut after its second step (token 3), then the newcomer's
+    # prefill; the first sequence resumes feeding token 3 at position 4 (2 prompt + 2 fed)
+    assert pipeline.steps[1][3] == 8 and pipeline.steps[2][0] and pipeline.steps[2][1] == (1,)
+    assert pipeline.starts[3][0] == 4
 
 
 def test_micro_batches_split_the_running_sequences(make) -> None:

@@ -125,8 +125,8 @@ def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
     from coordinator.planning.checkpoint import read_config
     from coordinator.planning.context import model_context
     from coordinator.runtime import registry
-    from coordinator.serving import app as serving
     from coordinator.runtime.job import attach, launch
+    from coordinator.serving import app as serving
 
     key = _api_key(args.api_key_file)
     if args.host not in LOOPBACK and key is None:

@@ -245,18 +245,27 @@ class Engine:
             self._run(handle, step, epoch)
 
     def _run(self, handle: Handle, step: Step, epoch: int) -> None:
+        results = handle.results(self.config.step_timeout_s)
         try:
-            for index, (tokens, states) in enumerate(handle.results(self.config.step_timeout_s)):
+            for index, (tokens, states) in enumerate(results):
                 added = self.scheduler.apply(step, index, tokens, states)
                 self.stats.steps += 1  # a pass through every stage
                 self.stats.step_rows += len(step.sequences)
                 self._deliver(added)
+                if index + 1 < step.count and self._wanted_at_a_boundary():
+                    handle.stop()  # a burst: end it at this step, the worker stops at its next
+                    break
         except Exception as exc:
             self._step_failed(step, exc, epoch)
             return
         for seq in self.scheduler.complete(step):
             self.stats.finished(seq)
             seq.request._end_if_done()
+
+    def _wanted_at_a_boundary(self) -> bool:
+        """A request arrived or was cancelled: the next step boundary should come now."""
+        with self._cond:
+            return bool(self._incoming or self._cancelled)
 
     def _deliver(self, added: list[tuple[Sequence, int]]) -> None:
         now = time.perf_counter()

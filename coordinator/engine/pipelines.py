@@ -21,6 +21,10 @@ class Handle(Protocol):
     def results(self, timeout_s: float) -> Iterator[Tokens]:
         """The step's tokens as they come (a burst yields one per decode step)."""
 
+    def stop(self) -> None:
+        """End a burst early: the workers stop at their next step; what they make after it
+        is never read (the next step of these rows starts where the last one read ended)."""
+
 
 class Pipeline(Protocol):
     num_stages: int
@@ -45,6 +49,9 @@ class _Done:
 
     def results(self, timeout_s: float) -> Iterator[Tokens]:
         yield from self.outputs
+
+    def stop(self) -> None:
+        pass  # computed already
 
 
 class LocalPipeline:

@@ -12,6 +12,7 @@ the driver off the per-token path."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import ray
@@ -33,6 +34,9 @@ class _StepRef:
     def results(self, timeout_s: float) -> Iterator[Tokens]:
         yield _drawn(ray.get(self.waitable, timeout=timeout_s))
 
+    def stop(self) -> None:
+        pass  # one step: nothing to stop
+
 
 class _Burst:
     def __init__(self, stream) -> None:
@@ -41,6 +45,15 @@ class _Burst:
     def results(self, timeout_s: float) -> Iterator[Tokens]:
         for ref in self.waitable:  # each next() waits for the worker's next step
             yield _drawn(ray.get(ref, timeout=timeout_s))
+
+    def stop(self) -> None:
+        """Cancel the streaming call after a step it streamed: Ray stops a generator task at
+        its next yield. (Only a call that has streamed: cancelling one the actor has not
+        received yet can leave a hole in the order of this driver's calls to it, which the
+        actor then waits on; see ray-project/ray#65785.) Its later steps run in the same
+        actor call, before any call this driver makes after it."""
+        with contextlib.suppress(Exception):
+            ray.cancel(self.waitable)
 
 
 class RayPipeline:
