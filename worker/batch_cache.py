@@ -86,6 +86,11 @@ class BatchView(Cache):
         self.counts = torch.tensor(counts, device=pool.device)
         self._rows = list(zip(slots, starts, counts, strict=True))
         self.decode = width == 1  # every row one token: one vectorised write
+        # Rows in consecutive slots (the engine hands out the lowest free slot and orders a
+        # step's rows by slot, so this is the common case): the stores are read through a
+        # view instead of a gather that copies every row's keys and values at every layer.
+        first = slots[0]
+        self._span = slice(first, first + len(slots)) if slots == list(range(first, first + len(slots))) else None
         self.kv_length = max(s + c for s, c in zip(starts, counts, strict=True))
 
     def positions(self) -> torch.Tensor:
@@ -105,6 +110,8 @@ class BatchView(Cache):
                 keys[slot, :, start : start + count] = key_states[row, :, self.width - count :]
                 values[slot, :, start : start + count] = value_states[row, :, self.width - count :]
         length = self.kv_length
+        if self._span is not None:
+            return keys[self._span, :, :length], values[self._span, :, :length]
         return keys[self.slots, :, :length], values[self.slots, :, :length]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

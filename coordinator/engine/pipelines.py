@@ -44,14 +44,18 @@ def _packed_draw(draw: Draw) -> Draw:
 
 
 class _Done:
-    def __init__(self, outputs: list[Tokens]) -> None:
-        self.outputs = outputs
+    """A step run in this thread: a burst's steps run as they are read (`stop` ends it)."""
+
+    def __init__(self, outputs) -> None:
+        self.outputs = outputs  # a list, or a generator of a burst's steps
 
     def results(self, timeout_s: float) -> Iterator[Tokens]:
-        yield from self.outputs
+        for out in self.outputs:
+            yield out if isinstance(out, tuple) else _drawn(out)
 
     def stop(self) -> None:
-        pass  # computed already
+        if not isinstance(self.outputs, list):
+            self.outputs.close()
 
 
 class LocalPipeline:
@@ -63,8 +67,8 @@ class LocalPipeline:
 
     def submit(self, step: Step) -> _Done:
         if step.count > 1:  # the first stage drives the steps through the others
-            return _Done([_drawn(out) for out in self.workers[0].batch_steps(
-                step.rows, step.x, step.draw, step.count, tuple(self.workers[1:]))])  # fmt: skip
+            return _Done(self.workers[0].batch_steps(step.rows, step.x, step.draw, step.count,
+                                                     tuple(self.workers[1:])))  # fmt: skip
         x = step.x
         for worker in self.workers[:-1]:
             x = worker.batch_step(step.rows, x)

@@ -17,6 +17,7 @@ A sequence whose chunk ends its prompt chooses its first token in the same step.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -54,7 +55,7 @@ class Scheduler:
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.max_queue, self.prefill_tokens = max_queue, prefill_tokens
         self.waiting: deque[Sequence] = deque()
-        self.free_slots = list(range(num_slots - 1, -1, -1))  # pop() takes slot 0 first
+        self.free_slots = list(range(num_slots))  # a heap: the lowest free slot goes first
         self.groups = [_Group() for _ in range(max(1, min(num_groups, num_slots)))]
 
     # queues
@@ -76,7 +77,7 @@ class Scheduler:
             seq = self.waiting.popleft()
             if seq.finish is not None:  # cancelled while waiting
                 continue
-            seq.slot = seq.slot_used = self.free_slots.pop()
+            seq.slot = seq.slot_used = heapq.heappop(self.free_slots)
             seq.group = min(range(len(self.groups)), key=lambda g: len(self.groups[g].sequences))
             self.groups[seq.group].sequences.append(seq)
             admitted.append(seq)
@@ -93,7 +94,7 @@ class Scheduler:
         group = self.groups[seq.group]
         assert not group.in_flight, "a slot freed under a step in flight"
         group.sequences.remove(seq)
-        self.free_slots.append(seq.slot)
+        heapq.heappush(self.free_slots, seq.slot)
         seq.slot = seq.group = None
 
     def reset_caches(self) -> None:
@@ -146,6 +147,11 @@ class Scheduler:
         return self._step(g, chosen, x, [1] * len(chosen), [True] * len(chosen), prefill=False)
 
     def _step(self, g, chosen, x, counts, samples, *, prefill: bool) -> Step:
+        # rows in slot order: with the lowest free slot handed out first they are often
+        # consecutive, and a worker then reads its stores through a view (worker.batch_cache)
+        order = sorted(range(len(chosen)), key=lambda r: chosen[r].slot)
+        chosen, x = [chosen[r] for r in order], x[order]
+        counts, samples = [counts[r] for r in order], [samples[r] for r in order]
         rows = StepRows(slots=tuple(s.slot for s in chosen), starts=tuple(s.cached for s in chosen),
                         counts=tuple(counts), width=x.shape[1], num_slots=self.num_slots,
                         max_seq_len=self.max_seq_len)  # fmt: skip

@@ -1,0 +1,74 @@
+"""The slot pool alone: what a step writes and reads back, rows in consecutive slots (a view of
+the stores) and in any other order (a gather) alike, and each row's mask against a plain
+per-sequence reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.batch_cache import SlotPool
+
+HEADS, DIM, MAX_LEN = 2, 4, 12
+
+
+def kv(rows: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, HEADS, width, DIM, generator=g),
+            torch.randn(rows, HEADS, width, DIM, generator=g))  # fmt: skip
+
+
+@pytest.mark.parametrize("slots", [[0, 1, 2], [1, 2, 3], [2, 0, 3], [3, 1, 0]])
+def test_each_row_reads_back_exactly_what_its_sequence_wrote(slots) -> None:
+    """A prefill of three prompts (left-padded to width 5), then two decode steps: each row's
+    keys and values are its own sequence's, in order, whatever slots the rows are in."""
+    pool = SlotPool([0], num_slots=4, max_seq_len=MAX_LEN, device=torch.device("cpu"))
+    lengths = [5, 2, 3]
+    keys, values = kv(3, 5, seed=1)
+    history = [[(keys[r, :, 5 - n + i], values[r, :, 5 - n + i]) for i in range(n)]
+               for r, n in enumerate(lengths)]  # fmt: skip
+    view = pool.view(slots, [0, 0, 0], lengths, 5)
+    got_k, got_v = view.update(keys, values, 0)
+    for step in range(2):
+        starts = [n + step for n in lengths]
+        view = pool.view(slots, starts, [1, 1, 1], 1)
+        k, v = kv(3, 1, seed=10 + step)
+        for r in range(3):
+            history[r].append((k[r, :, 0], v[r, :, 0]))
+        got_k, got_v = view.update(k, v, 0)
+    assert got_k.shape == (3, HEADS, max(lengths) + 2, DIM)
+    for r in range(3):
+        want_k = torch.stack([h[0] for h in history[r]], dim=1)
+        want_v = torch.stack([h[1] for h in history[r]], dim=1)
+        n = want_k.shape[1]
+        assert torch.equal(got_k[r, :, :n], want_k) and torch.equal(got_v[r, :, :n], want_v)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_masks_let_each_real_token_see_its_own_past_only(window) -> None:
+    pool = SlotPool([0], num_slots=3, max_seq_len=MAX_LEN, device=torch.device("cpu"))
+    starts, counts, width = [4, 0, 2], [2, 3, 1], 3
+    view = pool.view([2, 0, 1], starts, counts, width)
+    mask = view.mask(sliding_window=window, dtype=torch.float32, implementation="sdpa")[:, 0]
+    additive = view.mask(sliding_window=window, dtype=torch.float32, implementation="eager")[:, 0]
+    assert torch.equal(additive == 0, mask)
+    for r in range(3):
+        for column in range(width):
+            pad = column < width - counts[r]
+            position = starts[r] + column - (width - counts[r])
+            for key in range(view.kv_length):
+                if pad:  # a padding query sees position 0 only: no NaN, never read
+                    want = key == 0
+                else:
+                    want = key <= position and (window is None or key > position - window)
+                assert bool(mask[r, column, key]) == want, (r, column, key)
+
+
+def test_a_row_that_does_not_fit_is_refused() -> None:
+    pool = SlotPool([0], num_slots=2, max_seq_len=MAX_LEN, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="outside the pool"):
+        pool.view([2], [0], [1], 1)
+    with pytest.raises(ValueError, match="does not fit"):
+        pool.view([0], [MAX_LEN - 1], [2], 2)
+    with pytest.raises(NotImplementedError, match="does not route"):
+        pool.view([0], [0], [1], 1).get_mask_sizes(1, 0)
