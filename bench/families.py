@@ -62,7 +62,7 @@ from load import wait_gpus_released  # bench/load.py, beside this script
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import CheckpointIndex, load_index
 from coordinator.planning.planner import PlanError
-from coordinator.runtime.job import launch
+from coordinator.runtime.launch import launch
 from coordinator.tools.make_checkpoint import NO_KV_HEADS, CheckpointShape, make_checkpoint
 from coordinator.tools.reference import reference_logits
 from worker.layout import TESTED_FAMILIES

@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import CheckpointIndex, load_index
-from coordinator.runtime.job import launch
+from coordinator.runtime.launch import launch
 from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 
 MIB = 2**20

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import CheckpointIndex, load_index
-from coordinator.runtime.job import launch
+from coordinator.runtime.launch import launch
 from coordinator.runtime.session import connect
 from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 

@@ -10,7 +10,7 @@ with launch(JobConfig(checkpoint="ckpt/", gpus=3, gpu_memory_bytes=6 << 20)) as 
 # Loaded on first use (PEP 562), so `offloadctl plan` and `import coordinator.config` do not
 # pay for importing Ray.
 _LAZY = {
-    "launch": "coordinator.runtime.job",
+    "launch": "coordinator.runtime.launch",
     "Job": "coordinator.runtime.job",
     "JobConfig": "coordinator.config",
     "Override": "coordinator.config",

@@ -134,7 +134,7 @@ def test_run_check_mismatch_exits_1(monkeypatch, capsys, tmp_path) -> None:
 
     import torch
 
-    import coordinator.runtime.job
+    import coordinator.runtime.launch
     import coordinator.tools.reference
 
     class FakeJob:
@@ -150,7 +150,7 @@ def test_run_check_mismatch_exits_1(monkeypatch, capsys, tmp_path) -> None:
             return torch.zeros(ids.shape[0], ids.shape[1], 10)
 
     monkeypatch.setattr(
-        coordinator.runtime.job, "launch", lambda config, progress, name: contextlib.nullcontext(FakeJob())
+        coordinator.runtime.launch, "launch", lambda config, progress, name: contextlib.nullcontext(FakeJob())
     )
     monkeypatch.setattr(
         coordinator.tools.reference, "reference_logits", lambda *a, **k: torch.full((2, 16, 10), 1e-3)
@@ -248,7 +248,7 @@ class LaunchCalled(BaseException):
 @pytest.fixture
 def no_launch(monkeypatch):
     """`launch` replaced: commands are checked up to the point where they would load."""
-    import coordinator.runtime.job as job_module
+    import coordinator.runtime.launch as job_module
 
     def launch(config, **_):
         raise LaunchCalled(config)

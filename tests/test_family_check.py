@@ -205,7 +205,7 @@ def test_a_broken_pass_through_is_refused_and_nothing_starts(checkpoints, monkey
                                                              capsys) -> None:  # fmt: skip
     """A module dropped from the split: `plan`, `run` and `launch` all refuse in one line
     naming it (exit 2), before Ray or any worker starts."""
-    import coordinator.runtime.job as job_module
+    import coordinator.runtime.launch as job_module
     from coordinator.config import JobConfig
 
     root = str(checkpoints("opt").root)
@@ -267,7 +267,7 @@ def test_offloadctl_run_says_the_family_was_self_checked(checkpoints, monkeypatc
     """`offloadctl run --check` on OPT: checked before launch, then its output says the family
     is untested and self-checked, and the logits match transformers. The job is the in-process
     pipeline (the Ray path runs the same workers; a Ray start would cost this test ~15 s)."""
-    import coordinator.runtime.job as job_module
+    import coordinator.runtime.launch as job_module
 
     index = checkpoints("opt")
 

@@ -60,7 +60,7 @@ def test_public_api_of_offload() -> None:
 
 def test_coordinator_api_is_importable_from_the_package() -> None:
     import coordinator
-    from coordinator.runtime.job import launch
+    from coordinator.runtime.launch import launch
 
     assert coordinator.launch is launch
     assert coordinator.JobConfig.__module__ == "coordinator.config"

@@ -13,7 +13,7 @@ from ray.cluster_utils import Cluster
 
 from coordinator.config import JobConfig, NodeMatch, Override
 from coordinator.planning.checkpoint import load_index
-from coordinator.runtime.job import launch
+from coordinator.runtime.launch import launch
 from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.tools.reference import reference_logits
 

@@ -22,7 +22,7 @@ from coordinator.planning.checkpoint import load_index
 from coordinator.runtime import telemetry
 from coordinator.runtime.errors import LaunchError
 from coordinator.runtime.inputs import check_inputs
-from coordinator.runtime.job import launch
+from coordinator.runtime.launch import launch
 from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.tools.reference import reference_logits
 from worker.loader import HOLD_ENV

@@ -21,7 +21,7 @@ from coordinator.planning.checkpoint import load_index
 from coordinator.planning.planner import PlanError, PlanOptions, plan
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from coordinator.runtime import telemetry
-from coordinator.runtime.job import launch
+from coordinator.runtime.launch import launch
 from coordinator.runtime.recovery import match_survivors
 from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.tools.reference import reference_logits
@@ -79,8 +79,8 @@ def test_a_named_load_heals_itself_and_leaves_out_a_node_that_keeps_failing(
     lost NODE_LOSS_LIMIT workers it plans without that node (an event says so); the logits
     stay those of transformers, and unload releases everything, keeper included."""
     from coordinator.runtime import registry
-    from coordinator.runtime.job import attach
     from coordinator.runtime.keeper import NODE_LOSS_LIMIT
+    from coordinator.runtime.launch import attach
 
     c, _ = cluster
     checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))

@@ -24,7 +24,7 @@ RANDOM_INPUT = {"batch": 2, "seq_len": 16, "seed": 0}  # `run`'s input without -
 def cmd_load_or_run(args: argparse.Namespace, job_config, progress) -> int:
     import torch
 
-    from coordinator.runtime.job import attach, launch
+    from coordinator.runtime.launch import attach, launch
 
     name = getattr(args, "name", None)
     attached = bool(args.command == "run" and name)
@@ -176,7 +176,7 @@ def cmd_named(args: argparse.Namespace) -> int:
     import json
 
     from coordinator.runtime import registry, telemetry
-    from coordinator.runtime.job import attach
+    from coordinator.runtime.launch import attach
     from coordinator.runtime.session import connect
 
     if args.command == "status":

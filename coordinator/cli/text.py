@@ -34,7 +34,7 @@ def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
     from coordinator.config import ConfigError
     from coordinator.engine import generation
     from coordinator.planning.checkpoint import read_config
-    from coordinator.runtime.job import attach, launch
+    from coordinator.runtime.launch import attach, launch
     from coordinator.serving.text import TextStream, end_ids, load_tokenizer, prompt_ids
 
     if any(not text for text in args.stop or ()):
@@ -125,7 +125,7 @@ def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
     from coordinator.planning.checkpoint import read_config
     from coordinator.planning.context import model_context
     from coordinator.runtime import registry
-    from coordinator.runtime.job import attach, launch
+    from coordinator.runtime.launch import attach, launch
     from coordinator.serving import app as serving
 
     key = _api_key(args.api_key_file)

@@ -280,8 +280,9 @@ class Engine:
 
     def _step_failed(self, step: Step, exc: BaseException, epoch: int) -> None:
         """A step raised: recover when a worker was lost (every sequence then starts its
-        caches again), else end the step's requests with the error."""
-        if self._recover is not None and _is_worker_failure(exc):
+        caches again), else end the step's requests with the error. Never once the job is
+        closing: its workers are going on purpose."""
+        if self._recover is not None and _is_worker_failure(exc) and not self._closed:
             try:
                 self._recover(exc, epoch)
             except Exception as clear:  # nothing lost (the step failed), or recovery failed

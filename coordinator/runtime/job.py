@@ -1,10 +1,12 @@
-"""The Python API: `launch(JobConfig(...))` -> a running `Job` (a context manager).
+"""The Python API: a running `Job` (a context manager), from `coordinator.runtime.launch`.
 
     with launch(JobConfig(checkpoint="ckpt/", gpus=3, gpu_memory_bytes=...)) as job:
         print(job.plan.summary())
         logits = job.forward(input_ids)
+        tokens = job.generate(input_ids, max_new_tokens=32)
 
-The pipeline passes hidden states from stage to stage as Ray object refs: the driver only
+Generation goes through the job's engine (`coordinator.engine`), started at the first request.
+A forward pass passes hidden states from stage to stage as Ray object refs: the driver only
 chains the calls and fetches the final logits. The workers, their placement groups and every
 change to them belong to the job's `WorkerGroup`; recovery (`coordinator.runtime.recovery`)
 decides what a lost worker needs and the group applies it.
@@ -22,26 +24,22 @@ import torch
 
 from coordinator.config import JobConfig
 from coordinator.engine import Engine, EngineConfig, Request, generation
-from coordinator.engine.ray_pipeline import RayPipeline
-from coordinator.family_check import check_family
-from coordinator.planning.batch_size import plan_job
-from coordinator.planning.checkpoint import CheckpointIndex, load_index
-from coordinator.planning.context import beyond_context, check_max_seq_len
+from coordinator.engine.ray_pipeline import RayPipeline, by_value_or_ref
+from coordinator.planning.checkpoint import CheckpointIndex
+from coordinator.planning.context import beyond_context
 from coordinator.planning.planner import Plan
 from coordinator.runtime import recovery, registry
 from coordinator.runtime.errors import LaunchError, WorkerLostError
 from coordinator.runtime.gate import Gate
 from coordinator.runtime.group import WorkerGroup, WorkerHandle, worker_failure
 from coordinator.runtime.inputs import check_inputs
-from coordinator.runtime.keeper import find as find_keeper
-from coordinator.runtime.keeper import start as start_keeper
 from coordinator.runtime.loops import Loops
-from coordinator.runtime.probing import PROBE_TIMEOUT_S, probe_cluster
-from coordinator.runtime.session import RaySession, connect
+from coordinator.runtime.probing import PROBE_TIMEOUT_S
+from coordinator.runtime.session import RaySession
 from coordinator.runtime.telemetry import MetricsExporter, Report, collect
 from offload.errors import NeverFitsError
 from worker.snapshot import StageSnapshot
-from worker.wire import pack, unpack
+from worker.wire import unpack
 
 TELEMETRY_TIMEOUT_S = 60.0
 CANCEL_POLL_S = 0.05  # how often a waiting generate asks its `cancelled()`
@@ -122,7 +120,7 @@ class Job:
         self._require_open()
         if any(h.actor is None for h in self.workers):  # attached to a load that lost workers
             raise WorkerLostError("a worker of this load was lost")
-        ref, mask_ref, positions_ref = (_by_value_or_ref(t)
+        ref, mask_ref, positions_ref = (by_value_or_ref(t)
                                         for t in (input_ids, attention_mask, position_ids))  # fmt: skip
         for handle in self.workers:
             ref = handle.actor.step.remote(ref, mask_ref, positions_ref, logits_to_keep)
@@ -398,80 +396,4 @@ class Job:
         self.close()
 
 
-# Below this many bytes a tensor goes inside the call itself: a decode step's ids, mask and
-# positions are a few hundred bytes, and a `ray.put` of each cost ~1.7 ms per step
-# (bench/generate.py), a third of a small model's time per token. Larger ones (a long prompt's
-# mask, sent to every stage) are put in the object store once. Either way as `wire.pack`
-# arrays, which Ray moves faster than tensors.
-INLINE_BYTES = 64 * 1024
-
-
-def _by_value_or_ref(tensor: torch.Tensor | None):
-    packed = pack(tensor)
-    if packed is None or packed.array.nbytes <= INLINE_BYTES:
-        return packed
-    return ray.put(packed)
-
-
-def launch(
-    config: JobConfig,
-    *,
-    progress: Callable[[int, int], None] | None = None,
-    name: str | None = None,
-) -> Job:
-    """Index, probe, plan, reserve the GPUs, start and load. On any failure everything started
-    is released. With `name`, the workers and their placement groups are detached and named,
-    so they outlive this process (on a cluster) and `attach(name)` finds them again."""
-    index = load_index(config.checkpoint, dtype=config.dtype)
-    check_max_seq_len(index.config, config.max_seq_len)
-    # An untested family is run split and whole in this process first: refused here, before
-    # Ray and any worker start, when its split does not reproduce the model.
-    check_family(index.config, attn_implementation=config.attn_implementation)
-    session = connect(config)
-    job = None
-    claimed = False  # the name is ours to release: no load of that name existed
-    try:
-        if name is not None:
-            registry.check_name(name)
-            claimed = True
-        snapshot, envs = probe_cluster(config)
-        config, the_plan = plan_job(config, index, snapshot)
-        group = WorkerGroup(config=config, index=index, plan=the_plan, load_name=name)
-        job = Job(group=group, session=session, name=name)
-        if name is not None:
-            group.names = job.new_worker_names
-        group.start(envs)
-        if name is not None:  # recorded first, so `unload` finds a load interrupted midway
-            registry.save(name, config, group, [])
-        job.load_reports = recovery.load_recovering(group, job.record_event, progress)
-        if name is not None:  # from now on the keeper changes the load, no driver
-            job.keeper = start_keeper(name, index)
-        return job
-    except BaseException:
-        if job is not None:
-            job.group.stop()
-        if claimed:
-            registry.forget(name)  # its record, and whatever of it has a name
-        session.close()
-        raise
-
-
-def attach(name: str, *, address: str | None = None) -> Job:
-    """The named load `name` on the cluster at `address` (or RAY_ADDRESS)."""
-    session = connect(JobConfig(checkpoint="-", address=address or "auto"))
-    try:
-        _, record = registry.load_record(name)
-        config = registry.config_of(record)
-        index = load_index(config.checkpoint, dtype=config.dtype)
-        group = registry.group_of(record, index)
-        job = Job(group=group, session=session, name=name, events=list(record["events"]),
-                  next_worker=registry.next_worker_number(record),
-                  keeper=find_keeper(name))  # fmt: skip
-        group.names = job.new_worker_names
-        return job
-    except BaseException:
-        session.close()
-        raise
-
-
-__all__ = ["Job", "LaunchError", "attach", "launch"]
+__all__ = ["Job", "LaunchError"]

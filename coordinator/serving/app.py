@@ -210,7 +210,7 @@ class _Run:
 @serve.ingress(app)
 class OpenAIServer:
     def __init__(self, load_name: str, model_name: str, api_key: str | None) -> None:
-        from coordinator.runtime.job import attach
+        from coordinator.runtime.launch import attach
         from coordinator.serving.text import load_tokenizer
 
         self.job = attach(load_name)
