@@ -70,6 +70,10 @@ def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:
     assert main(["status", "m1", "--json", *address]) == 0
     status = json.loads(capsys.readouterr().out)
     assert [g["stage"] for g in status["gpus"]] == [0, 1, 2]
+    # the generating process's engine left its stats with the load's keeper
+    serving = status["serving"]
+    assert serving["generation_tokens"] == 5 and serving["requests"] == 1  # 40 never fitted
+    assert serving["requests_running"] == 0 and serving["ttft_p50_s"] > 0
     assert sum(g["offloaded_bytes"] for g in status["gpus"]) > 0
     # No driver is left, yet Prometheus sees the load: its record publishes the workers'
     # periodic snapshots, and `run` above made copies that the gauges now count.

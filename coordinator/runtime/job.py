@@ -14,17 +14,15 @@ decides what a lost worker needs and the group applies it.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import ray
 import torch
 
 from coordinator.config import JobConfig
-from coordinator.engine import Engine, EngineConfig, Request, generation
-from coordinator.engine.ray_pipeline import RayPipeline, by_value_or_ref
+from coordinator.engine import Engine, Request, generation
+from coordinator.engine.ray_pipeline import by_value_or_ref
 from coordinator.planning.checkpoint import CheckpointIndex
 from coordinator.planning.context import beyond_context
 from coordinator.planning.planner import Plan
@@ -33,6 +31,7 @@ from coordinator.runtime.errors import LaunchError, WorkerLostError
 from coordinator.runtime.gate import Gate
 from coordinator.runtime.group import WorkerGroup, WorkerHandle, worker_failure
 from coordinator.runtime.inputs import check_inputs
+from coordinator.runtime.job_engine import JobEngine
 from coordinator.runtime.loops import Loops
 from coordinator.runtime.probing import PROBE_TIMEOUT_S
 from coordinator.runtime.session import RaySession
@@ -59,11 +58,10 @@ class Job:
     # Passes and generation steps at once, a recovery alone (see coordinator.runtime.gate).
     _gate: Gate = field(default_factory=Gate, repr=False)
     _kv: generation.KvBudget = field(default=None, repr=False)  # type: ignore[assignment]
-    _engine: Engine | None = field(default=None, repr=False)
-    _engine_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _engine_metrics: object | None = field(default=None, repr=False)
+    _engines: JobEngine = field(default=None, repr=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
+        self._engines = JobEngine(self)
         if self._kv is None:
             config = self.group.config if self.group is not None else None
             self._kv = generation.KvBudget(max_batch=config.max_batch if config else 0,
@@ -203,52 +201,12 @@ class Job:
 
     def engine(self) -> Engine:
         """The job's generation engine, started at the first request."""
-        with self._engine_lock:
-            if self._engine is None:
-                self._require_open()
-                config = self.config
-                self._engine = Engine(
-                    RayPipeline(self),
-                    EngineConfig(num_slots=config.max_batch, max_seq_len=max(config.max_seq_len, 1),
-                                 max_queue=config.max_queue, prefill_tokens=config.prefill_tokens,
-                                 micro_batches=self._micro_batches(),
-                                 step_timeout_s=config.forward_timeout_s),
-                    recover=self._recover_or_raise, epoch=lambda: self._gate.epoch,
-                )  # fmt: skip
-                if config.snapshot_interval_s > 0:
-                    self._loops.every("engine", config.snapshot_interval_s, self._publish_engine)
-            return self._engine
-
-    def _micro_batches(self) -> int:
-        """The config's, or by default: one when any stage offloads (each micro-batch brings
-        the offloaded layers in once per step: one batch brings them in once for all), else
-        one per stage (nothing to bring in: keep every stage busy)."""
-        if self.config.micro_batches:
-            return self.config.micro_batches
-        return 1 if any(s.offloaded for s in self.plan.stages) else len(self.plan.stages)
-
-    def _publish_engine(self) -> None:
-        """The engine's stats as Ray metrics (vLLM's names), and to a named load's keeper, for
-        `offloadctl status` from any process."""
-        engine = self._engine
-        if engine is None:
-            return
-        if self._engine_metrics is None:
-            from coordinator.engine.stats import EngineMetrics
-
-            self._engine_metrics = EngineMetrics(Path(self.config.checkpoint).name)
-        self._engine_metrics.export(engine.stats)
-        if self.keeper is not None:
-            self.keeper.put_engine_stats.remote(engine.stats.snapshot())  # no reply to wait for
+        return self._engines.get()
 
     def serving_stats(self) -> dict | None:
-        """A named load's latest generation stats, as its serving process published them."""
-        if self.keeper is None:
-            return self._engine.stats.snapshot() if self._engine is not None else None
-        try:
-            return ray.get(self.keeper.engine_stats.remote(), timeout=TELEMETRY_TIMEOUT_S)
-        except (ray.exceptions.RayError, TimeoutError):
-            return None
+        """Generation stats: this job's engine's, or for a named load the latest its serving
+        process published (through the load's keeper)."""
+        return self._engines.stats()
 
     def check_request(self, prompt_length: int, sequences: int = 1,
                       **options) -> generation.Settings:  # fmt: skip
@@ -379,10 +337,7 @@ class Job:
         """Release the workers and their placement groups; for a named load on a cluster, only
         disconnect (use `registry.unload` to release it)."""
         self._loops.stop_all()
-        with self._engine_lock:
-            engine, self._engine = self._engine, None
-        if engine is not None:
-            engine.close()  # requests not finished end with EngineClosedError
+        self._engines.close()  # its last stats published; unfinished requests end
         with self._gate.alone():  # passes and a recovery in flight finish first
             if self.name is None or self.session.owned:
                 self.group.stop()
