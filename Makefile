@@ -45,6 +45,8 @@ bench: $(STAMP)
 	$(PY) bench/recovery.py
 	$(PY) bench/families.py
 	$(PY) bench/generate.py
+	$(PY) bench/batching.py
+	$(PY) bench/serve.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache .hypothesis

@@ -23,14 +23,16 @@ On 2 stages with layers offloaded the engine runs one micro-batch by default (it
 steps driven by the first stage through the second, actor to actor); one micro-batch per
 stage (every stage busy) is run too: each micro-batch brings the offloaded layers in once per
 step, so the split trades bytes for overlap. Then, with nothing offloaded (where the default
-is one micro-batch per stage), 1 stage against 2 at N = 8 and 16: what a second stage adds. Then the stall: 4 requests decoding while a 1024-token prompt joins, the longest gap
-between two tokens of a decoding request against its median gap, with the prompt prefilled in
-chunks of 256 tokens (`prefill_tokens`) and whole (4096).
+is one micro-batch per stage), 1 stage against 2 at N = 8 and 16: what a second stage adds.
+Then the stall (not with --no-stall): 4 requests decoding while a 1024-token prompt joins, the
+longest gap between two tokens of a decoding request against its median gap, with the prompt
+prefilled in chunks of 256 tokens (`prefill_tokens`) and whole (4096).
 
 Correctness: every greedy output must equal transformers' `generate` on that prompt alone; a
-mismatch is printed and the script exits 1. About 6 minutes on 2 cores (--quick: 1).
+mismatch is printed and the script exits 1. About 2 minutes on 2 cores (--quick: 30 s).
 
     python bench/batching.py [--quick] [--stages 1,2] [--batches 1,4,8,16] [--repeats 3]
+                             [--no-stall] [--json F]
 """
 
 from __future__ import annotations
@@ -214,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,4,8,16")
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-stall", action="store_true", help="skip the long-prompt stall runs")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     shape = CheckpointShape(arch="llama", num_layers=8, hidden_size=512, num_heads=8,
@@ -224,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                                     num_kv_heads=2, intermediate_size=128, vocab_size=512)  # fmt: skip
         args.batches, args.repeats, args.new_tokens = "1,4", 1, 8
     args.batches = [int(b) for b in args.batches.split(",")]
-    args.stall = not args.quick
+    args.stall = not (args.quick or args.no_stall)
 
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -253,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(run(gpus, checkpoint, model, args, expected, index,
                                 batches=args.batches, max_seq_len=sweep, micro_batches=gpus))  # fmt: skip
         if not args.quick:  # nothing offloaded: does a second stage add throughput?
-            for gpus in (1, 2):
+            for gpus in sorted(int(s) for s in args.stages.split(",")):
                 rows.append(run(gpus, checkpoint, model, args, expected, index,
                                 batches=[8, 16], max_seq_len=sweep, resident=True))  # fmt: skip
         if args.stall:  # a long prompt joining: in chunks, and whole
