@@ -44,29 +44,37 @@ class FakePipeline:
         self.steps: list[tuple[bool, tuple[int, ...], tuple[int, ...], int]] = []
         self.fail: list[BaseException] = []
         self.recoveries = 0
+        self.submits: list[int] = []  # steps per submit (> 1: micro-batches in one burst)
         self.starts: list[tuple[int, ...]] = []
         self.epoch = 0
         self.gate = threading.Event()
         self.gate.set()
 
-    def submit(self, step) -> _Done:
+    def submit(self, steps) -> _Done:
+        """One step, or a burst of `count` steps of each micro-batch, taking turns as the
+        first stage drives them (`StageWorker.batch_ring`)."""
         self.gate.wait(WAIT_S)
         if self.fail:
             raise self.fail.pop(0)
-        rows, x, outputs = step.rows, step.x, []
-        self.steps.append((step.prefill, rows.slots, rows.counts, step.count))
-        self.starts.append(rows.starts)
-        for _ in range(step.count):
-            tokens = torch.full((len(rows.slots),), NO_TOKEN)
-            for r, (slot, start, count) in enumerate(zip(rows.slots, rows.starts, rows.counts, strict=True)):
-                cached = self.slots.setdefault(slot, [])
-                del cached[start:]
-                assert len(cached) == start, "a row starts past what its slot holds"
-                cached.extend(x[r, rows.width - count :].tolist())
-                if step.draw.samplings[r] is not None:
-                    tokens[r] = next_token(cached)
-            outputs.append((tokens, None))
-            rows, x = rows.advanced(), tokens[:, None]
+        self.submits.append(len(steps))
+        current = []
+        for step in steps:
+            self.steps.append((step.prefill, step.rows.slots, step.rows.counts, step.count))
+            self.starts.append(step.rows.starts)
+            current.append([step.rows, step.x, step.draw])
+        outputs = []
+        for _ in range(steps[0].count):
+            for m, (rows, x, draw) in enumerate(current):
+                tokens = torch.full((len(rows.slots),), NO_TOKEN)
+                for r, (slot, start, count) in enumerate(zip(rows.slots, rows.starts, rows.counts, strict=True)):
+                    cached = self.slots.setdefault(slot, [])
+                    del cached[start:]
+                    assert len(cached) == start, "a row starts past what its slot holds"
+                    cached.extend(x[r, rows.width - count :].tolist())
+                    if draw.samplings[r] is not None:
+                        tokens[r] = next_token(cached)
+                outputs.append((m, tokens, None))
+                current[m][:2] = rows.advanced(), tokens[:, None]
         return _Done(outputs)
 
     def wait(self, handles, timeout_s):
@@ -187,20 +195,25 @@ def test_eos_ends_a_sequence_and_its_slot_is_reused(make) -> None:
     assert submit(engine, [6], 2).result(WAIT_S) == [expected([6], 2)]
 
 
-def test_bursts_on_one_stage_only_when_nothing_waits(make) -> None:
+def test_bursts_only_when_nothing_waits(make) -> None:
     engine, pipeline = make(num_slots=2, burst_steps=4)
     request = submit(engine, [3, 4], 11)
     assert request.result(WAIT_S) == [expected([3, 4], 11)]
     counts = [count for prefill, _, _, count in pipeline.steps if not prefill]
     assert counts == [4, 4, 2]  # 1 token from the prefill, then never past max_new_tokens
-    # two stages in two micro-batches: the driver keeps each one's steps in flight
-    two, pipelined = make(FakePipeline(num_stages=2), num_slots=2, burst_steps=4)
-    assert submit(two, [3, 4], 5).result(WAIT_S) == [expected([3, 4], 5)]
-    assert {count for _, _, _, count in pipelined.steps} == {1}
-    # two stages in one micro-batch: bursts, driven by the first stage through the others
+    # two stages, one micro-batch: bursts driven by the first stage through the others
     one, ring = make(FakePipeline(num_stages=2), num_slots=2, burst_steps=4, micro_batches=1)
     assert submit(one, [3, 4], 5).result(WAIT_S) == [expected([3, 4], 5)]
     assert [count for prefill, _, _, count in ring.steps if not prefill] == [4]
+    # two micro-batches, one with a prefill to do: no burst (the driver keeps the turns)
+    two, pipelined = make(FakePipeline(num_stages=2), num_slots=2, burst_steps=4)
+    pipelined.gate.clear()
+    first, second = submit(two, [3, 4], 3), submit(two, [5, 6, 7], 3)
+    pipelined.gate.set()
+    assert [first.result(WAIT_S), second.result(WAIT_S)] == [[expected([3, 4], 3)],
+                                                              [expected([5, 6, 7], 3)]]  # fmt: skip
+    prefills = [i for i, step in enumerate(pipelined.steps) if step[0]]
+    assert all(pipelined.steps[i][3] == 1 for i in range(max(prefills) + 1))
 
 
 def test_a_burst_ends_at_the_step_a_request_arrives(make) -> None:
@@ -223,14 +236,18 @@ def test_a_burst_ends_at_the_step_a_request_arrives(make) -> None:
 
 
 def test_micro_batches_split_the_running_sequences(make) -> None:
-    engine, pipeline = make(FakePipeline(num_stages=2), num_slots=4)
+    """Two stages, two micro-batches of two; once all decode and nothing waits, both go in one
+    burst the first stage drives (taking turns), not one driver call per step."""
+    engine, pipeline = make(FakePipeline(num_stages=2), num_slots=4, burst_steps=4)
     pipeline.gate.clear()
-    requests = [submit(engine, [3 + i], 6) for i in range(4)]
+    requests = [submit(engine, [3 + i], 9) for i in range(4)]
     pipeline.gate.set()
     for i, request in enumerate(requests):
-        assert request.result(WAIT_S) == [expected([3 + i], 6)]
+        assert request.result(WAIT_S) == [expected([3 + i], 9)]
     decode_rows = [len(slots) for prefill, slots, _, _ in pipeline.steps if not prefill]
     assert max(decode_rows) == 2  # two micro-batches of two, one per stage
+    assert 2 in pipeline.submits  # both micro-batches in one burst
+    assert sum(pipeline.submits) == len(pipeline.steps)
 
 
 def test_a_lost_worker_is_recovered_and_every_sequence_goes_on_exactly(make) -> None:

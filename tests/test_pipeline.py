@@ -510,6 +510,38 @@ def test_generate_through_ray_equals_transformers_and_survives_a_lost_worker(
     wait_gpus_free(NUM_GPUS)
 
 
+def test_micro_batches_on_every_stage_burst_actor_to_actor(embedded_ray, checkpoints) -> None:
+    """Nothing offloaded, three stages: one micro-batch per stage. Six requests at once: each
+    gets transformers' greedy tokens for its prompt alone, and once they all decode, their
+    steps run as bursts the first stage drives through the others (fewer driver calls than
+    steps)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from coordinator.tools.reference import reference_generate
+
+    checkpoint = checkpoints["qwen2"]
+    index = load_index(checkpoint)
+    config = JobConfig(checkpoint=checkpoint, gpu_memory_bytes=index.total_bytes, max_batch=6,
+                       max_seq_len=24)  # fmt: skip
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, 128, (1, 3 + i), generator=g) for i in range(6)]
+    expected = [reference_generate(checkpoint, p, num_threads=1, max_new_tokens=12,
+                                   do_sample=False, eos_token_id=None)[0, p.shape[1] :].tolist()
+                for p in prompts]  # fmt: skip
+    with launch(config) as job, ThreadPoolExecutor(6) as pool:
+        assert len(job.plan.stages) == NUM_GPUS and not any(s.offloaded for s in job.plan.stages)
+        assert len(job.engine().scheduler.groups) == NUM_GPUS
+        outs = list(pool.map(lambda p: job.generate(p, max_new_tokens=12, do_sample=False,
+                                                    eos_token_id=None), prompts))  # fmt: skip
+        assert [o[0, p.shape[1] :].tolist() for o, p in zip(outs, prompts, strict=True)] == expected
+        forwards = [r.forwards for r in job.telemetry()]
+        stats = job.engine().stats
+        assert stats.steps >= 6 * 12 / 6  # every token, in steps of up to 6 rows
+        assert min(forwards) >= stats.steps  # one forward per stage per step read
+        assert stats.calls < stats.steps / 2  # bursts: the driver is off the per-token path
+    wait_gpus_free(NUM_GPUS)
+
+
 def test_offloadctl_generate_streams_the_greedy_text(embedded_ray, checkpoints, capsys,
                                                      tmp_path) -> None:  # fmt: skip
     """Text in, text out: the checkpoint's tokenizer, the text streamed to stdout equal to

@@ -11,6 +11,7 @@ so a replaced worker, or a different batch, never changes what a seeded request 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -144,43 +145,68 @@ class BatchRunner:
                 raise ValueError("the last stage needs a Draw with one entry per row")
             return choose_rows(out[:, -1], draw)
 
-    def steps(self, stage, rows: StepRows, x: torch.Tensor, draw: Draw, count: int,
-              downstream: Sequence = (), timeout_s: float = 300.0,
-              ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:  # fmt: skip
-        """Up to `count` decode steps run from this stage, the first: each row's chosen token
-        is fed back as its next input, so the tokens are those of `count` separate steps. With
-        `downstream` (the later stages, in order: Ray actor handles, or in-process workers),
-        each step goes on through them, actor to actor, and the last stage's tokens come
-        straight back here: no round trip to the driver per token. Every row must choose at
-        every step (decode rows)."""
-        if any(s is None for s in draw.samplings):
+    def ring(self, stage, batches: Sequence[tuple[StepRows, torch.Tensor, Draw]], count: int,
+             downstream: Sequence = (), timeout_s: float = 300.0,
+             ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:  # fmt: skip
+        """Up to `count` decode steps of each micro-batch of `batches` (rows, input, draw), run
+        from this stage, the first. A step of micro-batch m goes through this stage, then on
+        through `downstream` (the later stages in order: Ray actor handles, or in-process
+        workers), actor to actor; its last stage's tokens come straight back here as m's next
+        input: no round trip to the driver per token. The micro-batches take turns here, so
+        while the later stages work on m this stage computes m + 1: with as many micro-batches
+        as stages, every stage is busy. Yields (m, tokens, states) per micro-batch step, in
+        order. One micro-batch and no downstream: a one-stage job's decode steps. Every row
+        must choose at every step (decode rows).
+
+        Left early (the driver cut it at a yield), the steps already sent on are waited for:
+        every write this call makes is done before the stage takes its next call, and the
+        later stages' next calls depend on that one."""
+        if any(s is None for _, _, draw in batches for s in draw.samplings):
             raise ValueError("steps run together need every row to choose a token")
-        for _ in range(count):
-            if downstream:
-                hidden = self.step(stage, rows, x, None)
-                tokens, states = _through(downstream, rows, hidden, draw, timeout_s)
-            else:
-                tokens, states = self.step(stage, rows, x, draw)
-            yield tokens, states
-            rows, x = rows.advanced(), tokens[:, None]
-            draw = Draw(draw.samplings, states)
+        rows = [r for r, _, _ in batches]
+        xs = [x for _, x, _ in batches]
+        draws = [d for _, _, d in batches]
+        pending: list = [None] * len(batches)
+        try:
+            for step in range(count + 1):
+                for m in range(len(batches)):
+                    if step:
+                        tokens, states = _collect(pending[m], timeout_s)
+                        pending[m] = None
+                        yield m, tokens, states
+                        rows[m], xs[m] = rows[m].advanced(), tokens[:, None]
+                        draws[m] = Draw(draws[m].samplings, states)
+                    if step < count:
+                        pending[m] = self._send(stage, rows[m], xs[m], draws[m], downstream)
+        finally:
+            for sent in pending:
+                if sent is not None:
+                    with contextlib.suppress(Exception):  # only waited for: never read
+                        _collect(sent, timeout_s)
+
+    def _send(self, stage, rows: StepRows, x: torch.Tensor, draw: Draw, downstream: Sequence):
+        """This stage's part of a step, sent on through `downstream`: an object ref of the
+        last stage's answer, or (in process, or with no downstream) the answer itself."""
+        if not downstream:
+            return self.step(stage, rows, x, draw)
+        out: object = pack(self.step(stage, rows, x, None))
+        wire_draw = Draw(draw.samplings, pack(unpack(draw.states)) if draw.states is not None else None)
+        for i, worker in enumerate(downstream):
+            last_draw = wire_draw if i == len(downstream) - 1 else None
+            call = getattr(worker.batch_step, "remote", None)
+            out = call(rows, out, last_draw) if call is not None else worker.batch_step(rows, out, last_draw)
+        return out
 
 
-def _through(downstream: Sequence, rows: StepRows, hidden: torch.Tensor, draw: Draw,
-             timeout_s: float) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """A step through the later stages: the activations passed from one to the next (object
-    refs between actors), the last stage's choice fetched here."""
-    x: object = pack(hidden)
-    wire_draw = Draw(draw.samplings, pack(unpack(draw.states)) if draw.states is not None else None)
-    for i, worker in enumerate(downstream):
-        last_draw = wire_draw if i == len(downstream) - 1 else None
-        call = getattr(worker.batch_step, "remote", None)
-        x = call(rows, x, last_draw) if call is not None else worker.batch_step(rows, x, last_draw)
-    if not isinstance(x, Drawn):  # an object ref from an actor
+def _collect(sent, timeout_s: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Tokens and states from what `_send` returned."""
+    if isinstance(sent, tuple):
+        return sent
+    if not isinstance(sent, Drawn):  # an object ref from an actor
         import ray  # only here: a worker driven in-process never needs Ray
 
-        x = ray.get(x, timeout=timeout_s)
-    return unpack(x.tokens), unpack(x.states)
+        sent = ray.get(sent, timeout=timeout_s)
+    return unpack(sent.tokens), unpack(sent.states)
 
 
 def packed(result) -> Packed | Drawn:

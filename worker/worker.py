@@ -294,20 +294,20 @@ class StageWorker:
         self._count_forward()
         return packed(out)
 
-    def batch_steps(self, rows: StepRows, x: Packed | torch.Tensor, draw: Draw, count: int,
-                    downstream: tuple = (), timeout_s: float = 300.0):  # fmt: skip
-        """Up to `count` decode steps of a micro-batch driven from here, the first stage: each
-        step goes through this stage and then the `downstream` ones (actor to actor), and the
-        last stage's tokens come back here as the next step's input: no round trip to the
-        driver per token (a job of one stage has no downstream). Called through Ray as a
-        streaming generator: each step's `Drawn` comes as it is made."""
+    def batch_ring(self, batches: list[tuple[StepRows, Packed | torch.Tensor, Draw]], count: int,
+                   downstream: tuple = (), timeout_s: float = 300.0):  # fmt: skip
+        """Up to `count` decode steps of each micro-batch of `batches` driven from here, the
+        first stage (`BatchRunner.ring`): each step goes through this stage and then the
+        `downstream` ones, actor to actor, and the last stage's tokens come back here as the
+        next step's input, the micro-batches taking turns so that every stage has one to work
+        on. Called through Ray as a streaming generator: (micro-batch, `Drawn`) per step."""
         self._require_ready()
-        if draw.states is not None:
-            draw = Draw(draw.samplings, unpack(draw.states))
-        for out in self._batches.steps(self.stage, rows, unpack(x), draw, count, downstream,
-                                       timeout_s):  # fmt: skip
+        batches = [(rows, unpack(x), Draw(draw.samplings, unpack(draw.states)))
+                   for rows, x, draw in batches]  # fmt: skip
+        for m, tokens, states in self._batches.ring(self.stage, batches, count, downstream,
+                                                    timeout_s):  # fmt: skip
             self._count_forward()  # this stage's own part of the step
-            yield packed(out)
+            yield m, packed((tokens, states))
 
     def kv_cache_bytes(self) -> int:
         return self._batches.nbytes()

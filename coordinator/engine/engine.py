@@ -200,67 +200,89 @@ class Engine:
         self.stats.restarts += 1
 
     def _submit_idle(self) -> None:
+        """Plan a step for every micro-batch with none in flight and send them: each on its
+        own (the driver then keeps each one's steps in flight), or, when every micro-batch is
+        decoding and nothing waits for a step boundary, all of them as one burst the first
+        stage drives (`Pipeline.submit`: the driver off the per-token path)."""
         scheduler = self.scheduler
-        for g in scheduler.idle_groups():
-            step = scheduler.plan(g)
-            if step is None:
-                continue
-            step.count = self._burst(step)
+        if self._could_burst() and any(g.in_flight for g in scheduler.groups):
+            return  # let the others come back: then all of them go as one burst
+        steps = [step for g in scheduler.idle_groups() if (step := scheduler.plan(g))]
+        if not steps:
+            return
+        count = self._burst(steps)
+        for step in steps:
+            step.count = count
+        for batch in ([steps] if count > 1 else [[step] for step in steps]):
             epoch = self._epoch()
             try:
-                handle = self.pipeline.submit(step)
+                handle = self.pipeline.submit(batch)
             except Exception as exc:
-                self._step_failed(step, exc, epoch)
+                self._step_failed(batch, exc, epoch)
                 continue
-            self._in_flight[handle] = (step, epoch)
+            self._in_flight[handle] = (batch, epoch)
+            self.stats.calls += 1
 
-    def _burst(self, step: Step) -> int:
-        """Decode steps this step may run on the workers without the driver: several with one
-        micro-batch when nothing waits for a step boundary (a new sequence, a prompt chunk);
-        never past a sequence's max_new_tokens. With several micro-batches the driver keeps
-        each one's steps in flight, so that every stage has one to work on."""
-        if step.prefill or len(self.scheduler.groups) > 1 or self.config.burst_steps == 1:
-            return 1
+    def _could_burst(self) -> bool:
+        """Every running sequence decodes and nothing waits for a step boundary (a new
+        sequence, a prompt chunk, a cancellation): the steps may run on the workers alone."""
         scheduler = self.scheduler
-        if scheduler.waiting or self._incoming or self._cancelled:
+        if self.config.burst_steps == 1 or scheduler.waiting or self._incoming or self._cancelled:
+            return False
+        running = scheduler.running
+        return bool(running) and all(s.pending == 1 for s in running if s.finish is None)
+
+    def _burst(self, steps: list[Step]) -> int:
+        """Decode steps `steps` may run on the workers without the driver: several when they
+        are every running micro-batch's and `_could_burst`; never past a sequence's
+        max_new_tokens."""
+        scheduler = self.scheduler
+        if any(step.prefill for step in steps) or not self._could_burst():
             return 1
-        if any(s.pending > 1 for s in scheduler.running):
-            return 1
-        left = min(s.request.max_new_tokens - len(s.generated) for s in step.sequences)
+        if len(steps) != sum(1 for g in scheduler.groups if g.sequences):
+            return 1  # a micro-batch has a step in flight: keep to the driver's turns
+        left = min(s.request.max_new_tokens - len(s.generated)
+                   for step in steps for s in step.sequences)  # fmt: skip
         return max(1, min(self.config.burst_steps, left))
 
     def _wait_one(self) -> None:
         ready = self.pipeline.wait(list(self._in_flight), self.config.step_timeout_s)
         if not ready:
-            for handle, (step, _) in list(self._in_flight.items()):
+            for handle, (steps, _) in list(self._in_flight.items()):
                 del self._in_flight[handle]
-                self._fail_step(step, TimeoutError(
-                    f"a generation step did not finish within {self.config.step_timeout_s:.0f}"
-                    " s (forward_timeout_s)"))  # fmt: skip
+                for step in steps:
+                    self._fail_step(step, TimeoutError(
+                        f"a generation step did not finish within "
+                        f"{self.config.step_timeout_s:.0f} s (forward_timeout_s)"))  # fmt: skip
             return
         for handle in ready:
             if handle not in self._in_flight:  # dropped by a restart meanwhile
                 continue
-            step, epoch = self._in_flight.pop(handle)
-            self._run(handle, step, epoch)
+            steps, epoch = self._in_flight.pop(handle)
+            self._run(handle, steps, epoch)
 
-    def _run(self, handle: Handle, step: Step, epoch: int) -> None:
-        results = handle.results(self.config.step_timeout_s)
+    def _run(self, handle: Handle, steps: list[Step], epoch: int) -> None:
+        read = [0] * len(steps)  # results read, per step
+        expected = sum(step.count for step in steps)
         try:
-            for index, (tokens, states) in enumerate(results):
-                added = self.scheduler.apply(step, index, tokens, states)
+            for m, tokens, states in handle.results(self.config.step_timeout_s):
+                step = steps[m]
+                added = self.scheduler.apply(step, read[m], tokens, states)
+                read[m] += 1
                 self.stats.steps += 1  # a pass through every stage
                 self.stats.step_rows += len(step.sequences)
                 self._deliver(added)
-                if index + 1 < step.count and self._wanted_at_a_boundary():
-                    handle.stop()  # a burst: end it at this step, the worker stops at its next
+                if sum(read) < expected and self._wanted_at_a_boundary():
+                    handle.stop()  # a burst: end it here; the workers stop at their next step
+                    self.stats.cut += 1
                     break
         except Exception as exc:
-            self._step_failed(step, exc, epoch)
+            self._step_failed(steps, exc, epoch)
             return
-        for seq in self.scheduler.complete(step):
-            self.stats.finished(seq)
-            seq.request._end_if_done()
+        for step in steps:
+            for seq in self.scheduler.complete(step):
+                self.stats.finished(seq)
+                seq.request._end_if_done()
 
     def _wanted_at_a_boundary(self) -> bool:
         """A request arrived or was cancelled: the next step boundary should come now."""
@@ -278,19 +300,20 @@ class Engine:
                 except Exception as exc:  # the client's callback: its request ends, not the loop
                     self._fail_request(request, exc)
 
-    def _step_failed(self, step: Step, exc: BaseException, epoch: int) -> None:
-        """A step raised: recover when a worker was lost (every sequence then starts its
-        caches again), else end the step's requests with the error. Never once the job is
+    def _step_failed(self, steps: list[Step], exc: BaseException, epoch: int) -> None:
+        """Steps raised: recover when a worker was lost (every sequence then starts its
+        caches again), else end the steps' requests with the error. Never once the job is
         closing: its workers are going on purpose."""
         if self._recover is not None and _is_worker_failure(exc) and not self._closed:
             try:
                 self._recover(exc, epoch)
             except Exception as clear:  # nothing lost (the step failed), or recovery failed
-                self._fail_step(step, clear)
+                exc = clear
+            else:
+                self._restart()
                 return
-            self._restart()
-            return
-        self._fail_step(step, exc)
+        for step in steps:
+            self._fail_step(step, exc)
 
     def _fail_step(self, step: Step, exc: BaseException) -> None:
         self.scheduler.groups[step.group].in_flight = False

@@ -14,12 +14,13 @@ from coordinator.engine.scheduler import Step
 from worker.batched import Draw, Drawn
 from worker.wire import pack, unpack
 
-Tokens = tuple[torch.Tensor, torch.Tensor | None]  # each row's token, sampling rows' states
+# (which of the submitted steps, each row's token, the sampling rows' generator states)
+Tokens = tuple[int, torch.Tensor, torch.Tensor | None]
 
 
 class Handle(Protocol):
     def results(self, timeout_s: float) -> Iterator[Tokens]:
-        """The step's tokens as they come (a burst yields one per decode step)."""
+        """The steps' tokens as they come (a burst yields one per micro-batch per step)."""
 
     def stop(self) -> None:
         """End a burst early: the workers stop at their next step; what they make after it
@@ -29,14 +30,16 @@ class Handle(Protocol):
 class Pipeline(Protocol):
     num_stages: int
 
-    def submit(self, step: Step) -> Handle: ...
+    def submit(self, steps: list[Step]) -> Handle:
+        """One step, through every stage; or a burst of `count` decode steps of each of
+        `steps` (one per micro-batch), driven by the first stage (`StageWorker.batch_ring`)."""
 
     def wait(self, handles: list[Handle], timeout_s: float) -> list[Handle]:
         """Those of `handles` whose first tokens are ready ([] after `timeout_s`)."""
 
 
-def _drawn(out: Drawn) -> Tokens:
-    return unpack(out.tokens), unpack(out.states)
+def _drawn(m: int, out: Drawn) -> Tokens:
+    return m, unpack(out.tokens), unpack(out.states)
 
 
 def _packed_draw(draw: Draw) -> Draw:
@@ -47,11 +50,11 @@ class _Done:
     """A step run in this thread: a burst's steps run as they are read (`stop` ends it)."""
 
     def __init__(self, outputs) -> None:
-        self.outputs = outputs  # a list, or a generator of a burst's steps
+        self.outputs = outputs  # a list, or a generator of a burst's (m, Drawn)
 
     def results(self, timeout_s: float) -> Iterator[Tokens]:
         for out in self.outputs:
-            yield out if isinstance(out, tuple) else _drawn(out)
+            yield out if len(out) == 3 else _drawn(*out)
 
     def stop(self) -> None:
         if not isinstance(self.outputs, list):
@@ -65,14 +68,16 @@ class LocalPipeline:
         self.workers = workers
         self.num_stages = len(workers)
 
-    def submit(self, step: Step) -> _Done:
-        if step.count > 1:  # the first stage drives the steps through the others
-            return _Done(self.workers[0].batch_steps(step.rows, step.x, step.draw, step.count,
-                                                     tuple(self.workers[1:])))  # fmt: skip
+    def submit(self, steps: list[Step]) -> _Done:
+        if len(steps) > 1 or steps[0].count > 1:  # the first stage drives them
+            batches = [(step.rows, step.x, step.draw) for step in steps]
+            return _Done(self.workers[0].batch_ring(batches, steps[0].count,
+                                                    tuple(self.workers[1:])))  # fmt: skip
+        [step] = steps
         x = step.x
         for worker in self.workers[:-1]:
             x = worker.batch_step(step.rows, x)
-        return _Done([_drawn(self.workers[-1].batch_step(step.rows, x, step.draw))])
+        return _Done([_drawn(0, self.workers[-1].batch_step(step.rows, x, step.draw))])
 
     def wait(self, handles: list[_Done], timeout_s: float) -> list[_Done]:
         return list(handles)

@@ -4,11 +4,12 @@ actor and the driver only fetches the last stage's tokens. Each actor runs its c
 order this driver made them, so while stage 1 works on micro-batch A, stage 0 already works on
 micro-batch B: every stage busy when there are as many micro-batches as stages.
 
-With one micro-batch, decode steps run as a burst: the first stage's worker drives up to
-`Step.count` steps itself, passing each step's activations on to the next stage and taking the
-last stage's tokens straight back as its next input (actor to actor), streaming every step's
-tokens to the driver as they come: one driver call per burst instead of one per token, and
-the driver off the per-token path."""
+When every micro-batch is decoding and nothing waits to join, their decode steps run as one
+burst: the first stage's worker drives up to `Step.count` steps of each itself, passing each
+step's activations on to the next stage and taking the last stage's tokens straight back as
+that micro-batch's next input (actor to actor), the micro-batches taking turns so that every
+stage has one to work on, and streaming every step's tokens to the driver as they come: one
+driver call per burst, the driver off the per-token path."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class _StepRef:
         self.waitable = ref
 
     def results(self, timeout_s: float) -> Iterator[Tokens]:
-        yield _drawn(ray.get(self.waitable, timeout=timeout_s))
+        yield _drawn(0, ray.get(self.waitable, timeout=timeout_s))
 
     def stop(self) -> None:
         pass  # one step: nothing to stop
@@ -54,7 +55,7 @@ class _Burst:
 
     def results(self, timeout_s: float) -> Iterator[Tokens]:
         for ref in self.waitable:  # each next() waits for the worker's next step
-            yield _drawn(ray.get(ref, timeout=timeout_s))
+            yield _drawn(*ray.get(ref, timeout=timeout_s))
 
     def stop(self) -> None:
         """Cancel the streaming call after a step it streamed: Ray stops a generator task at
@@ -74,16 +75,17 @@ class RayPipeline:
     def num_stages(self) -> int:
         return len(self.job.workers)
 
-    def submit(self, step: Step) -> _StepRef | _Burst:
+    def submit(self, steps: list[Step]) -> _StepRef | _Burst:
         actors = [h.actor for h in self.job.workers]
         if not actors or any(a is None for a in actors):  # attached to a load that lost workers
             raise WorkerLostError("a worker of this load was lost")
-        draw = _packed_draw(step.draw)
-        if step.count > 1:  # stage 0 drives the steps through the others, actor to actor
-            stream = actors[0].batch_steps.options(num_returns="streaming").remote(
-                step.rows, pack(step.x), draw, step.count, tuple(actors[1:]),
-                self.job.config.forward_timeout_s)  # fmt: skip
+        if len(steps) > 1 or steps[0].count > 1:  # stage 0 drives them, actor to actor
+            batches = [(step.rows, pack(step.x), _packed_draw(step.draw)) for step in steps]
+            stream = actors[0].batch_ring.options(num_returns="streaming").remote(
+                batches, steps[0].count, tuple(actors[1:]), self.job.config.forward_timeout_s)
             return _Burst(stream)
+        [step] = steps
+        draw = _packed_draw(step.draw)
         ref = by_value_or_ref(step.x)
         for s, actor in enumerate(actors):
             ref = actor.batch_step.remote(step.rows, ref, draw if s == len(actors) - 1 else None)

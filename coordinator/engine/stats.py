@@ -53,8 +53,10 @@ class EngineStats:
     requests: int = 0  # submitted
     rejected: int = 0  # queue full
     steps: int = 0
+    calls: int = 0  # submits to the pipeline: a burst is one call for several steps
     step_rows: int = 0  # sequences over all steps: step_rows / steps is the mean batch
     restarts: int = 0  # caches rebuilt after workers were replaced
+    cut: int = 0  # bursts ended early (a request arrived or was cancelled)
     generated: int = 0  # tokens
     ended: int = 0  # sequences
     running: int = 0
@@ -99,6 +101,7 @@ class EngineStats:
                 "kv_slots": self.num_slots, "batch_occupancy": round(self.occupancy(), 4),
                 "mean_batch": round(self.step_rows / self.steps, 3) if self.steps else 0.0,
                 "requests": self.requests, "rejected": self.rejected, "steps": self.steps,
+                "calls": self.calls,
                 "generation_tokens": self.generated, "restarts": self.restarts,
                 "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
                 "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
