@@ -176,3 +176,55 @@ def test_bf16_stages_on_cuda_match_transformers_on_cuda(tmp_path, arch: str, bac
     diff = float((x.float() - expected.float()).abs().max())
     print(f"{arch}: max abs diff {diff:.3e} (bitwise: {torch.equal(x, expected)})")
     assert x.dtype == torch.bfloat16 and diff <= tolerance
+
+
+@pytest.mark.parametrize("backend", ["prefetch", "uva"])
+def test_batched_generation_on_cuda_equals_transformers_alone(tmp_path, backend: str) -> None:
+    """The engine's batched steps on the GPU (slot pool, per-row masks and positions on CUDA,
+    offloaded layers copied on a side stream or read in place): three requests of different
+    prompt lengths at once, two stages (a burst the first stage drives through the second),
+    each request's greedy tokens those of transformers on the same GPU, that prompt alone
+    (float32, no TF32)."""
+    from transformers import AutoModelForCausalLM
+
+    from coordinator.engine import Engine, EngineConfig
+    from coordinator.engine.pipelines import LocalPipeline
+    from coordinator.planning.checkpoint import load_index
+    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+    from worker.decode import Sampling
+    from worker.spec import StageSpec
+    from worker.worker import StageWorker
+
+    index = load_index(make_checkpoint(tmp_path / "llama", CheckpointShape(
+        arch="llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,
+        intermediate_size=512, vocab_size=512)))  # fmt: skip
+    names = [layer.name for layer in index.layers]
+    workers = []
+    for stage, group in enumerate([names[:3], names[3:]]):
+        spec = StageSpec(stage=stage, num_stages=2, checkpoint_dir=str(index.root),
+                         config=index.config, dtype=index.dtype,
+                         layers=tuple(x for x in index.layers if x.name in group),
+                         offloaded=tuple(n for n in group if n in ("layers.1", "layers.3")),
+                         backend=backend)  # fmt: skip
+        workers.append(StageWorker(spec, device="cuda"))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (9, 4, 13)]
+    engine = None
+    try:
+        for worker in workers:
+            worker.load()
+        engine = Engine(LocalPipeline(workers), EngineConfig(num_slots=3, max_seq_len=40,
+                                                             micro_batches=1))  # fmt: skip
+        requests = [engine.submit([p], sampling=Sampling(), max_new_tokens=16) for p in prompts]
+        ours = [r.result(120)[0] for r in requests]
+    finally:
+        if engine is not None:
+            engine.close()
+        for worker in workers:
+            worker.close()
+    model = AutoModelForCausalLM.from_pretrained(index.root, dtype=torch.float32, device_map="cuda")
+    for prompt, tokens in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt], device=CUDA), max_new_tokens=16,
+                                 do_sample=False, eos_token_id=None)  # fmt: skip
+        assert tokens == out[0, len(prompt) :].tolist()
