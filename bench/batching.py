@@ -109,7 +109,7 @@ def theirs(model, prompts: list[torch.Tensor], new: int) -> tuple[float, torch.T
         def end(self) -> None:
             pass
 
-    batch = torch.cat(prompts)
+    batch = torch.cat(prompts).to(model.device)
     streamer = Stamps() if len(prompts) == 1 else None
     start = time.perf_counter()
     with torch.no_grad():
@@ -243,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         index = load_index(checkpoint)
         for name in index.files:
             (index.root / name).read_bytes()  # page cache warm
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        # on the workers' device: the GPU where there is one (the baseline must not be a CPU)
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(
+            "cuda" if torch.cuda.is_available() else "cpu")
         vocab = index.config["vocab_size"]
         prompts = prompts_for(max(args.batches), 8, vocab, 1)
         expected = {"prompts": prompts, "vocab": vocab,
