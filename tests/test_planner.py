@@ -55,6 +55,7 @@ def cluster(*nodes: dict) -> ClusterSnapshot:
                 pinned_budget_bytes=spec.get("pinned", 0),
                 pin=spec.get("pin", False),
                 link_bytes_per_s=spec.get("link"),
+                compute_bytes_per_s=spec.get("compute"),
                 backend=spec.get("backend", "prefetch"),
             )
             for n, spec in enumerate(nodes)
@@ -96,7 +97,8 @@ def brute_force(layers: list[LayerSpec], snap: ClusterSnapshot, opts: PlanOption
                     break
                 host[n] += sum(off)
                 link = node.link_bytes_per_s or opts.default_link_bytes_per_s
-                worst = max(worst, weights / opts.compute_bytes_per_s, sum(off) / link)
+                rate = node.compute_bytes_per_s or opts.compute_bytes_per_s
+                worst = max(worst, weights / rate, sum(off) / link)
             budgets = [node.offload_budget_bytes for node in snap.nodes]
             if ok and all(h <= b for h, b in zip(host, budgets, strict=True)):
                 best = worst if best is None else min(best, worst)
@@ -129,7 +131,8 @@ def check_invariants(result: Plan, layers: list[LayerSpec], snap: ClusterSnapsho
         assert s.device_bytes == s.resident_bytes + s.slot_bytes + kv + opts.reserve_bytes
         assert s.device_bytes <= gpu.memory_bytes
         link = node.link_bytes_per_s or opts.default_link_bytes_per_s
-        assert s.compute_s == weights / opts.compute_bytes_per_s
+        assert s.compute_bytes_per_s == node.compute_bytes_per_s
+        assert s.compute_s == weights / (node.compute_bytes_per_s or opts.compute_bytes_per_s)
         assert s.transfer_s == s.offloaded_bytes / link
         assert s.time_s == max(s.compute_s, s.transfer_s)
         host[s.node_id] = host.get(s.node_id, 0) + s.offloaded_bytes
@@ -181,6 +184,8 @@ def instances(draw, max_gpus: int = 4):
                 "pinned": draw(budget),
                 "pin": draw(st.booleans()),
                 "link": draw(st.sampled_from([None, 1.0, 3.0, 10.0, 40.0])),
+                # a node's measured compute rate (None: the options' default), nodes unalike
+                "compute": draw(st.sampled_from([None, None, 2.0, 5.0])),
                 "backend": draw(st.sampled_from(["prefetch", "prefetch", "uva"])),
             }
         )
@@ -474,3 +479,17 @@ def test_thousand_layers_on_512_gpus_is_fast() -> None:
     check_invariants(result, layers, snap)
     assert sum(s.offloaded_bytes for s in result.stages) >= 232 * 3 * GiB
     assert elapsed < 3.0, f"plan took {elapsed:.2f} s"  # target < 1 s; slack for slow CI
+
+
+def test_a_faster_node_takes_more_layers() -> None:
+    """Nodes with measured compute rates: the plan balances stage times, not bytes. Four equal
+    layers on two nodes, one three times as fast: it takes three of them."""
+    layers = model([10, 10, 10, 10])
+    snap = cluster({"gpus": [100], "compute": 3.0}, {"gpus": [100], "compute": 1.0})
+    result = assert_optimal(layers, snap, PlanOptions(compute_bytes_per_s=1.0))
+    assert [len(s.layers) for s in result.stages] == [3, 1]
+    assert result.bottleneck_s == 10.0
+    rows = result.summary().splitlines()[2:]
+    assert "3.0 B/s" in rows[0] and "1.0 B/s" in rows[1]
+    with pytest.raises(PlanError, match=r"compute_bytes_per_s=0.0 must be a finite number"):
+        plan(layers, cluster({"gpus": [100], "compute": 0.0}), PlanOptions())

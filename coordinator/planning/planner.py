@@ -5,7 +5,9 @@ offloaded to host memory, under each GPU's memory, each node's offload budget an
 model, minimising the slowest stage (the pipeline's bottleneck). No Ray here: the runtime
 builds the `ClusterSnapshot`, `offloadctl plan` and the tests build one by hand.
 
-Cost model, per stage: compute_s = all its weight bytes / compute_bytes_per_s; transfer_s =
+Cost model, per stage: compute_s = all its weight bytes / the node's compute rate
+(`NodeInfo.compute_bytes_per_s`, measured by its probe on the model's own decoder layer, else
+`PlanOptions.compute_bytes_per_s`); transfer_s =
 its offloaded bytes / the node's host-to-device bandwidth (`NodeInfo.link_bytes_per_s`, which
 the node's probe measures; `PlanOptions.default_link_bytes_per_s` where it did not); the copies
 overlap compute, so the stage takes max(compute_s, transfer_s). The same holds for UVA, whose
@@ -63,6 +65,8 @@ class StagePlan:
     # The node's measured host-to-device rate behind transfer_s; None: not measured, the cost
     # model used options.default_link_bytes_per_s (and plans saved before it was measured).
     link_bytes_per_s: float | None = None
+    # The node's measured compute rate behind compute_s; None: options.compute_bytes_per_s.
+    compute_bytes_per_s: float | None = None
     kv_bytes: int = 0  # KV cache reserved for max_batch x max_seq_len
     # How the offloaded layers reach the GPU: "prefetch" (copied into slots ahead of use) or
     # "uva" (read in place); the node's, resolved from the job's backend and the node's probe.
@@ -106,7 +110,7 @@ class Plan:
         """A table of the stages, with the bottleneck marked and each stage's link rate (the
         node's measured host-to-device rate, or the options' default where none was measured)."""
         columns = ("stage node gpu layers resident offloaded backend slots kv-cache device link "
-                   "compute transfer time")  # fmt: skip
+                   "rate compute transfer time")  # fmt: skip
         head = (*columns.split(), "")
         rows = [head]
         slowest = self.bottleneck_stage if self.stages else -1
@@ -127,6 +131,9 @@ class Plan:
                     format_rate(s.link_bytes_per_s)
                     if s.link_bytes_per_s is not None
                     else f"{format_rate(self.options.default_link_bytes_per_s)} (default)",
+                    format_rate(s.compute_bytes_per_s)
+                    if s.compute_bytes_per_s is not None
+                    else f"{format_rate(self.options.compute_bytes_per_s)} (default)",
                     format_seconds(s.compute_s),
                     format_seconds(s.transfer_s),
                     format_seconds(s.time_s),
@@ -164,11 +171,12 @@ def plan(
     if not gpus:
         raise PlanError(f"the cluster has no GPUs ({len(cluster.nodes)} node(s)): add GPUs")
     for node in cluster.nodes:
-        if node.link_bytes_per_s is not None and not is_rate(node.link_bytes_per_s):
-            raise PlanError(
-                f"node {node.node_id}: link_bytes_per_s={node.link_bytes_per_s!r} must be a "
-                "finite number > 0 (or None to use PlanOptions.default_link_bytes_per_s)"
-            )
+        for name, default in (("link_bytes_per_s", "default_link_bytes_per_s"),
+                              ("compute_bytes_per_s", "compute_bytes_per_s")):  # fmt: skip
+            value = getattr(node, name)
+            if value is not None and not is_rate(value):
+                raise PlanError(f"node {node.node_id}: {name}={value!r} must be a finite number "
+                                f"> 0 (or None to use PlanOptions.{default})")  # fmt: skip
     check_largest_layer(layers, gpus, options)
 
     limits = [
@@ -176,6 +184,7 @@ def plan(
             gpu_memory_bytes=tuple(g.memory_bytes for g in node.gpus),
             offload_budget_bytes=node.offload_budget_bytes,
             link_bytes_per_s=node.link_bytes_per_s or options.default_link_bytes_per_s,
+            compute_bytes_per_s=node.compute_bytes_per_s,
             slots=slot_count(node, options),
         )
         for node in cluster.nodes
@@ -234,6 +243,7 @@ def _build(
                 transfer_s=transfer_s,
                 time_s=max(compute_s, transfer_s),
                 link_bytes_per_s=node.link_bytes_per_s,
+                compute_bytes_per_s=node.compute_bytes_per_s,
                 kv_bytes=kv,
                 backend=node.backend,
                 backend_reason=node.backend_reason,

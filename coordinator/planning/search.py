@@ -18,7 +18,8 @@ the public types. Why the search is exact, in four steps:
    its GPUs, so there a greedy max-prefix can be wrong (a long range that offloads can starve the
    next GPU). We first try the per-GPU greedy, which is optimal when the budget does not bind;
    otherwise a DP keeps the Pareto front of (position reached, host bytes used) GPU by GPU.
-4. Feasibility is monotone in T, and a plan's stage times are the floats W / C and O / B.
+4. Feasibility is monotone in T, and a plan's stage times are the floats W / C and O / B (C
+   and B the node's compute and link rates).
    `Search.solve` bisects over the bit patterns of non-negative floats, so it finds the
    smallest float T that is feasible: exactly the best bottleneck under this cost model.
 """
@@ -46,6 +47,9 @@ class NodeLimits:
     # layer: the prefetch step for the prefetch backend, 0 for UVA (the GPU reads the weights
     # in host memory where they are).
     slots: int = 1
+    # Weight bytes this node's GPUs compute through per second (None: the search's default):
+    # nodes may differ, and a measured rate says how fast this node runs the model.
+    compute_bytes_per_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +168,7 @@ class Search:
         self.nodes = tuple(nodes)
         self.reserve_bytes = reserve_bytes
         self.compute_bytes_per_s = compute_bytes_per_s
+        self.rates = [n.compute_bytes_per_s or compute_bytes_per_s for n in self.nodes]
         self.prefix = list(accumulate(sizes, initial=0))
         self.kv_prefix = list(accumulate(kv_sizes or [0] * len(sizes), initial=0))
         # weights + KV per prefix: what a range needs on the device with nothing offloaded
@@ -279,27 +284,28 @@ class Search:
 
     # -- the whole pipeline --------------------------------------------------------------------
 
-    def _caps(self, t_s: float) -> tuple[int, list[int]]:
-        return byte_cap(t_s, self.compute_bytes_per_s), [
+    def _caps(self, t_s: float) -> tuple[list[int], list[int]]:
+        """Per node: the weight bytes a stage may compute and the bytes it may copy in t_s."""
+        return [byte_cap(t_s, rate) for rate in self.rates], [
             min(byte_cap(t_s, n.link_bytes_per_s), n.offload_budget_bytes) for n in self.nodes
         ]
 
     def place(self, t_s: float) -> tuple[int, list[LayerRange]]:
         """Furthest layer reachable with every stage time <= t_s, and the stages that reach it."""
-        weight_cap, offload_caps = self._caps(t_s)
+        weight_caps, offload_caps = self._caps(t_s)
         pos, placements = 0, []
         for n, node in enumerate(self.nodes):
             if pos == self.num_layers:
                 break
-            pos, ranges = self._node_reach(node, pos, weight_cap, offload_caps[n])
+            pos, ranges = self._node_reach(node, pos, weight_caps[n], offload_caps[n])
             placements += [LayerRange(n, g, a, b) for g, (a, b) in enumerate(ranges) if b > a]
         return pos, placements
 
     def _next_change(self, t_s: float) -> float:
         """The smallest time above t_s at which a byte cap grows: every time in between gives
         the same caps, hence the same answer."""
-        weight_cap, offload_caps = self._caps(t_s)
-        times = [(weight_cap + 1) / self.compute_bytes_per_s]
+        weight_caps, offload_caps = self._caps(t_s)
+        times = [(cap + 1) / rate for cap, rate in zip(weight_caps, self.rates, strict=True)]
         for node, cap in zip(self.nodes, offload_caps, strict=True):
             if cap < node.offload_budget_bytes:
                 times.append((cap + 1) / node.link_bytes_per_s)
@@ -319,7 +325,7 @@ class Search:
         # in a row, so the number of probes stays logarithmic. An infeasible probe raises `lo`
         # to just below the next time at which a byte cap changes.
         biggest = max(b - a for a, b in pairwise(self.prefix))
-        lo = float_bits(biggest / self.compute_bytes_per_s) - 1
+        lo = float_bits(biggest / max(self.rates)) - 1
         hi = float_bits(self.bottleneck_s(best))
         feasible = 0  # feasible probes in a row: the 1st and 2nd are followed by a check
         while hi - lo > 1:
@@ -337,7 +343,7 @@ class Search:
         offloaded = self.offload_bytes(p.start, p.end, node.gpu_memory_bytes[p.gpu], node.slots)
         assert offloaded is not None
         weights = self.prefix[p.end] - self.prefix[p.start]
-        return weights / self.compute_bytes_per_s, offloaded / node.link_bytes_per_s
+        return weights / self.rates[p.node], offloaded / node.link_bytes_per_s
 
     def bottleneck_s(self, placements: Sequence[LayerRange]) -> float:
         return max((max(self.stage_times(p)) for p in placements), default=0.0)

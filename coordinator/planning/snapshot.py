@@ -30,6 +30,10 @@ class NodeInfo:
     pinned_budget_bytes: int = 0  # of which may be pinned (only counts when `pin` is True)
     pin: bool = False  # the node's pin decision for the offloaded weights
     link_bytes_per_s: float | None = None  # host-to-device bandwidth, when measured
+    # Weight bytes per second this node's GPUs run the model at, when measured (its probe
+    # timed the model's own decoder layer), and what that number is; None: the plan's default.
+    compute_bytes_per_s: float | None = None
+    compute_source: str = ""
     # How this node's GPUs reach offloaded weights: "prefetch" (slots on the device) or "uva"
     # (in place: no slots). The job's backend, with "auto" resolved by the node's probe.
     backend: str = "prefetch"
