@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import tempfile
 import warnings
 
 import pytest
@@ -19,6 +20,9 @@ from hypothesis import settings
 # heads, offloadctl subprocesses: they inherit this environment) runs its workers at nice 0,
 # as the tests themselves run.
 os.environ.setdefault("RAY_worker_niceness", "0")
+# The nodes' compute timings (worker/compute_probe.py) are cached on disk per model shape: the
+# tests keep theirs in a directory of their own, never the user's ~/.cache.
+os.environ.setdefault("OFFLOAD_COMPUTE_CACHE", tempfile.mkdtemp(prefix="offload-compute-"))
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))

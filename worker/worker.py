@@ -375,9 +375,10 @@ class StageWorker:
             probe_errors=tuple(self.probe.errors),
         )
 
-    def node_probe(self) -> dict:
-        """This node's probe and pin decision, as the runtime's probe task reports them."""
-        return probe_here()
+    def node_probe(self, model: tuple[dict, str, int] | None = None) -> dict:
+        """This node's probe and pin decision (and, with `model`, its compute profile), as the
+        runtime's probe task reports them."""
+        return probe_here(model=model)
 
     def ping(self) -> int:
         """Liveness check for the driver: answers with this process's pid."""

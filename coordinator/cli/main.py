@@ -305,7 +305,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     # or ids), as the runtime gives them to each node's workers.
     env, origins = node_env(config.overrides, node_id="", hostname=socket.gethostname(),
                             labels={})  # fmt: skip
-    cluster = plan_cluster(config, probe_here(env=env), args.nodes, origins)
+    model = (index.config, index.dtype, config.cpus_per_worker)  # its decoder layer is timed
+    cluster = plan_cluster(config, probe_here(env=env, model=model), args.nodes, origins)
     sized, the_plan = plan_job(config, index, cluster)
     print(the_plan.to_json() if args.json else the_plan.summary())
     if not config.max_batch and not args.json:

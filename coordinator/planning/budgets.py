@@ -82,4 +82,16 @@ def node_info(
         link_bytes_per_s=probe.link_bytes_per_s(pin=pin),
         backend=backend,
         backend_reason=backend_reason,
+        **_compute(result.get("compute"), config),
     )
+
+
+def _compute(measured, config: JobConfig) -> dict:
+    """The probe's timing of the model's decoder layer (`worker.compute_probe`), from which the
+    planner takes the node's rate for the plan's batch, or why there is none (the plan's
+    default rate then)."""
+    if measured is None:
+        return {}
+    if isinstance(measured, str):  # the reason it could not be measured
+        return {"compute_source": measured}
+    return {"compute": measured}

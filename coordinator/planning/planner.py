@@ -6,8 +6,8 @@ model, minimising the slowest stage (the pipeline's bottleneck). No Ray here: th
 builds the `ClusterSnapshot`, `offloadctl plan` and the tests build one by hand.
 
 Cost model, per stage: compute_s = all its weight bytes / the node's compute rate
-(`NodeInfo.compute_bytes_per_s`, measured by its probe on the model's own decoder layer, else
-`PlanOptions.compute_bytes_per_s`); transfer_s =
+(`NodeInfo.compute_rate`: its probe's timing of the model's own decoder layer, for steps of
+max_batch sequences; else `PlanOptions.compute_bytes_per_s`); transfer_s =
 its offloaded bytes / the node's host-to-device bandwidth (`NodeInfo.link_bytes_per_s`, which
 the node's probe measures; `PlanOptions.default_link_bytes_per_s` where it did not); the copies
 overlap compute, so the stage takes max(compute_s, transfer_s). The same holds for UVA, whose
@@ -65,8 +65,10 @@ class StagePlan:
     # The node's measured host-to-device rate behind transfer_s; None: not measured, the cost
     # model used options.default_link_bytes_per_s (and plans saved before it was measured).
     link_bytes_per_s: float | None = None
-    # The node's measured compute rate behind compute_s; None: options.compute_bytes_per_s.
+    # The node's measured compute rate behind compute_s (None: options.compute_bytes_per_s),
+    # and what it is (the probe's measurement, or why there is none).
     compute_bytes_per_s: float | None = None
+    compute_source: str = ""
     kv_bytes: int = 0  # KV cache reserved for max_batch x max_seq_len
     # How the offloaded layers reach the GPU: "prefetch" (copied into slots ahead of use) or
     # "uva" (read in place); the node's, resolved from the job's backend and the node's probe.
@@ -152,7 +154,10 @@ class Plan:
             s = self.stages[slowest]
             bound = "transfer" if s.transfer_s > s.compute_s else "compute"
             title += f"; bottleneck: stage {slowest}, {format_seconds(s.time_s)} ({bound}-bound)"
-        return "\n".join([title, *lines])
+        sources = {(s.hostname or s.node_id[:8], s.compute_source) for s in self.stages
+                   if s.compute_source}  # fmt: skip
+        notes = [f"compute rate on {host}: {source}" for host, source in sorted(sources)]
+        return "\n".join([title, *lines, *notes])
 
 
 def plan(
@@ -184,7 +189,7 @@ def plan(
             gpu_memory_bytes=tuple(g.memory_bytes for g in node.gpus),
             offload_budget_bytes=node.offload_budget_bytes,
             link_bytes_per_s=node.link_bytes_per_s or options.default_link_bytes_per_s,
-            compute_bytes_per_s=node.compute_bytes_per_s,
+            compute_bytes_per_s=node.compute_rate(options.max_batch)[0],
             slots=slot_count(node, options),
         )
         for node in cluster.nodes
@@ -243,7 +248,8 @@ def _build(
                 transfer_s=transfer_s,
                 time_s=max(compute_s, transfer_s),
                 link_bytes_per_s=node.link_bytes_per_s,
-                compute_bytes_per_s=node.compute_bytes_per_s,
+                compute_bytes_per_s=node.compute_rate(options.max_batch)[0],
+                compute_source=node.compute_rate(options.max_batch)[1],
                 kv_bytes=kv,
                 backend=node.backend,
                 backend_reason=node.backend_reason,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from offload.errors import ConfigError
+from worker.compute_probe import ComputeProfile
 
 NODE_BACKENDS = ("prefetch", "uva")
 
@@ -30,10 +31,23 @@ class NodeInfo:
     pinned_budget_bytes: int = 0  # of which may be pinned (only counts when `pin` is True)
     pin: bool = False  # the node's pin decision for the offloaded weights
     link_bytes_per_s: float | None = None  # host-to-device bandwidth, when measured
-    # Weight bytes per second this node's GPUs run the model at, when measured (its probe
-    # timed the model's own decoder layer), and what that number is; None: the plan's default.
+    # How fast this node's GPUs run the model: its probe's timing of the model's own decoder
+    # layer (a `worker.compute_probe.ComputeProfile`: the plan takes the rate for its batch), or
+    # a rate given outright (weight bytes per second); neither: the plan's default rate, and
+    # `compute_source` may say why nothing was measured.
+    compute: ComputeProfile | None = None
     compute_bytes_per_s: float | None = None
     compute_source: str = ""
+
+    def compute_rate(self, max_batch: int) -> tuple[float | None, str]:
+        """(weight bytes per second for steps of `max_batch` sequences, what it is); None when
+        neither measured nor given."""
+        if self.compute_bytes_per_s is not None:
+            return self.compute_bytes_per_s, self.compute_source or "given"
+        if self.compute is not None:
+            rows = max(max_batch, 1)
+            return self.compute.bytes_per_s(rows), self.compute.describe(rows)
+        return None, self.compute_source
     # How this node's GPUs reach offloaded weights: "prefetch" (slots on the device) or "uva"
     # (in place: no slots). The job's backend, with "auto" resolved by the node's probe.
     backend: str = "prefetch"

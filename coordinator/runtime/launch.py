@@ -16,7 +16,7 @@ from coordinator.runtime.group import WorkerGroup
 from coordinator.runtime.job import Job
 from coordinator.runtime.keeper import find as find_keeper
 from coordinator.runtime.keeper import start as start_keeper
-from coordinator.runtime.probing import probe_cluster
+from coordinator.runtime.probing import model_of, probe_cluster
 from coordinator.runtime.session import connect
 
 
@@ -41,7 +41,7 @@ def launch(
         if name is not None:
             registry.check_name(name)
             claimed = True
-        snapshot, envs = probe_cluster(config)
+        snapshot, envs = probe_cluster(config, model=model_of(index, config))
         config, the_plan = plan_job(config, index, snapshot)
         group = WorkerGroup(config=config, index=index, plan=the_plan, load_name=name)
         job = Job(group=group, session=session, name=name)

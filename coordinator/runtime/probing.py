@@ -17,10 +17,10 @@ PROBE_TIMEOUT_S = 120.0  # one probe task per node; includes starting a Ray work
 
 
 @ray.remote(num_cpus=0, max_calls=1)  # max_calls=1: a process that touched CUDA exits after
-def _probe_task(planned_bytes: int = 0) -> dict:
+def _probe_task(planned_bytes: int = 0, model: tuple[dict, str, int] | None = None) -> dict:
     from worker.node import probe_here
 
-    return probe_here(planned_bytes)
+    return probe_here(planned_bytes, model=model)
 
 
 def gpu_nodes(exclude: frozenset[str] = frozenset()) -> list[dict]:
@@ -35,12 +35,15 @@ def probe_cluster(
     held_bytes: dict[str, int] | None = None,
     probers: dict[str, ray.actor.ActorHandle] | None = None,
     exclude: frozenset[str] = frozenset(),
+    model: tuple[dict, str, int] | None = None,
 ) -> tuple[ClusterSnapshot, dict[str, tuple[dict, dict]]]:
     """A snapshot of every alive GPU node, and per node the env its workers get from the job
     (labels and overrides) with the origin of each variable. When re-planning: `held_bytes`,
     host memory this job's own workers already hold on a node (their arenas), counted as
     available since the new plan replaces them; `probers`, a live worker per node that answers
-    for its node instead of a probe task (no process to start); `exclude`, nodes left out."""
+    for its node instead of a probe task (no process to start); `exclude`, nodes left out;
+    `model` (config.json, dtype, worker threads): each node also times the model's decoder
+    layer on its device (`worker.compute_probe`), for the planner's compute rate."""
     nodes = gpu_nodes(exclude)
     if not nodes:
         raise LaunchError(
@@ -60,9 +63,9 @@ def probe_cluster(
         if env:
             options["runtime_env"] = {"env_vars": env}
         if node["NodeID"] in (probers or {}):
-            refs.append(probers[node["NodeID"]].node_probe.remote())
+            refs.append(probers[node["NodeID"]].node_probe.remote(model))
         else:
-            refs.append(_probe_task.options(**options).remote())
+            refs.append(_probe_task.options(**options).remote(0, model))
     try:
         results = ray.get(refs, timeout=PROBE_TIMEOUT_S)
     except ray.exceptions.RayActorError as exc:
@@ -72,6 +75,11 @@ def probe_cluster(
         held = (held_bytes or {}).get(node["NodeID"], 0)
         infos.append(_node_info(config, node, result, held, envs[node["NodeID"]][1]))
     return ClusterSnapshot(nodes=tuple(infos)), envs
+
+
+def model_of(index, config: JobConfig) -> tuple[dict, str, int]:
+    """What a node's probe times: the checkpoint's config, its dtype, the workers' threads."""
+    return index.config, index.dtype, config.cpus_per_worker
 
 
 def _node_info(config: JobConfig, node: dict, result: dict, held_bytes: int = 0,

@@ -25,7 +25,7 @@ import ray
 from coordinator.planning.planner import Plan, PlanError, StagePlan, plan
 from coordinator.runtime.errors import WorkerLostError
 from coordinator.runtime.group import WorkerGroup
-from coordinator.runtime.probing import gpu_nodes, probe_cluster
+from coordinator.runtime.probing import gpu_nodes, model_of, probe_cluster
 from worker.snapshot import StageSnapshot
 
 # Each round replaces what was lost; a worker lost during a round's load starts another.
@@ -93,7 +93,7 @@ def decide(group: WorkerGroup, dead: list[int], left_out: frozenset[str] = froze
     start = time.perf_counter()
     probers = {h.node_id: h.actor for _, h in survivors}  # they answer for their nodes
     snapshot, envs = probe_cluster(group.config, held_bytes=held, probers=probers,
-                                   exclude=left_out)  # fmt: skip
+                                   exclude=left_out, model=model_of(group.index, group.config))  # fmt: skip
     probe_s = time.perf_counter() - start
     try:
         new_plan = plan(group.index.layers, snapshot, group.config.plan_options())
