@@ -290,7 +290,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from coordinator.config import node_env
     from coordinator.family_check import check_family
-    from coordinator.planning.batch_size import plan_job
+    from coordinator.planning.batch_size import curve_text, plan_job, throughput_curve
     from coordinator.planning.checkpoint import load_index
     from coordinator.planning.context import check_max_seq_len
     from worker.node import probe_here
@@ -312,6 +312,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if not config.max_batch and not args.json:
         print(f"max_batch auto: {sized.max_batch} sequences of up to {sized.max_seq_len} tokens "
               "(the largest batch whose KV cache fits beside the planned weights)")  # fmt: skip
+    if config.max_seq_len and not args.json:
+        print(curve_text(throughput_curve(index.layers, cluster, sized.plan_options())))
     return 0
 
 

@@ -62,3 +62,36 @@ def plan_job(config, index, snapshot: ClusterSnapshot):
         return config, planner.plan(index.layers, snapshot, config.plan_options())
     batch, the_plan = largest_batch(index.layers, snapshot, config.plan_options())
     return dataclasses.replace(config, max_batch=batch), the_plan
+
+
+CURVE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def predicted_tokens_per_s(the_plan: Plan) -> float:
+    """Decode tokens per second the plan's cost model predicts with one micro-batch of
+    max_batch sequences: the stages take turns on each step (each overlapping its own copies
+    with its compute), so a step takes the sum of their times and yields max_batch tokens."""
+    step_s = sum(s.time_s for s in the_plan.stages)
+    return the_plan.options.max_batch / step_s if step_s > 0 else 0.0
+
+
+def throughput_curve(layers: Sequence[LayerSpec], cluster: ClusterSnapshot, options: PlanOptions,
+                     batches: Sequence[int] = CURVE_BATCHES) -> list[tuple[int, float | None]]:  # fmt: skip
+    """(max_batch, predicted decode tokens/s, None where it does not fit) for each batch size:
+    each planned on its own (a larger batch's KV cache may push weights off the GPU, and each
+    node's measured compute rate is read at that batch)."""
+    curve: list[tuple[int, float | None]] = []
+    for batch in batches:
+        try:
+            the_plan = planner.plan(layers, cluster, dataclasses.replace(options, max_batch=batch))
+        except PlanError:
+            curve.append((batch, None))
+            continue
+        curve.append((batch, predicted_tokens_per_s(the_plan)))
+    return curve
+
+
+def curve_text(curve: list[tuple[int, float | None]]) -> str:
+    cells = [f"{batch}: {'-' if rate is None else f'{rate:.1f}'}" for batch, rate in curve]
+    return ("predicted decode tokens/s by max_batch (one micro-batch; '-': does not fit): "
+            + ", ".join(cells))
