@@ -72,3 +72,13 @@ def test_offloadctl_plan_uses_and_shows_the_measured_rate(index, capsys) -> None
     out = capsys.readouterr().out
     assert "compute rate on" in out and "per step of 4 sequence(s)" in out
     assert "(default)" not in out.splitlines()[2]  # link and compute rates both measured
+
+
+def test_a_worker_answers_from_the_cache_only(index, tmp_path, monkeypatch) -> None:
+    """A live worker answering for its node (a re-plan) never allocates a layer beside its
+    stage: it gives what the node measured before, or says nothing was."""
+    monkeypatch.setenv(compute_probe.CACHE_ENV, str(tmp_path))
+    model = (index.config, "float32", 1)
+    assert probe_here(model=model, cached_only=True)["compute"].startswith("not measured")
+    measured = probe_here(model=model)["compute"]
+    assert probe_here(model=model, cached_only=True)["compute"] == measured

@@ -75,21 +75,24 @@ def _cache_path(config: dict, dtype: str, device: torch.device) -> Path:
 
 
 def measure(config: dict, dtype: str, device: str | torch.device = "cpu", *,
-            threads: int | None = None, use_cache: bool = True) -> ComputeProfile:  # fmt: skip
+            threads: int | None = None, use_cache: bool = True,
+            cached_only: bool = False) -> ComputeProfile | None:  # fmt: skip
     """The profile of `config`'s decoder layer in `dtype` on `device`, on `threads` CPU threads
     (the workers' count; None: this process's), from the cache when this node measured it
-    before."""
+    before. `cached_only`: None rather than measuring (a worker answering for its node must
+    not allocate a layer beside its stage)."""
     device = torch.device(device)
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _cached(config, dtype, device, use_cache)
+        return _cached(config, dtype, device, use_cache, cached_only)
     finally:
         torch.set_num_threads(previous)
 
 
-def _cached(config: dict, dtype: str, device: torch.device, use_cache: bool) -> ComputeProfile:
+def _cached(config: dict, dtype: str, device: torch.device, use_cache: bool,
+            cached_only: bool) -> ComputeProfile | None:  # fmt: skip
     path = _cache_path(config, dtype, device)
     if use_cache and path.is_file():
         try:
@@ -98,6 +101,8 @@ def _cached(config: dict, dtype: str, device: torch.device, use_cache: bool) -> 
                                      "layer_s": tuple(data["layer_s"])})  # fmt: skip
         except (OSError, ValueError, TypeError):
             pass  # measured again below, and the cache rewritten
+    if cached_only:
+        return None
     profile = _measure(config, dtype, device)
     if use_cache:
         try:

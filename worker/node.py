@@ -16,11 +16,13 @@ from offload.probe import simulated_gpu_kind
 
 
 def probe_here(planned_bytes: int = 0, env: dict[str, str] | None = None,
-               model: tuple[dict, str, int] | None = None) -> dict:  # fmt: skip
+               model: tuple[dict, str, int] | None = None, *,
+               cached_only: bool = False) -> dict:  # fmt: skip
     """This node's probe and pin decision; `env` set over this process's environment (what a
     job's overrides would give its workers here). With `model` (config.json, dtype, worker
     threads), also how fast this node's device runs its decoder layer (`compute`: a
-    `worker.compute_probe.ComputeProfile`, or the reason it could not be measured)."""
+    `worker.compute_probe.ComputeProfile`, or the reason it could not be measured);
+    `cached_only`: only what this node measured before."""
     probe = probe_node()
     try:
         environ = {**os.environ, **(env or {})}
@@ -32,17 +34,19 @@ def probe_here(planned_bytes: int = 0, env: dict[str, str] | None = None,
         decision, error = None, str(exc)
     result = {"hostname": socket.gethostname(), "probe": probe, "pin": decision, "error": error}
     if model is not None:
-        result["compute"] = _compute(probe, *model)
+        result["compute"] = _compute(probe, *model, cached_only=cached_only)
     return result
 
 
-def _compute(probe, config: dict, dtype: str, threads: int):
+def _compute(probe, config: dict, dtype: str, threads: int, *, cached_only: bool):
     """The model's decoder layer timed on this node's first device (the CPU stands in for a
     simulated GPU), or a one-line reason it could not be."""
     from worker.compute_probe import measure
 
     device = "cuda" if probe.cuda_available else "cpu"
     try:
-        return measure(config, dtype, device, threads=threads if device == "cpu" else None)
+        profile = measure(config, dtype, device, threads=threads if device == "cpu" else None,
+                          cached_only=cached_only)  # fmt: skip
     except Exception as exc:  # a model the probe cannot build here: the plan says so
         return f"not measured: {type(exc).__name__}: {exc}"
+    return profile if profile is not None else "not measured (a worker answered for its node)"

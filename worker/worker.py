@@ -378,7 +378,7 @@ class StageWorker:
     def node_probe(self, model: tuple[dict, str, int] | None = None) -> dict:
         """This node's probe and pin decision (and, with `model`, its compute profile), as the
         runtime's probe task reports them."""
-        return probe_here(model=model)
+        return probe_here(model=model, cached_only=True)  # no layer allocated beside the stage
 
     def ping(self) -> int:
         """Liveness check for the driver: answers with this process's pid."""
