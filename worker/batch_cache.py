@@ -33,6 +33,13 @@ _UNROUTED = ("this model builds an attention mask that batched generation does n
              "cannot generate in batches yet")
 
 
+def row_positions(starts: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
+    """Position ids (rows, width) of rows left-padded to `width`: each real token its place in
+    its sequence (row r's `counts[r]` tokens from `starts[r]` on), padding 0."""
+    column = torch.arange(width, device=starts.device)
+    return (starts[:, None] + column - (width - counts[:, None])).clamp(min=0)
+
+
 class SlotPool:
     """Keys and values of `num_slots` sequences of up to `max_seq_len` tokens, for the decoder
     layers `held_layers` (model indices)."""
@@ -93,12 +100,6 @@ class BatchView(Cache):
         self._span = slice(first, first + len(slots)) if slots == list(range(first, first + len(slots))) else None
         self.kv_length = max(s + c for s, c in zip(starts, counts, strict=True))
 
-    def positions(self) -> torch.Tensor:
-        """Position ids (rows, width): each real token its place in its sequence, padding 0."""
-        column = torch.arange(self.width, device=self.pool.device)
-        positions = self.starts[:, None] + column - (self.width - self.counts[:, None])
-        return positions.clamp(min=0)
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         keys, values = self.pool.stores(layer_idx, key_states)
@@ -134,7 +135,7 @@ class BatchView(Cache):
         padding query sees position 0 only (always written: it never yields NaN). Boolean for
         sdpa, additive (0 / dtype min) for eager attention, as transformers builds them."""
         keys = torch.arange(self.kv_length, device=self.pool.device)
-        queries = self.positions()[:, :, None]  # (rows, width, 1)
+        queries = row_positions(self.starts, self.counts, self.width)[:, :, None]  # (rows, width, 1)
         allowed = keys <= queries
         if sliding_window is not None:
             allowed &= keys > queries - sliding_window

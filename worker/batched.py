@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from worker.batch_cache import SlotPool
+from worker.batch_cache import SlotPool, row_positions
 from worker.decode import Sampling, next_tokens
 from worker.wire import Packed, pack, unpack
 
@@ -45,9 +45,7 @@ class StepRows:
 
     def positions(self) -> torch.Tensor:
         """Position ids (rows, width): each real token its place in its sequence, padding 0."""
-        starts, counts = torch.tensor(self.starts), torch.tensor(self.counts)
-        column = torch.arange(self.width)
-        return (starts[:, None] + column - (self.width - counts[:, None])).clamp(min=0)
+        return row_positions(torch.tensor(self.starts), torch.tensor(self.counts), self.width)
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,6 @@ class Step:
     draw: Draw
     prefill: bool
     count: int = 1
-    done: list[Sequence] = field(default_factory=list)  # finished in this step
 
 
 @dataclass
@@ -165,8 +164,8 @@ class Scheduler:
               states: torch.Tensor | None) -> list[tuple[Sequence, int]]:  # fmt: skip
         """The tokens of step `index` (0 first; a burst has several) of `step`: each row's
         cache grew by what it fed, its token is added (a finished row's ignored). Returns the
-        (sequence, token) pairs added; a sequence that ends is marked and kept in `step.done`
-        until `complete`."""
+        (sequence, token) pairs added; a sequence that ends is marked, and keeps its slot until
+        `complete`."""
         added = []
         sampled = iter(states) if states is not None else iter(())
         for r, seq in enumerate(step.sequences):
@@ -183,15 +182,10 @@ class Scheduler:
                 seq.state = state
             added.append((seq, token))
             if token in seq.request.eos_token_ids:
-                self.finish(step, seq, Finish.STOP)
+                seq.finish = Finish.STOP
             elif len(seq.generated) >= seq.request.max_new_tokens:
-                self.finish(step, seq, Finish.LENGTH)
+                seq.finish = Finish.LENGTH
         return added
-
-    def finish(self, step: Step | None, seq: Sequence, reason: Finish) -> None:
-        seq.finish = reason
-        if step is not None:
-            step.done.append(seq)
 
     def complete(self, step: Step) -> list[Sequence]:
         """The step is over: its micro-batch may plan again; the slots of the sequences that
