@@ -155,9 +155,10 @@ def test_the_queue_is_fifo_bounded_and_only_full_is_busy(make) -> None:
     with pytest.raises(QueueFullError, match=r"2 sequence\(s\) already wait .*max_queue=2") as err:
         submit(engine, [9], 2)
     assert isinstance(err.value, BusyError)
-    with pytest.raises(NeverFitsError, match="max_seq_len 64"):
+    with pytest.raises(NeverFitsError, match=r"70 tokens per sequence .* max_seq_len=64"):
         submit(engine, [3] * 60, 10)  # never fits: refused at once, not queued
-    with pytest.raises(NeverFitsError, match="2 sequences exceed the 1 KV slots"):
+    with pytest.raises(NeverFitsError, match=r"2 sequence\(s\) exceed the KV cache reserved for "
+                       r"max_batch=1"):  # fmt: skip
         engine.submit([[3], [4]], sampling=GREEDY, max_new_tokens=2)
     pipeline.gate.set()
     assert [r.result(WAIT_S) for r in queued] == [[expected([4], 2)], [expected([5], 2)]]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from coordinator.engine.generation import KvBudget
 from coordinator.engine.pipelines import Handle, Pipeline
 from coordinator.engine.scheduler import Scheduler, Step
 from coordinator.engine.sequences import Finish, Request, Sequence
@@ -76,6 +77,8 @@ class Engine:
                                    max_queue=config.max_queue,
                                    prefill_tokens=config.prefill_tokens)  # fmt: skip
         self.stats = EngineStats(num_slots=config.num_slots)
+        # what could never fit: the same refusals (and words) as Job.check_request's
+        self._budget = KvBudget(max_batch=config.num_slots, max_seq_len=config.max_seq_len)
         self._cond = threading.Condition()
         self._incoming: list[Request] = []
         self._cancelled: list[Request] = []
@@ -93,13 +96,9 @@ class Engine:
         """Queue one request of `len(prompts)` sequences; returns at once. Raises
         QueueFullError when the queue cannot take them, NeverFitsError when they could never
         run here."""
-        if len(prompts) > self.config.num_slots:
-            raise NeverFitsError(f"{len(prompts)} sequences exceed the {self.config.num_slots} "
-                                 "KV slots (max_batch): send fewer at once")  # fmt: skip
-        longest = max(len(p) for p in prompts) + max_new_tokens
-        if longest > self.config.max_seq_len or not all(prompts):
-            raise NeverFitsError(f"{longest} tokens per sequence exceed max_seq_len "
-                                 f"{self.config.max_seq_len}, or a prompt is empty")  # fmt: skip
+        if not all(prompts):
+            raise NeverFitsError("a prompt is empty: each sequence needs at least one token")
+        self._budget.check(len(prompts), max(len(p) for p in prompts) + max_new_tokens)
         request = Request(sampling=sampling, max_new_tokens=max_new_tokens,
                           eos_token_ids=frozenset(eos_token_ids), on_token=on_token,
                           on_finish=on_finish)  # fmt: skip
