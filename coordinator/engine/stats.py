@@ -66,8 +66,10 @@ class EngineStats:
     itl_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS_S))
-    _new_ttft: list = field(default_factory=list)
-    _new_itl: list = field(default_factory=list)
+    # samples not yet given to Ray's histograms (bounded: a job that never exports them, with
+    # snapshot_interval_s 0 or an engine in process, must not grow them forever)
+    _new_ttft: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+    _new_itl: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def token(self, seq, now: float) -> None:
@@ -131,8 +133,9 @@ class EngineStats:
     def drain_samples(self) -> tuple[list[float], list[float]]:
         """Latency samples since the last call (for the Prometheus histograms)."""
         with self._lock:
-            ttft, itl = self._new_ttft, self._new_itl
-            self._new_ttft, self._new_itl = [], []
+            ttft, itl = list(self._new_ttft), list(self._new_itl)
+            self._new_ttft.clear()
+            self._new_itl.clear()
             return ttft, itl
 
 
