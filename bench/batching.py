@@ -56,6 +56,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.generate import stamping_streamer
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import load_index
 from coordinator.runtime.launch import launch
@@ -70,6 +71,17 @@ STALL_CHUNKS = (256, 4096)  # prefill_tokens: in chunks, and the whole prompt in
 TARGET_RATIO_AT_8 = 0.8
 TARGET_BYTES = 1.25
 TARGET_BATCH1 = 1.15
+
+
+def bench_shape(quick: bool) -> CheckpointShape:
+    """The benchmarks' model: a 106 MiB float32 llama, or a tiny one for --quick runs."""
+    shape = CheckpointShape(arch="llama", num_layers=8, hidden_size=512, num_heads=8,
+                            num_kv_heads=4, intermediate_size=1408, vocab_size=4096,
+                            max_positions=2048, max_shard_bytes=64 * MIB)  # fmt: skip
+    if quick:
+        shape = dataclasses.replace(shape, num_layers=4, hidden_size=64, num_heads=4,
+                                    num_kv_heads=2, intermediate_size=128, vocab_size=512)  # fmt: skip
+    return shape
 
 
 def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[torch.Tensor]:
@@ -97,20 +109,8 @@ def ours(job, pool, prompts: list[torch.Tensor], new: int) -> tuple[float, list,
 
 
 def theirs(model, prompts: list[torch.Tensor], new: int) -> tuple[float, torch.Tensor, list[float]]:
-    from transformers.generation.streamers import BaseStreamer
-
-    class Stamps(BaseStreamer):
-        def __init__(self) -> None:
-            self.stamps: list[float] = []
-
-        def put(self, value) -> None:
-            self.stamps.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
-
     batch = torch.cat(prompts).to(model.device)
-    streamer = Stamps() if len(prompts) == 1 else None
+    streamer = stamping_streamer() if len(prompts) == 1 else None
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=new,
@@ -219,12 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-stall", action="store_true", help="skip the long-prompt stall runs")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    shape = CheckpointShape(arch="llama", num_layers=8, hidden_size=512, num_heads=8,
-                            num_kv_heads=4, intermediate_size=1408, vocab_size=4096,
-                            max_positions=2048, max_shard_bytes=64 * MIB)  # fmt: skip
+    shape = bench_shape(args.quick)
     if args.quick:
-        shape = dataclasses.replace(shape, num_layers=4, hidden_size=64, num_heads=4,
-                                    num_kv_heads=2, intermediate_size=128, vocab_size=512)  # fmt: skip
         args.batches, args.repeats, args.new_tokens = "1,4", 1, 8
     args.batches = [int(b) for b in args.batches.split(",")]
     args.stall = not (args.quick or args.no_stall)

@@ -103,10 +103,12 @@ def ours(job, ids: torch.Tensor, new_tokens: int) -> tuple[dict, torch.Tensor]:
     return timing(start, stamps), out
 
 
-def theirs(model, ids: torch.Tensor, new_tokens: int) -> tuple[dict, torch.Tensor]:
+def stamping_streamer():
+    """A `generate` streamer that timestamps what it is given: the prompt first, then each
+    step's new tokens (`.stamps[1:]`: one per new token)."""
     from transformers.generation.streamers import BaseStreamer
 
-    class Stamps(BaseStreamer):  # generate puts the prompt first, then each new token
+    class Stamps(BaseStreamer):
         def __init__(self) -> None:
             self.stamps: list[float] = []
 
@@ -116,7 +118,11 @@ def theirs(model, ids: torch.Tensor, new_tokens: int) -> tuple[dict, torch.Tenso
         def end(self) -> None:
             pass
 
-    streamer = Stamps()
+    return Stamps()
+
+
+def theirs(model, ids: torch.Tensor, new_tokens: int) -> tuple[dict, torch.Tensor]:
+    streamer = stamping_streamer()
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,

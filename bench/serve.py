@@ -44,9 +44,9 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.batching import budget_for
+from bench.batching import bench_shape, budget_for
 from coordinator.planning.checkpoint import load_index
-from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.tools.make_checkpoint import make_checkpoint
 
 MIB = 2**20
 MAX_SEQ_LEN = 128
@@ -162,14 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    shape = CheckpointShape(arch="llama", num_layers=8, hidden_size=512, num_heads=8,
-                            num_kv_heads=4, intermediate_size=1408, vocab_size=4096,
-                            max_positions=2048, max_shard_bytes=64 * MIB)  # fmt: skip
+    shape = bench_shape(args.quick)
     if args.quick:
-        import dataclasses
-
-        shape = dataclasses.replace(shape, num_layers=4, hidden_size=64, num_heads=4,
-                                    num_kv_heads=2, intermediate_size=128, vocab_size=512)  # fmt: skip
         args.clients, args.max_tokens = "1,8", 16
     started = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))

@@ -138,6 +138,21 @@ def test_worker_reconfigure_moves_layers_within_device_memory(tmp_path) -> None:
         worker.close()
 
 
+def two_cuda_stages(index, backend: str) -> list:
+    """Specs of two stages (embed + layers 0-1 | layers 2-3 + head), each offloading one
+    decoder layer with `backend`."""
+    from worker.spec import StageSpec
+
+    names = [layer.name for layer in index.layers]
+    return [
+        StageSpec(stage=stage, num_stages=2, checkpoint_dir=str(index.root), config=index.config,
+                  dtype=index.dtype, layers=tuple(x for x in index.layers if x.name in group),
+                  offloaded=tuple(n for n in group if n in ("layers.1", "layers.3")),
+                  backend=backend)
+        for stage, group in enumerate([names[:3], names[3:]])
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize(("arch", "backend"),
                          [("llama", "prefetch"), ("mixtral", "prefetch"), ("llama", "uva")])
 def test_bf16_stages_on_cuda_match_transformers_on_cuda(tmp_path, arch: str, backend: str) -> None:
@@ -148,21 +163,14 @@ def test_bf16_stages_on_cuda_match_transformers_on_cuda(tmp_path, arch: str, bac
 
     from coordinator.planning.checkpoint import load_index
     from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
-    from worker.spec import StageSpec
     from worker.worker import StageWorker
 
     index = load_index(make_checkpoint(tmp_path / arch, CheckpointShape(
         arch=arch, num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,
         intermediate_size=512, vocab_size=512, dtype="bfloat16")))  # fmt: skip
-    names = [layer.name for layer in index.layers]
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     x = ids
-    for stage, group in enumerate([names[:3], names[3:]]):
-        spec = StageSpec(stage=stage, num_stages=2, checkpoint_dir=str(index.root),
-                         config=index.config, dtype=index.dtype,
-                         layers=tuple(x for x in index.layers if x.name in group),
-                         offloaded=tuple(n for n in group if n in ("layers.1", "layers.3")),
-                         backend=backend)  # fmt: skip
+    for spec in two_cuda_stages(index, backend):
         worker = StageWorker(spec, device="cuda")
         try:
             assert worker.load().backend == backend
@@ -192,21 +200,12 @@ def test_batched_generation_on_cuda_equals_transformers_alone(tmp_path, backend:
     from coordinator.planning.checkpoint import load_index
     from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
     from worker.decode import Sampling
-    from worker.spec import StageSpec
     from worker.worker import StageWorker
 
     index = load_index(make_checkpoint(tmp_path / "llama", CheckpointShape(
         arch="llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,
         intermediate_size=512, vocab_size=512)))  # fmt: skip
-    names = [layer.name for layer in index.layers]
-    workers = []
-    for stage, group in enumerate([names[:3], names[3:]]):
-        spec = StageSpec(stage=stage, num_stages=2, checkpoint_dir=str(index.root),
-                         config=index.config, dtype=index.dtype,
-                         layers=tuple(x for x in index.layers if x.name in group),
-                         offloaded=tuple(n for n in group if n in ("layers.1", "layers.3")),
-                         backend=backend)  # fmt: skip
-        workers.append(StageWorker(spec, device="cuda"))
+    workers = [StageWorker(spec, device="cuda") for spec in two_cuda_stages(index, backend)]
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (9, 4, 13)]
     engine = None
