@@ -340,10 +340,9 @@ class Engine:
 
 
 def _is_worker_failure(exc: BaseException) -> bool:
+    # imported here, at a failure: the engine's module loads without Ray (in-process pipelines)
+    import ray
+
     from coordinator.runtime.errors import WorkerLostError
 
-    try:
-        import ray
-    except ImportError:  # pragma: no cover - ray is a dependency
-        return isinstance(exc, WorkerLostError)
     return isinstance(exc, ray.exceptions.RayError | WorkerLostError)
