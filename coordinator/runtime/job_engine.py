@@ -24,10 +24,6 @@ class JobEngine:
         self._lock = threading.Lock()
         self._metrics = None
 
-    @property
-    def running(self) -> Engine | None:
-        return self._engine
-
     def get(self) -> Engine:
         """The engine, started now if it is not yet."""
         job = self.job
