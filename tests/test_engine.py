@@ -313,3 +313,15 @@ def test_zero_new_tokens_is_done_at_once(make) -> None:
     engine, pipeline = make()
     assert submit(engine, [3, 4], 0).result(WAIT_S) == [[]]
     assert pipeline.steps == []
+
+
+def test_the_stats_count_a_request_gone_once_it_is_done(make) -> None:
+    """A client that reads the stats as soon as its request is done (offloadctl status after a
+    generate) sees it neither running nor waiting."""
+    engine, _ = make(num_slots=2)
+    seen = []  # the stats at the moment the request is done (its on_finish, the engine's thread)
+    request = submit(engine, [3, 4], 5, on_finish=lambda: seen.append(engine.stats.snapshot()))
+    request.result(WAIT_S)
+    [snapshot] = seen
+    assert (snapshot["requests_running"], snapshot["requests_waiting"]) == (0, 0)
+    assert snapshot["generation_tokens"] == 5

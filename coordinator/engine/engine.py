@@ -163,8 +163,7 @@ class Engine:
             self._incoming.clear()
             self._take_cancellations()
             scheduler.admit()
-            self.stats.running = len(scheduler.running)
-            self.stats.waiting = len(scheduler.waiting)
+            self._count()
             if not self._in_flight and not scheduler.idle_groups():
                 self._cond.wait(IDLE_WAIT_S)
                 return True
@@ -278,10 +277,16 @@ class Engine:
         except Exception as exc:
             self._step_failed(steps, exc, epoch)
             return
-        for step in steps:
-            for seq in self.scheduler.complete(step):
-                self.stats.finished(seq)
-                seq.request._end_if_done()
+        ended = [seq for step in steps for seq in self.scheduler.complete(step)]
+        self._count()  # before a client learns its request is done: stats it reads then hold
+        for seq in ended:
+            self.stats.finished(seq)
+            seq.request._end_if_done()
+
+    def _count(self) -> None:
+        """The stats' sequences running and waiting, from the scheduler now."""
+        self.stats.running = len(self.scheduler.running)
+        self.stats.waiting = len(self.scheduler.waiting)
 
     def _wanted_at_a_boundary(self) -> bool:
         """A request arrived or was cancelled: the next step boundary should come now."""
