@@ -4,8 +4,10 @@ fails for a change, not for a draw; run without it, they explore new examples ea
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -21,8 +23,10 @@ from hypothesis import settings
 # as the tests themselves run.
 os.environ.setdefault("RAY_worker_niceness", "0")
 # The nodes' compute timings (worker/compute_probe.py) are cached on disk per model shape: the
-# tests keep theirs in a directory of their own, never the user's ~/.cache.
-os.environ.setdefault("OFFLOAD_COMPUTE_CACHE", tempfile.mkdtemp(prefix="offload-compute-"))
+# tests keep theirs in a directory of their own, never the user's ~/.cache, removed at exit.
+if "OFFLOAD_COMPUTE_CACHE" not in os.environ:
+    os.environ["OFFLOAD_COMPUTE_CACHE"] = tempfile.mkdtemp(prefix="offload-compute-")
+    atexit.register(shutil.rmtree, os.environ["OFFLOAD_COMPUTE_CACHE"], ignore_errors=True)
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))

@@ -72,18 +72,18 @@ def slot_count(node: NodeInfo, opts: PlanOptions) -> int:
     return 0 if node.backend == "uva" else opts.prefetch_step
 
 
-def brute_force(layers: list[LayerSpec], snap: ClusterSnapshot, opts: PlanOptions) -> float | None:
+def feasible_stage_times(layers: list[LayerSpec], snap: ClusterSnapshot, opts: PlanOptions):
+    """Every placement that fits: the stage times, in pipeline order, of each."""
     sizes = [x.nbytes for x in layers]
     kv = [x.kv_bytes(opts.max_batch, opts.max_seq_len) for x in layers]  # never offloaded
     decoders = [i for i, x in enumerate(layers) if x.kind == "decoder"]
     gpus = [(n, node, g) for n, node in enumerate(snap.nodes) for g in node.gpus]
-    best = None
     for cuts in itertools.combinations_with_replacement(range(len(layers) + 1), len(gpus) - 1):
         bounds = (0, *cuts, len(layers))
         for mask in range(1 << len(decoders)):
             moved = {d for j, d in enumerate(decoders) if mask >> j & 1}
             host = [0] * len(snap.nodes)
-            worst, ok = 0.0, True
+            times, ok = [], True
             for k, (n, node, gpu) in enumerate(gpus):
                 stage = range(bounds[k], bounds[k + 1])
                 if not stage:
@@ -98,11 +98,14 @@ def brute_force(layers: list[LayerSpec], snap: ClusterSnapshot, opts: PlanOption
                 host[n] += sum(off)
                 link = node.link_bytes_per_s or opts.default_link_bytes_per_s
                 rate = node.compute_bytes_per_s or opts.compute_bytes_per_s
-                worst = max(worst, weights / rate, sum(off) / link)
+                times.append(max(weights / rate, sum(off) / link))
             budgets = [node.offload_budget_bytes for node in snap.nodes]
             if ok and all(h <= b for h, b in zip(host, budgets, strict=True)):
-                best = worst if best is None else min(best, worst)
-    return best
+                yield times
+
+
+def brute_force(layers: list[LayerSpec], snap: ClusterSnapshot, opts: PlanOptions) -> float | None:
+    return min((max(t) for t in feasible_stage_times(layers, snap, opts)), default=None)
 
 
 def check_invariants(result: Plan, layers: list[LayerSpec], snap: ClusterSnapshot) -> None:

@@ -9,6 +9,9 @@ from typing import Any
 from offload.config import MAX_PREFETCH_STEP  # the offloader's own bound, not a second copy
 from offload.errors import ConfigError
 
+OBJECTIVES = ("latency", "throughput")
+DEFAULT_STEP_OVERHEAD_S = 1e-3
+
 
 def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -35,6 +38,22 @@ class PlanOptions:
     # max_seq_len tokens each (0: none; the job cannot generate).
     max_batch: int = 0
     max_seq_len: int = 0
+    # The max_batch sequences are split into this many micro-batches, in flight at once: a
+    # stage steps ceil(max_batch / micro_batches) rows at a time (its compute rate is read there).
+    micro_batches: int = 1
+    # What the placement minimises: "latency", the slowest stage's time (one sequence's step
+    # through a pipeline that streams micro-batches); "throughput", the cycle in which every
+    # micro-batch makes one token (coordinator/planning/cycle.py), which is what tokens/s is.
+    objective: str = "latency"
+    # Fixed cost of one stage's step of one micro-batch besides its compute and copies (the
+    # call, the hand-over to the next stage, sampling's bookkeeping): measured on this
+    # project's runtime by bench/policy.py (bench/RESULTS.md, "Throughput planner").
+    step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S
+
+    @property
+    def rows_per_step(self) -> int:
+        """Rows of the largest micro-batch: what one stage step computes."""
+        return max(1, -(-self.max_batch // self.micro_batches))
 
     def __post_init__(self) -> None:
         if not is_int(self.reserve_bytes) or self.reserve_bytes < 0:
@@ -49,6 +68,19 @@ class PlanOptions:
                 f"PlanOptions.prefetch_step={self.prefetch_step!r} must be an int in "
                 f"1..{MAX_PREFETCH_STEP}"
             )
+        if not is_int(self.micro_batches) or self.micro_batches < 1:
+            raise ConfigError(
+                f"PlanOptions.micro_batches={self.micro_batches!r} must be an int >= 1"
+            )
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"PlanOptions.objective={self.objective!r} must be one of "
+                              f"{', '.join(OBJECTIVES)}")  # fmt: skip
+        overhead = self.step_overhead_s
+        if isinstance(overhead, bool) or not isinstance(overhead, int | float) or not (
+            math.isfinite(overhead) and overhead >= 0
+        ):
+            raise ConfigError(f"PlanOptions.step_overhead_s={overhead!r} must be a finite "
+                              "number of seconds >= 0")  # fmt: skip
         for name in ("compute_bytes_per_s", "default_link_bytes_per_s"):
             value = getattr(self, name)
             if not is_rate(value):

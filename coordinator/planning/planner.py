@@ -16,6 +16,11 @@ is device memory: a prefetching GPU holds `prefetch_step` slots of its largest o
 a UVA GPU none (`NodeInfo.backend`, resolved per node from its probe). The search
 (`coordinator.planning.search`) returns the exact optimum of this model; its module doc gives the
 argument.
+
+Objectives (`PlanOptions.objective`): "latency" minimises that bottleneck; "throughput"
+minimises the decode cycle of `micro_batches` micro-batches of the max_batch sequences
+(`coordinator.planning.cycle`, which also proves when the bottleneck placement is that
+optimum). Either way the plan predicts its decode tokens/s: max_batch / cycle_s.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from coordinator.planning.cycle import cycle_s, min_cycle
 from coordinator.planning.formats import format_bytes, format_rate, format_seconds, layer_range
 from coordinator.planning.options import DEFAULT_OPTIONS, PlanOptions, is_rate
 from coordinator.planning.refusals import (
@@ -84,10 +90,21 @@ class Plan:
     options: PlanOptions
     bottleneck_s: float
     total_bytes: int
+    # One decode step of every micro-batch (cycle.py): each sequence's time between tokens.
+    cycle_s: float = 0.0
+    # Throughput plans: no placement of these options has a shorter cycle than this (== cycle_s:
+    # proven optimal; below it: the search kept the bottleneck placement on a cluster too large
+    # for its exact DP, and this is how far from optimal it can be). 0.0: a latency plan.
+    cycle_bound_s: float = 0.0
 
     @property
     def bottleneck_stage(self) -> int:
         return max(self.stages, key=lambda s: s.time_s).stage
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Predicted decode tokens/s with every KV slot in use: max_batch per cycle."""
+        return self.options.max_batch / self.cycle_s if self.cycle_s > 0 else 0.0
 
     def to_json(self) -> str:
         return json.dumps({"version": _JSON_VERSION, **dataclasses.asdict(self)}, indent=1)
@@ -106,6 +123,8 @@ class Plan:
             options=PlanOptions(**data["options"]),
             bottleneck_s=data["bottleneck_s"],
             total_bytes=data["total_bytes"],
+            cycle_s=data.get("cycle_s", 0.0),
+            cycle_bound_s=data.get("cycle_bound_s", 0.0),
         )
 
     def summary(self) -> str:
@@ -161,7 +180,8 @@ class Plan:
 
 
 def plan(
-    layers: Sequence[LayerSpec], cluster: ClusterSnapshot, options: PlanOptions = DEFAULT_OPTIONS
+    layers: Sequence[LayerSpec], cluster: ClusterSnapshot, options: PlanOptions = DEFAULT_OPTIONS,
+    *, memo: dict | None = None,
 ) -> Plan:
     """The placement with the smallest bottleneck stage time under the cost model above.
 
@@ -170,6 +190,8 @@ def plan(
     when the optimum does not need it or it cannot hold anything, so the plan can have fewer
     stages than the cluster has GPUs. Embedding and head stay resident; a stage offloads the
     fewest bytes of decoder layers that make it fit. Raises `PlanError` when nothing fits.
+    `memo`: a dict kept across calls on the same layers and cluster (the throughput search's
+    many micro-batch counts): the bottleneck search runs once per distinct budgets and rates.
     """
     check_layers(layers)
     gpus = [(node, gpu) for node in cluster.nodes for gpu in node.gpus]
@@ -182,30 +204,39 @@ def plan(
             if value is not None and not is_rate(value):
                 raise PlanError(f"node {node.node_id}: {name}={value!r} must be a finite number "
                                 f"> 0 (or None to use PlanOptions.{default})")  # fmt: skip
-    check_largest_layer(layers, gpus, options)
-
     limits = [
         NodeLimits(
             gpu_memory_bytes=tuple(g.memory_bytes for g in node.gpus),
             offload_budget_bytes=node.offload_budget_bytes,
             link_bytes_per_s=node.link_bytes_per_s or options.default_link_bytes_per_s,
-            compute_bytes_per_s=node.compute_rate(options.max_batch)[0],
+            compute_bytes_per_s=node.compute_rate(options.rows_per_step)[0],
             slots=slot_count(node, options),
         )
         for node in cluster.nodes
     ]
-    search = Search(
-        [layer.nbytes for layer in layers],
-        [layer.kind == "decoder" for layer in layers],
-        limits,
-        reserve_bytes=options.reserve_bytes,
-        compute_bytes_per_s=options.compute_bytes_per_s,
-        kv_sizes=[kv_bytes(layer, options) for layer in layers],
-    )
-    reached, best = search.solve()
+    kv = [kv_bytes(layer, options) for layer in layers]
+    key = (tuple(limits), tuple(kv), options.reserve_bytes, options.compute_bytes_per_s)
+    if memo is None or key not in memo:
+        check_largest_layer(layers, gpus, options)
+        search = Search(
+            [layer.nbytes for layer in layers],
+            [layer.kind == "decoder" for layer in layers],
+            limits,
+            reserve_bytes=options.reserve_bytes,
+            compute_bytes_per_s=options.compute_bytes_per_s,
+            kv_sizes=kv,
+        )
+        solved = (search, *search.solve())
+        if memo is not None:
+            memo[key] = solved
+    search, reached, best = solved if memo is None else memo[key]
     if reached < len(layers):
         raise unplaceable(layers, cluster, options, reached, best)
-    return _build(layers, cluster, options, search, best)
+    if options.objective == "latency":
+        return _build(layers, cluster, options, search, best)
+    found = min_cycle(search, options.micro_batches, options.step_overhead_s, best)
+    assert found is not None  # solve placed every layer
+    return _build(layers, cluster, options, search, found.placements, found.bound_s)
 
 
 def _build(
@@ -214,6 +245,7 @@ def _build(
     options: PlanOptions,
     search: Search,
     placements: Sequence[LayerRange],
+    bound_s: float | None = None,
 ) -> Plan:
     stages = []
     for i, p in enumerate(placements):
@@ -221,12 +253,11 @@ def _build(
         gpu = node.gpus[p.gpu]
         step = slot_count(node, options)
         moved = search.offloaded_positions(p.start, p.end, gpu.memory_bytes, step)
-        weights = sum(layers[j].nbytes for j in range(p.start, p.end))
-        offloaded = sum(layers[j].nbytes for j in moved)
-        slots = min(step, len(moved)) * max(
-            (layers[j].nbytes for j in moved), default=0
-        )
-        kv = sum(kv_bytes(layers[j], options) for j in range(p.start, p.end))
+        weights = search.prefix[p.end] - search.prefix[p.start]
+        sizes = [search.prefix[j + 1] - search.prefix[j] for j in moved]
+        offloaded = sum(sizes)
+        slots = min(step, len(moved)) * max(sizes, default=0)
+        kv = search.kv_prefix[p.end] - search.kv_prefix[p.start]
         device = weights - offloaded + slots + kv + options.reserve_bytes
         assert device <= gpu.memory_bytes, (p, device, gpu.memory_bytes)
         compute_s, transfer_s = search.stage_times(p)
@@ -248,16 +279,19 @@ def _build(
                 transfer_s=transfer_s,
                 time_s=max(compute_s, transfer_s),
                 link_bytes_per_s=node.link_bytes_per_s,
-                compute_bytes_per_s=node.compute_rate(options.max_batch)[0],
-                compute_source=node.compute_rate(options.max_batch)[1],
+                compute_bytes_per_s=node.compute_rate(options.rows_per_step)[0],
+                compute_source=node.compute_rate(options.rows_per_step)[1],
                 kv_bytes=kv,
                 backend=node.backend,
                 backend_reason=node.backend_reason,
             )
         )
+    cycle = cycle_s([s.time_s for s in stages], options.micro_batches, options.step_overhead_s)
     return Plan(
         stages=tuple(stages),
         options=options,
         bottleneck_s=max(s.time_s for s in stages),
-        total_bytes=sum(layer.nbytes for layer in layers),
+        total_bytes=search.prefix[-1],
+        cycle_s=cycle,
+        cycle_bound_s=0.0 if bound_s is None else bound_s,
     )
