@@ -98,7 +98,7 @@ def _stage_times(search: Search, floor: float) -> set[float]:
     feasible: `floor` is the least bottleneck)."""
     times = set()
     for n, node in enumerate(search.nodes):
-        for g, memory in enumerate(node.gpu_memory_bytes):
+        for memory in set(node.gpu_memory_bytes):
             for start in range(search.num_layers):
                 for end in range(start + 1, search.num_layers + 1):
                     t = _range_time(search, n, start, end, memory)
