@@ -165,6 +165,11 @@ class JobConfig:
     max_queue: int = 1024
     prefill_tokens: int = 512
     micro_batches: int = 0
+    # What the plan maximises: "latency" (the slowest stage, for one sequence's step) or
+    # "throughput" (decode tokens/s: it also chooses max_batch when 0 and micro_batches when 0),
+    # with each sequence's time between tokens at most max_token_latency_s (0: no bound).
+    objective: str = "latency"
+    max_token_latency_s: float = 0.0
     prefetch_step: int = 1
     backend: str = "auto"
     # The dtype the model loads and computes in: "auto" (the checkpoint's: config.json's dtype,
@@ -215,6 +220,15 @@ class JobConfig:
             raise ConfigError(
                 f"dtype={self.dtype!r} must be auto, {', '.join(COMPUTE_DTYPES)}"
             )
+        if self.objective not in ("latency", "throughput"):
+            raise ConfigError(f"objective={self.objective!r} must be latency or throughput")
+        if not (math.isfinite(self.max_token_latency_s) and self.max_token_latency_s >= 0):
+            raise ConfigError(f"max_token_latency_s={self.max_token_latency_s} must be a finite "
+                              "number of seconds >= 0 (0: no bound)")  # fmt: skip
+        if self.max_token_latency_s and self.objective != "throughput":
+            raise ConfigError(f"max_token_latency_s={self.max_token_latency_s} bounds the "
+                              "throughput objective: set objective throughput "
+                              "(--objective throughput), or drop the bound")  # fmt: skip
         if self.backend not in ("auto", "prefetch", "uva"):
             raise ConfigError(f"backend={self.backend!r} must be auto, prefetch or uva")
         if self.gpus and self.address is not None:
@@ -239,7 +253,9 @@ class JobConfig:
         from coordinator.planning.planner import PlanOptions  # planning imports this module
 
         return PlanOptions(reserve_bytes=self.reserve_bytes, prefetch_step=self.prefetch_step,
-                           max_batch=self.max_batch, max_seq_len=self.max_seq_len)  # fmt: skip
+                           max_batch=self.max_batch, max_seq_len=self.max_seq_len,
+                           micro_batches=self.micro_batches or 1,
+                           objective=self.objective)  # fmt: skip
 
 
 _SIZE_FIELDS = {"gpu_memory_bytes", "host_memory_bytes", "reserve_bytes"}

@@ -86,18 +86,19 @@ def test_a_job_config_of_max_batch_0_is_planned_with_the_sized_batch() -> None:
 
 
 def test_the_predicted_throughput_curve() -> None:
-    """One micro-batch: a step takes the sum of the stages' times and yields max_batch tokens;
-    a batch whose KV cache does not fit is '-'."""
-    from coordinator.planning.batch_size import curve_text, predicted_tokens_per_s, throughput_curve
+    """Per batch size, its best micro-batch count and placement: tokens/s = max_batch / cycle;
+    a batch whose KV cache does not fit is '-', and so is every larger one."""
+    from coordinator.planning.throughput import best_plans, curve_text
 
     specs, snap = layers(), cluster(5000 + 7 * 800 + 5, 5000)
-    options = PlanOptions(max_seq_len=20, compute_bytes_per_s=1000.0)
-    curve = throughput_curve(specs, snap, options, batches=(1, 4, 1000))
-    assert [b for b, _ in curve] == [1, 4, 1000] and curve[2][1] is None
-    for batch, rate in curve[:2]:
-        the_plan = plan(specs, snap, PlanOptions(max_seq_len=20, compute_bytes_per_s=1000.0,
-                                                 max_batch=batch))  # fmt: skip
-        assert rate == batch / sum(s.time_s for s in the_plan.stages)
-        assert rate == predicted_tokens_per_s(the_plan)
-    assert curve[1][1] > curve[0][1]  # the same weights, four times the tokens per step
-    assert curve_text(curve).endswith(f"1: {curve[0][1]:.1f}, 4: {curve[1][1]:.1f}, 1000: -")
+    options = PlanOptions(max_seq_len=20, compute_bytes_per_s=1000.0, step_overhead_s=0.0)
+    curve = best_plans(specs, snap, options, batches=(1, 4, 1000, 2000), prune=False)
+    assert sorted(curve) == [1, 4]
+    for batch, the_plan in curve.items():
+        times = [s.time_s for s in the_plan.stages]
+        k = the_plan.options.micro_batches
+        assert the_plan.tokens_per_s == batch / max(sum(times), k * max(times))
+    assert curve[4].tokens_per_s > curve[1].tokens_per_s  # the same weights, more rows a step
+    assert curve_text(curve, (1, 4, 1000)).endswith(
+        f"1: {curve[1].tokens_per_s:.1f} (k=1), 4: {curve[4].tokens_per_s:.1f} "
+        f"(k={curve[4].options.micro_batches}), 1000: -")

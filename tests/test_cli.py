@@ -385,7 +385,8 @@ def test_plan_shows_the_batch_it_sizes_from_memory(checkpoint, capsys) -> None:
     args = ["plan", "--checkpoint", checkpoint, "--gpus", "1", "--gpu-memory", "8MiB"]
     assert main([*args, "--max-seq-len", "64", "--max-batch", "auto"]) == 0
     out = capsys.readouterr().out
-    batch = int(re.search(r"max_batch auto: (\d+) sequences of up to 64 tokens", out).group(1))
+    batch = int(re.search(r"max_batch (\d+), micro-batches auto: the largest batch whose KV",
+                          out).group(1))  # fmt: skip
     assert 1 <= batch <= 64
     placed = []
     for given in ("auto", str(batch)):  # the same placement and KV cache either way
@@ -395,3 +396,25 @@ def test_plan_shows_the_batch_it_sizes_from_memory(checkpoint, capsys) -> None:
     assert placed[0] == placed[1]
     assert main([*args, "--max-batch", "auto"]) == EXIT_ERROR
     assert "needs max_seq_len" in capsys.readouterr().err
+
+
+def test_plan_for_throughput_chooses_the_batch_and_draws_the_curve(checkpoint, capsys,
+                                                                   tmp_path) -> None:  # fmt: skip
+    """--objective throughput: the plan names its batch, micro-batches and predicted tokens/s,
+    the best of the curve it prints over batch sizes, which --plot draws; the JSON plan is the
+    same plan. A latency bound no plan meets is an error naming the shortest time there is."""
+    args = ["plan", "--checkpoint", checkpoint, "--gpus", "2", "--gpu-memory", "8MiB",
+            "--max-seq-len", "64", "--objective", "throughput"]  # fmt: skip
+    png = tmp_path / "curve.png"
+    assert main([*args, "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    chosen = re.search(r"max_batch (\d+), micro-batches (\d+): chosen for the most decode", out)
+    predicted = float(re.search(r"objective throughput: ([\d.]+) decode tokens/s", out).group(1))
+    curve = {int(b): float(r) for b, r in re.findall(r"(\d+): ([\d.]+) \(k=\d+\)", out)}
+    assert curve[int(chosen.group(1))] == predicted == max(curve.values())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main([*args, "--json"]) == 0
+    options = json.loads(capsys.readouterr().out)["options"]
+    assert (options["max_batch"], options["micro_batches"]) == tuple(map(int, chosen.groups()))
+    assert main([*args, "--max-token-latency", "0.000001"]) == EXIT_ERROR
+    assert "no plan meets --max-token-latency" in capsys.readouterr().err

@@ -16,6 +16,7 @@ with its traceback and exit 1.
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 import threading
@@ -56,6 +57,13 @@ def _batch(text: str) -> int:
     return 0 if text == "auto" else _positive(text)
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
 def _prefetch_step(text: str) -> int:
     from offload.config import MAX_PREFETCH_STEP
 
@@ -91,8 +99,9 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
                         "converted while reading")  # fmt: skip
     parser.add_argument("--cpus-per-worker", type=_positive, dest="cpus_per_worker")
     parser.add_argument("--max-batch", type=_batch, dest="max_batch",
-                        help="sequences generating at once the KV cache is planned for; 'auto': "
-                        "as many as fit beside the planned weights (serve's default)")  # fmt: skip
+                        help="sequences generating at once the KV cache is planned for; 'auto' "
+                        "(the default with --objective throughput): the batch with the most "
+                        "tokens/s, or for latency as many as fit beside the planned weights")  # fmt: skip
     parser.add_argument("--max-seq-len", type=int, dest="max_seq_len",
                         help="tokens per sequence (prompt + new) the KV cache is planned for "
                         "(0: none, no generation)")  # fmt: skip
@@ -106,6 +115,14 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
                         help="micro-batches the running sequences are split into (default 0: "
                         "one when layers are offloaded, each offloaded layer brought in once "
                         "per step for all; else one per stage, every stage busy)")  # fmt: skip
+    parser.add_argument("--objective", choices=("latency", "throughput"),
+                        help="what the plan maximises: latency (default for load, run, "
+                        "generate: the slowest stage of one step) or throughput (serve's "
+                        "default: decode tokens/s; also chooses --max-batch auto and "
+                        "--micro-batches 0)")  # fmt: skip
+    parser.add_argument("--max-token-latency", type=_seconds, dest="max_token_latency_s",
+                        metavar="SECONDS", help="throughput objective: each sequence's time "
+                        "between two tokens at most this (e.g. 0.05)")  # fmt: skip
     parser.add_argument("--snapshot-interval", type=float, dest="snapshot_interval_s",
                         metavar="SECONDS", help="each worker snapshots its memory this often "
                         "(default 10; 0: on request only); a named load publishes them as Ray "
@@ -121,6 +138,7 @@ _JOB_FLAGS = {
     "snapshot_interval_s": "--snapshot-interval", "max_batch": "--max-batch",
     "max_seq_len": "--max-seq-len", "max_queue": "--max-queue",
     "prefill_tokens": "--prefill-tokens", "micro_batches": "--micro-batches",
+    "objective": "--objective", "max_token_latency_s": "--max-token-latency",
 }  # fmt: skip
 
 
@@ -129,11 +147,17 @@ def _job_config(args: argparse.Namespace, defaults: dict | None = None) -> JobCo
     neither sets."""
     values = {name: getattr(args, name) for name in _JOB_FLAGS}
     if args.config:
-        return load_job_config(args.config, defaults, **values)
-    from coordinator.config import job_config_from_dict
+        config = load_job_config(args.config, defaults, **values)
+    else:
+        from coordinator.config import job_config_from_dict
 
-    given = {k: v for k, v in values.items() if v is not None}
-    return job_config_from_dict({**(defaults or {}), **given}, where="command line")
+        given = {k: v for k, v in values.items() if v is not None}
+        config = job_config_from_dict({**(defaults or {}), **given}, where="command line")
+    if config.objective == "throughput" and "max_batch" not in (defaults or {}) and (
+            args.max_batch is None):  # fmt: skip
+        # For throughput the batch is the plan's to choose, unless the flags or file set it.
+        return _job_config(args, {**(defaults or {}), "max_batch": 0})
+    return config
 
 
 def _refuse_load_flags(args: argparse.Namespace) -> None:
@@ -193,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_flags(plan)
     plan.add_argument("--nodes", type=_positive, default=1, help="identical nodes to plan for")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--plot", metavar="PNG", help="also draw the predicted tokens/s over "
+                      "batch sizes into this PNG file")  # fmt: skip
 
     for name, text in (("load", "load the model across the cluster and report each stage"),
                        ("run", "load, run a forward pass, print a logits checksum")):  # fmt: skip

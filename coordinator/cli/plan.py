@@ -24,19 +24,24 @@ def plan_cluster(config: JobConfig, result: dict, num_nodes: int,
 
 def cmd_plan(args: argparse.Namespace, job_config) -> int:
     """`offloadctl plan`: the plan on `args.nodes` nodes like this machine (no Ray), with the
-    batch sized from memory when asked and the predicted throughput over batch sizes."""
+    batch chosen when asked and the predicted tokens/s over batch sizes (text; a PNG with
+    --plot)."""
     import socket
 
     from coordinator.config import node_env
     from coordinator.family_check import check_family
-    from coordinator.planning.batch_size import curve_text, plan_job, throughput_curve
+    from coordinator.planning.batch_size import plan_job
     from coordinator.planning.checkpoint import load_index
     from coordinator.planning.context import check_max_seq_len
+    from coordinator.planning.throughput import best_plans, curve_text
     from worker.node import probe_here
 
     config = job_config(args)
     if not config.gpus:
         raise ConfigError(f"plan without Ray needs --gpus (GPUs per node), got {config.gpus}")
+    if args.plot and not config.max_seq_len:
+        raise ConfigError("--plot draws tokens/s over batch sizes, whose KV caches need "
+                          "--max-seq-len (tokens per sequence)")  # fmt: skip
     index = load_index(config.checkpoint, dtype=config.dtype)
     check_max_seq_len(index.config, config.max_seq_len)
     check_family(index.config, attn_implementation=config.attn_implementation)  # as launch does
@@ -47,10 +52,46 @@ def cmd_plan(args: argparse.Namespace, job_config) -> int:
     model = (index.config, index.dtype, config.cpus_per_worker)  # its decoder layer is timed
     cluster = plan_cluster(config, probe_here(env=env, model=model), args.nodes, origins)
     sized, the_plan = plan_job(config, index, cluster)
-    print(the_plan.to_json() if args.json else the_plan.summary())
-    if not config.max_batch and not args.json:
-        print(f"max_batch auto: {sized.max_batch} sequences of up to {sized.max_seq_len} tokens "
-              "(the largest batch whose KV cache fits beside the planned weights)")  # fmt: skip
-    if config.max_seq_len and not args.json:
-        print(curve_text(throughput_curve(index.layers, cluster, sized.plan_options())))
+    if args.json:
+        print(the_plan.to_json())
+        return 0
+    print(the_plan.summary())
+    if config.max_batch == 0 or config.objective == "throughput":
+        why = ("chosen for the most decode tokens/s" if config.objective == "throughput"
+               else "the largest batch whose KV cache fits beside the planned weights")  # fmt: skip
+        print(f"max_batch {sized.max_batch}, micro-batches {sized.micro_batches or 'auto'}: "
+              f"{why}")  # fmt: skip
+    if config.max_seq_len:
+        curve = best_plans(index.layers, cluster, config.plan_options(), prune=False,
+                           max_token_latency_s=config.max_token_latency_s)  # fmt: skip
+        print(curve_text(curve))
+        if args.plot:
+            plot_curve(curve, the_plan, args.plot)
+            print(f"wrote {args.plot}")
     return 0
+
+
+def plot_curve(curve: dict, chosen, path: str) -> None:
+    """Predicted decode tokens/s over max_batch (each at its best micro-batch count), the
+    chosen plan marked, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted(curve)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    try:
+        ax.plot(batches, [curve[b].tokens_per_s for b in batches], marker="o")
+        ax.plot([chosen.options.max_batch], [chosen.tokens_per_s], marker="*", markersize=16,
+                linestyle="", label=f"plan: max_batch {chosen.options.max_batch}, "
+                f"{chosen.options.micro_batches} micro-batch(es)")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("max_batch (sequences decoding at once)")
+        ax.set_ylabel("predicted decode tokens/s")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)

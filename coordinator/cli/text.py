@@ -85,7 +85,8 @@ def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
 
 
 DEFAULT_SERVE_SEQ_LEN = 512  # KV cache planned per sequence when serving and none was asked for
-DEFAULT_SERVE_BATCH = 0  # auto: the largest batch whose KV cache fits beside the weights
+DEFAULT_SERVE_BATCH = 0  # auto: chosen by the plan (for throughput, serve's objective)
+DEFAULT_SERVE_OBJECTIVE = "throughput"  # decode tokens/s of the whole cluster
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -141,7 +142,8 @@ def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
         job, name, ours = attach(args.name, address=args.address), args.name, False
     else:
         # serve's own defaults, for what neither the flags nor the job file set
-        config = job_config(args, defaults={"max_batch": DEFAULT_SERVE_BATCH})
+        config = job_config(args, defaults={"max_batch": DEFAULT_SERVE_BATCH,
+                                            "objective": DEFAULT_SERVE_OBJECTIVE})  # fmt: skip
         auto = config.max_batch == 0
         if config.max_seq_len == 0:  # 512 tokens, within the model's context
             context = model_context(read_config(config.checkpoint))
@@ -156,7 +158,12 @@ def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
         load_tokenizer(job.config.checkpoint)  # a checkpoint without one fails here, not later
         serving.start(name, model, host=args.host, port=args.port, api_key=key,
                       max_ongoing_requests=job.config.max_queue + job.config.max_batch)  # fmt: skip
-        sized = " (auto: as many as fit beside the weights)" if auto else ""
+        sized = ""
+        if auto and job.plan.options.objective == "throughput":
+            sized = (f" and {job.plan.options.micro_batches} micro-batch(es), chosen for "
+                     f"throughput: {job.plan.tokens_per_s:.1f} tokens/s predicted")  # fmt: skip
+        elif auto:
+            sized = " (auto: as many as fit beside the weights)"
         print(f"serving {model!r} (load {name!r}, {len(job.plan.stages)} stages, KV cache for "
               f"{job.config.max_batch} x {job.config.max_seq_len} tokens{sized}, up to "
               f"{job.config.max_queue} waiting) on "

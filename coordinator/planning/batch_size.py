@@ -4,7 +4,7 @@ beside the planned weights.
 "Beside the weights" means the batch takes only memory the weights leave free: the plan for
 that batch offloads no more weight bytes than the plan for a batch of one. A larger batch would
 pay for its KV cache by moving more weights to the host every step; whether that trade is worth
-it is a throughput question (the planner of issue 17), not a sizing default. Capped at
+it is a throughput question (`--objective throughput`, planning/throughput.py). Capped at
 AUTO_MAX_BATCH: past it, a step's activations and sampling grow while the offloaded bytes per
 token barely shrink (1/N). Pure, no Ray: `launch`, `offloadctl plan` and `serve` use it.
 """
@@ -55,43 +55,23 @@ def largest_batch(layers: Sequence[LayerSpec], cluster: ClusterSnapshot, options
 
 
 def plan_job(config, index, snapshot: ClusterSnapshot):
-    """(config, plan) of a job (`coordinator.config.JobConfig`) on `snapshot`: the config's
-    max_batch resolved when it is 0 (auto), as `launch` and `offloadctl plan` both plan."""
+    """(config, plan) of a job (`coordinator.config.JobConfig`) on `snapshot`, as `launch` and
+    `offloadctl plan` both plan. Objective throughput: max_batch (when 0, auto) and
+    micro_batches (when 0) are chosen for the most tokens/s (`coordinator.planning.throughput`)
+    and set in the config returned, so that a re-plan keeps them. Objective latency: max_batch
+    0 is the largest batch beside the weights."""
+    if config.objective == "throughput":
+        from coordinator.planning.throughput import BATCHES, choose
+
+        the_plan = choose(index.layers, snapshot, config.plan_options(),
+                          batches=[config.max_batch] if config.max_batch else BATCHES,
+                          micro_batches=config.micro_batches,
+                          max_token_latency_s=config.max_token_latency_s)  # fmt: skip
+        chosen = the_plan.options
+        return dataclasses.replace(config, max_batch=chosen.max_batch,
+                                   micro_batches=chosen.micro_batches), the_plan  # fmt: skip
     if config.max_batch:
         # through the module: tests replace the planner there
         return config, planner.plan(index.layers, snapshot, config.plan_options())
     batch, the_plan = largest_batch(index.layers, snapshot, config.plan_options())
     return dataclasses.replace(config, max_batch=batch), the_plan
-
-
-CURVE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-
-
-def predicted_tokens_per_s(the_plan: Plan) -> float:
-    """Decode tokens per second the plan's cost model predicts with one micro-batch of
-    max_batch sequences: the stages take turns on each step (each overlapping its own copies
-    with its compute), so a step takes the sum of their times and yields max_batch tokens."""
-    step_s = sum(s.time_s for s in the_plan.stages)
-    return the_plan.options.max_batch / step_s if step_s > 0 else 0.0
-
-
-def throughput_curve(layers: Sequence[LayerSpec], cluster: ClusterSnapshot, options: PlanOptions,
-                     batches: Sequence[int] = CURVE_BATCHES) -> list[tuple[int, float | None]]:  # fmt: skip
-    """(max_batch, predicted decode tokens/s, None where it does not fit) for each batch size:
-    each planned on its own (a larger batch's KV cache may push weights off the GPU, and each
-    node's measured compute rate is read at that batch)."""
-    curve: list[tuple[int, float | None]] = []
-    for batch in batches:
-        try:
-            the_plan = planner.plan(layers, cluster, dataclasses.replace(options, max_batch=batch))
-        except PlanError:
-            curve.append((batch, None))
-            continue
-        curve.append((batch, predicted_tokens_per_s(the_plan)))
-    return curve
-
-
-def curve_text(curve: list[tuple[int, float | None]]) -> str:
-    cells = [f"{batch}: {'-' if rate is None else f'{rate:.1f}'}" for batch, rate in curve]
-    return ("predicted decode tokens/s by max_batch (one micro-batch; '-': does not fit): "
-            + ", ".join(cells))

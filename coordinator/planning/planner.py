@@ -176,6 +176,16 @@ class Plan:
         sources = {(s.hostname or s.node_id[:8], s.compute_source) for s in self.stages
                    if s.compute_source}  # fmt: skip
         notes = [f"compute rate on {host}: {source}" for host, source in sorted(sources)]
+        if self.options.max_batch and self.stages:
+            o = self.options
+            note = (f"objective {o.objective}: {self.tokens_per_s:.1f} decode tokens/s predicted "
+                    f"({o.max_batch} sequences in {o.micro_batches} micro-batch(es); "
+                    f"{format_seconds(self.cycle_s)} between a sequence's tokens, with "
+                    f"{format_seconds(o.step_overhead_s)} per stage step besides compute)")  # fmt: skip
+            if self.cycle_bound_s and self.cycle_bound_s < self.cycle_s:
+                note += (f"; too large for the exact search: no plan is more than "
+                         f"{self.cycle_s / self.cycle_bound_s:.2f}x faster")  # fmt: skip
+            notes.append(note)
         return "\n".join([title, *lines, *notes])
 
 
