@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.batching import bench_shape, prompts_for
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import load_index
+from coordinator.planning.options import DEFAULT_OPTIONS
 from coordinator.planning.throughput import best_plans
 from coordinator.runtime.launch import launch
 from coordinator.runtime.probing import model_of, probe_cluster
@@ -87,10 +88,22 @@ def measure(config: JobConfig, prompts, args) -> dict:
     with launch(config) as job, ThreadPoolExecutor(len(prompts) + 1) as pool:
         decode_rate(job, pool, prompts[:2], 4)  # warm-up
         rates = [decode_rate(job, pool, prompts, args.new_tokens) for _ in range(args.repeats)]
-        return {"measured": statistics.median(rates), "runs": rates,
-                "predicted": job.plan.tokens_per_s, "micro_batches": job.config.micro_batches,
-                "stages": len(job.plan.stages),
-                "offloaded_mib": sum(s.offloaded_bytes for s in job.plan.stages) / MIB}  # fmt: skip
+        plan = job.plan
+        measured = statistics.median(rates)
+        return {"measured": measured, "runs": rates, "predicted": plan.tokens_per_s,
+                "micro_batches": job.config.micro_batches, "stages": len(plan.stages),
+                "offloaded_mib": sum(s.offloaded_bytes for s in plan.stages) / MIB,
+                "overhead_needed_s": overhead_needed(plan, plan.options.max_batch / measured)}  # fmt: skip
+
+
+def overhead_needed(plan, measured_cycle_s: float) -> float:
+    """The runtime overhead per stage step (PlanOptions.step_overhead_s) that would make the
+    plan's cycle equal the measured one: cycle = max(sum(t) + S o, k (max t + o)) with o the
+    runtime's plus the measured fixed part, increasing in o; solved for the smaller crossing."""
+    times = [s.time_s for s in plan.stages]
+    k, fixed = plan.options.micro_batches, plan.step_overhead_s - plan.options.step_overhead_s
+    total = min((measured_cycle_s - sum(times)) / len(times), measured_cycle_s / k - max(times))
+    return total - fixed
 
 
 def scenario(num_gpus: int, checkpoint: str, index, args) -> dict:
@@ -165,14 +178,15 @@ def report(rows: list[dict], args, index, started: float) -> None:
     print(f"model: {index.total_bytes / MIB:.1f} MiB, max_seq_len {MAX_SEQ_LEN}; "
           f"{args.new_tokens} new tokens per request; medians of {args.repeats} runs\n")
     print("| stages | budget/GPU | max_batch | micro-batches | offloaded MiB | predicted tokens/s "
-          "| measured tokens/s | predicted / measured |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| measured tokens/s | predicted / measured | overhead that fits |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         for batch, c in sorted(r["batches"].items()):
             mark = " (chosen)" if batch == r["chosen"] else ""
             print(f"| {r['gpus']} | {r['budget_mib']} MiB | {batch}{mark} | {c['micro_batches']} | "
                   f"{c['offloaded_mib']:.1f} | {c['predicted']:.1f} | {c['measured']:.1f} | "
-                  f"{c['predicted'] / c['measured']:.2f} |")  # fmt: skip
+                  f"{c['predicted'] / c['measured']:.2f} | "
+                  f"{c['overhead_needed_s'] * 1e3:.2f} ms |")  # fmt: skip
     for r in rows:
         measured = {b: c["measured"] for b, c in r["batches"].items()}
         best = max(measured, key=measured.get)
@@ -187,6 +201,11 @@ def report(rows: list[dict], args, index, started: float) -> None:
               f"the throughput plan {measured[r['chosen']] / lat['measured']:.2f}x that")  # fmt: skip
         curve = ", ".join(f"{b}: {t:.0f}" for b, t in sorted(r["curve"].items()))
         print(f"  predicted curve: {curve}")
+    needed = [c["overhead_needed_s"] for r in rows for c in [*r["batches"].values(), r["latency"]]]
+    print(f"\nruntime overhead per stage step that would make each prediction exact: median "
+          f"{statistics.median(needed) * 1e3:.2f} ms (min {min(needed) * 1e3:.2f}, max "
+          f"{max(needed) * 1e3:.2f}); the planner assumed "
+          f"{DEFAULT_OPTIONS.step_overhead_s * 1e3:.2f} ms (PlanOptions.step_overhead_s)")
 
 
 if __name__ == "__main__":

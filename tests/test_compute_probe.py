@@ -38,13 +38,16 @@ def test_a_decoder_layer_is_timed_and_cached(index, tmp_path, monkeypatch) -> No
 
 def test_the_step_time_between_and_beyond_the_measured_sizes() -> None:
     profile = ComputeProfile(family="llama", dtype="float32", device="cpu", rows=(1, 8, 32),
-                             layer_s=(1.0, 2.4, 5.6), layer_bytes=1000)  # fmt: skip
+                             layer_s=(1.0, 2.4, 5.6), fixed_s=(0.5, 0.5, 0.9),
+                             layer_bytes=1000)  # fmt: skip
     assert [profile.step_s(r) for r in (1, 8, 32)] == [1.0, 2.4, 5.6]
     assert profile.step_s(4) == pytest.approx(1.6)  # on the line from 1 to 8
     assert profile.step_s(64) == pytest.approx(5.6 + 3.2 / 24 * 32)  # the last line, extended
     assert profile.bytes_per_s(8) == pytest.approx(1000 / 2.4)
     assert profile.bytes_per_s(0) == profile.bytes_per_s(1)
-    assert "takes 2400.00 ms per step of 8 sequence(s) on cpu" in profile.describe(8)
+    assert profile.fixed_step_s(20) == pytest.approx(0.7) and profile.fixed_step_s(1) == 0.5
+    assert ("takes 2400.00 ms per step of 8 sequence(s) on cpu, a stage's step 500.00 ms more"
+            in profile.describe(8))  # fmt: skip
 
 
 def test_the_probe_gives_the_plan_the_rate_for_its_batch(index) -> None:

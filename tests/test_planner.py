@@ -98,7 +98,8 @@ def feasible_stage_times(layers: list[LayerSpec], snap: ClusterSnapshot, opts: P
                 host[n] += sum(off)
                 link = node.link_bytes_per_s or opts.default_link_bytes_per_s
                 rate = node.compute_bytes_per_s or opts.compute_bytes_per_s
-                times.append(max(weights / rate, sum(off) / link))
+                work = sum(sizes[i] for i in stage if layers[i].kind != "embed")  # a lookup
+                times.append(max(work / rate, sum(off) / link))
             budgets = [node.offload_budget_bytes for node in snap.nodes]
             if ok and all(h <= b for h, b in zip(host, budgets, strict=True)):
                 yield times
@@ -135,7 +136,8 @@ def check_invariants(result: Plan, layers: list[LayerSpec], snap: ClusterSnapsho
         assert s.device_bytes <= gpu.memory_bytes
         link = node.link_bytes_per_s or opts.default_link_bytes_per_s
         assert s.compute_bytes_per_s == node.compute_bytes_per_s
-        assert s.compute_s == weights / (node.compute_bytes_per_s or opts.compute_bytes_per_s)
+        work = sum(by_name[n].nbytes for n in s.layers if by_name[n].kind != "embed")
+        assert s.compute_s == work / (node.compute_bytes_per_s or opts.compute_bytes_per_s)
         assert s.transfer_s == s.offloaded_bytes / link
         assert s.time_s == max(s.compute_s, s.transfer_s)
         host[s.node_id] = host.get(s.node_id, 0) + s.offloaded_bytes

@@ -76,10 +76,12 @@ def test_micro_batch_counts_keep_the_fewest_per_row_count() -> None:
     assert micro_batch_counts(1, 8) == [1]
 
 
-def profile(step_ms: tuple[float, float, float]) -> ComputeProfile:
-    """A measured decoder layer of 10 bytes taking these ms per step of 1, 8 and 32 rows."""
+def profile(step_ms: tuple[float, float, float], fixed_ms: float = 0.0) -> ComputeProfile:
+    """A measured decoder layer of 10 bytes taking these ms per step of 1, 8 and 32 rows, and
+    a stage's step `fixed_ms` more whatever its rows."""
     return ComputeProfile(family="llama", dtype="float32", device="cpu", rows=(1, 8, 32),
-                          layer_s=tuple(t / 1e3 for t in step_ms), layer_bytes=10)  # fmt: skip
+                          layer_s=tuple(t / 1e3 for t in step_ms),
+                          fixed_s=(fixed_ms / 1e3,) * 3, layer_bytes=10)  # fmt: skip
 
 
 @st.composite
@@ -92,7 +94,8 @@ def throughput_instances(draw):
               if x.kind == "decoder" else x for x in layers]  # fmt: skip
     nodes = tuple(
         dataclasses.replace(n, compute_bytes_per_s=None, compute=profile(draw(st.sampled_from(
-            [(1.0, 1.5, 4.0), (2.0, 2.0, 3.0), (1.0, 8.0, 32.0)]))))
+            [(1.0, 1.5, 4.0), (2.0, 2.0, 3.0), (1.0, 8.0, 32.0)])), draw(st.sampled_from(
+            [0.0, 500.0]))))
         if draw(st.booleans()) else n
         for n in snap.nodes
     )  # fmt: skip
@@ -112,8 +115,11 @@ def test_choice_matches_brute_force(instance, latency) -> None:
     expected = None
     for batch in batches:
         for k in range(1, min(batch, num_gpus) + 1):
-            o = dataclasses.replace(opts, max_batch=batch, micro_batches=k)
             rows = -(-batch // k)
+            # the runtime's overhead and the largest fixed step time the nodes measured
+            fixed = max(n.fixed_step_s(rows) for n in snap.nodes)
+            o = dataclasses.replace(opts, max_batch=batch, micro_batches=k,
+                                    step_overhead_s=opts.step_overhead_s + fixed)  # fmt: skip
             rated = ClusterSnapshot(nodes=tuple(
                 dataclasses.replace(n, compute=None, compute_bytes_per_s=n.compute_rate(rows)[0])
                 for n in snap.nodes))  # fmt: skip

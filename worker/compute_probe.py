@@ -1,8 +1,11 @@
-"""How fast this node runs the model: one decoder layer of the model's own class, random weights
-in the job's dtype, stepped exactly as a worker steps it (a `Stage` holding that layer, its KV in
-a slot pool, `BatchRunner.step`), timed as decode steps of 1, 8 and 32 sequences over a short
-context. The planner then predicts a stage's time from what this device does with this model,
-not from an assumed rate (the weights a layer streams through per step / the time it took).
+"""How fast this node runs the model: decoder layers of the model's own class, random weights
+in the job's dtype, stepped exactly as a worker steps them (a `Stage` holding them, their KV in
+a slot pool, `BatchRunner.step`), timed as decode steps of 1 to 64 sequences over a short
+context. A stage of one layer and a stage of two, step by step in turn: the difference is what
+each further layer costs (the planner's compute rate: the weights a layer streams through per
+step / that time), the rest is what a stage's step costs whatever it holds (positions, masks,
+the slot view: the plan's per-step overhead). The planner then predicts a stage's time from
+what this device does with this model, not from an assumed rate.
 
 Quick (a few dozen steps of one layer) and cached per model shape, dtype, device and torch
 version on the node's disk (`OFFLOAD_COMPUTE_CACHE`, default ~/.cache/offload-coordinator), so a
@@ -22,42 +25,54 @@ from pathlib import Path
 
 import torch
 
-ROWS = (1, 8, 32)  # sequences per decode step
+ROWS = (1, 4, 16, 64)  # sequences per decode step
 CONTEXT = 64  # tokens each sequence has cached
-STEPS = 7  # timed decode steps per size (the first is a warm-up)
+STEPS = 13  # timed decode steps per size and stage (the first is a warm-up)
 CACHE_ENV = "OFFLOAD_COMPUTE_CACHE"
 
 
 @dataclass(frozen=True, slots=True)
 class ComputeProfile:
-    """One decoder layer's decode step time for each number of rows, on `device`."""
+    """Per number of rows: a decoder layer's time in a decode step, and what a stage's step
+    costs besides its layers, on `device`."""
 
     family: str
     dtype: str
     device: str  # the device's name
     rows: tuple[int, ...]
-    layer_s: tuple[float, ...]  # median seconds per step, per entry of `rows`
+    layer_s: tuple[float, ...]  # median seconds per layer per step, per entry of `rows`
+    fixed_s: tuple[float, ...]  # median seconds per stage step besides its layers
     layer_bytes: int  # the layer's weight bytes
 
     def step_s(self, rows: int) -> float:
-        """Seconds per step at `rows` rows: linear between the measured sizes, the outer
-        segments' lines beyond them (never below the smallest measured time)."""
-        points = list(zip(self.rows, self.layer_s, strict=True))
-        if len(points) == 1:
-            return points[0][1]
-        for (r0, t0), (r1, t1) in itertools.pairwise(points):
-            if rows <= r1 or (r1, t1) == points[-1]:
-                return max(points[0][1], t0 + (t1 - t0) * (rows - r0) / (r1 - r0))
-        raise AssertionError("unreachable")
+        """A layer's seconds per step at `rows` rows (see `_between`)."""
+        return _between(self.rows, self.layer_s, rows)
+
+    def fixed_step_s(self, rows: int) -> float:
+        """A stage's seconds per step at `rows` rows besides its layers."""
+        return _between(self.rows, self.fixed_s, rows)
 
     def bytes_per_s(self, rows: int) -> float:
         """The weight bytes per second a stage of this model computes at `rows` rows per step."""
         return self.layer_bytes / self.step_s(max(rows, 1))
 
     def describe(self, rows: int) -> str:
+        rows = max(rows, 1)
         return (f"measured: a {self.family} decoder layer ({self.dtype}) takes "
-                f"{self.step_s(max(rows, 1)) * 1e3:.2f} ms per step of {max(rows, 1)} "
-                f"sequence(s) on {self.device}")  # fmt: skip
+                f"{self.step_s(rows) * 1e3:.2f} ms per step of {rows} sequence(s) on "
+                f"{self.device}, a stage's step {self.fixed_step_s(rows) * 1e3:.2f} ms more")  # fmt: skip
+
+
+def _between(rows: tuple[int, ...], values: tuple[float, ...], at: int) -> float:
+    """Linear between the measured sizes, the outer segments' lines beyond them (never below
+    the smallest measured value)."""
+    points = list(zip(rows, values, strict=True))
+    if len(points) == 1:
+        return points[0][1]
+    for (r0, t0), (r1, t1) in itertools.pairwise(points):
+        if at <= r1 or (r1, t1) == points[-1]:
+            return max(min(values), t0 + (t1 - t0) * (at - r0) / (r1 - r0))
+    raise AssertionError("unreachable")
 
 
 def _device_name(device: torch.device) -> str:
@@ -97,9 +112,9 @@ def _cached(config: dict, dtype: str, device: torch.device, use_cache: bool,
     if use_cache and path.is_file():
         try:
             data = json.loads(path.read_text())
-            return ComputeProfile(**{**data, "rows": tuple(data["rows"]),
-                                     "layer_s": tuple(data["layer_s"])})  # fmt: skip
-        except (OSError, ValueError, TypeError):
+            tuples = {name: tuple(data[name]) for name in ("rows", "layer_s", "fixed_s")}
+            return ComputeProfile(**{**data, **tuples})
+        except (OSError, ValueError, TypeError, KeyError):
             pass  # measured again below, and the cache rewritten
     if cached_only:
         return None
@@ -116,43 +131,60 @@ def _cached(config: dict, dtype: str, device: torch.device, use_cache: bool,
 
 
 def _measure(config: dict, dtype: str, device: torch.device) -> ComputeProfile:
-    from worker.batched import BatchRunner, StepRows
-    from worker.layout import hf_config_from_dict
+    from worker.batched import StepRows
     from worker.spec import torch_dtype_named
-    from worker.stage import Stage
 
     torch_dtype = torch_dtype_named(dtype)
-    stage = Stage(hf_config_from_dict(config, dtype=torch_dtype), ["layers.0"])
-    layer = stage.layer_modules()["layers.0"]
-    layer.to_empty(device=device)
-    stage.init_buffers(device)
     generator = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for param in layer.parameters():
-            if param.is_floating_point():
-                param.normal_(0.0, 0.02, generator=generator)
+    two = int(config.get("num_hidden_layers", 1)) >= 2
+    stages = [_stage(config, torch_dtype, device, n, generator) for n in ((1, 2) if two else (1,))]
+    layer = stages[0][0].layer_modules()["layers.0"]
     layer_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
-    runner = BatchRunner(device)
     hidden = int(config["hidden_size"])
-    times = []
+    per_layer, fixed = [], []
     for rows in ROWS:
         prefill = StepRows(slots=tuple(range(rows)), starts=(0,) * rows, counts=(CONTEXT,) * rows,
                            width=CONTEXT, num_slots=rows, max_seq_len=CONTEXT + STEPS)  # fmt: skip
         x = torch.randn(rows, CONTEXT, hidden, generator=generator, device=device).to(torch_dtype)
-        runner.step(stage, prefill, x * 0.02, None)
-        step, samples = prefill.advanced(), []
-        for _ in range(STEPS):
+        for stage, runner in stages:
+            runner.step(stage, prefill, x * 0.02, None)
+        step, samples = prefill.advanced(), [[] for _ in stages]
+        for _ in range(STEPS):  # the stages in turn, so that both see the same conditions
             token = torch.randn(rows, 1, hidden, generator=generator, device=device)
-            _synchronize(device)
-            start = time.perf_counter()
-            runner.step(stage, step, token.to(torch_dtype) * 0.02, None)
-            _synchronize(device)
-            samples.append(time.perf_counter() - start)
+            for (stage, runner), times in zip(stages, samples, strict=True):
+                _synchronize(device)
+                start = time.perf_counter()
+                runner.step(stage, step, token.to(torch_dtype) * 0.02, None)
+                _synchronize(device)
+                times.append(time.perf_counter() - start)
             step = step.advanced()
-        times.append(statistics.median(samples[1:]))
+        one = statistics.median(samples[0][1:])
+        each = statistics.median(samples[1][1:]) - one if two else one
+        each = max(each, one / 10)  # noise must not make a layer free
+        per_layer.append(each)
+        fixed.append(max(one - each, 0.0))
     return ComputeProfile(family=config.get("model_type", "?"), dtype=dtype,
-                          device=_device_name(device), rows=ROWS, layer_s=tuple(times),
-                          layer_bytes=layer_bytes)  # fmt: skip
+                          device=_device_name(device), rows=ROWS, layer_s=tuple(per_layer),
+                          fixed_s=tuple(fixed), layer_bytes=layer_bytes)  # fmt: skip
+
+
+def _stage(config: dict, torch_dtype, device: torch.device, num_layers: int, generator):
+    """A stage of the model's first `num_layers` decoder layers with random weights, and the
+    runner that steps it."""
+    from worker.batched import BatchRunner
+    from worker.layout import hf_config_from_dict
+    from worker.stage import Stage
+
+    stage = Stage(hf_config_from_dict(config, dtype=torch_dtype),
+                  [f"layers.{i}" for i in range(num_layers)])  # fmt: skip
+    for module in stage.layer_modules().values():
+        module.to_empty(device=device)
+    stage.init_buffers(device)
+    with torch.no_grad():
+        for param in stage.parameters():
+            if param.is_floating_point() and not param.is_meta:
+                param.normal_(0.0, 0.02, generator=generator)
+    return stage, BatchRunner(device)
 
 
 def _synchronize(device: torch.device) -> None:

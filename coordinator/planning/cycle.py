@@ -72,7 +72,7 @@ def min_cycle(search: Search, micro_batches: int, overhead_s: float,
         # Lower bounds: every placement has a stage of >= T*, and computes all weights at no
         # more than the fastest node's rate, in at least one stage.
         bound = max(k * (bottleneck + overhead_s),
-                    search.prefix[-1] / max(search.rates) + overhead_s)  # fmt: skip
+                    search.work[-1] / max(search.rates) + overhead_s)  # fmt: skip
         return Cycle(*answer, exact=False, bound_s=min(bound, answer[1]))
     caps = sorted(_stage_times(search, bottleneck))
     lo, hi = 0, len(caps) - 1
@@ -114,8 +114,8 @@ def _range_time(search: Search, n: int, start: int, end: int, memory: int) -> fl
     offloaded = search.offload_bytes(start, end, memory, node.slots)
     if offloaded is None or offloaded > node.offload_budget_bytes:
         return None
-    weights = search.prefix[end] - search.prefix[start]
-    return max(weights / search.rates[n], offloaded / node.link_bytes_per_s)
+    work = search.work[end] - search.work[start]
+    return max(work / search.rates[n], offloaded / node.link_bytes_per_s)
 
 
 def _least_sum(search: Search, cap: float,
@@ -138,8 +138,8 @@ def _least_sum(search: Search, cap: float,
                     offloaded = search.offload_bytes(pos, end, memory, node.slots)
                     if offloaded is None or used + offloaded > node.offload_budget_bytes:
                         break  # a longer range needs at least as many bytes moved
-                    weights = search.prefix[end] - search.prefix[pos]
-                    t = max(weights / search.rates[n], offloaded / node.link_bytes_per_s)
+                    work = search.work[end] - search.work[pos]
+                    t = max(work / search.rates[n], offloaded / node.link_bytes_per_s)
                     if t > cap:
                         break  # and at least as much time
                     key, value = (end, used + offloaded), total + (t + overhead_s)

@@ -96,6 +96,9 @@ class Plan:
     # proven optimal; below it: the search kept the bottleneck placement on a cluster too large
     # for its exact DP, and this is how far from optimal it can be). 0.0: a latency plan.
     cycle_bound_s: float = 0.0
+    # What each stage step costs besides compute and copies in cycle_s: the options' runtime
+    # overhead and the stage's own fixed part the nodes measured.
+    step_overhead_s: float = 0.0
 
     @property
     def bottleneck_stage(self) -> int:
@@ -125,6 +128,7 @@ class Plan:
             total_bytes=data["total_bytes"],
             cycle_s=data.get("cycle_s", 0.0),
             cycle_bound_s=data.get("cycle_bound_s", 0.0),
+            step_overhead_s=data.get("step_overhead_s", 0.0),
         )
 
     def summary(self) -> str:
@@ -181,7 +185,7 @@ class Plan:
             note = (f"objective {o.objective}: {self.tokens_per_s:.1f} decode tokens/s predicted "
                     f"({o.max_batch} sequences in {o.micro_batches} micro-batch(es); "
                     f"{format_seconds(self.cycle_s)} between a sequence's tokens, with "
-                    f"{format_seconds(o.step_overhead_s)} per stage step besides compute)")  # fmt: skip
+                    f"{format_seconds(self.step_overhead_s)} per stage step besides compute)")  # fmt: skip
             if self.cycle_bound_s and self.cycle_bound_s < self.cycle_s:
                 note += (f"; too large for the exact search: no plan is more than "
                          f"{self.cycle_s / self.cycle_bound_s:.2f}x faster")  # fmt: skip
@@ -235,6 +239,7 @@ def plan(
             reserve_bytes=options.reserve_bytes,
             compute_bytes_per_s=options.compute_bytes_per_s,
             kv_sizes=kv,
+            compute_sizes=[0 if layer.kind == "embed" else layer.nbytes for layer in layers],
         )
         solved = (search, *search.solve())
         if memo is not None:
@@ -244,9 +249,17 @@ def plan(
         raise unplaceable(layers, cluster, options, reached, best)
     if options.objective == "latency":
         return _build(layers, cluster, options, search, best)
-    found = min_cycle(search, options.micro_batches, options.step_overhead_s, best)
+    found = min_cycle(search, options.micro_batches, _overhead_s(cluster, options), best)
     assert found is not None  # solve placed every layer
     return _build(layers, cluster, options, search, found.placements, found.bound_s)
+
+
+def _overhead_s(cluster: ClusterSnapshot, options: PlanOptions) -> float:
+    """A stage step's cost besides compute and copies: the runtime's (options) and the
+    stage's own fixed part, as the nodes' probes measured it (the largest: one overhead for
+    every stage keeps the cycle search exact)."""
+    rows = options.rows_per_step
+    return options.step_overhead_s + max(node.fixed_step_s(rows) for node in cluster.nodes)
 
 
 def _build(
@@ -296,7 +309,8 @@ def _build(
                 backend_reason=node.backend_reason,
             )
         )
-    cycle = cycle_s([s.time_s for s in stages], options.micro_batches, options.step_overhead_s)
+    overhead = _overhead_s(cluster, options)
+    cycle = cycle_s([s.time_s for s in stages], options.micro_batches, overhead)
     return Plan(
         stages=tuple(stages),
         options=options,
@@ -304,4 +318,5 @@ def _build(
         total_bytes=search.prefix[-1],
         cycle_s=cycle,
         cycle_bound_s=0.0 if bound_s is None else bound_s,
+        step_overhead_s=overhead,
     )

@@ -161,15 +161,19 @@ class Search:
         reserve_bytes: int,
         compute_bytes_per_s: float,
         kv_sizes: Sequence[int] | None = None,
+        compute_sizes: Sequence[int] | None = None,
     ) -> None:
         """`kv_sizes`: device bytes each layer needs besides its weights and never offloads
-        (its reserved KV cache); they count against the GPU's memory wherever the layer is."""
+        (its reserved KV cache); they count against the GPU's memory wherever the layer is.
+        `compute_sizes`: the weight bytes a step computes through per layer (default: all of
+        them; an embedding is looked up, not multiplied), over the node's rate its time."""
         self.num_layers = len(sizes)
         self.nodes = tuple(nodes)
         self.reserve_bytes = reserve_bytes
         self.compute_bytes_per_s = compute_bytes_per_s
         self.rates = [n.compute_bytes_per_s or compute_bytes_per_s for n in self.nodes]
         self.prefix = list(accumulate(sizes, initial=0))
+        self.work = list(accumulate(sizes if compute_sizes is None else compute_sizes, initial=0))
         self.kv_prefix = list(accumulate(kv_sizes or [0] * len(sizes), initial=0))
         # weights + KV per prefix: what a range needs on the device with nothing offloaded
         self.device_prefix = [w + k for w, k in zip(self.prefix, self.kv_prefix, strict=True)]
@@ -222,16 +226,16 @@ class Search:
         """(end, offloaded bytes) for the furthest end with nothing offloaded, then for each
         further end that still fits. Offloaded bytes never decrease with the end (step 1), so
         the scan stops at the first misfit. The hot loop of the search: equal sizes inline."""
-        prefix, base = self.prefix, self.prefix[start]
+        work, base = self.work, self.work[start]
         device, device_base = self.device_prefix, self.device_prefix[start]
         room = memory_bytes - self.reserve_bytes
         if room < 0:
             return [(start, 0)]
-        end = max(start, min(bisect_right(prefix, base + weight_cap, lo=start),
+        end = max(start, min(bisect_right(work, base + weight_cap, lo=start),
                              bisect_right(device, device_base + room, lo=start)) - 1)  # fmt: skip
         fits = [(end, 0)]
         size, step, movable = self.uniform, slots, self.num_movable
-        while end < self.num_layers and prefix[end + 1] - base <= weight_cap:
+        while end < self.num_layers and work[end + 1] - base <= weight_cap:
             if size is not None:  # k * s - p * s >= deficit, see min_offload
                 num = step + (device[end + 1] - device_base - room + size - 1) // size
                 cost = num * size if num <= movable[end + 1] - movable[start] else None
@@ -324,7 +328,7 @@ class Search:
         # this proves at once instead of creeping up to it from below. At most two such probes
         # in a row, so the number of probes stays logarithmic. An infeasible probe raises `lo`
         # to just below the next time at which a byte cap changes.
-        biggest = max(b - a for a, b in pairwise(self.prefix))
+        biggest = max(b - a for a, b in pairwise(self.work))
         lo = float_bits(biggest / max(self.rates)) - 1
         hi = float_bits(self.bottleneck_s(best))
         feasible = 0  # feasible probes in a row: the 1st and 2nd are followed by a check
@@ -342,8 +346,8 @@ class Search:
         node = self.nodes[p.node]
         offloaded = self.offload_bytes(p.start, p.end, node.gpu_memory_bytes[p.gpu], node.slots)
         assert offloaded is not None
-        weights = self.prefix[p.end] - self.prefix[p.start]
-        return weights / self.rates[p.node], offloaded / node.link_bytes_per_s
+        work = self.work[p.end] - self.work[p.start]
+        return work / self.rates[p.node], offloaded / node.link_bytes_per_s
 
     def bottleneck_s(self, placements: Sequence[LayerRange]) -> float:
         return max((max(self.stage_times(p)) for p in placements), default=0.0)

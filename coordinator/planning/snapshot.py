@@ -48,6 +48,13 @@ class NodeInfo:
             rows = max(max_batch, 1)
             return self.compute.bytes_per_s(rows), self.compute.describe(rows)
         return None, self.compute_source
+
+    def fixed_step_s(self, rows: int) -> float:
+        """What a stage's step costs here besides its layers' compute, as measured (0.0: not
+        measured, or a rate given outright)."""
+        if self.compute_bytes_per_s is not None or self.compute is None:
+            return 0.0
+        return self.compute.fixed_step_s(max(rows, 1))
     # How this node's GPUs reach offloaded weights: "prefetch" (slots on the device) or "uva"
     # (in place: no slots). The job's backend, with "auto" resolved by the node's probe.
     backend: str = "prefetch"
