@@ -66,14 +66,16 @@ class Pipeline:
     """The plan's stages as in-process workers, one thread each (as the reference)."""
 
     def __init__(self, index: CheckpointIndex, groups: list[list[str]] | None = None,
-                 offloaded: tuple[str, ...] = ()) -> None:  # fmt: skip
-        """The planner's split, or `groups` of layers with `offloaded` ones offloaded."""
+                 offloaded: tuple[str, ...] = (), unit: str = "layer") -> None:  # fmt: skip
+        """The planner's split, or `groups` of layers with `offloaded` ones offloaded (their
+        `unit`: all of them, or their experts or MLP)."""
         self.index = index
         if groups is None:
             self.plan = offloading_plan(index)
             specs = stage_specs(JobConfig(checkpoint=str(index.root)), index, self.plan, {})
         else:
-            specs = [split_spec(index, stage, groups, offloaded) for stage in range(len(groups))]
+            specs = [split_spec(index, stage, groups, offloaded, unit)
+                     for stage in range(len(groups))]  # fmt: skip
         self.workers = [StageWorker(spec, device="cpu", num_threads=1) for spec in specs]
         for worker in self.workers:
             worker.load()
@@ -164,13 +166,14 @@ def test_stages_of_only_an_embedding_or_only_a_head(checkpoints, family: str) ->
 
 
 def split_spec(index: CheckpointIndex, stage: int, groups: list[list[str]],
-               offloaded: tuple) -> StageSpec:  # fmt: skip
+               offloaded: tuple, unit: str = "layer") -> StageSpec:  # fmt: skip
     """Stage `stage` of a hand-made split: layers `groups[stage]`, `offloaded` ones offloaded."""
     group = groups[stage]
     return StageSpec(stage=stage, num_stages=len(groups), checkpoint_dir=str(index.root),
                      config=index.config, dtype=index.dtype,
                      layers=tuple(layer for layer in index.layers if layer.name in group),
-                     offloaded=tuple(n for n in group if n in offloaded))  # fmt: skip
+                     offloaded=tuple(n for n in group if n in offloaded),
+                     offload_unit=unit)  # fmt: skip
 
 
 def run_split(index: CheckpointIndex, ids, groups: list[list[str]], offloaded: tuple) -> torch.Tensor:
@@ -180,6 +183,40 @@ def run_split(index: CheckpointIndex, ids, groups: list[list[str]], offloaded: t
         return pipeline(ids)
     finally:
         pipeline.close()
+
+
+@pytest.mark.parametrize(("family", "unit", "pattern"), [
+    ("mixtral", "experts", "mlp.experts."), ("qwen3_moe", "experts", "mlp.experts."),
+    ("llama", "mlp", "mlp."), ("qwen2_moe", "mlp", "mlp."),
+])  # fmt: skip
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_part_of_each_layer_offloaded(checkpoints, family: str, unit: str, pattern: str,
+                                      dtype: str) -> None:  # fmt: skip
+    """Sub-layer offload: of three offloaded layers only their experts (or MLP) go to host
+    memory and come back through the prefetch slot; attention, norms and the router stay on
+    the device. Bitwise the logits of transformers, over two passes of the prefetch schedule,
+    with exactly the unit's bytes in the arena (what the planner counts for it)."""
+    index = checkpoints(family, dtype)
+    names = [layer.name for layer in index.layers]
+    moved = ("layers.0", "layers.1", "layers.3")
+    ids = torch.randint(2, VOCAB, (2, 11), generator=torch.Generator().manual_seed(9))
+    pipeline = Pipeline(index, [names[:3], names[3:]], offloaded=moved, unit=unit)
+    try:
+        first, second = pipeline(ids), pipeline(ids)
+        stats = [worker.report().stats for worker in pipeline.workers]
+        placed = pipeline.workers[0]._placement
+        held = dict(placed.modules["layers.1"].named_parameters())
+    finally:
+        pipeline.close()
+    expected = reference(index, ids)
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    by_name = {layer.name: layer for layer in index.layers}
+    assert sum(s.offloaded_bytes for s in stats) == sum(by_name[n].unit_bytes(unit) for n in moved)
+    assert 0 < by_name["layers.1"].unit_bytes(unit) < by_name["layers.1"].nbytes
+    # the offloaded unit's parameters are views of the stage's prefetch slot, the rest its own
+    slot = {p.untyped_storage().data_ptr() for n, p in held.items() if n.startswith(pattern)}
+    rest = {p.untyped_storage().data_ptr() for n, p in held.items() if not n.startswith(pattern)}
+    assert len(slot) == 1 and not slot & rest and any(n.startswith("self_attn.") for n in held)
 
 
 def test_what_the_model_keeps_in_float32_stays_in_float32(tmp_path) -> None:

@@ -130,6 +130,27 @@ def test_joining_and_leaving_requests_equal_transformers_alone(indexes, family: 
     assert any(r.stats.copies > 0 for r in reports)  # layers were offloaded
 
 
+@pytest.mark.parametrize(("family", "unit"), [("mixtral", "experts"), ("llama", "mlp")])
+def test_requests_with_part_of_each_layer_offloaded_equal_transformers_alone(
+        indexes, family: str, unit: str) -> None:  # fmt: skip
+    """Sub-layer offload under continuous batching: the experts (or MLPs) of the offloaded
+    layers come in through the slot once per step for every sequence in it."""
+    index = indexes(family)
+    pipeline = Pipeline(index, *TWO_STAGES, unit=unit)
+    try:
+        ids = prompts(seed=4)
+        ours, _ = run_joining(pipeline, ids, micro_batches=1)
+        stats = [w.report().stats for w in pipeline.workers]
+    finally:
+        pipeline.close()
+    for prompt, (_, new, _), tokens in zip(ids, REQUESTS, ours, strict=True):
+        assert tokens == alone(index, prompt, new), (family, unit)
+    by_name = {layer.name: layer for layer in index.layers}
+    assert sum(s.offloaded_bytes for s in stats) == sum(
+        by_name[n].unit_bytes(unit) for n in TWO_STAGES[1]) > 0  # fmt: skip
+    assert all(s.copies > 0 for s in stats)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_bf16_requests_match_transformers_as_closely_as_its_own_batches(indexes,
                                                                          family: str) -> None:  # fmt: skip

@@ -22,24 +22,29 @@ GiB = 1 << 30
 KNOB_WORDS = ("add GPUs", "--gpu-memory", "host budget", "--prefetch-step", "--reserve")
 
 
-def layer(name: str, kind: str, nbytes: int) -> LayerSpec:
-    """A layer of two fake U8 tensors (so byte sizes are exact) adding up to `nbytes`."""
-    half = nbytes // 2
-    tensors = tuple(
-        TensorSlice(
-            name=f"{name}.w{i}", dtype="U8", shape=(n,), file="x.safetensors", start=0, end=n
-        )
-        for i, n in enumerate((half, nbytes - half))
-    )
+def layer(name: str, kind: str, nbytes: int, mlp: int | None = None) -> LayerSpec:
+    """A layer of two fake U8 tensors (so byte sizes are exact) adding up to `nbytes`; with
+    `mlp`, a decoder's second tensor is its MLP of that many bytes (an offload unit)."""
+    half = nbytes // 2 if mlp is None else nbytes - mlp
     index = int(name.rsplit(".", 1)[1]) if kind == "decoder" else None
+    parts = ("w0", "w1") if mlp is None else ("self_attn.w", "mlp.w")
+    tensors = tuple(
+        TensorSlice(name=f"{name}.{part}", dtype="U8", shape=(n,), file="x.safetensors", start=0,
+                    end=n, target=f"model.{name}.{part}")
+        for part, n in zip(parts, (half, nbytes - half), strict=True)
+    )
     return LayerSpec(name=name, kind=kind, index=index, tensors=tensors)
 
 
 def model(
-    decoders: list[int], embed: int | None = None, head: int | None = None
+    decoders: list[int], embed: int | None = None, head: int | None = None,
+    mlps: list[int] | None = None,
 ) -> list[LayerSpec]:
+    """Decoder layers of these sizes (with `mlps`: of which each layer's MLP, an offload unit,
+    takes that many bytes), and an embedding and a head when given."""
     layers = [layer("embed", "embed", embed)] if embed is not None else []
-    layers += [layer(f"layers.{i}", "decoder", n) for i, n in enumerate(decoders)]
+    layers += [layer(f"layers.{i}", "decoder", n, None if mlps is None else mlps[i])
+               for i, n in enumerate(decoders)]  # fmt: skip
     return layers + ([layer("head", "head", head)] if head is not None else [])
 
 
@@ -74,35 +79,45 @@ def slot_count(node: NodeInfo, opts: PlanOptions) -> int:
 
 def feasible_stage_times(layers: list[LayerSpec], snap: ClusterSnapshot, opts: PlanOptions):
     """Every placement that fits: the stage times, in pipeline order, of each."""
-    sizes = [x.nbytes for x in layers]
-    kv = [x.kv_bytes(opts.max_batch, opts.max_seq_len) for x in layers]  # never offloaded
     decoders = [i for i, x in enumerate(layers) if x.kind == "decoder"]
     gpus = [(n, node, g) for n, node in enumerate(snap.nodes) for g in node.gpus]
+    # each stage offloads its layers whole or, where the layers have one, their MLP
+    units = ["layer", "mlp"] if any(layers[i].unit_bytes("mlp") for i in decoders) else ["layer"]
     for cuts in itertools.combinations_with_replacement(range(len(layers) + 1), len(gpus) - 1):
         bounds = (0, *cuts, len(layers))
         for mask in range(1 << len(decoders)):
             moved = {d for j, d in enumerate(decoders) if mask >> j & 1}
-            host = [0] * len(snap.nodes)
-            times, ok = [], True
-            for k, (n, node, gpu) in enumerate(gpus):
-                stage = range(bounds[k], bounds[k + 1])
-                if not stage:
-                    continue
-                weights = sum(sizes[i] for i in stage)
-                off = [sizes[i] for i in stage if i in moved]
-                slots = min(slot_count(node, opts), len(off)) * max(off, default=0)
-                cache = sum(kv[i] for i in stage)
-                if weights - sum(off) + slots + cache + opts.reserve_bytes > gpu.memory_bytes:
-                    ok = False
-                    break
-                host[n] += sum(off)
-                link = node.link_bytes_per_s or opts.default_link_bytes_per_s
-                rate = node.compute_bytes_per_s or opts.compute_bytes_per_s
-                work = sum(sizes[i] for i in stage if layers[i].kind != "embed")  # a lookup
-                times.append(max(work / rate, sum(off) / link))
-            budgets = [node.offload_budget_bytes for node in snap.nodes]
-            if ok and all(h <= b for h, b in zip(host, budgets, strict=True)):
-                yield times
+            moving = [k for k in range(len(gpus)) if moved & set(range(*bounds[k : k + 2]))]
+            for chosen in itertools.product(units, repeat=len(moving)):
+                per_stage = dict.fromkeys(range(len(gpus)), "layer") | dict(zip(moving, chosen, strict=True))
+                yield from _stage_times(layers, snap, opts, bounds, moved, per_stage)
+
+
+def _stage_times(layers, snap, opts, bounds, moved, per_stage):
+    """The stage times of one placement (GPU k runs [bounds[k], bounds[k+1]), offloading the
+    `per_stage[k]` unit of its `moved` layers), if it fits."""
+    sizes = [x.nbytes for x in layers]
+    kv = [x.kv_bytes(opts.max_batch, opts.max_seq_len) for x in layers]  # never offloaded
+    gpus = [(n, node, g) for n, node in enumerate(snap.nodes) for g in node.gpus]
+    host = [0] * len(snap.nodes)
+    times = []
+    for k, (n, node, gpu) in enumerate(gpus):
+        stage = range(bounds[k], bounds[k + 1])
+        if not stage:
+            continue
+        weights = sum(sizes[i] for i in stage)
+        off = [layers[i].unit_bytes(per_stage[k]) for i in stage if i in moved]
+        slots = min(slot_count(node, opts), len(off)) * max(off, default=0)
+        cache = sum(kv[i] for i in stage)
+        if weights - sum(off) + slots + cache + opts.reserve_bytes > gpu.memory_bytes:
+            return
+        host[n] += sum(off)
+        link = node.link_bytes_per_s or opts.default_link_bytes_per_s
+        rate = node.compute_bytes_per_s or opts.compute_bytes_per_s
+        work = sum(sizes[i] for i in stage if layers[i].kind != "embed")  # a lookup
+        times.append(max(work / rate, sum(off) / link))
+    if all(h <= node.offload_budget_bytes for h, node in zip(host, snap.nodes, strict=True)):
+        yield times
 
 
 def brute_force(layers: list[LayerSpec], snap: ClusterSnapshot, opts: PlanOptions) -> float | None:
@@ -125,7 +140,8 @@ def check_invariants(result: Plan, layers: list[LayerSpec], snap: ClusterSnapsho
         assert s.stage == i and s.layers and s.hostname == node.hostname and s.pinned == node.pin
         assert set(s.offloaded) <= {n for n in s.layers if by_name[n].kind == "decoder"}
         assert list(s.offloaded) == [n for n in s.layers if n in s.offloaded]
-        off = [by_name[n].nbytes for n in s.offloaded]
+        off = [by_name[n].unit_bytes(s.offload_unit) for n in s.offloaded]
+        assert all(off) and (s.offload_unit == "layer" or s.offloaded)
         weights = sum(by_name[n].nbytes for n in s.layers)
         assert s.offloaded_bytes == sum(off) and s.resident_bytes == weights - sum(off)
         assert (s.backend, s.prefetch_step) == (node.backend, slot_count(node, opts))
@@ -159,10 +175,13 @@ def instances(draw, max_gpus: int = 4):
     decoders = draw(st.lists(pool, min_size=2, max_size=5))
     ends = st.none() | st.integers(1, 8)
     embed, head = draw(ends), draw(ends)
+    # a third of the models have MLPs, an offload unit of a quarter to three quarters of a layer
+    mlps = draw(st.sampled_from([None, None, [1, 2, 3]]))
     layers = model(
         [big + n for n in decoders],
         None if embed is None else big + embed,
         None if head is None else big + head,
+        None if mlps is None else [(big + n) * draw(st.sampled_from(mlps)) // 4 for n in decoders],
     )
     kv_tokens = draw(st.sampled_from([0, 0, 1, 3]))  # KV cache of max_batch x kv_tokens
     if kv_tokens:  # decoder layers get KV caches, some with a sliding window
@@ -498,3 +517,17 @@ def test_a_faster_node_takes_more_layers() -> None:
     assert "3.0 B/s" in rows[0] and "1.0 B/s" in rows[1]
     with pytest.raises(PlanError, match=r"compute_bytes_per_s=0.0 must be a finite number"):
         plan(layers, cluster({"gpus": [100], "compute": 0.0}), PlanOptions())
+
+
+def test_a_stage_offloads_mlps_when_that_moves_fewer_bytes() -> None:
+    """Four layers of 100 bytes whose MLPs are 75, on a GPU 50 bytes short: whole layers need
+    two moved (200 bytes, one 100-byte slot), MLPs two of 75 (150 bytes, a 75-byte slot)."""
+    layers = model([100] * 4, mlps=[75] * 4)
+    snap = cluster({"gpus": [350], "host": 1000})
+    result = assert_optimal(layers, snap, PlanOptions(compute_bytes_per_s=1000.0))
+    (stage,) = result.stages
+    assert (stage.offload_unit, len(stage.offloaded), stage.offloaded_bytes) == ("mlp", 2, 150)
+    assert (stage.slot_bytes, stage.resident_bytes) == (75, 250)
+    assert "150 B (2 x mlp)" in result.summary()
+    whole = plan(model([100] * 4), snap, PlanOptions(compute_bytes_per_s=1000.0))
+    assert (whole.stages[0].offload_unit, whole.stages[0].offloaded_bytes) == ("layer", 200)

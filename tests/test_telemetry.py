@@ -103,7 +103,7 @@ def test_a_snapshot_round_trips_to_json_with_the_keys_it_always_had() -> None:
         "backend_reason", "pin", "pin_origin", "env", "device_total_bytes", "device_used_bytes",
         "device_free_bytes", "host_rss_bytes", "host_peak_rss_bytes", "host_available_bytes",
         "bytes_read", "init_s", "load_s", "forward_s", "forwards", "kv_cache_bytes", "requests",
-        "stats", "since_last", "time", "probe_errors", "node_id",
+        "stats", "since_last", "time", "probe_errors", "node_id", "offload_unit",
     } == set(data)  # fmt: skip
     assert data["stats"] == snapshot.stats.to_dict() and data["pin"] == snapshot.pin.to_dict()
     assert data["since_last"]["copies"] == 2 and data["layers"] == ["layers.0"]

@@ -8,7 +8,7 @@ import dataclasses
 import time
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_planner import (
     FAST,
@@ -105,7 +105,7 @@ def throughput_instances(draw):
     return layers, ClusterSnapshot(nodes=nodes), opts, sorted(batches)
 
 
-@FAST
+@settings(FAST, max_examples=150)
 @given(throughput_instances(), st.sampled_from([0.0, 0.0, 3.0, 30.0]))
 def test_choice_matches_brute_force(instance, latency) -> None:
     """Every batch size x every micro-batch count x every placement, brute force: the most

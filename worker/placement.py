@@ -5,6 +5,7 @@ re-plan copies from the old places into the new ones."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +34,20 @@ class Placement:
         owner = module.get_submodule(path) if path else module
         if leaf in owner._buffers:  # a persistent buffer: never offloaded, on the device
             return apply_view(owner._buffers[leaf], tensor.view)
-        if layer_name in self.spec.offloaded:
+        if layer_name in self.spec.offloaded:  # all of it, or its offload unit, in the arena
             index = list(self.modules).index(layer_name)
-            return apply_view(self.offloader.host_tensors()[f"{index}.{local}"], tensor.view)
+            host = self.offloader.host_tensors().get(f"{index}.{local}")
+            if host is not None:
+                return apply_view(host, tensor.view)
         return apply_view(owner._parameters[leaf].data, tensor.view)
+
+
+def materialize(module: nn.Module, keep: Callable[[str], bool], device: torch.device) -> None:
+    """Give device memory to the parameters of `module` (on the meta device) whose name within
+    it `keep` accepts: the resident part of a layer the offloader takes only part of."""
+    for name, param in list(module.named_parameters()):
+        if param.is_meta and keep(name):
+            owner_name, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            owner._parameters[leaf] = nn.Parameter(torch.empty_like(param, device=device),
+                                                   requires_grad=param.requires_grad)  # fmt: skip

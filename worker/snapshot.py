@@ -55,6 +55,7 @@ class StageSnapshot:
     gpu: str = ""  # CUDA_VISIBLE_DEVICES as Ray set it for the worker ("" when unset)
     layers: tuple[str, ...]
     offloaded: tuple[str, ...] = ()
+    offload_unit: str = "layer"  # what of each offloaded layer is in host memory (OFFLOAD_UNITS)
     backend: str = "none"  # how offloaded layers reach the device: prefetch, uva, none
     backend_reason: str = ""
     pin: PinDecision

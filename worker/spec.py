@@ -7,6 +7,7 @@ coordinator builds them from the checkpoint index and the plan.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -116,6 +117,24 @@ class FileIdentity:
     header_sha256: str  # of the 8-byte length and the JSON header: names, dtypes, offsets
 
 
+# What a stage may offload of each of its offloaded decoder layers, the rest staying resident:
+# a regular expression on a parameter's name within its layer (`OffloadConfig.param_filter`),
+# None for the whole layer. Experts and MLPs are most of a layer's bytes and the least of its
+# time per byte (an MoE step reads a few experts of many), attention and norms the opposite.
+OFFLOAD_UNITS: dict[str, str | None] = {
+    "experts": r"(^|\.)experts\.",
+    "mlp": r"^(mlp|feed_forward|block_sparse_moe|ffn)\.",
+    "layer": None,
+}
+
+
+def local_name(index: int, target: str) -> str:
+    """A decoder layer's parameter name within the layer: `model.layers.3.mlp.up.weight` ->
+    `mlp.up.weight` (the name the offloader's filter sees)."""
+    _, sep, rest = target.partition(f".{index}.")
+    return rest if sep else target
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LayerSpec:
     """One pipeline unit: the embedding, a decoder layer, or the final norm + LM head."""
@@ -144,6 +163,17 @@ class LayerSpec:
         """Bytes read from the checkpoint for this layer."""
         return sum(t.nbytes for t in self.tensors)
 
+    def unit_bytes(self, unit: str) -> int:
+        """The bytes offloading this decoder layer by `unit` (OFFLOAD_UNITS) moves to host
+        memory; 0 where the unit matches nothing (or for the embedding and head)."""
+        pattern = OFFLOAD_UNITS[unit]
+        if self.kind != "decoder":
+            return 0
+        if pattern is None:
+            return self.nbytes
+        return sum(t.loaded_bytes for t in self.tensors
+                   if re.search(pattern, local_name(self.index, t.target or t.name)))  # fmt: skip
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StageSpec:
@@ -157,6 +187,7 @@ class StageSpec:
     layers: tuple[LayerSpec, ...]
     files: tuple[FileIdentity, ...] = ()  # the checkpoint's files as indexed: checked on open
     offloaded: tuple[str, ...] = ()  # layer names kept in host memory
+    offload_unit: str = "layer"  # what of each offloaded layer (OFFLOAD_UNITS); the rest stays
     prefetch_step: int = 1
     backend: str = "auto"
     backend_reason: str = ""  # why the plan chose `backend` for this node (reported)

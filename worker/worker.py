@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import resource
 import socket
 import time
@@ -28,10 +29,10 @@ from worker.batched import BatchRunner, Draw, Drawn, StepRows, packed
 from worker.layout import hf_config_from_dict, model_class_for
 from worker.loader import TensorReader, hold_if_asked
 from worker.node import probe_here
-from worker.placement import Placement
+from worker.placement import Placement, materialize
 from worker.reporting import Snapshots, device_memory, pin_decision, pin_origin, storage_bytes
 from worker.snapshot import CopyCounters, StageSnapshot
-from worker.spec import StageSpec, torch_dtype_named
+from worker.spec import OFFLOAD_UNITS, StageSpec, torch_dtype_named
 from worker.stage import Stage
 from worker.wire import Packed, pack, unpack
 
@@ -140,17 +141,21 @@ class StageWorker:
             for name, module in previous.modules.items():
                 if name not in carried and name not in previous.spec.offloaded:
                     module.to("meta")
+        unit = OFFLOAD_UNITS[spec.offload_unit]
         for name, module in modules.items():
             if name in kept_resident:  # the old tensors themselves, no copy
                 module.load_state_dict(previous.modules[name].state_dict(), assign=True)
             elif name not in spec.offloaded:
                 module.to_empty(device=self.device)
+            elif unit is not None:  # the part outside the offload unit stays on the device
+                materialize(module, lambda param: not re.search(unit, param), self.device)
         stage.init_buffers(self.device)
         if spec.offloaded:
             config = OffloadConfig(
                 backend=spec.backend,
                 layers=tuple(names.index(n) for n in spec.offloaded),
                 prefetch_step=spec.prefetch_step,
+                param_filter=unit,
             )
         else:
             config = OffloadConfig(backend="none")
@@ -351,6 +356,7 @@ class StageWorker:
             gpu=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
             layers=tuple(layer.name for layer in self.spec.layers),
             offloaded=tuple(self.spec.offloaded),
+            offload_unit=self.spec.offload_unit,
             backend=offloader.backend if offloader is not None else "none",
             backend_reason=offloader.backend_reason if offloader is not None else "",
             pin=decision,

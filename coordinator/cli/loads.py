@@ -148,7 +148,8 @@ def _stage_table(reports: Sequence[StageSnapshot]) -> str:
         rows.append((
             str(r.stage), r.hostname, r.gpu or "-", r.device,
             layer_range(r.layers), format_bytes(r.stats.resident_bytes),
-            f"{format_bytes(r.stats.offloaded_bytes)} ({len(r.offloaded)})", r.backend,
+            f"{format_bytes(r.stats.offloaded_bytes)} ({len(r.offloaded)}"
+            f"{'' if r.offload_unit == 'layer' else ' x ' + r.offload_unit})", r.backend,
             "on" if r.pin.pin else "off", f"{r.pin_origin}: {r.pin.source}: {r.pin.reason}",
         ))  # fmt: skip
     from coordinator.tables import render

@@ -44,7 +44,7 @@ from coordinator.planning.search import LayerRange, NodeLimits, Search
 from coordinator.planning.snapshot import ClusterSnapshot
 from coordinator.tables import render as render_table
 from offload.errors import ConfigError, PlanError
-from worker.spec import LayerSpec
+from worker.spec import OFFLOAD_UNITS, LayerSpec
 
 _JSON_VERSION = 1
 
@@ -59,6 +59,9 @@ class StagePlan:
     gpu_index: int
     layers: tuple[str, ...]  # contiguous, in model order
     offloaded: tuple[str, ...]  # decoder layers of this stage kept in host memory
+    # What of each offloaded layer (worker.spec.OFFLOAD_UNITS): "layer", or a part of it, the
+    # rest staying resident ("experts", "mlp"); offloaded_bytes and slot_bytes count that part.
+    offload_unit: str = "layer"
     prefetch_step: int  # device slots when it offloads: options.prefetch_step, 0 for uva
     resident_bytes: int
     slot_bytes: int  # min(prefetch_step, len(offloaded)) slots of the largest offloaded layer
@@ -148,7 +151,8 @@ class Plan:
                     str(s.gpu_index),
                     layer_range(s.layers),
                     format_bytes(s.resident_bytes),
-                    f"{format_bytes(s.offloaded_bytes)} ({len(s.offloaded)})",
+                    f"{format_bytes(s.offloaded_bytes)} ({len(s.offloaded)}"
+                    f"{'' if s.offload_unit == 'layer' else ' x ' + s.offload_unit})",
                     s.backend,
                     format_bytes(s.slot_bytes),
                     format_bytes(s.kv_bytes),
@@ -229,6 +233,7 @@ def plan(
         for node in cluster.nodes
     ]
     kv = [kv_bytes(layer, options) for layer in layers]
+    units = sub_layer_units(layers)
     key = (tuple(limits), tuple(kv), options.reserve_bytes, options.compute_bytes_per_s)
     if memo is None or key not in memo:
         check_largest_layer(layers, gpus, options)
@@ -240,6 +245,7 @@ def plan(
             compute_bytes_per_s=options.compute_bytes_per_s,
             kv_sizes=kv,
             compute_sizes=[0 if layer.kind == "embed" else layer.nbytes for layer in layers],
+            units=[[layer.unit_bytes(name) for layer in layers] for name in units],
         )
         solved = (search, *search.solve())
         if memo is not None:
@@ -252,6 +258,18 @@ def plan(
     found = min_cycle(search, options.micro_batches, _overhead_s(cluster, options), best)
     assert found is not None  # solve placed every layer
     return _build(layers, cluster, options, search, found.placements, found.bound_s)
+
+
+def sub_layer_units(layers: Sequence[LayerSpec]) -> list[str]:
+    """The OFFLOAD_UNITS smaller than a whole layer that this model has (experts, an MLP):
+    those that move something of some decoder layer and not all of it."""
+    decoders = [layer for layer in layers if layer.kind == "decoder"]
+    found = []
+    for name, pattern in OFFLOAD_UNITS.items():
+        sizes = [layer.unit_bytes(name) for layer in decoders] if pattern else []
+        if any(sizes) and sizes != [layer.nbytes for layer in decoders]:
+            found.append(name)
+    return found
 
 
 def _overhead_s(cluster: ClusterSnapshot, options: PlanOptions) -> float:
@@ -271,13 +289,14 @@ def _build(
     bound_s: float | None = None,
 ) -> Plan:
     stages = []
+    unit_names = [*(sub_layer_units(layers) if len(search.units) > 1 else ()), "layer"]
     for i, p in enumerate(placements):
         node = cluster.nodes[p.node]
         gpu = node.gpus[p.gpu]
         step = slot_count(node, options)
-        moved = search.offloaded_positions(p.start, p.end, gpu.memory_bytes, step)
+        unit, moved = search.offloaded_positions(p.start, p.end, gpu.memory_bytes, step)
         weights = search.prefix[p.end] - search.prefix[p.start]
-        sizes = [search.prefix[j + 1] - search.prefix[j] for j in moved]
+        sizes = [search.units[unit].movable[j] for j in moved]
         offloaded = sum(sizes)
         slots = min(step, len(moved)) * max(sizes, default=0)
         kv = search.kv_prefix[p.end] - search.kv_prefix[p.start]
@@ -292,6 +311,7 @@ def _build(
                 gpu_index=gpu.index,
                 layers=tuple(layers[j].name for j in range(p.start, p.end)),
                 offloaded=tuple(layers[j].name for j in moved),
+                offload_unit=unit_names[unit] if moved else "layer",
                 prefetch_step=step,
                 resident_bytes=weights - offloaded,
                 slot_bytes=slots,

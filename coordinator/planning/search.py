@@ -149,6 +149,22 @@ def min_offload(
     return None if best is None else (best[0], best[2])
 
 
+@dataclass(slots=True)
+class _Unit:
+    """One way to offload a layer: the bytes it moves per position (0: not movable)."""
+
+    movable: list[int]
+    num_movable: list[int]  # prefix counts of movable positions
+    uniform: int | None  # the one movable size, if there is one
+    memo: dict
+
+    @classmethod
+    def of(cls, movable: list[int]) -> _Unit:
+        distinct = {s for s in movable if s > 0}
+        return cls(movable, list(accumulate((s > 0 for s in movable), initial=0)),
+                   distinct.pop() if len(distinct) == 1 else None, {})  # fmt: skip
+
+
 class Search:
     """LayerRange of one model on one cluster for a given bottleneck T (see the module doc)."""
 
@@ -162,11 +178,16 @@ class Search:
         compute_bytes_per_s: float,
         kv_sizes: Sequence[int] | None = None,
         compute_sizes: Sequence[int] | None = None,
+        units: Sequence[Sequence[int]] = (),
     ) -> None:
         """`kv_sizes`: device bytes each layer needs besides its weights and never offloads
         (its reserved KV cache); they count against the GPU's memory wherever the layer is.
         `compute_sizes`: the weight bytes a step computes through per layer (default: all of
-        them; an embedding is looked up, not multiplied), over the node's rate its time."""
+        them; an embedding is looked up, not multiplied), over the node's rate its time.
+        `units`: smaller ways to offload a layer, each the bytes it moves per layer (a layer's
+        MLP, say: the rest of it stays resident, and its prefetch slot is that size). A GPU's
+        range offloads by one unit: the one moving the fewest bytes (ties: the earlier unit);
+        the whole layer (`offloadable`) is the last unit."""
         self.num_layers = len(sizes)
         self.nodes = tuple(nodes)
         self.reserve_bytes = reserve_bytes
@@ -177,31 +198,39 @@ class Search:
         self.kv_prefix = list(accumulate(kv_sizes or [0] * len(sizes), initial=0))
         # weights + KV per prefix: what a range needs on the device with nothing offloaded
         self.device_prefix = [w + k for w, k in zip(self.prefix, self.kv_prefix, strict=True)]
-        # Offloadable size per position, 0 for layers that must stay resident.
-        self.movable = [s if ok and s > 0 else 0 for s, ok in zip(sizes, offloadable, strict=True)]
-        self.num_movable = list(accumulate((s > 0 for s in self.movable), initial=0))
-        distinct = {s for s in self.movable if s > 0}
-        self.uniform = distinct.pop() if len(distinct) == 1 else None
-        self._memo: dict[tuple[int, int, int, int], tuple[int, dict[int, int]] | None] = {}
+        whole = [s if ok and s > 0 else 0 for s, ok in zip(sizes, offloadable, strict=True)]
+        self.units = [_Unit.of([max(0, b) if w else 0 for b, w in zip(unit, whole, strict=True)])
+                      for unit in units] + [_Unit.of(whole)]  # fmt: skip
 
     # -- one range on one GPU ------------------------------------------------------------------
 
+    def _unit_choice(self, u: int, start: int, end: int, deficit: int,
+                     slots: int) -> tuple[int, dict[int, int]] | None:  # fmt: skip
+        unit = self.units[u]
+        if unit.uniform is not None:  # equal sizes: k * s - p * s >= deficit
+            num = slots + -(-deficit // unit.uniform)
+            if num > unit.num_movable[end] - unit.num_movable[start]:
+                return None
+            return num * unit.uniform, {unit.uniform: num}
+        key = (start, end, deficit, slots)
+        if key not in unit.memo:
+            unit.memo[key] = min_offload(unit.movable[start:end], deficit, slots)
+        return unit.memo[key]
+
     def _choice(
         self, start: int, end: int, memory_bytes: int, slots: int
-    ) -> tuple[int, dict[int, int]] | None:
+    ) -> tuple[int, dict[int, int], int] | None:
+        """(offloaded bytes, {size: how many}, unit) of the cheapest unit; None: none fits."""
         deficit = (self.device_prefix[end] - self.device_prefix[start] + self.reserve_bytes
                    - memory_bytes)  # fmt: skip
         if deficit <= 0:
-            return 0, {}
-        if self.uniform is not None:  # equal sizes: k * s - p * s >= deficit
-            num = slots + -(-deficit // self.uniform)
-            if num > self.num_movable[end] - self.num_movable[start]:
-                return None
-            return num * self.uniform, {self.uniform: num}
-        key = (start, end, memory_bytes, slots)
-        if key not in self._memo:
-            self._memo[key] = min_offload(self.movable[start:end], deficit, slots)
-        return self._memo[key]
+            return 0, {}, len(self.units) - 1
+        best = None
+        for u in range(len(self.units)):
+            got = self._unit_choice(u, start, end, deficit, slots)
+            if got is not None and (best is None or got[0] < best[0]):
+                best = (*got, u)
+        return best
 
     def offload_bytes(self, start: int, end: int, memory_bytes: int, slots: int) -> int | None:
         """Minimal offloaded bytes for layers [start, end) on a GPU with `slots` prefetch slots
@@ -209,16 +238,19 @@ class Search:
         choice = self._choice(start, end, memory_bytes, slots)
         return None if choice is None else choice[0]
 
-    def offloaded_positions(self, start: int, end: int, memory_bytes: int, slots: int) -> list[int]:
-        """Which layers to offload: per size class, spread evenly through the range so that
-        compute sits between the copies (e.g. every other layer when half are offloaded)."""
+    def offloaded_positions(self, start: int, end: int, memory_bytes: int,
+                            slots: int) -> tuple[int, list[int]]:  # fmt: skip
+        """Which unit (index into `units`, the last: whole layers) and which layers to offload:
+        per size class, spread evenly through the range so that compute sits between the
+        copies (e.g. every other layer when half are offloaded)."""
         choice = self._choice(start, end, memory_bytes, slots)
         assert choice is not None, "offloaded_positions of an infeasible range"
+        movable = self.units[choice[2]].movable
         chosen: list[int] = []
         for size, num in choice[1].items():
-            same = [i for i in range(start, end) if self.movable[i] == size]
+            same = [i for i in range(start, end) if movable[i] == size]
             chosen += [same[(2 * i + 1) * len(same) // (2 * num)] for i in range(num)]
-        return sorted(chosen)
+        return choice[2], sorted(chosen)
 
     def _fits(
         self, start: int, memory_bytes: int, weight_cap: int, offload_cap: int, slots: int
@@ -234,13 +266,24 @@ class Search:
         end = max(start, min(bisect_right(work, base + weight_cap, lo=start),
                              bisect_right(device, device_base + room, lo=start)) - 1)  # fmt: skip
         fits = [(end, 0)]
-        size, step, movable = self.uniform, slots, self.num_movable
+        units = self.units
         while end < self.num_layers and work[end + 1] - base <= weight_cap:
-            if size is not None:  # k * s - p * s >= deficit, see min_offload
-                num = step + (device[end + 1] - device_base - room + size - 1) // size
-                cost = num * size if num <= movable[end + 1] - movable[start] else None
-            else:
-                cost = self.offload_bytes(start, end + 1, memory_bytes, slots)
+            deficit = device[end + 1] - device_base - room
+            cost = None
+            for u, unit in enumerate(units):
+                size = unit.uniform
+                if size is not None:  # k * s - p * s >= deficit, see min_offload
+                    num = slots + (deficit + size - 1) // size
+                    if num > unit.num_movable[end + 1] - unit.num_movable[start]:
+                        continue
+                    got = num * size
+                else:
+                    choice = self._unit_choice(u, start, end + 1, deficit, slots)
+                    if choice is None:
+                        continue
+                    got = choice[0]
+                if cost is None or got < cost:
+                    cost = got
             if cost is None or cost > offload_cap:
                 break
             end += 1

@@ -71,6 +71,7 @@ def stage_specs(config: JobConfig, index: CheckpointIndex, the_plan: Plan,
             files=index.identities,
             layers=tuple(by_name[name] for name in s.layers),
             offloaded=s.offloaded,
+            offload_unit=s.offload_unit,
             prefetch_step=s.prefetch_step,
             backend=s.backend,  # the node's: "auto" resolved by its probe
             backend_reason=s.backend_reason,

@@ -89,7 +89,8 @@ def decide(group: WorkerGroup, dead: list[int], left_out: frozenset[str] = froze
                  if i not in dead and h.node_id not in left_out]  # fmt: skip
     held: dict[str, int] = defaultdict(int)  # the survivors' arenas are replaced, not added
     for _, h in survivors:
-        held[h.node_id] += sum(x.nbytes for x in h.spec.layers if x.name in h.spec.offloaded)
+        held[h.node_id] += sum(x.unit_bytes(h.spec.offload_unit) for x in h.spec.layers
+                                 if x.name in h.spec.offloaded)
     start = time.perf_counter()
     probers = {h.node_id: h.actor for _, h in survivors}  # they answer for their nodes
     snapshot, envs = probe_cluster(group.config, held_bytes=held, probers=probers,
