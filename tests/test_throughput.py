@@ -105,12 +105,10 @@ def throughput_instances(draw):
     return layers, ClusterSnapshot(nodes=nodes), opts, sorted(batches)
 
 
-@settings(FAST, max_examples=150)
-@given(throughput_instances(), st.sampled_from([0.0, 0.0, 3.0, 30.0]))
-def test_choice_matches_brute_force(instance, latency) -> None:
-    """Every batch size x every micro-batch count x every placement, brute force: the most
-    tokens/s within the latency bound, and the choice reaches it."""
-    layers, snap, opts, batches = instance
+def brute_best(layers, snap: ClusterSnapshot, opts: PlanOptions, batches,
+               latency: float) -> float | None:  # fmt: skip
+    """Every batch size x every micro-batch count x every placement: the most tokens/s
+    within the latency bound (None: nothing fits it)."""
     num_gpus = sum(len(n.gpus) for n in snap.nodes)
     expected = None
     for batch in batches:
@@ -127,6 +125,15 @@ def test_choice_matches_brute_force(instance, latency) -> None:
             if best is None or (latency and best > latency):
                 continue
             expected = max(expected or 0.0, batch / best)
+    return expected
+
+
+@settings(FAST, max_examples=150)
+@given(throughput_instances(), st.sampled_from([0.0, 0.0, 3.0, 30.0]))
+def test_choice_matches_brute_force(instance, latency) -> None:
+    """The choice reaches the brute force's most tokens/s within the latency bound."""
+    layers, snap, opts, batches = instance
+    expected = brute_best(layers, snap, opts, batches, latency)
     if expected is None:
         with pytest.raises(PlanError):
             choose(layers, snap, opts, batches=batches, max_token_latency_s=latency)

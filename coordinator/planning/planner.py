@@ -244,7 +244,7 @@ def plan(
             reserve_bytes=options.reserve_bytes,
             compute_bytes_per_s=options.compute_bytes_per_s,
             kv_sizes=kv,
-            compute_sizes=[0 if layer.kind == "embed" else layer.nbytes for layer in layers],
+            compute_sizes=[compute_bytes(layer) for layer in layers],
             units=[[layer.unit_bytes(name) for layer in layers] for name in units],
         )
         solved = (search, *search.solve())
@@ -258,6 +258,12 @@ def plan(
     found = min_cycle(search, options.micro_batches, _overhead_s(cluster, options), best)
     assert found is not None  # solve placed every layer
     return _build(layers, cluster, options, search, found.placements, found.bound_s)
+
+
+def compute_bytes(layer: LayerSpec) -> int:
+    """The weight bytes a step computes through in this layer: all of them, but for an
+    embedding, which is looked up (its rows for the step's tokens), not multiplied."""
+    return 0 if layer.kind == "embed" else layer.nbytes
 
 
 def sub_layer_units(layers: Sequence[LayerSpec]) -> list[str]:

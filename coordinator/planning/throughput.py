@@ -46,7 +46,7 @@ def _upper_bound(layers: Sequence[LayerSpec], cluster: ClusterSnapshot,
     rates = [node.compute_rate(options.rows_per_step)[0] or options.compute_bytes_per_s
              for node in cluster.nodes]  # fmt: skip
     gpus = sum(len(node.gpus) for node in cluster.nodes)
-    total = sum(layer.nbytes for layer in layers) / max(rates)
+    total = sum(planner.compute_bytes(layer) for layer in layers) / max(rates)
     overhead = options.step_overhead_s
     least = max(total + overhead, options.micro_batches * (total / gpus + overhead))
     return options.max_batch / least if least > 0 else float("inf")
