@@ -170,6 +170,12 @@ class JobConfig:
     # with each sequence's time between tokens at most max_token_latency_s (0: no bound).
     objective: str = "latency"
     max_token_latency_s: float = 0.0
+    # Pipelines serving at once, each on its own GPUs (throughput only; `serve` runs them as Ray
+    # Serve replicas): 1, a count dividing the GPUs, or 0 (auto: the count with the most
+    # tokens/s, serve's default). And the GPUs a job may plan on: "NODE_ID=N,..." (Ray node
+    # ids, N GPUs of each; empty: every GPU of every GPU node), which `serve` sets per replica.
+    replicas: int = 1
+    nodes: str = ""
     prefetch_step: int = 1
     backend: str = "auto"
     # The dtype the model loads and computes in: "auto" (the checkpoint's: config.json's dtype,
@@ -220,6 +226,13 @@ class JobConfig:
             raise ConfigError(
                 f"dtype={self.dtype!r} must be auto, {', '.join(COMPUTE_DTYPES)}"
             )
+        if self.replicas < 0:
+            raise ConfigError(f"replicas={self.replicas} must be >= 1, or 0 (auto: as many as "
+                              "give the most tokens/s)")  # fmt: skip
+        if self.replicas != 1 and self.objective != "throughput":
+            raise ConfigError(f"replicas={self.replicas}: replicas serve for throughput; set "
+                              "objective throughput (--objective throughput), or replicas 1")  # fmt: skip
+        self.node_gpus()  # a malformed `nodes` fails here, naming it
         if self.objective not in ("latency", "throughput"):
             raise ConfigError(f"objective={self.objective!r} must be latency or throughput")
         if not (math.isfinite(self.max_token_latency_s) and self.max_token_latency_s >= 0):
@@ -247,6 +260,17 @@ class JobConfig:
             raise ConfigError(
                 f"snapshot_interval_s={self.snapshot_interval_s} must be >= 0 (0: on request only)"
             )
+
+    def node_gpus(self) -> dict[str, int]:
+        """`nodes` as {node id: GPUs}; empty: no restriction."""
+        out: dict[str, int] = {}
+        for entry in filter(None, (e.strip() for e in self.nodes.split(","))):
+            node, _, count = entry.partition("=")
+            if not node or not count.isdigit() or int(count) < 1 or node in out:
+                raise ConfigError(f"nodes={self.nodes!r}: each entry must be NODE_ID=N (a Ray "
+                                  f"node id once, N >= 1 GPUs), got {entry!r}")  # fmt: skip
+            out[node] = int(count)
+        return out
 
     def plan_options(self):
         """The planner's options this job sets (the rest: the planner's defaults)."""

@@ -251,16 +251,17 @@ def no_launch(monkeypatch):
     """`launch` replaced: commands are checked up to the point where they would load."""
     import coordinator.runtime.launch as job_module
 
-    def launch(config, **_):
+    def launch(config, *_, **__):
         raise LaunchCalled(config)
 
     monkeypatch.setattr(job_module, "launch", launch)
+    monkeypatch.setattr(job_module, "launch_replicas", launch)
 
 
 def test_serve_defaults_fill_only_what_is_not_given(checkpoint, tmp_path, no_launch) -> None:
-    """serve plans sequences of 512 tokens (or the model's window), as many as fit beside the
-    weights (max_batch 0: auto, sized when planned), unless the flags or the job file say
-    otherwise; an explicit --max-batch is kept as given."""
+    """serve plans sequences of 512 tokens (or the model's window) for throughput: the batch
+    and the replicas are the plan's to choose (0: auto), unless the flags or the job file say
+    otherwise; an explicit --max-batch is kept as given. For latency, no replicas."""
 
     def planned(*extra: str) -> tuple[int, int]:
         with pytest.raises(LaunchCalled) as called:
@@ -269,6 +270,13 @@ def test_serve_defaults_fill_only_what_is_not_given(checkpoint, tmp_path, no_lau
         return called.value.config.max_batch, called.value.config.max_seq_len
 
     assert planned() == (0, 512)
+    with pytest.raises(LaunchCalled) as called:
+        main(["serve", "--checkpoint", checkpoint, "--gpus", "1", "--gpu-memory", "8MiB"])
+    assert (called.value.config.objective, called.value.config.replicas) == ("throughput", 0)
+    with pytest.raises(LaunchCalled) as called:
+        main(["serve", "--checkpoint", checkpoint, "--gpus", "1", "--gpu-memory", "8MiB",
+              "--objective", "latency"])  # fmt: skip
+    assert (called.value.config.objective, called.value.config.replicas) == ("latency", 1)
     assert planned("--max-batch", "2") == (2, 512)
     assert planned("--max-batch", "auto") == (0, 512)
     assert planned("--max-seq-len", "256") == (0, 256)
@@ -404,7 +412,7 @@ def test_plan_for_throughput_chooses_the_batch_and_draws_the_curve(checkpoint, c
     the best of the curve it prints over batch sizes, which --plot draws; the JSON plan is the
     same plan. A latency bound no plan meets is an error naming the shortest time there is."""
     args = ["plan", "--checkpoint", checkpoint, "--gpus", "2", "--gpu-memory", "8MiB",
-            "--max-seq-len", "64", "--objective", "throughput"]  # fmt: skip
+            "--max-seq-len", "64", "--objective", "throughput", "--replicas", "1"]  # fmt: skip
     png = tmp_path / "curve.png"
     assert main([*args, "--plot", str(png)]) == 0
     out = capsys.readouterr().out
@@ -418,3 +426,12 @@ def test_plan_for_throughput_chooses_the_batch_and_draws_the_curve(checkpoint, c
     assert (options["max_batch"], options["micro_batches"]) == tuple(map(int, chosen.groups()))
     assert main([*args, "--max-token-latency", "0.000001"]) == EXIT_ERROR
     assert "no plan meets --max-token-latency" in capsys.readouterr().err
+    # two pipelines of one GPU each, each with its own plan on its own GPU
+    assert main([*args[:-1], "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("2 replicas of 1 stage(s): ") and "replica 1:" in out
+    total = float(re.search(r"([\d.]+) decode tokens/s predicted in all", out).group(1))
+    each = [float(t) for t in re.findall(r"objective throughput: ([\d.]+) decode", out)]
+    assert len(each) == 2 and total == pytest.approx(sum(each), abs=0.11)
+    assert main([*args[:-1], "auto", "--objective", "latency"]) == EXIT_ERROR
+    assert "replicas serve for throughput" in capsys.readouterr().err

@@ -573,3 +573,50 @@ def test_offloadctl_generate_streams_the_greedy_text(embedded_ray, checkpoints, 
                  "--prompt", "hi"]) == 2  # fmt: skip
     assert "has no tokenizer" in capsys.readouterr().err
     wait_gpus_free(NUM_GPUS)
+
+
+def test_replicas_each_on_their_own_gpu_and_a_lost_worker_stays_in_its_replica(
+        embedded_ray, checkpoints) -> None:  # fmt: skip
+    """Three replicas (throughput), one GPU each: three named loads, each planned on its own
+    GPU (`nodes`) with the plan the replica search made, each generating transformers' greedy
+    tokens; a worker lost in one replica is replaced there, and the others never notice."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from coordinator.runtime import registry
+    from coordinator.runtime.launch import launch_replicas
+    from coordinator.tools.reference import reference_generate
+
+    checkpoint = checkpoints["llama"]
+    index = load_index(checkpoint)
+    config = JobConfig(checkpoint=checkpoint, max_batch=2, max_seq_len=16, objective="throughput",
+                       replicas=NUM_GPUS, gpu_memory_bytes=index.total_bytes * 2)  # fmt: skip
+    ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(4))
+    expected = reference_generate(checkpoint, ids, num_threads=1, max_new_tokens=8,
+                                  do_sample=False, eos_token_id=None)  # fmt: skip
+    jobs = launch_replicas(config, "rep")
+    try:
+        assert [j.name for j in jobs] == ["rep-0", "rep-1", "rep-2"]
+        node = ray.get_runtime_context().get_node_id()
+        assert {j.config.nodes for j in jobs} == {f"{node}=1"} and len(
+            {s.gpu_index for j in jobs for s in j.plan.stages}) == NUM_GPUS  # fmt: skip
+        assert all(j.plan.options.objective == "throughput" for j in jobs)
+        killed = threading.Event()
+
+        def run(i: int) -> torch.Tensor:
+            def lose_a_worker(row: int, token: int) -> None:
+                if i == 0 and not killed.is_set():
+                    killed.set()
+                    kill_actor(jobs[0].workers[0].actor)
+
+            return jobs[i].generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                    on_token=lose_a_worker)  # fmt: skip
+
+        with ThreadPoolExecutor(NUM_GPUS) as pool:
+            outs = list(pool.map(run, range(NUM_GPUS)))
+        assert all(torch.equal(out, expected) for out in outs)
+        assert [[e["event"] for e in j.events] for j in jobs] == [["replaced workers"], [], []]
+    finally:
+        for job in reversed(jobs):
+            registry.forget(job.name)
+            job.close()
+    wait_gpus_free(NUM_GPUS)

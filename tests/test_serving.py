@@ -6,6 +6,7 @@ its embedded Ray included."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -66,24 +67,21 @@ class Served:
         return self.log_path.read_text()[-3000:]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """`offloadctl serve` of a tiny checkpoint on its own embedded Ray. One GPU, so one stage:
-    its worker runs several decode steps per call when no request waits (stop strings and
-    clients that leave end their request at the next step boundary). The module's last test stops it; if a test fails before, it is stopped here
-    (SIGTERM, then its whole process group killed), so nothing outlives the module."""
-    root = tmp_path_factory.mktemp("serve") / "tiny-llama"
-    checkpoint = str(make_checkpoint(root, CheckpointShape(
+@contextlib.contextmanager
+def serving(root: Path, *flags: str):
+    """`offloadctl serve` of a tiny checkpoint written under `root`, on its own embedded Ray,
+    with these flags; stopped on leaving (SIGTERM, then its whole process group killed), so
+    nothing outlives the caller."""
+    checkpoint = str(make_checkpoint(root / "tiny-llama", CheckpointShape(
         num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
         vocab_size=512, max_positions=256)))  # fmt: skip
     port, key = free_ports(1)[0], secrets.token_hex(16)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["OFFLOAD_API_KEY"] = key
-    log_path = root.parent / "serve.log"
+    log_path = root / "serve.log"
     log = open(log_path, "w")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(
-        [OFFLOADCTL, "serve", "--checkpoint", checkpoint, "--gpus", "1", "--gpu-memory", "8MiB",
-         "--port", str(port), "--max-seq-len", "64", "--max-batch", "2"],
+        [OFFLOADCTL, "serve", "--checkpoint", checkpoint, "--port", str(port), *flags],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}/v1"
@@ -112,6 +110,16 @@ def served(tmp_path_factory):
                 os.killpg(proc.pid, signal.SIGKILL)  # only this test's own process group
                 proc.wait(timeout=STOP_TIMEOUT_S)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One GPU, so one stage: its worker runs several decode steps per call when no request
+    waits (stop strings and clients that leave end their request at the next step boundary).
+    The module's last test stops it; if a test fails before, it is stopped here."""
+    with serving(tmp_path_factory.mktemp("serve"), "--gpus", "1", "--gpu-memory", "8MiB",
+                 "--max-seq-len", "64", "--max-batch", "2") as server:  # fmt: skip
+        yield server
 
 
 @pytest.fixture(scope="module")

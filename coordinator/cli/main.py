@@ -123,6 +123,10 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-token-latency", type=_seconds, dest="max_token_latency_s",
                         metavar="SECONDS", help="throughput objective: each sequence's time "
                         "between two tokens at most this (e.g. 0.05)")  # fmt: skip
+    parser.add_argument("--replicas", type=_batch, dest="replicas",
+                        help="throughput: pipelines on disjoint GPUs, each serving its own "
+                        "requests (plan and serve; 'auto', their default: the count with the "
+                        "most tokens/s)")  # fmt: skip
     parser.add_argument("--snapshot-interval", type=float, dest="snapshot_interval_s",
                         metavar="SECONDS", help="each worker snapshots its memory this often "
                         "(default 10; 0: on request only); a named load publishes them as Ray "
@@ -139,12 +143,15 @@ _JOB_FLAGS = {
     "max_seq_len": "--max-seq-len", "max_queue": "--max-queue",
     "prefill_tokens": "--prefill-tokens", "micro_batches": "--micro-batches",
     "objective": "--objective", "max_token_latency_s": "--max-token-latency",
+    "replicas": "--replicas",
 }  # fmt: skip
 
 
-def _job_config(args: argparse.Namespace, defaults: dict | None = None) -> JobConfig:
+def _job_config(args: argparse.Namespace, defaults: dict | None = None,
+                throughput_defaults: dict | None = None) -> JobConfig:  # fmt: skip
     """The job the flags and --config describe; `defaults` (a command's own) fill what
-    neither sets."""
+    neither sets, and `throughput_defaults` too when the objective is throughput (max_batch
+    auto always: for throughput the batch is the plan's to choose)."""
     values = {name: getattr(args, name) for name in _JOB_FLAGS}
     if args.config:
         config = load_job_config(args.config, defaults, **values)
@@ -153,10 +160,11 @@ def _job_config(args: argparse.Namespace, defaults: dict | None = None) -> JobCo
 
         given = {k: v for k, v in values.items() if v is not None}
         config = job_config_from_dict({**(defaults or {}), **given}, where="command line")
-    if config.objective == "throughput" and "max_batch" not in (defaults or {}) and (
-            args.max_batch is None):  # fmt: skip
-        # For throughput the batch is the plan's to choose, unless the flags or file set it.
-        return _job_config(args, {**(defaults or {}), "max_batch": 0})
+    wanted = {"max_batch": 0, **(throughput_defaults or {})}
+    missing = {k: v for k, v in wanted.items() if k not in (defaults or {})}
+    if config.objective == "throughput" and missing:
+        # Unless the flags or the file set them: they are the plan's to choose.
+        return _job_config(args, {**(defaults or {}), **missing})
     return config
 
 

@@ -5,6 +5,7 @@ every node, budgeted by the runtime's own function."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from coordinator.config import ConfigError, JobConfig
 from coordinator.planning.snapshot import ClusterSnapshot
@@ -36,7 +37,7 @@ def cmd_plan(args: argparse.Namespace, job_config) -> int:
     from coordinator.planning.throughput import best_plans, curve_text
     from worker.node import probe_here
 
-    config = job_config(args)
+    config = job_config(args, throughput_defaults={"replicas": 0})
     if not config.gpus:
         raise ConfigError(f"plan without Ray needs --gpus (GPUs per node), got {config.gpus}")
     if args.plot and not config.max_seq_len:
@@ -51,6 +52,21 @@ def cmd_plan(args: argparse.Namespace, job_config) -> int:
                             labels={})  # fmt: skip
     model = (index.config, index.dtype, config.cpus_per_worker)  # its decoder layer is timed
     cluster = plan_cluster(config, probe_here(env=env, model=model), args.nodes, origins)
+    if config.replicas != 1:
+        from coordinator.planning.replicas import choose_replicas
+        from coordinator.planning.throughput import BATCHES
+
+        chosen = choose_replicas(
+            index.layers, cluster, config.plan_options(), replicas=config.replicas,
+            batches=[config.max_batch] if config.max_batch else BATCHES,
+            micro_batches=config.micro_batches, max_token_latency_s=config.max_token_latency_s)  # fmt: skip
+        if len(chosen.plans) > 1:
+            if args.json:
+                print("[" + ",\n".join(p.to_json() for p in chosen.plans) + "]")
+            else:
+                print(chosen.summary())
+            return 0
+        config = dataclasses.replace(config, replicas=1)  # one pipeline: as below
     sized, the_plan = plan_job(config, index, cluster)
     if args.json:
         print(the_plan.to_json())

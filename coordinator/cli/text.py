@@ -118,6 +118,25 @@ def _api_key(path: str | None) -> str | None:
     return os.environ.get("OFFLOAD_API_KEY") or None
 
 
+def _serving_what(jobs: list, auto: bool) -> str:
+    """The served loads in words: stages, KV cache, queue, and what the plan chose."""
+    job = jobs[0]
+    plan = job.plan
+    what = (f"load {job.name!r}, {len(plan.stages)} stages, KV cache for {job.config.max_batch} "
+            f"x {job.config.max_seq_len} tokens")  # fmt: skip
+    if len(jobs) > 1:
+        total = sum(j.plan.tokens_per_s for j in jobs)
+        what = (f"{len(jobs)} replicas (loads {', '.join(repr(j.name) for j in jobs)}), each "
+                f"{len(plan.stages)} stage(s) with a KV cache for {job.config.max_batch} x "
+                f"{job.config.max_seq_len} tokens; {total:.1f} tokens/s predicted in all")  # fmt: skip
+    elif auto and plan.options.objective == "throughput":
+        what += (f" and {plan.options.micro_batches} micro-batch(es), chosen for throughput: "
+                 f"{plan.tokens_per_s:.1f} tokens/s predicted")  # fmt: skip
+    elif auto:
+        what += " (auto: as many as fit beside the weights)"
+    return f"{what}, up to {job.config.max_queue} waiting"
+
+
 def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
     import uuid
     from pathlib import Path
@@ -126,7 +145,7 @@ def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
     from coordinator.planning.checkpoint import read_config
     from coordinator.planning.context import model_context
     from coordinator.runtime import registry
-    from coordinator.runtime.launch import attach, launch
+    from coordinator.runtime.launch import attach, launch_replicas
     from coordinator.serving import app as serving
 
     key = _api_key(args.api_key_file)
@@ -139,40 +158,35 @@ def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
         raise ConfigError(f"--port {args.port} must be in 1..65535")
     auto = False
     if args.name:
-        job, name, ours = attach(args.name, address=args.address), args.name, False
+        jobs, ours = [attach(args.name, address=args.address)], False
     else:
         # serve's own defaults, for what neither the flags nor the job file set
         config = job_config(args, defaults={"max_batch": DEFAULT_SERVE_BATCH,
-                                            "objective": DEFAULT_SERVE_OBJECTIVE})  # fmt: skip
+                                            "objective": DEFAULT_SERVE_OBJECTIVE},
+                            throughput_defaults={"replicas": 0})  # fmt: skip
         auto = config.max_batch == 0
         if config.max_seq_len == 0:  # 512 tokens, within the model's context
             context = model_context(read_config(config.checkpoint))
             seq_len = min(DEFAULT_SERVE_SEQ_LEN, context.tokens if context else DEFAULT_SERVE_SEQ_LEN)
             config = dataclasses.replace(config, max_seq_len=seq_len)
-        name = f"serve-{uuid.uuid4().hex[:8]}"
-        job, ours = launch(config, progress=progress, name=name), True
+        jobs = launch_replicas(config, f"serve-{uuid.uuid4().hex[:8]}", progress=progress)
+        ours = True
+    job = jobs[0]
     model = args.model_name or Path(job.config.checkpoint).resolve().name
     try:
         from coordinator.serving.text import load_tokenizer
 
         load_tokenizer(job.config.checkpoint)  # a checkpoint without one fails here, not later
-        serving.start(name, model, host=args.host, port=args.port, api_key=key,
+        serving.start([j.name for j in jobs], model, host=args.host, port=args.port, api_key=key,
                       max_ongoing_requests=job.config.max_queue + job.config.max_batch)  # fmt: skip
-        sized = ""
-        if auto and job.plan.options.objective == "throughput":
-            sized = (f" and {job.plan.options.micro_batches} micro-batch(es), chosen for "
-                     f"throughput: {job.plan.tokens_per_s:.1f} tokens/s predicted")  # fmt: skip
-        elif auto:
-            sized = " (auto: as many as fit beside the weights)"
-        print(f"serving {model!r} (load {name!r}, {len(job.plan.stages)} stages, KV cache for "
-              f"{job.config.max_batch} x {job.config.max_seq_len} tokens{sized}, up to "
-              f"{job.config.max_queue} waiting) on "
-              f"http://{args.host}:{args.port}/v1; Ctrl-C stops it", flush=True)  # fmt: skip
+        print(f"serving {model!r} on http://{args.host}:{args.port}/v1 ({_serving_what(jobs, auto)}"
+              f"); Ctrl-C stops it", flush=True)  # fmt: skip
         while True:
             time.sleep(3600)
     finally:
         serving.stop()
-        if ours:
-            registry.forget(name)
-        job.close()
+        for j in reversed(jobs):  # the first owns an embedded Ray: it goes last
+            if ours:
+                registry.forget(j.name)
+            j.close()
     return 0  # unreachable: Ctrl-C or SIGTERM ends the command

@@ -45,6 +45,12 @@ def probe_cluster(
     `model` (config.json, dtype, worker threads): each node also times the model's decoder
     layer on its device (`worker.compute_probe`), for the planner's compute rate."""
     nodes = gpu_nodes(exclude)
+    allowed = config.node_gpus()
+    if allowed:  # the job's own nodes only (a replica of a served model)
+        nodes = [n for n in nodes if n["NodeID"] in allowed]
+    if not nodes and allowed:
+        raise LaunchError(f"none of the job's nodes ({', '.join(n[:8] for n in allowed)}, "
+                          "its `nodes`) is an alive GPU node of the cluster")  # fmt: skip
     if not nodes:
         raise LaunchError(
             "the Ray cluster has no GPU nodes; on a machine without GPUs use --gpus N with "
@@ -85,7 +91,9 @@ def model_of(index, config: JobConfig) -> tuple[dict, str, int]:
 def _node_info(config: JobConfig, node: dict, result: dict, held_bytes: int = 0,
                origins: dict[str, str] | None = None) -> NodeInfo:  # fmt: skip
     """The budgets of the Ray node `node` (an entry of `ray.nodes()`) from its probe result."""
-    return node_info(config, result, node_id=node["NodeID"], num_gpus=int(node["Resources"]["GPU"]),
+    gpus = int(node["Resources"]["GPU"])
+    gpus = min(gpus, config.node_gpus().get(node["NodeID"], gpus))  # the job's share, if any
+    return node_info(config, result, node_id=node["NodeID"], num_gpus=gpus,
                      labels=_user_labels(node), held_bytes=held_bytes, origins=origins)  # fmt: skip
 
 

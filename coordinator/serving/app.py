@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 # (FIFO, 429 only when full) is the one that decides.
 MAX_ONGOING_REQUESTS = 1024 + 64
 MAX_STOP = 4  # stop strings per request, as OpenAI's API allows
+LOAD_HEADER = "x-offload-load"  # which load (replica) answered a completion
 # Request fields this server does not apply, with the value that means "off": any other value is
 # refused with 400 rather than silently ignored (the text would not be what the client asked).
 UNSUPPORTED = {
@@ -209,11 +210,15 @@ class _Run:
 @serve.deployment(max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class OpenAIServer:
-    def __init__(self, load_name: str, model_name: str, api_key: str | None) -> None:
+    def __init__(self, load_names: list[str], model_name: str, api_key: str | None) -> None:
         from coordinator.runtime.launch import attach
         from coordinator.serving.text import load_tokenizer
 
-        self.job = attach(load_name)
+        # One replica per load (a pipeline of its own GPUs): replica r serves load r, and
+        # Serve's router spreads the requests over the replicas.
+        rank = serve.get_replica_context().rank.rank if len(load_names) > 1 else 0
+        self.load_name = load_names[rank % len(load_names)]
+        self.job = attach(self.load_name)
         self.tokenizer = load_tokenizer(self.job.config.checkpoint)
         self.model_name = model_name
         self.api_key = api_key
@@ -286,7 +291,8 @@ class OpenAIServer:
             if not await run.started(request):  # no byte until the request runs
                 return _error(499, "the client went away while the request waited")
             return StreamingResponse(self._events(run, rid, chat, request, usage),
-                                     media_type="text/event-stream")  # fmt: skip
+                                     media_type="text/event-stream",
+                                     headers={LOAD_HEADER: self.load_name})  # fmt: skip
         try:
             await run.finish()
         except Exception as exc:  # busy (429), a lost worker (503), a bug (500): by kind
@@ -294,8 +300,9 @@ class OpenAIServer:
         message = {"role": "assistant", "content": run.text}
         choice = {"index": 0, "finish_reason": run.finish_reason, "logprobs": None,
                   **({"message": message} if chat else {"text": run.text})}  # fmt: skip
-        return {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name,
-                "choices": [choice], "usage": run.usage()}  # fmt: skip
+        return JSONResponse({"id": rid, "object": kind, "created": int(time.time()),
+                             "model": self.model_name, "choices": [choice], "usage": run.usage()},
+                            headers={LOAD_HEADER: self.load_name})  # fmt: skip
 
     def _parse(self, body: dict, chat: bool):
         from coordinator.engine.generation import sampling_options
@@ -379,17 +386,19 @@ class OpenAIServer:
             run.cancel()  # a client gone mid-stream (the generator is closed): stop and free
 
 
-def start(load_name: str, model_name: str, *, host: str, port: int, api_key: str | None,
-          max_ongoing_requests: int = MAX_ONGOING_REQUESTS) -> None:  # fmt: skip
-    """Serve the named load on host:port (returns once the app answers). The process's own
-    SIGINT and SIGTERM handlers are kept, whatever Serve's start installs."""
+def start(load_names: list[str], model_name: str, *, host: str, port: int,
+          api_key: str | None, max_ongoing_requests: int = MAX_ONGOING_REQUESTS) -> None:  # fmt: skip
+    """Serve the named loads on host:port, one Serve replica each (returns once the app
+    answers). The process's own SIGINT and SIGTERM handlers are kept, whatever Serve's start
+    installs."""
     from coordinator.runtime.session import keeping_handlers
 
-    deployment = OpenAIServer.options(max_ongoing_requests=max_ongoing_requests)
+    deployment = OpenAIServer.options(max_ongoing_requests=max_ongoing_requests,
+                                      num_replicas=len(load_names))  # fmt: skip
     with keeping_handlers():
         serve.start(http_options={"host": host, "port": port})
-        serve.run(deployment.bind(load_name, model_name, api_key), name="offload-openai",
-                  route_prefix="/", blocking=False)  # fmt: skip
+        serve.run(deployment.bind(list(load_names), model_name, api_key),
+                  name="offload-openai", route_prefix="/", blocking=False)  # fmt: skip
 
 
 def stop() -> None:
