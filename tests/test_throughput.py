@@ -171,10 +171,12 @@ def test_latency_bound_that_nothing_meets_names_the_shortest() -> None:
 
 
 def test_thousand_layers_on_512_gpus_for_throughput_is_fast() -> None:
-    """The planner's large case with KV caches: every (batch, micro-batch) pair is planned or
-    bounded; too large for the exact DP, the plan says how far from optimal it can be."""
+    """The planner's large case with KV caches and MLPs to offload on their own: every (batch,
+    micro-batch) pair is planned or bounded; too large for the exact DP, the plan says how far
+    from optimal it can be."""
     layers = [dataclasses.replace(x, kv_bytes_per_token=256 * 1024) if x.kind == "decoder"
-              else x for x in model([3 * GiB] * 1000, embed=4 * GiB, head=4 * GiB)]  # fmt: skip
+              else x for x in model([3 * GiB] * 1000, embed=4 * GiB, head=4 * GiB,
+                                    mlps=[2 * GiB] * 1000)]  # fmt: skip
     snap = cluster(
         *(
             {"gpus": [8 * GiB, 6 * GiB] * 4, "host": (n % 4 + 1) * 8 * GiB,

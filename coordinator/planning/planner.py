@@ -233,10 +233,10 @@ def plan(
         for node in cluster.nodes
     ]
     kv = [kv_bytes(layer, options) for layer in layers]
-    units = sub_layer_units(layers)
     key = (tuple(limits), tuple(kv), options.reserve_bytes, options.compute_bytes_per_s)
     if memo is None or key not in memo:
         check_largest_layer(layers, gpus, options)
+        units = sub_layer_units(layers)
         search = Search(
             [layer.nbytes for layer in layers],
             [layer.kind == "decoder" for layer in layers],
@@ -247,17 +247,17 @@ def plan(
             compute_sizes=[compute_bytes(layer) for layer in layers],
             units=[[layer.unit_bytes(name) for layer in layers] for name in units],
         )
-        solved = (search, *search.solve())
+        solved = (search, [*units, "layer"], *search.solve())
         if memo is not None:
             memo[key] = solved
-    search, reached, best = solved if memo is None else memo[key]
+    search, unit_names, reached, best = solved if memo is None else memo[key]
     if reached < len(layers):
         raise unplaceable(layers, cluster, options, reached, best)
     if options.objective == "latency":
-        return _build(layers, cluster, options, search, best)
+        return _build(layers, cluster, options, search, unit_names, best)
     found = min_cycle(search, options.micro_batches, _overhead_s(cluster, options), best)
     assert found is not None  # solve placed every layer
-    return _build(layers, cluster, options, search, found.placements, found.bound_s)
+    return _build(layers, cluster, options, search, unit_names, found.placements, found.bound_s)
 
 
 def compute_bytes(layer: LayerSpec) -> int:
@@ -291,11 +291,11 @@ def _build(
     cluster: ClusterSnapshot,
     options: PlanOptions,
     search: Search,
+    unit_names: Sequence[str],  # of search.units, in order
     placements: Sequence[LayerRange],
     bound_s: float | None = None,
 ) -> Plan:
     stages = []
-    unit_names = [*(sub_layer_units(layers) if len(search.units) > 1 else ()), "layer"]
     for i, p in enumerate(placements):
         node = cluster.nodes[p.node]
         gpu = node.gpus[p.gpu]

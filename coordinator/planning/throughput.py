@@ -40,13 +40,13 @@ def micro_batch_counts(max_batch: int, num_gpus: int) -> list[int]:
     return counts
 
 
-def _upper_bound(layers: Sequence[LayerSpec], cluster: ClusterSnapshot,
-                 options: PlanOptions) -> float:  # fmt: skip
-    """Tokens/s no placement of these options exceeds (see the module doc)."""
+def _upper_bound(work_bytes: int, cluster: ClusterSnapshot, options: PlanOptions) -> float:
+    """Tokens/s no placement of these options exceeds (see the module doc); `work_bytes`: the
+    weight bytes a step computes through."""
     rates = [node.compute_rate(options.rows_per_step)[0] or options.compute_bytes_per_s
              for node in cluster.nodes]  # fmt: skip
     gpus = sum(len(node.gpus) for node in cluster.nodes)
-    total = sum(planner.compute_bytes(layer) for layer in layers) / max(rates)
+    total = work_bytes / max(rates)
     overhead = options.step_overhead_s
     least = max(total + overhead, options.micro_batches * (total / gpus + overhead))
     return options.max_batch / least if least > 0 else float("inf")
@@ -63,12 +63,13 @@ def best_plans(layers: Sequence[LayerSpec], cluster: ClusterSnapshot, options: P
     num_gpus = sum(len(node.gpus) for node in cluster.nodes)
     best: dict[int, Plan] = {}
     memo: dict = {}  # one bottleneck search per distinct KV cache and rates
+    work = sum(planner.compute_bytes(layer) for layer in layers)
     top = 0.0  # the best tokens/s so far, for the bound
     for batch in sorted(set(batches)):
         counts = [micro_batches] if micro_batches else micro_batch_counts(batch, num_gpus)
         for k in counts:
             opts = dataclasses.replace(options, max_batch=batch, micro_batches=k)
-            if prune and _upper_bound(layers, cluster, opts) <= top:
+            if prune and _upper_bound(work, cluster, opts) <= top:
                 continue
             try:
                 the_plan = planner.plan(layers, cluster, opts, memo=memo)
