@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(PY) bench/generate.py
 	$(PY) bench/batching.py
 	$(PY) bench/serve.py
+	$(PY) bench/policy.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache .hypothesis

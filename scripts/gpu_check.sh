@@ -19,4 +19,8 @@ timeout 240 "$PY" bench/prefetch_overlap.py --json "$OUT/overlap.json" 2>&1 | te
 # runs above their time).
 timeout 240 "$PY" bench/batching.py --stages 1 --batches 1,8,16 --repeats 2 --no-stall --json "$OUT/batching.json" \
     2>&1 | tee "$OUT/batching.txt" || status=1
+# The throughput planner's prediction against what one GPU delivers, and the runtime overhead
+# per stage step that would make it exact (the planner's default was calibrated on CPUs).
+timeout 200 "$PY" bench/policy.py --stages 1 --batches 1,8,32 --repeats 1 --json "$OUT/policy.json" \
+    2>&1 | tee "$OUT/policy.txt" || status=1
 exit $status
