@@ -87,13 +87,21 @@ def decode_rate(job, pool, prompts: list[torch.Tensor], new: int) -> float:
 def measure(config: JobConfig, prompts, args) -> dict:
     with launch(config) as job, ThreadPoolExecutor(len(prompts) + 1) as pool:
         decode_rate(job, pool, prompts[:2], 4)  # warm-up
+        before = job.telemetry()
         rates = [decode_rate(job, pool, prompts, args.new_tokens) for _ in range(args.repeats)]
+        after = job.telemetry()
+        # each stage's own time per step (its forwards, as the worker timed them), against
+        # the plan's stage time: slower = contention for the cores, not idle waiting
+        stage_ms = [(b.forward_s - a.forward_s) / max(b.forwards - a.forwards, 1) * 1e3
+                    for a, b in zip(before, after, strict=True)]  # fmt: skip
         plan = job.plan
         measured = statistics.median(rates)
         return {"measured": measured, "runs": rates, "predicted": plan.tokens_per_s,
                 "micro_batches": job.config.micro_batches, "stages": len(plan.stages),
                 "offloaded_mib": sum(s.offloaded_bytes for s in plan.stages) / MIB,
-                "overhead_needed_s": overhead_needed(plan, plan.options.max_batch / measured)}  # fmt: skip
+                "overhead_needed_s": overhead_needed(plan, plan.options.max_batch / measured),
+                "stage_ms": stage_ms,
+                "planned_stage_ms": [s.time_s * 1e3 for s in plan.stages]}  # fmt: skip
 
 
 def overhead_needed(plan, measured_cycle_s: float) -> float:
@@ -178,15 +186,19 @@ def report(rows: list[dict], args, index, started: float) -> None:
     print(f"model: {index.total_bytes / MIB:.1f} MiB, max_seq_len {MAX_SEQ_LEN}; "
           f"{args.new_tokens} new tokens per request; medians of {args.repeats} runs\n")
     print("| stages | budget/GPU | max_batch | micro-batches | offloaded MiB | predicted tokens/s "
-          "| measured tokens/s | predicted / measured | overhead that fits |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| measured tokens/s | predicted / measured | overhead that fits | stage step ms: "
+          "planned / worker-timed |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         for batch, c in sorted(r["batches"].items()):
             mark = " (chosen)" if batch == r["chosen"] else ""
             print(f"| {r['gpus']} | {r['budget_mib']} MiB | {batch}{mark} | {c['micro_batches']} | "
                   f"{c['offloaded_mib']:.1f} | {c['predicted']:.1f} | {c['measured']:.1f} | "
                   f"{c['predicted'] / c['measured']:.2f} | "
-                  f"{c['overhead_needed_s'] * 1e3:.2f} ms |")  # fmt: skip
+                  f"{c['overhead_needed_s'] * 1e3:.2f} ms | "
+                  + ", ".join(f"{p:.1f} / {t:.1f}" for p, t in zip(c["planned_stage_ms"],
+                                                                   c["stage_ms"], strict=True))
+                  + " |")  # fmt: skip
     for r in rows:
         measured = {b: c["measured"] for b, c in r["batches"].items()}
         best = max(measured, key=measured.get)

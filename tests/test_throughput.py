@@ -17,6 +17,7 @@ from test_planner import (
     cluster,
     feasible_stage_times,
     instances,
+    large_cluster,
     model,
 )
 
@@ -177,13 +178,7 @@ def test_thousand_layers_on_512_gpus_for_throughput_is_fast() -> None:
     layers = [dataclasses.replace(x, kv_bytes_per_token=256 * 1024) if x.kind == "decoder"
               else x for x in model([3 * GiB] * 1000, embed=4 * GiB, head=4 * GiB,
                                     mlps=[2 * GiB] * 1000)]  # fmt: skip
-    snap = cluster(
-        *(
-            {"gpus": [8 * GiB, 6 * GiB] * 4, "host": (n % 4 + 1) * 8 * GiB,
-             "link": 50e9 if n % 3 == 0 else None}
-            for n in range(64)
-        )
-    )  # fmt: skip
+    snap = large_cluster()
     start = time.perf_counter()
     chosen = choose(layers, snap, PlanOptions(reserve_bytes=GiB // 2, max_seq_len=64))
     elapsed = time.perf_counter() - start
