@@ -79,6 +79,7 @@ class NodeProbe:
     # None means unlimited (RLIM_INFINITY) or unknown; see `errors` to tell them apart.
     memlock_limit_bytes: int | None = None
     cpu_arch: str = ""
+    cpu_count: int = 0  # logical CPUs (0: unknown)
     # Host-to-device copy rates, measured (None: not measured, or failed: see `errors`). From
     # pinned memory only on CUDA; without CUDA "pageable" is the CPU stand-in's memcpy rate.
     link_pinned_bytes_per_s: float | None = None
@@ -185,6 +186,7 @@ def _probe_memlock(fields: dict, errors: list[str]) -> None:
 
 def _probe_arch(fields: dict, errors: list[str]) -> None:
     fields["cpu_arch"] = platform.machine()
+    fields["cpu_count"] = os.cpu_count() or 0
 
 
 def _probe_link(fields: dict, errors: list[str]) -> None:

@@ -196,3 +196,24 @@ def test_min_cycle_of_a_cluster_too_large_for_the_dp_reports_its_bound() -> None
     bounded = min_cycle(search, 1, 1.0, dp_limit=1)  # the bottleneck split: 3 x (20 + 1)
     assert (exact.exact, exact.cycle_s, len(exact.placements)) == (True, 61.0, 1)
     assert (bounded.exact, bounded.cycle_s, bounded.bound_s) == (False, 63.0, 61.0)
+
+
+def test_simulated_gpus_share_their_node_cores() -> None:
+    """Two GPUs simulated on one CPU with a core to spare for the stages: two micro-batches
+    through two stages cannot compute side by side (a cycle of 2 x 4 s, not 2 x 2 s), so one
+    micro-batch (4 s) is the better plan; two replicas there share that core and make no more
+    than one pipeline. Real GPUs (concurrent_stages None) overlap."""
+    from coordinator.planning.replicas import choose_replicas
+
+    layers = model([10] * 4)
+    real = cluster({"gpus": [100, 100], "compute": 10.0})
+    shared = ClusterSnapshot(nodes=(dataclasses.replace(real.nodes[0], concurrent_stages=1.0),))
+    opts = PlanOptions(max_batch=2, micro_batches=2, objective="throughput", step_overhead_s=0.0)
+    assert plan(layers, real, opts).cycle_s == 4.0
+    assert plan(layers, shared, opts).cycle_s == 8.0
+    best = choose(layers, shared, opts, batches=(2,))
+    assert (best.options.micro_batches, best.cycle_s) == (1, 4.0)
+    assert choose(layers, real, opts, batches=(2,)).cycle_s == 4.0  # k=2 over 2 stages: 2 x 2
+    replicas = choose_replicas(layers, shared, opts, batches=(2,))
+    assert len(replicas.plans) == 1 and replicas.tokens_per_s == 0.5
+    assert choose_replicas(layers, real, opts, batches=(2,)).tokens_per_s == 1.0  # 2 x 2 / 4

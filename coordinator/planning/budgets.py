@@ -82,6 +82,8 @@ def node_info(
         link_bytes_per_s=probe.link_bytes_per_s(pin=pin),
         backend=backend,
         backend_reason=backend_reason,
+        concurrent_stages=None if probe.devices or not probe.cpu_count else max(
+            1, (probe.cpu_count - 1) // config.cpus_per_worker),
         **_compute(result.get("compute"), config),
     )
 

@@ -278,6 +278,22 @@ def sub_layer_units(layers: Sequence[LayerSpec]) -> list[str]:
     return found
 
 
+def _shared_cores_s(stages: Sequence[StagePlan], cluster: ClusterSnapshot,
+                    options: PlanOptions) -> float:  # fmt: skip
+    """The least cycle where a node's GPUs are simulated on its CPU: its stages share its cores,
+    so every micro-batch's compute through them (with each step's own fixed part) takes at
+    least its sum over how many run at once (`NodeInfo.concurrent_stages`). Not part of the
+    exact placement search (cycle.py): real GPUs compute side by side."""
+    least = 0.0
+    for node in cluster.nodes:
+        if node.concurrent_stages is None:
+            continue
+        fixed = node.fixed_step_s(options.rows_per_step)
+        work = sum(s.compute_s + fixed for s in stages if s.node_id == node.node_id)
+        least = max(least, options.micro_batches * work / node.concurrent_stages)
+    return least
+
+
 def _overhead_s(cluster: ClusterSnapshot, options: PlanOptions) -> float:
     """A stage step's cost besides compute and copies: the runtime's (options) and the
     stage's own fixed part, as the nodes' probes measured it (the largest: one overhead for
@@ -336,7 +352,8 @@ def _build(
             )
         )
     overhead = _overhead_s(cluster, options)
-    cycle = cycle_s([s.time_s for s in stages], options.micro_batches, overhead)
+    cycle = max(cycle_s([s.time_s for s in stages], options.micro_batches, overhead),
+                _shared_cores_s(stages, cluster, options))  # fmt: skip
     return Plan(
         stages=tuple(stages),
         options=options,

@@ -5,7 +5,8 @@ for a micro-batch of another pipeline, each has its own KV cache and batch).
 The space: for each R dividing the GPU count, R replicas, replica r taking the r-th run of G/R
 GPUs in pipeline order (nodes in order, each node's GPUs in order), so that every replica is
 alike in size (Ray Serve's replicas of one deployment). A node whose GPUs go to several
-replicas splits its host budgets between them in proportion to the GPUs each takes. Each
+replicas splits its host budgets between them in proportion to the GPUs each takes (and, where
+its GPUs are simulated on its CPU, its cores). Each
 replica is planned for throughput on its own GPUs (`coordinator.planning.throughput`): its
 batch, micro-batches and placement; the cluster makes the sum of their tokens/s, and each
 sequence's time between tokens is its replica's cycle (the latency bound holds per replica).
@@ -71,7 +72,9 @@ def split(cluster: ClusterSnapshot, replicas: int) -> list[ClusterSnapshot]:
             share = len(mine) / len(node.gpus)
             nodes.append(dataclasses.replace(
                 node, gpus=mine, host_budget_bytes=int(node.host_budget_bytes * share),
-                pinned_budget_bytes=int(node.pinned_budget_bytes * share)))  # fmt: skip
+                pinned_budget_bytes=int(node.pinned_budget_bytes * share),
+                concurrent_stages=None if node.concurrent_stages is None
+                else node.concurrent_stages * share))  # fmt: skip
         parts.append(ClusterSnapshot(nodes=tuple(nodes)))
     return parts
 
@@ -80,7 +83,8 @@ def _shape(part: ClusterSnapshot) -> tuple:
     """What a replica's plan depends on: its nodes but for their names and GPU indices."""
     return tuple((tuple(g.memory_bytes for g in n.gpus), n.host_budget_bytes,
                   n.pinned_budget_bytes, n.pin, n.link_bytes_per_s, n.compute,
-                  n.compute_bytes_per_s, n.backend) for n in part.nodes)  # fmt: skip
+                  n.compute_bytes_per_s, n.backend, n.concurrent_stages)
+                 for n in part.nodes)  # fmt: skip
 
 
 def _relabel(the_plan: Plan, source: ClusterSnapshot, target: ClusterSnapshot) -> Plan:
