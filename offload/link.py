@@ -21,9 +21,10 @@ from offload.arena import HostArena, TensorSpec
 CUDA_PROBE_BYTES = 64 * 2**20
 # Smaller on the CPU: there the first touch of fresh pages costs far more than the copies
 # (about 2 ms per 16 MiB copy on a 2-core VM, but 40-300 ms to fault in 2 x 64 MiB), and the
-# probe runs before every plan. 2 x 16 MiB is past the per-core caches, though a large shared
-# L3 may hold part of it: a CPU node is a stand-in for a GPU, its rate need not be exact.
-CPU_PROBE_BYTES = 16 * 2**20
+# probe runs before every plan. But past the shared L3: the planner prices a CPU node's copies
+# as CPU work with this rate (2 x 16 MiB measured 33 GB/s on this machine's EPYC, partly in
+# cache; 2 x 32 MiB 14 GB/s, as 64 and 128 MiB do, the rate of a layer's copy).
+CPU_PROBE_BYTES = 32 * 2**20
 PROBE_REPEATS = 4  # copies timed; the first one faults the destination's pages in
 
 

@@ -10,7 +10,7 @@ from offload.config import MAX_PREFETCH_STEP  # the offloader's own bound, not a
 from offload.errors import ConfigError
 
 OBJECTIVES = ("latency", "throughput")
-DEFAULT_STEP_OVERHEAD_S = 2e-3
+DEFAULT_STEP_OVERHEAD_S = 3e-3
 
 
 def is_int(value: Any) -> bool:

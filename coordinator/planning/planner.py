@@ -281,15 +281,17 @@ def sub_layer_units(layers: Sequence[LayerSpec]) -> list[str]:
 def _shared_cores_s(stages: Sequence[StagePlan], cluster: ClusterSnapshot,
                     options: PlanOptions) -> float:  # fmt: skip
     """The least cycle where a node's GPUs are simulated on its CPU: its stages share its cores,
-    so every micro-batch's compute through them (with each step's own fixed part) takes at
-    least its sum over how many run at once (`NodeInfo.concurrent_stages`). Not part of the
-    exact placement search (cycle.py): real GPUs compute side by side."""
+    and so do their copies (the CPU copy engine is a thread), so every micro-batch's compute and
+    copies through them (with each step's own fixed part) take at least their sum over how many
+    run at once (`NodeInfo.concurrent_stages`). Not part of the exact placement search
+    (cycle.py): real GPUs compute side by side and copy by DMA."""
     least = 0.0
     for node in cluster.nodes:
         if node.concurrent_stages is None:
             continue
         fixed = node.fixed_step_s(options.rows_per_step)
-        work = sum(s.compute_s + fixed for s in stages if s.node_id == node.node_id)
+        work = sum(s.compute_s + s.transfer_s + fixed for s in stages
+                   if s.node_id == node.node_id)  # fmt: skip
         least = max(least, options.micro_batches * work / node.concurrent_stages)
     return least
 
