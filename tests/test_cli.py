@@ -433,5 +433,8 @@ def test_plan_for_throughput_chooses_the_batch_and_draws_the_curve(checkpoint, c
     total = float(re.search(r"([\d.]+) decode tokens/s predicted in all", out).group(1))
     each = [float(t) for t in re.findall(r"objective throughput: ([\d.]+) decode", out)]
     assert len(each) == 2 and total == pytest.approx(sum(each), abs=0.11)
+    assert main([*args[:-1], "2", "--json"]) == 0
+    replicas = json.loads(capsys.readouterr().out)
+    assert [[s["gpu_index"] for s in r["stages"]] for r in replicas] == [[0], [1]]
     assert main([*args[:-1], "auto", "--objective", "latency"]) == EXIT_ERROR
     assert "replicas serve for throughput" in capsys.readouterr().err

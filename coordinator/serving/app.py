@@ -1,23 +1,25 @@
-"""An OpenAI-style HTTP front for a named load, on Ray Serve.
+"""An OpenAI-style HTTP front for named loads, on Ray Serve: one Serve replica per load (a
+pipeline on its own GPUs; several when the plan chose replicas), Serve's router spreading the
+requests; each completion's `x-offload-load` header says which load answered.
 
 `GET /v1/models`, `POST /v1/completions` and `POST /v1/chat/completions` (where the tokenizer
-has a chat template), both with `stream: true` as server-sent events. The replica attaches to
-the named load (so it may run on any node), tokenizes with the checkpoint's tokenizer and
-submits each request to the job's engine (`coordinator.engine`), which runs every request in
-flight in one batch per step; a request beyond the batch waits in the engine's FIFO queue (a
-streamed one gets its first byte with its first token), and only a full queue is answered 429.
-A client that goes away cancels its request, which frees its KV slot. With an API key, every request needs `Authorization: Bearer <key>` (401 otherwise).
-Bad requests get a 4xx naming the field. The status comes from the error's kind, never its text
-(`STATUS_OF_KIND`): a request beyond the planned KV cache gets 400 (never fits), one the full queue cannot take
-429 (busy), a lost worker 503, and only a bug a 500. `stop` strings end the text where
-they begin (streamed text never shows part of one); `stream_options.include_usage` adds a usage
-chunk; settings that would change the text and are not applied here (penalties, logit_bias,
-logprobs, echo, best_of, suffix, tools, response_format) are refused with 400, not ignored.
+has a chat template), both with `stream: true` as server-sent events. A replica attaches to its
+load (so it may run on any node), tokenizes with the checkpoint's tokenizer and submits each
+request to the job's engine (`coordinator.engine`), which runs every request in flight in one
+batch per step; a request beyond the batch waits in the engine's FIFO queue (a streamed one gets
+its first byte with its first token), and only a full queue is answered 429. A client that goes
+away cancels its request, which frees its KV slot. With an API key, every request needs
+`Authorization: Bearer <key>` (401 otherwise). Bad requests get a 4xx naming the field; the
+status comes from the error's kind, never its text (`STATUS_OF_KIND`): beyond the planned KV
+cache 400 (never fits), a full queue 429 (busy), a lost worker 503, only a bug 500. `stop`
+strings end the text where they begin (streamed text never shows part of one);
+`stream_options.include_usage` adds a usage chunk; settings that would change the text and are
+not applied here (penalties, logit_bias, logprobs, echo, best_of, suffix, tools,
+response_format) are refused with 400, not ignored.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations
 # (`request: Request`) as objects to know what to inject.
-import asyncio
 import hmac
 import json
 import logging
@@ -28,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 
+from coordinator.serving.runs import Run
 from offload.errors import (
     BusyError,
     ConfigError,
@@ -103,110 +106,9 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], default=None, check=N
     return value
 
 
-_NOTHING = object()
-DISCONNECT_POLL_S = 1.0  # a streamed request waiting in the queue checks its client this often
-
-
-class _Run:
-    """One request in the job's engine, its text deltas handed to the event loop (the engine's
-    thread calls back; no thread per request). Waiting in the engine's queue costs nothing
-    here: the client gets its first byte with the first token."""
-
-    def __init__(self, job, tokenizer, ids, options: dict, stop: tuple[str, ...] = ()) -> None:
-        from coordinator.serving.text import TextStream, end_ids
-
-        self.job, self.ids, self.options = job, ids, options
-        self.stream = TextStream(tokenizer, end_ids(tokenizer, job.index), stop)
-        self.error: Exception | None = None
-        self.new_tokens = 0
-        self.text = ""
-        self.finish_reason = "length"
-        self._request = None
-        self._first = _NOTHING  # an item `started` took from the queue
-        self._queue: asyncio.Queue | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def start(self) -> None:
-        """Queue the request (raises what the engine refuses: a full queue is a BusyError)."""
-        self._loop = asyncio.get_running_loop()
-        self._queue = asyncio.Queue()
-        self._request = self.job.submit(self.ids, on_token=self._on_token,
-                                        on_finish=lambda: self._put(None), **self.options)  # fmt: skip
-
-    async def finish(self) -> None:
-        self.start()
-        async for _ in self.deltas():
-            pass
-        if self.error is not None:
-            raise self.error
-
-    async def started(self, request: Request) -> bool:
-        """Wait until the request has its first token (or has ended): it waited its turn in
-        the engine's queue until then. False when the client went away meanwhile (the request
-        is then cancelled)."""
-        while True:
-            try:
-                self._first = await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_S)
-                return True
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    self.cancel()
-                    return False
-
-    async def deltas(self):
-        first, self._first = self._first, _NOTHING
-        while True:
-            delta = first if first is not _NOTHING else await self._queue.get()
-            first = _NOTHING
-            if delta is None:
-                rest = self._end()
-                if rest:
-                    yield rest
-                return
-            yield delta
-
-    def cancel(self) -> None:
-        if self._request is not None and not self._request.done():
-            self.job.engine().cancel(self._request)
-
-    def _put(self, item) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-
-    def _on_token(self, row: int, token: int) -> None:
-        if not self.stream.stopped:
-            self.new_tokens += 1
-        delta = self.stream.push(token)
-        if self.stream.stopped:
-            self.finish_reason = "stop"
-            if self.stream.stop_string is not None:  # the engine has no end token to see
-                self.cancel()
-        if delta:
-            self.text += delta
-            self._put(delta)
-
-    def _end(self) -> str:
-        """The request is over: keep its error, or return the text held back (an incomplete
-        character, a stop string that did not come)."""
-        error = self._request.error
-        if error is not None and not isinstance(error, Exception):
-            error = RuntimeError(str(error))
-        self.error = error
-        if error is not None:
-            return ""
-        rest = self.stream.finish()
-        self.text += rest
-        return rest
-
-    def usage(self) -> dict:
-        prompt = int(self.ids.shape[1])
-        return {"prompt_tokens": prompt, "completion_tokens": self.new_tokens,
-                "total_tokens": prompt + self.new_tokens}  # fmt: skip
-
-
 # Ray Serve pickles the deployment class when it is decorated: everything it uses is defined
-# above it.
-# No CPU of its own: the replica waits on the workers, which hold the job's CPUs (a replica
-# asking for one on a small embedded Ray would never be scheduled).
+# above it. No CPU of its own: the replica waits on the workers, which hold the job's CPUs (a
+# replica asking for one on a small embedded Ray would never be scheduled).
 @serve.deployment(max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class OpenAIServer:
@@ -214,8 +116,6 @@ class OpenAIServer:
         from coordinator.runtime.launch import attach
         from coordinator.serving.text import load_tokenizer
 
-        # One replica per load (a pipeline of its own GPUs): replica r serves load r, and
-        # Serve's router spreads the requests over the replicas.
         rank = serve.get_replica_context().rank.rank if len(load_names) > 1 else 0
         self.load_name = load_names[rank % len(load_names)]
         self.job = attach(self.load_name)
@@ -282,7 +182,7 @@ class OpenAIServer:
             return _error_for(exc)
         kind = "chat.completion" if chat else "text_completion"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        run = _Run(self.job, self.tokenizer, ids, options, stop)
+        run = Run(self.job, self.tokenizer, ids, options, stop)
         if stream:
             try:
                 run.start()  # a full queue is a 429 here, before the stream's 200
@@ -347,7 +247,7 @@ class OpenAIServer:
         stream = _field(body, "stream", (bool,), False)
         return ids, {"max_new_tokens": max_tokens, **options}, stream, tuple(stop or ())
 
-    async def _events(self, run: _Run, rid: str, chat: bool, request: Request, usage: bool):
+    async def _events(self, run: Run, rid: str, chat: bool, request: Request, usage: bool):
         """Server-sent events: a chunk per text delta, a last chunk with the finish reason,
         then [DONE]. A client that goes away cancels the request (its caches are freed)."""
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
