@@ -41,7 +41,6 @@ import argparse
 import dataclasses
 import itertools
 import json
-import platform
 import shutil
 import statistics
 import sys
@@ -56,7 +55,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.generate import stamping_streamer
+from bench.generate import machine, stamping_streamer
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import load_index
 from coordinator.runtime.launch import launch
@@ -276,10 +275,7 @@ def main(argv: list[str] | None = None) -> int:
 def report(rows: list[dict], args, index, started: float) -> None:
     import transformers
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
-                .splitlines() if line.startswith("model name")), platform.processor())  # fmt: skip
-    print(f"\nmachine: {platform.machine()} ({cpu}), {psutil.cpu_count()} CPUs, "
-          f"{psutil.virtual_memory().total / 2**30:.0f} GiB; torch {torch.__version__}, "
+    print(f"\nmachine: {machine()}; torch {torch.__version__}, "
           f"transformers {transformers.__version__}, ray {ray.__version__}; {THREADS} thread per "
           f"worker and for transformers; total {time.perf_counter() - started:.0f} s")  # fmt: skip
     print(f"model: {index.total_bytes / MIB:.1f} MiB; {args.new_tokens} new tokens per request, "

@@ -103,6 +103,14 @@ def ours(job, ids: torch.Tensor, new_tokens: int) -> tuple[dict, torch.Tensor]:
     return timing(start, stamps), out
 
 
+def machine() -> str:
+    """This machine in words: architecture (CPU model), CPUs, memory."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
+                .splitlines() if line.startswith("model name")), platform.processor())  # fmt: skip
+    return (f"{platform.machine()} ({cpu}), {psutil.cpu_count()} CPUs, "
+            f"{psutil.virtual_memory().total / 2**30:.0f} GiB")
+
+
 def stamping_streamer():
     """A `generate` streamer that timestamps what it is given: the prompt first, then each
     step's new tokens (`.stamps[1:]`: one per new token)."""
@@ -354,10 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     import transformers
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
-                .splitlines() if line.startswith("model name")), platform.processor())  # fmt: skip
-    print(f"\nmachine: {platform.machine()} ({cpu}), {psutil.cpu_count()} CPUs, "
-          f"{psutil.virtual_memory().total / 2**30:.0f} GiB; torch {torch.__version__}, "
+    print(f"\nmachine: {machine()}; torch {torch.__version__}, "
           f"transformers {transformers.__version__}, ray {ray.__version__}; workers and "
           f"transformers on {WORKER_THREADS} thread each")  # fmt: skip
     print(f"model: llama {args.dtype}, {args.layers} layers, hidden {args.hidden}, {args.heads} "

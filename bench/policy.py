@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import shutil
 import statistics
 import sys
@@ -45,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.batching import bench_shape, prompts_for
+from bench.generate import machine
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import load_index
 from coordinator.planning.options import DEFAULT_OPTIONS
@@ -178,10 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(rows: list[dict], args, index, started: float) -> None:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
-                .splitlines() if line.startswith("model name")), platform.processor())  # fmt: skip
-    print(f"\nmachine: {platform.machine()} ({cpu}), {psutil.cpu_count()} CPUs, "
-          f"{psutil.virtual_memory().total / 2**30:.0f} GiB; torch {torch.__version__}, "
+    print(f"\nmachine: {machine()}; torch {torch.__version__}, "
           f"ray {ray.__version__}; total {time.perf_counter() - started:.0f} s")  # fmt: skip
     print(f"model: {index.total_bytes / MIB:.1f} MiB, max_seq_len {MAX_SEQ_LEN}; "
           f"{args.new_tokens} new tokens per request; medians of {args.repeats} runs\n")
