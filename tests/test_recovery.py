@@ -226,3 +226,46 @@ def test_a_repeated_failure_is_counted_not_listed_again() -> None:
     job.record_event({**failed, "error": "no GPU node is left"})
     assert [(e["event"], e.get("repeats")) for e in job.events] == [
         ("re-planned", None), ("re-plan failed", 3), ("re-plan failed", None)]  # fmt: skip
+
+
+def test_a_replica_that_loses_its_node_moves_to_a_free_gpu(cluster, tmp_path) -> None:
+    """Two replicas of one GPU each on a cluster of four one-GPU nodes: the node of replica 0
+    leaves, and it re-plans onto a GPU no load holds (never the other replica's), takes that
+    GPU as its own (`nodes`, kept in its record) and generates as before; replica 1 never
+    notices."""
+    from coordinator.runtime import registry
+    from coordinator.runtime.launch import launch_replicas
+    from coordinator.tools.reference import reference_generate
+
+    c, _ = cluster
+    alive = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) >= 1]
+    for _ in range(4 - len(alive)):  # earlier tests removed some and added one
+        c.add_node(num_cpus=2, num_gpus=1)
+    nodes = {node.node_id: node for node in c.list_all_nodes()}
+    checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
+    index = load_index(checkpoint)
+    config = JobConfig(checkpoint=checkpoint, address=c.address, objective="throughput",
+                       replicas=2, max_batch=1, max_seq_len=16,
+                       gpu_memory_bytes=index.total_bytes * 2)  # fmt: skip
+    ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(2))
+    expected = reference_generate(checkpoint, ids, num_threads=1, max_new_tokens=6,
+                                  do_sample=False, eos_token_id=None)  # fmt: skip
+    jobs = launch_replicas(config, "twin")
+    try:
+        # one micro-batch of one sequence: each replica runs on one of its two GPUs
+        assert [len(j.plan.stages) for j in jobs] == [1, 1]
+        first, second = (j.plan.stages[0].node_id for j in jobs)
+        assert [j.config.nodes for j in jobs] == [f"{first}=1", f"{second}=1"]
+        c.remove_node(nodes[first])
+        out = jobs[0].generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
+        assert torch.equal(out, expected)
+        moved = jobs[0].plan.stages[0].node_id
+        assert moved not in (first, second) and jobs[0].events[-1]["event"] == "re-planned"
+        record = registry.load_record("twin-0")[1]
+        assert registry.config_of(record).nodes == f"{moved}=1"  # its GPU now, for the next loss
+        out = jobs[1].generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
+        assert torch.equal(out, expected) and jobs[1].events == []
+    finally:
+        for job in reversed(jobs):
+            registry.forget(job.name)
+            job.close()

@@ -5,7 +5,6 @@ finds a named load again from any process. Both return a `coordinator.runtime.jo
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Callable
 
 from coordinator.config import ConfigError, JobConfig
@@ -98,11 +97,10 @@ def launch_replicas(config: JobConfig, name: str, *,
             micro_batches=config.micro_batches, max_token_latency_s=config.max_token_latency_s)  # fmt: skip
         many = len(chosen.plans) > 1
         for r, the_plan in enumerate(chosen.plans):
-            counts = Counter(s.node_id for s in the_plan.stages)
             replica = dataclasses.replace(
                 config, replicas=1, max_batch=the_plan.options.max_batch,
                 micro_batches=the_plan.options.micro_batches,
-                nodes=",".join(f"{node}={n}" for node, n in counts.items()) if many else "")  # fmt: skip
+                nodes=recovery.nodes_of(the_plan) if many else "")  # fmt: skip
             jobs.append(launch(replica, progress=progress, name=f"{name}-{r}" if many else name,
                                plan=the_plan))  # fmt: skip
         jobs[0].session = session  # the first replica owns the Ray this call connected to

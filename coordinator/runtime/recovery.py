@@ -15,8 +15,9 @@ tries again (a node may have come back).
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -93,8 +94,15 @@ def decide(group: WorkerGroup, dead: list[int], left_out: frozenset[str] = froze
                                  if x.name in h.spec.offloaded)
     start = time.perf_counter()
     probers = {h.node_id: h.actor for _, h in survivors}  # they answer for their nodes
-    snapshot, envs = probe_cluster(group.config, held_bytes=held, probers=probers,
-                                   exclude=left_out, model=model_of(group.index, group.config))  # fmt: skip
+    config = group.config
+    if config.node_gpus():  # a replica: its survivors' GPUs, and any GPU no load holds
+        nodes = _own_and_free(survivors, alive)
+        if not nodes:
+            raise PlanError(f"stages {dead} were lost with node(s) {', '.join(gone)}, and no GPU "
+                            "is free for this replica (the others hold theirs); add nodes")  # fmt: skip
+        config = dataclasses.replace(config, nodes=nodes)
+    snapshot, envs = probe_cluster(config, held_bytes=held, probers=probers,
+                                   exclude=left_out, model=model_of(group.index, config))  # fmt: skip
     probe_s = time.perf_counter() - start
     try:
         new_plan = plan(group.index.layers, snapshot, group.config.plan_options())
@@ -114,13 +122,37 @@ def decide(group: WorkerGroup, dead: list[int], left_out: frozenset[str] = froze
                     matched={stage: survivors[i][0] for stage, i in matched.items()})  # fmt: skip
 
 
+def _own_and_free(survivors: list, alive: set[str]) -> str:
+    """`JobConfig.nodes` for a replica's re-plan: on each alive node, the GPUs its surviving
+    workers hold and the GPUs no placement group holds (another replica's never)."""
+    import ray._private.state as ray_state  # per-node availability: Ray has no public API
+
+    try:
+        free = {node: int(resources.get("GPU", 0)) for node, resources
+                in ray_state.state.available_resources_per_node().items()}  # fmt: skip
+    except Exception:  # without it, the replica re-plans on its own GPUs only
+        free = {}
+    held = Counter(h.node_id for _, h in survivors)
+    counts = {node: held[node] + free.get(node, 0) for node in sorted(alive)}
+    return ",".join(f"{node}={n}" for node, n in counts.items() if n > 0)
+
+
+def nodes_of(the_plan) -> str:
+    """`JobConfig.nodes` of the GPUs a plan uses."""
+    counts = Counter(s.node_id for s in the_plan.stages)
+    return ",".join(f"{node}={n}" for node, n in counts.items())
+
+
 def apply(group: WorkerGroup, decision: Decision) -> dict:
-    """Carry out `decision` on the group (nothing is loaded yet); returns the event."""
+    """Carry out `decision` on the group (nothing is loaded yet); returns the event. A replica
+    (a job with `nodes`) takes the new plan's GPUs as its own."""
     if decision.plan is None:
         hosts = sorted({group.handles[s].hostname for s in decision.lost})
         group.replace(decision.lost)
         return {"event": "replaced workers", "stages": decision.lost, "hosts": hosts}
     new_workers, reconfigure_s = group.apply(decision.plan, decision.envs, decision.matched)
+    if group.config.nodes:
+        group.config = dataclasses.replace(group.config, nodes=nodes_of(decision.plan))
     return {
         "probe_s": round(decision.probe_s, 3),
         "reconfigure_s": round(reconfigure_s, 3),

@@ -98,10 +98,11 @@ def next_worker_number(record: dict) -> int:
 
 
 def update(name: str, group: WorkerGroup, events: list[dict]) -> None:
-    """After a recovery: the group's new plan, workers and bundles, and the events (waits, so a
-    later attach sees them)."""
+    """After a recovery: the group's new plan, workers and bundles, its config (a replica's GPUs
+    change with its plan), and the events (waits, so a later attach sees them)."""
     actor, _ = load_record(name)
-    ray.get(actor.update.remote({**_state(group), "events": events}), timeout=ATTACH_TIMEOUT_S)
+    changes = {**_state(group), "config": _config_dict(group.config), "events": events}
+    ray.get(actor.update.remote(changes), timeout=ATTACH_TIMEOUT_S)
 
 
 def group_of(record: dict, index) -> WorkerGroup:
