@@ -201,7 +201,10 @@ def plan(
     layers: Sequence[LayerSpec], cluster: ClusterSnapshot, options: PlanOptions = DEFAULT_OPTIONS,
     *, memo: dict | None = None,
 ) -> Plan:
-    """The placement with the smallest bottleneck stage time under the cost model above.
+    """The placement that is best for `options.objective` under the cost model above: the
+    smallest bottleneck stage time (latency), or the shortest decode cycle of
+    `options.micro_batches` micro-batches (throughput; `coordinator.planning.throughput` also
+    chooses the batch and the micro-batches, `coordinator.planning.replicas` the pipelines).
 
     GPUs form the pipeline in the order given: nodes in order, each node's GPUs in order. Each
     used GPU runs one contiguous, non-empty range of layers; a GPU may be left unused (skipped)
