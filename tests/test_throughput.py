@@ -168,7 +168,7 @@ def test_latency_bound_that_nothing_meets_names_the_shortest() -> None:
     snap = cluster({"gpus": [100]})
     opts = PlanOptions(compute_bytes_per_s=10.0, step_overhead_s=0.0)
     with pytest.raises(PlanError, match=r"max-token-latency 500.000 ms.* 2.000 s \(max_batch 1\)"):
-        choose(layers, snap, opts, max_token_latency_s=0.5)
+        choose(layers, snap, opts, batches=(4, 1, 2), max_token_latency_s=0.5)
 
 
 def test_thousand_layers_on_512_gpus_for_throughput_is_fast() -> None:

@@ -96,7 +96,7 @@ def choose(layers: Sequence[LayerSpec], cluster: ClusterSnapshot, options: PlanO
         return max(plans.values(), key=lambda p: (p.tokens_per_s, -p.options.max_batch,
                                                   -p.options.micro_batches))  # fmt: skip
     if max_token_latency_s:
-        unbounded = best_plans(layers, cluster, options, batches=batches[:1],
+        unbounded = best_plans(layers, cluster, options, batches=[min(batches)],
                                micro_batches=micro_batches)  # fmt: skip
         if unbounded:
             fastest = next(iter(unbounded.values()))
