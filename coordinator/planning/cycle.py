@@ -20,7 +20,7 @@ Why the search is exact:
   as T grows and k * (T + o) rises, so over the sorted stage times T_i of every feasible range
   the optimum is min(k * (T_j + o), g(T_{j-1})) at the first T_j with g(T_j) <= k * (T_j + o):
   a bisection over the T_i. Its cost grows with gpus x layers^2, so above DP_LIMIT ranges the
-  search keeps P* and reports the bound it proves instead (`Cycle.exact`, `Cycle.bound_s`).
+  search keeps P* and reports the bound it proves instead (`Cycle.bound_s`).
 No Ray; pure arithmetic on the `Search`'s sizes, budgets and rates.
 """
 
@@ -50,8 +50,7 @@ def cycle_s(times: Sequence[float], micro_batches: int, overhead_s: float) -> fl
 class Cycle:
     placements: tuple[LayerRange, ...]
     cycle_s: float
-    exact: bool  # proven the shortest cycle of this (max_batch, micro_batches)
-    bound_s: float  # no placement has a shorter cycle (== cycle_s when exact)
+    bound_s: float  # no placement has a shorter cycle (== cycle_s: proven the shortest)
 
 
 def min_cycle(search: Search, micro_batches: int, overhead_s: float,
@@ -66,14 +65,14 @@ def min_cycle(search: Search, micro_batches: int, overhead_s: float,
     k, times = micro_batches, [max(search.stage_times(p)) for p in best]
     answer, bottleneck = (tuple(best), cycle_s(times, k, overhead_s)), max(times)
     if k >= len(best):
-        return Cycle(*answer, exact=True, bound_s=answer[1])
+        return Cycle(*answer, bound_s=answer[1])
     gpus = sum(len(n.gpu_memory_bytes) for n in search.nodes)
     if gpus * search.num_layers * (search.num_layers + 1) // 2 > dp_limit:
         # Lower bounds: every placement has a stage of >= T*, and computes all weights at no
         # more than the fastest node's rate, in at least one stage.
         bound = max(k * (bottleneck + overhead_s),
                     search.work[-1] / max(search.rates) + overhead_s)  # fmt: skip
-        return Cycle(*answer, exact=False, bound_s=min(bound, answer[1]))
+        return Cycle(*answer, bound_s=min(bound, answer[1]))
     caps = sorted(_stage_times(search, bottleneck))
     lo, hi = 0, len(caps) - 1
     # The first cap whose least sum is within k * (cap + o): bisect (g falls, k * (T + o) rises).
@@ -90,7 +89,7 @@ def min_cycle(search: Search, micro_batches: int, overhead_s: float,
             value = cycle_s([max(search.stage_times(p)) for p in got[1]], k, overhead_s)
             if value < answer[1]:
                 answer = (tuple(got[1]), value)
-    return Cycle(*answer, exact=True, bound_s=answer[1])
+    return Cycle(*answer, bound_s=answer[1])
 
 
 def _stage_times(search: Search, floor: float) -> set[float]:
