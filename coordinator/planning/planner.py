@@ -5,9 +5,10 @@ offloaded to host memory, under each GPU's memory, each node's offload budget an
 model, minimising the slowest stage (the pipeline's bottleneck). No Ray here: the runtime
 builds the `ClusterSnapshot`, `offloadctl plan` and the tests build one by hand.
 
-Cost model, per stage: compute_s = all its weight bytes / the node's compute rate
-(`NodeInfo.compute_rate`: its probe's timing of the model's own decoder layer, for steps of
-max_batch sequences; else `PlanOptions.compute_bytes_per_s`); transfer_s =
+Cost model, per stage: compute_s = its weight bytes (but an embedding's: `compute_bytes`) / the
+node's compute rate (`NodeInfo.compute_rate`: its probe's timing of the model's own decoder
+layer, for steps of `PlanOptions.rows_per_step` sequences; else
+`PlanOptions.compute_bytes_per_s`); transfer_s =
 its offloaded bytes / the node's host-to-device bandwidth (`NodeInfo.link_bytes_per_s`, which
 the node's probe measures; `PlanOptions.default_link_bytes_per_s` where it did not); the copies
 overlap compute, so the stage takes max(compute_s, transfer_s). The same holds for UVA, whose
@@ -248,7 +249,7 @@ def plan(
             compute_bytes_per_s=options.compute_bytes_per_s,
             kv_sizes=kv,
             compute_sizes=[compute_bytes(layer) for layer in layers],
-            units=[[layer.unit_bytes(name) for layer in layers] for name in units],
+            units=list(units.values()),
         )
         solved = (search, [*units, "layer"], *search.solve())
         if memo is not None:
@@ -269,15 +270,16 @@ def compute_bytes(layer: LayerSpec) -> int:
     return 0 if layer.kind == "embed" else layer.nbytes
 
 
-def sub_layer_units(layers: Sequence[LayerSpec]) -> list[str]:
+def sub_layer_units(layers: Sequence[LayerSpec]) -> dict[str, list[int]]:
     """The OFFLOAD_UNITS smaller than a whole layer that this model has (experts, an MLP):
-    those that move something of some decoder layer and not all of it."""
-    decoders = [layer for layer in layers if layer.kind == "decoder"]
-    found = []
+    those that move something of some decoder layer and not all of it, with the bytes each
+    moves of every layer (0 for the embedding and head)."""
+    whole = [layer.nbytes if layer.kind == "decoder" else 0 for layer in layers]
+    found = {}
     for name, pattern in OFFLOAD_UNITS.items():
-        sizes = [layer.unit_bytes(name) for layer in decoders] if pattern else []
-        if any(sizes) and sizes != [layer.nbytes for layer in decoders]:
-            found.append(name)
+        sizes = [layer.unit_bytes(name) for layer in layers] if pattern else []
+        if any(sizes) and sizes != whole:
+            found[name] = sizes
     return found
 
 
@@ -330,6 +332,7 @@ def _build(
         device = weights - offloaded + slots + kv + options.reserve_bytes
         assert device <= gpu.memory_bytes, (p, device, gpu.memory_bytes)
         compute_s, transfer_s = search.stage_times(p)
+        rate, source = node.compute_rate(options.rows_per_step)
         stages.append(
             StagePlan(
                 stage=i,
@@ -349,8 +352,8 @@ def _build(
                 transfer_s=transfer_s,
                 time_s=max(compute_s, transfer_s),
                 link_bytes_per_s=node.link_bytes_per_s,
-                compute_bytes_per_s=node.compute_rate(options.rows_per_step)[0],
-                compute_source=node.compute_rate(options.rows_per_step)[1],
+                compute_bytes_per_s=rate,
+                compute_source=source,
                 kv_bytes=kv,
                 backend=node.backend,
                 backend_reason=node.backend_reason,
