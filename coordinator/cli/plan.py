@@ -31,7 +31,7 @@ def cmd_plan(args: argparse.Namespace, job_config) -> int:
 
     from coordinator.config import node_env
     from coordinator.family_check import check_family
-    from coordinator.planning.batch_size import plan_job
+    from coordinator.planning.batch_size import plan_job, plan_replicas
     from coordinator.planning.checkpoint import load_index
     from coordinator.planning.context import check_max_seq_len
     from coordinator.planning.throughput import best_plans, curve_text
@@ -53,13 +53,7 @@ def cmd_plan(args: argparse.Namespace, job_config) -> int:
     model = (index.config, index.dtype, config.cpus_per_worker)  # its decoder layer is timed
     cluster = plan_cluster(config, probe_here(env=env, model=model), args.nodes, origins)
     if config.replicas != 1:
-        from coordinator.planning.replicas import choose_replicas
-        from coordinator.planning.throughput import BATCHES
-
-        chosen = choose_replicas(
-            index.layers, cluster, config.plan_options(), replicas=config.replicas,
-            batches=[config.max_batch] if config.max_batch else BATCHES,
-            micro_batches=config.micro_batches, max_token_latency_s=config.max_token_latency_s)  # fmt: skip
+        chosen = plan_replicas(config, index, cluster)
         if len(chosen.plans) > 1:
             if args.json:
                 print("[" + ",\n".join(p.to_json() for p in chosen.plans) + "]")

@@ -61,12 +61,9 @@ def plan_job(config, index, snapshot: ClusterSnapshot):
     and set in the config returned, so that a re-plan keeps them. Objective latency: max_batch
     0 is the largest batch beside the weights."""
     if config.objective == "throughput":
-        from coordinator.planning.throughput import BATCHES, choose
+        from coordinator.planning.throughput import choose
 
-        the_plan = choose(index.layers, snapshot, config.plan_options(),
-                          batches=[config.max_batch] if config.max_batch else BATCHES,
-                          micro_batches=config.micro_batches,
-                          max_token_latency_s=config.max_token_latency_s)  # fmt: skip
+        the_plan = choose(index.layers, snapshot, config.plan_options(), **_search_space(config))
         chosen = the_plan.options
         return dataclasses.replace(config, max_batch=chosen.max_batch,
                                    micro_batches=chosen.micro_batches), the_plan  # fmt: skip
@@ -75,3 +72,24 @@ def plan_job(config, index, snapshot: ClusterSnapshot):
         return config, planner.plan(index.layers, snapshot, config.plan_options())
     batch, the_plan = largest_batch(index.layers, snapshot, config.plan_options())
     return dataclasses.replace(config, max_batch=batch), the_plan
+
+
+def plan_replicas(config, index, snapshot: ClusterSnapshot):
+    """The job's pipelines (`config.replicas`; 0: the count with the most tokens/s), each with
+    its plan (`coordinator.planning.replicas.Replicas`), as `serve` launches and `offloadctl
+    plan` shows them."""
+    from coordinator.planning.replicas import choose_replicas
+
+    return choose_replicas(index.layers, snapshot, config.plan_options(),
+                           replicas=config.replicas, **_search_space(config))  # fmt: skip
+
+
+def _search_space(config) -> dict:
+    """What a job gives the throughput search: its batch (every size in BATCHES when auto), its
+    micro-batches (0: every count) and its latency bound."""
+    from coordinator.planning.throughput import BATCHES
+
+    return {"batches": [config.max_batch] if config.max_batch else BATCHES,
+            "micro_batches": config.micro_batches,
+            "max_token_latency_s": config.max_token_latency_s}  # fmt: skip
+

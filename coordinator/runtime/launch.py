@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from coordinator.config import ConfigError, JobConfig
 from coordinator.family_check import check_family
-from coordinator.planning.batch_size import plan_job
+from coordinator.planning.batch_size import plan_job, plan_replicas
 from coordinator.planning.checkpoint import load_index
 from coordinator.planning.context import check_max_seq_len
 from coordinator.planning.planner import Plan
@@ -19,7 +19,7 @@ from coordinator.runtime.job import Job
 from coordinator.runtime.keeper import find as find_keeper
 from coordinator.runtime.keeper import start as start_keeper
 from coordinator.runtime.probing import model_of, probe_cluster
-from coordinator.runtime.session import connect
+from coordinator.runtime.session import RaySession, connect
 
 
 def launch(
@@ -27,32 +27,78 @@ def launch(
     *,
     progress: Callable[[int, int], None] | None = None,
     name: str | None = None,
-    plan: Plan | None = None,
 ) -> Job:
     """Index, probe, plan, reserve the GPUs, start and load. On any failure everything started
     is released. With `name`, the workers and their placement groups are detached and named,
-    so they outlive this process (on a cluster) and `attach(name)` finds them again. `plan`:
-    the plan to run (a replica's, made with the others), instead of planning here."""
+    so they outlive this process (on a cluster) and `attach(name)` finds them again."""
     if config.replicas != 1:
         raise ConfigError(f"replicas={config.replicas}: a job runs one pipeline; several are "
                           "served as replicas (offloadctl serve, launch_replicas)")  # fmt: skip
-    index = load_index(config.checkpoint, dtype=config.dtype)
-    check_max_seq_len(index.config, config.max_seq_len)
-    # An untested family is run split and whole in this process first: refused here, before
-    # Ray and any worker start, when its split does not reproduce the model.
-    check_family(index.config, attn_implementation=config.attn_implementation)
+    index = _checked_index(config)
     session = connect(config)
-    job = None
-    claimed = False  # the name is ours to release: no load of that name existed
     try:
         if name is not None:
             registry.check_name(name)
-            claimed = True
         snapshot, envs = probe_cluster(config, model=model_of(index, config))
-        if plan is None:
-            config, the_plan = plan_job(config, index, snapshot)
-        else:
-            config, the_plan = config, plan
+        config, the_plan = plan_job(config, index, snapshot)
+        return _start(config, index, the_plan, envs, session, name, progress)
+    except BaseException:
+        session.close()
+        raise
+
+
+def launch_replicas(config: JobConfig, name: str, *,
+                    progress: Callable[[int, int], None] | None = None) -> list[Job]:  # fmt: skip
+    """The job as `config.replicas` pipelines (0: the count with the most tokens/s), each a
+    named load `{name}-{r}` on its own GPUs (`JobConfig.nodes`) with the plan the replica
+    search made for it; the cluster is probed once for all. A single pipeline is the load
+    `name` itself. On any failure every replica started is released."""
+    if config.replicas == 1:
+        return [launch(config, progress=progress, name=name)]
+    index = _checked_index(config)
+    session = connect(config)
+    jobs: list[Job] = []
+    try:
+        snapshot, envs = probe_cluster(config, model=model_of(index, config))
+        chosen = plan_replicas(config, index, snapshot)
+        many = len(chosen.plans) > 1
+        for r, the_plan in enumerate(chosen.plans):
+            replica = dataclasses.replace(
+                config, replicas=1, max_batch=the_plan.options.max_batch,
+                micro_batches=the_plan.options.micro_batches,
+                nodes=recovery.nodes_of(the_plan) if many else "")  # fmt: skip
+            load = f"{name}-{r}" if many else name
+            registry.check_name(load)
+            # the first replica owns the Ray this call connected to; the others only use it
+            jobs.append(_start(replica, index, the_plan, envs, session if not jobs else
+                               RaySession(owned=False), load, progress))  # fmt: skip
+        return jobs
+    except BaseException:
+        for job in reversed(jobs):
+            registry.forget(job.name)
+            job.close()
+        if not jobs:
+            session.close()
+        raise
+
+
+def _checked_index(config: JobConfig):
+    """The job's checkpoint index, once its max_seq_len fits the model's context and its family
+    is known to split right. An untested family is run split and whole in this process first:
+    refused here, before Ray and any worker start, when its split does not reproduce the model."""
+    index = load_index(config.checkpoint, dtype=config.dtype)
+    check_max_seq_len(index.config, config.max_seq_len)
+    check_family(index.config, attn_implementation=config.attn_implementation)
+    return index
+
+
+def _start(config: JobConfig, index, the_plan: Plan, envs: dict, session: RaySession,
+           name: str | None, progress: Callable[[int, int], None] | None) -> Job:  # fmt: skip
+    """Reserve the plan's GPUs, start and load its workers: a Job (named: detached, recorded,
+    kept by a keeper). On failure what this started is released and the name forgotten (its
+    caller checked that no load had it); the session is the caller's to close."""
+    job = None
+    try:
         group = WorkerGroup(config=config, index=index, plan=the_plan, load_name=name)
         job = Job(group=group, session=session, name=name)
         if name is not None:
@@ -67,49 +113,8 @@ def launch(
     except BaseException:
         if job is not None:
             job.group.stop()
-        if claimed:
+        if name is not None:
             registry.forget(name)  # its record, and whatever of it has a name
-        session.close()
-        raise
-
-
-def launch_replicas(config: JobConfig, name: str, *,
-                    progress: Callable[[int, int], None] | None = None) -> list[Job]:  # fmt: skip
-    """The job as `config.replicas` pipelines (0: the count with the most tokens/s), each a
-    named load `{name}-{r}` on its own GPUs (`JobConfig.nodes`), launched with the plan the
-    replica search made for it. A single pipeline is the load `name` itself. On any failure
-    every replica started is released."""
-    from coordinator.planning.replicas import choose_replicas
-    from coordinator.planning.throughput import BATCHES
-
-    if config.replicas == 1:
-        return [launch(config, progress=progress, name=name)]
-    index = load_index(config.checkpoint, dtype=config.dtype)
-    check_max_seq_len(index.config, config.max_seq_len)
-    check_family(index.config, attn_implementation=config.attn_implementation)
-    session = connect(config)
-    jobs: list[Job] = []
-    try:
-        snapshot, _ = probe_cluster(config, model=model_of(index, config))
-        chosen = choose_replicas(
-            index.layers, snapshot, config.plan_options(), replicas=config.replicas,
-            batches=[config.max_batch] if config.max_batch else BATCHES,
-            micro_batches=config.micro_batches, max_token_latency_s=config.max_token_latency_s)  # fmt: skip
-        many = len(chosen.plans) > 1
-        for r, the_plan in enumerate(chosen.plans):
-            replica = dataclasses.replace(
-                config, replicas=1, max_batch=the_plan.options.max_batch,
-                micro_batches=the_plan.options.micro_batches,
-                nodes=recovery.nodes_of(the_plan) if many else "")  # fmt: skip
-            jobs.append(launch(replica, progress=progress, name=f"{name}-{r}" if many else name,
-                               plan=the_plan))  # fmt: skip
-        jobs[0].session = session  # the first replica owns the Ray this call connected to
-        return jobs
-    except BaseException:
-        for job in reversed(jobs):
-            registry.forget(job.name)
-            job.close()
-        session.close()
         raise
 
 
