@@ -53,7 +53,7 @@ def _positive(text: str) -> int:
 
 
 def _batch(text: str) -> int:
-    """--max-batch: a count, or auto (0: sized from memory when the job is planned)."""
+    """--max-batch and --replicas: a count >= 1, or auto (0: chosen when the job is planned)."""
     return 0 if text == "auto" else _positive(text)
 
 
@@ -113,8 +113,9 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
                         "in chunks, the decodes of others between them")  # fmt: skip
     parser.add_argument("--micro-batches", type=int, dest="micro_batches",
                         help="micro-batches the running sequences are split into (default 0: "
-                        "one when layers are offloaded, each offloaded layer brought in once "
-                        "per step for all; else one per stage, every stage busy)")  # fmt: skip
+                        "for throughput the plan's choice; for latency one when layers are "
+                        "offloaded, each offloaded layer brought in once per step for all, "
+                        "else one per stage, every stage busy)")  # fmt: skip
     parser.add_argument("--objective", choices=("latency", "throughput"),
                         help="what the plan maximises: latency (default for load, run, "
                         "generate: the slowest stage of one step) or throughput (serve's "
