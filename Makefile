@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check offload worker coordinator tests bench
+	$(VENV)/bin/ruff check offload worker coordinator tests bench scripts examples
+	$(VENV)/bin/ruff format --check offload worker coordinator tests bench scripts examples
 	$(PY) -m pytest
 
 # The same suite while CPU hogs keep every core busy (tests/busy.sh), as on CI's shared 2-core

@@ -74,12 +74,27 @@ TARGET_BATCH1 = 1.15
 
 def bench_shape(quick: bool) -> CheckpointShape:
     """The benchmarks' model: a 106 MiB float32 llama, or a tiny one for --quick runs."""
-    shape = CheckpointShape(arch="llama", num_layers=8, hidden_size=512, num_heads=8,
-                            num_kv_heads=4, intermediate_size=1408, vocab_size=4096,
-                            max_positions=2048, max_shard_bytes=64 * MIB)  # fmt: skip
+    shape = CheckpointShape(
+        arch="llama",
+        num_layers=8,
+        hidden_size=512,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=1408,
+        vocab_size=4096,
+        max_positions=2048,
+        max_shard_bytes=64 * MIB,
+    )
     if quick:
-        shape = dataclasses.replace(shape, num_layers=4, hidden_size=64, num_heads=4,
-                                    num_kv_heads=2, intermediate_size=128, vocab_size=512)  # fmt: skip
+        shape = dataclasses.replace(
+            shape,
+            num_layers=4,
+            hidden_size=64,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=128,
+            vocab_size=512,
+        )
     return shape
 
 
@@ -99,8 +114,9 @@ def ours(job, pool, prompts: list[torch.Tensor], new: int) -> tuple[float, list,
 
     def one(i: int):
         on_token = (lambda row, token: stamps.append(time.perf_counter())) if i == 0 else None
-        return job.generate(prompts[i], max_new_tokens=new, do_sample=False, eos_token_id=None,
-                            on_token=on_token)  # fmt: skip
+        return job.generate(
+            prompts[i], max_new_tokens=new, do_sample=False, eos_token_id=None, on_token=on_token
+        )
 
     start = time.perf_counter()
     outs = list(pool.map(one, range(len(prompts))))
@@ -112,8 +128,14 @@ def theirs(model, prompts: list[torch.Tensor], new: int) -> tuple[float, torch.T
     streamer = stamping_streamer() if len(prompts) == 1 else None
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=new,
-                             do_sample=False, eos_token_id=None, streamer=streamer)  # fmt: skip
+        out = model.generate(
+            batch,
+            attention_mask=torch.ones_like(batch),
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            streamer=streamer,
+        )
     rate = len(prompts) * new / (time.perf_counter() - start)
     return rate, out, streamer.stamps[1:] if streamer else []
 
@@ -132,13 +154,24 @@ def stall(job, pool, vocab: int, new: int) -> dict:
     def first(row: int, token: int) -> None:
         stamps.append(time.perf_counter())
         if len(stamps) == 4 and not joined:
-            joined.append(pool.submit(job.generate, long, max_new_tokens=2, do_sample=False,
-                                      eos_token_id=None))  # fmt: skip
+            joined.append(
+                pool.submit(
+                    job.generate, long, max_new_tokens=2, do_sample=False, eos_token_id=None
+                )
+            )
 
     short = prompts_for(4, 8, vocab, 98)
-    futures = [pool.submit(job.generate, short[i], max_new_tokens=new, do_sample=False,
-                           eos_token_id=None, on_token=first if i == 0 else None)
-               for i in range(4)]  # fmt: skip
+    futures = [
+        pool.submit(
+            job.generate,
+            short[i],
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            on_token=first if i == 0 else None,
+        )
+        for i in range(4)
+    ]
     for f in futures:
         f.result()
     joined[0].result()
@@ -153,25 +186,60 @@ def budget_for(index, gpus: int, max_seq_len: int) -> int:
     ends = [x.nbytes for x in index.layers if x.kind != "decoder"]
     kv = sum(x.kv_bytes(MAX_BATCH, max_seq_len) for x in index.layers)
     largest = max(x.nbytes for x in decoders)
-    return int((sum(ends) if gpus == 1 else max(ends)) + sum(x.nbytes for x in decoders)
-               * RESIDENT_SHARE / gpus + largest + kv / gpus)  # fmt: skip
+    return int(
+        (sum(ends) if gpus == 1 else max(ends))
+        + sum(x.nbytes for x in decoders) * RESIDENT_SHARE / gpus
+        + largest
+        + kv / gpus
+    )
 
 
-def run(num_gpus: int, checkpoint: str, model, args, expected: dict, index, *,
-        batches: list[int], max_seq_len: int, micro_batches: int = 0, prefill_tokens: int = 512,
-        measure_stall: bool = False, resident: bool = False) -> dict:  # fmt: skip
+def run(
+    num_gpus: int,
+    checkpoint: str,
+    model,
+    args,
+    expected: dict,
+    index,
+    *,
+    batches: list[int],
+    max_seq_len: int,
+    micro_batches: int = 0,
+    prefill_tokens: int = 512,
+    measure_stall: bool = False,
+    resident: bool = False,
+) -> dict:
     budget = budget_for(index, num_gpus, max_seq_len)
     if resident:  # room for every layer on every GPU: nothing offloaded
-        budget = index.total_bytes + sum(x.kv_bytes(MAX_BATCH, max_seq_len) for x in index.layers) + 64 * MIB
-    row: dict = {"gpus": num_gpus, "micro_batches": micro_batches, "batches": batches,
-                 "prefill_tokens": prefill_tokens, "load_average": psutil.getloadavg()[0]}  # fmt: skip
+        budget = (
+            index.total_bytes
+            + sum(x.kv_bytes(MAX_BATCH, max_seq_len) for x in index.layers)
+            + 64 * MIB
+        )
+    row: dict = {
+        "gpus": num_gpus,
+        "micro_batches": micro_batches,
+        "batches": batches,
+        "prefill_tokens": prefill_tokens,
+        "load_average": psutil.getloadavg()[0],
+    }
     mismatches: list[str] = []
-    ray.init(address="local", num_cpus=num_gpus + 1, num_gpus=num_gpus, include_dashboard=False,
-             log_to_driver=False)  # fmt: skip
+    ray.init(
+        address="local",
+        num_cpus=num_gpus + 1,
+        num_gpus=num_gpus,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     try:
-        config = JobConfig(checkpoint=checkpoint, gpu_memory_bytes=budget, max_batch=MAX_BATCH,
-                           max_seq_len=max_seq_len, micro_batches=micro_batches,
-                           prefill_tokens=prefill_tokens)  # fmt: skip
+        config = JobConfig(
+            checkpoint=checkpoint,
+            gpu_memory_bytes=budget,
+            max_batch=MAX_BATCH,
+            max_seq_len=max_seq_len,
+            micro_batches=micro_batches,
+            prefill_tokens=prefill_tokens,
+        )
         with launch(config) as job, ThreadPoolExecutor(MAX_BATCH + 1) as pool:
             row["stages"] = len(job.plan.stages)
             row["offloaded_bytes"] = sum(s.offloaded_bytes for s in job.plan.stages)
@@ -192,14 +260,19 @@ def run(num_gpus: int, checkpoint: str, model, args, expected: dict, index, *,
                     for i, out in enumerate(outs):
                         if out[0, prompts[i].shape[1] :].tolist() != expected["tokens"][i]:
                             mismatches.append(f"N={n} request {i}")
-                row[n] = {"ours_tokens_per_s": statistics.median(r[0] for r in rates),
-                          "hf_tokens_per_s": statistics.median(r[1] for r in rates),
-                          "ratio": statistics.median(ratios),
-                          "bytes_per_token": statistics.median(per_byte),
-                          "batch1_ratio": statistics.median(batch1) if batch1 else None}  # fmt: skip
-                print(f"  {num_gpus} GPU(s), micro_batches {micro_batches or 'per stage'}, N={n}: "
-                      f"{row[n]['ours_tokens_per_s']:.1f} vs {row[n]['hf_tokens_per_s']:.1f} "
-                      f"tokens/s, {row[n]['bytes_per_token'] / MIB:.2f} MiB/token", flush=True)  # fmt: skip
+                row[n] = {
+                    "ours_tokens_per_s": statistics.median(r[0] for r in rates),
+                    "hf_tokens_per_s": statistics.median(r[1] for r in rates),
+                    "ratio": statistics.median(ratios),
+                    "bytes_per_token": statistics.median(per_byte),
+                    "batch1_ratio": statistics.median(batch1) if batch1 else None,
+                }
+                print(
+                    f"  {num_gpus} GPU(s), micro_batches {micro_batches or 'per stage'}, N={n}: "
+                    f"{row[n]['ours_tokens_per_s']:.1f} vs {row[n]['hf_tokens_per_s']:.1f} "
+                    f"tokens/s, {row[n]['bytes_per_token'] / MIB:.2f} MiB/token",
+                    flush=True,
+                )
             if measure_stall:
                 row["stall"] = stall(job, pool, expected["vocab"], args.new_tokens)
     finally:
@@ -240,27 +313,76 @@ def main(argv: list[str] | None = None) -> int:
             (index.root / name).read_bytes()  # page cache warm
         # on the workers' device: the GPU where there is one (the baseline must not be a CPU)
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(
-            "cuda" if torch.cuda.is_available() else "cpu")
+            "cuda" if torch.cuda.is_available() else "cpu"
+        )
         vocab = index.config["vocab_size"]
         prompts = prompts_for(max(args.batches), 8, vocab, 1)
-        expected = {"prompts": prompts, "vocab": vocab,
-                    "tokens": [theirs(model, [p], args.new_tokens)[1][0, 8:].tolist() for p in prompts]}  # fmt: skip
+        expected = {
+            "prompts": prompts,
+            "vocab": vocab,
+            "tokens": [theirs(model, [p], args.new_tokens)[1][0, 8:].tolist() for p in prompts],
+        }
         sweep = 8 + args.new_tokens
         for gpus in sorted(int(s) for s in args.stages.split(",")):
-            rows.append(run(gpus, checkpoint, model, args, expected, index, batches=args.batches,
-                            max_seq_len=sweep))  # fmt: skip
-            if gpus > 1:  # one micro-batch per stage: every stage busy, the weights brought in twice
-                rows.append(run(gpus, checkpoint, model, args, expected, index,
-                                batches=args.batches, max_seq_len=sweep, micro_batches=gpus))  # fmt: skip
+            rows.append(
+                run(
+                    gpus,
+                    checkpoint,
+                    model,
+                    args,
+                    expected,
+                    index,
+                    batches=args.batches,
+                    max_seq_len=sweep,
+                )
+            )
+            if (
+                gpus > 1
+            ):  # one micro-batch per stage: every stage busy, the weights brought in twice
+                rows.append(
+                    run(
+                        gpus,
+                        checkpoint,
+                        model,
+                        args,
+                        expected,
+                        index,
+                        batches=args.batches,
+                        max_seq_len=sweep,
+                        micro_batches=gpus,
+                    )
+                )
         if not args.quick:  # nothing offloaded: does a second stage add throughput?
             for gpus in sorted(int(s) for s in args.stages.split(",")):
-                rows.append(run(gpus, checkpoint, model, args, expected, index,
-                                batches=[8, 16], max_seq_len=sweep, resident=True))  # fmt: skip
+                rows.append(
+                    run(
+                        gpus,
+                        checkpoint,
+                        model,
+                        args,
+                        expected,
+                        index,
+                        batches=[8, 16],
+                        max_seq_len=sweep,
+                        resident=True,
+                    )
+                )
         if args.stall:  # a long prompt joining: in chunks, and whole
             for chunk in STALL_CHUNKS:
-                rows.append(run(1, checkpoint, model, args, expected, index, batches=[],
-                                max_seq_len=STALL_PROMPT + 8, prefill_tokens=chunk,
-                                measure_stall=True))  # fmt: skip
+                rows.append(
+                    run(
+                        1,
+                        checkpoint,
+                        model,
+                        args,
+                        expected,
+                        index,
+                        batches=[],
+                        max_seq_len=STALL_PROMPT + 8,
+                        prefill_tokens=chunk,
+                        measure_stall=True,
+                    )
+                )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report(rows, args, index, started)
@@ -275,14 +397,20 @@ def main(argv: list[str] | None = None) -> int:
 def report(rows: list[dict], args, index, started: float) -> None:
     import transformers
 
-    print(f"\nmachine: {machine()}; torch {torch.__version__}, "
-          f"transformers {transformers.__version__}, ray {ray.__version__}; {THREADS} thread per "
-          f"worker and for transformers; total {time.perf_counter() - started:.0f} s")  # fmt: skip
-    print(f"model: {index.total_bytes / MIB:.1f} MiB; {args.new_tokens} new tokens per request, "
-          f"greedy; medians of {args.repeats} interleaved runs\n")  # fmt: skip
-    print("| stages | micro-batches | offloaded MiB | N | ours tokens/s | transformers batch of N "
-          "tokens/s | ours / transformers | H2D MiB per token | x (offloaded / N) | "
-          "batch-1 ms/token ratio | greedy = transformers |")
+    print(
+        f"\nmachine: {machine()}; torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, ray {ray.__version__}; {THREADS} thread per "
+        f"worker and for transformers; total {time.perf_counter() - started:.0f} s"
+    )
+    print(
+        f"model: {index.total_bytes / MIB:.1f} MiB; {args.new_tokens} new tokens per request, "
+        f"greedy; medians of {args.repeats} interleaved runs\n"
+    )
+    print(
+        "| stages | micro-batches | offloaded MiB | N | ours tokens/s | transformers batch of N "
+        "tokens/s | ours / transformers | H2D MiB per token | x (offloaded / N) | "
+        "batch-1 ms/token ratio | greedy = transformers |"
+    )
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         off = r["offloaded_bytes"]
@@ -290,18 +418,22 @@ def report(rows: list[dict], args, index, started: float) -> None:
             c = r[n]
             b1 = f"{c['batch1_ratio']:.2f}" if c["batch1_ratio"] else "-"
             micro = r["micro_batches"] or ("auto: 1" if off else f"auto: {r['stages']}")
-            print(f"| {r['stages']} | {micro} | {off / MIB:.1f} | "
-                  f"{n} | {c['ours_tokens_per_s']:.1f} | {c['hf_tokens_per_s']:.1f} | "
-                  f"{c['ratio']:.2f} | {c['bytes_per_token'] / MIB:.2f} | "
-                  f"{c['bytes_per_token'] / (off / n) if off else 0:.2f} | {b1} | "
-                  f"{'yes' if not r['mismatches'] else 'NO'} |")  # fmt: skip
+            print(
+                f"| {r['stages']} | {micro} | {off / MIB:.1f} | "
+                f"{n} | {c['ours_tokens_per_s']:.1f} | {c['hf_tokens_per_s']:.1f} | "
+                f"{c['ratio']:.2f} | {c['bytes_per_token'] / MIB:.2f} | "
+                f"{c['bytes_per_token'] / (off / n) if off else 0:.2f} | {b1} | "
+                f"{'yes' if not r['mismatches'] else 'NO'} |"
+            )
     for r in rows:
         if "stall" in r:
             s = r["stall"]
-            print(f"\nstall ({r['stages']} stage, prefill_tokens {r['prefill_tokens']}): a "
-                  f"{STALL_PROMPT}-token prompt joining 4 decoding requests: longest gap between "
-                  f"two tokens {s['max_gap_s'] * 1e3:.0f} ms, median gap "
-                  f"{s['median_gap_s'] * 1e3:.0f} ms")  # fmt: skip
+            print(
+                f"\nstall ({r['stages']} stage, prefill_tokens {r['prefill_tokens']}): a "
+                f"{STALL_PROMPT}-token prompt joining 4 decoding requests: longest gap between "
+                f"two tokens {s['max_gap_s'] * 1e3:.0f} ms, median gap "
+                f"{s['median_gap_s'] * 1e3:.0f} ms"
+            )
 
 
 if __name__ == "__main__":

@@ -190,11 +190,17 @@ def time_from_pretrained(checkpoint: str, dtype: str, repeats: int) -> dict:
         mapped = file_backed_bytes(model)
         del model
     command = [sys.executable, "-c", _FRESH_FROM_PRETRAINED, checkpoint, dtype]
-    out = subprocess.run(command, capture_output=True, text=True, check=True,
-                         timeout=FRESH_TIMEOUT_S)  # fmt: skip
+    out = subprocess.run(
+        command, capture_output=True, text=True, check=True, timeout=FRESH_TIMEOUT_S
+    )
     fresh = json.loads(out.stdout.strip().splitlines()[-1])
-    return {"samples_s": samples, "best_s": min(samples), "file_backed_bytes": mapped,
-            "fresh_s": fresh["from_pretrained_s"], "fresh_copy_s": fresh["copy_s"]}  # fmt: skip
+    return {
+        "samples_s": samples,
+        "best_s": min(samples),
+        "file_backed_bytes": mapped,
+        "fresh_s": fresh["from_pretrained_s"],
+        "fresh_copy_s": fresh["copy_s"],
+    }
 
 
 def run_case(arch: str, dtype: str, args: argparse.Namespace, tmp: Path) -> dict:
@@ -222,8 +228,9 @@ def run_case(arch: str, dtype: str, args: argparse.Namespace, tmp: Path) -> dict
         expected = reference_logits(str(checkpoint), ids, num_threads=WORKER_THREADS)
         logits = [job.pop("logits") for job in jobs]
         row |= {k: v for k, v in jobs[0].items() if k not in ("launch_wall_s", "load_s")}
-        row["launches"] = [{"launch_wall_s": j["launch_wall_s"], "load_s": j["load_s"]}
-                           for j in jobs]  # fmt: skip
+        row["launches"] = [
+            {"launch_wall_s": j["launch_wall_s"], "load_s": j["load_s"]} for j in jobs
+        ]
         if not row["layers_offloaded"]:
             row["note"] = "the plan offloads nothing"
         row["logits_dtype"] = f"{logits[0].dtype} / {expected.dtype}"
@@ -245,9 +252,11 @@ def run_case(arch: str, dtype: str, args: argparse.Namespace, tmp: Path) -> dict
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| family | dtype | MiB | stages | layers offloaded | offloaded MiB | max abs diff | "
-            "bitwise | launch wall s | worker load s (max) | from_pretrained s | ratio | "
-            "fresh process: from_pretrained + copy s | ratio to fresh |")  # fmt: skip
+    head = (
+        "| family | dtype | MiB | stages | layers offloaded | offloaded MiB | max abs diff | "
+        "bitwise | launch wall s | worker load s (max) | from_pretrained s | ratio | "
+        "fresh process: from_pretrained + copy s | ratio to fresh |"
+    )
     lines = [head, "|---|---|" + "---:|" * 12]
     for r in rows:
         if "error" in r:
@@ -335,17 +344,26 @@ def main(argv: list[str] | None = None) -> int:
     # address="local": a Ray of our own even when another one on this machine (a test suite's
     # ray.cluster_utils.Cluster) is recorded in /tmp/ray/ray_current_cluster, which a bare
     # ray.init() would join (and refuse, given num_cpus/num_gpus).
-    ray.init(address="local", num_cpus=RAY_CPUS, num_gpus=NUM_GPUS, include_dashboard=False,
-             log_to_driver=False)  # fmt: skip
+    ray.init(
+        address="local",
+        num_cpus=RAY_CPUS,
+        num_gpus=NUM_GPUS,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     try:
         rows = []
         for arch, dtype in cases(families):
             rows.append(run_case(arch, dtype, args, Path(tmp.name)))
             r = rows[-1]
-            status = "FAILED" if "error" in r else (
-                f"diff {r['max_abs_diff']:.3g}, load_s {r['worker_load_s']:.3f}, "
-                f"from_pretrained {r['from_pretrained']['best_s']:.3f}"
-            )  # fmt: skip
+            status = (
+                "FAILED"
+                if "error" in r
+                else (
+                    f"diff {r['max_abs_diff']:.3g}, load_s {r['worker_load_s']:.3f}, "
+                    f"from_pretrained {r['from_pretrained']['best_s']:.3f}"
+                )
+            )
             print(f"{arch} {dtype}: {status} ({time.perf_counter() - started:.0f} s)", flush=True)
     finally:
         ray.shutdown()
@@ -364,8 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.intermediate}, vocab {args.vocab}, {args.experts} experts, {args.shard_mib} MiB "
         f"shards; input ({BATCH}, {SEQ_LEN})"
     )
-    print(f"load average: start {load_start[0]:.2f}, end {psutil.getloadavg()[0]:.2f}; "
-          f"total {elapsed:.0f} s\n")  # fmt: skip
+    print(
+        f"load average: start {load_start[0]:.2f}, end {psutil.getloadavg()[0]:.2f}; "
+        f"total {elapsed:.0f} s\n"
+    )
     print(table(rows))
     print()
     print(details(rows))

@@ -90,25 +90,37 @@ def prompt(length: int, vocab: int, seed: int) -> torch.Tensor:
 def timing(start: float, stamps: list[float]) -> dict:
     """Prefill (to the first token) and per-token time from the tokens' timestamps."""
     per_token = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
-    return {"prefill_s": stamps[0] - start, "per_token_s": per_token,
-            "total_s": stamps[-1] - start}  # fmt: skip
+    return {"prefill_s": stamps[0] - start, "per_token_s": per_token, "total_s": stamps[-1] - start}
 
 
 def ours(job, ids: torch.Tensor, new_tokens: int) -> tuple[dict, torch.Tensor]:
     stamps: list[float] = []
     start = time.perf_counter()
-    out = job.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                       on_token=lambda row, token: stamps.append(time.perf_counter()))  # fmt: skip
+    out = job.generate(
+        ids,
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        on_token=lambda row, token: stamps.append(time.perf_counter()),
+    )
     assert len(stamps) == new_tokens, (len(stamps), new_tokens)
     return timing(start, stamps), out
 
 
 def machine() -> str:
     """This machine in words: architecture (CPU model), CPUs, memory."""
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
-                .splitlines() if line.startswith("model name")), platform.processor())  # fmt: skip
-    return (f"{platform.machine()} ({cpu}), {psutil.cpu_count()} CPUs, "
-            f"{psutil.virtual_memory().total / 2**30:.0f} GiB")
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return (
+        f"{platform.machine()} ({cpu}), {psutil.cpu_count()} CPUs, "
+        f"{psutil.virtual_memory().total / 2**30:.0f} GiB"
+    )
 
 
 def stamping_streamer():
@@ -133,8 +145,14 @@ def theirs(model, ids: torch.Tensor, new_tokens: int) -> tuple[dict, torch.Tenso
     streamer = stamping_streamer()
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             do_sample=False, eos_token_id=None, streamer=streamer)  # fmt: skip
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            streamer=streamer,
+        )
     stamps = streamer.stamps[1:]
     assert len(stamps) == new_tokens, (len(stamps), new_tokens)
     return timing(start, stamps), out
@@ -161,8 +179,9 @@ def median(samples: list[dict], key: str) -> float:
     return statistics.median(s[key] for s in samples)
 
 
-def run_stages(num_gpus: int, checkpoint: str, model, prompts: dict, expected: dict,
-               args: argparse.Namespace) -> dict:  # fmt: skip
+def run_stages(
+    num_gpus: int, checkpoint: str, model, prompts: dict, expected: dict, args: argparse.Namespace
+) -> dict:
     """One stage count: a fresh Ray with `num_gpus` logical GPUs, one job, every measurement."""
     n, repeats = args.new_tokens, args.repeats
     mismatches: list[str] = []
@@ -172,12 +191,21 @@ def run_stages(num_gpus: int, checkpoint: str, model, prompts: dict, expected: d
             mismatches.append(name)
 
     row: dict = {"gpus": num_gpus, "load_average": psutil.getloadavg()[0]}
-    ray.init(address="local", num_cpus=num_gpus + 1, num_gpus=num_gpus,
-             include_dashboard=False, log_to_driver=False)  # fmt: skip
+    ray.init(
+        address="local",
+        num_cpus=num_gpus + 1,
+        num_gpus=num_gpus,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     try:
         start = time.perf_counter()
-        config = JobConfig(checkpoint=checkpoint, gpu_memory_bytes=args.budget_bytes,
-                           max_batch=IN_FLIGHT, max_seq_len=args.max_seq_len)  # fmt: skip
+        config = JobConfig(
+            checkpoint=checkpoint,
+            gpu_memory_bytes=args.budget_bytes,
+            max_batch=IN_FLIGHT,
+            max_seq_len=args.max_seq_len,
+        )
         with launch(config) as job, ThreadPoolExecutor(IN_FLIGHT) as pool:
             row["launch_s"] = time.perf_counter() - start
             stages = job.plan.stages
@@ -209,13 +237,16 @@ def run_stages(num_gpus: int, checkpoint: str, model, prompts: dict, expected: d
                     samples[f"hf_{size}"].append(timed)
                     check(size, out)
             for key, values in samples.items():
-                row[key] = {"per_token_s": median(values, "per_token_s"),
-                            "prefill_s": median(values, "prefill_s"),
-                            "total_s": median(values, "total_s")}  # fmt: skip
+                row[key] = {
+                    "per_token_s": median(values, "per_token_s"),
+                    "prefill_s": median(values, "prefill_s"),
+                    "total_s": median(values, "total_s"),
+                }
             for size in ("short", "long"):  # each run of ours against the run right after it
                 row[f"ratio_{size}"] = statistics.median(
                     o["per_token_s"] / h["per_token_s"]
-                    for o, h in zip(samples[f"ours_{size}"], samples[f"hf_{size}"], strict=True))
+                    for o, h in zip(samples[f"ours_{size}"], samples[f"hf_{size}"], strict=True)
+                )
             row["worker_step_s"] = [s / c for s, c in zip(steps, counts, strict=True)]
             row["ping_s"] = ray_call_s(job)
 
@@ -239,8 +270,9 @@ def run_stages(num_gpus: int, checkpoint: str, model, prompts: dict, expected: d
                 flight["one"].append(n / (time.perf_counter() - start))
                 check("flight0", out)
                 start = time.perf_counter()
-                outs = list(pool.map(lambda i: ours(job, prompts[f"flight{i}"], n)[1],
-                                     range(IN_FLIGHT)))  # fmt: skip
+                outs = list(
+                    pool.map(lambda i: ours(job, prompts[f"flight{i}"], n)[1], range(IN_FLIGHT))
+                )
                 flight["four"].append(IN_FLIGHT * n / (time.perf_counter() - start))
                 for i, out in enumerate(outs):
                     check(f"flight{i}", out)
@@ -261,11 +293,13 @@ def ms(seconds: float) -> str:
 
 def tables(rows: list[dict], args: argparse.Namespace) -> str:
     short, long, pre = args.short_len, args.long_len, args.prefill_len
-    head = (f"| stages | layers per stage | ours ms/token @{short} | ours ms/token @{long} | "
-            f"ratio {long}/{short} | transformers ms/token @{short} | transformers ms/token "
-            f"@{long} | ours / transformers @{short} (median of pairs) | @{long} | worker forward ms/step, per "
-            f"stage | Ray no-op call ms | ours prefill {pre} ms | transformers prefill {pre} ms | "
-            "greedy = transformers |")  # fmt: skip
+    head = (
+        f"| stages | layers per stage | ours ms/token @{short} | ours ms/token @{long} | "
+        f"ratio {long}/{short} | transformers ms/token @{short} | transformers ms/token "
+        f"@{long} | ours / transformers @{short} (median of pairs) | @{long} | worker forward ms/step, per "
+        f"stage | Ray no-op call ms | ours prefill {pre} ms | transformers prefill {pre} ms | "
+        "greedy = transformers |"
+    )
     lines = [head, "|---:|---|" + "---:|" * 11 + "---|"]
     for r in rows:
         os_, ol = r["ours_short"]["per_token_s"], r["ours_long"]["per_token_s"]
@@ -279,10 +313,13 @@ def tables(rows: list[dict], args: argparse.Namespace) -> str:
             f"{ms(r['prefill_s']['hf'])} | "
             f"{'yes' if not r['mismatches'] else 'NO: ' + ', '.join(r['mismatches'])} |"
         )
-    lines += ["", f"| stages | ours tokens/s, 1 request | ours tokens/s, {IN_FLIGHT} requests "
-              f"in flight | {IN_FLIGHT} / 1 | transformers tokens/s, batch 1 | transformers "
-              f"tokens/s, one batch of {IN_FLIGHT} | load average (1 min) start / end |",
-              "|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    lines += [
+        "",
+        f"| stages | ours tokens/s, 1 request | ours tokens/s, {IN_FLIGHT} requests "
+        f"in flight | {IN_FLIGHT} / 1 | transformers tokens/s, batch 1 | transformers "
+        f"tokens/s, one batch of {IN_FLIGHT} | load average (1 min) start / end |",
+        "|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         t = r["tokens_per_s"]
         hf_one = args.new_tokens / r["hf_short"]["total_s"]
@@ -296,8 +333,9 @@ def tables(rows: list[dict], args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: tiny checkpoint, short prompts, 1 repeat")  # fmt: skip
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: tiny checkpoint, short prompts, 1 repeat"
+    )
     parser.add_argument("--stages", default="1,2,3", help="logical GPU counts to run")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--layers", type=int, default=8)
@@ -329,54 +367,75 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-generate-"))
     try:
         shape = CheckpointShape(
-            arch="llama", dtype=args.dtype, num_layers=args.layers, hidden_size=args.hidden,
-            num_heads=args.heads, num_kv_heads=args.heads // 2,
-            intermediate_size=args.intermediate, vocab_size=args.vocab, max_positions=1024,
+            arch="llama",
+            dtype=args.dtype,
+            num_layers=args.layers,
+            hidden_size=args.hidden,
+            num_heads=args.heads,
+            num_kv_heads=args.heads // 2,
+            intermediate_size=args.intermediate,
+            vocab_size=args.vocab,
+            max_positions=1024,
             max_shard_bytes=64 * MIB,
-        )  # fmt: skip
+        )
         checkpoint = str(make_checkpoint(tmp / "llama", shape))
         index = load_index(checkpoint)
         warm_page_cache(index)
         kv_bytes = sum(layer.kv_bytes(IN_FLIGHT, args.max_seq_len) for layer in index.layers)
         args.budget_bytes = index.total_bytes + kv_bytes + BUDGET_MARGIN_BYTES
         vocab = index.config["vocab_size"]
-        prompts = {"short": prompt(args.short_len, vocab, 1),
-                   "long": prompt(args.long_len, vocab, 2),
-                   "prefill": prompt(args.prefill_len, vocab, 3)}  # fmt: skip
+        prompts = {
+            "short": prompt(args.short_len, vocab, 1),
+            "long": prompt(args.long_len, vocab, 2),
+            "prefill": prompt(args.prefill_len, vocab, 3),
+        }
         for i in range(IN_FLIGHT):
             prompts[f"flight{i}"] = prompt(args.short_len, vocab, 10 + i)
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, args.dtype))
-        expected = {name: theirs(model, ids, 1 if name == "prefill" else args.new_tokens)[1]
-                    for name, ids in prompts.items()}  # fmt: skip
+        expected = {
+            name: theirs(model, ids, 1 if name == "prefill" else args.new_tokens)[1]
+            for name, ids in prompts.items()
+        }
         rows = []
         for num_gpus in stage_counts:
             rows.append(run_stages(num_gpus, checkpoint, model, prompts, expected, args))
             r = rows[-1]
-            print(f"{num_gpus} GPU(s): {r['stages']} stage(s), ours "
-                  f"{ms(r['ours_short']['per_token_s'])} / {ms(r['ours_long']['per_token_s'])} "
-                  f"ms/token, transformers {ms(r['hf_short']['per_token_s'])} / "
-                  f"{ms(r['hf_long']['per_token_s'])}; mismatches {r['mismatches'] or 'none'} "
-                  f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
+            print(
+                f"{num_gpus} GPU(s): {r['stages']} stage(s), ours "
+                f"{ms(r['ours_short']['per_token_s'])} / {ms(r['ours_long']['per_token_s'])} "
+                f"ms/token, transformers {ms(r['hf_short']['per_token_s'])} / "
+                f"{ms(r['hf_long']['per_token_s'])}; mismatches {r['mismatches'] or 'none'} "
+                f"({time.perf_counter() - started:.0f} s)",
+                flush=True,
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     elapsed = time.perf_counter() - started
     import transformers
 
-    print(f"\nmachine: {machine()}; torch {torch.__version__}, "
-          f"transformers {transformers.__version__}, ray {ray.__version__}; workers and "
-          f"transformers on {WORKER_THREADS} thread each")  # fmt: skip
-    print(f"model: llama {args.dtype}, {args.layers} layers, hidden {args.hidden}, {args.heads} "
-          f"heads / {args.heads // 2} kv heads, intermediate {args.intermediate}, vocab "
-          f"{args.vocab}: {index.total_bytes / MIB:.1f} MiB; KV reserved for {IN_FLIGHT} x "
-          f"{args.max_seq_len} tokens: {kv_bytes / MIB:.1f} MiB; per-GPU budget "
-          f"{args.budget_bytes / MIB:.1f} MiB (nothing offloaded: "
-          f"{all(r['offloaded_bytes'] == 0 for r in rows)})")  # fmt: skip
+    print(
+        f"\nmachine: {machine()}; torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, ray {ray.__version__}; workers and "
+        f"transformers on {WORKER_THREADS} thread each"
+    )
+    print(
+        f"model: llama {args.dtype}, {args.layers} layers, hidden {args.hidden}, {args.heads} "
+        f"heads / {args.heads // 2} kv heads, intermediate {args.intermediate}, vocab "
+        f"{args.vocab}: {index.total_bytes / MIB:.1f} MiB; KV reserved for {IN_FLIGHT} x "
+        f"{args.max_seq_len} tokens: {kv_bytes / MIB:.1f} MiB; per-GPU budget "
+        f"{args.budget_bytes / MIB:.1f} MiB (nothing offloaded: "
+        f"{all(r['offloaded_bytes'] == 0 for r in rows)})"
+    )
     launches = ", ".join(f"{r['launch_s']:.1f}" for r in rows)
-    print(f"{args.new_tokens} new tokens per request, greedy, no end token; medians of "
-          f"{args.repeats} interleaved runs ({max(args.repeats // 2, 1)} for prefill and in "
-          f"flight); launch s: {launches}")  # fmt: skip
-    print(f"load average: start {load_start[0]:.2f}, end {psutil.getloadavg()[0]:.2f}; "
-          f"total {elapsed:.0f} s\n")  # fmt: skip
+    print(
+        f"{args.new_tokens} new tokens per request, greedy, no end token; medians of "
+        f"{args.repeats} interleaved runs ({max(args.repeats // 2, 1)} for prefill and in "
+        f"flight); launch s: {launches}"
+    )
+    print(
+        f"load average: start {load_start[0]:.2f}, end {psutil.getloadavg()[0]:.2f}; "
+        f"total {elapsed:.0f} s\n"
+    )
     print(tables(rows, args))
     if args.json:
         args.json.write_text(json.dumps({"elapsed_s": elapsed, "rows": rows}, indent=2))

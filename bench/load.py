@@ -206,9 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="safetensors baseline runs")
     parser.add_argument("--one-worker-runs", type=int, default=3, help="1-worker jobs (median)")
     parser.add_argument(
-        "--worker-cpus", type=int, default=torch.get_num_threads(),
+        "--worker-cpus",
+        type=int,
+        default=torch.get_num_threads(),
         help="CPUs (and read threads) of the single worker; default: the baseline's threads",
-    )  # fmt: skip
+    )
     parser.add_argument("--workers", type=int, default=3, help="logical GPUs, offloading phase")
     parser.add_argument(
         "--budget-fraction",
@@ -229,17 +231,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, tmp: Path) -> int:
-    shape = CheckpointShape(num_layers=args.layers, hidden_size=args.hidden,
-                            intermediate_size=args.intermediate, vocab_size=args.vocab,
-                            max_shard_bytes=args.shard_mib * MIB)  # fmt: skip
+    shape = CheckpointShape(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        vocab_size=args.vocab,
+        max_shard_bytes=args.shard_mib * MIB,
+    )
     checkpoint = args.checkpoint or tmp / "ckpt"
     start = time.perf_counter()
     made = not (checkpoint / "config.json").exists()
     if made:
         make_checkpoint(checkpoint, shape)
     make_s = time.perf_counter() - start
-    tiny = make_checkpoint(tmp / "tiny", CheckpointShape(num_layers=1, hidden_size=32, num_heads=4,
-                           num_kv_heads=2, intermediate_size=64, vocab_size=128))  # fmt: skip
+    tiny = make_checkpoint(
+        tmp / "tiny",
+        CheckpointShape(
+            num_layers=1,
+            hidden_size=32,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=64,
+            vocab_size=128,
+        ),
+    )
     index = load_index(checkpoint)
     tiny_index = load_index(tiny)
     total = index.total_bytes
@@ -266,8 +281,12 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
 
     # One worker, everything resident: one embedded Ray for all runs (each job leaves it up).
     # Same CPU budget as the baseline, whose fresh interpreter uses torch's default threads.
-    one = JobConfig(checkpoint=str(checkpoint), gpus=1, gpu_memory_bytes=total + 64 * MIB,
-                    cpus_per_worker=args.worker_cpus)  # fmt: skip
+    one = JobConfig(
+        checkpoint=str(checkpoint),
+        gpus=1,
+        gpu_memory_bytes=total + 64 * MIB,
+        cpus_per_worker=args.worker_cpus,
+    )
     session = connect(one)
     try:
         runs = [run_job(one, index) for _ in range(args.one_worker_runs)]

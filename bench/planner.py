@@ -128,17 +128,28 @@ def backend_rows() -> list[dict]:
     rows = []
     for link in (450e9, 64e9):
         for backend in ("prefetch", "uva"):
-            cluster = ClusterSnapshot(nodes=(NodeInfo(
-                node_id="gpu", gpus=(GpuInfo(index=0, memory_bytes=86 * GiB),),
-                host_budget_bytes=400 * GiB, link_bytes_per_s=link, backend=backend),))  # fmt: skip
+            cluster = ClusterSnapshot(
+                nodes=(
+                    NodeInfo(
+                        node_id="gpu",
+                        gpus=(GpuInfo(index=0, memory_bytes=86 * GiB),),
+                        host_budget_bytes=400 * GiB,
+                        link_bytes_per_s=link,
+                        backend=backend,
+                    ),
+                )
+            )
             result = plan(layers, cluster, PlanOptions(prefetch_step=2, reserve_bytes=4 * GiB))
-            rows.append({
-                "link_bytes_per_s": link, "backend": backend,
-                "offloaded_bytes": sum(s.offloaded_bytes for s in result.stages),
-                "slot_bytes": sum(s.slot_bytes for s in result.stages),
-                "resident_bytes": sum(s.resident_bytes for s in result.stages),
-                "bottleneck_s": result.bottleneck_s,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "link_bytes_per_s": link,
+                    "backend": backend,
+                    "offloaded_bytes": sum(s.offloaded_bytes for s in result.stages),
+                    "slot_bytes": sum(s.slot_bytes for s in result.stages),
+                    "resident_bytes": sum(s.resident_bytes for s in result.stages),
+                    "bottleneck_s": result.bottleneck_s,
+                }
+            )
     return rows
 
 
@@ -351,13 +362,17 @@ def main(argv: list[str] | None = None) -> int:
 
     result["backends"] = backend_rows()
     print("\nprefetch (2 slots) vs uva (none), Llama-70B shape on one 86 GiB GPU:")
-    print(f"{'link':>9} {'backend':<8} {'offloaded':>11} {'slots':>10} {'resident':>11} "
-          f"{'bottleneck':>11}")  # fmt: skip
+    print(
+        f"{'link':>9} {'backend':<8} {'offloaded':>11} {'slots':>10} {'resident':>11} "
+        f"{'bottleneck':>11}"
+    )
     for r in result["backends"]:
         link = f"{r['link_bytes_per_s'] / 1e9:.0f} GB/s"
-        print(f"{link:>9} {r['backend']:<8} {format_bytes(r['offloaded_bytes']):>11} "
-              f"{format_bytes(r['slot_bytes']):>10} {format_bytes(r['resident_bytes']):>11} "
-              f"{format_seconds(r['bottleneck_s']):>11}")  # fmt: skip
+        print(
+            f"{link:>9} {r['backend']:<8} {format_bytes(r['offloaded_bytes']):>11} "
+            f"{format_bytes(r['slot_bytes']):>10} {format_bytes(r['resident_bytes']):>11} "
+            f"{format_seconds(r['bottleneck_s']):>11}"
+        )
 
     try:
         import accelerate  # noqa: F401

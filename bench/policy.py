@@ -72,15 +72,18 @@ def decode_rate(job, pool, prompts: list[torch.Tensor], new: int) -> float:
             with lock:
                 stamps[i].append(time.perf_counter())
 
-        return job.generate(prompts[i], max_new_tokens=new, do_sample=False, eos_token_id=None,
-                            on_token=on_token)  # fmt: skip
+        return job.generate(
+            prompts[i], max_new_tokens=new, do_sample=False, eos_token_id=None, on_token=on_token
+        )
 
     list(pool.map(one, range(len(prompts))))
     start = max(s[0] for s in stamps)
     end = min(s[-1] for s in stamps)
     tokens = sum(1 for s in stamps for t in s if start < t <= end)
     if end <= start or tokens == 0:
-        raise RuntimeError(f"no window where all {len(prompts)} requests decode: raise --new-tokens")
+        raise RuntimeError(
+            f"no window where all {len(prompts)} requests decode: raise --new-tokens"
+        )
     return tokens / (end - start)
 
 
@@ -92,16 +95,23 @@ def measure(config: JobConfig, prompts, args) -> dict:
         after = job.telemetry()
         # each stage's own time per step (its forwards, as the worker timed them), against
         # the plan's stage time: slower = contention for the cores, not idle waiting
-        stage_ms = [(b.forward_s - a.forward_s) / max(b.forwards - a.forwards, 1) * 1e3
-                    for a, b in zip(before, after, strict=True)]  # fmt: skip
+        stage_ms = [
+            (b.forward_s - a.forward_s) / max(b.forwards - a.forwards, 1) * 1e3
+            for a, b in zip(before, after, strict=True)
+        ]
         plan = job.plan
         measured = statistics.median(rates)
-        return {"measured": measured, "runs": rates, "predicted": plan.tokens_per_s,
-                "micro_batches": job.config.micro_batches, "stages": len(plan.stages),
-                "offloaded_mib": sum(s.offloaded_bytes for s in plan.stages) / MIB,
-                "overhead_needed_s": overhead_needed(plan, plan.options.max_batch / measured),
-                "stage_ms": stage_ms,
-                "planned_stage_ms": [s.time_s * 1e3 for s in plan.stages]}  # fmt: skip
+        return {
+            "measured": measured,
+            "runs": rates,
+            "predicted": plan.tokens_per_s,
+            "micro_batches": job.config.micro_batches,
+            "stages": len(plan.stages),
+            "offloaded_mib": sum(s.offloaded_bytes for s in plan.stages) / MIB,
+            "overhead_needed_s": overhead_needed(plan, plan.options.max_batch / measured),
+            "stage_ms": stage_ms,
+            "planned_stage_ms": [s.time_s * 1e3 for s in plan.stages],
+        }
 
 
 def overhead_needed(plan, measured_cycle_s: float) -> float:
@@ -116,32 +126,53 @@ def overhead_needed(plan, measured_cycle_s: float) -> float:
 
 def scenario(num_gpus: int, checkpoint: str, index, args) -> dict:
     budget = BUDGETS_MIB[num_gpus] * MIB
-    base = JobConfig(checkpoint=checkpoint, gpu_memory_bytes=budget, max_seq_len=MAX_SEQ_LEN,
-                     objective="throughput", max_batch=0)  # fmt: skip
-    row: dict = {"gpus": num_gpus, "budget_mib": BUDGETS_MIB[num_gpus], "batches": {},
-                 "load_average": psutil.getloadavg()[0]}  # fmt: skip
-    ray.init(address="local", num_cpus=num_gpus + 1, num_gpus=num_gpus, include_dashboard=False,
-             log_to_driver=False)  # fmt: skip
+    base = JobConfig(
+        checkpoint=checkpoint,
+        gpu_memory_bytes=budget,
+        max_seq_len=MAX_SEQ_LEN,
+        objective="throughput",
+        max_batch=0,
+    )
+    row: dict = {
+        "gpus": num_gpus,
+        "budget_mib": BUDGETS_MIB[num_gpus],
+        "batches": {},
+        "load_average": psutil.getloadavg()[0],
+    }
+    ray.init(
+        address="local",
+        num_cpus=num_gpus + 1,
+        num_gpus=num_gpus,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     try:
         snapshot, _ = probe_cluster(base, model=model_of(index, base))
         curve = best_plans(index.layers, snapshot, base.plan_options(), prune=False)
         chosen = max(curve.values(), key=lambda p: (p.tokens_per_s, -p.options.max_batch))
         row["chosen"] = chosen.options.max_batch
         row["curve"] = {b: p.tokens_per_s for b, p in curve.items()}
-        prompts = prompts_for(max([*args.batches, row["chosen"], USER_BATCH]), 8,
-                              index.config["vocab_size"], 1)  # fmt: skip
+        prompts = prompts_for(
+            max([*args.batches, row["chosen"], USER_BATCH]), 8, index.config["vocab_size"], 1
+        )
         for batch in sorted({*args.batches, row["chosen"]}):
             if batch not in curve:
                 continue
             config = dataclasses.replace(base, max_batch=batch)
             got = measure(config, prompts[:batch], args)
             row["batches"][batch] = got
-            print(f"  {num_gpus} GPU(s), max_batch {batch} (k={got['micro_batches']}): predicted "
-                  f"{got['predicted']:.1f}, measured {got['measured']:.1f} tokens/s", flush=True)  # fmt: skip
+            print(
+                f"  {num_gpus} GPU(s), max_batch {batch} (k={got['micro_batches']}): predicted "
+                f"{got['predicted']:.1f}, measured {got['measured']:.1f} tokens/s",
+                flush=True,
+            )
         latency = dataclasses.replace(base, objective="latency", max_batch=USER_BATCH)
         row["latency"] = measure(latency, prompts[:USER_BATCH], args)
-        print(f"  {num_gpus} GPU(s), latency plan, max_batch {USER_BATCH}: measured "
-              f"{row['latency']['measured']:.1f} tokens/s", flush=True)  # fmt: skip
+        print(
+            f"  {num_gpus} GPU(s), latency plan, max_batch {USER_BATCH}: measured "
+            f"{row['latency']['measured']:.1f} tokens/s",
+            flush=True,
+        )
     finally:
         ray.shutdown()
     return row
@@ -178,43 +209,57 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(rows: list[dict], args, index, started: float) -> None:
-    print(f"\nmachine: {machine()}; torch {torch.__version__}, "
-          f"ray {ray.__version__}; total {time.perf_counter() - started:.0f} s")  # fmt: skip
-    print(f"model: {index.total_bytes / MIB:.1f} MiB, max_seq_len {MAX_SEQ_LEN}; "
-          f"{args.new_tokens} new tokens per request; medians of {args.repeats} runs\n")
-    print("| stages | budget/GPU | max_batch | micro-batches | offloaded MiB | predicted tokens/s "
-          "| measured tokens/s | predicted / measured | overhead that fits | stage step ms: "
-          "planned / worker-timed |")
+    print(
+        f"\nmachine: {machine()}; torch {torch.__version__}, "
+        f"ray {ray.__version__}; total {time.perf_counter() - started:.0f} s"
+    )
+    print(
+        f"model: {index.total_bytes / MIB:.1f} MiB, max_seq_len {MAX_SEQ_LEN}; "
+        f"{args.new_tokens} new tokens per request; medians of {args.repeats} runs\n"
+    )
+    print(
+        "| stages | budget/GPU | max_batch | micro-batches | offloaded MiB | predicted tokens/s "
+        "| measured tokens/s | predicted / measured | overhead that fits | stage step ms: "
+        "planned / worker-timed |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         for batch, c in sorted(r["batches"].items()):
             mark = " (chosen)" if batch == r["chosen"] else ""
-            print(f"| {r['gpus']} | {r['budget_mib']} MiB | {batch}{mark} | {c['micro_batches']} | "
-                  f"{c['offloaded_mib']:.1f} | {c['predicted']:.1f} | {c['measured']:.1f} | "
-                  f"{c['predicted'] / c['measured']:.2f} | "
-                  f"{c['overhead_needed_s'] * 1e3:.2f} ms | "
-                  + ", ".join(f"{p:.1f} / {t:.1f}" for p, t in zip(c["planned_stage_ms"],
-                                                                   c["stage_ms"], strict=True))
-                  + " |")  # fmt: skip
+            print(
+                f"| {r['gpus']} | {r['budget_mib']} MiB | {batch}{mark} | {c['micro_batches']} | "
+                f"{c['offloaded_mib']:.1f} | {c['predicted']:.1f} | {c['measured']:.1f} | "
+                f"{c['predicted'] / c['measured']:.2f} | "
+                f"{c['overhead_needed_s'] * 1e3:.2f} ms | "
+                + ", ".join(
+                    f"{p:.1f} / {t:.1f}"
+                    for p, t in zip(c["planned_stage_ms"], c["stage_ms"], strict=True)
+                )
+                + " |"
+            )
     for r in rows:
         measured = {b: c["measured"] for b, c in r["batches"].items()}
         best = max(measured, key=measured.get)
         share = measured[r["chosen"]] / measured[best]
         errors = [abs(c["predicted"] / c["measured"] - 1) for c in r["batches"].values()]
         lat = r["latency"]
-        print(f"\n{r['gpus']} stage(s): chosen max_batch {r['chosen']} measures "
-              f"{share:.2f} of the best measured (max_batch {best}; target >= "
-              f"{1 - TARGET_CHOICE:.2f}); worst prediction error {max(errors):.0%} (target "
-              f"<= {TARGET_ERROR:.0%}); latency plan (max_batch {USER_BATCH}, "
-              f"{lat['micro_batches'] or 'auto'} micro-batches): {lat['measured']:.1f} tokens/s, "
-              f"the throughput plan {measured[r['chosen']] / lat['measured']:.2f}x that")  # fmt: skip
+        print(
+            f"\n{r['gpus']} stage(s): chosen max_batch {r['chosen']} measures "
+            f"{share:.2f} of the best measured (max_batch {best}; target >= "
+            f"{1 - TARGET_CHOICE:.2f}); worst prediction error {max(errors):.0%} (target "
+            f"<= {TARGET_ERROR:.0%}); latency plan (max_batch {USER_BATCH}, "
+            f"{lat['micro_batches'] or 'auto'} micro-batches): {lat['measured']:.1f} tokens/s, "
+            f"the throughput plan {measured[r['chosen']] / lat['measured']:.2f}x that"
+        )
         curve = ", ".join(f"{b}: {t:.0f}" for b, t in sorted(r["curve"].items()))
         print(f"  predicted curve: {curve}")
     needed = [c["overhead_needed_s"] for r in rows for c in [*r["batches"].values(), r["latency"]]]
-    print(f"\nruntime overhead per stage step that would make each prediction exact: median "
-          f"{statistics.median(needed) * 1e3:.2f} ms (min {min(needed) * 1e3:.2f}, max "
-          f"{max(needed) * 1e3:.2f}); the planner assumed "
-          f"{DEFAULT_OPTIONS.step_overhead_s * 1e3:.2f} ms (PlanOptions.step_overhead_s)")
+    print(
+        f"\nruntime overhead per stage step that would make each prediction exact: median "
+        f"{statistics.median(needed) * 1e3:.2f} ms (min {min(needed) * 1e3:.2f}, max "
+        f"{max(needed) * 1e3:.2f}); the planner assumed "
+        f"{DEFAULT_OPTIONS.step_overhead_s * 1e3:.2f} ms (PlanOptions.step_overhead_s)"
+    )
 
 
 if __name__ == "__main__":

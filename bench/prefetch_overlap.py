@@ -115,8 +115,9 @@ def overlap_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
         offloaders[mode].wrap_modules(stacks[mode])
         offloaders[mode].post_init()
     stacks["uva"] = make_stack(args.layers, args.hidden, device)
-    uva = create_offloader(OffloadConfig(backend="uva", layers=tuple(range(args.layers))),
-                           device=device, env={})  # fmt: skip
+    uva = create_offloader(
+        OffloadConfig(backend="uva", layers=tuple(range(args.layers))), device=device, env={}
+    )
     uva.wrap_modules(stacks["uva"])
     copy_fn, copy_close = copy_alone_fn(resident, device)
     rows = []
@@ -270,9 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"\n{key}: {args.layers} layers x {args.hidden}^2 fp32, all offloaded, step {args.step}"
         )
-        print(f"{'batch':>6} {'resident':>9} {'copy':>8} {'sync':>8} {'prefetch':>9} "
-              f"{'pf/res':>7} {'overlap':>8} {'stall sync/prefetch':>20} {'uva':>9} "
-              f"{'uva/res':>7}")  # fmt: skip
+        print(
+            f"{'batch':>6} {'resident':>9} {'copy':>8} {'sync':>8} {'prefetch':>9} "
+            f"{'pf/res':>7} {'overlap':>8} {'stall sync/prefetch':>20} {'uva':>9} "
+            f"{'uva/res':>7}"
+        )
         for r in result[key]:
             print(
                 f"{r['batch']:>6} {r['resident_ms']:>7.2f}ms {r['copy_ms']:>6.2f}ms "

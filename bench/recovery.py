@@ -48,21 +48,31 @@ def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        shape = CheckpointShape(num_layers=args.layers, hidden_size=args.hidden, num_heads=8,
-                                num_kv_heads=4, intermediate_size=args.hidden * 2,
-                                vocab_size=1024, max_shard_bytes=64 * MIB)  # fmt: skip
+        shape = CheckpointShape(
+            num_layers=args.layers,
+            hidden_size=args.hidden,
+            num_heads=8,
+            num_kv_heads=4,
+            intermediate_size=args.hidden * 2,
+            vocab_size=1024,
+            max_shard_bytes=64 * MIB,
+        )
         checkpoint = str(make_checkpoint(Path(tmp) / "ckpt", shape))
         index = load_index(checkpoint)
         decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
         total = index.total_bytes
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
         try:
-            nodes = {n.node_id: n for n in [cluster.add_node(num_cpus=2, num_gpus=1)
-                                            for _ in range(3)]}  # fmt: skip
+            nodes = {
+                n.node_id: n for n in [cluster.add_node(num_cpus=2, num_gpus=1) for _ in range(3)]
+            }
             ray.init(address=cluster.address, log_to_driver=False)
-            config = JobConfig(checkpoint=checkpoint, address=cluster.address,
-                               gpu_memory_bytes=total // 3 + decoder // 2,
-                               host_memory_bytes=total // 2)  # fmt: skip
+            config = JobConfig(
+                checkpoint=checkpoint,
+                address=cluster.address,
+                gpu_memory_bytes=total // 3 + decoder // 2,
+                host_memory_bytes=total // 2,
+            )
             ids = torch.randint(0, 1024, (1, 32), generator=torch.Generator().manual_seed(0))
             expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
             result = run(cluster, nodes, config, ids, expected, total)

@@ -66,11 +66,27 @@ def start_server(checkpoint: str, budget: int, port: int, key: str, log: Path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["OFFLOAD_API_KEY"] = key
     proc = subprocess.Popen(
-        [OFFLOADCTL, "serve", "--checkpoint", checkpoint, "--gpus", "1", "--gpu-memory",
-         str(budget), "--port", str(port), "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch",
-         "auto"],
-        env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,  # noqa: SIM115
-    )  # fmt: skip
+        [
+            OFFLOADCTL,
+            "serve",
+            "--checkpoint",
+            checkpoint,
+            "--gpus",
+            "1",
+            "--gpu-memory",
+            str(budget),
+            "--port",
+            str(port),
+            "--max-seq-len",
+            str(MAX_SEQ_LEN),
+            "--max-batch",
+            "auto",
+        ],
+        env=env,
+        stdout=open(log, "w"),  # noqa: SIM115 (the server outlives this call; closed with it)
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         if proc.poll() is not None:
@@ -78,8 +94,9 @@ def start_server(checkpoint: str, budget: int, port: int, key: str, log: Path):
         match = re.search(r"KV cache for (\d+) x", log.read_text())
         if match:
             try:
-                request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models",
-                                                 headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+                request = urllib.request.Request(
+                    f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {key}"}
+                )
                 with urllib.request.urlopen(request, timeout=5):
                     return proc, int(match.group(1))
             except OSError:
@@ -114,9 +131,13 @@ def level(base: str, key: str, clients: int, per_client: int, max_tokens: int) -
             stamps, usage, finish = [], None, None
             try:
                 stream = client.completions.create(
-                    model="llama", prompt=f"client {c} request {r}: tell me a story about cats",
-                    max_tokens=max_tokens, temperature=0, stream=True,
-                    stream_options={"include_usage": True})  # fmt: skip
+                    model="llama",
+                    prompt=f"client {c} request {r}: tell me a story about cats",
+                    max_tokens=max_tokens,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
                 for chunk in stream:
                     if chunk.choices and chunk.choices[0].text:
                         stamps.append(time.perf_counter())
@@ -146,12 +167,22 @@ def level(base: str, key: str, clients: int, per_client: int, max_tokens: int) -
     wall = time.perf_counter() - start
 
     def pct(values: list[float], q: float) -> float | None:
-        return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else (values or [None])[0]
+        return (
+            statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else (values or [None])[0]
+        )
 
-    return {"clients": clients, "requests": clients * per_client, "wall_s": wall,
-            "tokens_per_s": sum(tokens) / wall, "ttft_p50_s": pct(ttft, 50),
-            "ttft_p99_s": pct(ttft, 99), "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
-            "errors": len(errors), "error_kinds": sorted(set(errors))}  # fmt: skip
+    return {
+        "clients": clients,
+        "requests": clients * per_client,
+        "wall_s": wall,
+        "tokens_per_s": sum(tokens) / wall,
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p99_s": pct(ttft, 99),
+        "itl_p50_s": pct(itl, 50),
+        "itl_p99_s": pct(itl, 99),
+        "errors": len(errors),
+        "error_kinds": sorted(set(errors)),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,28 +210,36 @@ def main(argv: list[str] | None = None) -> int:
         for clients in (int(c) for c in args.clients.split(",")):
             rows.append(level(base, key, clients, args.requests_per_client, args.max_tokens))
             r = rows[-1]
-            print(f"{clients} clients: {r['tokens_per_s']:.1f} tokens/s, errors {r['errors']}",
-                  flush=True)  # fmt: skip
+            print(
+                f"{clients} clients: {r['tokens_per_s']:.1f} tokens/s, errors {r['errors']}",
+                flush=True,
+            )
     finally:
         if proc is not None:
             stop_server(proc)
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"\nmachine: {platform.machine()}, {psutil.cpu_count()} CPUs, "
-          f"{psutil.virtual_memory().total / 2**30:.0f} GiB; model {index.total_bytes / MIB:.1f} "
-          f"MiB, GPU budget {budget / MIB:.1f} MiB, max_batch auto = {batch}, max_seq_len "
-          f"{MAX_SEQ_LEN}; {args.requests_per_client} streamed requests per client, "
-          f"{args.max_tokens} tokens each; total {time.perf_counter() - started:.0f} s\n")  # fmt: skip
+    print(
+        f"\nmachine: {platform.machine()}, {psutil.cpu_count()} CPUs, "
+        f"{psutil.virtual_memory().total / 2**30:.0f} GiB; model {index.total_bytes / MIB:.1f} "
+        f"MiB, GPU budget {budget / MIB:.1f} MiB, max_batch auto = {batch}, max_seq_len "
+        f"{MAX_SEQ_LEN}; {args.requests_per_client} streamed requests per client, "
+        f"{args.max_tokens} tokens each; total {time.perf_counter() - started:.0f} s\n"
+    )
 
     def ms(v):
         return "-" if v is None else f"{v * 1e3:.0f}"
 
-    print("| clients | requests | output tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | "
-          "ITL p99 ms | errors |")
+    print(
+        "| clients | requests | output tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | "
+        "ITL p99 ms | errors |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['clients']} | {r['requests']} | {r['tokens_per_s']:.1f} | "
-              f"{ms(r['ttft_p50_s'])} | {ms(r['ttft_p99_s'])} | {ms(r['itl_p50_s'])} | "
-              f"{ms(r['itl_p99_s'])} | {r['errors']} {' '.join(r['error_kinds'])} |")  # fmt: skip
+        print(
+            f"| {r['clients']} | {r['requests']} | {r['tokens_per_s']:.1f} | "
+            f"{ms(r['ttft_p50_s'])} | {ms(r['ttft_p99_s'])} | {ms(r['itl_p50_s'])} | "
+            f"{ms(r['itl_p99_s'])} | {r['errors']} {' '.join(r['error_kinds'])} |"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 1 if any(r["errors"] for r in rows) else 0

@@ -25,9 +25,22 @@ from worker.spec import COMPUTE_DTYPES
 PIN_LABEL = "offload-pin-memory"
 # Prefixes of variables a job may set on its workers.
 OVERRIDE_ALLOWED_PREFIXES = ("OFFLOAD_", "VLLM_WEIGHT_OFFLOADING_")
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
-          "tib": 2**40}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(value: str | int, *, field_name: str = "size") -> int:
@@ -44,8 +57,10 @@ def parse_bytes(value: str | int, *, field_name: str = "size") -> int:
         )
     number = float(match.group(1))
     if _UNITS[unit] == 1 and not number.is_integer():  # `--gpu-memory 1.5` is not 1 byte
-        raise ConfigError(f"{field_name}={value!r}: a byte count is a whole number; for larger "
-                          "units write them, e.g. 1.5GiB")  # fmt: skip
+        raise ConfigError(
+            f"{field_name}={value!r}: a byte count is a whole number; for larger "
+            "units write them, e.g. 1.5GiB"
+        )
     return int(number * _UNITS[unit])
 
 
@@ -117,8 +132,9 @@ def node_env(
             raise ConfigError(f"node {hostname} ({node_id[:8]}): {exc}") from None
         env[PIN_ENV] = value
         origins[PIN_ENV] = "node label"
-    for name, value in env_for_node(overrides, node_id=node_id, hostname=hostname,
-                                    labels=labels).items():  # fmt: skip
+    for name, value in env_for_node(
+        overrides, node_id=node_id, hostname=hostname, labels=labels
+    ).items():
         env[name] = value
         origins[name] = "job override"
     return env, origins
@@ -205,15 +221,23 @@ class JobConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
         if self.max_batch < 0:
-            raise ConfigError(f"max_batch={self.max_batch} must be >= 1 (sequences at once), or "
-                              "0 (auto: as many as fit beside the weights)")  # fmt: skip
+            raise ConfigError(
+                f"max_batch={self.max_batch} must be >= 1 (sequences at once), or "
+                "0 (auto: as many as fit beside the weights)"
+            )
         if self.prefill_tokens < 1:
             raise ConfigError(f"prefill_tokens={self.prefill_tokens} must be >= 1")
-        for name in ("load_timeout_s", "forward_timeout_s", "placement_timeout_s",
-                     "snapshot_interval_s", "watch_interval_s"):  # fmt: skip
+        for name in (
+            "load_timeout_s",
+            "forward_timeout_s",
+            "placement_timeout_s",
+            "snapshot_interval_s",
+            "watch_interval_s",
+        ):
             if not math.isfinite(getattr(self, name)):
-                raise ConfigError(f"{name}={getattr(self, name)} must be a finite number of "
-                                  "seconds")  # fmt: skip
+                raise ConfigError(
+                    f"{name}={getattr(self, name)} must be a finite number of seconds"
+                )
         for name in ("gpu_memory_bytes", "host_memory_bytes"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -223,25 +247,31 @@ class JobConfig:
         if self.cpus_per_worker < 1:
             raise ConfigError(f"cpus_per_worker={self.cpus_per_worker} must be >= 1")
         if self.dtype not in ("auto", *COMPUTE_DTYPES):
-            raise ConfigError(
-                f"dtype={self.dtype!r} must be auto, {', '.join(COMPUTE_DTYPES)}"
-            )
+            raise ConfigError(f"dtype={self.dtype!r} must be auto, {', '.join(COMPUTE_DTYPES)}")
         if self.replicas < 0:
-            raise ConfigError(f"replicas={self.replicas} must be >= 1, or 0 (auto: as many as "
-                              "give the most tokens/s)")  # fmt: skip
+            raise ConfigError(
+                f"replicas={self.replicas} must be >= 1, or 0 (auto: as many as "
+                "give the most tokens/s)"
+            )
         if self.replicas != 1 and self.objective != "throughput":
-            raise ConfigError(f"replicas={self.replicas}: replicas serve for throughput; set "
-                              "objective throughput (--objective throughput), or replicas 1")  # fmt: skip
+            raise ConfigError(
+                f"replicas={self.replicas}: replicas serve for throughput; set "
+                "objective throughput (--objective throughput), or replicas 1"
+            )
         self.node_gpus()  # a malformed `nodes` fails here, naming it
         if self.objective not in ("latency", "throughput"):
             raise ConfigError(f"objective={self.objective!r} must be latency or throughput")
         if not (math.isfinite(self.max_token_latency_s) and self.max_token_latency_s >= 0):
-            raise ConfigError(f"max_token_latency_s={self.max_token_latency_s} must be a finite "
-                              "number of seconds >= 0 (0: no bound)")  # fmt: skip
+            raise ConfigError(
+                f"max_token_latency_s={self.max_token_latency_s} must be a finite "
+                "number of seconds >= 0 (0: no bound)"
+            )
         if self.max_token_latency_s and self.objective != "throughput":
-            raise ConfigError(f"max_token_latency_s={self.max_token_latency_s} bounds the "
-                              "throughput objective: set objective throughput "
-                              "(--objective throughput), or drop the bound")  # fmt: skip
+            raise ConfigError(
+                f"max_token_latency_s={self.max_token_latency_s} bounds the "
+                "throughput objective: set objective throughput "
+                "(--objective throughput), or drop the bound"
+            )
         if self.backend not in ("auto", "prefetch", "uva"):
             raise ConfigError(f"backend={self.backend!r} must be auto, prefetch or uva")
         if self.gpus and self.address is not None:
@@ -267,8 +297,10 @@ class JobConfig:
         for entry in filter(None, (e.strip() for e in self.nodes.split(","))):
             node, _, count = entry.partition("=")
             if not node or not count.isdigit() or int(count) < 1 or node in out:
-                raise ConfigError(f"nodes={self.nodes!r}: each entry must be NODE_ID=N (a Ray "
-                                  f"node id once, N >= 1 GPUs), got {entry!r}")  # fmt: skip
+                raise ConfigError(
+                    f"nodes={self.nodes!r}: each entry must be NODE_ID=N (a Ray "
+                    f"node id once, N >= 1 GPUs), got {entry!r}"
+                )
             out[node] = int(count)
         return out
 
@@ -276,10 +308,14 @@ class JobConfig:
         """The planner's options this job sets (the rest: the planner's defaults)."""
         from coordinator.planning.planner import PlanOptions  # planning imports this module
 
-        return PlanOptions(reserve_bytes=self.reserve_bytes, prefetch_step=self.prefetch_step,
-                           max_batch=self.max_batch, max_seq_len=self.max_seq_len,
-                           micro_batches=self.micro_batches or 1,
-                           objective=self.objective)  # fmt: skip
+        return PlanOptions(
+            reserve_bytes=self.reserve_bytes,
+            prefetch_step=self.prefetch_step,
+            max_batch=self.max_batch,
+            max_seq_len=self.max_seq_len,
+            micro_batches=self.micro_batches or 1,
+            objective=self.objective,
+        )
 
 
 _SIZE_FIELDS = {"gpu_memory_bytes", "host_memory_bytes", "reserve_bytes"}
@@ -348,8 +384,9 @@ def job_config_from_dict(raw: dict, *, where: str = "job config") -> JobConfig:
             value = parse_bytes(value, field_name=key)
         elif key == "overrides":
             if not isinstance(value, list | tuple | type(None)):
-                raise ConfigError(f"{where}: overrides must be a list of {{match, env}}, got "
-                                  f"{_kind(value)}")  # fmt: skip
+                raise ConfigError(
+                    f"{where}: overrides must be a list of {{match, env}}, got {_kind(value)}"
+                )
             value = tuple(
                 _override_from_dict(item, f"{where}: overrides[{i}]")
                 for i, item in enumerate(value or [])
@@ -366,8 +403,9 @@ def job_config_from_dict(raw: dict, *, where: str = "job config") -> JobConfig:
         raise ConfigError(f"{where}: {exc}") from None
 
 
-def load_job_config(path: str | Path, defaults: dict | None = None,
-                    **cli_values: object) -> JobConfig:  # fmt: skip
+def load_job_config(
+    path: str | Path, defaults: dict | None = None, **cli_values: object
+) -> JobConfig:
     """Read a YAML job file; values given on the command line (not None) win over the file,
     and the file over `defaults` (a command's own defaults, for keys neither sets)."""
     path = Path(path)

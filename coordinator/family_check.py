@@ -71,8 +71,10 @@ def check_family(config: dict, *, attn_implementation: str | None = None) -> boo
     try:
         small = shrink_config(config)
     except Exception as exc:  # any surprise in config.json: refused in one line, no traceback
-        raise FamilyCheckError(f"{family}: the pre-launch check of this untested family cannot "
-                               f"shrink its config ({_describe(exc)})") from None  # fmt: skip
+        raise FamilyCheckError(
+            f"{family}: the pre-launch check of this untested family cannot "
+            f"shrink its config ({_describe(exc)})"
+        ) from None
     key = (family, json.dumps(small, sort_keys=True, default=repr), attn_implementation)
     with _lock:  # two jobs launched at once from one driver: checked once
         if key not in _verdicts:
@@ -114,8 +116,10 @@ def _check(small: dict, attn_implementation: str | None) -> str | None:
             whole.eval()
             layout = find_layout(whole)
         except Exception as exc:
-            return (f"{family}: the pre-launch check of this untested family cannot build a "
-                    f"{NUM_LAYERS}-layer copy of its model ({_describe(exc)})")  # fmt: skip
+            return (
+                f"{family}: the pre-launch check of this untested family cannot build a "
+                f"{NUM_LAYERS}-layer copy of its model ({_describe(exc)})"
+            )
         weights = whole.state_dict()
         names = layout.layer_names()
         # Three stages (embed+layer 0 | layer 1 | head), two with other boundaries, and one
@@ -166,27 +170,42 @@ def _compare(whole: nn.Module, stages: list[Stage], layout) -> str | None:
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     whole_cache = DynamicCache(config=whole.config)
     caches = [stage.new_cache() for stage in stages]
-    stage_modules = [entry for s, stage in enumerate(stages)
-                     for entry in _layer_modules(s, stage.model, stage.layout, stage.layer_names)]  # fmt: skip
+    stage_modules = [
+        entry
+        for s, stage in enumerate(stages)
+        for entry in _layer_modules(s, stage.model, stage.layout, stage.layer_names)
+    ]
     # (what, ids, mask, positions, logits_to_keep, cached): `run`'s forward, then generation
-    steps: list[tuple] = [("plain forward", ids, None, None, 0, False),
-                          ("prefill", ids, mask, positions, 0, True)]  # fmt: skip
+    steps: list[tuple] = [
+        ("plain forward", ids, None, None, 0, False),
+        ("prefill", ids, mask, positions, 0, True),
+    ]
     step = 0
     while step < len(steps):
         what, x, m, p, keep, cached = steps[step]
         calls: list[_Call] = []
         with _recording(_layer_modules(-1, whole, layout, None), calls), torch.inference_mode():
-            expected = whole(input_ids=x, attention_mask=m, position_ids=p, logits_to_keep=keep,
-                             past_key_values=whole_cache if cached else None,
-                             use_cache=cached).logits  # fmt: skip
+            expected = whole(
+                input_ids=x,
+                attention_mask=m,
+                position_ids=p,
+                logits_to_keep=keep,
+                past_key_values=whole_cache if cached else None,
+                use_cache=cached,
+            ).logits
         reference = {call.path: call for call in calls}
         calls.clear()
         got, error = x, None
         with _recording(stage_modules, calls), torch.inference_mode():
             try:
                 for stage, cache in zip(stages, caches, strict=True):
-                    got = stage(got, attention_mask=m, position_ids=p, logits_to_keep=keep,
-                                cache=cache if cached else None)  # fmt: skip
+                    got = stage(
+                        got,
+                        attention_mask=m,
+                        position_ids=p,
+                        logits_to_keep=keep,
+                        cache=cache if cached else None,
+                    )
             except Exception as exc:
                 error = exc
         if error is not None or not torch.equal(got, expected):
@@ -212,15 +231,21 @@ def _check_batched(whole: nn.Module, built: list[tuple[str, list[Stage]]]) -> st
             try:
                 got = next(steps)
             except Exception as exc:
-                return (f"{what}: {_raising_module(exc, stages)} raised {_describe(exc)}; "
-                        f"stages {label}")  # fmt: skip
+                return (
+                    f"{what}: {_raising_module(exc, stages)} raised {_describe(exc)}; "
+                    f"stages {label}"
+                )
             for row, expected in enumerate(alone):
                 want = expected[n]
-                if not (torch.allclose(got[row], want, atol=ATOL, rtol=RTOL)
-                        and torch.equal(got[row].argmax(), want.argmax())):  # fmt: skip
+                if not (
+                    torch.allclose(got[row], want, atol=ATOL, rtol=RTOL)
+                    and torch.equal(got[row].argmax(), want.argmax())
+                ):
                     diff = (got[row] - want).abs().max().item()
-                    return (f"{what}, row {row} (its {len(prompts[row])}-token prompt): logits "
-                            f"differ by up to {diff:.3g}; stages {label}")  # fmt: skip
+                    return (
+                        f"{what}, row {row} (its {len(prompts[row])}-token prompt): logits "
+                        f"differ by up to {diff:.3g}; stages {label}"
+                    )
     return None
 
 
@@ -238,19 +263,33 @@ def _alone(whole: nn.Module, prompt: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def _batched_steps(stages: list[Stage], prompts: list[torch.Tensor],
-                   alone: list[list[torch.Tensor]]) -> Iterator[torch.Tensor]:  # fmt: skip
+def _batched_steps(
+    stages: list[Stage], prompts: list[torch.Tensor], alone: list[list[torch.Tensor]]
+) -> Iterator[torch.Tensor]:
     """Each step's last-position logits (rows, vocab) through `stages` as `BatchRunner.step`
     runs them: one prefill of the prompts as rows left-padded with token 0 (as the engine pads
     them), then decode steps feeding each row the token its prompt chose alone, so both sides
     see the same inputs. Rows sit in slots of the other order, as the engine may assign them."""
     width = max(len(prompt) for prompt in prompts)
-    rows = StepRows(slots=tuple(reversed(range(len(prompts)))), starts=(0,) * len(prompts),
-                    counts=tuple(len(prompt) for prompt in prompts), width=width,
-                    num_slots=len(prompts), max_seq_len=width + DECODE_STEPS + 1)  # fmt: skip
-    pools = [SlotPool(stage.decoder_indices, num_slots=rows.num_slots,
-                      max_seq_len=rows.max_seq_len, device=torch.device("cpu"))
-             if stage.decoder_indices else None for stage in stages]  # fmt: skip
+    rows = StepRows(
+        slots=tuple(reversed(range(len(prompts)))),
+        starts=(0,) * len(prompts),
+        counts=tuple(len(prompt) for prompt in prompts),
+        width=width,
+        num_slots=len(prompts),
+        max_seq_len=width + DECODE_STEPS + 1,
+    )
+    pools = [
+        SlotPool(
+            stage.decoder_indices,
+            num_slots=rows.num_slots,
+            max_seq_len=rows.max_seq_len,
+            device=torch.device("cpu"),
+        )
+        if stage.decoder_indices
+        else None
+        for stage in stages
+    ]
     x = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, prompt in enumerate(prompts):
         x[row, width - len(prompt) :] = prompt
@@ -262,8 +301,12 @@ def _batched_steps(stages: list[Stage], prompts: list[torch.Tensor],
         with torch.inference_mode():
             for stage, pool in zip(stages, pools, strict=True):
                 view = None if pool is None else pool.view(*where)
-                x = stage(x, position_ids=rows.positions(),
-                          logits_to_keep=1 if stage.is_last else 0, cache=view)  # fmt: skip
+                x = stage(
+                    x,
+                    position_ids=rows.positions(),
+                    logits_to_keep=1 if stage.is_last else 0,
+                    cache=view,
+                )
         yield x[:, -1]
 
 
@@ -273,8 +316,9 @@ def advance(attention_mask: torch.Tensor, position_ids: torch.Tensor):
     return torch.cat([attention_mask, ones], -1), position_ids[:, -1:] + 1
 
 
-def _first_difference(calls: list[_Call], reference: dict[str, _Call], stages: list[Stage],
-                      error: Exception | None) -> str:  # fmt: skip
+def _first_difference(
+    calls: list[_Call], reference: dict[str, _Call], stages: list[Stage], error: Exception | None
+) -> str:
     """The first module, in the order the stages ran them, whose input or output differs from
     the whole model's (a stand-in: whose kind of output differs), else where `error` arose."""
     raised = f"; then {_describe(error)}" if error is not None else ""
@@ -289,8 +333,10 @@ def _first_difference(calls: list[_Call], reference: dict[str, _Call], stages: l
             if not _same(call.output, ref.output):
                 return f"{name}: its output differs from the whole model's{raised}"
         elif _kind(call.output) != _kind(ref.output):
-            return (f"{name} returns {_kind(call.output)} where {type(ref.module).__name__} "
-                    f"returns {_kind(ref.output)}{raised}")  # fmt: skip
+            return (
+                f"{name} returns {_kind(call.output)} where {type(ref.module).__name__} "
+                f"returns {_kind(ref.output)}{raised}"
+            )
     if error is not None:
         return f"{_raising_module(error, stages)} raised {_describe(error)}"
     return "the logits differ while every module's output matched"
@@ -298,8 +344,11 @@ def _first_difference(calls: list[_Call], reference: dict[str, _Call], stages: l
 
 def _raising_module(error: Exception, stages: list[Stage]) -> str:
     """'stage S, module PATH / Class' of the innermost module of `stages` in the traceback."""
-    where = {id(m): (s, path, m) for s, stage in enumerate(stages)
-             for path, m in stage.model.named_modules()}  # fmt: skip
+    where = {
+        id(m): (s, path, m)
+        for s, stage in enumerate(stages)
+        for path, m in stage.model.named_modules()
+    }
     found = None
     tb = error.__traceback__
     while tb is not None:
@@ -316,8 +365,11 @@ def _raising_module(error: Exception, stages: list[Stage]) -> str:
 def _layer_modules(stage: int, model: nn.Module, layout, held: list[str] | None) -> list[tuple]:
     """(stage, path, module, held) of every pipeline-layer module of `model`, stand-ins
     included; `held`: the layers that are the stage's own (None: all, the whole model)."""
-    return [(stage, path, model.get_submodule(path), held is None or layer in held)
-            for layer in layout.layer_names() for path in layout.module_paths(layer)]  # fmt: skip
+    return [
+        (stage, path, model.get_submodule(path), held is None or layer in held)
+        for layer in layout.layer_names()
+        for path in layout.module_paths(layer)
+    ]
 
 
 @contextmanager
@@ -334,13 +386,24 @@ def _recording(modules: list[tuple], calls: list[_Call]) -> Iterator[None]:
                 first = next(iter(kwargs.values()), None)
                 seen["input"] = _clone(args[0] if args else kwargs.get("hidden_states", first))
 
-            def after(module, args, kwargs, output, seen=seen, stage=stage, path=path,
-                      held=held) -> None:  # fmt: skip
-                calls.append(_Call(stage=stage, path=path, module=module, held=held,
-                                   input=seen.pop("input", None), output=_clone(output)))  # fmt: skip
+            def after(
+                module, args, kwargs, output, seen=seen, stage=stage, path=path, held=held
+            ) -> None:
+                calls.append(
+                    _Call(
+                        stage=stage,
+                        path=path,
+                        module=module,
+                        held=held,
+                        input=seen.pop("input", None),
+                        output=_clone(output),
+                    )
+                )
 
-            handles += [module.register_forward_pre_hook(before, with_kwargs=True),
-                        module.register_forward_hook(after, with_kwargs=True)]  # fmt: skip
+            handles += [
+                module.register_forward_pre_hook(before, with_kwargs=True),
+                module.register_forward_hook(after, with_kwargs=True),
+            ]
         yield
     finally:
         for handle in handles:

@@ -18,6 +18,7 @@ def render(rows: Sequence[Sequence[str]]) -> str:
     for row in rows[1:]:
         table.add_row(*row)
     out = io.StringIO()
-    Console(file=out, width=100_000, color_system=None, force_terminal=False,
-            highlight=False).print(table)  # fmt: skip
+    Console(
+        file=out, width=100_000, color_system=None, force_terminal=False, highlight=False
+    ).print(table)
     return "\n".join(line.rstrip() for line in out.getvalue().splitlines())

@@ -41,7 +41,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-
 def _connected() -> bool:
     ray = sys.modules.get("ray")  # not imported: nothing to release, and no import for it
     return ray is not None and ray.is_initialized()
@@ -80,5 +79,7 @@ def release_what_the_test_left():
         with contextlib.suppress(Exception):  # removed meanwhile: nothing held
             remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
     if loads or groups:
-        warnings.warn(f"left behind, now released: named loads {loads}, placement groups "
-                      f"{groups}", stacklevel=1)  # fmt: skip
+        warnings.warn(
+            f"left behind, now released: named loads {loads}, placement groups {groups}",
+            stacklevel=1,
+        )

@@ -141,8 +141,9 @@ def session_dir_of(processes) -> str:
     raise AssertionError(f"no raylet among {sorted(names_of(processes))}")
 
 
-def scrape_gauges(name: str, expected: dict[str, float], port: int, *, tag: str = "stage",
-                  timeout_s: float = 30.0) -> dict[str, float]:  # fmt: skip
+def scrape_gauges(
+    name: str, expected: dict[str, float], port: int, *, tag: str = "stage", timeout_s: float = 30.0
+) -> dict[str, float]:
     """`tag` value -> value of Ray gauge `name` on this node's Prometheus endpoint at `port`, polled
     (bounded) until it shows `expected`: Ray exports every metrics_report_interval_ms, and an
     earlier job may have set the same gauge."""
@@ -153,7 +154,7 @@ def scrape_gauges(name: str, expected: dict[str, float], port: int, *, tag: str 
     import ray
 
     ip = ray.util.get_node_ip_address()
-    pattern = re.compile(r"^ray_" + name + r'\{[^}]*' + tag + r'="([^"]*)"[^}]*\} (\S+)$', re.M)
+    pattern = re.compile(r"^ray_" + name + r"\{[^}]*" + tag + r'="([^"]*)"[^}]*\} (\S+)$', re.M)
     deadline = time.monotonic() + timeout_s
     while True:
         with urllib.request.urlopen(f"http://{ip}:{port}/metrics", timeout=10) as r:

@@ -56,17 +56,44 @@ def private_ray_head(*, num_cpus: int = 4, num_gpus: int = 3):
     )
     ray_bin = str(Path(sys.executable).with_name("ray"))
     command = [
-        ray_bin, "start", "--head", "--block", "--temp-dir", str(temp_dir), "--port", str(gcs),
-        "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
-        "--dashboard-port", str(dash), "--dashboard-agent-listen-port", str(agent_http),
-        "--dashboard-agent-grpc-port", str(agent_grpc), "--runtime-env-agent-port", str(rt_env),
-        "--metrics-export-port", str(metrics), "--ray-client-server-port", str(client),
-        "--node-manager-port", str(nm), "--object-manager-port", str(om),
-        "--num-cpus", str(num_cpus), "--num-gpus", str(num_gpus), "--disable-usage-stats",
-    ]  # fmt: skip
+        ray_bin,
+        "start",
+        "--head",
+        "--block",
+        "--temp-dir",
+        str(temp_dir),
+        "--port",
+        str(gcs),
+        "--include-dashboard",
+        "true",
+        "--dashboard-host",
+        "127.0.0.1",
+        "--dashboard-port",
+        str(dash),
+        "--dashboard-agent-listen-port",
+        str(agent_http),
+        "--dashboard-agent-grpc-port",
+        str(agent_grpc),
+        "--runtime-env-agent-port",
+        str(rt_env),
+        "--metrics-export-port",
+        str(metrics),
+        "--ray-client-server-port",
+        str(client),
+        "--node-manager-port",
+        str(nm),
+        "--object-manager-port",
+        str(om),
+        "--num-cpus",
+        str(num_cpus),
+        "--num-gpus",
+        str(num_gpus),
+        "--disable-usage-stats",
+    ]
     log = open(temp_dir / "ray_start.log", "w")  # noqa: SIM115 - closed in finally
-    head = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+    head = subprocess.Popen(
+        command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     started: dict[int, psutil.Process] = {}
 
     def track() -> None:

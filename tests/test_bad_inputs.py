@@ -25,23 +25,39 @@ from coordinator.cli import main
 from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 
 MAX_MESSAGE_CHARS = 2000
-JOB = {"checkpoint": None, "gpus": 2, "gpu_memory_bytes": "1MiB", "prefetch_step": 1,
-       "dtype": "auto", "overrides": [{"match": {"labels": {"gpu": "h100"}},
-                                        "env": {"OFFLOAD_PIN_MEMORY": "auto"}}]}  # fmt: skip
+JOB = {
+    "checkpoint": None,
+    "gpus": 2,
+    "gpu_memory_bytes": "1MiB",
+    "prefetch_step": 1,
+    "dtype": "auto",
+    "overrides": [{"match": {"labels": {"gpu": "h100"}}, "env": {"OFFLOAD_PIN_MEMORY": "auto"}}],
+}
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=False)
     | st.text(max_size=12),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
-                                                                 max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
     max_leaves=6,
-)  # fmt: skip
+)
 
 
 @pytest.fixture(scope="module")
 def valid(tmp_path_factory) -> Path:
-    shape = CheckpointShape(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
-                            intermediate_size=64, vocab_size=64, max_shard_bytes=20_000)  # fmt: skip
+    shape = CheckpointShape(
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        vocab_size=64,
+        max_shard_bytes=20_000,
+    )
     return make_checkpoint(tmp_path_factory.mktemp("valid") / "ckpt", shape)
 
 
@@ -89,8 +105,9 @@ def run_plan(argv: list[str], capsys) -> None:
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= children
 
 
-@settings(max_examples=100, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_a_mutated_checkpoint_gives_one_line(valid: Path, capsys, data) -> None:
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,21 +118,24 @@ def test_a_mutated_checkpoint_gives_one_line(valid: Path, capsys, data) -> None:
         if name.endswith(".json"):
             kinds += ["json value", "json document"]
         mutate_file(root / name, data.draw(st.sampled_from(kinds), label="how"), data)
-        run_plan(["plan", "--checkpoint", str(root), "--gpus", "2", "--gpu-memory", "1MiB"],
-                 capsys)  # fmt: skip
+        run_plan(["plan", "--checkpoint", str(root), "--gpus", "2", "--gpu-memory", "1MiB"], capsys)
 
 
-@settings(max_examples=100, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_a_mutated_job_file_gives_one_line(valid: Path, capsys, data) -> None:
     job = json.loads(json.dumps(JOB))
     job["checkpoint"] = str(valid)
     where = data.draw(st.sampled_from(["top", "override", "match", "labels", "env"]), label="at")
-    target = {"top": job, "override": job["overrides"][0],
-              "match": job["overrides"][0]["match"],
-              "labels": job["overrides"][0]["match"]["labels"],
-              "env": job["overrides"][0]["env"]}[where]  # fmt: skip
+    target = {
+        "top": job,
+        "override": job["overrides"][0],
+        "match": job["overrides"][0]["match"],
+        "labels": job["overrides"][0]["match"]["labels"],
+        "env": job["overrides"][0]["env"],
+    }[where]
     key = data.draw(st.sampled_from([*sorted(target), "unknown_key"]), label="key")
     target[key] = data.draw(json_values, label="value")
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,8 +145,9 @@ def test_a_mutated_job_file_gives_one_line(valid: Path, capsys, data) -> None:
 
 
 @pytest.mark.parametrize("model_type", [[None], ["llama"], 3, {"llama": 1}])
-def test_a_model_type_that_is_not_a_string_is_one_line(valid: Path, capsys, tmp_path,
-                                                       model_type) -> None:  # fmt: skip
+def test_a_model_type_that_is_not_a_string_is_one_line(
+    valid: Path, capsys, tmp_path, model_type
+) -> None:
     """Found by the test above: a list reached transformers' config registry (a TypeError)."""
     root = Path(shutil.copytree(valid, tmp_path / "ckpt"))
     config = json.loads((root / "config.json").read_text())

@@ -14,8 +14,10 @@ HEADS, DIM, MAX_LEN = 2, 4, 12
 
 def kv(rows: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, HEADS, width, DIM, generator=g),
-            torch.randn(rows, HEADS, width, DIM, generator=g))  # fmt: skip
+    return (
+        torch.randn(rows, HEADS, width, DIM, generator=g),
+        torch.randn(rows, HEADS, width, DIM, generator=g),
+    )
 
 
 @pytest.mark.parametrize("slots", [[0, 1, 2], [1, 2, 3], [2, 0, 3], [3, 1, 0]])
@@ -25,8 +27,10 @@ def test_each_row_reads_back_exactly_what_its_sequence_wrote(slots) -> None:
     pool = SlotPool([0], num_slots=4, max_seq_len=MAX_LEN, device=torch.device("cpu"))
     lengths = [5, 2, 3]
     keys, values = kv(3, 5, seed=1)
-    history = [[(keys[r, :, 5 - n + i], values[r, :, 5 - n + i]) for i in range(n)]
-               for r, n in enumerate(lengths)]  # fmt: skip
+    history = [
+        [(keys[r, :, 5 - n + i], values[r, :, 5 - n + i]) for i in range(n)]
+        for r, n in enumerate(lengths)
+    ]
     view = pool.view(slots, [0, 0, 0], lengths, 5)
     got_k, got_v = view.update(keys, values, 0)
     for step in range(2):

@@ -20,26 +20,39 @@ def layers(num_decoders: int = 4, decoder_bytes: int = 1000) -> list[LayerSpec]:
     """Embedding and head of 500 bytes, decoders of `decoder_bytes` whose keys and values take
     10 bytes per sequence and token."""
     out = [layer("embed", "embed", 500)]
-    out += [dataclasses.replace(layer(f"layers.{i}", "decoder", decoder_bytes),
-                                kv_bytes_per_token=10) for i in range(num_decoders)]  # fmt: skip
+    out += [
+        dataclasses.replace(layer(f"layers.{i}", "decoder", decoder_bytes), kv_bytes_per_token=10)
+        for i in range(num_decoders)
+    ]
     out.append(layer("head", "head", 500))
     return out
 
 
 def cluster(*memory: int) -> ClusterSnapshot:
     gpus = tuple(GpuInfo(index=i, memory_bytes=m) for i, m in enumerate(memory))
-    return ClusterSnapshot(nodes=(NodeInfo(node_id="n", hostname="n", gpus=gpus,
-                                           host_budget_bytes=10**9, pinned_budget_bytes=10**9),))  # fmt: skip
+    return ClusterSnapshot(
+        nodes=(
+            NodeInfo(
+                node_id="n",
+                hostname="n",
+                gpus=gpus,
+                host_budget_bytes=10**9,
+                pinned_budget_bytes=10**9,
+            ),
+        )
+    )
 
 
 def brute_force(specs, snapshot, options) -> int:
-    floor = offloaded_bytes(plan(specs, snapshot, PlanOptions(max_seq_len=options.max_seq_len,
-                                                              max_batch=1)))  # fmt: skip
+    floor = offloaded_bytes(
+        plan(specs, snapshot, PlanOptions(max_seq_len=options.max_seq_len, max_batch=1))
+    )
     best = 1
     for batch in range(1, AUTO_MAX_BATCH + 1):
         try:
-            candidate = plan(specs, snapshot, PlanOptions(max_seq_len=options.max_seq_len,
-                                                          max_batch=batch))  # fmt: skip
+            candidate = plan(
+                specs, snapshot, PlanOptions(max_seq_len=options.max_seq_len, max_batch=batch)
+            )
         except PlanError:
             continue
         if offloaded_bytes(candidate) <= floor:
@@ -47,8 +60,17 @@ def brute_force(specs, snapshot, options) -> int:
     return best
 
 
-@pytest.mark.parametrize("memory", [(5000 + 40 * 20 * 4,), (5000 + 7 * 20 * 4 + 5,), (3500,),
-                                    (2600, 2600), (1800, 4000), (9000, 9000)])  # fmt: skip
+@pytest.mark.parametrize(
+    "memory",
+    [
+        (5000 + 40 * 20 * 4,),
+        (5000 + 7 * 20 * 4 + 5,),
+        (3500,),
+        (2600, 2600),
+        (1800, 4000),
+        (9000, 9000),
+    ],
+)
 def test_the_largest_batch_beside_the_weights(memory) -> None:
     specs, options = layers(), PlanOptions(max_seq_len=20)
     batch, sized = largest_batch(specs, cluster(*memory), options)
@@ -101,4 +123,5 @@ def test_the_predicted_throughput_curve() -> None:
     assert curve[4].tokens_per_s > curve[1].tokens_per_s  # the same weights, more rows a step
     assert curve_text(curve, (1, 4, 1000)).endswith(
         f"1: {curve[1].tokens_per_s:.1f} (k=1), 4: {curve[4].tokens_per_s:.1f} "
-        f"(k={curve[4].options.micro_batches}), 1000: -")
+        f"(k={curve[4].options.micro_batches}), 1000: -"
+    )

@@ -200,9 +200,13 @@ def test_single_file_tied_qwen2_index_matches_safetensors(qwen_dir: Path) -> Non
 def test_decoder_order_is_numeric_past_ten_layers(tmp_path: Path) -> None:
     # As text "layers.10" sorts before "layers.2"; the pipeline order must be numeric.
     shape = CheckpointShape(
-        num_layers=12, hidden_size=16, num_heads=2, num_kv_heads=1, intermediate_size=16,
+        num_layers=12,
+        hidden_size=16,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=16,
         vocab_size=32,
-    )  # fmt: skip
+    )
     index = load_index(make_checkpoint(tmp_path / "deep", shape))
     assert [layer.name for layer in index.layers] == [
         "embed",
@@ -617,17 +621,24 @@ def rewrite_config(root: Path, **changes: object) -> None:
 @pytest.mark.parametrize(
     ("changes", "expected"),
     [
-        ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
-         r"quantized \(quantization_config.quant_method='gptq'\).*unquantized"),
+        (
+            {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+            r"quantized \(quantization_config.quant_method='gptq'\).*unquantized",
+        ),
         ({"model_type": "t5", "is_encoder_decoder": True}, r"t5 is an encoder-decoder model"),
-        ({"model_type": "gemma3", "vision_config": {}, "text_config": {}},
-         r"gemma3 is a multimodal model \(vision_config\).*gemma3_text"),
+        (
+            {"model_type": "gemma3", "vision_config": {}, "text_config": {}},
+            r"gemma3 is a multimodal model \(vision_config\).*gemma3_text",
+        ),
         ({"model_type": "no-such-family"}, r"model_type 'no-such-family' is unknown"),
         ({"model_type": "vit"}, r"vit has no causal-LM class"),
-        ({"model_type": "bert"}, r"bert: its input embedding \(bert.embeddings.word_embeddings\) "
-                                 r"is not a module registered before its blocks"),
+        (
+            {"model_type": "bert"},
+            r"bert: its input embedding \(bert.embeddings.word_embeddings\) "
+            r"is not a module registered before its blocks",
+        ),
     ],
-)  # fmt: skip
+)
 def test_unsupported_models_are_refused_naming_what_is_supported(
     llama_copy: Path, changes: dict, expected: str
 ) -> None:

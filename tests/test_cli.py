@@ -12,8 +12,20 @@ import pytest
 
 from coordinator.cli import EXIT_ERROR, main
 
-TINY = ["--layers", "4", "--hidden-size", "32", "--heads", "4", "--kv-heads", "2",
-        "--intermediate-size", "64", "--vocab", "64"]  # fmt: skip
+TINY = [
+    "--layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--intermediate-size",
+    "64",
+    "--vocab",
+    "64",
+]
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +53,23 @@ def test_plan_text_and_json(checkpoint: str, capsys: pytest.CaptureFixture[str])
     assert main(["plan", "--checkpoint", checkpoint, "--gpus", "2", "--gpu-memory", "60KiB"]) == 0
     text = capsys.readouterr().out
     assert "bottleneck" in text and "layers." in text
-    assert main(["plan", "--checkpoint", checkpoint, "--gpus", "2", "--gpu-memory", "60KiB",
-                 "--nodes", "2", "--json"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "plan",
+                "--checkpoint",
+                checkpoint,
+                "--gpus",
+                "2",
+                "--gpu-memory",
+                "60KiB",
+                "--nodes",
+                "2",
+                "--json",
+            ]
+        )
+        == 0
+    )
     plan = json.loads(capsys.readouterr().out)
     covered = [name for stage in plan["stages"] for name in stage["layers"]]
     assert covered == ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]
@@ -80,21 +107,31 @@ def test_plan_does_not_import_ray(checkpoint: str) -> None:
         "'--gpu-memory', '60KiB']) == 0\n"
         "print('ray' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
     assert out.stdout.splitlines()[-1] == "False"
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["plan", "--checkpoint", "CKPT", "--gpus", "2", "--gpu-memory", "1KiB"], "raise --gpu-memory"),
+        (
+            ["plan", "--checkpoint", "CKPT", "--gpus", "2", "--gpu-memory", "1KiB"],
+            "raise --gpu-memory",
+        ),
         (["plan", "--checkpoint", "CKPT"], "needs --gpus"),
-        (["plan", "--checkpoint", "/nonexistent", "--gpus", "1", "--gpu-memory", "1MiB"], "not a directory"),
+        (
+            ["plan", "--checkpoint", "/nonexistent", "--gpus", "1", "--gpu-memory", "1MiB"],
+            "not a directory",
+        ),
         (["make-checkpoint", "CKPT"], "not empty"),
-        (["make-checkpoint", "NEW", "--heads", "3"], "hidden_size=256 must be a multiple of num_heads=3"),
+        (
+            ["make-checkpoint", "NEW", "--heads", "3"],
+            "hidden_size=256 must be a multiple of num_heads=3",
+        ),
     ],
-)  # fmt: skip
+)
 def test_errors_are_one_line_without_traceback(
     checkpoint: str,
     tmp_path: Path,
@@ -123,7 +160,10 @@ def test_bad_flag_values_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit):
         main(["plan", "--checkpoint", "x", "--gpu-memory", "lots"])
     assert "is not a size" in capsys.readouterr().err
-    for argv in (["node-demo", "--step", "65"], ["plan", "--checkpoint", "x", "--prefetch-step", "0"]):
+    for argv in (
+        ["node-demo", "--step", "65"],
+        ["plan", "--checkpoint", "x", "--prefetch-step", "0"],
+    ):
         with pytest.raises(SystemExit):
             main(argv)
         assert "must be in 1..64, got" in capsys.readouterr().err  # the flag, before any work
@@ -139,9 +179,17 @@ def test_run_check_mismatch_exits_1(monkeypatch, capsys, tmp_path) -> None:
     import coordinator.tools.reference
 
     class FakeJob:
-        index = type("Index", (), {"config": {"vocab_size": 10}, "total_bytes": 0,
-                                   "family": "llama", "dtype": "float32",
-                                   "num_decoder_layers": 2})()  # fmt: skip
+        index = type(
+            "Index",
+            (),
+            {
+                "config": {"vocab_size": 10},
+                "total_bytes": 0,
+                "family": "llama",
+                "dtype": "float32",
+                "num_decoder_layers": 2,
+            },
+        )()
         plan = type("Plan", (), {"summary": lambda self: "plan"})()
         load_reports = ()
         workers = ()
@@ -151,10 +199,14 @@ def test_run_check_mismatch_exits_1(monkeypatch, capsys, tmp_path) -> None:
             return torch.zeros(ids.shape[0], ids.shape[1], 10)
 
     monkeypatch.setattr(
-        coordinator.runtime.launch, "launch", lambda config, progress, name: contextlib.nullcontext(FakeJob())
+        coordinator.runtime.launch,
+        "launch",
+        lambda config, progress, name: contextlib.nullcontext(FakeJob()),
     )
     monkeypatch.setattr(
-        coordinator.tools.reference, "reference_logits", lambda *a, **k: torch.full((2, 16, 10), 1e-3)
+        coordinator.tools.reference,
+        "reference_logits",
+        lambda *a, **k: torch.full((2, 16, 10), 1e-3),
     )
     (tmp_path / "config.json").write_text("{}")  # read before loading: no context window
     assert main(["run", "--checkpoint", str(tmp_path), "--check"]) == 1
@@ -201,8 +253,22 @@ def test_serving_off_loopback_needs_an_api_key(monkeypatch, capsys, tmp_path) ->
 
 
 def test_an_empty_stop_text_is_refused_before_loading(capsys, tmp_path) -> None:
-    assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "hi", "--stop", "a",
-                 "--stop", ""]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint",
+                str(tmp_path),
+                "--prompt",
+                "hi",
+                "--stop",
+                "a",
+                "--stop",
+                "",
+            ]
+        )
+        == 2
+    )
     assert "--stop needs a non-empty text" in capsys.readouterr().err
 
 
@@ -218,8 +284,10 @@ def test_plan_reserves_the_kv_cache_asked_for(checkpoint: str, capsys) -> None:
     assert main([*argv, "--max-batch", "2", "--max-seq-len", "64"]) == 0
     assert "KV cache for 2 x 64 tokens" in capsys.readouterr().out
     assert main([*argv, "--max-seq-len", "4096"]) == EXIT_ERROR
-    assert ("error: max_seq_len=4096 exceeds the model's context of 2048 tokens "
-            "(max_position_embeddings in config.json)") in capsys.readouterr().err
+    assert (
+        "error: max_seq_len=4096 exceeds the model's context of 2048 tokens "
+        "(max_position_embeddings in config.json)"
+    ) in capsys.readouterr().err
 
 
 def test_a_prompt_past_the_context_is_refused_before_loading(tmp_path, capsys) -> None:
@@ -228,12 +296,23 @@ def test_a_prompt_past_the_context_is_refused_before_loading(tmp_path, capsys) -
     short = tmp_path / "short"
     assert main(["make-checkpoint", str(short), *TINY, "--max-positions", "16"]) == 0
     capsys.readouterr()
-    argv = ["generate", "--checkpoint", str(short), "--gpu-memory", "1MiB", "--prompt",
-            "the workers keep their own layers " * 4, "--max-new-tokens", "8"]  # fmt: skip
+    argv = [
+        "generate",
+        "--checkpoint",
+        str(short),
+        "--gpu-memory",
+        "1MiB",
+        "--prompt",
+        "the workers keep their own layers " * 4,
+        "--max-new-tokens",
+        "8",
+    ]
     assert main(argv) == EXIT_ERROR
     err = capsys.readouterr().err
-    assert "exceed the model's context of 16 tokens (max_position_embeddings in config.json): " \
-           "shorten the prompt or lower max_new_tokens" in err, err  # fmt: skip
+    assert (
+        "exceed the model's context of 16 tokens (max_position_embeddings in config.json): "
+        "shorten the prompt or lower max_new_tokens" in err
+    ), err
     assert not ray.is_initialized()
 
 
@@ -265,8 +344,9 @@ def test_serve_defaults_fill_only_what_is_not_given(checkpoint, tmp_path, no_lau
 
     def planned(*extra: str) -> tuple[int, int]:
         with pytest.raises(LaunchCalled) as called:
-            main(["serve", "--checkpoint", checkpoint, "--gpus", "1", "--gpu-memory", "8MiB",
-                  *extra])  # fmt: skip
+            main(
+                ["serve", "--checkpoint", checkpoint, "--gpus", "1", "--gpu-memory", "8MiB", *extra]
+            )
         return called.value.config.max_batch, called.value.config.max_seq_len
 
     assert planned() == (0, 512)
@@ -274,8 +354,19 @@ def test_serve_defaults_fill_only_what_is_not_given(checkpoint, tmp_path, no_lau
         main(["serve", "--checkpoint", checkpoint, "--gpus", "1", "--gpu-memory", "8MiB"])
     assert (called.value.config.objective, called.value.config.replicas) == ("throughput", 0)
     with pytest.raises(LaunchCalled) as called:
-        main(["serve", "--checkpoint", checkpoint, "--gpus", "1", "--gpu-memory", "8MiB",
-              "--objective", "latency"])  # fmt: skip
+        main(
+            [
+                "serve",
+                "--checkpoint",
+                checkpoint,
+                "--gpus",
+                "1",
+                "--gpu-memory",
+                "8MiB",
+                "--objective",
+                "latency",
+            ]
+        )
     assert (called.value.config.objective, called.value.config.replicas) == ("latency", 1)
     assert planned("--max-batch", "2") == (2, 512)
     assert planned("--max-batch", "auto") == (0, 512)
@@ -291,12 +382,15 @@ def test_serve_defaults_fill_only_what_is_not_given(checkpoint, tmp_path, no_lau
     assert called.value.config.max_seq_len == 100  # the model's window, when under 512
 
 
-@pytest.mark.parametrize("argv", [
-    ["run", "mine", "--gpus", "2"],
-    ["run", "mine", "--checkpoint", "x", "--max-batch", "2"],
-    ["generate", "mine", "--prompt", "hi", "--gpu-memory", "1MiB"],
-    ["serve", "mine", "--config", "job.yaml"],
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "mine", "--gpus", "2"],
+        ["run", "mine", "--checkpoint", "x", "--max-batch", "2"],
+        ["generate", "mine", "--prompt", "hi", "--gpu-memory", "1MiB"],
+        ["serve", "mine", "--config", "job.yaml"],
+    ],
+)
 def test_a_named_load_refuses_flags_that_describe_loading(argv, capsys) -> None:
     import ray
 
@@ -307,8 +401,17 @@ def test_a_named_load_refuses_flags_that_describe_loading(argv, capsys) -> None:
 
 
 def test_generate_settles_its_settings_before_loading(checkpoint, capsys, no_launch) -> None:
-    base = ["generate", "--checkpoint", checkpoint, "--gpus", "1", "--gpu-memory", "8MiB",
-            "--prompt", "the workers keep their own layers"]  # fmt: skip
+    base = [
+        "generate",
+        "--checkpoint",
+        checkpoint,
+        "--gpus",
+        "1",
+        "--gpu-memory",
+        "8MiB",
+        "--prompt",
+        "the workers keep their own layers",
+    ]
     assert main([*base, "--temperature", "-1"]) == EXIT_ERROR
     assert "temperature=-1.0 must be >= 0" in capsys.readouterr().err
     assert main([*base, "--max-seq-len", "8", "--max-new-tokens", "20"]) == EXIT_ERROR
@@ -335,11 +438,15 @@ def test_run_checks_its_input_before_loading(tmp_path, capsys) -> None:
     base = ["run", "--checkpoint", str(short), "--gpus", "1", "--gpu-memory", "8MiB"]
     capsys.readouterr()
     assert main([*base, "--seq-len", "32"]) == EXIT_ERROR
-    assert ("32 input tokens exceed the model's context of 16 tokens (max_position_embeddings "
-            "in config.json): lower --seq-len") in capsys.readouterr().err  # fmt: skip
+    assert (
+        "32 input tokens exceed the model's context of 16 tokens (max_position_embeddings "
+        "in config.json): lower --seq-len"
+    ) in capsys.readouterr().err
     assert main([*base, "--input-ids", "1,2,3", "--seq-len", "3", "--seed", "1"]) == EXIT_ERROR
-    assert "--input-ids gives the tokens; --seq-len, --seed shape random input only" in \
-        capsys.readouterr().err  # fmt: skip
+    assert (
+        "--input-ids gives the tokens; --seq-len, --seed shape random input only"
+        in capsys.readouterr().err
+    )
     assert main([*base, "--input-ids", "1,two"]) == EXIT_ERROR
     assert "expected comma-separated token ids" in capsys.readouterr().err
     assert not ray.is_initialized()
@@ -353,8 +460,10 @@ def test_plan_applies_the_job_files_overrides(checkpoint, tmp_path, capsys) -> N
     if torch.cuda.is_available():
         pytest.skip("pinning is possible with CUDA")
     job = tmp_path / "job.yaml"
-    job.write_text(f"checkpoint: {checkpoint}\ngpus: 1\ngpu_memory_bytes: 8MiB\noverrides:\n"
-                   "  - match: {hostname: '*'}\n    env: {OFFLOAD_PIN_MEMORY: 'on'}\n")  # fmt: skip
+    job.write_text(
+        f"checkpoint: {checkpoint}\ngpus: 1\ngpu_memory_bytes: 8MiB\noverrides:\n"
+        "  - match: {hostname: '*'}\n    env: {OFFLOAD_PIN_MEMORY: 'on'}\n"
+    )
     capsys.readouterr()
     assert main(["plan", "--config", str(job)]) == EXIT_ERROR
     err = capsys.readouterr().err
@@ -366,12 +475,15 @@ def test_plan_applies_the_job_files_overrides(checkpoint, tmp_path, capsys) -> N
 
 def test_make_checkpoint_ignores_expert_flags_outside_moe(tmp_path) -> None:
     assert main(["make-checkpoint", str(tmp_path / "c"), *TINY, "--experts", "1"]) == 0
-    assert main(["make-checkpoint", str(tmp_path / "m"), *TINY, "--arch", "mixtral",
-                 "--experts", "1"]) == EXIT_ERROR  # fmt: skip
+    assert (
+        main(["make-checkpoint", str(tmp_path / "m"), *TINY, "--arch", "mixtral", "--experts", "1"])
+        == EXIT_ERROR
+    )
 
 
-def test_an_exception_that_is_not_ours_is_a_bug_with_its_traceback(checkpoint, monkeypatch,
-                                                                   capsys) -> None:  # fmt: skip
+def test_an_exception_that_is_not_ours_is_a_bug_with_its_traceback(
+    checkpoint, monkeypatch, capsys
+) -> None:
     """Only our error kinds (and OSError) are one-line user errors; a stray ValueError from a
     library is reported as a bug: traceback, exit 1, never dressed up as the user's mistake."""
     import coordinator.cli as cli
@@ -393,8 +505,9 @@ def test_plan_shows_the_batch_it_sizes_from_memory(checkpoint, capsys) -> None:
     args = ["plan", "--checkpoint", checkpoint, "--gpus", "1", "--gpu-memory", "8MiB"]
     assert main([*args, "--max-seq-len", "64", "--max-batch", "auto"]) == 0
     out = capsys.readouterr().out
-    batch = int(re.search(r"max_batch (\d+), micro-batches auto: the largest batch whose KV",
-                          out).group(1))  # fmt: skip
+    batch = int(
+        re.search(r"max_batch (\d+), micro-batches auto: the largest batch whose KV", out).group(1)
+    )
     assert 1 <= batch <= 64
     placed = []
     for given in ("auto", str(batch)):  # the same placement and KV cache either way
@@ -406,13 +519,27 @@ def test_plan_shows_the_batch_it_sizes_from_memory(checkpoint, capsys) -> None:
     assert "needs max_seq_len" in capsys.readouterr().err
 
 
-def test_plan_for_throughput_chooses_the_batch_and_draws_the_curve(checkpoint, capsys,
-                                                                   tmp_path) -> None:  # fmt: skip
+def test_plan_for_throughput_chooses_the_batch_and_draws_the_curve(
+    checkpoint, capsys, tmp_path
+) -> None:
     """--objective throughput: the plan names its batch, micro-batches and predicted tokens/s,
     the best of the curve it prints over batch sizes, which --plot draws; the JSON plan is the
     same plan. A latency bound no plan meets is an error naming the shortest time there is."""
-    args = ["plan", "--checkpoint", checkpoint, "--gpus", "2", "--gpu-memory", "8MiB",
-            "--max-seq-len", "64", "--objective", "throughput", "--replicas", "1"]  # fmt: skip
+    args = [
+        "plan",
+        "--checkpoint",
+        checkpoint,
+        "--gpus",
+        "2",
+        "--gpu-memory",
+        "8MiB",
+        "--max-seq-len",
+        "64",
+        "--objective",
+        "throughput",
+        "--replicas",
+        "1",
+    ]
     png = tmp_path / "curve.png"
     assert main([*args, "--plot", str(png)]) == 0
     out = capsys.readouterr().out

@@ -39,35 +39,76 @@ def _gpu_type(config: dict) -> dict:
 
 
 MUTATIONS: list[tuple[str, Callable[[dict], None], str]] = [
-    ("unknown top-level key", lambda c: c.update(offload_policy="off"),
-     "Additional properties are not allowed ('offload_policy'"),
-    ("unknown key in a node type", lambda c: _gpu_type(c).update(pin_memory="off"),
-     "'pin_memory' was unexpected"),
-    ("label that is not a string", lambda c: _gpu_type(c)["labels"].update({"gpu-family": 7}),
-     "7 is not of type 'string'"),
-    ("missing pin label", lambda c: _gpu_type(c)["labels"].pop("offload-pin-memory"),
-     "'gpu_h100' has GPUs but no 'offload-pin-memory' label"),
-    ("invalid pin label", lambda c: _gpu_type(c)["labels"].update({"offload-pin-memory": "maybe"}),
-     "label offload-pin-memory='maybe' is not a valid pin setting"),
-    ("other Ray version", lambda c: c.update(setup_commands=['pip install "ray[default]==2.59.0"']),
-     "install Ray 2.59.0 but pyproject.toml pins 2.60.0"),
-    ("no Ray pin", lambda c: c.update(setup_commands=["pip install ray"]),
-     "do not install a pinned Ray"),
-    ("public dashboard", lambda c: c.update(head_start_ray_commands=[
-        "export RAY_AUTH_MODE=token; ray start --head --dashboard-host=0.0.0.0"]),
-     "bind the dashboard to all interfaces"),
-    ("public dashboard, quoted", lambda c: c.update(head_start_ray_commands=[
-        'export RAY_AUTH_MODE=token; ray start --head --dashboard-host="0.0.0.0"']),
-     "bind the dashboard to all interfaces"),
+    (
+        "unknown top-level key",
+        lambda c: c.update(offload_policy="off"),
+        "Additional properties are not allowed ('offload_policy'",
+    ),
+    (
+        "unknown key in a node type",
+        lambda c: _gpu_type(c).update(pin_memory="off"),
+        "'pin_memory' was unexpected",
+    ),
+    (
+        "label that is not a string",
+        lambda c: _gpu_type(c)["labels"].update({"gpu-family": 7}),
+        "7 is not of type 'string'",
+    ),
+    (
+        "missing pin label",
+        lambda c: _gpu_type(c)["labels"].pop("offload-pin-memory"),
+        "'gpu_h100' has GPUs but no 'offload-pin-memory' label",
+    ),
+    (
+        "invalid pin label",
+        lambda c: _gpu_type(c)["labels"].update({"offload-pin-memory": "maybe"}),
+        "label offload-pin-memory='maybe' is not a valid pin setting",
+    ),
+    (
+        "other Ray version",
+        lambda c: c.update(setup_commands=['pip install "ray[default]==2.59.0"']),
+        "install Ray 2.59.0 but pyproject.toml pins 2.60.0",
+    ),
+    (
+        "no Ray pin",
+        lambda c: c.update(setup_commands=["pip install ray"]),
+        "do not install a pinned Ray",
+    ),
+    (
+        "public dashboard",
+        lambda c: c.update(
+            head_start_ray_commands=[
+                "export RAY_AUTH_MODE=token; ray start --head --dashboard-host=0.0.0.0"
+            ]
+        ),
+        "bind the dashboard to all interfaces",
+    ),
+    (
+        "public dashboard, quoted",
+        lambda c: c.update(
+            head_start_ray_commands=[
+                'export RAY_AUTH_MODE=token; ray start --head --dashboard-host="0.0.0.0"'
+            ]
+        ),
+        "bind the dashboard to all interfaces",
+    ),
     ("no provider", lambda c: c.pop("provider"), "the required key 'provider' is missing"),
-    ("Ray's aws defaults", lambda c: c.pop("head_start_ray_commands"),
-     "bind the dashboard to all interfaces"),
-    ("token auth off on workers", lambda c: c.update(worker_start_ray_commands=[
-        "ray start --address=$RAY_HEAD_IP:6379"]),
-     "worker_start_ray_commands do not export RAY_AUTH_MODE=token"),
-    ("token not shipped", lambda c: c["file_mounts"].pop("~/.ray/auth_token"),
-     "do not copy ~/.ray/auth_token"),
-]  # fmt: skip
+    (
+        "Ray's aws defaults",
+        lambda c: c.pop("head_start_ray_commands"),
+        "bind the dashboard to all interfaces",
+    ),
+    (
+        "token auth off on workers",
+        lambda c: c.update(worker_start_ray_commands=["ray start --address=$RAY_HEAD_IP:6379"]),
+        "worker_start_ray_commands do not export RAY_AUTH_MODE=token",
+    ),
+    (
+        "token not shipped",
+        lambda c: c["file_mounts"].pop("~/.ray/auth_token"),
+        "do not copy ~/.ray/auth_token",
+    ),
+]
 
 
 @pytest.mark.parametrize(("what", "mutate", "message"), MUTATIONS, ids=[m[0] for m in MUTATIONS])

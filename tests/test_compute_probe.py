@@ -18,9 +18,19 @@ from worker.node import probe_here
 @pytest.fixture(scope="module")
 def index(tmp_path_factory):
     root = tmp_path_factory.mktemp("compute") / "llama"
-    return load_index(make_checkpoint(root, CheckpointShape(
-        num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
-        vocab_size=128)))  # fmt: skip
+    return load_index(
+        make_checkpoint(
+            root,
+            CheckpointShape(
+                num_layers=2,
+                hidden_size=64,
+                num_heads=4,
+                num_kv_heads=2,
+                intermediate_size=128,
+                vocab_size=128,
+            ),
+        )
+    )
 
 
 def test_a_decoder_layer_is_timed_and_cached(index, tmp_path, monkeypatch) -> None:
@@ -37,17 +47,25 @@ def test_a_decoder_layer_is_timed_and_cached(index, tmp_path, monkeypatch) -> No
 
 
 def test_the_step_time_between_and_beyond_the_measured_sizes() -> None:
-    profile = ComputeProfile(family="llama", dtype="float32", device="cpu", rows=(1, 8, 32),
-                             layer_s=(1.0, 2.4, 5.6), fixed_s=(0.5, 0.5, 0.9),
-                             layer_bytes=1000)  # fmt: skip
+    profile = ComputeProfile(
+        family="llama",
+        dtype="float32",
+        device="cpu",
+        rows=(1, 8, 32),
+        layer_s=(1.0, 2.4, 5.6),
+        fixed_s=(0.5, 0.5, 0.9),
+        layer_bytes=1000,
+    )
     assert [profile.step_s(r) for r in (1, 8, 32)] == [1.0, 2.4, 5.6]
     assert profile.step_s(4) == pytest.approx(1.6)  # on the line from 1 to 8
     assert profile.step_s(64) == pytest.approx(5.6 + 3.2 / 24 * 32)  # the last line, extended
     assert profile.bytes_per_s(8) == pytest.approx(1000 / 2.4)
     assert profile.bytes_per_s(0) == profile.bytes_per_s(1)
     assert profile.fixed_step_s(20) == pytest.approx(0.7) and profile.fixed_step_s(1) == 0.5
-    assert ("takes 2400.00 ms per step of 8 sequence(s) on cpu, a stage's step 500.00 ms more"
-            in profile.describe(8))  # fmt: skip
+    assert (
+        "takes 2400.00 ms per step of 8 sequence(s) on cpu, a stage's step 500.00 ms more"
+        in profile.describe(8)
+    )
 
 
 def test_the_probe_gives_the_plan_the_rate_for_its_batch(index) -> None:
@@ -55,14 +73,16 @@ def test_the_probe_gives_the_plan_the_rate_for_its_batch(index) -> None:
     result = probe_here(model=(index.config, "float32", 1))
     profile = result["compute"]
     assert isinstance(profile, ComputeProfile)
-    config = JobConfig(checkpoint=str(index.root), gpu_memory_bytes=2**20, max_batch=8,
-                       max_seq_len=32)  # fmt: skip
+    config = JobConfig(
+        checkpoint=str(index.root), gpu_memory_bytes=2**20, max_batch=8, max_seq_len=32
+    )
     node = node_info(config, result, node_id="n", num_gpus=1)
     rate, source = node.compute_rate(8)
     assert rate == profile.bytes_per_s(8) and source.startswith("measured: a llama decoder layer")
     assert node.compute_rate(32)[0] == profile.bytes_per_s(32)  # the plan's batch decides
-    unmeasured = node_info(config, {**result, "compute": "not measured: no"}, node_id="n",
-                           num_gpus=1)  # fmt: skip
+    unmeasured = node_info(
+        config, {**result, "compute": "not measured: no"}, node_id="n", num_gpus=1
+    )
     assert unmeasured.compute_rate(8) == (None, "not measured: no")
     assert node_info(config, probe_here(), node_id="n", num_gpus=1).compute_rate(8)[0] is None
 
@@ -70,8 +90,24 @@ def test_the_probe_gives_the_plan_the_rate_for_its_batch(index) -> None:
 def test_offloadctl_plan_uses_and_shows_the_measured_rate(index, capsys) -> None:
     from coordinator.cli import main
 
-    assert main(["plan", "--checkpoint", str(index.root), "--gpus", "1", "--gpu-memory", "8MiB",
-                 "--max-seq-len", "32", "--max-batch", "4"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "plan",
+                "--checkpoint",
+                str(index.root),
+                "--gpus",
+                "1",
+                "--gpu-memory",
+                "8MiB",
+                "--max-seq-len",
+                "32",
+                "--max-batch",
+                "4",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "compute rate on" in out and "per step of 4 sequence(s)" in out
     assert "(default)" not in out.splitlines()[2]  # link and compute rates both measured

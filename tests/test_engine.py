@@ -66,7 +66,9 @@ class FakePipeline:
         for _ in range(steps[0].count):
             for m, (rows, x, draw) in enumerate(current):
                 tokens = torch.full((len(rows.slots),), NO_TOKEN)
-                for r, (slot, start, count) in enumerate(zip(rows.slots, rows.starts, rows.counts, strict=True)):
+                for r, (slot, start, count) in enumerate(
+                    zip(rows.slots, rows.starts, rows.counts, strict=True)
+                ):
                     cached = self.slots.setdefault(slot, [])
                     del cached[start:]
                     assert len(cached) == start, "a row starts past what its slot holds"
@@ -117,7 +119,9 @@ def test_sequences_join_and_leave_and_each_gets_its_own_tokens(make) -> None:
         assert request.result(WAIT_S) == [expected(prompt, count)]
         assert request.finish_reasons == [Finish.LENGTH]
     # never more rows than slots; a decode step carries every decoding sequence at once
-    assert all(len(slots) <= 2 and len(set(slots)) == len(slots) for _, slots, _, _ in pipeline.steps)
+    assert all(
+        len(slots) <= 2 and len(set(slots)) == len(slots) for _, slots, _, _ in pipeline.steps
+    )
     assert any(len(slots) == 2 for prefill, slots, _, _ in pipeline.steps if not prefill)
     # the 7-token prompt went in chunks of at most 4 tokens (rows x width <= prefill_tokens)
     assert max(sum(c) for p, _, c, _ in pipeline.steps if p) <= 4
@@ -137,7 +141,9 @@ def test_a_long_prompt_is_chunked_and_decodes_go_on_between_chunks(make) -> None
     [long] = joined
     assert long.result(WAIT_S) == [expected(list(range(3, 20)), 2)]
     slot = long.sequences[0].slot_used
-    chunks = [i for i, (prefill, slots, _, _) in enumerate(pipeline.steps) if prefill and slots == (slot,)]
+    chunks = [
+        i for i, (prefill, slots, _, _) in enumerate(pipeline.steps) if prefill and slots == (slot,)
+    ]
     assert [pipeline.steps[i][2] for i in chunks] == [(4,), (4,), (4,), (4,)]
     # between two chunks of the long prompt, one decode step of the running sequence; its
     # last token (a chunk of one) joins that sequence's decode step
@@ -157,8 +163,11 @@ def test_the_queue_is_fifo_bounded_and_only_full_is_busy(make) -> None:
     assert isinstance(err.value, BusyError)
     with pytest.raises(NeverFitsError, match=r"70 tokens per sequence .* max_seq_len=64"):
         submit(engine, [3] * 60, 10)  # never fits: refused at once, not queued
-    with pytest.raises(NeverFitsError, match=r"2 sequence\(s\) exceed the KV cache reserved for "
-                       r"max_batch=1"):  # fmt: skip
+    with pytest.raises(
+        NeverFitsError,
+        match=r"2 sequence\(s\) exceed the KV cache reserved for "
+        r"max_batch=1",
+    ):
         engine.submit([[3], [4]], sampling=GREEDY, max_new_tokens=2)
     pipeline.gate.set()
     assert [r.result(WAIT_S) for r in queued] == [[expected([4], 2)], [expected([5], 2)]]
@@ -211,8 +220,10 @@ def test_bursts_only_when_nothing_waits(make) -> None:
     pipelined.gate.clear()
     first, second = submit(two, [3, 4], 3), submit(two, [5, 6, 7], 3)
     pipelined.gate.set()
-    assert [first.result(WAIT_S), second.result(WAIT_S)] == [[expected([3, 4], 3)],
-                                                              [expected([5, 6, 7], 3)]]  # fmt: skip
+    assert [first.result(WAIT_S), second.result(WAIT_S)] == [
+        [expected([3, 4], 3)],
+        [expected([5, 6, 7], 3)],
+    ]
     prefills = [i for i, step in enumerate(pipelined.steps) if step[0]]
     assert all(pipelined.steps[i][3] == 1 for i in range(max(prefills) + 1))
 

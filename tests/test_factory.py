@@ -52,8 +52,9 @@ def test_auto_on_a_simulated_coherent_gpu_is_uva() -> None:
     probe = NodeProbe(simulated_gpu="coherent")
     offloader = create_offloader(OffloadConfig(layers=(0,)), device="cpu", env={}, probe=probe)
     assert offloader.backend == "uva" and "simulated coherent GPU" in offloader.backend_reason
-    plain = create_offloader(OffloadConfig(layers=(0,)), device="cpu", env={},
-                             probe=NodeProbe(simulated_gpu="discrete"))  # fmt: skip
+    plain = create_offloader(
+        OffloadConfig(layers=(0,)), device="cpu", env={}, probe=NodeProbe(simulated_gpu="discrete")
+    )
     assert plain.backend == "prefetch"
 
 
@@ -70,6 +71,9 @@ def test_none_offloads_nothing_and_says_so() -> None:
     stats = offloader.stats()
     total = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
     assert (stats.backend, stats.offloaded_bytes, stats.resident_bytes, stats.copies) == (
-        "none", 0, total, 0,
-    )  # fmt: skip
+        "none",
+        0,
+        total,
+        0,
+    )
     offloader.detach()

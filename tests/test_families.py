@@ -39,10 +39,17 @@ def checkpoints(tmp_path_factory):
     def get(family: str, dtype: str) -> CheckpointIndex:
         if (family, dtype) not in made:
             shape = CheckpointShape(
-                arch=family, num_layers=4, hidden_size=32, num_heads=4,
-                num_kv_heads=4 if family in NO_GQA else 2, intermediate_size=48,
-                vocab_size=VOCAB, dtype=dtype, max_positions=64, max_shard_bytes=40_000,
-            )  # fmt: skip
+                arch=family,
+                num_layers=4,
+                hidden_size=32,
+                num_heads=4,
+                num_kv_heads=4 if family in NO_GQA else 2,
+                intermediate_size=48,
+                vocab_size=VOCAB,
+                dtype=dtype,
+                max_positions=64,
+                max_shard_bytes=40_000,
+            )
             root = tmp_path_factory.mktemp(f"{family}-{dtype}") / "ckpt"
             made[family, dtype] = load_index(make_checkpoint(root, shape))
         return made[family, dtype]
@@ -55,8 +62,13 @@ def offloading_plan(index: CheckpointIndex) -> Plan:
     decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
     budget = index.total_bytes // NUM_GPUS - decoder // 4
     gpus = tuple(GpuInfo(index=i, memory_bytes=budget) for i in range(NUM_GPUS))
-    node = NodeInfo(node_id="node", hostname="node", gpus=gpus, host_budget_bytes=10**9,
-                    pinned_budget_bytes=10**9)  # fmt: skip
+    node = NodeInfo(
+        node_id="node",
+        hostname="node",
+        gpus=gpus,
+        host_budget_bytes=10**9,
+        pinned_budget_bytes=10**9,
+    )
     the_plan = plan(index.layers, ClusterSnapshot(nodes=(node,)), PlanOptions())
     assert len(the_plan.stages) >= 2 and any(s.offloaded for s in the_plan.stages)
     return the_plan
@@ -65,8 +77,13 @@ def offloading_plan(index: CheckpointIndex) -> Plan:
 class Pipeline:
     """The plan's stages as in-process workers, one thread each (as the reference)."""
 
-    def __init__(self, index: CheckpointIndex, groups: list[list[str]] | None = None,
-                 offloaded: tuple[str, ...] = (), unit: str = "layer") -> None:  # fmt: skip
+    def __init__(
+        self,
+        index: CheckpointIndex,
+        groups: list[list[str]] | None = None,
+        offloaded: tuple[str, ...] = (),
+        unit: str = "layer",
+    ) -> None:
         """The planner's split, or `groups` of layers with `offloaded` ones offloaded (their
         `unit`: all of them, or their experts or MLP)."""
         self.index = index
@@ -74,8 +91,9 @@ class Pipeline:
             self.plan = offloading_plan(index)
             specs = stage_specs(JobConfig(checkpoint=str(index.root)), index, self.plan, {})
         else:
-            specs = [split_spec(index, stage, groups, offloaded, unit)
-                     for stage in range(len(groups))]  # fmt: skip
+            specs = [
+                split_spec(index, stage, groups, offloaded, unit) for stage in range(len(groups))
+            ]
         self.workers = [StageWorker(spec, device="cpu", num_threads=1) for spec in specs]
         for worker in self.workers:
             worker.load()
@@ -162,21 +180,35 @@ def test_stages_of_only_an_embedding_or_only_a_head(checkpoints, family: str) ->
     names = [layer.name for layer in index.layers]
     ids = torch.randint(2, VOCAB, (1, 13), generator=torch.Generator().manual_seed(3))
     groups = [names[:1], names[1:3], names[3:-1], names[-1:]]
-    assert torch.equal(run_split(index, ids, groups, offloaded=("layers.1",)), reference(index, ids))
+    assert torch.equal(
+        run_split(index, ids, groups, offloaded=("layers.1",)), reference(index, ids)
+    )
 
 
-def split_spec(index: CheckpointIndex, stage: int, groups: list[list[str]],
-               offloaded: tuple, unit: str = "layer") -> StageSpec:  # fmt: skip
+def split_spec(
+    index: CheckpointIndex,
+    stage: int,
+    groups: list[list[str]],
+    offloaded: tuple,
+    unit: str = "layer",
+) -> StageSpec:
     """Stage `stage` of a hand-made split: layers `groups[stage]`, `offloaded` ones offloaded."""
     group = groups[stage]
-    return StageSpec(stage=stage, num_stages=len(groups), checkpoint_dir=str(index.root),
-                     config=index.config, dtype=index.dtype,
-                     layers=tuple(layer for layer in index.layers if layer.name in group),
-                     offloaded=tuple(n for n in group if n in offloaded),
-                     offload_unit=unit)  # fmt: skip
+    return StageSpec(
+        stage=stage,
+        num_stages=len(groups),
+        checkpoint_dir=str(index.root),
+        config=index.config,
+        dtype=index.dtype,
+        layers=tuple(layer for layer in index.layers if layer.name in group),
+        offloaded=tuple(n for n in group if n in offloaded),
+        offload_unit=unit,
+    )
 
 
-def run_split(index: CheckpointIndex, ids, groups: list[list[str]], offloaded: tuple) -> torch.Tensor:
+def run_split(
+    index: CheckpointIndex, ids, groups: list[list[str]], offloaded: tuple
+) -> torch.Tensor:
     """`ids` through in-process workers holding `groups` of layers, `offloaded` ones offloaded."""
     pipeline = Pipeline(index, groups, offloaded)
     try:
@@ -185,13 +217,19 @@ def run_split(index: CheckpointIndex, ids, groups: list[list[str]], offloaded: t
         pipeline.close()
 
 
-@pytest.mark.parametrize(("family", "unit", "pattern"), [
-    ("mixtral", "experts", "mlp.experts."), ("qwen3_moe", "experts", "mlp.experts."),
-    ("llama", "mlp", "mlp."), ("qwen2_moe", "mlp", "mlp."),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("family", "unit", "pattern"),
+    [
+        ("mixtral", "experts", "mlp.experts."),
+        ("qwen3_moe", "experts", "mlp.experts."),
+        ("llama", "mlp", "mlp."),
+        ("qwen2_moe", "mlp", "mlp."),
+    ],
+)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_part_of_each_layer_offloaded(checkpoints, family: str, unit: str, pattern: str,
-                                      dtype: str) -> None:  # fmt: skip
+def test_part_of_each_layer_offloaded(
+    checkpoints, family: str, unit: str, pattern: str, dtype: str
+) -> None:
     """Sub-layer offload: of three offloaded layers only their experts (or MLP) go to host
     memory and come back through the prefetch slot; attention, norms and the router stay on
     the device. Bitwise the logits of transformers, over two passes of the prefetch schedule,
@@ -227,17 +265,37 @@ def test_what_the_model_keeps_in_float32_stays_in_float32(tmp_path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
-        "deepseek_v3", num_hidden_layers=3, hidden_size=32, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=VOCAB, intermediate_size=64, moe_intermediate_size=32,
-        n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
-        topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-        v_head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=1,
-    )  # fmt: skip
+        "deepseek_v3",
+        num_hidden_layers=3,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=VOCAB,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=1,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            if tensor.is_floating_point() and tensor.numel() > 1 and bool((tensor == tensor.flatten()[0]).all()):
+            if (
+                tensor.is_floating_point()
+                and tensor.numel() > 1
+                and bool((tensor == tensor.flatten()[0]).all())
+            ):
                 tensor.normal_(0.5, 0.1)  # constant after init (norms, the bias): make it count
     model.save_pretrained(tmp_path / "dsv3")
     index = load_index(tmp_path / "dsv3")
@@ -245,6 +303,10 @@ def test_what_the_model_keeps_in_float32_stays_in_float32(tmp_path) -> None:
     assert bias and {(t.dtype, t.target_dtype) for t in bias} == {("BF16", "float32")}
     ids = torch.randint(2, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
     # Both MoE layers offloaded: the bias is a buffer, read into the device even so.
-    logits = run_split(index, ids, [["embed", "layers.0", "layers.1"], ["layers.2", "head"]],
-                       offloaded=("layers.1", "layers.2"))  # fmt: skip
+    logits = run_split(
+        index,
+        ids,
+        [["embed", "layers.0", "layers.1"], ["layers.2", "head"]],
+        offloaded=("layers.1", "layers.2"),
+    )
     assert torch.equal(logits, reference(index, ids))

@@ -28,17 +28,38 @@ from coordinator.family_check import FamilyCheckError, check_family, shrink_conf
 from coordinator.planning.checkpoint import CheckpointIndex, load_index
 from worker.layout import UnsupportedModelError
 
-TINY = dict(num_hidden_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
-            max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+TINY = dict(
+    num_hidden_layers=4,
+    hidden_size=32,
+    num_attention_heads=4,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 CASES = {  # name -> (config class, its settings, dtype written)
     # Falcon-7B's layout (multi-query, parallel attention), in bfloat16 as it is published
-    "falcon": ("FalconConfig", dict(new_decoder_architecture=False, multi_query=True,
-                                    parallel_attn=True, ffn_hidden_size=48), "bfloat16"),
+    "falcon": (
+        "FalconConfig",
+        dict(
+            new_decoder_architecture=False, multi_query=True, parallel_attn=True, ffn_hidden_size=48
+        ),
+        "bfloat16",
+    ),
     # Falcon-40B/180B's: grouped KV heads, two layer norms in parallel
-    "falcon-new": ("FalconConfig", dict(new_decoder_architecture=True, num_kv_heads=2,
-                                        num_ln_in_parallel_attn=2, ffn_hidden_size=48), "float32"),
+    "falcon-new": (
+        "FalconConfig",
+        dict(
+            new_decoder_architecture=True,
+            num_kv_heads=2,
+            num_ln_in_parallel_attn=2,
+            ffn_hidden_size=48,
+        ),
+        "float32",
+    ),
     "opt": ("OPTConfig", dict(ffn_dim=48, word_embed_proj_dim=32, dropout=0.0), "float32"),
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +115,9 @@ def test_falcon_and_opt_pass_the_check_and_load_as_transformers_does(checkpoints
         pipeline.close()
     assert logits.dtype == getattr(torch, index.dtype)
     assert torch.equal(logits, reference(index, ids))
-    assert torch.equal(padded_logits, reference(index, padded, attention_mask=mask,
-                                                position_ids=positions))  # fmt: skip
+    assert torch.equal(
+        padded_logits, reference(index, padded, attention_mask=mask, position_ids=positions)
+    )
     assert tokens == [alone(index, prompt, 6) for prompt in prompts]
 
 
@@ -180,8 +202,11 @@ def test_a_family_whose_masks_are_not_routed_is_refused(checkpoints, monkeypatch
 
     monkeypatch.setattr(worker.stage, "_route_masks", lambda base_class: None)
     # and undone where an earlier test's stages routed them already
-    monkeypatch.setattr(transformers.models.opt.modeling_opt, "create_causal_mask",
-                        transformers.masking_utils.create_causal_mask)  # fmt: skip
+    monkeypatch.setattr(
+        transformers.models.opt.modeling_opt,
+        "create_causal_mask",
+        transformers.masking_utils.create_causal_mask,
+    )
     message = _one_line_refusal(checkpoints("opt").config, "opt", BATCHED_DIFFERS)
     assert (
         "(prefill: stage 0, module model.decoder / OPTDecoder raised NotImplementedError: this "
@@ -201,8 +226,9 @@ def _drop_layer_1(monkeypatch) -> None:
     monkeypatch.setattr(worker.stage.Stage, "__init__", broken)
 
 
-def test_a_broken_pass_through_is_refused_and_nothing_starts(checkpoints, monkeypatch,
-                                                             capsys) -> None:  # fmt: skip
+def test_a_broken_pass_through_is_refused_and_nothing_starts(
+    checkpoints, monkeypatch, capsys
+) -> None:
     """A module dropped from the split: `plan`, `run` and `launch` all refuse in one line
     naming it (exit 2), before Ray or any worker starts."""
     import coordinator.runtime.launch as job_module
@@ -227,8 +253,7 @@ def test_a_broken_pass_through_is_refused_and_nothing_starts(checkpoints, monkey
         job_module.launch(JobConfig(checkpoint=root, gpus=2, gpu_memory_bytes=2**20))
 
 
-def test_tested_families_skip_the_check_and_verdicts_are_cached(checkpoints,
-                                                                monkeypatch) -> None:  # fmt: skip
+def test_tested_families_skip_the_check_and_verdicts_are_cached(checkpoints, monkeypatch) -> None:
     calls = []
     check = family_check._check
     monkeypatch.setattr(family_check, "_check", lambda *a: calls.append(a) or check(*a))
@@ -245,25 +270,43 @@ def test_the_config_shrinks_keeping_its_structure() -> None:
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(
-        "gemma3_text", num_hidden_layers=12, hidden_size=2560, intermediate_size=10240,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=256, sliding_window=1024,
-        vocab_size=262208, tie_word_embeddings=True, eos_token_id=[1, 106],
-        final_logit_softcapping=30.0, pad_token_id=262207,
-    ).to_dict()  # fmt: skip
+        "gemma3_text",
+        num_hidden_layers=12,
+        hidden_size=2560,
+        intermediate_size=10240,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        sliding_window=1024,
+        vocab_size=262208,
+        tie_word_embeddings=True,
+        eos_token_id=[1, 106],
+        final_logit_softcapping=30.0,
+        pad_token_id=262207,
+    ).to_dict()
     small = shrink_config(config)
     assert small["num_hidden_layers"] == 2
     assert small["layer_types"] == ["sliding_attention", "full_attention"]
-    assert (small["hidden_size"], small["num_attention_heads"], small["num_key_value_heads"],
-            small["head_dim"], small["intermediate_size"]) == (32, 4, 2, 8, 48)  # fmt: skip
+    assert (
+        small["hidden_size"],
+        small["num_attention_heads"],
+        small["num_key_value_heads"],
+        small["head_dim"],
+        small["intermediate_size"],
+    ) == (32, 4, 2, 8, 48)
     assert small["sliding_window"] == 4 and small["vocab_size"] == 128
     assert small["pad_token_id"] == 127 and small["eos_token_id"] == [1, 106]
-    for key in ("tie_word_embeddings", "final_logit_softcapping", "rope_parameters",
-                "query_pre_attn_scalar", "sliding_window_pattern"):  # fmt: skip
+    for key in (
+        "tie_word_embeddings",
+        "final_logit_softcapping",
+        "rope_parameters",
+        "query_pre_attn_scalar",
+        "sliding_window_pattern",
+    ):
         assert small.get(key) == config.get(key), key
 
 
-def test_offloadctl_run_says_the_family_was_self_checked(checkpoints, monkeypatch,
-                                                         capsys) -> None:  # fmt: skip
+def test_offloadctl_run_says_the_family_was_self_checked(checkpoints, monkeypatch, capsys) -> None:
     """`offloadctl run --check` on OPT: checked before launch, then its output says the family
     is untested and self-checked, and the logits match transformers. The job is the in-process
     pipeline (the Ray path runs the same workers; a Ray start would cost this test ~15 s)."""

@@ -22,10 +22,14 @@ WAIT_S = 120.0
 MAX_SEQ_LEN = 40
 # (prompt length, new tokens, joins when the previous request has this many tokens)
 REQUESTS = ((7, 14, 0), (4, 6, 2), (11, 10, 3), (3, 9, 1))
-TWO_STAGES = ([["embed", "layers.0", "layers.1"], ["layers.2", "layers.3", "head"]],
-              ("layers.1", "layers.3"))  # fmt: skip
-ONE_STAGE = ([["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]],
-             ("layers.0", "layers.2"))  # fmt: skip
+TWO_STAGES = (
+    [["embed", "layers.0", "layers.1"], ["layers.2", "layers.3", "head"]],
+    ("layers.1", "layers.3"),
+)
+ONE_STAGE = (
+    [["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]],
+    ("layers.0", "layers.2"),
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +38,18 @@ def indexes(tmp_path_factory):
 
     def get(family: str, dtype: str = "float32"):
         if (family, dtype) not in made:
-            shape = CheckpointShape(arch=family, num_layers=4, hidden_size=32, num_heads=4,
-                                    num_kv_heads=2, intermediate_size=48, vocab_size=VOCAB,
-                                    dtype=dtype, max_positions=64, max_shard_bytes=40_000)  # fmt: skip
+            shape = CheckpointShape(
+                arch=family,
+                num_layers=4,
+                hidden_size=32,
+                num_heads=4,
+                num_kv_heads=2,
+                intermediate_size=48,
+                vocab_size=VOCAB,
+                dtype=dtype,
+                max_positions=64,
+                max_shard_bytes=40_000,
+            )
             root = tmp_path_factory.mktemp(f"gen-{family}-{dtype}") / "ckpt"
             made[family, dtype] = load_index(make_checkpoint(root, shape))
         return made[family, dtype]
@@ -49,13 +62,21 @@ def prompts(seed: int) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n, _, _ in REQUESTS]
 
 
-def run_joining(pipeline: Pipeline, prompt_ids: list[list[int]], *, num_slots: int = 3,
-                samplings=None, seeds=None, **config) -> tuple[list[list[int]], Engine]:  # fmt: skip
+def run_joining(
+    pipeline: Pipeline,
+    prompt_ids: list[list[int]],
+    *,
+    num_slots: int = 3,
+    samplings=None,
+    seeds=None,
+    **config,
+) -> tuple[list[list[int]], Engine]:
     """Submit request i+1 when request i has made its `joins` tokens (from the engine's own
     callback, so the step it joins at is exact); returns each request's new tokens."""
-    engine = Engine(LocalPipeline(pipeline.workers),
-                    EngineConfig(num_slots=num_slots, max_seq_len=MAX_SEQ_LEN, prefill_tokens=8,
-                                 **config))  # fmt: skip
+    engine = Engine(
+        LocalPipeline(pipeline.workers),
+        EngineConfig(num_slots=num_slots, max_seq_len=MAX_SEQ_LEN, prefill_tokens=8, **config),
+    )
     requests = []
     samplings = samplings or [Sampling()] * len(REQUESTS)
     seeds = seeds or [None] * len(REQUESTS)
@@ -68,9 +89,15 @@ def run_joining(pipeline: Pipeline, prompt_ids: list[list[int]], *, num_slots: i
             if i + 1 < len(REQUESTS) and counts[0] == REQUESTS[i + 1][2]:
                 submit(i + 1)
 
-        requests.append(engine.submit([prompt_ids[i]], sampling=samplings[i],
-                                      max_new_tokens=REQUESTS[i][1], seed=seeds[i],
-                                      on_token=on_token))  # fmt: skip
+        requests.append(
+            engine.submit(
+                [prompt_ids[i]],
+                sampling=samplings[i],
+                max_new_tokens=REQUESTS[i][1],
+                seed=seeds[i],
+                on_token=on_token,
+            )
+        )
         if i + 1 < len(REQUESTS) and REQUESTS[i + 1][2] == 0:
             submit(i + 1)
 
@@ -87,8 +114,10 @@ def run_joining(pipeline: Pipeline, prompt_ids: list[list[int]], *, num_slots: i
 
 def generate_each(pipeline: Pipeline, prompt_ids: list[list[int]], new: int) -> list[list[int]]:
     """Greedy tokens of each prompt, all submitted at once to an engine over `pipeline`."""
-    engine = Engine(LocalPipeline(pipeline.workers),
-                    EngineConfig(num_slots=len(prompt_ids), max_seq_len=MAX_SEQ_LEN))  # fmt: skip
+    engine = Engine(
+        LocalPipeline(pipeline.workers),
+        EngineConfig(num_slots=len(prompt_ids), max_seq_len=MAX_SEQ_LEN),
+    )
     try:
         requests = [engine.submit([p], sampling=Sampling(), max_new_tokens=new) for p in prompt_ids]
         return [r.result(WAIT_S)[0] for r in requests]
@@ -97,15 +126,22 @@ def generate_each(pipeline: Pipeline, prompt_ids: list[list[int]], new: int) -> 
 
 
 def alone(index, prompt: list[int], new: int) -> list[int]:
-    out = reference_generate(str(index.root), torch.tensor([prompt]), num_threads=1,
-                             max_new_tokens=new, do_sample=False, eos_token_id=None)  # fmt: skip
+    out = reference_generate(
+        str(index.root),
+        torch.tensor([prompt]),
+        num_threads=1,
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=None,
+    )
     return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("stages", ["one stage", "two stages", "two stages, one micro-batch"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_joining_and_leaving_requests_equal_transformers_alone(indexes, family: str,
-                                                                stages: str) -> None:  # fmt: skip
+def test_joining_and_leaving_requests_equal_transformers_alone(
+    indexes, family: str, stages: str
+) -> None:
     """Four requests, three slots: one waits for a slot, the 11-token prompt goes in two
     chunks, every request leaves at its own step; sliding windows (4) are outrun. Two stages
     run two micro-batches (steps from the driver), or one (decode bursts driven by the first
@@ -132,7 +168,8 @@ def test_joining_and_leaving_requests_equal_transformers_alone(indexes, family: 
 
 @pytest.mark.parametrize(("family", "unit"), [("mixtral", "experts"), ("llama", "mlp")])
 def test_requests_with_part_of_each_layer_offloaded_equal_transformers_alone(
-        indexes, family: str, unit: str) -> None:  # fmt: skip
+    indexes, family: str, unit: str
+) -> None:
     """Sub-layer offload under continuous batching: the experts (or MLPs) of the offloaded
     layers come in through the slot once per step for every sequence in it."""
     index = indexes(family)
@@ -146,14 +183,18 @@ def test_requests_with_part_of_each_layer_offloaded_equal_transformers_alone(
     for prompt, (_, new, _), tokens in zip(ids, REQUESTS, ours, strict=True):
         assert tokens == alone(index, prompt, new), (family, unit)
     by_name = {layer.name: layer for layer in index.layers}
-    assert sum(s.offloaded_bytes for s in stats) == sum(
-        by_name[n].unit_bytes(unit) for n in TWO_STAGES[1]) > 0  # fmt: skip
+    assert (
+        sum(s.offloaded_bytes for s in stats)
+        == sum(by_name[n].unit_bytes(unit) for n in TWO_STAGES[1])
+        > 0
+    )
     assert all(s.copies > 0 for s in stats)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_bf16_requests_match_transformers_as_closely_as_its_own_batches(indexes,
-                                                                         family: str) -> None:  # fmt: skip
+def test_bf16_requests_match_transformers_as_closely_as_its_own_batches(
+    indexes, family: str
+) -> None:
     """In bf16 a batch and a lone prompt may round differently. Each request's tokens agree
     with transformers alone for at least as long as transformers' own left-padded batch of the
     same prompts agrees with it alone (here: all of them)."""
@@ -168,12 +209,21 @@ def test_bf16_requests_match_transformers_as_closely_as_its_own_batches(indexes,
     batch = torch.tensor([[0] * (width - len(p)) + p for p in ids])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
     longest = max(new for _, new, _ in REQUESTS)
-    batched = reference_generate(str(index.root), batch, attention_mask=mask, num_threads=1,
-                                 max_new_tokens=longest, do_sample=False, eos_token_id=None)  # fmt: skip
+    batched = reference_generate(
+        str(index.root),
+        batch,
+        attention_mask=mask,
+        num_threads=1,
+        max_new_tokens=longest,
+        do_sample=False,
+        eos_token_id=None,
+    )
     for r, (prompt, (_, new, _), tokens) in enumerate(zip(ids, REQUESTS, ours, strict=True)):
         reference = alone(index, prompt, new)
         theirs = batched[r, width : width + new].tolist()
-        agree = next((i for i, (a, b) in enumerate(zip(theirs, reference, strict=True)) if a != b), new)
+        agree = next(
+            (i for i, (a, b) in enumerate(zip(theirs, reference, strict=True)) if a != b), new
+        )
         assert tokens[:agree] == reference[:agree], (family, r)
 
 
@@ -185,13 +235,16 @@ def test_seeded_sampling_is_the_same_whatever_else_is_in_the_batch(indexes) -> N
     sampled = Sampling(do_sample=True, temperature=1.5, top_k=20, top_p=0.9)
     ids = prompts(seed=3)
     try:
-        in_batch, _ = run_joining(pipeline, ids, samplings=[sampled, Sampling(), sampled, sampled],
-                                  seeds=[7, None, 8, 7])  # fmt: skip
-        engine = Engine(LocalPipeline(pipeline.workers),
-                        EngineConfig(num_slots=3, max_seq_len=MAX_SEQ_LEN))  # fmt: skip
+        in_batch, _ = run_joining(
+            pipeline, ids, samplings=[sampled, Sampling(), sampled, sampled], seeds=[7, None, 8, 7]
+        )
+        engine = Engine(
+            LocalPipeline(pipeline.workers), EngineConfig(num_slots=3, max_seq_len=MAX_SEQ_LEN)
+        )
         try:
-            lone = engine.submit([ids[0]], sampling=sampled, max_new_tokens=REQUESTS[0][1],
-                                 seed=7).result(WAIT_S)[0]  # fmt: skip
+            lone = engine.submit(
+                [ids[0]], sampling=sampled, max_new_tokens=REQUESTS[0][1], seed=7
+            ).result(WAIT_S)[0]
         finally:
             engine.close()
     finally:
@@ -230,12 +283,24 @@ def test_settings_come_from_generation_config(indexes, tmp_path) -> None:
 
     root = shutil.copytree(indexes("llama").root, tmp_path / "ckpt")
     config = json.loads((root / "config.json").read_text())
-    (root / "generation_config.json").write_text(json.dumps(
-        {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "eos_token_id": [1, 2],
-         "max_new_tokens": 5}))  # fmt: skip
+    (root / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "do_sample": True,
+                "temperature": 0.7,
+                "top_p": 0.8,
+                "eos_token_id": [1, 2],
+                "max_new_tokens": 5,
+            }
+        )
+    )
     settings = generation.resolve(root, config, 7)
     assert (settings.do_sample, settings.temperature, settings.top_p, settings.top_k) == (
-        True, 0.7, 0.8, 50)  # fmt: skip
+        True,
+        0.7,
+        0.8,
+        50,
+    )
     assert settings.eos_token_ids == (1, 2) and settings.pad_token_id == 1
     assert settings.max_new_tokens == 5
     assert generation.resolve(root, config, 7, eos_token_id=None).eos_token_ids == ()
@@ -248,7 +313,9 @@ def test_the_kv_budget_refuses_what_never_fits() -> None:
     """What can never fit (longer than max_seq_len, more sequences than max_batch) is refused
     before a server starts streaming; what fits waits in the engine's queue."""
     budget = generation.KvBudget(max_batch=2, max_seq_len=10)
-    with pytest.raises(generation.GenerationError, match=r"11 tokens per sequence .* max_seq_len=10"):
+    with pytest.raises(
+        generation.GenerationError, match=r"11 tokens per sequence .* max_seq_len=10"
+    ):
         budget.check(1, 11)
     with pytest.raises(generation.GenerationError, match=r"3 sequence\(s\) exceed .* max_batch=2"):
         budget.check(3, 5)

@@ -110,13 +110,29 @@ def test_worker_reconfigure_moves_layers_within_device_memory(tmp_path) -> None:
     from worker.spec import StageSpec
     from worker.worker import StageWorker
 
-    index = load_index(make_checkpoint(tmp_path / "ckpt", CheckpointShape(
-        num_layers=6, hidden_size=256, num_heads=8, num_kv_heads=4, intermediate_size=512,
-        vocab_size=512)))  # fmt: skip
+    index = load_index(
+        make_checkpoint(
+            tmp_path / "ckpt",
+            CheckpointShape(
+                num_layers=6,
+                hidden_size=256,
+                num_heads=8,
+                num_kv_heads=4,
+                intermediate_size=512,
+                vocab_size=512,
+            ),
+        )
+    )
 
     def spec(offloaded: tuple[str, ...]) -> StageSpec:
-        return StageSpec(stage=0, num_stages=1, checkpoint_dir=str(index.root),
-                         config=index.config, layers=index.layers, offloaded=offloaded)  # fmt: skip
+        return StageSpec(
+            stage=0,
+            num_stages=1,
+            checkpoint_dir=str(index.root),
+            config=index.config,
+            layers=index.layers,
+            offloaded=offloaded,
+        )
 
     worker = StageWorker(spec(("layers.1",)), device="cuda")
     try:
@@ -145,16 +161,23 @@ def two_cuda_stages(index, backend: str) -> list:
 
     names = [layer.name for layer in index.layers]
     return [
-        StageSpec(stage=stage, num_stages=2, checkpoint_dir=str(index.root), config=index.config,
-                  dtype=index.dtype, layers=tuple(x for x in index.layers if x.name in group),
-                  offloaded=tuple(n for n in group if n in ("layers.1", "layers.3")),
-                  backend=backend)
+        StageSpec(
+            stage=stage,
+            num_stages=2,
+            checkpoint_dir=str(index.root),
+            config=index.config,
+            dtype=index.dtype,
+            layers=tuple(x for x in index.layers if x.name in group),
+            offloaded=tuple(n for n in group if n in ("layers.1", "layers.3")),
+            backend=backend,
+        )
         for stage, group in enumerate([names[:3], names[3:]])
-    ]  # fmt: skip
+    ]
 
 
-@pytest.mark.parametrize(("arch", "backend"),
-                         [("llama", "prefetch"), ("mixtral", "prefetch"), ("llama", "uva")])
+@pytest.mark.parametrize(
+    ("arch", "backend"), [("llama", "prefetch"), ("mixtral", "prefetch"), ("llama", "uva")]
+)
 def test_bf16_stages_on_cuda_match_transformers_on_cuda(tmp_path, arch: str, backend: str) -> None:
     """Two stages on the GPU, bf16 as published, one layer offloaded per stage (prefetch on a
     side stream, or uva: read in place from pinned host memory): the logits of transformers on
@@ -165,9 +188,21 @@ def test_bf16_stages_on_cuda_match_transformers_on_cuda(tmp_path, arch: str, bac
     from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
     from worker.worker import StageWorker
 
-    index = load_index(make_checkpoint(tmp_path / arch, CheckpointShape(
-        arch=arch, num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,
-        intermediate_size=512, vocab_size=512, dtype="bfloat16")))  # fmt: skip
+    index = load_index(
+        make_checkpoint(
+            tmp_path / arch,
+            CheckpointShape(
+                arch=arch,
+                num_layers=4,
+                hidden_size=256,
+                num_heads=8,
+                num_kv_heads=4,
+                intermediate_size=512,
+                vocab_size=512,
+                dtype="bfloat16",
+            ),
+        )
+    )
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     x = ids
     for spec in two_cuda_stages(index, backend):
@@ -177,7 +212,9 @@ def test_bf16_stages_on_cuda_match_transformers_on_cuda(tmp_path, arch: str, bac
             x = worker.forward(x)
         finally:
             worker.close()
-    model = AutoModelForCausalLM.from_pretrained(index.root, dtype=torch.bfloat16, device_map="cuda")
+    model = AutoModelForCausalLM.from_pretrained(
+        index.root, dtype=torch.bfloat16, device_map="cuda"
+    )
     with torch.no_grad():
         expected = model(ids.to(CUDA)).logits.cpu()
     tolerance = 2 * torch.finfo(torch.bfloat16).eps * float(expected.float().abs().max())
@@ -202,9 +239,20 @@ def test_batched_generation_on_cuda_equals_transformers_alone(tmp_path, backend:
     from worker.decode import Sampling
     from worker.worker import StageWorker
 
-    index = load_index(make_checkpoint(tmp_path / "llama", CheckpointShape(
-        arch="llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,
-        intermediate_size=512, vocab_size=512)))  # fmt: skip
+    index = load_index(
+        make_checkpoint(
+            tmp_path / "llama",
+            CheckpointShape(
+                arch="llama",
+                num_layers=4,
+                hidden_size=256,
+                num_heads=8,
+                num_kv_heads=4,
+                intermediate_size=512,
+                vocab_size=512,
+            ),
+        )
+    )
     workers = [StageWorker(spec, device="cuda") for spec in two_cuda_stages(index, backend)]
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (9, 4, 13)]
@@ -212,8 +260,9 @@ def test_batched_generation_on_cuda_equals_transformers_alone(tmp_path, backend:
     try:
         for worker in workers:
             worker.load()
-        engine = Engine(LocalPipeline(workers), EngineConfig(num_slots=3, max_seq_len=40,
-                                                             micro_batches=1))  # fmt: skip
+        engine = Engine(
+            LocalPipeline(workers), EngineConfig(num_slots=3, max_seq_len=40, micro_batches=1)
+        )
         requests = [engine.submit([p], sampling=Sampling(), max_new_tokens=16) for p in prompts]
         ours = [r.result(120)[0] for r in requests]
     finally:
@@ -224,6 +273,10 @@ def test_batched_generation_on_cuda_equals_transformers_alone(tmp_path, backend:
     model = AutoModelForCausalLM.from_pretrained(index.root, dtype=torch.float32, device_map="cuda")
     for prompt, tokens in zip(prompts, ours, strict=True):
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt], device=CUDA), max_new_tokens=16,
-                                 do_sample=False, eos_token_id=None)  # fmt: skip
+            out = model.generate(
+                torch.tensor([prompt], device=CUDA),
+                max_new_tokens=16,
+                do_sample=False,
+                eos_token_id=None,
+            )
         assert tokens == out[0, len(prompt) :].tolist()

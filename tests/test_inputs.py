@@ -26,7 +26,7 @@ IDS = torch.tensor([[5, 6, 7, 8], [0, 0, 3, 4]])
         (IDS, torch.full((2, 4), 2), 0, r"integers or booleans"),
         (IDS, torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]]), 0, r"rows \[1\] have no tokens"),
     ],
-)  # fmt: skip
+)
 def test_bad_inputs_are_named(ids, mask, keep, message) -> None:
     with pytest.raises(ValueError, match=message):
         check_inputs(ids, mask, keep, 10)

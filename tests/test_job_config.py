@@ -21,9 +21,16 @@ from coordinator.config import (
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("1000", 1000), (4096, 4096), ("6MiB", 6 * 2**20), ("1.5 GiB", 3 * 2**29), ("2gb", 2 * 10**9),
-     ("512k", 512_000), ("0", 0)],
-)  # fmt: skip
+    [
+        ("1000", 1000),
+        (4096, 4096),
+        ("6MiB", 6 * 2**20),
+        ("1.5 GiB", 3 * 2**29),
+        ("2gb", 2 * 10**9),
+        ("512k", 512_000),
+        ("0", 0),
+    ],
+)
 def test_parse_bytes(text: str | int, expected: int) -> None:
     assert parse_bytes(text) == expected
 
@@ -71,14 +78,24 @@ def test_command_line_values_win_over_the_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("checkpoint: a/\ngpu_memory: 5MiB\n", "unknown key 'gpu_memory'; did you mean 'gpu_memory_bytes'"),
+        (
+            "checkpoint: a/\ngpu_memory: 5MiB\n",
+            "unknown key 'gpu_memory'; did you mean 'gpu_memory_bytes'",
+        ),
         ("checkpoint: a/\nprefetch: 2\n", "did you mean 'prefetch_step'"),
         ("checkpoint: a/\nzzz: 1\n", "valid keys: checkpoint"),
-        ("checkpoint: a/\noverrides:\n  - mach: {}\n    env: {OFFLOAD_X: '1'}\n", "did you mean 'match'"),
-        ("checkpoint: a/\noverrides:\n  - match: {label: {}}\n    env: {OFFLOAD_X: '1'}\n",
-         "did you mean 'labels'"),
-        ("checkpoint: a/\noverrides:\n  - match: {}\n    env: {PATH: /evil}\n",
-         "'PATH' is not allowed"),
+        (
+            "checkpoint: a/\noverrides:\n  - mach: {}\n    env: {OFFLOAD_X: '1'}\n",
+            "did you mean 'match'",
+        ),
+        (
+            "checkpoint: a/\noverrides:\n  - match: {label: {}}\n    env: {OFFLOAD_X: '1'}\n",
+            "did you mean 'labels'",
+        ),
+        (
+            "checkpoint: a/\noverrides:\n  - match: {}\n    env: {PATH: /evil}\n",
+            "'PATH' is not allowed",
+        ),
         ("checkpoint: a/\noverrides:\n  - match: {}\n    env: {}\n", "at least one variable"),
         ("checkpoint: a/\ngpu_memory_bytes: much\n", "gpu_memory_bytes='much' is not a size"),
         ("- just\n- a list\n", "a mapping"),
@@ -91,7 +108,7 @@ def test_command_line_values_win_over_the_file(tmp_path: Path) -> None:
         ("checkpoint: a/\nsnapshot_interval_s: .nan\n", "snapshot_interval_s=nan must be a finite"),
         ("checkpoint: a/\nforward_timeout_s: .inf\n", "forward_timeout_s=inf must be a finite"),
     ],
-)  # fmt: skip
+)
 def test_bad_job_files_name_the_key(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_job_config(write(tmp_path, text))
@@ -109,8 +126,9 @@ def test_env_for_node_matches_and_later_overrides_win() -> None:
         "OFFLOAD_PIN_MEMORY": "off"
     }
     assert env_for_node(overrides, node_id="abc", hostname="gh-7", labels={"gpu": "gh200"}) == {
-        "OFFLOAD_PIN_MEMORY": "auto", "OFFLOAD_OTHER": "1"
-    }  # fmt: skip
+        "OFFLOAD_PIN_MEMORY": "auto",
+        "OFFLOAD_OTHER": "1",
+    }
     both = NodeMatch(labels={"gpu": "gh200"}, hostname="gh-*")  # every criterion must hold
     assert not both.matches(node_id="x", hostname="h100-1", labels={"gpu": "gh200"})
 
@@ -127,11 +145,13 @@ def test_node_env_precedence_override_over_label() -> None:
     overrides = (Override(match=NodeMatch(labels={"pool": "b"}), env={"OFFLOAD_PIN_MEMORY": "on"}),)
     labelled = {"offload-pin-memory": "off"}
     assert node_env(overrides, node_id="n", hostname="h", labels=labelled) == (
-        {"OFFLOAD_PIN_MEMORY": "off"}, {"OFFLOAD_PIN_MEMORY": "node label"}
-    )  # fmt: skip
+        {"OFFLOAD_PIN_MEMORY": "off"},
+        {"OFFLOAD_PIN_MEMORY": "node label"},
+    )
     assert node_env(overrides, node_id="n", hostname="h", labels={**labelled, "pool": "b"}) == (
-        {"OFFLOAD_PIN_MEMORY": "on"}, {"OFFLOAD_PIN_MEMORY": "job override"}
-    )  # fmt: skip
+        {"OFFLOAD_PIN_MEMORY": "on"},
+        {"OFFLOAD_PIN_MEMORY": "job override"},
+    )
     assert node_env(overrides, node_id="n", hostname="h", labels={}) == ({}, {})
 
 

@@ -24,9 +24,17 @@ OFFLOADCTL = str(Path(sys.executable).with_name("offloadctl"))
 def test_offloadctl_run_as_a_ray_job(tmp_path) -> None:
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    checkpoint = make_checkpoint(tmp_path / "ckpt", CheckpointShape(
-        num_layers=6, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
-        vocab_size=128))  # fmt: skip
+    checkpoint = make_checkpoint(
+        tmp_path / "ckpt",
+        CheckpointShape(
+            num_layers=6,
+            hidden_size=64,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=128,
+            vocab_size=128,
+        ),
+    )
     index = load_index(checkpoint)
     decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
     budget = index.total_bytes // 3 - decoder // 4  # three logical GPUs, some offloading
@@ -36,8 +44,13 @@ def test_offloadctl_run_as_a_ray_job(tmp_path) -> None:
         # A client without the token: one line naming the token, within the connect bound.
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         start = time.monotonic()
-        joined = subprocess.run([OFFLOADCTL, "list", "--address", gcs], env=env, text=True,
-                                capture_output=True, timeout=120)  # fmt: skip
+        joined = subprocess.run(
+            [OFFLOADCTL, "list", "--address", gcs],
+            env=env,
+            text=True,
+            capture_output=True,
+            timeout=120,
+        )
         assert time.monotonic() - start < CONNECT_BOUND_S
         assert joined.returncode == 2 and "Traceback" not in joined.stderr, joined.stderr[-2000:]
         assert "uses token authentication; set RAY_AUTH_MODE=token" in joined.stderr

@@ -37,9 +37,12 @@ def _top_level(modules: set[str]) -> set[str]:
         # pipeline is a module of its own), and batch sizing is planning.
         ("coordinator.engine, coordinator.planning.batch_size", {"ray"}),
         # every module of planning/ explicitly (the package imports none of them)
-        ("coordinator.planning.checkpoint, coordinator.planning.weight_map, "
-         "coordinator.planning.snapshot, coordinator.planning.budgets, "
-         "coordinator.planning.planner, coordinator.planning.search", {"ray"}),
+        (
+            "coordinator.planning.checkpoint, coordinator.planning.weight_map, "
+            "coordinator.planning.snapshot, coordinator.planning.budgets, "
+            "coordinator.planning.planner, coordinator.planning.search",
+            {"ray"},
+        ),
     ],
 )
 def test_import_does_not_pull_in_upper_layers(module: str, forbidden: set[str]) -> None:
@@ -52,9 +55,17 @@ def test_public_api_of_offload() -> None:
     import offload
 
     for name in (
-        "decide_pinning", "probe_node", "create_offloader", "OffloadConfig", "PrefetchOffloader",
-        "UVAOffloader", "NoopOffloader", "HostArena", "PinDecision", "NodeProbe",
-    ):  # fmt: skip
+        "decide_pinning",
+        "probe_node",
+        "create_offloader",
+        "OffloadConfig",
+        "PrefetchOffloader",
+        "UVAOffloader",
+        "NoopOffloader",
+        "HostArena",
+        "PinDecision",
+        "NodeProbe",
+    ):
         assert getattr(offload, name) is not None, name
 
 

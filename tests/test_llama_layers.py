@@ -13,9 +13,15 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from offload import OffloadConfig, create_offloader
 
 CONFIG = LlamaConfig(
-    hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-    num_hidden_layers=8, vocab_size=128, max_position_embeddings=64, attn_implementation="eager",
-)  # fmt: skip
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=8,
+    vocab_size=128,
+    max_position_embeddings=64,
+    attn_implementation="eager",
+)
 
 
 def llama_stack(num_layers: int) -> list[LlamaDecoderLayer]:

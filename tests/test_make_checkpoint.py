@@ -42,24 +42,49 @@ from coordinator.tools.tiny_tokenizer import (
 )
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 3, 32, 4, 2, 64, 80  # VOCAB != 3 * HIDDEN (fused qkv)
-TINY = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_heads=HEADS, num_kv_heads=KV_HEADS,
-            intermediate_size=FFN, vocab_size=VOCAB)  # fmt: skip
+TINY = dict(
+    num_layers=LAYERS,
+    hidden_size=HIDDEN,
+    num_heads=HEADS,
+    num_kv_heads=KV_HEADS,
+    intermediate_size=FFN,
+    vocab_size=VOCAB,
+)
 SEQ = 14  # longer than the default sliding window of 4
 LAYER_PREFIX = {"gpt2": "transformer.h.{}.", "gpt_neox": "gpt_neox.layers.{}."}
 SPECIAL: dict[str, dict[str, object]] = {
     "mistral": {"sliding_window": 4},
-    "gemma2": {"sliding_window": 4, "attn_logit_softcapping": 50.0,
-               "final_logit_softcapping": 30.0, "query_pre_attn_scalar": HIDDEN // HEADS},
-    "gemma3_text": {"sliding_window": 4, "query_pre_attn_scalar": HIDDEN // HEADS,
-                    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]},
-    "granite": {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
-                "attention_multiplier": 0.2, "logits_scaling": 4.0},
+    "gemma2": {
+        "sliding_window": 4,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "query_pre_attn_scalar": HIDDEN // HEADS,
+    },
+    "gemma3_text": {
+        "sliding_window": 4,
+        "query_pre_attn_scalar": HIDDEN // HEADS,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+    },
+    "granite": {
+        "embedding_multiplier": 3.0,
+        "residual_multiplier": 0.5,
+        "attention_multiplier": 0.2,
+        "logits_scaling": 4.0,
+    },
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
-    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": FFN,
-                  "shared_expert_intermediate_size": FFN},
-    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": FFN,
-                  "norm_topk_prob": True},
-}  # fmt: skip
+    "qwen2_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": FFN,
+        "shared_expert_intermediate_size": FFN,
+    },
+    "qwen3_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": FFN,
+        "norm_topk_prob": True,
+    },
+}
 # Where each MoE family's checkpoint keeps expert E of layer L: transformers fuses them in memory
 # and splits them again on save.
 EXPERT_TENSORS = {
@@ -139,7 +164,10 @@ def test_family_loads_with_its_shape_and_features(tmp_path: Path, arch: str) -> 
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.decode(tokenizer(SENTENCE)["input_ids"]) == SENTENCE
     assert [getattr(config, key) for key in SPECIAL_KEYS] == [
-        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]  # fmt: skip
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    ]
 
 
 @pytest.mark.parametrize(("arch", "vocab"), [("llama", 64), ("qwen3_moe", VOCAB), ("gpt2", 1024)])
@@ -166,8 +194,10 @@ def test_chat_template_renders_with_special_markers(tmp_path: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(write(tmp_path, "qwen3_moe"))
     messages = [{"role": "system", "content": "be brief."}, {"role": "user", "content": "hi"}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert text == ("<|im_start|>system\nbe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
-                    "<|im_start|>assistant\n")  # fmt: skip
+    assert text == (
+        "<|im_start|>system\nbe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     start, end = (tokenizer.convert_tokens_to_ids(marker) for marker in (IM_START, EOS))
     assert end == tokenizer.eos_token_id  # generate stops where a reply ends
     assert {start, end} <= set(tokenizer.all_special_ids)
@@ -266,9 +296,29 @@ def test_same_seed_same_files_other_seed_other_files(tmp_path: Path) -> None:
 
 def test_cli_writes_a_moe_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "moe"
-    argv = ["make-checkpoint", str(out), "--arch", "qwen2_moe", "--layers", "2",
-            "--hidden-size", "32", "--heads", "4", "--kv-heads", "2", "--intermediate-size", "32",
-            "--vocab", "64", "--experts", "3", "--experts-per-token", "1", "--tie-embeddings"]  # fmt: skip
+    argv = [
+        "make-checkpoint",
+        str(out),
+        "--arch",
+        "qwen2_moe",
+        "--layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--intermediate-size",
+        "32",
+        "--vocab",
+        "64",
+        "--experts",
+        "3",
+        "--experts-per-token",
+        "1",
+        "--tie-embeddings",
+    ]
     assert main(argv) == 0
     assert "qwen2_moe" in capsys.readouterr().out
     config = json.loads((out / "config.json").read_text())
@@ -312,8 +362,9 @@ def test_kv_heads_do_not_apply_to_families_without_gqa() -> None:
         assert not hasattr(config, "num_key_value_heads")
 
 
-@pytest.mark.parametrize("values", [{"num_layers": "3"}, {"tie_embeddings": "yes"},
-                                    {"num_layers": True}, {"arch": 7}])  # fmt: skip
+@pytest.mark.parametrize(
+    "values", [{"num_layers": "3"}, {"tie_embeddings": "yes"}, {"num_layers": True}, {"arch": 7}]
+)
 def test_wrong_types_are_named(values: dict) -> None:
     """The Python API gets the checks the CLI gets: a ValueError naming the field and type."""
     [(name, value)] = values.items()

@@ -29,11 +29,19 @@ def cluster():
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
     try:
         c.add_node(num_cpus=1, num_gpus=1, labels={"pool": "plain"})
-        c.add_node(num_cpus=1, num_gpus=1, labels={"pool": "env-off"},
-                   env_vars={"OFFLOAD_PIN_MEMORY": "off"})  # fmt: skip
+        c.add_node(
+            num_cpus=1,
+            num_gpus=1,
+            labels={"pool": "env-off"},
+            env_vars={"OFFLOAD_PIN_MEMORY": "off"},
+        )
         for pool in ("labelled", "override"):
-            c.add_node(num_cpus=1, num_gpus=1, labels={"pool": pool, "offload-pin-memory": "off"},
-                       env_vars={"OFFLOAD_PIN_MEMORY": "auto"})  # fmt: skip
+            c.add_node(
+                num_cpus=1,
+                num_gpus=1,
+                labels={"pool": pool, "offload-pin-memory": "off"},
+                env_vars={"OFFLOAD_PIN_MEMORY": "auto"},
+            )
         ray.init(address=c.address, log_to_driver=False)
         yield c
     finally:
@@ -42,9 +50,20 @@ def cluster():
 
 
 def test_pin_decisions_follow_precedence_and_output_matches(cluster, tmp_path) -> None:
-    checkpoint = str(make_checkpoint(tmp_path / "ckpt", CheckpointShape(
-        num_layers=6, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
-        vocab_size=128, max_shard_bytes=200_000)))  # fmt: skip
+    checkpoint = str(
+        make_checkpoint(
+            tmp_path / "ckpt",
+            CheckpointShape(
+                num_layers=6,
+                hidden_size=64,
+                num_heads=4,
+                num_kv_heads=2,
+                intermediate_size=128,
+                vocab_size=128,
+                max_shard_bytes=200_000,
+            ),
+        )
+    )
     index = load_index(checkpoint)
     decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
     config = JobConfig(
@@ -56,8 +75,10 @@ def test_pin_decisions_follow_precedence_and_output_matches(cluster, tmp_path) -
         host_memory_bytes=decoder,
         # "0" rather than "off": the decision's reason shows whose setting won.
         overrides=(
-            Override(match=NodeMatch(labels={"pool": "override"}),
-                     env={"OFFLOAD_PIN_MEMORY": "0", "OFFLOAD_SIMULATED_GPU": "coherent"}),
+            Override(
+                match=NodeMatch(labels={"pool": "override"}),
+                env={"OFFLOAD_PIN_MEMORY": "0", "OFFLOAD_SIMULATED_GPU": "coherent"},
+            ),
         ),
     )
     with launch(config) as job:
@@ -90,11 +111,16 @@ def test_pin_decisions_follow_precedence_and_output_matches(cluster, tmp_path) -
     assert override.pin.reason.startswith("OFFLOAD_PIN_MEMORY=0")
     # backend auto per node: uva where the probe says coherent memory, prefetch elsewhere; the
     # plan gives the uva stage no prefetch slots (the uva job itself: test_pipeline).
-    backends = {pool: s.backend for s in stages for pool, r in by_pool.items()
-                if r.stage == s.stage}  # fmt: skip
+    backends = {
+        pool: s.backend for s in stages for pool, r in by_pool.items() if r.stage == s.stage
+    }
     if override.device == "cpu":  # with CUDA present the simulated kind is ignored
-        assert backends == {"plain": "prefetch", "env-off": "prefetch", "labelled": "prefetch",
-                            "override": "uva"}  # fmt: skip
+        assert backends == {
+            "plain": "prefetch",
+            "env-off": "prefetch",
+            "labelled": "prefetch",
+            "override": "uva",
+        }
         assert [s.slot_bytes for s in stages if s.backend == "uva"] == [0]
         [uva] = [s for s in stages if s.backend == "uva"]
         assert "simulated coherent GPU" in uva.backend_reason

@@ -21,9 +21,15 @@ METRICS_PORT = free_ports(1)[0]
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 4, "num_gpus": 3, "metrics_export_port": METRICS_PORT,
-        "_system_config": {"metrics_report_interval_ms": 500}})  # fmt: skip
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 4,
+            "num_gpus": 3,
+            "metrics_export_port": METRICS_PORT,
+            "_system_config": {"metrics_report_interval_ms": 500},
+        },
+    )
     try:
         ray.init(address=c.address, log_to_driver=False)
         yield c
@@ -33,21 +39,59 @@ def cluster():
 
 
 def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:
-    checkpoint = make_checkpoint(tmp_path / "ckpt", CheckpointShape(
-        num_layers=6, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
-        vocab_size=128))  # fmt: skip
+    checkpoint = make_checkpoint(
+        tmp_path / "ckpt",
+        CheckpointShape(
+            num_layers=6,
+            hidden_size=64,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=128,
+            vocab_size=128,
+        ),
+    )
     index = load_index(checkpoint)
     decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
     budget = str(index.total_bytes // 3 - decoder // 4 + 16 * 1024)  # + a 12 KiB KV cache
     address = ["--address", cluster.address]
-    assert main(["load", "--checkpoint", str(checkpoint), "--gpu-memory", budget, "--name", "m1",
-                 "--snapshot-interval", "0.5", "--max-seq-len", "24", *address]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "load",
+                "--checkpoint",
+                str(checkpoint),
+                "--gpu-memory",
+                budget,
+                "--name",
+                "m1",
+                "--snapshot-interval",
+                "0.5",
+                "--max-seq-len",
+                "24",
+                *address,
+            ]
+        )
+        == 0
+    )
     assert "stays on the cluster" in capsys.readouterr().out
     assert ray.available_resources().get("GPU", 0) == 0  # the workers are still there
     assert list(registry.named_groups("m1")) == ["load:m1:pg-0"]  # their GPUs, reserved as one
 
-    assert main(["load", "--checkpoint", str(checkpoint), "--gpu-memory", budget, "--name", "m1",
-                 *address]) == EXIT_ERROR  # fmt: skip
+    assert (
+        main(
+            [
+                "load",
+                "--checkpoint",
+                str(checkpoint),
+                "--gpu-memory",
+                budget,
+                "--name",
+                "m1",
+                *address,
+            ]
+        )
+        == EXIT_ERROR
+    )
     assert "already exists" in capsys.readouterr().err
 
     assert main(["list", *address]) == 0
@@ -59,12 +103,13 @@ def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:
     assert ray.available_resources().get("GPU", 0) == 0  # run detached, did not release
 
     # Text from the named load, from another command: its tokenizer, its planned KV cache.
-    assert main(["generate", "m1", "--prompt", "the cat", "--max-new-tokens", "5",
-                 *address]) == 0  # fmt: skip
+    assert main(["generate", "m1", "--prompt", "the cat", "--max-new-tokens", "5", *address]) == 0
     generated = capsys.readouterr()
     assert "tokens/s" in generated.err
-    assert main(["generate", "m1", "--prompt", "the cat", "--max-new-tokens", "40",
-                 *address]) == EXIT_ERROR  # fmt: skip
+    assert (
+        main(["generate", "m1", "--prompt", "the cat", "--max-new-tokens", "40", *address])
+        == EXIT_ERROR
+    )
     assert "exceed the KV cache reserved for max_seq_len=24" in capsys.readouterr().err
 
     assert main(["status", "m1", "--json", *address]) == 0

@@ -33,22 +33,44 @@ NUM_GPUS = 3
 METRICS_PORT = free_ports(1)[0]
 SHAPES = {
     # sharded llama; tied-embedding qwen2 in one file
-    "llama": CheckpointShape(arch="llama", num_layers=6, hidden_size=64, num_heads=4,
-                             num_kv_heads=2, intermediate_size=128, vocab_size=128,
-                             dtype="bfloat16", max_shard_bytes=100_000),
-    "qwen2": CheckpointShape(arch="qwen2", num_layers=5, hidden_size=64, num_heads=4,
-                             num_kv_heads=2, intermediate_size=128, vocab_size=128,
-                             tie_embeddings=True, max_shard_bytes=10**8),
-}  # fmt: skip
+    "llama": CheckpointShape(
+        arch="llama",
+        num_layers=6,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=128,
+        dtype="bfloat16",
+        max_shard_bytes=100_000,
+    ),
+    "qwen2": CheckpointShape(
+        arch="qwen2",
+        num_layers=5,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=128,
+        tie_embeddings=True,
+        max_shard_bytes=10**8,
+    ),
+}
 
 
 @pytest.fixture(scope="module")
 def embedded_ray():
     """One embedded Ray for the module: jobs on it leave it running (they did not start it)."""
     # address="local": a new Ray, never one another process on this machine runs
-    ray.init(address="local", num_cpus=4, num_gpus=NUM_GPUS, include_dashboard=False,
-             log_to_driver=False, _metrics_export_port=METRICS_PORT,
-             _system_config={"metrics_report_interval_ms": 500})  # fmt: skip
+    ray.init(
+        address="local",
+        num_cpus=4,
+        num_gpus=NUM_GPUS,
+        include_dashboard=False,
+        log_to_driver=False,
+        _metrics_export_port=METRICS_PORT,
+        _system_config={"metrics_report_interval_ms": 500},
+    )
     yield
     ray.shutdown()
 
@@ -104,15 +126,24 @@ def test_pipeline_matches_transformers(embedded_ray, checkpoints, arch: str) -> 
     assert logits.dtype == getattr(torch, load_index(checkpoint).dtype)
     assert torch.equal(logits, expected) and torch.equal(again, expected)
     positions = check_inputs(ids, mask, 1, 128)[2]
-    expected_last = reference_logits(checkpoint, ids, attention_mask=mask, position_ids=positions,
-                                     logits_to_keep=1, num_threads=config.cpus_per_worker)  # fmt: skip
+    expected_last = reference_logits(
+        checkpoint,
+        ids,
+        attention_mask=mask,
+        position_ids=positions,
+        logits_to_keep=1,
+        num_threads=config.cpus_per_worker,
+    )
     assert last.shape == (2, 1, 128) and torch.equal(last, expected_last)
     assert seen[-1][0] == seen[-1][1] == load_index(checkpoint).file_bytes
     # Prometheus sees what the workers reported, per stage.
     assert scraped == expected_gauges
     for report, stage in zip(reports, job.plan.stages, strict=True):
-        share = sum(layer.file_bytes for layer in load_index(checkpoint).layers
-                    if layer.name in stage.layers)  # fmt: skip
+        share = sum(
+            layer.file_bytes
+            for layer in load_index(checkpoint).layers
+            if layer.name in stage.layers
+        )
         assert report.bytes_read == share  # each worker read exactly its own tensors
         assert report.offloaded == stage.offloaded
         if stage.offloaded:
@@ -123,8 +154,11 @@ def test_pipeline_matches_transformers(embedded_ray, checkpoints, arch: str) -> 
 
 
 def test_worker_failure_releases_every_actor(embedded_ray, checkpoints) -> None:
-    config = JobConfig(checkpoint=checkpoints["llama"], gpu_memory_bytes=10**8,
-                       attn_implementation="no-such-attention")  # fmt: skip
+    config = JobConfig(
+        checkpoint=checkpoints["llama"],
+        gpu_memory_bytes=10**8,
+        attn_implementation="no-such-attention",
+    )
     with pytest.raises(LaunchError, match="no-such-attention"):
         launch(config)
     wait_gpus_free(NUM_GPUS)
@@ -143,9 +177,20 @@ def test_offloadctl_run_check(embedded_ray, checkpoints, capsys, tmp_path) -> No
 
     budget = budget_forcing_offload(checkpoints["llama"])
     plot = tmp_path / "memory.png"
-    argv = ["run", "--checkpoint", checkpoints["llama"], "--gpu-memory", str(budget),
-            "--seq-len", "7", "--check", "--plot", str(plot),
-            "--memory-json", str(tmp_path / "memory.json")]  # fmt: skip
+    argv = [
+        "run",
+        "--checkpoint",
+        checkpoints["llama"],
+        "--gpu-memory",
+        str(budget),
+        "--seq-len",
+        "7",
+        "--check",
+        "--plot",
+        str(plot),
+        "--memory-json",
+        str(tmp_path / "memory.json"),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "check: logits are bitwise equal" in out
@@ -178,8 +223,12 @@ def llama_case(checkpoints, seed: int) -> tuple[str, JobConfig, torch.Tensor, to
     checkpoint = checkpoints["llama"]
     config = JobConfig(checkpoint=checkpoint, gpu_memory_bytes=budget_forcing_offload(checkpoint))
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(seed))
-    return checkpoint, config, ids, reference_logits(checkpoint, ids,
-                                                     num_threads=config.cpus_per_worker)  # fmt: skip
+    return (
+        checkpoint,
+        config,
+        ids,
+        reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker),
+    )
 
 
 def test_a_worker_killed_while_loading_is_replaced(embedded_ray, checkpoints) -> None:
@@ -235,8 +284,11 @@ def test_a_replacement_never_reads_a_rewritten_checkpoint(embedded_ray, checkpoi
         for shard in other.glob("*.safetensors"):
             shutil.copyfile(shard, root / shard.name)
         kill_actor(job.workers[1].actor)  # dead before the forward: it must recover
-        with pytest.raises(LaunchError, match=r"model-\d+-of-\d+.safetensors: the checkpoint "
-                           r"file changed since the job indexed it"):  # fmt: skip
+        with pytest.raises(
+            LaunchError,
+            match=r"model-\d+-of-\d+.safetensors: the checkpoint "
+            r"file changed since the job indexed it",
+        ):
             job.forward(ids)
         assert "changed since the job indexed it" in job.events[-1]["error"]
     wait_gpus_free(NUM_GPUS)
@@ -246,8 +298,10 @@ def held_load_config(tmp_path) -> str:
     """A job file whose workers hold their load at the first chunk until a file appears that
     no one creates (worker.loader.HOLD_ENV): a load that is certainly under way."""
     job = tmp_path / "held.yaml"
-    job.write_text(f"overrides:\n  - match: {{hostname: '*'}}\n"
-                   f"    env: {{{HOLD_ENV}: '{tmp_path / 'never'}'}}\n")  # fmt: skip
+    job.write_text(
+        f"overrides:\n  - match: {{hostname: '*'}}\n"
+        f"    env: {{{HOLD_ENV}: '{tmp_path / 'never'}'}}\n"
+    )
     return str(job)
 
 
@@ -258,16 +312,21 @@ def waiting_for_chunks(thread_id: int) -> bool:
     while frame is not None:
         stack.append((frame.f_code.co_name, frame.f_code.co_filename))
         frame = frame.f_back
-    return (bool(stack) and stack[0][0] == "wait" and f"{os.sep}ray{os.sep}" in stack[0][1]
-            and any(name == "load_workers" for name, _ in stack))  # fmt: skip
+    return (
+        bool(stack)
+        and stack[0][0] == "wait"
+        and f"{os.sep}ray{os.sep}" in stack[0][1]
+        and any(name == "load_workers" for name, _ in stack)
+    )
 
 
-@pytest.mark.parametrize(("signum", "code", "word", "name"),
-                         [(signal.SIGTERM, 143, "terminated", None),
-                          (signal.SIGINT, 130, "interrupted", "ctrl-c")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("signum", "code", "word", "name"),
+    [(signal.SIGTERM, 143, "terminated", None), (signal.SIGINT, 130, "interrupted", "ctrl-c")],
+)
 def test_a_signal_mid_load_stops_the_command_and_releases_everything(
     embedded_ray, checkpoints, capsys, tmp_path, signum, code, word, name
-) -> None:  # fmt: skip
+) -> None:
     """Ctrl-C or SIGTERM while workers load (held at their first chunk, so the load cannot
     finish first), sent while the command waits on Ray for the chunks (Ray's waits let only a
     KeyboardInterrupt through at once: a SIGTERM raised as anything else waited for the whole
@@ -292,8 +351,15 @@ def test_a_signal_mid_load_stops_the_command_and_releases_everything(
     sender = threading.Thread(target=send, daemon=True)
     sender.start()
     budget = budget_forcing_offload(checkpoints["llama"])
-    argv = ["load", "--checkpoint", checkpoints["llama"], "--gpu-memory", str(budget),
-            "--config", held_load_config(tmp_path)]  # fmt: skip
+    argv = [
+        "load",
+        "--checkpoint",
+        checkpoints["llama"],
+        "--gpu-memory",
+        str(budget),
+        "--config",
+        held_load_config(tmp_path),
+    ]
     # SIGINT ignored, as a shell script's background job inherits it (Python then installs no
     # handler): the command takes Ctrl-C all the same.
     inherited = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -322,8 +388,13 @@ def job(embedded_ray, checkpoints):
     _, config, _, _ = llama_case(checkpoints, seed=0)
     kv_total = sum(x.kv_bytes(1, 16) for x in load_index(config.checkpoint).layers)
     coherent = Override(match=NodeMatch(), env={"OFFLOAD_SIMULATED_GPU": "coherent"})
-    config = dataclasses.replace(config, overrides=(coherent,), max_batch=1, max_seq_len=16,
-                                 gpu_memory_bytes=config.gpu_memory_bytes + kv_total // 2)  # fmt: skip
+    config = dataclasses.replace(
+        config,
+        overrides=(coherent,),
+        max_batch=1,
+        max_seq_len=16,
+        gpu_memory_bytes=config.gpu_memory_bytes + kv_total // 2,
+    )
     with launch(config) as job:
         yield job
     wait_gpus_free(NUM_GPUS)
@@ -355,8 +426,14 @@ class TestOneRunningJob:
             assert report.device_used_bytes == stage.resident_bytes  # the arena is host memory
         assert " uva " in telemetry.render(reports)
         prompt = ids[:, :4]
-        want = reference_generate(checkpoint, prompt, attention_mask=torch.ones_like(prompt),
-                                  num_threads=1, max_new_tokens=8, do_sample=False)  # fmt: skip
+        want = reference_generate(
+            checkpoint,
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            num_threads=1,
+            max_new_tokens=8,
+            do_sample=False,
+        )
         got = job.generate(prompt, torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
         assert torch.equal(got, want)
 
@@ -370,15 +447,19 @@ class TestOneRunningJob:
 
         _, config, ids, expected = llama_case(checkpoints, seed=6)
         blocked = dataclasses.replace(config, placement_timeout_s=3.0)
-        with pytest.raises(LaunchError, match=r"did not reserve 3 GPU\(s\) \(.*GPU 0.*\) within "
-                           r"3 s \(placement_timeout_s\).*nothing was started"):  # fmt: skip
+        with pytest.raises(
+            LaunchError,
+            match=r"did not reserve 3 GPU\(s\) \(.*GPU 0.*\) within "
+            r"3 s \(placement_timeout_s\).*nothing was started",
+        ):
             launch(blocked)
         states = [g["state"] for g in placement_group_table().values() if g["state"] != "REMOVED"]
         assert states == ["CREATED"]  # the first job's; the second's was removed
         assert torch.equal(job.forward(ids), expected)
 
-    def test_a_killed_worker_is_replaced_and_only_its_stage_reloaded(self, job,
-                                                                     checkpoints) -> None:  # fmt: skip
+    def test_a_killed_worker_is_replaced_and_only_its_stage_reloaded(
+        self, job, checkpoints
+    ) -> None:
         checkpoint, _, ids, expected = llama_case(checkpoints, seed=3)
         events_before = len(job.events)
         assert torch.equal(job.forward(ids), expected)
@@ -396,15 +477,17 @@ class TestOneRunningJob:
         assert [e["stages"] for e in job.events[events_before:]] == [[1]]
         assert after[1].pid != before[1] and after[0].pid == before[0]
         assert after[2].pid == before[2]
-        share = sum(layer.file_bytes for layer in load_index(checkpoint).layers
-                    if layer.name in job.plan.stages[1].layers)  # fmt: skip
+        share = sum(
+            layer.file_bytes
+            for layer in load_index(checkpoint).layers
+            if layer.name in job.plan.stages[1].layers
+        )
         assert after[1].bytes_read == share  # the replacement read its own stage only
         assert job.dead_stages() == []
         assert "replaced workers" in telemetry.render(list(after.values()), job.events)
         job.export_metrics()
         events = {"replaced workers": float(len(job.events))}
-        assert scrape_gauges("offload_recovery_events", events, METRICS_PORT,
-                             tag="event") == events  # fmt: skip
+        assert scrape_gauges("offload_recovery_events", events, METRICS_PORT, tag="event") == events
 
     def test_a_watched_job_recovers_before_the_next_forward(self, job, checkpoints) -> None:
         _, _, ids, expected = llama_case(checkpoints, seed=5)
@@ -423,7 +506,7 @@ class TestOneRunningJob:
 
 def test_generate_through_ray_equals_transformers_and_survives_a_lost_worker(
     embedded_ray, checkpoints
-) -> None:  # fmt: skip
+) -> None:
     """Generation through the Ray pipeline (bf16 llama, stages offloading): each row of a
     left-padded batch gets the greedy tokens transformers' `generate` gives its prompt alone;
     killing a worker mid-request recovers the job and the request goes on from the tokens made
@@ -434,16 +517,26 @@ def test_generate_through_ray_equals_transformers_and_survives_a_lost_worker(
     index = load_index(checkpoint)
     max_batch, max_seq_len = 3, 16  # planned KV cache: 3 sequences of up to 16 tokens
     kv_total = sum(x.kv_bytes(max_batch, max_seq_len) for x in index.layers)
-    config = JobConfig(checkpoint=checkpoint, max_batch=max_batch, max_seq_len=max_seq_len,
-                       gpu_memory_bytes=budget_forcing_offload(checkpoint) + kv_total // 2)  # fmt: skip
+    config = JobConfig(
+        checkpoint=checkpoint,
+        max_batch=max_batch,
+        max_seq_len=max_seq_len,
+        gpu_memory_bytes=budget_forcing_offload(checkpoint) + kv_total // 2,
+    )
     ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(9))
     mask = torch.ones_like(ids)
     ids[0, :2], mask[0, :2] = 0, 0
 
     def alone(row: torch.Tensor, row_mask: torch.Tensor, new: int) -> list[int]:
         prompt = row[row_mask.bool()][None]
-        out = reference_generate(checkpoint, prompt, num_threads=1, max_new_tokens=new,
-                                 do_sample=False, eos_token_id=None)  # fmt: skip
+        out = reference_generate(
+            checkpoint,
+            prompt,
+            num_threads=1,
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+        )
         return out[0, prompt.shape[1] :].tolist()
 
     expected = [alone(ids[r], mask[r], 10) for r in range(2)]
@@ -452,11 +545,17 @@ def test_generate_through_ray_equals_transformers_and_survives_a_lost_worker(
         assert any(s.offloaded for s in job.plan.stages)
         out = job.generate(ids, mask, max_new_tokens=10, do_sample=False, eos_token_id=None)
         assert torch.equal(out[:, :6], ids) and out[:, 6:].tolist() == expected
-        with pytest.raises(ValueError, match=r"17 tokens per sequence \(prompt \+ max_new_tokens\) "
-                           r"exceed"):  # fmt: skip
+        with pytest.raises(
+            ValueError,
+            match=r"17 tokens per sequence \(prompt \+ max_new_tokens\) "
+            r"exceed",
+        ):
             job.generate(ids, mask, max_new_tokens=11)
-        with pytest.raises(ValueError, match=r"4 sequence\(s\) exceed the KV cache reserved "
-                           r"for max_batch=3: send fewer"):  # fmt: skip
+        with pytest.raises(
+            ValueError,
+            match=r"4 sequence\(s\) exceed the KV cache reserved "
+            r"for max_batch=3: send fewer",
+        ):
             job.generate(torch.cat([ids, ids]), torch.cat([mask, mask]), max_new_tokens=2)
         streamed: list[tuple[int, int]] = []
         during: list[list[telemetry.Report]] = []
@@ -468,8 +567,14 @@ def test_generate_through_ray_equals_transformers_and_survives_a_lost_worker(
             if len(streamed) == 6:  # dead before the next step: the request must recover
                 kill_actor(job.workers[1].actor)
 
-        out = job.generate(ids, mask, max_new_tokens=10, do_sample=False, eos_token_id=None,
-                           on_token=kill_after_three)  # fmt: skip
+        out = job.generate(
+            ids,
+            mask,
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=None,
+            on_token=kill_after_three,
+        )
         assert [e["event"] for e in job.events] == ["replaced workers"]
         assert out[:, 6:].tolist() == expected
         assert [[t for r, t in streamed if r == row] for row in range(2)] == expected
@@ -487,8 +592,9 @@ def test_generate_through_ray_equals_transformers_and_survives_a_lost_worker(
         expected_rows = [alone(r[0], m[0], 6) for r, m in rows[:3]]
 
         def request(row, on_token=None) -> list[int]:
-            out = job.generate(*row, max_new_tokens=6, do_sample=False, eos_token_id=None,
-                               on_token=on_token)  # fmt: skip
+            out = job.generate(
+                *row, max_new_tokens=6, do_sample=False, eos_token_id=None, on_token=on_token
+            )
             return out[0, row[0].shape[1] :].tolist()
 
         with ThreadPoolExecutor(3) as pool:
@@ -521,18 +627,26 @@ def test_micro_batches_on_every_stage_burst_actor_to_actor(embedded_ray, checkpo
 
     checkpoint = checkpoints["qwen2"]
     index = load_index(checkpoint)
-    config = JobConfig(checkpoint=checkpoint, gpu_memory_bytes=index.total_bytes, max_batch=6,
-                       max_seq_len=24)  # fmt: skip
+    config = JobConfig(
+        checkpoint=checkpoint, gpu_memory_bytes=index.total_bytes, max_batch=6, max_seq_len=24
+    )
     g = torch.Generator().manual_seed(12)
     prompts = [torch.randint(3, 128, (1, 3 + i), generator=g) for i in range(6)]
-    expected = [reference_generate(checkpoint, p, num_threads=1, max_new_tokens=12,
-                                   do_sample=False, eos_token_id=None)[0, p.shape[1] :].tolist()
-                for p in prompts]  # fmt: skip
+    expected = [
+        reference_generate(
+            checkpoint, p, num_threads=1, max_new_tokens=12, do_sample=False, eos_token_id=None
+        )[0, p.shape[1] :].tolist()
+        for p in prompts
+    ]
     with launch(config) as job, ThreadPoolExecutor(6) as pool:
         assert len(job.plan.stages) == NUM_GPUS and not any(s.offloaded for s in job.plan.stages)
         assert len(job.engine().scheduler.groups) == NUM_GPUS
-        outs = list(pool.map(lambda p: job.generate(p, max_new_tokens=12, do_sample=False,
-                                                    eos_token_id=None), prompts))  # fmt: skip
+        outs = list(
+            pool.map(
+                lambda p: job.generate(p, max_new_tokens=12, do_sample=False, eos_token_id=None),
+                prompts,
+            )
+        )
         assert [o[0, p.shape[1] :].tolist() for o, p in zip(outs, prompts, strict=True)] == expected
         forwards = [r.forwards for r in job.telemetry()]
         stats = job.engine().stats
@@ -542,8 +656,9 @@ def test_micro_batches_on_every_stage_burst_actor_to_actor(embedded_ray, checkpo
     wait_gpus_free(NUM_GPUS)
 
 
-def test_offloadctl_generate_streams_the_greedy_text(embedded_ray, checkpoints, capsys,
-                                                     tmp_path) -> None:  # fmt: skip
+def test_offloadctl_generate_streams_the_greedy_text(
+    embedded_ray, checkpoints, capsys, tmp_path
+) -> None:
     """Text in, text out: the checkpoint's tokenizer, the text streamed to stdout equal to
     transformers' greedy generate decoded the same way, time to first token and tokens/s on
     stderr; a checkpoint without a tokenizer is refused before anything is loaded."""
@@ -563,20 +678,36 @@ def test_offloadctl_generate_streams_the_greedy_text(embedded_ray, checkpoints, 
     if tokenizer.eos_token_id in new:
         new = new[: new.index(tokenizer.eos_token_id)]
     budget = budget_forcing_offload(checkpoint) + 64 * 1024  # room for the request's KV cache
-    assert main(["generate", "--checkpoint", checkpoint, "--gpu-memory", str(budget),
-                 "--prompt", prompt, "--max-new-tokens", "8"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint",
+                checkpoint,
+                "--gpu-memory",
+                str(budget),
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                "8",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert captured.out == tokenizer.decode(new, skip_special_tokens=True) + "\n"
     assert "first after" in captured.err and "tokens/s" in captured.err
     bare = make_checkpoint(tmp_path / "bare", dataclasses.replace(SHAPES["qwen2"], tokenizer=False))
-    assert main(["generate", "--checkpoint", str(bare), "--gpu-memory", "1MiB",
-                 "--prompt", "hi"]) == 2  # fmt: skip
+    assert (
+        main(["generate", "--checkpoint", str(bare), "--gpu-memory", "1MiB", "--prompt", "hi"]) == 2
+    )
     assert "has no tokenizer" in capsys.readouterr().err
     wait_gpus_free(NUM_GPUS)
 
 
 def test_replicas_each_on_their_own_gpu_and_a_lost_worker_stays_in_its_replica(
-        embedded_ray, checkpoints) -> None:  # fmt: skip
+    embedded_ray, checkpoints
+) -> None:
     """Three replicas (throughput), one GPU each: three named loads, each planned on its own
     GPU (`nodes`) with the plan the replica search made, each generating transformers' greedy
     tokens; a worker lost in one replica is replaced there, and the others never notice."""
@@ -588,17 +719,25 @@ def test_replicas_each_on_their_own_gpu_and_a_lost_worker_stays_in_its_replica(
 
     checkpoint = checkpoints["llama"]
     index = load_index(checkpoint)
-    config = JobConfig(checkpoint=checkpoint, max_batch=2, max_seq_len=16, objective="throughput",
-                       replicas=NUM_GPUS, gpu_memory_bytes=index.total_bytes * 2)  # fmt: skip
+    config = JobConfig(
+        checkpoint=checkpoint,
+        max_batch=2,
+        max_seq_len=16,
+        objective="throughput",
+        replicas=NUM_GPUS,
+        gpu_memory_bytes=index.total_bytes * 2,
+    )
     ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(4))
-    expected = reference_generate(checkpoint, ids, num_threads=1, max_new_tokens=8,
-                                  do_sample=False, eos_token_id=None)  # fmt: skip
+    expected = reference_generate(
+        checkpoint, ids, num_threads=1, max_new_tokens=8, do_sample=False, eos_token_id=None
+    )
     jobs = launch_replicas(config, "rep")
     try:
         assert [j.name for j in jobs] == ["rep-0", "rep-1", "rep-2"]
         node = ray.get_runtime_context().get_node_id()
         assert {j.config.nodes for j in jobs} == {f"{node}=1"} and len(
-            {s.gpu_index for j in jobs for s in j.plan.stages}) == NUM_GPUS  # fmt: skip
+            {s.gpu_index for j in jobs for s in j.plan.stages}
+        ) == NUM_GPUS
         assert all(j.plan.options.objective == "throughput" for j in jobs)
         killed = threading.Event()
 
@@ -608,8 +747,9 @@ def test_replicas_each_on_their_own_gpu_and_a_lost_worker_stays_in_its_replica(
                     killed.set()
                     kill_actor(jobs[0].workers[0].actor)
 
-            return jobs[i].generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
-                                    on_token=lose_a_worker)  # fmt: skip
+            return jobs[i].generate(
+                ids, max_new_tokens=8, do_sample=False, eos_token_id=None, on_token=lose_a_worker
+            )
 
         with ThreadPoolExecutor(NUM_GPUS) as pool:
             outs = list(pool.map(run, range(NUM_GPUS)))

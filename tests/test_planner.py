@@ -29,22 +29,33 @@ def layer(name: str, kind: str, nbytes: int, mlp: int | None = None) -> LayerSpe
     index = int(name.rsplit(".", 1)[1]) if kind == "decoder" else None
     parts = ("w0", "w1") if mlp is None else ("self_attn.w", "mlp.w")
     tensors = tuple(
-        TensorSlice(name=f"{name}.{part}", dtype="U8", shape=(n,), file="x.safetensors", start=0,
-                    end=n, target=f"model.{name}.{part}")
+        TensorSlice(
+            name=f"{name}.{part}",
+            dtype="U8",
+            shape=(n,),
+            file="x.safetensors",
+            start=0,
+            end=n,
+            target=f"model.{name}.{part}",
+        )
         for part, n in zip(parts, (half, nbytes - half), strict=True)
     )
     return LayerSpec(name=name, kind=kind, index=index, tensors=tensors)
 
 
 def model(
-    decoders: list[int], embed: int | None = None, head: int | None = None,
+    decoders: list[int],
+    embed: int | None = None,
+    head: int | None = None,
     mlps: list[int] | None = None,
 ) -> list[LayerSpec]:
     """Decoder layers of these sizes (with `mlps`: of which each layer's MLP, an offload unit,
     takes that many bytes), and an embedding and a head when given."""
     layers = [layer("embed", "embed", embed)] if embed is not None else []
-    layers += [layer(f"layers.{i}", "decoder", n, None if mlps is None else mlps[i])
-               for i, n in enumerate(decoders)]  # fmt: skip
+    layers += [
+        layer(f"layers.{i}", "decoder", n, None if mlps is None else mlps[i])
+        for i, n in enumerate(decoders)
+    ]
     return layers + ([layer("head", "head", head)] if head is not None else [])
 
 
@@ -89,7 +100,9 @@ def feasible_stage_times(layers: list[LayerSpec], snap: ClusterSnapshot, opts: P
             moved = {d for j, d in enumerate(decoders) if mask >> j & 1}
             moving = [k for k in range(len(gpus)) if moved & set(range(*bounds[k : k + 2]))]
             for chosen in itertools.product(units, repeat=len(moving)):
-                per_stage = dict.fromkeys(range(len(gpus)), "layer") | dict(zip(moving, chosen, strict=True))
+                per_stage = dict.fromkeys(range(len(gpus)), "layer") | dict(
+                    zip(moving, chosen, strict=True)
+                )
                 yield from _stage_times(layers, snap, opts, bounds, moved, per_stage)
 
 
@@ -186,11 +199,15 @@ def instances(draw, max_gpus: int = 4):
     kv_tokens = draw(st.sampled_from([0, 0, 1, 3]))  # KV cache of max_batch x kv_tokens
     if kv_tokens:  # decoder layers get KV caches, some with a sliding window
         layers = [
-            dataclasses.replace(x, kv_bytes_per_token=draw(st.integers(1, 3)),
-                                kv_window=draw(st.sampled_from([None, None, 2])))
-            if x.kind == "decoder" else x
+            dataclasses.replace(
+                x,
+                kv_bytes_per_token=draw(st.integers(1, 3)),
+                kv_window=draw(st.sampled_from([None, None, 2])),
+            )
+            if x.kind == "decoder"
+            else x
             for x in layers
-        ]  # fmt: skip
+        ]
     sizes = [x.nbytes + x.kv_bytes(2, kv_tokens) for x in layers]
     num_nodes = draw(st.integers(1, 2))
     gpus_left = max_gpus
@@ -360,8 +377,10 @@ def test_a_uva_gpu_offloads_only_its_deficit() -> None:
     assert (len(prefetch.offloaded), prefetch.slot_bytes, prefetch.backend) == (4, 10, "prefetch")
     assert (len(uva.offloaded), uva.slot_bytes, uva.prefetch_step, uva.backend) == (3, 0, 0, "uva")
     assert uva.device_bytes == 70 and uva.transfer_s == 30 / 2.0
-    assert "uva" in plan(layers, cluster({"gpus": [70], "host": 1000, "backend": "uva"}),
-                         options).summary()  # fmt: skip
+    assert (
+        "uva"
+        in plan(layers, cluster({"gpus": [70], "host": 1000, "backend": "uva"}), options).summary()
+    )
 
 
 def test_a_uva_gpu_smaller_than_a_layer_still_runs_it() -> None:
@@ -370,8 +389,9 @@ def test_a_uva_gpu_smaller_than_a_layer_still_runs_it() -> None:
     layers = model([50, 50], embed=5, head=5)
     with pytest.raises(PlanError, match="needs a device slot of its size"):
         plan(layers, cluster({"gpus": [40], "host": 1000}), PlanOptions())
-    result = assert_optimal(layers, cluster({"gpus": [40], "host": 1000, "backend": "uva"}),
-                            PlanOptions())  # fmt: skip
+    result = assert_optimal(
+        layers, cluster({"gpus": [40], "host": 1000, "backend": "uva"}), PlanOptions()
+    )
     assert result is not None and result.stages[0].offloaded == ("layers.0", "layers.1")
     mixed = cluster({"gpus": [40], "host": 1000}, {"gpus": [40], "host": 1000, "backend": "uva"})
     result = assert_optimal(layers, mixed, PlanOptions())
@@ -390,8 +410,11 @@ def test_measured_link_rate_sets_transfer_time() -> None:
     }
     assert {s.offloaded_bytes for s in stages.values()} == {40}  # what fits decides the bytes
     assert {link: s.transfer_s for link, s in stages.items()} == {None: 20.0, 4.0: 10.0, 8.0: 5.0}
-    assert {link: s.link_bytes_per_s for link, s in stages.items()} == {None: None, 4.0: 4.0,
-                                                                        8.0: 8.0}  # fmt: skip
+    assert {link: s.link_bytes_per_s for link, s in stages.items()} == {
+        None: None,
+        4.0: 4.0,
+        8.0: 8.0,
+    }
 
 
 def test_json_without_link_rate_still_loads() -> None:
@@ -418,8 +441,9 @@ def test_pinned_node_uses_the_smaller_budget() -> None:
 
 def test_json_round_trip_and_summary() -> None:
     layers = model([GiB // 4] * 12, embed=GiB // 2, head=GiB // 2)
-    snap = cluster({"gpus": [GiB, 2 * GiB], "host": 4 * GiB, "link": 12.5e9},
-                   {"gpus": [GiB], "host": 0})  # fmt: skip
+    snap = cluster(
+        {"gpus": [GiB, 2 * GiB], "host": 4 * GiB, "link": 12.5e9}, {"gpus": [GiB], "host": 0}
+    )
     result = plan(layers, snap, PlanOptions(reserve_bytes=64 << 20, prefetch_step=2))
     assert Plan.from_json(result.to_json()) == result
     text = result.summary()
@@ -489,8 +513,16 @@ def test_invalid_options_name_the_field(field: str, value: object) -> None:
 def large_cluster() -> ClusterSnapshot:
     """64 nodes x 8 GPUs of 8 or 6 GiB, host budgets of 8 to 32 GiB, a third with a measured
     link: the planner's speed case."""
-    return cluster(*({"gpus": [8 * GiB, 6 * GiB] * 4, "host": (n % 4 + 1) * 8 * GiB,
-                      "link": 50e9 if n % 3 == 0 else None} for n in range(64)))  # fmt: skip
+    return cluster(
+        *(
+            {
+                "gpus": [8 * GiB, 6 * GiB] * 4,
+                "host": (n % 4 + 1) * 8 * GiB,
+                "link": 50e9 if n % 3 == 0 else None,
+            }
+            for n in range(64)
+        )
+    )
 
 
 def test_thousand_layers_on_512_gpus_is_fast() -> None:

@@ -13,29 +13,41 @@ GIB = 2**30
 
 def gpu(name: str = "NVIDIA H100 80GB HBM3", **kw) -> DeviceInfo:
     fields = dict(
-        index=0, name=name, capability=(9, 0), total_memory_bytes=80 * GIB, integrated=False,
-        pageable_memory_access=False, pageable_memory_access_uses_host_page_tables=False,
+        index=0,
+        name=name,
+        capability=(9, 0),
+        total_memory_bytes=80 * GIB,
+        integrated=False,
+        pageable_memory_access=False,
+        pageable_memory_access_uses_host_page_tables=False,
         host_register_supported=True,
-    )  # fmt: skip
+    )
     fields.update(kw)
     return DeviceInfo(**fields)
 
 
 X86_H100 = NodeProbe(
-    cuda_available=True, devices=(gpu(),), host_total_bytes=512 * GIB,
-    host_available_bytes=400 * GIB, cpu_arch="x86_64",
-)  # fmt: skip
+    cuda_available=True,
+    devices=(gpu(),),
+    host_total_bytes=512 * GIB,
+    host_available_bytes=400 * GIB,
+    cpu_arch="x86_64",
+)
 NO_CUDA = NodeProbe(cuda_available=False, host_available_bytes=20 * GIB, cpu_arch="x86_64")
 WSL = NodeProbe(cuda_available=True, devices=(gpu("NVIDIA GeForce RTX 4090"),), is_wsl=True)
 JETSON = NodeProbe(cuda_available=True, devices=(gpu("Orin", integrated=True),))
 GH200 = NodeProbe(
     cuda_available=True,
     devices=(
-        gpu("NVIDIA GH200 480GB", pageable_memory_access=True,
-            pageable_memory_access_uses_host_page_tables=True),
+        gpu(
+            "NVIDIA GH200 480GB",
+            pageable_memory_access=True,
+            pageable_memory_access_uses_host_page_tables=True,
+        ),
     ),
-    host_available_bytes=400 * GIB, cpu_arch="aarch64",
-)  # fmt: skip
+    host_available_bytes=400 * GIB,
+    cpu_arch="aarch64",
+)
 NO_REGISTER = NodeProbe(cuda_available=True, devices=(gpu(host_register_supported=False),))
 
 
@@ -120,8 +132,12 @@ def test_negative_planned_bytes_is_rejected() -> None:
 
 def test_parse_pin_mode_normalises() -> None:
     assert [parse_pin_mode(v) for v in (None, "", "AUTO", "1", "no")] == [
-        "auto", "auto", "auto", "on", "off",
-    ]  # fmt: skip
+        "auto",
+        "auto",
+        "auto",
+        "on",
+        "off",
+    ]
 
 
 def test_decision_is_pure_and_serialisable() -> None:

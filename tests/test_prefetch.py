@@ -46,8 +46,9 @@ def test_parity_and_schedule_for_every_shape(
 
     offloader = PrefetchOffloader(
         OffloadConfig(backend="prefetch", layers=layers_to_offload, prefetch_step=step),
-        device="cpu", env={},
-    )  # fmt: skip
+        device="cpu",
+        env={},
+    )
     assert offloader.wrap_modules(modules) == modules
     offloader.post_init()
     forwards = 3
@@ -107,8 +108,9 @@ def test_first_forward_without_post_init_loads_on_demand() -> None:
     modules = block_stack(4, HIDDEN)
     x = torch.randn(2, HIDDEN)
     reference = run_stack(modules, x)
-    with PrefetchOffloader(OffloadConfig(layers=(0, 1, 2, 3), prefetch_step=2), device="cpu",
-                           env={}) as offloader:  # fmt: skip
+    with PrefetchOffloader(
+        OffloadConfig(layers=(0, 1, 2, 3), prefetch_step=2), device="cpu", env={}
+    ) as offloader:
         offloader.wrap_modules(modules)
         assert torch.equal(run_stack(modules, x), reference)
         first = offloader.stats().sync_loads

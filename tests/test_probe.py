@@ -60,8 +60,9 @@ def test_wsl_is_detected_from_the_kernel_release(monkeypatch: pytest.MonkeyPatch
 def test_cuda_device_without_driver_attributes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPU whose driver cannot be asked for ATS attributes is still listed, with the
     attributes unknown (None) and the reason in errors."""
-    props = SimpleNamespace(name="NVIDIA GH200 480GB", major=9, minor=0, total_memory=96 * 2**30,
-                            is_integrated=0)  # fmt: skip
+    props = SimpleNamespace(
+        name="NVIDIA GH200 480GB", major=9, minor=0, total_memory=96 * 2**30, is_integrated=0
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
@@ -86,8 +87,9 @@ def test_cuda_device_without_driver_attributes(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_cuda_device_with_ats_attributes(monkeypatch: pytest.MonkeyPatch) -> None:
-    props = SimpleNamespace(name="NVIDIA GH200 480GB", major=9, minor=0, total_memory=96 * 2**30,
-                            is_integrated=0)  # fmt: skip
+    props = SimpleNamespace(
+        name="NVIDIA GH200 480GB", major=9, minor=0, total_memory=96 * 2**30, is_integrated=0
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
@@ -96,9 +98,12 @@ def test_cuda_device_with_ats_attributes(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(
         probe_mod,
         "_cuda_driver_attributes",
-        lambda i: dict(pageable_memory_access=True, host_register_supported=True,
-                       pageable_memory_access_uses_host_page_tables=True),
-    )  # fmt: skip
+        lambda i: dict(
+            pageable_memory_access=True,
+            host_register_supported=True,
+            pageable_memory_access_uses_host_page_tables=True,
+        ),
+    )
     probe = probe_node()
     assert probe.any_coherent_unified_memory and probe.errors == ()
     assert probe.link_bytes_per_s(pin=True) == probe.link_bytes_per_s(pin=False) == 4e11

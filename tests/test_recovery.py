@@ -26,8 +26,16 @@ from coordinator.runtime.recovery import match_survivors
 from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.tools.reference import reference_logits
 
-SHAPE = CheckpointShape(arch="llama", num_layers=6, hidden_size=64, num_heads=4, num_kv_heads=2,
-                        intermediate_size=128, vocab_size=128, max_shard_bytes=200_000)  # fmt: skip
+SHAPE = CheckpointShape(
+    arch="llama",
+    num_layers=6,
+    hidden_size=64,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    vocab_size=128,
+    max_shard_bytes=200_000,
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +57,15 @@ def budgets(index, backend: str = "prefetch") -> tuple[int, int]:
     gpu, host = index.total_bytes // 3 + decoder // 2, index.total_bytes // 2
 
     def offloaded(num_nodes: int) -> int:
-        nodes = tuple(NodeInfo(node_id=f"n{i}", gpus=(GpuInfo(index=0, memory_bytes=gpu),),
-                               host_budget_bytes=host, backend=backend)
-                      for i in range(num_nodes))  # fmt: skip
+        nodes = tuple(
+            NodeInfo(
+                node_id=f"n{i}",
+                gpus=(GpuInfo(index=0, memory_bytes=gpu),),
+                host_budget_bytes=host,
+                backend=backend,
+            )
+            for i in range(num_nodes)
+        )
         p = plan(index.layers, ClusterSnapshot(nodes=nodes), PlanOptions())
         return sum(s.offloaded_bytes for s in p.stages)
 
@@ -74,7 +88,7 @@ def wait_events(name: str, count: int, timeout_s: float = 90.0) -> list[dict]:
 
 def test_a_named_load_heals_itself_and_leaves_out_a_node_that_keeps_failing(
     cluster, tmp_path
-) -> None:  # fmt: skip
+) -> None:
     """No driver attached: the load's keeper replaces a lost worker by itself; once a node has
     lost NODE_LOSS_LIMIT workers it plans without that node (an event says so); the logits
     stay those of transformers, and unload releases everything, keeper included."""
@@ -86,8 +100,13 @@ def test_a_named_load_heals_itself_and_leaves_out_a_node_that_keeps_failing(
     checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
     index = load_index(checkpoint)
     gpu, host = budgets(index)
-    config = JobConfig(checkpoint=checkpoint, address=c.address, gpu_memory_bytes=gpu,
-                       host_memory_bytes=host, watch_interval_s=0.5)  # fmt: skip
+    config = JobConfig(
+        checkpoint=checkpoint,
+        address=c.address,
+        gpu_memory_bytes=gpu,
+        host_memory_bytes=host,
+        watch_interval_s=0.5,
+    )
     ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(8))
     expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
     launch(config, name="healing").close()  # detached: nobody attached from here on
@@ -95,13 +114,16 @@ def test_a_named_load_heals_itself_and_leaves_out_a_node_that_keeps_failing(
         failing = registry.group_of(registry.load_record("healing")[1], index).handles[1]
         for loss in range(1, NODE_LOSS_LIMIT + 1):
             record = registry.load_record("healing")[1]
-            worker = next(h for h in registry.group_of(record, index).handles
-                          if h.node_id == failing.node_id)  # fmt: skip
+            worker = next(
+                h for h in registry.group_of(record, index).handles if h.node_id == failing.node_id
+            )
             ray.kill(worker.actor, no_restart=True)
             events = wait_events("healing", loss + (loss == NODE_LOSS_LIMIT))
         kinds = [e["event"] for e in events]
-        assert kinds == ["replaced workers"] * (NODE_LOSS_LIMIT - 1) + ["node left out",
-                                                                      "re-planned"]  # fmt: skip
+        assert kinds == ["replaced workers"] * (NODE_LOSS_LIMIT - 1) + [
+            "node left out",
+            "re-planned",
+        ]
         assert events[-2]["hosts"] == [failing.hostname]
         record = registry.load_record("healing")[1]
         assert failing.node_id not in {s["node_id"] for s in json.loads(record["plan"])["stages"]}
@@ -131,8 +153,13 @@ def test_lost_nodes_replan_fail_with_numbers_then_recover(cluster, tmp_path, cap
     checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
     index = load_index(checkpoint)
     gpu, host = budgets(index, "uva")
-    config = JobConfig(checkpoint=checkpoint, address=c.address, gpu_memory_bytes=gpu,
-                       host_memory_bytes=host, backend="uva")  # fmt: skip
+    config = JobConfig(
+        checkpoint=checkpoint,
+        address=c.address,
+        gpu_memory_bytes=gpu,
+        host_memory_bytes=host,
+        backend="uva",
+    )
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(7))
     expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
     nbytes = {layer.name: layer.file_bytes for layer in index.layers}
@@ -172,8 +199,11 @@ def test_lost_nodes_replan_fail_with_numbers_then_recover(cluster, tmp_path, cap
 
         # 2. Another node leaves: one GPU cannot hold the model.
         c.remove_node(nodes[job.workers[0].node_id])
-        with pytest.raises(PlanError, match=r"the 1 GPU\(s\) left cannot hold the model "
-                           rf"\({index.total_bytes} bytes\).*Needed"):  # fmt: skip
+        with pytest.raises(
+            PlanError,
+            match=r"the 1 GPU\(s\) left cannot hold the model "
+            rf"\({index.total_bytes} bytes\).*Needed",
+        ):
             job.forward(ids)
         reports = job.telemetry()  # still usable: the survivor reports, the lost stage is marked
         assert [isinstance(r, telemetry.LostStage) for r in reports] == [True, False]
@@ -202,10 +232,23 @@ def test_survivors_are_matched_to_the_stages_they_share_most_with() -> None:
     from coordinator.planning.planner import StagePlan
 
     def stage(i: int, node: str, layers: tuple[str, ...]) -> StagePlan:
-        return StagePlan(stage=i, node_id=node, hostname="h", gpu_index=0, layers=layers,
-                         offloaded=(), prefetch_step=1, resident_bytes=0, slot_bytes=0,
-                         offloaded_bytes=0, device_bytes=0, pinned=False, compute_s=0.0,
-                         transfer_s=0.0, time_s=0.0)  # fmt: skip
+        return StagePlan(
+            stage=i,
+            node_id=node,
+            hostname="h",
+            gpu_index=0,
+            layers=layers,
+            offloaded=(),
+            prefetch_step=1,
+            resident_bytes=0,
+            slot_bytes=0,
+            offloaded_bytes=0,
+            device_bytes=0,
+            pinned=False,
+            compute_s=0.0,
+            transfer_s=0.0,
+            time_s=0.0,
+        )
 
     sizes = {"a": 1, "b": 10, "c": 100, "d": 1000}
     survivors = [("n1", frozenset({"a", "b"})), ("n1", frozenset({"c"})), ("n2", frozenset())]
@@ -225,7 +268,10 @@ def test_a_repeated_failure_is_counted_not_listed_again() -> None:
         job.record_event(dict(failed))
     job.record_event({**failed, "error": "no GPU node is left"})
     assert [(e["event"], e.get("repeats")) for e in job.events] == [
-        ("re-planned", None), ("re-plan failed", 3), ("re-plan failed", None)]  # fmt: skip
+        ("re-planned", None),
+        ("re-plan failed", 3),
+        ("re-plan failed", None),
+    ]
 
 
 def test_a_replica_that_loses_its_node_moves_to_a_free_gpu(cluster, tmp_path) -> None:
@@ -244,12 +290,19 @@ def test_a_replica_that_loses_its_node_moves_to_a_free_gpu(cluster, tmp_path) ->
     nodes = {node.node_id: node for node in c.list_all_nodes()}
     checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
     index = load_index(checkpoint)
-    config = JobConfig(checkpoint=checkpoint, address=c.address, objective="throughput",
-                       replicas=2, max_batch=1, max_seq_len=16,
-                       gpu_memory_bytes=index.total_bytes * 2)  # fmt: skip
+    config = JobConfig(
+        checkpoint=checkpoint,
+        address=c.address,
+        objective="throughput",
+        replicas=2,
+        max_batch=1,
+        max_seq_len=16,
+        gpu_memory_bytes=index.total_bytes * 2,
+    )
     ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(2))
-    expected = reference_generate(checkpoint, ids, num_threads=1, max_new_tokens=6,
-                                  do_sample=False, eos_token_id=None)  # fmt: skip
+    expected = reference_generate(
+        checkpoint, ids, num_threads=1, max_new_tokens=6, do_sample=False, eos_token_id=None
+    )
     jobs = launch_replicas(config, "twin")
     try:
         # one micro-batch of one sequence: each replica runs on one of its two GPUs

@@ -30,9 +30,14 @@ def runs_of(snap: ClusterSnapshot, count: int) -> list[ClusterSnapshot]:
             gpus = tuple(g for n, g in mine if n is node)
             if gpus:
                 share = len(gpus) / len(node.gpus)
-                nodes.append(dataclasses.replace(
-                    node, gpus=gpus, host_budget_bytes=int(node.host_budget_bytes * share),
-                    pinned_budget_bytes=int(node.pinned_budget_bytes * share)))  # fmt: skip
+                nodes.append(
+                    dataclasses.replace(
+                        node,
+                        gpus=gpus,
+                        host_budget_bytes=int(node.host_budget_bytes * share),
+                        pinned_budget_bytes=int(node.pinned_budget_bytes * share),
+                    )
+                )
         parts.append(ClusterSnapshot(nodes=tuple(nodes)))
     return parts
 
@@ -84,6 +89,7 @@ def test_a_node_shared_by_replicas_splits_its_host_budget() -> None:
     halves = split(snap, 2)
     assert [n.gpus[0].index for part in halves for n in part.nodes] == [0, 2]
     assert {(n.host_budget_bytes, n.pinned_budget_bytes) for p in halves for n in p.nodes} == {
-        (50, 20)}  # fmt: skip
+        (50, 20)
+    }
     with pytest.raises(PlanError, match="replicas=3 must divide the cluster's 4 GPUs"):
         split(snap, 3)

@@ -35,8 +35,9 @@ OFFLOADCTL = str(Path(sys.executable).with_name("offloadctl"))
 
 
 def greedy_text(checkpoint: str, tokenizer, ids, max_new_tokens: int) -> str:
-    out = reference_generate(checkpoint, ids, num_threads=1, max_new_tokens=max_new_tokens,
-                             do_sample=False)  # fmt: skip
+    out = reference_generate(
+        checkpoint, ids, num_threads=1, max_new_tokens=max_new_tokens, do_sample=False
+    )
     new = out[0, ids.shape[1] :].tolist()
     if tokenizer.eos_token_id in new:
         new = new[: new.index(tokenizer.eos_token_id)]
@@ -44,8 +45,9 @@ def greedy_text(checkpoint: str, tokenizer, ids, max_new_tokens: int) -> str:
 
 
 def post(url: str, body: bytes, key: str) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=body, method="POST",
-                                     headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+    request = urllib.request.Request(
+        url, data=body, method="POST", headers={"Authorization": f"Bearer {key}"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, json.loads(response.read())
@@ -72,9 +74,20 @@ def serving(root: Path, *flags: str):
     """`offloadctl serve` of a tiny checkpoint written under `root`, on its own embedded Ray,
     with these flags; stopped on leaving (SIGTERM, then its whole process group killed), so
     nothing outlives the caller."""
-    checkpoint = str(make_checkpoint(root / "tiny-llama", CheckpointShape(
-        num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
-        vocab_size=512, max_positions=256)))  # fmt: skip
+    checkpoint = str(
+        make_checkpoint(
+            root / "tiny-llama",
+            CheckpointShape(
+                num_layers=4,
+                hidden_size=64,
+                num_heads=4,
+                num_kv_heads=2,
+                intermediate_size=128,
+                vocab_size=512,
+                max_positions=256,
+            ),
+        )
+    )
     port, key = free_ports(1)[0], secrets.token_hex(16)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["OFFLOAD_API_KEY"] = key
@@ -82,16 +95,20 @@ def serving(root: Path, *flags: str):
     log = open(log_path, "w")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(
         [OFFLOADCTL, "serve", "--checkpoint", checkpoint, "--port", str(port), *flags],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             assert proc.poll() is None, f"server exited: {log_path.read_text()[-3000:]}"
             try:
-                request = urllib.request.Request(f"{base}/models",
-                                                 headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+                request = urllib.request.Request(
+                    f"{base}/models", headers={"Authorization": f"Bearer {key}"}
+                )
                 with urllib.request.urlopen(request, timeout=5) as response:
                     if response.status == 200:
                         break
@@ -117,8 +134,17 @@ def served(tmp_path_factory):
     """One GPU, so one stage: its worker runs several decode steps per call when no request
     waits (stop strings and clients that leave end their request at the next step boundary).
     The module's last test stops it; if a test fails before, it is stopped here."""
-    with serving(tmp_path_factory.mktemp("serve"), "--gpus", "1", "--gpu-memory", "8MiB",
-                 "--max-seq-len", "64", "--max-batch", "2") as server:  # fmt: skip
+    with serving(
+        tmp_path_factory.mktemp("serve"),
+        "--gpus",
+        "1",
+        "--gpu-memory",
+        "8MiB",
+        "--max-seq-len",
+        "64",
+        "--max-batch",
+        "2",
+    ) as server:
         yield server
 
 
@@ -138,13 +164,17 @@ def test_openai_client_gets_transformers_greedy_text(server) -> None:
     assert [(m.id, m.max_model_len) for m in client.models.list()] == [("tiny-llama", 64)]
 
     prompt = "the quick brown fox"
-    expected = greedy_text(checkpoint, tokenizer, tokenizer(prompt, return_tensors="pt")["input_ids"], 12)
-    done = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12,
-                                     temperature=0)  # fmt: skip
+    expected = greedy_text(
+        checkpoint, tokenizer, tokenizer(prompt, return_tensors="pt")["input_ids"], 12
+    )
+    done = client.completions.create(
+        model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0
+    )
     assert done.choices[0].text == expected
     assert done.usage.prompt_tokens == len(tokenizer(prompt)["input_ids"])
-    streamed = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12,
-                                         temperature=0, stream=True)  # fmt: skip
+    streamed = client.completions.create(
+        model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0, stream=True
+    )
     assert "".join(chunk.choices[0].text for chunk in streamed) == expected
 
     # A stop string inside the greedy text: the text ends where it begins, finish_reason stop,
@@ -152,24 +182,43 @@ def test_openai_client_gets_transformers_greedy_text(server) -> None:
     assert len(expected) >= 5
     stop = expected[2:5]
     before = expected[: expected.find(stop)]
-    cut = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12,
-                                    temperature=0, stop=[stop, "never in it \u2603"])  # fmt: skip
+    cut = client.completions.create(
+        model="tiny-llama",
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        stop=[stop, "never in it \u2603"],
+    )
     assert cut.choices[0].text == before and cut.choices[0].finish_reason == "stop"
     assert cut.usage.completion_tokens < 12
-    chunks = list(client.completions.create(
-        model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0, stop=stop, stream=True,
-        stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            model="tiny-llama",
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            stop=stop,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == before
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == cut.usage.completion_tokens
+    assert (
+        chunks[-1].choices == []
+        and chunks[-1].usage.completion_tokens == cut.usage.completion_tokens
+    )
 
     messages = [{"role": "user", "content": "hello there"}]
-    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True)["input_ids"]  # fmt: skip
-    chat = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=8,
-                                          temperature=0)  # fmt: skip
+    chat_ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    chat = client.chat.completions.create(
+        model="tiny-llama", messages=messages, max_tokens=8, temperature=0
+    )
     assert chat.choices[0].message.content == greedy_text(checkpoint, tokenizer, chat_ids, 8)
-    deltas = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=8,
-                                            temperature=0, stream=True)  # fmt: skip
+    deltas = client.chat.completions.create(
+        model="tiny-llama", messages=messages, max_tokens=8, temperature=0, stream=True
+    )
     text = "".join(c.choices[0].delta.content or "" for c in deltas if c.choices)
     assert text == chat.choices[0].message.content
 
@@ -181,42 +230,65 @@ def test_wrong_key_and_bad_requests_get_4xx(server) -> None:
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
     client = openai.OpenAI(base_url=base, api_key=key, max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="exceed the KV cache reserved for "
-                       "max_seq_len=64"):  # fmt: skip
+    with pytest.raises(
+        openai.BadRequestError, match="exceed the KV cache reserved for max_seq_len=64"
+    ):
         client.completions.create(model="tiny-llama", prompt="hi", max_tokens=200)
-    with pytest.raises(openai.BadRequestError, match=r"exceed the model's context of 256 tokens "
-                       r"\(max_position_embeddings in config.json\)"):  # fmt: skip
+    with pytest.raises(
+        openai.BadRequestError,
+        match=r"exceed the model's context of 256 tokens "
+        r"\(max_position_embeddings in config.json\)",
+    ):
         client.completions.create(model="tiny-llama", prompt="hi", max_tokens=300)
     with pytest.raises(openai.BadRequestError, match=r"exceed the model's context"):  # streamed:
-        client.completions.create(model="tiny-llama", prompt="hi", max_tokens=300,  # 400 first
-                                  stream=True)  # fmt: skip
-    with pytest.raises(openai.BadRequestError, match=r"exceed the KV cache reserved for "
-                       r"max_seq_len=64"):  # fmt: skip
-        client.chat.completions.create(model="tiny-llama", max_tokens=100, stream=True,
-                                       messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+        client.completions.create(
+            model="tiny-llama",
+            prompt="hi",
+            max_tokens=300,  # 400 first
+            stream=True,
+        )
+    with pytest.raises(
+        openai.BadRequestError,
+        match=r"exceed the KV cache reserved for "
+        r"max_seq_len=64",
+    ):
+        client.chat.completions.create(
+            model="tiny-llama",
+            max_tokens=100,
+            stream=True,
+            messages=[{"role": "user", "content": "hi"}],
+        )
     assert post(f"{base}/completions", b"not json", key)[0] == 400
-    with pytest.raises(openai.NotFoundError, match=r"the model 'other' does not exist here: this "
-                       r"server serves 'tiny-llama'"):  # fmt: skip
+    with pytest.raises(
+        openai.NotFoundError,
+        match=r"the model 'other' does not exist here: this "
+        r"server serves 'tiny-llama'",
+    ):
         client.completions.create(model="other", prompt="hi", max_tokens=2)
     status, body = post(f"{base}/completions", json.dumps({"prompt": 3}).encode(), key)
     assert status == 400 and "'prompt' must be a non-empty string" in body["error"]["message"]
     status, body = post(f"{base}/chat/completions", json.dumps({"messages": "hi"}).encode(), key)
     assert status == 400 and "'messages' must be a non-empty list" in body["error"]["message"]
     # settings the server does not apply are refused, not ignored
-    status, body = post(f"{base}/completions", json.dumps({"prompt": "hi",
-                        "presence_penalty": 0.5}).encode(), key)  # fmt: skip
+    status, body = post(
+        f"{base}/completions", json.dumps({"prompt": "hi", "presence_penalty": 0.5}).encode(), key
+    )
     assert status == 400 and "'presence_penalty'=0.5 is not supported" in body["error"]["message"]
-    status, body = post(f"{base}/completions", json.dumps({"prompt": "hi",
-                        "stop": ["a", ""]}).encode(), key)  # fmt: skip
+    status, body = post(
+        f"{base}/completions", json.dumps({"prompt": "hi", "stop": ["a", ""]}).encode(), key
+    )
     assert status == 400 and "'stop' must be a non-empty string" in body["error"]["message"]
-    assert post(f"{base}/completions", json.dumps({"prompt": "hi", "max_tokens": 2}).encode(),
-                key)[0] == 200  # the server is fine after all that  # fmt: skip
+    assert (
+        post(f"{base}/completions", json.dumps({"prompt": "hi", "max_tokens": 2}).encode(), key)[0]
+        == 200
+    )  # the server is fine after all that
 
 
 def metrics(base: str, key: str) -> dict[str, float]:
     """The server's /metrics (Prometheus text), unlabelled: name -> value."""
-    request = urllib.request.Request(base.removesuffix("/v1") + "/metrics",
-                                     headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+    request = urllib.request.Request(
+        base.removesuffix("/v1") + "/metrics", headers={"Authorization": f"Bearer {key}"}
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         text = response.read().decode()
     values = {}
@@ -239,16 +311,19 @@ def test_clients_beyond_max_batch_wait_their_turn_and_get_their_text(server) -> 
     base, key, checkpoint = server
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     prompts = [f"story {i} of the cat" for i in range(8)]
-    expected = [greedy_text(checkpoint, tokenizer, tokenizer(p, return_tensors="pt")["input_ids"],
-                            24) for p in prompts]  # fmt: skip
+    expected = [
+        greedy_text(checkpoint, tokenizer, tokenizer(p, return_tensors="pt")["input_ids"], 24)
+        for p in prompts
+    ]
     before = metrics(base, key)
     client = openai.OpenAI(base_url=base, api_key=key, max_retries=0)
     results: list = [None] * len(prompts)
 
     def one(i: int) -> None:
         try:
-            done = client.completions.create(model="tiny-llama", prompt=prompts[i], max_tokens=24,
-                                             temperature=0)  # fmt: skip
+            done = client.completions.create(
+                model="tiny-llama", prompt=prompts[i], max_tokens=24, temperature=0
+            )
             results[i] = done.choices[0].text
         except openai.APIStatusError as exc:
             results[i] = exc.status_code
@@ -273,8 +348,9 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server) -> None:
 
     base, key, _ = server
     client = openai.OpenAI(base_url=base, api_key=key, max_retries=0)
-    stream = client.completions.create(model="tiny-llama", prompt="once upon", max_tokens=50,
-                                       temperature=0, stream=True)  # fmt: skip
+    stream = client.completions.create(
+        model="tiny-llama", prompt="once upon", max_tokens=50, temperature=0, stream=True
+    )
     next(iter(stream))
     stream.close()  # gone mid-stream
     deadline = time.monotonic() + 60

@@ -15,8 +15,19 @@ from test_serving import greedy_text, serving
 def test_two_replicas_share_the_requests(tmp_path) -> None:
     from transformers import AutoTokenizer
 
-    with serving(tmp_path, "--gpus", "2", "--gpu-memory", "8MiB", "--max-seq-len", "64",
-                 "--max-batch", "2", "--replicas", "2") as served:  # fmt: skip
+    with serving(
+        tmp_path,
+        "--gpus",
+        "2",
+        "--gpu-memory",
+        "8MiB",
+        "--max-seq-len",
+        "64",
+        "--max-batch",
+        "2",
+        "--replicas",
+        "2",
+    ) as served:
         deadline = time.monotonic() + 60  # said once every replica is up
         while "2 replicas (loads 'serve-" not in served.log_path.read_text():
             assert time.monotonic() < deadline, served.log()
@@ -25,11 +36,17 @@ def test_two_replicas_share_the_requests(tmp_path) -> None:
         prompts = [f"request number {i} of many" for i in range(8)]
 
         def complete(prompt: str) -> tuple[str, str]:
-            body = json.dumps({"model": "tiny-llama", "prompt": prompt, "max_tokens": 6,
-                               "temperature": 0}).encode()  # fmt: skip
-            request = urllib.request.Request(f"{served.base}/completions", data=body,
-                                             headers={"Authorization": f"Bearer {served.key}",
-                                                      "Content-Type": "application/json"})  # fmt: skip
+            body = json.dumps(
+                {"model": "tiny-llama", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+            ).encode()
+            request = urllib.request.Request(
+                f"{served.base}/completions",
+                data=body,
+                headers={
+                    "Authorization": f"Bearer {served.key}",
+                    "Content-Type": "application/json",
+                },
+            )
             with urllib.request.urlopen(request, timeout=120) as response:
                 load = response.headers["x-offload-load"]
                 return load, json.loads(response.read())["choices"][0]["text"]

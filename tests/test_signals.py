@@ -34,19 +34,42 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
 
 
 def test_ctrl_c_mid_load_ends_the_command_and_its_embedded_ray(tmp_path) -> None:
-    checkpoint = make_checkpoint(tmp_path / "ckpt", CheckpointShape(
-        num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64,
-        vocab_size=64))  # fmt: skip
+    checkpoint = make_checkpoint(
+        tmp_path / "ckpt",
+        CheckpointShape(
+            num_layers=2,
+            hidden_size=32,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=64,
+            vocab_size=64,
+        ),
+    )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env[HOLD_ENV] = str(tmp_path / "never")  # the embedded Ray's workers inherit it
     log_path = tmp_path / "load.log"
     log = open(log_path, "w")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(
-        ["sh", "-c", 'trap "" INT; exec "$0" "$@"', OFFLOADCTL, "load", "--checkpoint",
-         str(checkpoint), "--gpus", "1", "--gpu-memory", "8MiB"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        [
+            "sh",
+            "-c",
+            'trap "" INT; exec "$0" "$@"',
+            OFFLOADCTL,
+            "load",
+            "--checkpoint",
+            str(checkpoint),
+            "--gpus",
+            "1",
+            "--gpu-memory",
+            "8MiB",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
+
         def loading() -> bool:  # the progress bar: the chunks are asked for, and held
             assert proc.poll() is None, f"exited: {log_path.read_text()[-3000:]}"
             return "loading:" in log_path.read_text()
@@ -62,8 +85,9 @@ def test_ctrl_c_mid_load_ends_the_command_and_its_embedded_ray(tmp_path) -> None
         out = log_path.read_text()
         assert "interrupted: every worker and Ray this command started was released" in out
         assert "Traceback" not in out, out[-3000:]
-        wait_for(lambda: not ray_session_processes(session), 10,
-                 f"processes of {session} still run")  # fmt: skip
+        wait_for(
+            lambda: not ray_session_processes(session), 10, f"processes of {session} still run"
+        )
         wait_for(lambda: not still_running(spawned), 10, "processes the command spawned still run")
     finally:
         if proc.poll() is None:

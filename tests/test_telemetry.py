@@ -29,20 +29,42 @@ MIB = 2**20
 
 def report(stage: int, host: str, *, offloaded: int, pinned: bool, rss: int) -> StageSnapshot:
     return StageSnapshot(
-        stage=stage, hostname=host, pid=1000 + stage, cpu_arch="x86_64", device="cpu",
-        gpu=str(stage % 2), layers=(f"layers.{stage}",), offloaded=(f"layers.{stage}",),
-        backend="prefetch", backend_reason="discrete GPU: prefetch",
-        device_total_bytes=80 * MIB, device_used_bytes=30 * MIB, device_free_bytes=50 * MIB,
-        host_rss_bytes=rss, host_peak_rss_bytes=rss, host_available_bytes=(100 - stage) * MIB,
-        pin=PinDecision(pin=pinned, source="probe", reason="discrete GPU"), pin_origin="probe",
-        stats=OffloadStats(backend="prefetch", offloaded_layers=1, resident_bytes=20 * MIB,
-                           buffer_bytes=5 * MIB, offloaded_bytes=offloaded,
-                           pinned_bytes=offloaded if pinned else 0,
-                           pageable_bytes=0 if pinned else offloaded, copies=7, copied_bytes=70,
-                           copy_s=0.5, stall_s=0.25),
+        stage=stage,
+        hostname=host,
+        pid=1000 + stage,
+        cpu_arch="x86_64",
+        device="cpu",
+        gpu=str(stage % 2),
+        layers=(f"layers.{stage}",),
+        offloaded=(f"layers.{stage}",),
+        backend="prefetch",
+        backend_reason="discrete GPU: prefetch",
+        device_total_bytes=80 * MIB,
+        device_used_bytes=30 * MIB,
+        device_free_bytes=50 * MIB,
+        host_rss_bytes=rss,
+        host_peak_rss_bytes=rss,
+        host_available_bytes=(100 - stage) * MIB,
+        pin=PinDecision(pin=pinned, source="probe", reason="discrete GPU"),
+        pin_origin="probe",
+        stats=OffloadStats(
+            backend="prefetch",
+            offloaded_layers=1,
+            resident_bytes=20 * MIB,
+            buffer_bytes=5 * MIB,
+            offloaded_bytes=offloaded,
+            pinned_bytes=offloaded if pinned else 0,
+            pageable_bytes=0 if pinned else offloaded,
+            copies=7,
+            copied_bytes=70,
+            copy_s=0.5,
+            stall_s=0.25,
+        ),
         since_last=CopyCounters(interval_s=10.0, copies=2, copied_bytes=20, copy_s=0.1),
-        kv_cache_bytes=MIB, requests=1, time=1_700_000_000.0,
-    )  # fmt: skip
+        kv_cache_bytes=MIB,
+        requests=1,
+        time=1_700_000_000.0,
+    )
 
 
 REPORTS = [
@@ -69,11 +91,16 @@ def test_rows_per_gpu_and_per_node() -> None:
 def test_ray_nodes_sharing_a_host_are_separate_rows() -> None:
     """Simulated (or containerised) Ray nodes may share a hostname: the node id the driver
     adds keeps them apart, in the rows and in the table."""
-    reports = [dataclasses.replace(r, node_id=f"{node}{'0' * 30}")
-               for r, node in zip(REPORTS, ("cc", "aa", "bb"), strict=True)]  # fmt: skip
+    reports = [
+        dataclasses.replace(r, node_id=f"{node}{'0' * 30}")
+        for r, node in zip(REPORTS, ("cc", "aa", "bb"), strict=True)
+    ]
     rows = node_rows(reports)
     assert [(n.hostname, n.node_id[:2], n.stages) for n in rows] == [
-        ("a", "aa", (0,)), ("a", "bb", (1,)), ("b", "cc", (2,))]  # fmt: skip
+        ("a", "aa", (0,)),
+        ("a", "bb", (1,)),
+        ("b", "cc", (2,)),
+    ]
     assert "a (aa000000)" in render(reports) and "a (bb000000)" in render(reports)
 
 
@@ -99,12 +126,39 @@ def test_a_snapshot_round_trips_to_json_with_the_keys_it_always_had() -> None:
     data = snapshot.to_dict()
     assert json.loads(json.dumps(data)) == data
     assert {
-        "stage", "hostname", "pid", "cpu_arch", "device", "gpu", "layers", "offloaded", "backend",
-        "backend_reason", "pin", "pin_origin", "env", "device_total_bytes", "device_used_bytes",
-        "device_free_bytes", "host_rss_bytes", "host_peak_rss_bytes", "host_available_bytes",
-        "bytes_read", "init_s", "load_s", "forward_s", "forwards", "kv_cache_bytes", "requests",
-        "stats", "since_last", "time", "probe_errors", "node_id", "offload_unit",
-    } == set(data)  # fmt: skip
+        "stage",
+        "hostname",
+        "pid",
+        "cpu_arch",
+        "device",
+        "gpu",
+        "layers",
+        "offloaded",
+        "backend",
+        "backend_reason",
+        "pin",
+        "pin_origin",
+        "env",
+        "device_total_bytes",
+        "device_used_bytes",
+        "device_free_bytes",
+        "host_rss_bytes",
+        "host_peak_rss_bytes",
+        "host_available_bytes",
+        "bytes_read",
+        "init_s",
+        "load_s",
+        "forward_s",
+        "forwards",
+        "kv_cache_bytes",
+        "requests",
+        "stats",
+        "since_last",
+        "time",
+        "probe_errors",
+        "node_id",
+        "offload_unit",
+    } == set(data)
     assert data["stats"] == snapshot.stats.to_dict() and data["pin"] == snapshot.pin.to_dict()
     assert data["since_last"]["copies"] == 2 and data["layers"] == ["layers.0"]
     assert data["probe_errors"] == ["no numa"]
@@ -116,18 +170,42 @@ def test_a_snapshot_round_trips_to_json_with_the_keys_it_always_had() -> None:
 def test_rows_read_every_number_from_the_snapshot() -> None:
     [row] = gpu_rows([REPORTS[1]])
     assert row == GpuRow(
-        stage=0, hostname="a", gpu="0", layers="layers.0", backend="prefetch",
-        device_total_bytes=80 * MIB, device_used_bytes=30 * MIB, device_free_bytes=50 * MIB,
-        resident_bytes=20 * MIB, buffer_bytes=5 * MIB, offloaded_bytes=10 * MIB,
-        pinned_bytes=10 * MIB, pageable_bytes=0, copies=7, copied_bytes=70, copy_s=0.5,
-        stall_s=0.25, kv_cache_bytes=MIB, requests=1, pin=True, pin_source="probe",
-        pin_reason="discrete GPU", pin_origin="probe",
-    )  # fmt: skip
+        stage=0,
+        hostname="a",
+        gpu="0",
+        layers="layers.0",
+        backend="prefetch",
+        device_total_bytes=80 * MIB,
+        device_used_bytes=30 * MIB,
+        device_free_bytes=50 * MIB,
+        resident_bytes=20 * MIB,
+        buffer_bytes=5 * MIB,
+        offloaded_bytes=10 * MIB,
+        pinned_bytes=10 * MIB,
+        pageable_bytes=0,
+        copies=7,
+        copied_bytes=70,
+        copy_s=0.5,
+        stall_s=0.25,
+        kv_cache_bytes=MIB,
+        requests=1,
+        pin=True,
+        pin_source="probe",
+        pin_reason="discrete GPU",
+        pin_origin="probe",
+    )
     no_gpu = dataclasses.replace(REPORTS[1], gpu="")
     assert gpu_rows([no_gpu])[0].gpu == "-"
     [node] = node_rows([REPORTS[1]])
-    assert node == NodeRow(hostname="a", node_id="", stages=(0,), host_available_bytes=100 * MIB,
-                           workers_rss_bytes=400 * MIB, pinned_bytes=10 * MIB, pageable_bytes=0)
+    assert node == NodeRow(
+        hostname="a",
+        node_id="",
+        stages=(0,),
+        host_available_bytes=100 * MIB,
+        workers_rss_bytes=400 * MIB,
+        pinned_bytes=10 * MIB,
+        pageable_bytes=0,
+    )
 
 
 LOST = LostStage(stage=3, hostname="c", node_id="dd" * 16, layers=("layers.3", "head"))
@@ -135,17 +213,44 @@ LOST = LostStage(stage=3, hostname="c", node_id="dd" * 16, layers=("layers.3", "
 
 def test_status_json_keys_are_unchanged_and_a_lost_stage_is_listed() -> None:
     """`offloadctl status --json` prints `summary`: users' scripts read these keys."""
-    data = json.loads(json.dumps(summary([*REPORTS, LOST],
-                                         [{"event": "replaced workers", "time": 1.0}])))  # fmt: skip
+    data = json.loads(
+        json.dumps(summary([*REPORTS, LOST], [{"event": "replaced workers", "time": 1.0}]))
+    )
     assert list(data) == ["gpus", "nodes", "lost", "events"]
     assert list(data["gpus"][0]) == [
-        "stage", "hostname", "gpu", "layers", "backend", "device_total_bytes", "device_used_bytes",
-        "device_free_bytes", "resident_bytes", "buffer_bytes", "offloaded_bytes", "pinned_bytes",
-        "pageable_bytes", "copies", "copied_bytes", "copy_s", "stall_s", "kv_cache_bytes",
-        "requests", "pin", "pin_source", "pin_reason", "pin_origin",
-    ]  # fmt: skip
-    assert list(data["nodes"][0]) == ["hostname", "node_id", "stages", "host_available_bytes",
-                                      "workers_rss_bytes", "pinned_bytes", "pageable_bytes"]  # fmt: skip
+        "stage",
+        "hostname",
+        "gpu",
+        "layers",
+        "backend",
+        "device_total_bytes",
+        "device_used_bytes",
+        "device_free_bytes",
+        "resident_bytes",
+        "buffer_bytes",
+        "offloaded_bytes",
+        "pinned_bytes",
+        "pageable_bytes",
+        "copies",
+        "copied_bytes",
+        "copy_s",
+        "stall_s",
+        "kv_cache_bytes",
+        "requests",
+        "pin",
+        "pin_source",
+        "pin_reason",
+        "pin_origin",
+    ]
+    assert list(data["nodes"][0]) == [
+        "hostname",
+        "node_id",
+        "stages",
+        "host_available_bytes",
+        "workers_rss_bytes",
+        "pinned_bytes",
+        "pageable_bytes",
+    ]
     assert data["lost"] == [{"stage": 3, "hostname": "c", "layers": ["layers.3", "head"]}]
     assert [g["stage"] for g in data["gpus"]] == [0, 1, 2]  # the lost stage has no GPU row
     text = render([*REPORTS, LOST])

@@ -14,8 +14,17 @@ TEXT = "the cat sat on the mat. the dog ran to the cat and sat."
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     root = tmp_path_factory.mktemp("text") / "ckpt"
-    make_checkpoint(root, CheckpointShape(num_layers=1, hidden_size=16, num_heads=2,
-                                          num_kv_heads=1, intermediate_size=32, vocab_size=512))  # fmt: skip
+    make_checkpoint(
+        root,
+        CheckpointShape(
+            num_layers=1,
+            hidden_size=16,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=32,
+            vocab_size=512,
+        ),
+    )
     return load_tokenizer(root)
 
 

@@ -35,16 +35,22 @@ def cycle(times: list[float], k: int, overhead: float) -> float:
 
 
 def brute_cycle(layers, snap: ClusterSnapshot, opts: PlanOptions) -> float | None:
-    return min((cycle(t, opts.micro_batches, opts.step_overhead_s)
-                for t in feasible_stage_times(layers, snap, opts)), default=None)  # fmt: skip
+    return min(
+        (
+            cycle(t, opts.micro_batches, opts.step_overhead_s)
+            for t in feasible_stage_times(layers, snap, opts)
+        ),
+        default=None,
+    )
 
 
 @FAST
 @given(instances(), st.integers(1, 4), st.sampled_from([0.0, 0.0, 0.5, 3.0]))
 def test_shortest_cycle_matches_brute_force(instance, k, overhead) -> None:
     layers, snap, opts = instance
-    opts = dataclasses.replace(opts, objective="throughput", micro_batches=k,
-                               step_overhead_s=overhead)  # fmt: skip
+    opts = dataclasses.replace(
+        opts, objective="throughput", micro_batches=k, step_overhead_s=overhead
+    )
     expected = brute_cycle(layers, snap, opts)
     if expected is None:
         with pytest.raises(PlanError):
@@ -80,9 +86,15 @@ def test_micro_batch_counts_keep_the_fewest_per_row_count() -> None:
 def profile(step_ms: tuple[float, float, float], fixed_ms: float = 0.0) -> ComputeProfile:
     """A measured decoder layer of 10 bytes taking these ms per step of 1, 8 and 32 rows, and
     a stage's step `fixed_ms` more whatever its rows."""
-    return ComputeProfile(family="llama", dtype="float32", device="cpu", rows=(1, 8, 32),
-                          layer_s=tuple(t / 1e3 for t in step_ms),
-                          fixed_s=(fixed_ms / 1e3,) * 3, layer_bytes=10)  # fmt: skip
+    return ComputeProfile(
+        family="llama",
+        dtype="float32",
+        device="cpu",
+        rows=(1, 8, 32),
+        layer_s=tuple(t / 1e3 for t in step_ms),
+        fixed_s=(fixed_ms / 1e3,) * 3,
+        layer_bytes=10,
+    )
 
 
 @st.composite
@@ -91,23 +103,35 @@ def throughput_instances(draw):
     rows a step computes), decoders with KV caches, and the batch sizes to choose from."""
     layers, snap, opts = draw(instances(max_gpus=3))
     kv = draw(st.integers(1, 3))
-    layers = [dataclasses.replace(x, kv_bytes_per_token=kv, kv_window=None)
-              if x.kind == "decoder" else x for x in layers]  # fmt: skip
+    layers = [
+        dataclasses.replace(x, kv_bytes_per_token=kv, kv_window=None) if x.kind == "decoder" else x
+        for x in layers
+    ]
     nodes = tuple(
-        dataclasses.replace(n, compute_bytes_per_s=None, compute=profile(draw(st.sampled_from(
-            [(1.0, 1.5, 4.0), (2.0, 2.0, 3.0), (1.0, 8.0, 32.0)])), draw(st.sampled_from(
-            [0.0, 500.0]))))
-        if draw(st.booleans()) else n
+        dataclasses.replace(
+            n,
+            compute_bytes_per_s=None,
+            compute=profile(
+                draw(st.sampled_from([(1.0, 1.5, 4.0), (2.0, 2.0, 3.0), (1.0, 8.0, 32.0)])),
+                draw(st.sampled_from([0.0, 500.0])),
+            ),
+        )
+        if draw(st.booleans())
+        else n
         for n in snap.nodes
-    )  # fmt: skip
-    opts = dataclasses.replace(opts, max_seq_len=draw(st.integers(1, 3)),
-                               step_overhead_s=draw(st.sampled_from([0.0, 0.25])))  # fmt: skip
+    )
+    opts = dataclasses.replace(
+        opts,
+        max_seq_len=draw(st.integers(1, 3)),
+        step_overhead_s=draw(st.sampled_from([0.0, 0.25])),
+    )
     batches = draw(st.lists(st.integers(1, 4), min_size=1, max_size=3, unique=True))
     return layers, ClusterSnapshot(nodes=nodes), opts, sorted(batches)
 
 
-def brute_best(layers, snap: ClusterSnapshot, opts: PlanOptions, batches,
-               latency: float) -> float | None:  # fmt: skip
+def brute_best(
+    layers, snap: ClusterSnapshot, opts: PlanOptions, batches, latency: float
+) -> float | None:
     """Every batch size x every micro-batch count x every placement: the most tokens/s
     within the latency bound (None: nothing fits it)."""
     num_gpus = sum(len(n.gpus) for n in snap.nodes)
@@ -117,11 +141,17 @@ def brute_best(layers, snap: ClusterSnapshot, opts: PlanOptions, batches,
             rows = -(-batch // k)
             # the runtime's overhead and the largest fixed step time the nodes measured
             fixed = max(n.fixed_step_s(rows) for n in snap.nodes)
-            o = dataclasses.replace(opts, max_batch=batch, micro_batches=k,
-                                    step_overhead_s=opts.step_overhead_s + fixed)  # fmt: skip
-            rated = ClusterSnapshot(nodes=tuple(
-                dataclasses.replace(n, compute=None, compute_bytes_per_s=n.compute_rate(rows)[0])
-                for n in snap.nodes))  # fmt: skip
+            o = dataclasses.replace(
+                opts, max_batch=batch, micro_batches=k, step_overhead_s=opts.step_overhead_s + fixed
+            )
+            rated = ClusterSnapshot(
+                nodes=tuple(
+                    dataclasses.replace(
+                        n, compute=None, compute_bytes_per_s=n.compute_rate(rows)[0]
+                    )
+                    for n in snap.nodes
+                )
+            )
             best = brute_cycle(layers, rated, o)
             if best is None or (latency and best > latency):
                 continue
@@ -151,10 +181,11 @@ def test_a_larger_batch_that_pushes_weights_off_can_lose() -> None:
     """One GPU, 4 decoders of 100 bytes, KV of 1 byte per token and layer, 10 tokens: batch
     4 (160 bytes of KV) still fits beside the weights, batch 8 pushes two layers to a slow
     link, 16 does not fit. The choice stops where the copies cost more than the rows gain."""
-    layers = [dataclasses.replace(x, kv_bytes_per_token=1) if x.kind == "decoder" else x
-              for x in model([100] * 4)]  # fmt: skip
-    snap = cluster({"gpus": [400 + 160 + 100], "host": 10_000, "link": 10.0,
-                    "compute": 100.0})  # fmt: skip
+    layers = [
+        dataclasses.replace(x, kv_bytes_per_token=1) if x.kind == "decoder" else x
+        for x in model([100] * 4)
+    ]
+    snap = cluster({"gpus": [400 + 160 + 100], "host": 10_000, "link": 10.0, "compute": 100.0})
     opts = PlanOptions(max_seq_len=10, step_overhead_s=0.5)
     plans = best_plans(layers, snap, opts, batches=(1, 2, 4, 8, 16), prune=False)
     assert [s.offloaded_bytes for s in plans[4].stages] == [0]
@@ -175,9 +206,10 @@ def test_thousand_layers_on_512_gpus_for_throughput_is_fast() -> None:
     """The planner's large case with KV caches and MLPs to offload on their own: every (batch,
     micro-batch) pair is planned or bounded; too large for the exact DP, the plan says how far
     from optimal it can be."""
-    layers = [dataclasses.replace(x, kv_bytes_per_token=256 * 1024) if x.kind == "decoder"
-              else x for x in model([3 * GiB] * 1000, embed=4 * GiB, head=4 * GiB,
-                                    mlps=[2 * GiB] * 1000)]  # fmt: skip
+    layers = [
+        dataclasses.replace(x, kv_bytes_per_token=256 * 1024) if x.kind == "decoder" else x
+        for x in model([3 * GiB] * 1000, embed=4 * GiB, head=4 * GiB, mlps=[2 * GiB] * 1000)
+    ]
     snap = large_cluster()
     start = time.perf_counter()
     chosen = choose(layers, snap, PlanOptions(reserve_bytes=GiB // 2, max_seq_len=64))
@@ -190,8 +222,13 @@ def test_thousand_layers_on_512_gpus_for_throughput_is_fast() -> None:
 def test_min_cycle_of_a_cluster_too_large_for_the_dp_reports_its_bound() -> None:
     from coordinator.planning.search import NodeLimits, Search
 
-    search = Search([10] * 6, [True] * 6, [NodeLimits((100,) * 3, 0, 1.0)], reserve_bytes=0,
-                    compute_bytes_per_s=1.0)  # fmt: skip
+    search = Search(
+        [10] * 6,
+        [True] * 6,
+        [NodeLimits((100,) * 3, 0, 1.0)],
+        reserve_bytes=0,
+        compute_bytes_per_s=1.0,
+    )
     exact = min_cycle(search, 1, 1.0)  # one GPU: 60 s + one overhead
     bounded = min_cycle(search, 1, 1.0, dp_limit=1)  # the bottleneck split: 3 x (20 + 1)
     assert (exact.cycle_s, exact.bound_s, len(exact.placements)) == (61.0, 61.0, 1)

@@ -21,9 +21,17 @@ MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 def test_expert_tensors_fill_the_fused_parameters_as_transformers_fuses_them(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
-    shape = CheckpointShape(arch=arch, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
-                            intermediate_size=48, vocab_size=64, num_experts=4,
-                            max_shard_bytes=50_000)  # fmt: skip
+    shape = CheckpointShape(
+        arch=arch,
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=48,
+        vocab_size=64,
+        num_experts=4,
+        max_shard_bytes=50_000,
+    )
     root = make_checkpoint(tmp_path / arch, shape)
     index = load_index(root)
     model = AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32)
@@ -33,8 +41,9 @@ def test_expert_tensors_fill_the_fused_parameters_as_transformers_fuses_them(tmp
     names = [t.name for layer in index.layers for t in layer.tensors]
     assert sum(bool(re.search(r"\.experts\.3\.", n)) for n in names) == 2 * 3  # 2 layers x 3 mats
     fused = {t.target for layer in index.layers for t in layer.tensors if t.view}
-    assert fused == {f"model.layers.{i}.mlp.experts.{p}" for i in range(2)
-                     for p in ("gate_up_proj", "down_proj")}  # fmt: skip
+    assert fused == {
+        f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")
+    }
 
     # Rebuild every parameter from the index alone: each tensor's bytes into its view. NaN
     # first, so a part no tensor fills shows.

@@ -9,8 +9,15 @@ import torch
 
 from worker.wire import Packed, pack, unpack
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.uint8,
-          torch.float8_e4m3fn]  # fmt: skip
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.bool,
+    torch.uint8,
+    torch.float8_e4m3fn,
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -14,15 +14,30 @@ from worker.worker import StageWorker, WorkerError
 
 @pytest.fixture(scope="module")
 def index(tmp_path_factory):
-    path = make_checkpoint(tmp_path_factory.mktemp("w") / "ckpt", CheckpointShape(
-        num_layers=4, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64,
-        vocab_size=64))  # fmt: skip
+    path = make_checkpoint(
+        tmp_path_factory.mktemp("w") / "ckpt",
+        CheckpointShape(
+            num_layers=4,
+            hidden_size=32,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=64,
+            vocab_size=64,
+        ),
+    )
     return load_index(path)
 
 
 def spec_for(index, *, offloaded: tuple[str, ...]) -> StageSpec:
-    return StageSpec(stage=0, num_stages=1, checkpoint_dir=str(index.root), config=index.config,
-                     layers=index.layers, offloaded=offloaded, prefetch_step=1)  # fmt: skip
+    return StageSpec(
+        stage=0,
+        num_stages=1,
+        checkpoint_dir=str(index.root),
+        config=index.config,
+        layers=index.layers,
+        offloaded=offloaded,
+        prefetch_step=1,
+    )
 
 
 def test_snapshots_report_counters_since_the_last_one(index) -> None:
@@ -54,8 +69,15 @@ def test_budget_overrun_is_refused_with_numbers(index) -> None:
 
 def stage_spec(index, names: list[str], offloaded: tuple[str, ...] = ()) -> StageSpec:
     layers = tuple(layer for layer in index.layers if layer.name in names)
-    return StageSpec(stage=0, num_stages=1, checkpoint_dir=str(index.root), config=index.config,
-                     layers=layers, offloaded=offloaded, prefetch_step=1)  # fmt: skip
+    return StageSpec(
+        stage=0,
+        num_stages=1,
+        checkpoint_dir=str(index.root),
+        config=index.config,
+        layers=layers,
+        offloaded=offloaded,
+        prefetch_step=1,
+    )
 
 
 def nbytes(index, names) -> int:
@@ -79,7 +101,9 @@ def test_reconfigure_reads_only_the_layers_it_did_not_hold(index) -> None:
         embed_ptr = worker.stage.model.get_input_embeddings().weight.data_ptr()
         everything = [layer.name for layer in index.layers]
         # layers.0: resident -> offloaded, layers.1: offloaded -> resident, embed: kept resident
-        chunks = worker.reconfigure(stage_spec(index, everything, offloaded=("layers.0", "layers.3")))
+        chunks = worker.reconfigure(
+            stage_spec(index, everything, offloaded=("layers.0", "layers.3"))
+        )
         assert sum(chunks.values()) == nbytes(index, ["layers.3", "head"])
         for chunk in chunks:
             worker.load_chunk(chunk)
@@ -87,7 +111,9 @@ def test_reconfigure_reads_only_the_layers_it_did_not_hold(index) -> None:
         assert report.bytes_read == nbytes(index, everything)  # every byte read exactly once
         # A new offloader counts from zero, and so do the rates of the next snapshot.
         assert report.since_last.copies == report.stats.copies >= 0
-        assert worker.stage.model.get_input_embeddings().weight.data_ptr() == embed_ptr  # adopted, not copied
+        assert (
+            worker.stage.model.get_input_embeddings().weight.data_ptr() == embed_ptr
+        )  # adopted, not copied
         assert report.offloaded == ("layers.0", "layers.3")
         assert torch.equal(worker.forward(ids), expected)
         # Shrinking to a suffix reads nothing: every layer it keeps is already here.
@@ -125,8 +151,9 @@ def test_periodic_snapshots_add_up_to_the_counters(index) -> None:
     together they add up to the cumulative counters, nothing counted twice or lost."""
     import time
 
-    worker = StageWorker(spec_for(index, offloaded=("layers.0", "layers.2")), device="cpu",
-                         snapshot_interval_s=0.05)  # fmt: skip
+    worker = StageWorker(
+        spec_for(index, offloaded=("layers.0", "layers.2")), device="cpu", snapshot_interval_s=0.05
+    )
     try:
         first = worker.load()
         ids = torch.randint(0, 64, (1, 4))
@@ -151,8 +178,14 @@ def test_a_checkpoint_rewritten_under_the_job_is_never_read(tmp_path) -> None:
     import dataclasses
     import shutil
 
-    shape = CheckpointShape(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
-                            intermediate_size=64, vocab_size=64)  # fmt: skip
+    shape = CheckpointShape(
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        vocab_size=64,
+    )
     root = make_checkpoint(tmp_path / "ckpt", shape)
     index = load_index(root)
     spec = dataclasses.replace(spec_for(index, offloaded=()), files=index.identities)
@@ -162,8 +195,11 @@ def test_a_checkpoint_rewritten_under_the_job_is_never_read(tmp_path) -> None:
     assert (before.size, before.header_sha256) == (after.size, after.header_sha256)
     worker = StageWorker(spec, device="cpu")
     try:
-        with pytest.raises(WorkerError, match=r"model.safetensors: the checkpoint file changed "
-                           r"since the job indexed it \(mtime_ns \d+ -> \d+\).*load the job again"):
+        with pytest.raises(
+            WorkerError,
+            match=r"model.safetensors: the checkpoint file changed "
+            r"since the job indexed it \(mtime_ns \d+ -> \d+\).*load the job again",
+        ):
             worker.load()
         assert worker.report().bytes_read == 0  # nothing of the new file was read
     finally:
@@ -184,8 +220,9 @@ def test_a_uva_stage_reads_weights_in_place_and_takes_a_new_plan(index) -> None:
     everything = [layer.name for layer in index.layers]
     uva = lambda spec: dataclasses.replace(spec, backend="uva")  # noqa: E731
     resident = StageWorker(stage_spec(index, everything), device="cpu")
-    worker = StageWorker(uva(stage_spec(index, everything, offloaded=("layers.1", "layers.2"))),
-                         device="cpu")  # fmt: skip
+    worker = StageWorker(
+        uva(stage_spec(index, everything, offloaded=("layers.1", "layers.2"))), device="cpu"
+    )
     try:
         all_resident = resident.load().device_used_bytes
         report = worker.load()

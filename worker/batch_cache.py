@@ -28,9 +28,11 @@ from transformers.cache_utils import Cache
 
 # A mask function other than the two `worker.stage` routes here reached the cache: this family
 # builds its masks some other way, and a mask sized as one sequence would be silently wrong.
-_UNROUTED = ("this model builds an attention mask that batched generation does not route "
-             "(only create_causal_mask and create_sliding_window_causal_mask are): its family "
-             "cannot generate in batches yet")
+_UNROUTED = (
+    "this model builds an attention mask that batched generation does not route "
+    "(only create_causal_mask and create_sliding_window_causal_mask are): its family "
+    "cannot generate in batches yet"
+)
 
 
 def row_positions(starts: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
@@ -44,18 +46,23 @@ class SlotPool:
     """Keys and values of `num_slots` sequences of up to `max_seq_len` tokens, for the decoder
     layers `held_layers` (model indices)."""
 
-    def __init__(self, held_layers: list[int], *, num_slots: int, max_seq_len: int,
-                 device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self, held_layers: list[int], *, num_slots: int, max_seq_len: int, device: torch.device
+    ) -> None:
         if num_slots < 1 or max_seq_len < 1:
-            raise ValueError(f"a slot pool needs num_slots >= 1 and max_seq_len >= 1, got "
-                             f"{num_slots} and {max_seq_len}")  # fmt: skip
+            raise ValueError(
+                f"a slot pool needs num_slots >= 1 and max_seq_len >= 1, got "
+                f"{num_slots} and {max_seq_len}"
+            )
         self.held = sorted(held_layers)
         self.num_slots, self.max_seq_len, self.device = num_slots, max_seq_len, device
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.keys, self.values) for t in d.values())
+        return sum(
+            t.numel() * t.element_size() for d in (self.keys, self.values) for t in d.values()
+        )
 
     def stores(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's keys and values stores, allocated on first use shaped like `like`
@@ -68,16 +75,16 @@ class SlotPool:
             self.values[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=self.device)
         return self.keys[layer_idx], self.values[layer_idx]
 
-    def view(self, slots: list[int], starts: list[int], counts: list[int],
-             width: int) -> BatchView:  # fmt: skip
+    def view(self, slots: list[int], starts: list[int], counts: list[int], width: int) -> BatchView:
         return BatchView(self, slots, starts, counts, width)
 
 
 class BatchView(Cache):
     """One step's rows of a `SlotPool`, as the `Cache` the model updates and reads."""
 
-    def __init__(self, pool: SlotPool, slots: list[int], starts: list[int], counts: list[int],
-                 width: int) -> None:  # fmt: skip
+    def __init__(
+        self, pool: SlotPool, slots: list[int], starts: list[int], counts: list[int], width: int
+    ) -> None:
         super().__init__(layers=[])
         if not len(slots) == len(starts) == len(counts):
             raise ValueError("slots, starts and counts must have one entry per row")
@@ -85,8 +92,10 @@ class BatchView(Cache):
             if not 0 <= slot < pool.num_slots:
                 raise ValueError(f"slot {slot} is outside the pool of {pool.num_slots}")
             if not 1 <= count <= width or start < 0 or start + count > pool.max_seq_len:
-                raise ValueError(f"a row of {count} token(s) at {start} does not fit width "
-                                 f"{width} and max_seq_len {pool.max_seq_len}")  # fmt: skip
+                raise ValueError(
+                    f"a row of {count} token(s) at {start} does not fit width "
+                    f"{width} and max_seq_len {pool.max_seq_len}"
+                )
         self.pool, self.width = pool, width
         self.slots = torch.tensor(slots, device=pool.device)
         self.starts = torch.tensor(starts, device=pool.device)
@@ -97,11 +106,16 @@ class BatchView(Cache):
         # step's rows by slot, so this is the common case): the stores are read through a
         # view instead of a gather that copies every row's keys and values at every layer.
         first = slots[0]
-        self._span = slice(first, first + len(slots)) if slots == list(range(first, first + len(slots))) else None
+        self._span = (
+            slice(first, first + len(slots))
+            if slots == list(range(first, first + len(slots)))
+            else None
+        )
         self.kv_length = max(s + c for s, c in zip(starts, counts, strict=True))
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.pool.stores(layer_idx, key_states)
         if self.decode:
             keys[self.slots, :, self.starts] = key_states[:, :, 0]
@@ -128,14 +142,17 @@ class BatchView(Cache):
     def is_compileable(self) -> bool:
         return False
 
-    def mask(self, *, sliding_window: int | None, dtype: torch.dtype,
-             implementation: str) -> torch.Tensor:  # fmt: skip
+    def mask(
+        self, *, sliding_window: int | None, dtype: torch.dtype, implementation: str
+    ) -> torch.Tensor:
         """The 4D mask (rows, 1, width, kv_length) of this step: a real token sees its row's
         positions up to its own (and, with `sliding_window`, fewer than that many back); a
         padding query sees position 0 only (always written: it never yields NaN). Boolean for
         sdpa, additive (0 / dtype min) for eager attention, as transformers builds them."""
         keys = torch.arange(self.kv_length, device=self.pool.device)
-        queries = row_positions(self.starts, self.counts, self.width)[:, :, None]  # (rows, width, 1)
+        queries = row_positions(self.starts, self.counts, self.width)[
+            :, :, None
+        ]  # (rows, width, 1)
         allowed = keys <= queries
         if sliding_window is not None:
             allowed &= keys > queries - sliding_window

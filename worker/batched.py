@@ -82,13 +82,17 @@ def choose_rows(logits: torch.Tensor, draw: Draw) -> tuple[torch.Tensor, torch.T
         return tokens, None
     states = unpack(draw.states)
     if states is None or states.shape[0] != len(sampling):
-        raise ValueError(f"{len(sampling)} sampling row(s) need as many generator states, got "
-                         f"{None if states is None else states.shape[0]}")  # fmt: skip
+        raise ValueError(
+            f"{len(sampling)} sampling row(s) need as many generator states, got "
+            f"{None if states is None else states.shape[0]}"
+        )
     after = []
     for state, r in zip(states, sampling, strict=True):
         generator = torch.Generator()
         generator.set_state(state.clone())
-        tokens[r] = next_tokens(logits[r : r + 1, None].cpu(), None, draw.samplings[r], generator)[0]
+        tokens[r] = next_tokens(logits[r : r + 1, None].cpu(), None, draw.samplings[r], generator)[
+            0
+        ]
         after.append(generator.get_state())
     return tokens, torch.stack(after)
 
@@ -110,21 +114,28 @@ class BatchRunner:
     def nbytes(self) -> int:
         return self.pool.nbytes() if self.pool is not None else 0
 
-    def step(self, stage, rows: StepRows, x: torch.Tensor,
-             draw: Draw | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    def step(
+        self, stage, rows: StepRows, x: torch.Tensor, draw: Draw | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states (rows, width, hidden) from a stage before the last; from the last,
         each row's chosen token and the sampling rows' generator states."""
         view = None
         held = stage.decoder_indices
         if held:
             pool = self.pool
-            if pool is None or (pool.num_slots, pool.max_seq_len) != (rows.num_slots, rows.max_seq_len):
-                pool = self.pool = SlotPool(held, num_slots=rows.num_slots,
-                                            max_seq_len=rows.max_seq_len, device=self.device)  # fmt: skip
+            if pool is None or (pool.num_slots, pool.max_seq_len) != (
+                rows.num_slots,
+                rows.max_seq_len,
+            ):
+                pool = self.pool = SlotPool(
+                    held, num_slots=rows.num_slots, max_seq_len=rows.max_seq_len, device=self.device
+                )
             view = pool.view(list(rows.slots), list(rows.starts), list(rows.counts), rows.width)
         if x.shape[:2] != (len(rows.slots), rows.width):
-            raise ValueError(f"step input of shape {tuple(x.shape)} does not match "
-                             f"{len(rows.slots)} rows of width {rows.width}")  # fmt: skip
+            raise ValueError(
+                f"step input of shape {tuple(x.shape)} does not match "
+                f"{len(rows.slots)} rows of width {rows.width}"
+            )
         self.last_rows = len(rows.slots)
         start = time.perf_counter()
         try:
@@ -135,17 +146,26 @@ class BatchRunner:
     def _forward(self, stage, rows: StepRows, x: torch.Tensor, view, draw: Draw | None):
         # inference_mode: no version counters or view tracking on activations and caches
         with torch.inference_mode():
-            out = stage(x.to(self.device), position_ids=rows.positions().to(self.device),
-                        logits_to_keep=1 if stage.is_last else 0, cache=view)  # fmt: skip
+            out = stage(
+                x.to(self.device),
+                position_ids=rows.positions().to(self.device),
+                logits_to_keep=1 if stage.is_last else 0,
+                cache=view,
+            )
             if not stage.is_last:
                 return out.cpu()
             if draw is None or len(draw.samplings) != len(rows.slots):
                 raise ValueError("the last stage needs a Draw with one entry per row")
             return choose_rows(out[:, -1], draw)
 
-    def ring(self, stage, batches: Sequence[tuple[StepRows, torch.Tensor, Draw]], count: int,
-             downstream: Sequence = (), timeout_s: float = 300.0,
-             ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:  # fmt: skip
+    def ring(
+        self,
+        stage,
+        batches: Sequence[tuple[StepRows, torch.Tensor, Draw]],
+        count: int,
+        downstream: Sequence = (),
+        timeout_s: float = 300.0,
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
         """Up to `count` decode steps of each micro-batch of `batches` (rows, input, draw), run
         from this stage, the first. A step of micro-batch m goes through this stage, then on
         through `downstream` (the later stages in order: Ray actor handles, or in-process
@@ -188,11 +208,17 @@ class BatchRunner:
         if not downstream:
             return self.step(stage, rows, x, draw)
         out: object = pack(self.step(stage, rows, x, None))
-        wire_draw = Draw(draw.samplings, pack(unpack(draw.states)) if draw.states is not None else None)
+        wire_draw = Draw(
+            draw.samplings, pack(unpack(draw.states)) if draw.states is not None else None
+        )
         for i, worker in enumerate(downstream):
             last_draw = wire_draw if i == len(downstream) - 1 else None
             call = getattr(worker.batch_step, "remote", None)
-            out = call(rows, out, last_draw) if call is not None else worker.batch_step(rows, out, last_draw)
+            out = (
+                call(rows, out, last_draw)
+                if call is not None
+                else worker.batch_step(rows, out, last_draw)
+            )
         return out
 
 

@@ -58,9 +58,11 @@ class ComputeProfile:
 
     def describe(self, rows: int) -> str:
         rows = max(rows, 1)
-        return (f"measured: a {self.family} decoder layer ({self.dtype}) takes "
-                f"{self.step_s(rows) * 1e3:.2f} ms per step of {rows} sequence(s) on "
-                f"{self.device}, a stage's step {self.fixed_step_s(rows) * 1e3:.2f} ms more")  # fmt: skip
+        return (
+            f"measured: a {self.family} decoder layer ({self.dtype}) takes "
+            f"{self.step_s(rows) * 1e3:.2f} ms per step of {rows} sequence(s) on "
+            f"{self.device}, a stage's step {self.fixed_step_s(rows) * 1e3:.2f} ms more"
+        )
 
 
 def _between(rows: tuple[int, ...], values: tuple[float, ...], at: int) -> float:
@@ -82,16 +84,25 @@ def _device_name(device: torch.device) -> str:
 
 
 def _cache_path(config: dict, dtype: str, device: torch.device) -> Path:
-    key = json.dumps([config, dtype, _device_name(device), torch.__version__, ROWS, CONTEXT],
-                     sort_keys=True, default=repr)  # fmt: skip
+    key = json.dumps(
+        [config, dtype, _device_name(device), torch.__version__, ROWS, CONTEXT],
+        sort_keys=True,
+        default=repr,
+    )
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "offload-coordinator")
     return root / "compute" / f"{digest}.json"
 
 
-def measure(config: dict, dtype: str, device: str | torch.device = "cpu", *,
-            threads: int | None = None, use_cache: bool = True,
-            cached_only: bool = False) -> ComputeProfile | None:  # fmt: skip
+def measure(
+    config: dict,
+    dtype: str,
+    device: str | torch.device = "cpu",
+    *,
+    threads: int | None = None,
+    use_cache: bool = True,
+    cached_only: bool = False,
+) -> ComputeProfile | None:
     """The profile of `config`'s decoder layer in `dtype` on `device`, on `threads` CPU threads
     (the workers' count; None: this process's), from the cache when this node measured it
     before. `cached_only`: None rather than measuring (a worker answering for its node must
@@ -106,8 +117,9 @@ def measure(config: dict, dtype: str, device: str | torch.device = "cpu", *,
         torch.set_num_threads(previous)
 
 
-def _cached(config: dict, dtype: str, device: torch.device, use_cache: bool,
-            cached_only: bool) -> ComputeProfile | None:  # fmt: skip
+def _cached(
+    config: dict, dtype: str, device: torch.device, use_cache: bool, cached_only: bool
+) -> ComputeProfile | None:
     path = _cache_path(config, dtype, device)
     if use_cache and path.is_file():
         try:
@@ -143,8 +155,14 @@ def _measure(config: dict, dtype: str, device: torch.device) -> ComputeProfile:
     hidden = int(config["hidden_size"])
     per_layer, fixed = [], []
     for rows in ROWS:
-        prefill = StepRows(slots=tuple(range(rows)), starts=(0,) * rows, counts=(CONTEXT,) * rows,
-                           width=CONTEXT, num_slots=rows, max_seq_len=CONTEXT + STEPS)  # fmt: skip
+        prefill = StepRows(
+            slots=tuple(range(rows)),
+            starts=(0,) * rows,
+            counts=(CONTEXT,) * rows,
+            width=CONTEXT,
+            num_slots=rows,
+            max_seq_len=CONTEXT + STEPS,
+        )
         x = torch.randn(rows, CONTEXT, hidden, generator=generator, device=device).to(torch_dtype)
         for stage, runner in stages:
             runner.step(stage, prefill, x * 0.02, None)
@@ -163,9 +181,15 @@ def _measure(config: dict, dtype: str, device: torch.device) -> ComputeProfile:
         each = max(each, one / 10)  # noise must not make a layer free
         per_layer.append(each)
         fixed.append(max(one - each, 0.0))
-    return ComputeProfile(family=config.get("model_type", "?"), dtype=dtype,
-                          device=_device_name(device), rows=ROWS, layer_s=tuple(per_layer),
-                          fixed_s=tuple(fixed), layer_bytes=layer_bytes)  # fmt: skip
+    return ComputeProfile(
+        family=config.get("model_type", "?"),
+        dtype=dtype,
+        device=_device_name(device),
+        rows=ROWS,
+        layer_s=tuple(per_layer),
+        fixed_s=tuple(fixed),
+        layer_bytes=layer_bytes,
+    )
 
 
 def _stage(config: dict, torch_dtype, device: torch.device, num_layers: int, generator):
@@ -175,8 +199,9 @@ def _stage(config: dict, torch_dtype, device: torch.device, num_layers: int, gen
     from worker.layout import hf_config_from_dict
     from worker.stage import Stage
 
-    stage = Stage(hf_config_from_dict(config, dtype=torch_dtype),
-                  [f"layers.{i}" for i in range(num_layers)])  # fmt: skip
+    stage = Stage(
+        hf_config_from_dict(config, dtype=torch_dtype), [f"layers.{i}" for i in range(num_layers)]
+    )
     for module in stage.layer_modules().values():
         module.to_empty(device=device)
     stage.init_buffers(device)

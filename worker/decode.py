@@ -21,8 +21,12 @@ class Sampling:
     top_p: float = 1.0
 
 
-def next_tokens(logits: torch.Tensor, sequences: torch.Tensor, sampling: Sampling,
-                generator: torch.Generator | None) -> torch.Tensor:  # fmt: skip
+def next_tokens(
+    logits: torch.Tensor,
+    sequences: torch.Tensor,
+    sampling: Sampling,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
     """The next token of each row (batch,) from the last position's logits (batch, n, vocab)."""
     scores = logits[:, -1, :].to(dtype=torch.float32, copy=True)
     if not sampling.do_sample:

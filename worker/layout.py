@@ -31,9 +31,22 @@ from offload.errors import CheckpointError
 # Families checked against transformers in CI (tests/test_families.py). Others that pass the
 # checks below load too, untested: `offloadctl` says so.
 TESTED_FAMILIES = (
-    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2",
-    "granite", "mixtral", "qwen2_moe", "qwen3_moe", "gpt2", "gpt_neox",
-)  # fmt: skip
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "olmo2",
+    "granite",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "gpt2",
+    "gpt_neox",
+)
 EMBED, HEAD = "embed", "head"
 _DECODER = re.compile(r"^layers\.(\d+)$")
 
@@ -51,7 +64,9 @@ def check_supported(config: dict) -> None:
     and vision/audio models, and model types transformers has no causal LM for."""
     family = config.get("model_type")
     if not family:
-        raise UnsupportedModelError(f"config.json has no model_type; supported: {_supported_text()}")
+        raise UnsupportedModelError(
+            f"config.json has no model_type; supported: {_supported_text()}"
+        )
     if not isinstance(family, str):
         raise UnsupportedModelError(
             f"config.json: model_type must be a string, got {family!r}; supported: "
@@ -68,8 +83,12 @@ def check_supported(config: dict) -> None:
         raise UnsupportedModelError(
             f"{family} is an encoder-decoder model; supported: {_supported_text()}"
         )
-    towers = sorted(k for k in config if k.endswith("_config") and k.split("_")[0] in
-                    ("vision", "audio", "speech", "image", "video", "encoder"))  # fmt: skip
+    towers = sorted(
+        k
+        for k in config
+        if k.endswith("_config")
+        and k.split("_")[0] in ("vision", "audio", "speech", "image", "video", "encoder")
+    )
     if towers:
         raise UnsupportedModelError(
             f"{family} is a multimodal model ({', '.join(towers)}); supported: "
@@ -82,8 +101,7 @@ def check_supported(config: dict) -> None:
         AutoConfig.for_model(family)
     except (KeyError, ValueError):
         raise UnsupportedModelError(
-            f"model_type {family!r} is unknown to this transformers; supported: "
-            f"{_supported_text()}"
+            f"model_type {family!r} is unknown to this transformers; supported: {_supported_text()}"
         ) from None
     if family not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UnsupportedModelError(
@@ -204,8 +222,10 @@ def kv_per_layer(model: nn.Module) -> list[tuple[int, int | None]]:
     cache = DynamicCache(config=model.config)
     windows: list[int | None] = [None] * text.num_hidden_layers
     if len(cache.layers) == text.num_hidden_layers:
-        windows = [getattr(layer, "sliding_window", None) if sliding else None
-                   for layer, sliding in zip(cache.layers, cache.is_sliding, strict=True)]  # fmt: skip
+        windows = [
+            getattr(layer, "sliding_window", None) if sliding else None
+            for layer, sliding in zip(cache.layers, cache.is_sliding, strict=True)
+        ]
     return [(per_token, window) for window in windows]
 
 
@@ -260,8 +280,13 @@ def find_layout(model: nn.Module) -> ModelLayout:
             f"blocks ({layers_path}) in the same base model, so it cannot be split into "
             f"pipeline stages; supported: {_supported_text()}"
         )
-    return ModelLayout(family=family, layers_path=layers_path, num_layers=num_layers,
-                       embed_paths=tuple(before), head_paths=tuple(after))  # fmt: skip
+    return ModelLayout(
+        family=family,
+        layers_path=layers_path,
+        num_layers=num_layers,
+        embed_paths=tuple(before),
+        head_paths=tuple(after),
+    )
 
 
 def _first_uses(module: nn.Module) -> dict[str, tuple[int, int]]:
@@ -274,8 +299,11 @@ def _first_uses(module: nn.Module) -> dict[str, tuple[int, int]]:
         return {}
     first: dict[str, tuple[int, int]] = {}
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                and node.value.id == "self"):  # fmt: skip
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        ):
             at = (node.lineno, node.col_offset)
             first[node.attr] = min(first.get(node.attr, at), at)
     return first

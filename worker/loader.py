@@ -51,8 +51,12 @@ def identify(fd: int, name: str) -> FileIdentity:
     prefix = os.pread(fd, 8, 0)
     length = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
     header = os.pread(fd, min(length, MAX_HEADER_BYTES), 8)
-    return FileIdentity(name=name, size=stat.st_size, mtime_ns=stat.st_mtime_ns,
-                        header_sha256=hashlib.sha256(prefix + header).hexdigest())  # fmt: skip
+    return FileIdentity(
+        name=name,
+        size=stat.st_size,
+        mtime_ns=stat.st_mtime_ns,
+        header_sha256=hashlib.sha256(prefix + header).hexdigest(),
+    )
 
 
 def check_identity(fd: int, expected: FileIdentity) -> None:
@@ -87,7 +91,6 @@ def _pread_exact(fd: int, view: memoryview, offset: int, where: str) -> None:
         done += n
 
 
-
 # Tests only: a file path; every chunk a worker loads waits until that file exists (at most
 # HOLD_MAX_S), so a test can act while a load is certainly under way (a signal, a kill) instead
 # of racing it.
@@ -100,6 +103,7 @@ def hold_if_asked() -> None:
     deadline = time.monotonic() + HOLD_MAX_S
     while path and not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.05)
+
 
 class TensorReader:
     """Reads tensor bytes of one checkpoint directory into given tensors.
@@ -183,8 +187,9 @@ class TensorReader:
             return
         size = max(STAGING_BYTES, row_bytes)
         if self._staging is None or self._staging.numel() < size:
-            self._staging = torch.empty(size, dtype=torch.uint8,
-                                        pin_memory=torch.cuda.is_available())  # fmt: skip
+            self._staging = torch.empty(
+                size, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+            )
         per_piece = size // row_bytes
         for first in range(0, shape[0], per_piece):
             count = min(per_piece, shape[0] - first)

@@ -15,9 +15,13 @@ from offload.errors import ConfigError
 from offload.probe import simulated_gpu_kind
 
 
-def probe_here(planned_bytes: int = 0, env: dict[str, str] | None = None,
-               model: tuple[dict, str, int] | None = None, *,
-               cached_only: bool = False) -> dict:  # fmt: skip
+def probe_here(
+    planned_bytes: int = 0,
+    env: dict[str, str] | None = None,
+    model: tuple[dict, str, int] | None = None,
+    *,
+    cached_only: bool = False,
+) -> dict:
     """This node's probe and pin decision; `env` set over this process's environment (what a
     job's overrides would give its workers here). With `model` (config.json, dtype, worker
     threads), also how fast this node's device runs its decoder layer (`compute`: a
@@ -45,8 +49,13 @@ def _compute(probe, config: dict, dtype: str, threads: int, *, cached_only: bool
 
     device = "cuda" if probe.cuda_available else "cpu"
     try:
-        profile = measure(config, dtype, device, threads=threads if device == "cpu" else None,
-                          cached_only=cached_only)  # fmt: skip
+        profile = measure(
+            config,
+            dtype,
+            device,
+            threads=threads if device == "cpu" else None,
+            cached_only=cached_only,
+        )
     except Exception as exc:  # a model the probe cannot build here: the plan says so
         return f"not measured: {type(exc).__name__}: {exc}"
     return profile if profile is not None else "not measured (a worker answered for its node)"

@@ -49,5 +49,6 @@ def materialize(module: nn.Module, keep: Callable[[str], bool], device: torch.de
         if param.is_meta and keep(name):
             owner_name, _, leaf = name.rpartition(".")
             owner = module.get_submodule(owner_name) if owner_name else module
-            owner._parameters[leaf] = nn.Parameter(torch.empty_like(param, device=device),
-                                                   requires_grad=param.requires_grad)  # fmt: skip
+            owner._parameters[leaf] = nn.Parameter(
+                torch.empty_like(param, device=device), requires_grad=param.requires_grad
+            )

@@ -32,9 +32,14 @@ class Snapshots:
     time (the periodic thread and callers share the counters); the thread skips ticks while
     `ready()` is false and says on stderr (naming `where()`) when a snapshot fails."""
 
-    def __init__(self, take: Callable[[Callable[[OffloadStats], CopyCounters]], StageSnapshot], *,
-                 ready: Callable[[], bool], where: Callable[[], str],
-                 interval_s: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        take: Callable[[Callable[[OffloadStats], CopyCounters]], StageSnapshot],
+        *,
+        ready: Callable[[], bool],
+        where: Callable[[], str],
+        interval_s: float = 0.0,
+    ) -> None:
         self._take = take
         self._ready = ready
         self._where = where
@@ -44,8 +49,9 @@ class Snapshots:
         self._history: collections.deque[StageSnapshot] = collections.deque(maxlen=SNAPSHOT_HISTORY)
         self._stop = threading.Event()
         if interval_s > 0:
-            threading.Thread(target=self._loop, args=(interval_s,), name="offload-snapshots",
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self._loop, args=(interval_s,), name="offload-snapshots", daemon=True
+            ).start()
 
     def take(self) -> StageSnapshot:
         with self._lock:
@@ -124,7 +130,9 @@ def storage_bytes(module: nn.Module, host: Mapping[str, torch.Tensor] | None = N
     return sum(storages.values())
 
 
-def device_memory(device: torch.device, budget_bytes: int | None, used_bytes: int) -> tuple[int, int]:
+def device_memory(
+    device: torch.device, budget_bytes: int | None, used_bytes: int
+) -> tuple[int, int]:
     """(free, total) bytes of a stage's device: CUDA's own count, or on the CPU stand-in the
     simulated GPU's budget less what the stage holds."""
     if device.type == "cuda":

@@ -171,8 +171,11 @@ class LayerSpec:
             return 0
         if pattern is None:
             return self.nbytes
-        return sum(t.loaded_bytes for t in self.tensors
-                   if re.search(pattern, local_name(self.index, t.target or t.name)))  # fmt: skip
+        return sum(
+            t.loaded_bytes
+            for t in self.tensors
+            if re.search(pattern, local_name(self.index, t.target or t.name))
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -98,7 +98,7 @@ def _stand_in_for(block: nn.Module) -> PassThrough:
     for name, value in vars(block).items():
         if not (name.startswith("_") or hasattr(stand_in, name)) and (
             value is None or isinstance(value, str | int | float | bool)
-        ):  # fmt: skip
+        ):
             setattr(stand_in, name, value)
     return stand_in
 
@@ -199,8 +199,12 @@ class Stage(nn.Module):
         values of this stage's layers are appended to it and attended to (generation); with a
         `BatchView`, each row at its own positions and with its own masks (the mask argument
         is then unused)."""
-        kwargs = {"attention_mask": attention_mask, "position_ids": position_ids,
-                  "use_cache": cache is not None, "past_key_values": cache}  # fmt: skip
+        kwargs = {
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "use_cache": cache is not None,
+            "past_key_values": cache,
+        }
         if self.is_first:
             kwargs["input_ids"] = x
         else:
@@ -222,7 +226,10 @@ def _route_masks(base_class: type) -> None:
     the config's window for the sliding kind) and call transformers' function for anything
     else, so the model in every other use is unchanged. Once per module."""
     module = sys.modules[base_class.__module__]
-    for name, sliding in (("create_causal_mask", False), ("create_sliding_window_causal_mask", True)):
+    for name, sliding in (
+        ("create_causal_mask", False),
+        ("create_sliding_window_causal_mask", True),
+    ):
         original = getattr(module, name, None)
         if original is None or getattr(original, "_routes_batches", False):
             continue
@@ -237,8 +244,9 @@ def _mask_router(original, sliding: bool):
             return original(*args, **kwargs)
         config, embeds = kwargs["config"], kwargs["inputs_embeds"]
         window = getattr(config, "sliding_window", None) if sliding else None
-        return cache.mask(sliding_window=window, dtype=embeds.dtype,
-                          implementation=config._attn_implementation)  # fmt: skip
+        return cache.mask(
+            sliding_window=window, dtype=embeds.dtype, implementation=config._attn_implementation
+        )
 
     route._routes_batches = True
     return route

@@ -20,9 +20,18 @@ import torch
 # Same-size integer views for the dtypes numpy cannot hold.
 _BITS_AS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NUMPY_DTYPES = {
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
-}  # fmt: skip
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+}
 
 
 class Packed(NamedTuple):

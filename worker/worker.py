@@ -65,15 +65,18 @@ class StageWorker:
         # measures loading (building the stage and reading its bytes) and nothing else.
         start = time.perf_counter()
         self._hf_config = hf_config_from_dict(
-            spec.config, dtype=torch_dtype_named(spec.dtype), attn_implementation=attn_implementation
+            spec.config,
+            dtype=torch_dtype_named(spec.dtype),
+            attn_implementation=attn_implementation,
         )
         model_class_for(self._hf_config)
         self.init_s = time.perf_counter() - start
         self.stage: Stage | None = None
         self._placement: Placement | None = None  # the stage's modules, offloader, loaded layers
         # Read with as many threads as the worker has CPUs (Ray's num_cpus for the actor).
-        self._reader = TensorReader(spec.checkpoint_dir, threads=num_threads or 1,
-                                    identities=spec.files)  # fmt: skip
+        self._reader = TensorReader(
+            spec.checkpoint_dir, threads=num_threads or 1, identities=spec.files
+        )
         self._layer_specs = {layer.name: layer for layer in spec.layers}
         self._chunks: list[list[str]] = []  # layer names per chunk, to read from disk
         self._ready = False
@@ -81,8 +84,12 @@ class StageWorker:
         self._forward_s = 0.0
         self._forwards = 0
         self._batches = BatchRunner(self.device)  # generation steps and their KV slots
-        self._snapshots = Snapshots(self._snapshot, ready=lambda: self._ready, where=self._where,
-                                    interval_s=snapshot_interval_s)  # fmt: skip
+        self._snapshots = Snapshots(
+            self._snapshot,
+            ready=lambda: self._ready,
+            where=self._where,
+            interval_s=snapshot_interval_s,
+        )
 
     @property
     def offloader(self):
@@ -199,11 +206,13 @@ class StageWorker:
         before = self._reader.stats.bytes_read
         try:
             with torch.no_grad():
-                self._reader.read_many([
-                    (tensor, placement.destination(layer_name, tensor))
-                    for layer_name in self._chunks[index]
-                    for tensor in self._layer_specs[layer_name].tensors
-                ])  # fmt: skip
+                self._reader.read_many(
+                    [
+                        (tensor, placement.destination(layer_name, tensor))
+                        for layer_name in self._chunks[index]
+                        for tensor in self._layer_specs[layer_name].tensors
+                    ]
+                )
         except (OSError, ValueError, KeyError) as exc:
             raise WorkerError(f"{self._where()}: loading failed: {exc}") from exc
         placement.loaded.update(self._chunks[index])
@@ -258,9 +267,12 @@ class StageWorker:
         # inference_mode, not just no_grad: no version counters or view tracking on the
         # activations, 4-6% of a decode step of a small model on one CPU thread
         with torch.inference_mode():
-            out = self.stage(to_device(x), attention_mask=to_device(attention_mask),
-                             position_ids=to_device(position_ids),
-                             logits_to_keep=logits_to_keep)  # fmt: skip
+            out = self.stage(
+                to_device(x),
+                attention_mask=to_device(attention_mask),
+                position_ids=to_device(position_ids),
+                logits_to_keep=logits_to_keep,
+            )
         out = out.cpu()
         self._count_forward(start)
         return out
@@ -284,12 +296,12 @@ class StageWorker:
     ) -> Packed:
         """`forward` for calls across Ray: tensors in and out as `wire.pack` arrays (the
         driver's and the previous stage's), which Ray moves far more cheaply than tensors."""
-        out = self.forward(unpack(x), unpack(attention_mask), unpack(position_ids),
-                           logits_to_keep)  # fmt: skip
+        out = self.forward(unpack(x), unpack(attention_mask), unpack(position_ids), logits_to_keep)
         return pack(out)
 
-    def batch_step(self, rows: StepRows, x: Packed | torch.Tensor,
-                   draw: Draw | None = None) -> Packed | Drawn:  # fmt: skip
+    def batch_step(
+        self, rows: StepRows, x: Packed | torch.Tensor, draw: Draw | None = None
+    ) -> Packed | Drawn:
         """One generation step of a micro-batch (`worker.batched`): every row at once, each
         in its own KV slot; hidden states out, or from the last stage each row's next token."""
         self._require_ready()
@@ -299,18 +311,26 @@ class StageWorker:
         self._count_forward()
         return packed(out)
 
-    def batch_ring(self, batches: list[tuple[StepRows, Packed | torch.Tensor, Draw]], count: int,
-                   downstream: tuple = (), timeout_s: float = 300.0):  # fmt: skip
+    def batch_ring(
+        self,
+        batches: list[tuple[StepRows, Packed | torch.Tensor, Draw]],
+        count: int,
+        downstream: tuple = (),
+        timeout_s: float = 300.0,
+    ):
         """Up to `count` decode steps of each micro-batch of `batches` driven from here, the
         first stage (`BatchRunner.ring`): each step goes through this stage and then the
         `downstream` ones, actor to actor, and the last stage's tokens come back here as the
         next step's input, the micro-batches taking turns so that every stage has one to work
         on. Called through Ray as a streaming generator: (micro-batch, `Drawn`) per step."""
         self._require_ready()
-        batches = [(rows, unpack(x), Draw(draw.samplings, unpack(draw.states)))
-                   for rows, x, draw in batches]  # fmt: skip
-        for m, tokens, states in self._batches.ring(self.stage, batches, count, downstream,
-                                                    timeout_s):  # fmt: skip
+        batches = [
+            (rows, unpack(x), Draw(draw.samplings, unpack(draw.states)))
+            for rows, x, draw in batches
+        ]
+        for m, tokens, states in self._batches.ring(
+            self.stage, batches, count, downstream, timeout_s
+        ):
             self._count_forward()  # this stage's own part of the step
             yield m, packed((tokens, states))
 

@@ -40,20 +40,26 @@ def cmd_load_or_run(args: argparse.Namespace, job_config, progress) -> int:
         job_cm = launch(config, progress=progress, name=name)
     with job_cm as job:
         if not attached:
-            print(f"model: {job.index.family}, {job.index.dtype}, "
-                  f"{job.index.num_decoder_layers} blocks{_untested(job.index.family)}")
+            print(
+                f"model: {job.index.family}, {job.index.dtype}, "
+                f"{job.index.num_decoder_layers} blocks{_untested(job.index.family)}"
+            )
             print(job.plan.summary())
             print(_stage_table(job.load_reports))
-            print(f"loaded {job.index.total_bytes / 2**20:.1f} MiB on {len(job.workers)} workers "
-                  f"in {time.perf_counter() - started:.1f} s")  # fmt: skip
+            print(
+                f"loaded {job.index.total_bytes / 2**20:.1f} MiB on {len(job.workers)} workers "
+                f"in {time.perf_counter() - started:.1f} s"
+            )
         else:
             print(f"attached to load {name!r}: {len(job.workers)} stages")
         if args.command == "load" or args.memory_json or args.plot:
             _report_memory(job, args)
         if args.command == "load":
             if job.session.owned:
-                print("note: on the embedded Ray the load lives for this process only; it is "
-                      "released now (use --address to keep a named load)")  # fmt: skip
+                print(
+                    "note: on the embedded Ray the load lives for this process only; it is "
+                    "released now (use --address to keep a named load)"
+                )
             elif name:
                 print(f"load {name!r} stays on the cluster: offloadctl run/status/unload {name}")
             return 0
@@ -67,8 +73,10 @@ def cmd_load_or_run(args: argparse.Namespace, job_config, progress) -> int:
         forward_ms = (time.perf_counter() - start) * 1e3
         # The bits themselves (numpy has no bfloat16): equal digests mean bitwise equal logits.
         digest = hashlib.sha256(logits.contiguous().view(torch.uint8).numpy()).hexdigest()[:16]
-        print(f"logits {list(logits.shape)} {str(logits.dtype).removeprefix('torch.')}: sum {float(logits.double().sum()):.6f}, "
-              f"sha256 {digest}; forward {forward_ms:.1f} ms")  # fmt: skip
+        print(
+            f"logits {list(logits.shape)} {str(logits.dtype).removeprefix('torch.')}: sum {float(logits.double().sum()):.6f}, "
+            f"sha256 {digest}; forward {forward_ms:.1f} ms"
+        )
         if not args.check:
             return 0
         return _check(job, config, ids, logits)
@@ -80,16 +88,27 @@ def _input_ids(args: argparse.Namespace):
     import torch
 
     if args.input_ids:
-        given = [flag for flag, value in (("--batch", args.batch), ("--seq-len", args.seq_len),
-                                          ("--seed", args.seed)) if value is not None]  # fmt: skip
+        given = [
+            flag
+            for flag, value in (
+                ("--batch", args.batch),
+                ("--seq-len", args.seq_len),
+                ("--seed", args.seed),
+            )
+            if value is not None
+        ]
         if given:
-            raise ConfigError(f"--input-ids gives the tokens; {', '.join(given)} shape random "
-                             "input only: drop them")  # fmt: skip
+            raise ConfigError(
+                f"--input-ids gives the tokens; {', '.join(given)} shape random "
+                "input only: drop them"
+            )
         try:
             return torch.tensor([[int(t) for t in args.input_ids.split(",")]])
         except ValueError:
-            raise ConfigError(f"--input-ids {args.input_ids!r}: expected comma-separated token "
-                             "ids, e.g. 1,15043,3186") from None  # fmt: skip
+            raise ConfigError(
+                f"--input-ids {args.input_ids!r}: expected comma-separated token "
+                "ids, e.g. 1,15043,3186"
+            ) from None
     return (args.batch or RANDOM_INPUT["batch"], args.seq_len or RANDOM_INPUT["seq_len"])
 
 
@@ -98,8 +117,10 @@ def _check_context(checkpoint: str, tokens: int) -> None:
     from coordinator.planning.context import beyond_context
 
     if context := beyond_context(read_config(checkpoint), tokens):
-        raise NeverFitsError(f"{tokens} input tokens exceed the model's context of {context}: "
-                         "lower --seq-len or pass fewer --input-ids")  # fmt: skip
+        raise NeverFitsError(
+            f"{tokens} input tokens exceed the model's context of {context}: "
+            "lower --seq-len or pass fewer --input-ids"
+        )
 
 
 def _untested(family: str) -> str:
@@ -108,8 +129,10 @@ def _untested(family: str) -> str:
     if family in TESTED_FAMILIES:
         return ""
     # launch() refuses an untested family whose split failed coordinator/family_check.py
-    return (" (a family not tested against transformers; self-checked before launch: split "
-            "into stages, a small copy gave the whole model's logits bitwise)")  # fmt: skip
+    return (
+        " (a family not tested against transformers; self-checked before launch: split "
+        "into stages, a small copy gave the whole model's logits bitwise)"
+    )
 
 
 def _check(job, config: JobConfig, ids, logits) -> int:
@@ -120,9 +143,13 @@ def _check(job, config: JobConfig, ids, logits) -> int:
 
     from coordinator.tools.reference import reference_logits
 
-    expected = reference_logits(config.checkpoint, ids, dtype=job.index.dtype,
-                                attn_implementation=config.attn_implementation,
-                                num_threads=config.cpus_per_worker)  # fmt: skip
+    expected = reference_logits(
+        config.checkpoint,
+        ids,
+        dtype=job.index.dtype,
+        attn_implementation=config.attn_implementation,
+        num_threads=config.cpus_per_worker,
+    )
     where = f"transformers in one process ({job.index.dtype})"
     if torch.equal(logits, expected):
         print(f"check: logits are bitwise equal to {where}")
@@ -132,8 +159,10 @@ def _check(job, config: JobConfig, ids, logits) -> int:
     if expected.dtype != torch.float32:
         tolerance = 2 * torch.finfo(expected.dtype).eps * float(expected.float().abs().max())
     if diff <= tolerance:
-        print(f"check: logits within {job.index.dtype} rounding of {where} "
-              f"(max abs difference {diff:.3e} <= {tolerance:.3e})")  # fmt: skip
+        print(
+            f"check: logits within {job.index.dtype} rounding of {where} "
+            f"(max abs difference {diff:.3e} <= {tolerance:.3e})"
+        )
         return 0
     print(f"check FAILED: max abs difference {diff:.3e} from {where}")
     return EXIT_MISMATCH
@@ -142,16 +171,36 @@ def _check(job, config: JobConfig, ids, logits) -> int:
 def _stage_table(reports: Sequence[StageSnapshot]) -> str:
     from coordinator.planning.formats import format_bytes, layer_range
 
-    rows = [("stage", "host", "gpu", "device", "layers", "resident", "offloaded", "backend",
-             "pin", "decided by")]  # fmt: skip
+    rows = [
+        (
+            "stage",
+            "host",
+            "gpu",
+            "device",
+            "layers",
+            "resident",
+            "offloaded",
+            "backend",
+            "pin",
+            "decided by",
+        )
+    ]
     for r in reports:
-        rows.append((
-            str(r.stage), r.hostname, r.gpu or "-", r.device,
-            layer_range(r.layers), format_bytes(r.stats.resident_bytes),
-            f"{format_bytes(r.stats.offloaded_bytes)} ({len(r.offloaded)}"
-            f"{'' if r.offload_unit == 'layer' else ' x ' + r.offload_unit})", r.backend,
-            "on" if r.pin.pin else "off", f"{r.pin_origin}: {r.pin.source}: {r.pin.reason}",
-        ))  # fmt: skip
+        rows.append(
+            (
+                str(r.stage),
+                r.hostname,
+                r.gpu or "-",
+                r.device,
+                layer_range(r.layers),
+                format_bytes(r.stats.resident_bytes),
+                f"{format_bytes(r.stats.offloaded_bytes)} ({len(r.offloaded)}"
+                f"{'' if r.offload_unit == 'layer' else ' x ' + r.offload_unit})",
+                r.backend,
+                "on" if r.pin.pin else "off",
+                f"{r.pin_origin}: {r.pin.source}: {r.pin.reason}",
+            )
+        )
     from coordinator.tables import render
 
     return render(rows)

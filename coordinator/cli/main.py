@@ -83,73 +83,138 @@ def _size(text: str) -> int:
 def _add_job_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML job file; flags override its values")
     parser.add_argument("--checkpoint", help="checkpoint directory (safetensors + config.json)")
-    parser.add_argument("--address", help="join a Ray cluster ('auto' or host:port); "
-                        "default: RAY_ADDRESS, else an embedded local Ray")  # fmt: skip
+    parser.add_argument(
+        "--address",
+        help="join a Ray cluster ('auto' or host:port); "
+        "default: RAY_ADDRESS, else an embedded local Ray",
+    )
     parser.add_argument("--gpus", type=int, help="embedded Ray: logical GPUs to create")
-    parser.add_argument("--gpu-memory", type=_size, dest="gpu_memory_bytes",
-                        help="per-GPU budget, e.g. 8MiB (required without CUDA)")  # fmt: skip
-    parser.add_argument("--host-memory", type=_size, dest="host_memory_bytes",
-                        help="per-node host budget for offloaded weights")  # fmt: skip
-    parser.add_argument("--reserve", type=_size, dest="reserve_bytes",
-                        help="per-GPU bytes kept free for activations")  # fmt: skip
+    parser.add_argument(
+        "--gpu-memory",
+        type=_size,
+        dest="gpu_memory_bytes",
+        help="per-GPU budget, e.g. 8MiB (required without CUDA)",
+    )
+    parser.add_argument(
+        "--host-memory",
+        type=_size,
+        dest="host_memory_bytes",
+        help="per-node host budget for offloaded weights",
+    )
+    parser.add_argument(
+        "--reserve",
+        type=_size,
+        dest="reserve_bytes",
+        help="per-GPU bytes kept free for activations",
+    )
     parser.add_argument("--prefetch-step", type=_prefetch_step, dest="prefetch_step")
     parser.add_argument("--backend", choices=("auto", "prefetch", "uva"))
-    parser.add_argument("--dtype", choices=("auto", *COMPUTE_DTYPES),
-                        help="dtype to load and compute in (default auto: the checkpoint's); "
-                        "converted while reading")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", *COMPUTE_DTYPES),
+        help="dtype to load and compute in (default auto: the checkpoint's); "
+        "converted while reading",
+    )
     parser.add_argument("--cpus-per-worker", type=_positive, dest="cpus_per_worker")
-    parser.add_argument("--max-batch", type=_batch, dest="max_batch",
-                        help="sequences generating at once the KV cache is planned for; 'auto' "
-                        "(the default with --objective throughput): the batch with the most "
-                        "tokens/s, or for latency as many as fit beside the planned weights")  # fmt: skip
-    parser.add_argument("--max-seq-len", type=int, dest="max_seq_len",
-                        help="tokens per sequence (prompt + new) the KV cache is planned for "
-                        "(0: none, no generation)")  # fmt: skip
-    parser.add_argument("--max-queue", type=int, dest="max_queue",
-                        help="sequences that may wait for a KV slot (default 1024); beyond, "
-                        "busy (HTTP 429)")  # fmt: skip
-    parser.add_argument("--prefill-tokens", type=_positive, dest="prefill_tokens",
-                        help="prompt tokens per prefill step (default 512): a long prompt goes "
-                        "in chunks, the decodes of others between them")  # fmt: skip
-    parser.add_argument("--micro-batches", type=int, dest="micro_batches",
-                        help="micro-batches the running sequences are split into (default 0: "
-                        "for throughput the plan's choice; for latency one when layers are "
-                        "offloaded, each offloaded layer brought in once per step for all, "
-                        "else one per stage, every stage busy)")  # fmt: skip
-    parser.add_argument("--objective", choices=("latency", "throughput"),
-                        help="what the plan maximises: latency (default for load, run, "
-                        "generate: the slowest stage of one step) or throughput (serve's "
-                        "default: decode tokens/s; also chooses --max-batch auto and "
-                        "--micro-batches 0)")  # fmt: skip
-    parser.add_argument("--max-token-latency", type=_seconds, dest="max_token_latency_s",
-                        metavar="SECONDS", help="throughput objective: each sequence's time "
-                        "between two tokens at most this (e.g. 0.05)")  # fmt: skip
-    parser.add_argument("--replicas", type=_batch, dest="replicas",
-                        help="throughput: pipelines on disjoint GPUs, each serving its own "
-                        "requests (plan and serve; 'auto', their default: the count with the "
-                        "most tokens/s)")  # fmt: skip
-    parser.add_argument("--snapshot-interval", type=float, dest="snapshot_interval_s",
-                        metavar="SECONDS", help="each worker snapshots its memory this often "
-                        "(default 10; 0: on request only); a named load publishes them as Ray "
-                        "gauges")  # fmt: skip
+    parser.add_argument(
+        "--max-batch",
+        type=_batch,
+        dest="max_batch",
+        help="sequences generating at once the KV cache is planned for; 'auto' "
+        "(the default with --objective throughput): the batch with the most "
+        "tokens/s, or for latency as many as fit beside the planned weights",
+    )
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        dest="max_seq_len",
+        help="tokens per sequence (prompt + new) the KV cache is planned for "
+        "(0: none, no generation)",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        dest="max_queue",
+        help="sequences that may wait for a KV slot (default 1024); beyond, busy (HTTP 429)",
+    )
+    parser.add_argument(
+        "--prefill-tokens",
+        type=_positive,
+        dest="prefill_tokens",
+        help="prompt tokens per prefill step (default 512): a long prompt goes "
+        "in chunks, the decodes of others between them",
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        dest="micro_batches",
+        help="micro-batches the running sequences are split into (default 0: "
+        "for throughput the plan's choice; for latency one when layers are "
+        "offloaded, each offloaded layer brought in once per step for all, "
+        "else one per stage, every stage busy)",
+    )
+    parser.add_argument(
+        "--objective",
+        choices=("latency", "throughput"),
+        help="what the plan maximises: latency (default for load, run, "
+        "generate: the slowest stage of one step) or throughput (serve's "
+        "default: decode tokens/s; also chooses --max-batch auto and "
+        "--micro-batches 0)",
+    )
+    parser.add_argument(
+        "--max-token-latency",
+        type=_seconds,
+        dest="max_token_latency_s",
+        metavar="SECONDS",
+        help="throughput objective: each sequence's time "
+        "between two tokens at most this (e.g. 0.05)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=_batch,
+        dest="replicas",
+        help="throughput: pipelines on disjoint GPUs, each serving its own "
+        "requests (plan and serve; 'auto', their default: the count with the "
+        "most tokens/s)",
+    )
+    parser.add_argument(
+        "--snapshot-interval",
+        type=float,
+        dest="snapshot_interval_s",
+        metavar="SECONDS",
+        help="each worker snapshots its memory this often "
+        "(default 10; 0: on request only); a named load publishes them as Ray "
+        "gauges",
+    )
 
 
 # JobConfig field -> the flag that sets it (every one defaults to None: "not given")
 _JOB_FLAGS = {
-    "checkpoint": "--checkpoint", "address": "--address", "gpus": "--gpus",
-    "gpu_memory_bytes": "--gpu-memory", "host_memory_bytes": "--host-memory",
-    "reserve_bytes": "--reserve", "prefetch_step": "--prefetch-step", "backend": "--backend",
-    "dtype": "--dtype", "cpus_per_worker": "--cpus-per-worker",
-    "snapshot_interval_s": "--snapshot-interval", "max_batch": "--max-batch",
-    "max_seq_len": "--max-seq-len", "max_queue": "--max-queue",
-    "prefill_tokens": "--prefill-tokens", "micro_batches": "--micro-batches",
-    "objective": "--objective", "max_token_latency_s": "--max-token-latency",
+    "checkpoint": "--checkpoint",
+    "address": "--address",
+    "gpus": "--gpus",
+    "gpu_memory_bytes": "--gpu-memory",
+    "host_memory_bytes": "--host-memory",
+    "reserve_bytes": "--reserve",
+    "prefetch_step": "--prefetch-step",
+    "backend": "--backend",
+    "dtype": "--dtype",
+    "cpus_per_worker": "--cpus-per-worker",
+    "snapshot_interval_s": "--snapshot-interval",
+    "max_batch": "--max-batch",
+    "max_seq_len": "--max-seq-len",
+    "max_queue": "--max-queue",
+    "prefill_tokens": "--prefill-tokens",
+    "micro_batches": "--micro-batches",
+    "objective": "--objective",
+    "max_token_latency_s": "--max-token-latency",
     "replicas": "--replicas",
-}  # fmt: skip
+}
 
 
-def _job_config(args: argparse.Namespace, defaults: dict | None = None,
-                throughput_defaults: dict | None = None) -> JobConfig:  # fmt: skip
+def _job_config(
+    args: argparse.Namespace, defaults: dict | None = None, throughput_defaults: dict | None = None
+) -> JobConfig:
     """The job the flags and --config describe; `defaults` (a command's own) fill what
     neither sets, and `throughput_defaults` too when the objective is throughput (max_batch
     auto always: for throughput the batch is the plan's to choose)."""
@@ -171,8 +236,11 @@ def _job_config(args: argparse.Namespace, defaults: dict | None = None,
 
 def _refuse_load_flags(args: argparse.Namespace) -> None:
     """A named load runs as it was loaded: flags that describe loading have nothing to act on."""
-    given = [flag for name, flag in _JOB_FLAGS.items()
-             if name != "address" and getattr(args, name, None) is not None]  # fmt: skip
+    given = [
+        flag
+        for name, flag in _JOB_FLAGS.items()
+        if name != "address" and getattr(args, name, None) is not None
+    ]
     if getattr(args, "config", None):
         given.append("--config")
     if given:
@@ -191,33 +259,67 @@ def build_parser() -> argparse.ArgumentParser:
 
     make = commands.add_parser("make-checkpoint", help="write a random-weight HF checkpoint")
     make.add_argument("out", help="output directory (must be empty unless --force)")
-    make.add_argument("--arch", default="llama", choices=ARCHITECTURES, metavar="MODEL_TYPE",
-                      help=f"the Hugging Face model_type: {', '.join(ARCHITECTURES)}")  # fmt: skip
+    make.add_argument(
+        "--arch",
+        default="llama",
+        choices=ARCHITECTURES,
+        metavar="MODEL_TYPE",
+        help=f"the Hugging Face model_type: {', '.join(ARCHITECTURES)}",
+    )
     make.add_argument("--layers", type=_positive, default=8, dest="num_layers")
     make.add_argument("--hidden-size", type=_positive, default=256)
     make.add_argument("--heads", type=_positive, default=8, dest="num_heads")
-    make.add_argument("--kv-heads", type=_positive, default=4, dest="num_kv_heads",
-                      help=f"ignored by {', '.join(NO_KV_HEADS)} (no grouped-query attention: "
-                      "they use --heads)")  # fmt: skip
-    make.add_argument("--intermediate-size", type=_positive, default=512,
-                      help="MLP width; in MoE families each expert's (and qwen2_moe's shared "
-                      "expert's)")  # fmt: skip
+    make.add_argument(
+        "--kv-heads",
+        type=_positive,
+        default=4,
+        dest="num_kv_heads",
+        help=f"ignored by {', '.join(NO_KV_HEADS)} (no grouped-query attention: they use --heads)",
+    )
+    make.add_argument(
+        "--intermediate-size",
+        type=_positive,
+        default=512,
+        help="MLP width; in MoE families each expert's (and qwen2_moe's shared expert's)",
+    )
     make.add_argument("--vocab", type=_positive, default=1024, dest="vocab_size")
     moe = ", ".join(MOE_ARCHITECTURES)
-    make.add_argument("--experts", type=_positive, default=4, dest="num_experts",
-                      help=f"experts per MoE layer ({moe} only)")  # fmt: skip
-    make.add_argument("--experts-per-token", type=_positive, default=2, dest="experts_per_token",
-                      help=f"experts routed to per token ({moe} only)")  # fmt: skip
-    make.add_argument("--sliding-window", type=_positive, default=4,
-                      help=f"attention window in tokens ({', '.join(SLIDING_ARCHITECTURES)} "
-                      "only); small so a short test sequence outruns it")  # fmt: skip
-    make.add_argument("--max-positions", type=_positive, default=2048, dest="max_positions",
-                      help="longest sequence (gpt2 learns an embedding row per position)")  # fmt: skip
+    make.add_argument(
+        "--experts",
+        type=_positive,
+        default=4,
+        dest="num_experts",
+        help=f"experts per MoE layer ({moe} only)",
+    )
+    make.add_argument(
+        "--experts-per-token",
+        type=_positive,
+        default=2,
+        dest="experts_per_token",
+        help=f"experts routed to per token ({moe} only)",
+    )
+    make.add_argument(
+        "--sliding-window",
+        type=_positive,
+        default=4,
+        help=f"attention window in tokens ({', '.join(SLIDING_ARCHITECTURES)} "
+        "only); small so a short test sequence outruns it",
+    )
+    make.add_argument(
+        "--max-positions",
+        type=_positive,
+        default=2048,
+        dest="max_positions",
+        help="longest sequence (gpt2 learns an embedding row per position)",
+    )
     make.add_argument("--dtype", default="float32", choices=DTYPES)
     make.add_argument("--tie-embeddings", action="store_true")
-    make.add_argument("--no-tokenizer", action="store_true",
-                      help="write no tokenizer (default: a small byte-level BPE with a chat "
-                      "template, which needs --vocab >= 32)")  # fmt: skip
+    make.add_argument(
+        "--no-tokenizer",
+        action="store_true",
+        help="write no tokenizer (default: a small byte-level BPE with a chat "
+        "template, which needs --vocab >= 32)",
+    )
     make.add_argument("--shard-size", type=_size, default=2 * 2**20, dest="max_shard_bytes")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--force", action="store_true", help="write into a non-empty directory")
@@ -226,38 +328,59 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_flags(plan)
     plan.add_argument("--nodes", type=_positive, default=1, help="identical nodes to plan for")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
-    plan.add_argument("--plot", metavar="PNG", help="also draw the predicted tokens/s over "
-                      "batch sizes into this PNG file")  # fmt: skip
+    plan.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="also draw the predicted tokens/s over batch sizes into this PNG file",
+    )
 
-    for name, text in (("load", "load the model across the cluster and report each stage"),
-                       ("run", "load, run a forward pass, print a logits checksum")):  # fmt: skip
+    for name, text in (
+        ("load", "load the model across the cluster and report each stage"),
+        ("run", "load, run a forward pass, print a logits checksum"),
+    ):
         sub = commands.add_parser(name, help=text)
         _add_job_flags(sub)
-        sub.add_argument("--memory-json", metavar="FILE",
-                         help="write each GPU's and node's memory snapshot as JSON")  # fmt: skip
-        sub.add_argument("--plot", metavar="FILE.png",
-                         help="draw per-GPU and per-node memory as stacked bars")  # fmt: skip
+        sub.add_argument(
+            "--memory-json",
+            metavar="FILE",
+            help="write each GPU's and node's memory snapshot as JSON",
+        )
+        sub.add_argument(
+            "--plot", metavar="FILE.png", help="draw per-GPU and per-node memory as stacked bars"
+        )
         if name == "load":
             sub.add_argument("--name", help="keep the load on the cluster under this name")
         if name == "run":
             sub.add_argument("name", nargs="?", help="a named load to run (default: load one)")
             sub.add_argument("--input-ids", help="comma-separated token ids (default: random)")
-            sub.add_argument("--batch", type=_positive,
-                             help=f"random input: sequences (default {RANDOM_INPUT['batch']})")
-            sub.add_argument("--seq-len", type=_positive,
-                             help=f"random input: tokens each (default {RANDOM_INPUT['seq_len']})")
-            sub.add_argument("--seed", type=int,
-                             help=f"random input: its seed (default {RANDOM_INPUT['seed']})")
-            sub.add_argument("--check", action="store_true",
-                             help="compare with transformers in one process; exit 1 on mismatch")  # fmt: skip
+            sub.add_argument(
+                "--batch",
+                type=_positive,
+                help=f"random input: sequences (default {RANDOM_INPUT['batch']})",
+            )
+            sub.add_argument(
+                "--seq-len",
+                type=_positive,
+                help=f"random input: tokens each (default {RANDOM_INPUT['seq_len']})",
+            )
+            sub.add_argument(
+                "--seed", type=int, help=f"random input: its seed (default {RANDOM_INPUT['seed']})"
+            )
+            sub.add_argument(
+                "--check",
+                action="store_true",
+                help="compare with transformers in one process; exit 1 on mismatch",
+            )
 
     import coordinator.cli.text as text_commands
 
     text_commands.add_parsers(commands, _add_job_flags, _positive)
     text_commands.add_serve_parser(commands, _add_job_flags)
 
-    for name, text in (("status", "memory of every GPU and node of a named load"),
-                       ("unload", "release a named load's workers")):  # fmt: skip
+    for name, text in (
+        ("status", "memory of every GPU and node of a named load"),
+        ("unload", "release a named load's workers"),
+    ):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("name")
         sub.add_argument("--address", help="the Ray cluster (default: RAY_ADDRESS, else auto)")
@@ -288,8 +411,15 @@ def _progress(done: int, total: int) -> None:
 
     bar = _bar.get("load")
     if bar is None:
-        bar = _bar["load"] = tqdm(total=total, desc="loading", unit="B", unit_scale=True,
-                                  unit_divisor=1024, file=sys.stderr, leave=True)  # fmt: skip
+        bar = _bar["load"] = tqdm(
+            total=total,
+            desc="loading",
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            file=sys.stderr,
+            leave=True,
+        )
     bar.update(done - bar.n)
     if done >= total:
         _end_progress()
@@ -334,13 +464,27 @@ def _run(args: argparse.Namespace, expected: tuple[type[Exception], ...]) -> int
         if args.command == "make-checkpoint":
             from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 
-            fields = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
-                      "intermediate_size", "vocab_size", "num_experts", "experts_per_token",
-                      "sliding_window", "max_positions", "dtype", "max_shard_bytes",
-                      "seed")  # fmt: skip
-            shape = CheckpointShape(**{f: getattr(args, f) for f in fields},
-                                    tie_embeddings=args.tie_embeddings,
-                                    tokenizer=not args.no_tokenizer)  # fmt: skip
+            fields = (
+                "arch",
+                "num_layers",
+                "hidden_size",
+                "num_heads",
+                "num_kv_heads",
+                "intermediate_size",
+                "vocab_size",
+                "num_experts",
+                "experts_per_token",
+                "sliding_window",
+                "max_positions",
+                "dtype",
+                "max_shard_bytes",
+                "seed",
+            )
+            shape = CheckpointShape(
+                **{f: getattr(args, f) for f in fields},
+                tie_embeddings=args.tie_embeddings,
+                tokenizer=not args.no_tokenizer,
+            )
             out = make_checkpoint(args.out, shape, force=args.force)
             print(f"wrote a random-weight {shape.arch} checkpoint to {out}")
             return 0
@@ -379,15 +523,23 @@ def _run(args: argparse.Namespace, expected: tuple[type[Exception], ...]) -> int
         if args.command == "node-demo":
             from coordinator.tools.demo import run_demo
 
-            return run_demo(num_layers=args.layers, hidden=args.hidden, batch=args.batch,
-                            step=args.step, repeats=args.repeats)  # fmt: skip
+            return run_demo(
+                num_layers=args.layers,
+                hidden=args.hidden,
+                batch=args.batch,
+                step=args.step,
+                repeats=args.repeats,
+            )
     except expected as exc:
         return _fail(f"error: {exc}", EXIT_ERROR)
     except Exception:  # not a kind we raise: a bug, with what it needs to be fixed
         _end_progress()
         traceback.print_exc()
-        print(f"offloadctl {args.command}: internal error (a bug: please report it with the "
-              "traceback above)", file=sys.stderr)  # fmt: skip
+        print(
+            f"offloadctl {args.command}: internal error (a bug: please report it with the "
+            "traceback above)",
+            file=sys.stderr,
+        )
         return EXIT_BUG
     raise AssertionError(args.command)
 

@@ -11,16 +11,19 @@ from coordinator.config import ConfigError, JobConfig
 from coordinator.planning.snapshot import ClusterSnapshot
 
 
-def plan_cluster(config: JobConfig, result: dict, num_nodes: int,
-                 origins: dict[str, str] | None = None) -> ClusterSnapshot:  # fmt: skip
+def plan_cluster(
+    config: JobConfig, result: dict, num_nodes: int, origins: dict[str, str] | None = None
+) -> ClusterSnapshot:
     """`offloadctl plan`'s cluster: `num_nodes` nodes like this machine, as `probe_here()` saw
     it (`result`), with `config.gpus` GPUs each, budgeted by the runtime's own function (probing.py)."""
     from coordinator.planning.budgets import node_info
 
-    return ClusterSnapshot(nodes=tuple(
-        node_info(config, result, node_id=f"node-{n}", num_gpus=config.gpus, origins=origins)
-        for n in range(num_nodes)
-    ))  # fmt: skip
+    return ClusterSnapshot(
+        nodes=tuple(
+            node_info(config, result, node_id=f"node-{n}", num_gpus=config.gpus, origins=origins)
+            for n in range(num_nodes)
+        )
+    )
 
 
 def cmd_plan(args: argparse.Namespace, job_config) -> int:
@@ -41,15 +44,16 @@ def cmd_plan(args: argparse.Namespace, job_config) -> int:
     if not config.gpus:
         raise ConfigError(f"plan without Ray needs --gpus (GPUs per node), got {config.gpus}")
     if args.plot and not config.max_seq_len:
-        raise ConfigError("--plot draws tokens/s over batch sizes, whose KV caches need "
-                          "--max-seq-len (tokens per sequence)")  # fmt: skip
+        raise ConfigError(
+            "--plot draws tokens/s over batch sizes, whose KV caches need "
+            "--max-seq-len (tokens per sequence)"
+        )
     index = load_index(config.checkpoint, dtype=config.dtype)
     check_max_seq_len(index.config, config.max_seq_len)
     check_family(index.config, attn_implementation=config.attn_implementation)  # as launch does
     # The job's overrides that match this machine (by hostname; `plan` knows no node labels
     # or ids), as the runtime gives them to each node's workers.
-    env, origins = node_env(config.overrides, node_id="", hostname=socket.gethostname(),
-                            labels={})  # fmt: skip
+    env, origins = node_env(config.overrides, node_id="", hostname=socket.gethostname(), labels={})
     model = (index.config, index.dtype, config.cpus_per_worker)  # its decoder layer is timed
     cluster = plan_cluster(config, probe_here(env=env, model=model), args.nodes, origins)
     if config.replicas != 1:
@@ -67,13 +71,20 @@ def cmd_plan(args: argparse.Namespace, job_config) -> int:
         return 0
     print(the_plan.summary())
     if config.max_batch == 0 or config.objective == "throughput":
-        why = ("chosen for the most decode tokens/s" if config.objective == "throughput"
-               else "the largest batch whose KV cache fits beside the planned weights")  # fmt: skip
-        print(f"max_batch {sized.max_batch}, micro-batches {sized.micro_batches or 'auto'}: "
-              f"{why}")  # fmt: skip
+        why = (
+            "chosen for the most decode tokens/s"
+            if config.objective == "throughput"
+            else "the largest batch whose KV cache fits beside the planned weights"
+        )
+        print(f"max_batch {sized.max_batch}, micro-batches {sized.micro_batches or 'auto'}: {why}")
     if config.max_seq_len:
-        curve = best_plans(index.layers, cluster, config.plan_options(), prune=False,
-                           max_token_latency_s=config.max_token_latency_s)  # fmt: skip
+        curve = best_plans(
+            index.layers,
+            cluster,
+            config.plan_options(),
+            prune=False,
+            max_token_latency_s=config.max_token_latency_s,
+        )
         print(curve_text(curve))
         if args.plot:
             plot_curve(curve, the_plan, args.plot)
@@ -93,9 +104,15 @@ def plot_curve(curve: dict, chosen, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     try:
         ax.plot(batches, [curve[b].tokens_per_s for b in batches], marker="o")
-        ax.plot([chosen.options.max_batch], [chosen.tokens_per_s], marker="*", markersize=16,
-                linestyle="", label=f"plan: max_batch {chosen.options.max_batch}, "
-                f"{chosen.options.micro_batches} micro-batch(es)")  # fmt: skip
+        ax.plot(
+            [chosen.options.max_batch],
+            [chosen.tokens_per_s],
+            marker="*",
+            markersize=16,
+            linestyle="",
+            label=f"plan: max_batch {chosen.options.max_batch}, "
+            f"{chosen.options.micro_batches} micro-batch(es)",
+        )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("max_batch (sequences decoding at once)")
         ax.set_ylabel("predicted decode tokens/s")

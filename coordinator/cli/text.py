@@ -16,18 +16,29 @@ def add_parsers(commands, add_job_flags, positive) -> None:
     add_job_flags(gen)
     gen.add_argument("name", nargs="?", help="a named load (default: load --checkpoint now)")
     gen.add_argument("--prompt", required=True, help="the text to continue (or the user turn)")
-    gen.add_argument("--chat", action="store_true",
-                     help="wrap the prompt in the tokenizer's chat template as a user turn")  # fmt: skip
-    gen.add_argument("--max-new-tokens", type=positive, default=DEFAULT_MAX_NEW_TOKENS,
-                     dest="max_new_tokens")  # fmt: skip
-    gen.add_argument("--temperature", type=float,
-                     help="sample at this temperature (0: greedy; default: the checkpoint's "
-                     "generation_config.json, greedy if it says nothing)")  # fmt: skip
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap the prompt in the tokenizer's chat template as a user turn",
+    )
+    gen.add_argument(
+        "--max-new-tokens", type=positive, default=DEFAULT_MAX_NEW_TOKENS, dest="max_new_tokens"
+    )
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        help="sample at this temperature (0: greedy; default: the checkpoint's "
+        "generation_config.json, greedy if it says nothing)",
+    )
     gen.add_argument("--top-p", type=float, dest="top_p")
     gen.add_argument("--top-k", type=int, dest="top_k")
     gen.add_argument("--seed", type=int, help="seed for sampling (reproducible output)")
-    gen.add_argument("--stop", action="append", metavar="TEXT",
-                     help="end the text where TEXT begins (repeatable)")  # fmt: skip
+    gen.add_argument(
+        "--stop",
+        action="append",
+        metavar="TEXT",
+        help="end the text where TEXT begins (repeatable)",
+    )
 
 
 def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
@@ -52,8 +63,13 @@ def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
     if not args.name:
         # What the request could never do is said before anything starts, in its own terms:
         # a bad setting, past the model's context, past an explicit --max-seq-len.
-        generation.resolve(checkpoint, read_config(checkpoint), ids.shape[1],
-                           max_new_tokens=args.max_new_tokens, **options)  # fmt: skip
+        generation.resolve(
+            checkpoint,
+            read_config(checkpoint),
+            ids.shape[1],
+            max_new_tokens=args.max_new_tokens,
+            **options,
+        )
         needed = ids.shape[1] + args.max_new_tokens
         if config.max_seq_len == 0:  # reserve the KV cache this request needs
             config = dataclasses.replace(config, max_seq_len=needed)
@@ -74,8 +90,13 @@ def cmd_generate(args: argparse.Namespace, job_config, progress) -> int:
             print(stream.push(token), end="", flush=True)
 
         start = time.perf_counter()
-        out = job.generate(ids, max_new_tokens=args.max_new_tokens, on_token=show,
-                           cancelled=lambda: stream.stopped, **options)  # fmt: skip
+        out = job.generate(
+            ids,
+            max_new_tokens=args.max_new_tokens,
+            on_token=show,
+            cancelled=lambda: stream.stopped,
+            **options,
+        )
     new = out.shape[1] - ids.shape[1]
     print(stream.finish())
     first = times[0] - start if times else 0.0
@@ -94,12 +115,16 @@ def add_serve_parser(commands, add_job_flags) -> None:
     srv = commands.add_parser("serve", help="serve OpenAI-style completions over HTTP")
     add_job_flags(srv)
     srv.add_argument("name", nargs="?", help="a named load (default: load --checkpoint now)")
-    srv.add_argument("--host", default="127.0.0.1",
-                     help="address to listen on (default 127.0.0.1; others need an API key)")  # fmt: skip
+    srv.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1; others need an API key)",
+    )
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key-file", help="file holding the API key (default: OFFLOAD_API_KEY)")
-    srv.add_argument("--model-name", help="the model id clients name (default: the checkpoint "
-                     "directory's name)")  # fmt: skip
+    srv.add_argument(
+        "--model-name", help="the model id clients name (default: the checkpoint directory's name)"
+    )
 
 
 def _api_key(path: str | None) -> str | None:
@@ -122,16 +147,22 @@ def _serving_what(jobs: list, auto: bool) -> str:
     """The served loads in words: stages, KV cache, queue, and what the plan chose."""
     job = jobs[0]
     plan = job.plan
-    what = (f"load {job.name!r}, {len(plan.stages)} stages, KV cache for {job.config.max_batch} "
-            f"x {job.config.max_seq_len} tokens")  # fmt: skip
+    what = (
+        f"load {job.name!r}, {len(plan.stages)} stages, KV cache for {job.config.max_batch} "
+        f"x {job.config.max_seq_len} tokens"
+    )
     if len(jobs) > 1:
         total = sum(j.plan.tokens_per_s for j in jobs)
-        what = (f"{len(jobs)} replicas (loads {', '.join(repr(j.name) for j in jobs)}), each "
-                f"{len(plan.stages)} stage(s) with a KV cache for {job.config.max_batch} x "
-                f"{job.config.max_seq_len} tokens; {total:.1f} tokens/s predicted in all")  # fmt: skip
+        what = (
+            f"{len(jobs)} replicas (loads {', '.join(repr(j.name) for j in jobs)}), each "
+            f"{len(plan.stages)} stage(s) with a KV cache for {job.config.max_batch} x "
+            f"{job.config.max_seq_len} tokens; {total:.1f} tokens/s predicted in all"
+        )
     elif auto and plan.options.objective == "throughput":
-        what += (f" and {plan.options.micro_batches} micro-batch(es), chosen for throughput: "
-                 f"{plan.tokens_per_s:.1f} tokens/s predicted")  # fmt: skip
+        what += (
+            f" and {plan.options.micro_batches} micro-batch(es), chosen for throughput: "
+            f"{plan.tokens_per_s:.1f} tokens/s predicted"
+        )
     elif auto:
         what += " (auto: as many as fit beside the weights)"
     return f"{what}, up to {job.config.max_queue} waiting"
@@ -161,13 +192,17 @@ def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
         jobs, ours = [attach(args.name, address=args.address)], False
     else:
         # serve's own defaults, for what neither the flags nor the job file set
-        config = job_config(args, defaults={"max_batch": DEFAULT_SERVE_BATCH,
-                                            "objective": DEFAULT_SERVE_OBJECTIVE},
-                            throughput_defaults={"replicas": 0})  # fmt: skip
+        config = job_config(
+            args,
+            defaults={"max_batch": DEFAULT_SERVE_BATCH, "objective": DEFAULT_SERVE_OBJECTIVE},
+            throughput_defaults={"replicas": 0},
+        )
         auto = config.max_batch == 0
         if config.max_seq_len == 0:  # 512 tokens, within the model's context
             context = model_context(read_config(config.checkpoint))
-            seq_len = min(DEFAULT_SERVE_SEQ_LEN, context.tokens if context else DEFAULT_SERVE_SEQ_LEN)
+            seq_len = min(
+                DEFAULT_SERVE_SEQ_LEN, context.tokens if context else DEFAULT_SERVE_SEQ_LEN
+            )
             config = dataclasses.replace(config, max_seq_len=seq_len)
         jobs = launch_replicas(config, f"serve-{uuid.uuid4().hex[:8]}", progress=progress)
         ours = True
@@ -177,10 +212,19 @@ def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
         from coordinator.serving.text import load_tokenizer
 
         load_tokenizer(job.config.checkpoint)  # a checkpoint without one fails here, not later
-        serving.start([j.name for j in jobs], model, host=args.host, port=args.port, api_key=key,
-                      max_ongoing_requests=job.config.max_queue + job.config.max_batch)  # fmt: skip
-        print(f"serving {model!r} on http://{args.host}:{args.port}/v1 ({_serving_what(jobs, auto)}"
-              f"); Ctrl-C stops it", flush=True)  # fmt: skip
+        serving.start(
+            [j.name for j in jobs],
+            model,
+            host=args.host,
+            port=args.port,
+            api_key=key,
+            max_ongoing_requests=job.config.max_queue + job.config.max_batch,
+        )
+        print(
+            f"serving {model!r} on http://{args.host}:{args.port}/v1 ({_serving_what(jobs, auto)}"
+            f"); Ctrl-C stops it",
+            flush=True,
+        )
         while True:
             time.sleep(3600)
     finally:

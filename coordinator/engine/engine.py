@@ -59,23 +59,32 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_queue < 0 or self.micro_batches < 0:
-            raise ConfigError(f"max_queue={self.max_queue} and micro_batches="
-                              f"{self.micro_batches} must be >= 0")  # fmt: skip
+            raise ConfigError(
+                f"max_queue={self.max_queue} and micro_batches={self.micro_batches} must be >= 0"
+            )
 
 
 class Engine:
-    def __init__(self, pipeline: Pipeline, config: EngineConfig, *,
-                 recover: Callable[[BaseException, int], None] | None = None,
-                 epoch: Callable[[], int] = lambda: 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        config: EngineConfig,
+        *,
+        recover: Callable[[BaseException, int], None] | None = None,
+        epoch: Callable[[], int] = lambda: 0,
+    ) -> None:
         """`recover(exc, epoch)`: after a step of `epoch` failed with `exc`, replace lost
         workers, or raise (nothing was lost: the step itself failed). `epoch()`: the workers'
         generation, which changes when they are replaced (by `recover` or anyone else)."""
         self.pipeline, self.config = pipeline, config
         self._recover, self._epoch = recover, epoch
-        self.scheduler = Scheduler(num_slots=config.num_slots, max_seq_len=config.max_seq_len,
-                                   num_groups=config.micro_batches or pipeline.num_stages,
-                                   max_queue=config.max_queue,
-                                   prefill_tokens=config.prefill_tokens)  # fmt: skip
+        self.scheduler = Scheduler(
+            num_slots=config.num_slots,
+            max_seq_len=config.max_seq_len,
+            num_groups=config.micro_batches or pipeline.num_stages,
+            max_queue=config.max_queue,
+            prefill_tokens=config.prefill_tokens,
+        )
         self.stats = EngineStats(num_slots=config.num_slots)
         # what could never fit: the same refusals (and words) as Job.check_request's
         self._budget = KvBudget(max_batch=config.num_slots, max_seq_len=config.max_seq_len)
@@ -89,19 +98,30 @@ class Engine:
         self._thread.start()
 
     # clients
-    def submit(self, prompts: list[list[int]], *, sampling, max_new_tokens: int,
-               eos_token_ids: tuple[int, ...] = (), seed: int | None = None,
-               on_token: Callable[[int, int], None] | None = None,
-               on_finish: Callable[[], None] | None = None) -> Request:  # fmt: skip
+    def submit(
+        self,
+        prompts: list[list[int]],
+        *,
+        sampling,
+        max_new_tokens: int,
+        eos_token_ids: tuple[int, ...] = (),
+        seed: int | None = None,
+        on_token: Callable[[int, int], None] | None = None,
+        on_finish: Callable[[], None] | None = None,
+    ) -> Request:
         """Queue one request of `len(prompts)` sequences; returns at once. Raises
         QueueFullError when the queue cannot take them, NeverFitsError when they could never
         run here."""
         if not all(prompts):
             raise NeverFitsError("a prompt is empty: each sequence needs at least one token")
         self._budget.check(len(prompts), max(len(p) for p in prompts) + max_new_tokens)
-        request = Request(sampling=sampling, max_new_tokens=max_new_tokens,
-                          eos_token_ids=frozenset(eos_token_ids), on_token=on_token,
-                          on_finish=on_finish)  # fmt: skip
+        request = Request(
+            sampling=sampling,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=frozenset(eos_token_ids),
+            on_token=on_token,
+            on_finish=on_finish,
+        )
         for row, prompt in enumerate(prompts):
             seq = Sequence(request=request, row=row, prompt=list(prompt))
             if sampling.do_sample:
@@ -123,7 +143,7 @@ class Engine:
                 raise QueueFullError(
                     f"{waiting} sequence(s) already wait for a KV slot (max_queue="
                     f"{self.config.max_queue}): retry later, or serve with a larger --max-queue"
-                )  # fmt: skip
+                )
             self._incoming.append(request)
             self._cond.notify_all()
         return request
@@ -211,7 +231,7 @@ class Engine:
         count = self._burst(steps)
         for step in steps:
             step.count = count
-        for batch in ([steps] if count > 1 else [[step] for step in steps]):
+        for batch in [steps] if count > 1 else [[step] for step in steps]:
             epoch = self._epoch()
             try:
                 handle = self.pipeline.submit(batch)
@@ -239,8 +259,9 @@ class Engine:
             return 1
         if len(steps) != sum(1 for g in scheduler.groups if g.sequences):
             return 1  # a micro-batch has a step in flight: keep to the driver's turns
-        left = min(s.request.max_new_tokens - len(s.generated)
-                   for step in steps for s in step.sequences)  # fmt: skip
+        left = min(
+            s.request.max_new_tokens - len(s.generated) for step in steps for s in step.sequences
+        )
         return max(1, min(self.config.burst_steps, left))
 
     def _wait_one(self) -> None:
@@ -249,9 +270,13 @@ class Engine:
             for handle, (steps, _) in list(self._in_flight.items()):
                 del self._in_flight[handle]
                 for step in steps:
-                    self._fail_step(step, TimeoutError(
-                        f"a generation step did not finish within "
-                        f"{self.config.step_timeout_s:.0f} s (forward_timeout_s)"))  # fmt: skip
+                    self._fail_step(
+                        step,
+                        TimeoutError(
+                            f"a generation step did not finish within "
+                            f"{self.config.step_timeout_s:.0f} s (forward_timeout_s)"
+                        ),
+                    )
             return
         for handle in ready:
             if handle not in self._in_flight:  # dropped by a restart meanwhile
@@ -338,7 +363,9 @@ class Engine:
         with self._cond:
             requests = list(self._incoming)
             self._incoming.clear()
-        requests += [s.request for s in self.scheduler.waiting] + [s.request for s in self.scheduler.running]
+        requests += [s.request for s in self.scheduler.waiting] + [
+            s.request for s in self.scheduler.running
+        ]
         for request in {id(r): r for r in requests}.values():
             if not request.done():
                 self._fail_request(request, exc)

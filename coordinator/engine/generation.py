@@ -22,15 +22,30 @@ FROM_CHECKPOINT = object()  # "the checkpoint's value": distinct from None ("no 
 DEFAULT_MAX_NEW_TOKENS = 20  # transformers' default (max_length 20 on top of the prompt)
 # generation_config.json keys whose non-default values this loop does not apply.
 UNSUPPORTED = {
-    "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0,
-    "min_new_tokens": None, "num_beams": 1, "typical_p": 1.0, "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0, "min_p": None, "top_h": None, "bad_words_ids": None,
-    "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
-    "forced_eos_token_id": None, "sequence_bias": None, "exponential_decay_length_penalty": None,
-    "renormalize_logits": False, "num_return_sequences": 1, "stop_strings": None,
-    "penalty_alpha": None, "guidance_scale": None, "encoder_repetition_penalty": 1.0,
-}  # fmt: skip
-
+    "repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "min_length": 0,
+    "min_new_tokens": None,
+    "num_beams": 1,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "min_p": None,
+    "top_h": None,
+    "bad_words_ids": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "sequence_bias": None,
+    "exponential_decay_length_penalty": None,
+    "renormalize_logits": False,
+    "num_return_sequences": 1,
+    "stop_strings": None,
+    "penalty_alpha": None,
+    "guidance_scale": None,
+    "encoder_repetition_penalty": 1.0,
+}
 
 
 class GenerationError(ConfigError):
@@ -84,8 +99,12 @@ class Settings:
 
     @property
     def sampling(self) -> Sampling:
-        return Sampling(do_sample=self.do_sample, temperature=self.temperature,
-                        top_k=self.top_k, top_p=self.top_p)  # fmt: skip
+        return Sampling(
+            do_sample=self.do_sample,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+        )
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -172,8 +191,9 @@ def resolve(
     )
 
 
-def sampling_options(temperature: float | None, top_p: float | None, top_k: int | None,
-                     seed: int | None) -> dict:  # fmt: skip
+def sampling_options(
+    temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None
+) -> dict:
     """Job.generate options from OpenAI-style knobs: temperature 0 is greedy, a temperature > 0
     samples; with none, a top_p < 1 or a top_k asks for sampling (at the checkpoint's
     temperature: OpenAI's API samples unless told otherwise, and a knob that only acts when

@@ -71,8 +71,9 @@ class LocalPipeline:
     def submit(self, steps: list[Step]) -> _Done:
         if len(steps) > 1 or steps[0].count > 1:  # the first stage drives them
             batches = [(step.rows, step.x, step.draw) for step in steps]
-            return _Done(self.workers[0].batch_ring(batches, steps[0].count,
-                                                    tuple(self.workers[1:])))  # fmt: skip
+            return _Done(
+                self.workers[0].batch_ring(batches, steps[0].count, tuple(self.workers[1:]))
+            )
         [step] = steps
         x = step.x
         for worker in self.workers[:-1]:

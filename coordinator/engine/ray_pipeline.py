@@ -81,8 +81,13 @@ class RayPipeline:
             raise WorkerLostError("a worker of this load was lost")
         if len(steps) > 1 or steps[0].count > 1:  # stage 0 drives them, actor to actor
             batches = [(step.rows, pack(step.x), _packed_draw(step.draw)) for step in steps]
-            stream = actors[0].batch_ring.options(num_returns="streaming").remote(
-                batches, steps[0].count, tuple(actors[1:]), self.job.config.forward_timeout_s)
+            stream = (
+                actors[0]
+                .batch_ring.options(num_returns="streaming")
+                .remote(
+                    batches, steps[0].count, tuple(actors[1:]), self.job.config.forward_timeout_s
+                )
+            )
             return _Burst(stream)
         [step] = steps
         draw = _packed_draw(step.draw)

@@ -49,8 +49,15 @@ class _Group:
 
 
 class Scheduler:
-    def __init__(self, *, num_slots: int, max_seq_len: int, num_groups: int, max_queue: int,
-                 prefill_tokens: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        num_slots: int,
+        max_seq_len: int,
+        num_groups: int,
+        max_queue: int,
+        prefill_tokens: int,
+    ) -> None:
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.max_queue, self.prefill_tokens = max_queue, prefill_tokens
         self.waiting: deque[Sequence] = deque()
@@ -151,17 +158,27 @@ class Scheduler:
         order = sorted(range(len(chosen)), key=lambda r: chosen[r].slot)
         chosen, x = [chosen[r] for r in order], x[order]
         counts, samples = [counts[r] for r in order], [samples[r] for r in order]
-        rows = StepRows(slots=tuple(s.slot for s in chosen), starts=tuple(s.cached for s in chosen),
-                        counts=tuple(counts), width=x.shape[1], num_slots=self.num_slots,
-                        max_seq_len=self.max_seq_len)  # fmt: skip
-        samplings = tuple(s.sampling if take else None for s, take in zip(chosen, samples, strict=True))
-        states = [s.state for s, m in zip(chosen, samplings, strict=True) if m is not None and m.do_sample]
+        rows = StepRows(
+            slots=tuple(s.slot for s in chosen),
+            starts=tuple(s.cached for s in chosen),
+            counts=tuple(counts),
+            width=x.shape[1],
+            num_slots=self.num_slots,
+            max_seq_len=self.max_seq_len,
+        )
+        samplings = tuple(
+            s.sampling if take else None for s, take in zip(chosen, samples, strict=True)
+        )
+        states = [
+            s.state for s, m in zip(chosen, samplings, strict=True) if m is not None and m.do_sample
+        ]
         draw = Draw(samplings, torch.stack(states) if states else None)
         self.groups[g].in_flight = True
         return Step(group=g, sequences=chosen, rows=rows, x=x, draw=draw, prefill=prefill)
 
-    def apply(self, step: Step, index: int, tokens: torch.Tensor,
-              states: torch.Tensor | None) -> list[tuple[Sequence, int]]:  # fmt: skip
+    def apply(
+        self, step: Step, index: int, tokens: torch.Tensor, states: torch.Tensor | None
+    ) -> list[tuple[Sequence, int]]:
         """The tokens of step `index` (0 first; a burst has several) of `step`: each row's
         cache grew by what it fed, its token is added (a finished row's ignored). Returns the
         (sequence, token) pairs added; a sequence that ends is marked, and keeps its slot until

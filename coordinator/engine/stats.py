@@ -10,10 +10,51 @@ from collections import deque
 from dataclasses import dataclass, field
 
 # vLLM's bucket bounds (seconds) for these two histograms.
-TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-                 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+TTFT_BUCKETS_S = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS_S = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 RECENT = 4096  # latency samples kept for percentiles
 
 
@@ -27,7 +68,9 @@ class Histogram:
         self.count = 0
 
     def observe(self, value: float) -> None:
-        self.counts[next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))] += 1
+        self.counts[
+            next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))
+        ] += 1
         self.total += value
         self.count += 1
 
@@ -99,15 +142,22 @@ class EngineStats:
         with self._lock:
             ttft, itl = list(self.ttft_s), list(self.itl_s)
             return {
-                "requests_running": self.running, "requests_waiting": self.waiting,
-                "kv_slots": self.num_slots, "batch_occupancy": round(self.occupancy(), 4),
+                "requests_running": self.running,
+                "requests_waiting": self.waiting,
+                "kv_slots": self.num_slots,
+                "batch_occupancy": round(self.occupancy(), 4),
                 "mean_batch": round(self.step_rows / self.steps, 3) if self.steps else 0.0,
-                "requests": self.requests, "rejected": self.rejected, "steps": self.steps,
+                "requests": self.requests,
+                "rejected": self.rejected,
+                "steps": self.steps,
                 "calls": self.calls,
-                "generation_tokens": self.generated, "restarts": self.restarts,
-                "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-                "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
-            }  # fmt: skip
+                "generation_tokens": self.generated,
+                "restarts": self.restarts,
+                "ttft_p50_s": percentile(ttft, 50),
+                "ttft_p99_s": percentile(ttft, 99),
+                "itl_p50_s": percentile(itl, 50),
+                "itl_p99_s": percentile(itl, 99),
+            }
 
     def prometheus(self, model_name: str) -> str:
         """The stats in Prometheus' text format under vLLM's metric names (a server's
@@ -118,15 +168,20 @@ class EngineStats:
             for name, kind, value in (
                 ("vllm:num_requests_running", "gauge", self.running),
                 ("vllm:num_requests_waiting", "gauge", self.waiting),
-                ("vllm:kv_cache_usage_perc", "gauge",
-                 self.running / self.num_slots if self.num_slots else 0.0),
+                (
+                    "vllm:kv_cache_usage_perc",
+                    "gauge",
+                    self.running / self.num_slots if self.num_slots else 0.0,
+                ),
                 ("offload:batch_occupancy", "gauge", self.occupancy()),
                 ("vllm:generation_tokens_total", "counter", self.generated),
                 ("vllm:request_success_total", "counter", self.ended),
-            ):  # fmt: skip
+            ):
                 lines += [f"# TYPE {name} {kind}", f"{name}{{{labels}}} {value}"]
-            for name, histogram in (("vllm:time_to_first_token_seconds", self.ttft),
-                                    ("vllm:inter_token_latency_seconds", self.itl)):  # fmt: skip
+            for name, histogram in (
+                ("vllm:time_to_first_token_seconds", self.ttft),
+                ("vllm:inter_token_latency_seconds", self.itl),
+            ):
                 lines += [f"# TYPE {name} histogram", *histogram.lines(name, labels)]
         return "\n".join(lines) + "\n"
 
@@ -148,20 +203,39 @@ class EngineMetrics:
 
         self.tags = {"model_name": model_name}
         keys = ("model_name",)
-        self.running = Gauge("vllm_num_requests_running", tag_keys=keys,
-                             description="Sequences in the running batch")  # fmt: skip
-        self.waiting = Gauge("vllm_num_requests_waiting", tag_keys=keys,
-                             description="Sequences waiting for a KV slot")  # fmt: skip
-        self.usage = Gauge("vllm_kv_cache_usage_perc", tag_keys=keys,
-                           description="Fraction of KV slots in use (1 = full)")  # fmt: skip
-        self.occupancy = Gauge("offload_batch_occupancy", tag_keys=keys,
-                               description="Mean sequences per step over the KV slots")  # fmt: skip
-        self.tokens = Counter("vllm_generation_tokens", tag_keys=keys,
-                              description="Tokens generated")  # fmt: skip
-        self.ttft = Histogram("vllm_time_to_first_token_seconds", boundaries=list(TTFT_BUCKETS_S),
-                              tag_keys=keys, description="Time to first token")  # fmt: skip
-        self.itl = Histogram("vllm_inter_token_latency_seconds", boundaries=list(ITL_BUCKETS_S),
-                             tag_keys=keys, description="Time between tokens of a sequence")  # fmt: skip
+        self.running = Gauge(
+            "vllm_num_requests_running", tag_keys=keys, description="Sequences in the running batch"
+        )
+        self.waiting = Gauge(
+            "vllm_num_requests_waiting",
+            tag_keys=keys,
+            description="Sequences waiting for a KV slot",
+        )
+        self.usage = Gauge(
+            "vllm_kv_cache_usage_perc",
+            tag_keys=keys,
+            description="Fraction of KV slots in use (1 = full)",
+        )
+        self.occupancy = Gauge(
+            "offload_batch_occupancy",
+            tag_keys=keys,
+            description="Mean sequences per step over the KV slots",
+        )
+        self.tokens = Counter(
+            "vllm_generation_tokens", tag_keys=keys, description="Tokens generated"
+        )
+        self.ttft = Histogram(
+            "vllm_time_to_first_token_seconds",
+            boundaries=list(TTFT_BUCKETS_S),
+            tag_keys=keys,
+            description="Time to first token",
+        )
+        self.itl = Histogram(
+            "vllm_inter_token_latency_seconds",
+            boundaries=list(ITL_BUCKETS_S),
+            tag_keys=keys,
+            description="Time between tokens of a sequence",
+        )
         self._tokens_seen = 0
 
     def export(self, stats: EngineStats) -> None:

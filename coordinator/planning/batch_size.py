@@ -28,13 +28,19 @@ def offloaded_bytes(the_plan: Plan) -> int:
     return sum(s.offloaded_bytes for s in the_plan.stages)
 
 
-def largest_batch(layers: Sequence[LayerSpec], cluster: ClusterSnapshot, options: PlanOptions,
-                  cap: int = AUTO_MAX_BATCH) -> tuple[int, Plan]:  # fmt: skip
+def largest_batch(
+    layers: Sequence[LayerSpec],
+    cluster: ClusterSnapshot,
+    options: PlanOptions,
+    cap: int = AUTO_MAX_BATCH,
+) -> tuple[int, Plan]:
     """(max_batch, its plan): the largest batch up to `cap` whose plan offloads no more weight
     bytes than a batch of one does. PlanError when not even one sequence fits."""
     if options.max_seq_len < 1:
-        raise PlanError("sizing max_batch from memory needs max_seq_len (tokens per sequence): "
-                        "set --max-seq-len, or give --max-batch")  # fmt: skip
+        raise PlanError(
+            "sizing max_batch from memory needs max_seq_len (tokens per sequence): "
+            "set --max-seq-len, or give --max-batch"
+        )
     if cap < 1:
         raise PlanError(f"cap={cap} must be >= 1")
     best = planner.plan(layers, cluster, dataclasses.replace(options, max_batch=1))
@@ -65,8 +71,9 @@ def plan_job(config, index, snapshot: ClusterSnapshot):
 
         the_plan = choose(index.layers, snapshot, config.plan_options(), **_search_space(config))
         chosen = the_plan.options
-        return dataclasses.replace(config, max_batch=chosen.max_batch,
-                                   micro_batches=chosen.micro_batches), the_plan  # fmt: skip
+        return dataclasses.replace(
+            config, max_batch=chosen.max_batch, micro_batches=chosen.micro_batches
+        ), the_plan
     if config.max_batch:
         # through the module: tests replace the planner there
         return config, planner.plan(index.layers, snapshot, config.plan_options())
@@ -80,8 +87,13 @@ def plan_replicas(config, index, snapshot: ClusterSnapshot):
     plan` shows them."""
     from coordinator.planning.replicas import choose_replicas
 
-    return choose_replicas(index.layers, snapshot, config.plan_options(),
-                           replicas=config.replicas, **_search_space(config))  # fmt: skip
+    return choose_replicas(
+        index.layers,
+        snapshot,
+        config.plan_options(),
+        replicas=config.replicas,
+        **_search_space(config),
+    )
 
 
 def _search_space(config) -> dict:
@@ -89,7 +101,8 @@ def _search_space(config) -> dict:
     micro-batches (0: every count) and its latency bound."""
     from coordinator.planning.throughput import BATCHES
 
-    return {"batches": [config.max_batch] if config.max_batch else BATCHES,
-            "micro_batches": config.micro_batches,
-            "max_token_latency_s": config.max_token_latency_s}  # fmt: skip
-
+    return {
+        "batches": [config.max_batch] if config.max_batch else BATCHES,
+        "micro_batches": config.micro_batches,
+        "max_token_latency_s": config.max_token_latency_s,
+    }

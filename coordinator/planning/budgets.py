@@ -45,8 +45,11 @@ def node_info(
     hostname = result["hostname"]
     where = f"node {hostname} ({node_id[:8]})"
     if result["error"]:
-        causes = [f"{name} is set by the {origin} for this node" for name, origin
-                  in (origins or {}).items() if name in result["error"]]  # fmt: skip
+        causes = [
+            f"{name} is set by the {origin} for this node"
+            for name, origin in (origins or {}).items()
+            if name in result["error"]
+        ]
         said = f" ({'; '.join(causes)}: change it there)" if causes else ""
         raise ConfigError(f"{where}: {result['error']}{said}")
     probe: NodeProbe = result["probe"]
@@ -69,8 +72,9 @@ def node_info(
         ]
     available = (probe.host_available_bytes or 0) + held_bytes
     pin = bool(result["pin"]["pin"])
-    backend, backend_reason = resolve_backend(config.backend, probe,
-                                 device_type="cuda" if probe.cuda_available else "cpu")  # fmt: skip
+    backend, backend_reason = resolve_backend(
+        config.backend, probe, device_type="cuda" if probe.cuda_available else "cpu"
+    )
     return NodeInfo(
         node_id=node_id,
         hostname=hostname,
@@ -82,8 +86,9 @@ def node_info(
         link_bytes_per_s=probe.link_bytes_per_s(pin=pin),
         backend=backend,
         backend_reason=backend_reason,
-        concurrent_stages=None if probe.devices or not probe.cpu_count else max(
-            1, (probe.cpu_count - 1) // config.cpus_per_worker),
+        concurrent_stages=None
+        if probe.devices or not probe.cpu_count
+        else max(1, (probe.cpu_count - 1) // config.cpus_per_worker),
         **_compute(result.get("compute"), config),
     )
 

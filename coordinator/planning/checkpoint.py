@@ -146,9 +146,13 @@ def _tensor_slice(
             f"{numel * dtype_size(dtype)}"
         )
     return TensorSlice(
-        name=tensor, dtype=dtype, shape=tuple(shape), file=file,
-        start=data_start + begin, end=data_start + end,
-    )  # fmt: skip
+        name=tensor,
+        dtype=dtype,
+        shape=tuple(shape),
+        file=file,
+        start=data_start + begin,
+        end=data_start + end,
+    )
 
 
 def read_config(root: str | os.PathLike) -> dict:
@@ -305,15 +309,25 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
         by_layer[layer].append(tensor)
     kv = kv_per_layer(model)
     layers = tuple(
-        LayerSpec(name=name, kind=_kind(name), index=_index(name), tensors=tuple(items),
-                  **_kv_fields(kv, _index(name)))
+        LayerSpec(
+            name=name,
+            kind=_kind(name),
+            index=_index(name),
+            tensors=tuple(items),
+            **_kv_fields(kv, _index(name)),
+        )
         for name, items in by_layer.items()
     )
     return CheckpointIndex(
-        root=root, config=config, layers=layers, files=tuple(files), identities=tuple(identities),
+        root=root,
+        config=config,
+        layers=layers,
+        files=tuple(files),
+        identities=tuple(identities),
         tied_embeddings=bool(getattr(model, "all_tied_weights_keys", None)),
-        dtype=compute_dtype, ignored=tuple(ignored),
-    )  # fmt: skip
+        dtype=compute_dtype,
+        ignored=tuple(ignored),
+    )
 
 
 def _kv_fields(kv: list[tuple[int, int | None]], index: int | None) -> dict:

@@ -11,8 +11,16 @@ from dataclasses import dataclass
 from offload.errors import ConfigError
 
 # config.json keys that bound the positions a model takes, across families (the smallest wins).
-CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length",
-                "max_sequence_length", "max_seq_length", "seq_len")  # fmt: skip
+CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "n_ctx",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
 # RoPE scalings that stretch the trained window by their `factor` (yarn from its original one);
 # llama3 and longrope configs already give the stretched window as max_position_embeddings.
 STRETCHING = ("linear", "dynamic", "yarn")
@@ -29,8 +37,9 @@ class Context:
 
 def model_context(config: dict) -> Context | None:
     """The context window of the model `config` describes; None when its config names none."""
-    found = [(config[k], k) for k in CONTEXT_KEYS
-             if isinstance(config.get(k), int) and config[k] > 0]  # fmt: skip
+    found = [
+        (config[k], k) for k in CONTEXT_KEYS if isinstance(config.get(k), int) and config[k] > 0
+    ]
     if not found:
         return None
     tokens, key = min(found)
@@ -56,5 +65,7 @@ def beyond_context(config: dict, tokens: int) -> Context | None:
 def check_max_seq_len(config: dict, max_seq_len: int) -> None:
     """A job's KV cache is planned for at most the model's context per sequence."""
     if context := beyond_context(config, max_seq_len):
-        raise ConfigError(f"max_seq_len={max_seq_len} exceeds the model's context of {context}: "
-                         f"lower --max-seq-len to {context.tokens} or less")  # fmt: skip
+        raise ConfigError(
+            f"max_seq_len={max_seq_len} exceeds the model's context of {context}: "
+            f"lower --max-seq-len to {context.tokens} or less"
+        )

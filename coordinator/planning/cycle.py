@@ -53,9 +53,13 @@ class Cycle:
     bound_s: float  # no placement has a shorter cycle (== cycle_s: proven the shortest)
 
 
-def min_cycle(search: Search, micro_batches: int, overhead_s: float,
-              best: Sequence[LayerRange] | None = None,
-              dp_limit: int = DP_LIMIT) -> Cycle | None:  # fmt: skip
+def min_cycle(
+    search: Search,
+    micro_batches: int,
+    overhead_s: float,
+    best: Sequence[LayerRange] | None = None,
+    dp_limit: int = DP_LIMIT,
+) -> Cycle | None:
     """The placement with the shortest cycle, None when the layers do not fit at all. `best`:
     the bottleneck-optimal placement when the caller has solved for it already."""
     if best is None:
@@ -70,8 +74,7 @@ def min_cycle(search: Search, micro_batches: int, overhead_s: float,
     if gpus * search.num_layers * (search.num_layers + 1) // 2 > dp_limit:
         # Lower bounds: every placement has a stage of >= T*, and computes all weights at no
         # more than the fastest node's rate, in at least one stage.
-        bound = max(k * (bottleneck + overhead_s),
-                    search.work[-1] / max(search.rates) + overhead_s)  # fmt: skip
+        bound = max(k * (bottleneck + overhead_s), search.work[-1] / max(search.rates) + overhead_s)
         return Cycle(*answer, bound_s=min(bound, answer[1]))
     caps = sorted(_stage_times(search, bottleneck))
     lo, hi = 0, len(caps) - 1
@@ -117,8 +120,9 @@ def _range_time(search: Search, n: int, start: int, end: int, memory: int) -> fl
     return max(work / search.rates[n], offloaded / node.link_bytes_per_s)
 
 
-def _least_sum(search: Search, cap: float,
-               overhead_s: float) -> tuple[float, list[LayerRange]] | None:  # fmt: skip
+def _least_sum(
+    search: Search, cap: float, overhead_s: float
+) -> tuple[float, list[LayerRange]] | None:
     """g(cap): the least sum of stage times (+ overhead each) over placements whose stages all
     take <= cap, and one such placement."""
     num = search.num_layers
@@ -156,7 +160,7 @@ def _pareto(states: dict[tuple[int, int], tuple[float, tuple[LayerRange, ...]]])
     """Per position, only the states no other beats on both host bytes and sum."""
     kept: dict[tuple[int, int], tuple[float, tuple[LayerRange, ...]]] = {}
     least: dict[int, float] = {}
-    for (pos, used) in sorted(states):
+    for pos, used in sorted(states):
         value = states[(pos, used)]
         if value[0] < least.get(pos, math.inf):
             kept[(pos, used)] = value

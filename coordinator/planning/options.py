@@ -73,14 +73,18 @@ class PlanOptions:
                 f"PlanOptions.micro_batches={self.micro_batches!r} must be an int >= 1"
             )
         if self.objective not in OBJECTIVES:
-            raise ConfigError(f"PlanOptions.objective={self.objective!r} must be one of "
-                              f"{', '.join(OBJECTIVES)}")  # fmt: skip
+            raise ConfigError(
+                f"PlanOptions.objective={self.objective!r} must be one of {', '.join(OBJECTIVES)}"
+            )
         overhead = self.step_overhead_s
-        if isinstance(overhead, bool) or not isinstance(overhead, int | float) or not (
-            math.isfinite(overhead) and overhead >= 0
+        if (
+            isinstance(overhead, bool)
+            or not isinstance(overhead, int | float)
+            or not (math.isfinite(overhead) and overhead >= 0)
         ):
-            raise ConfigError(f"PlanOptions.step_overhead_s={overhead!r} must be a finite "
-                              "number of seconds >= 0")  # fmt: skip
+            raise ConfigError(
+                f"PlanOptions.step_overhead_s={overhead!r} must be a finite number of seconds >= 0"
+            )
         for name in ("compute_bytes_per_s", "default_link_bytes_per_s"):
             value = getattr(self, name)
             if not is_rate(value):

@@ -138,8 +138,10 @@ class Plan:
     def summary(self) -> str:
         """A table of the stages, with the bottleneck marked and each stage's link rate (the
         node's measured host-to-device rate, or the options' default where none was measured)."""
-        columns = ("stage node gpu layers resident offloaded backend slots kv-cache device link "
-                   "rate compute transfer time")  # fmt: skip
+        columns = (
+            "stage node gpu layers resident offloaded backend slots kv-cache device link "
+            "rate compute transfer time"
+        )
         head = (*columns.split(), "")
         rows = [head]
         slowest = self.bottleneck_stage if self.stages else -1
@@ -182,25 +184,33 @@ class Plan:
             s = self.stages[slowest]
             bound = "transfer" if s.transfer_s > s.compute_s else "compute"
             title += f"; bottleneck: stage {slowest}, {format_seconds(s.time_s)} ({bound}-bound)"
-        sources = {(s.hostname or s.node_id[:8], s.compute_source) for s in self.stages
-                   if s.compute_source}  # fmt: skip
+        sources = {
+            (s.hostname or s.node_id[:8], s.compute_source) for s in self.stages if s.compute_source
+        }
         notes = [f"compute rate on {host}: {source}" for host, source in sorted(sources)]
         if self.options.max_batch and self.stages:
             o = self.options
-            note = (f"objective {o.objective}: {self.tokens_per_s:.1f} decode tokens/s predicted "
-                    f"({o.max_batch} sequences in {o.micro_batches} micro-batch(es); "
-                    f"{format_seconds(self.cycle_s)} between a sequence's tokens, with "
-                    f"{format_seconds(self.step_overhead_s)} per stage step besides compute)")  # fmt: skip
+            note = (
+                f"objective {o.objective}: {self.tokens_per_s:.1f} decode tokens/s predicted "
+                f"({o.max_batch} sequences in {o.micro_batches} micro-batch(es); "
+                f"{format_seconds(self.cycle_s)} between a sequence's tokens, with "
+                f"{format_seconds(self.step_overhead_s)} per stage step besides compute)"
+            )
             if self.cycle_bound_s and self.cycle_bound_s < self.cycle_s:
-                note += (f"; too large for the exact search: no plan is more than "
-                         f"{self.cycle_s / self.cycle_bound_s:.2f}x faster")  # fmt: skip
+                note += (
+                    f"; too large for the exact search: no plan is more than "
+                    f"{self.cycle_s / self.cycle_bound_s:.2f}x faster"
+                )
             notes.append(note)
         return "\n".join([title, *lines, *notes])
 
 
 def plan(
-    layers: Sequence[LayerSpec], cluster: ClusterSnapshot, options: PlanOptions = DEFAULT_OPTIONS,
-    *, memo: dict | None = None,
+    layers: Sequence[LayerSpec],
+    cluster: ClusterSnapshot,
+    options: PlanOptions = DEFAULT_OPTIONS,
+    *,
+    memo: dict | None = None,
 ) -> Plan:
     """The placement that is best for `options.objective` under the cost model above: the
     smallest bottleneck stage time (latency), or the shortest decode cycle of
@@ -220,12 +230,16 @@ def plan(
     if not gpus:
         raise PlanError(f"the cluster has no GPUs ({len(cluster.nodes)} node(s)): add GPUs")
     for node in cluster.nodes:
-        for name, default in (("link_bytes_per_s", "default_link_bytes_per_s"),
-                              ("compute_bytes_per_s", "compute_bytes_per_s")):  # fmt: skip
+        for name, default in (
+            ("link_bytes_per_s", "default_link_bytes_per_s"),
+            ("compute_bytes_per_s", "compute_bytes_per_s"),
+        ):
             value = getattr(node, name)
             if value is not None and not is_rate(value):
-                raise PlanError(f"node {node.node_id}: {name}={value!r} must be a finite number "
-                                f"> 0 (or None to use PlanOptions.{default})")  # fmt: skip
+                raise PlanError(
+                    f"node {node.node_id}: {name}={value!r} must be a finite number "
+                    f"> 0 (or None to use PlanOptions.{default})"
+                )
     limits = [
         NodeLimits(
             gpu_memory_bytes=tuple(g.memory_bytes for g in node.gpus),
@@ -283,8 +297,9 @@ def sub_layer_units(layers: Sequence[LayerSpec]) -> dict[str, list[int]]:
     return found
 
 
-def _shared_cores_s(stages: Sequence[StagePlan], cluster: ClusterSnapshot,
-                    options: PlanOptions) -> float:  # fmt: skip
+def _shared_cores_s(
+    stages: Sequence[StagePlan], cluster: ClusterSnapshot, options: PlanOptions
+) -> float:
     """The least cycle where a node's GPUs are simulated on its CPU: its stages share its cores,
     and so do their copies (the CPU copy engine is a thread), so every micro-batch's compute and
     copies through them (with each step's own fixed part) take at least their sum over how many
@@ -295,8 +310,7 @@ def _shared_cores_s(stages: Sequence[StagePlan], cluster: ClusterSnapshot,
         if node.concurrent_stages is None:
             continue
         fixed = node.fixed_step_s(options.rows_per_step)
-        work = sum(s.compute_s + s.transfer_s + fixed for s in stages
-                   if s.node_id == node.node_id)  # fmt: skip
+        work = sum(s.compute_s + s.transfer_s + fixed for s in stages if s.node_id == node.node_id)
         least = max(least, options.micro_batches * work / node.concurrent_stages)
     return least
 
@@ -360,8 +374,10 @@ def _build(
             )
         )
     overhead = _overhead_s(cluster, options)
-    cycle = max(cycle_s([s.time_s for s in stages], options.micro_batches, overhead),
-                _shared_cores_s(stages, cluster, options))  # fmt: skip
+    cycle = max(
+        cycle_s([s.time_s for s in stages], options.micro_batches, overhead),
+        _shared_cores_s(stages, cluster, options),
+    )
     return Plan(
         stages=tuple(stages),
         options=options,

@@ -60,7 +60,9 @@ def check_largest_layer(
         in_place = layer.kind == "decoder" and node.backend == "uva"
         return (0 if in_place else layer.nbytes) + kv_bytes(layer, options) + options.reserve_bytes
 
-    for big in sorted(layers, key=lambda layer: layer.nbytes + kv_bytes(layer, options), reverse=True):
+    for big in sorted(
+        layers, key=lambda layer: layer.nbytes + kv_bytes(layer, options), reverse=True
+    ):
         node, gpu = max(largest.values(), key=lambda ng: ng[1].memory_bytes - need(big, ng[0]))
         if need(big, node) <= gpu.memory_bytes:
             continue
@@ -72,8 +74,14 @@ def check_largest_layer(
             if big.kind != "decoder"
             else "its KV cache stays on the GPU"
         )
-        cache = (f" + {format_bytes(kv)} of KV cache for max_batch {options.max_batch} x "
-                 f"max_seq_len {options.max_seq_len}") if kv else ""  # fmt: skip
+        cache = (
+            (
+                f" + {format_bytes(kv)} of KV cache for max_batch {options.max_batch} x "
+                f"max_seq_len {options.max_seq_len}"
+            )
+            if kv
+            else ""
+        )
         weights = 0 if big.kind == "decoder" and node.backend == "uva" else big.nbytes
         raise PlanError(
             f"layer {big.name!r} needs {need(big, node)} bytes on one GPU "
@@ -121,5 +129,7 @@ def _kv_needed(layers: Sequence[LayerSpec], options: PlanOptions) -> str:
     kv = sum(kv_bytes(layer, options) for layer in layers)
     if not kv:
         return ""
-    return (f" and {kv} bytes of KV cache (max_batch {options.max_batch} x max_seq_len "
-            f"{options.max_seq_len}), which stays on the GPUs")  # fmt: skip
+    return (
+        f" and {kv} bytes of KV cache (max_batch {options.max_batch} x max_seq_len "
+        f"{options.max_seq_len}), which stays on the GPUs"
+    )

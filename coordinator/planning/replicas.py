@@ -45,9 +45,11 @@ class Replicas:
     def summary(self) -> str:
         if len(self.plans) == 1:
             return self.plans[0].summary()
-        head = (f"{len(self.plans)} replicas of {len(self.plans[0].stages)} stage(s): "
-                f"{self.tokens_per_s:.1f} decode tokens/s predicted in all, at most "
-                f"{format_seconds(self.cycle_s)} between a sequence's tokens")  # fmt: skip
+        head = (
+            f"{len(self.plans)} replicas of {len(self.plans[0].stages)} stage(s): "
+            f"{self.tokens_per_s:.1f} decode tokens/s predicted in all, at most "
+            f"{format_seconds(self.cycle_s)} between a sequence's tokens"
+        )
         parts = [head]
         for r, p in enumerate(self.plans):
             parts += [f"\nreplica {r}:", p.summary()]
@@ -59,8 +61,9 @@ def split(cluster: ClusterSnapshot, replicas: int) -> list[ClusterSnapshot]:
     doc); PlanError when they do not divide."""
     gpus = [(n, g) for n, node in enumerate(cluster.nodes) for g in node.gpus]
     if replicas < 1 or len(gpus) % replicas:
-        raise PlanError(f"replicas={replicas} must divide the cluster's {len(gpus)} GPUs into "
-                        "equal replicas")  # fmt: skip
+        raise PlanError(
+            f"replicas={replicas} must divide the cluster's {len(gpus)} GPUs into equal replicas"
+        )
     size = len(gpus) // replicas
     parts = []
     for r in range(replicas):
@@ -70,21 +73,37 @@ def split(cluster: ClusterSnapshot, replicas: int) -> list[ClusterSnapshot]:
             node = cluster.nodes[n]
             mine = tuple(g for m, g in taken if m == n)
             share = len(mine) / len(node.gpus)
-            nodes.append(dataclasses.replace(
-                node, gpus=mine, host_budget_bytes=int(node.host_budget_bytes * share),
-                pinned_budget_bytes=int(node.pinned_budget_bytes * share),
-                concurrent_stages=None if node.concurrent_stages is None
-                else node.concurrent_stages * share))  # fmt: skip
+            nodes.append(
+                dataclasses.replace(
+                    node,
+                    gpus=mine,
+                    host_budget_bytes=int(node.host_budget_bytes * share),
+                    pinned_budget_bytes=int(node.pinned_budget_bytes * share),
+                    concurrent_stages=None
+                    if node.concurrent_stages is None
+                    else node.concurrent_stages * share,
+                )
+            )
         parts.append(ClusterSnapshot(nodes=tuple(nodes)))
     return parts
 
 
 def _shape(part: ClusterSnapshot) -> tuple:
     """What a replica's plan depends on: its nodes but for their names and GPU indices."""
-    return tuple((tuple(g.memory_bytes for g in n.gpus), n.host_budget_bytes,
-                  n.pinned_budget_bytes, n.pin, n.link_bytes_per_s, n.compute,
-                  n.compute_bytes_per_s, n.backend, n.concurrent_stages)
-                 for n in part.nodes)  # fmt: skip
+    return tuple(
+        (
+            tuple(g.memory_bytes for g in n.gpus),
+            n.host_budget_bytes,
+            n.pinned_budget_bytes,
+            n.pin,
+            n.link_bytes_per_s,
+            n.compute,
+            n.compute_bytes_per_s,
+            n.backend,
+            n.concurrent_stages,
+        )
+        for n in part.nodes
+    )
 
 
 def _relabel(the_plan: Plan, source: ClusterSnapshot, target: ClusterSnapshot) -> Plan:
@@ -97,8 +116,9 @@ def _relabel(the_plan: Plan, source: ClusterSnapshot, target: ClusterSnapshot) -
     stages = []
     for s in the_plan.stages:
         node, gpu = where[s.node_id, s.gpu_index]
-        stages.append(dataclasses.replace(s, node_id=node.node_id, hostname=node.hostname,
-                                          gpu_index=gpu))  # fmt: skip
+        stages.append(
+            dataclasses.replace(s, node_id=node.node_id, hostname=node.hostname, gpu_index=gpu)
+        )
     return dataclasses.replace(the_plan, stages=tuple(stages))
 
 
@@ -110,9 +130,16 @@ def _could_hold(layers: Sequence[LayerSpec], part: ClusterSnapshot) -> bool:
     return room >= sum(layer.nbytes for layer in layers)
 
 
-def choose_replicas(layers: Sequence[LayerSpec], cluster: ClusterSnapshot, options: PlanOptions,
-                    *, replicas: int = 0, batches: Sequence[int] = BATCHES,
-                    micro_batches: int = 0, max_token_latency_s: float = 0.0) -> Replicas:  # fmt: skip
+def choose_replicas(
+    layers: Sequence[LayerSpec],
+    cluster: ClusterSnapshot,
+    options: PlanOptions,
+    *,
+    replicas: int = 0,
+    batches: Sequence[int] = BATCHES,
+    micro_batches: int = 0,
+    max_token_latency_s: float = 0.0,
+) -> Replicas:
     """The most tokens/s over the replica counts (`replicas`: that count only; 0: every count
     dividing the GPUs). PlanError when no count fits, with the one-pipeline error."""
     gpus = cluster.num_gpus
@@ -129,9 +156,17 @@ def choose_replicas(layers: Sequence[LayerSpec], cluster: ClusterSnapshot, optio
             for part in parts:
                 key = _shape(part)
                 if key not in planned:
-                    planned[key] = (part, choose(layers, part, options, batches=batches,
-                                                 micro_batches=micro_batches,
-                                                 max_token_latency_s=max_token_latency_s))  # fmt: skip
+                    planned[key] = (
+                        part,
+                        choose(
+                            layers,
+                            part,
+                            options,
+                            batches=batches,
+                            micro_batches=micro_batches,
+                            max_token_latency_s=max_token_latency_s,
+                        ),
+                    )
                 source, the_plan = planned[key]
                 plans.append(_relabel(the_plan, source, part))
         except PlanError as exc:

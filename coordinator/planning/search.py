@@ -161,8 +161,12 @@ class _Unit:
     @classmethod
     def of(cls, movable: list[int]) -> _Unit:
         distinct = {s for s in movable if s > 0}
-        return cls(movable, list(accumulate((s > 0 for s in movable), initial=0)),
-                   distinct.pop() if len(distinct) == 1 else None, {})  # fmt: skip
+        return cls(
+            movable,
+            list(accumulate((s > 0 for s in movable), initial=0)),
+            distinct.pop() if len(distinct) == 1 else None,
+            {},
+        )
 
 
 class Search:
@@ -199,13 +203,16 @@ class Search:
         # weights + KV per prefix: what a range needs on the device with nothing offloaded
         self.device_prefix = [w + k for w, k in zip(self.prefix, self.kv_prefix, strict=True)]
         whole = [s if ok and s > 0 else 0 for s, ok in zip(sizes, offloadable, strict=True)]
-        self.units = [_Unit.of([max(0, b) if w else 0 for b, w in zip(unit, whole, strict=True)])
-                      for unit in units] + [_Unit.of(whole)]  # fmt: skip
+        self.units = [
+            _Unit.of([max(0, b) if w else 0 for b, w in zip(unit, whole, strict=True)])
+            for unit in units
+        ] + [_Unit.of(whole)]
 
     # -- one range on one GPU ------------------------------------------------------------------
 
-    def _unit_choice(self, u: int, start: int, end: int, deficit: int,
-                     slots: int) -> tuple[int, dict[int, int]] | None:  # fmt: skip
+    def _unit_choice(
+        self, u: int, start: int, end: int, deficit: int, slots: int
+    ) -> tuple[int, dict[int, int]] | None:
         unit = self.units[u]
         if unit.uniform is not None:  # equal sizes: k * s - p * s >= deficit
             num = slots + -(-deficit // unit.uniform)
@@ -221,8 +228,9 @@ class Search:
         self, start: int, end: int, memory_bytes: int, slots: int
     ) -> tuple[int, dict[int, int], int] | None:
         """(offloaded bytes, {size: how many}, unit) of the cheapest unit; None: none fits."""
-        deficit = (self.device_prefix[end] - self.device_prefix[start] + self.reserve_bytes
-                   - memory_bytes)  # fmt: skip
+        deficit = (
+            self.device_prefix[end] - self.device_prefix[start] + self.reserve_bytes - memory_bytes
+        )
         if deficit <= 0:
             return 0, {}, len(self.units) - 1
         best = None
@@ -238,8 +246,9 @@ class Search:
         choice = self._choice(start, end, memory_bytes, slots)
         return None if choice is None else choice[0]
 
-    def offloaded_positions(self, start: int, end: int, memory_bytes: int,
-                            slots: int) -> tuple[int, list[int]]:  # fmt: skip
+    def offloaded_positions(
+        self, start: int, end: int, memory_bytes: int, slots: int
+    ) -> tuple[int, list[int]]:
         """Which unit (index into `units`, the last: whole layers) and which layers to offload:
         per size class, spread evenly through the range so that compute sits between the
         copies (e.g. every other layer when half are offloaded)."""
@@ -263,8 +272,14 @@ class Search:
         room = memory_bytes - self.reserve_bytes
         if room < 0:
             return [(start, 0)]
-        end = max(start, min(bisect_right(work, base + weight_cap, lo=start),
-                             bisect_right(device, device_base + room, lo=start)) - 1)  # fmt: skip
+        end = max(
+            start,
+            min(
+                bisect_right(work, base + weight_cap, lo=start),
+                bisect_right(device, device_base + room, lo=start),
+            )
+            - 1,
+        )
         fits = [(end, 0)]
         units = self.units
         while end < self.num_layers and work[end + 1] - base <= weight_cap:

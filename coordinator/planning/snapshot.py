@@ -55,6 +55,7 @@ class NodeInfo:
         if self.compute_bytes_per_s is not None or self.compute is None:
             return 0.0
         return self.compute.fixed_step_s(max(rows, 1))
+
     # How many of this node's stages compute at once at full speed: None for real GPUs (each
     # its own device); where the GPUs are simulated on the node's CPU, its cores (less one for
     # the driver, Ray and the copy threads) over the workers' threads: stages beyond it share.

@@ -43,8 +43,10 @@ def micro_batch_counts(max_batch: int, num_gpus: int) -> list[int]:
 def _upper_bound(work_bytes: int, cluster: ClusterSnapshot, options: PlanOptions) -> float:
     """Tokens/s no placement of these options exceeds (see the module doc); `work_bytes`: the
     weight bytes a step computes through."""
-    rates = [node.compute_rate(options.rows_per_step)[0] or options.compute_bytes_per_s
-             for node in cluster.nodes]  # fmt: skip
+    rates = [
+        node.compute_rate(options.rows_per_step)[0] or options.compute_bytes_per_s
+        for node in cluster.nodes
+    ]
     gpus = sum(len(node.gpus) for node in cluster.nodes)
     total = work_bytes / max(rates)
     overhead = options.step_overhead_s
@@ -52,9 +54,16 @@ def _upper_bound(work_bytes: int, cluster: ClusterSnapshot, options: PlanOptions
     return options.max_batch / least if least > 0 else float("inf")
 
 
-def best_plans(layers: Sequence[LayerSpec], cluster: ClusterSnapshot, options: PlanOptions, *,
-               batches: Sequence[int] = BATCHES, micro_batches: int = 0,
-               max_token_latency_s: float = 0.0, prune: bool = True) -> dict[int, Plan]:  # fmt: skip
+def best_plans(
+    layers: Sequence[LayerSpec],
+    cluster: ClusterSnapshot,
+    options: PlanOptions,
+    *,
+    batches: Sequence[int] = BATCHES,
+    micro_batches: int = 0,
+    max_token_latency_s: float = 0.0,
+    prune: bool = True,
+) -> dict[int, Plan]:
     """Per batch size that fits: its best plan over the micro-batch counts (or `micro_batches`
     when given) within the latency bound (0: none); every plan here has objective throughput.
     `prune`: skip what cannot beat the best so far (then a batch may be missing: for the
@@ -85,25 +94,41 @@ def best_plans(layers: Sequence[LayerSpec], cluster: ClusterSnapshot, options: P
     return best
 
 
-def choose(layers: Sequence[LayerSpec], cluster: ClusterSnapshot, options: PlanOptions, *,
-           batches: Sequence[int] = BATCHES, micro_batches: int = 0,
-           max_token_latency_s: float = 0.0) -> Plan:  # fmt: skip
+def choose(
+    layers: Sequence[LayerSpec],
+    cluster: ClusterSnapshot,
+    options: PlanOptions,
+    *,
+    batches: Sequence[int] = BATCHES,
+    micro_batches: int = 0,
+    max_token_latency_s: float = 0.0,
+) -> Plan:
     """The plan with the most predicted decode tokens/s (see the module doc). PlanError when
     nothing fits, or nothing meets the latency bound (naming the shortest cycle there is)."""
-    plans = best_plans(layers, cluster, options, batches=batches, micro_batches=micro_batches,
-                       max_token_latency_s=max_token_latency_s)  # fmt: skip
+    plans = best_plans(
+        layers,
+        cluster,
+        options,
+        batches=batches,
+        micro_batches=micro_batches,
+        max_token_latency_s=max_token_latency_s,
+    )
     if plans:
-        return max(plans.values(), key=lambda p: (p.tokens_per_s, -p.options.max_batch,
-                                                  -p.options.micro_batches))  # fmt: skip
+        return max(
+            plans.values(),
+            key=lambda p: (p.tokens_per_s, -p.options.max_batch, -p.options.micro_batches),
+        )
     if max_token_latency_s:
-        unbounded = best_plans(layers, cluster, options, batches=[min(batches)],
-                               micro_batches=micro_batches)  # fmt: skip
+        unbounded = best_plans(
+            layers, cluster, options, batches=[min(batches)], micro_batches=micro_batches
+        )
         if unbounded:
             fastest = next(iter(unbounded.values()))
             raise PlanError(
                 f"no plan meets --max-token-latency {format_seconds(max_token_latency_s)}: the "
                 f"shortest time between tokens is {format_seconds(fastest.cycle_s)} (max_batch "
-                f"{fastest.options.max_batch}); raise the bound, or add GPUs or memory")
+                f"{fastest.options.max_batch}); raise the bound, or add GPUs or memory"
+            )
     # Nothing fits: the smallest batch's own error says why, with the numbers.
     planner.plan(layers, cluster, dataclasses.replace(options, max_batch=min(batches)))
     raise AssertionError("unreachable: the smallest batch was planned above")
@@ -114,7 +139,12 @@ def curve_text(plans: dict[int, Plan], batches: Sequence[int] = BATCHES) -> str:
     cells = []
     for batch in batches:
         p = plans.get(batch)
-        cells.append(f"{batch}: -" if p is None else
-                     f"{batch}: {p.tokens_per_s:.1f} (k={p.options.micro_batches})")  # fmt: skip
-    return ("predicted decode tokens/s by max_batch (k: micro-batches; '-': does not fit): "
-            + ", ".join(cells))
+        cells.append(
+            f"{batch}: -"
+            if p is None
+            else f"{batch}: {p.tokens_per_s:.1f} (k={p.options.micro_batches})"
+        )
+    return (
+        "predicted decode tokens/s by max_batch (k: micro-batches; '-': does not fit): "
+        + ", ".join(cells)
+    )

@@ -72,8 +72,9 @@ def map_tensors(
     fused: dict[str, dict[str, list[TensorSlice]]] = defaultdict(lambda: defaultdict(list))
     ignored: list[str] = []
     for key in sorted(tensors, key=dot_natural_key):
-        target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix,
-                                            expected)  # fmt: skip
+        target, pattern = rename_source_key(
+            key, renamings, converters, model.base_model_prefix, expected
+        )
         if target not in expected and key in expected:  # as from_pretrained: keep the name
             target, pattern = key, None
         if target in tied:  # from_pretrained ties it to its source after loading: source wins
@@ -130,11 +131,14 @@ def _placed(tensor: TensorSlice, target: str, view: tuple, param: torch.Tensor) 
             f"{tensor.file}: tensor {tensor.name!r} has shape {list(tensor.shape)} but "
             f"config.json implies {list(want)} for {target!r}"
         )
-    return dataclasses.replace(tensor, target=target, view=view, target_dtype=_dtype_name(param.dtype))
+    return dataclasses.replace(
+        tensor, target=target, view=view, target_dtype=_dtype_name(param.dtype)
+    )
 
 
-def _fused_views(converter, target: str, sources: dict[str, list[TensorSlice]],
-                 param: torch.Tensor) -> list[TensorSlice]:  # fmt: skip
+def _fused_views(
+    converter, target: str, sources: dict[str, list[TensorSlice]], param: torch.Tensor
+) -> list[TensorSlice]:
     """The view of `param` each source tensor fills (see the module doc)."""
     from transformers.core_model_loading import Concatenate, MergeModulelist
 

@@ -58,8 +58,9 @@ class WorkerHandle:
     slot: Slot | None = None
 
 
-def stage_specs(config: JobConfig, index: CheckpointIndex, the_plan: Plan,
-                envs: dict[str, tuple[dict, dict]]) -> list[StageSpec]:  # fmt: skip
+def stage_specs(
+    config: JobConfig, index: CheckpointIndex, the_plan: Plan, envs: dict[str, tuple[dict, dict]]
+) -> list[StageSpec]:
     by_name = {layer.name: layer for layer in index.layers}
     return [
         StageSpec(
@@ -159,9 +160,16 @@ class WorkerGroup:
                     attn_implementation=self.config.attn_implementation,
                     snapshot_interval_s=self.config.snapshot_interval_s,
                 )
-                handles.append(WorkerHandle(actor=actor, spec=spec, node_id=stage.node_id,
-                                            hostname=stage.hostname, name=name,
-                                            slot=slot))  # fmt: skip
+                handles.append(
+                    WorkerHandle(
+                        actor=actor,
+                        spec=spec,
+                        node_id=stage.node_id,
+                        hostname=stage.hostname,
+                        name=name,
+                        slot=slot,
+                    )
+                )
         except BaseException:
             kill(handles)
             raise
@@ -254,8 +262,9 @@ def remove_group(group: PlacementGroup) -> None:
     try:
         remove_placement_group(group)
     except Exception as exc:  # already removed (a named load's unload): nothing held
-        print(f"note: could not remove placement group {group.id.hex()[:8]}: {exc}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"note: could not remove placement group {group.id.hex()[:8]}: {exc}", file=sys.stderr
+        )
 
 
 def kill(handles: Sequence[WorkerHandle]) -> None:

@@ -20,9 +20,11 @@ def check_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
     """Validate a forward's inputs before anything reaches a worker; returns them with the
     position ids a mask implies (None without a mask: the model's own 0..seq-1)."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (
-        torch.int64, torch.int32
-    ):  # fmt: skip
+    if (
+        not isinstance(input_ids, torch.Tensor)
+        or input_ids.dim() != 2
+        or input_ids.dtype not in (torch.int64, torch.int32)
+    ):
         shape = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
         raise InputError(
             f"input_ids must be a 2-D integer tensor (batch, seq), got "
@@ -35,9 +37,11 @@ def check_inputs(
         bad = low if low < 0 else high
         known = f"0..{vocab_size - 1}" if vocab_size else "ids are >= 0"
         raise InputError(f"token id {bad} is out of the vocabulary ({known})")
-    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or not (
-        0 <= logits_to_keep <= input_ids.shape[1]
-    ):  # fmt: skip
+    if (
+        isinstance(logits_to_keep, bool)
+        or not isinstance(logits_to_keep, int)
+        or not (0 <= logits_to_keep <= input_ids.shape[1])
+    ):
         raise InputError(
             f"logits_to_keep={logits_to_keep!r} must be an int in 0..{input_ids.shape[1]} "
             "(0: every position)"
@@ -51,8 +55,10 @@ def check_inputs(
         )
     if attention_mask.dtype.is_floating_point or not bool(
         ((attention_mask == 0) | (attention_mask == 1)).all()
-    ):  # fmt: skip
-        raise InputError("attention_mask must hold integers or booleans, 1 for tokens, 0 for padding")
+    ):
+        raise InputError(
+            "attention_mask must hold integers or booleans, 1 for tokens, 0 for padding"
+        )
     mask = attention_mask.to(torch.int64)
     empty = (mask.sum(-1) == 0).nonzero().flatten().tolist()
     if empty:

@@ -64,8 +64,10 @@ class Job:
         self._engines = JobEngine(self)
         if self._kv is None:
             config = self.group.config if self.group is not None else None
-            self._kv = generation.KvBudget(max_batch=config.max_batch if config else 0,
-                                           max_seq_len=config.max_seq_len if config else 0)  # fmt: skip
+            self._kv = generation.KvBudget(
+                max_batch=config.max_batch if config else 0,
+                max_seq_len=config.max_seq_len if config else 0,
+            )
 
     # what the group holds, read-only here: only the group changes it
     @property
@@ -99,11 +101,14 @@ class Job:
         count its tokens only, as `generate` numbers them, so a left-padded row gets the logits
         the unpadded row gets alone. A worker lost on the way is replaced (see `recover`) and
         the pass is run once more."""
-        inputs = check_inputs(input_ids, attention_mask, logits_to_keep,
-                              self.index.config.get("vocab_size"))  # fmt: skip
+        inputs = check_inputs(
+            input_ids, attention_mask, logits_to_keep, self.index.config.get("vocab_size")
+        )
         if context := beyond_context(self.index.config, inputs[0].shape[1]):
-            raise NeverFitsError(f"{inputs[0].shape[1]} tokens per sequence exceed the model's "
-                             f"context of {context}: pass shorter sequences")  # fmt: skip
+            raise NeverFitsError(
+                f"{inputs[0].shape[1]} tokens per sequence exceed the model's "
+                f"context of {context}: pass shorter sequences"
+            )
         with self._gate.inside() as epoch:
             try:
                 return self._forward(*inputs)
@@ -118,8 +123,9 @@ class Job:
         self._require_open()
         if any(h.actor is None for h in self.workers):  # attached to a load that lost workers
             raise WorkerLostError("a worker of this load was lost")
-        ref, mask_ref, positions_ref = (by_value_or_ref(t)
-                                        for t in (input_ids, attention_mask, position_ids))  # fmt: skip
+        ref, mask_ref, positions_ref = (
+            by_value_or_ref(t) for t in (input_ids, attention_mask, position_ids)
+        )
         for handle in self.workers:
             ref = handle.actor.step.remote(ref, mask_ref, positions_ref, logits_to_keep)
         try:
@@ -128,8 +134,10 @@ class Job:
             raise self._forward_timeout() from None
 
     def _forward_timeout(self) -> TimeoutError:
-        return TimeoutError(f"forward did not finish within {self.config.forward_timeout_s:.0f} "
-                            "s (forward_timeout_s)")  # fmt: skip
+        return TimeoutError(
+            f"forward did not finish within {self.config.forward_timeout_s:.0f} "
+            "s (forward_timeout_s)"
+        )
 
     def generate(
         self,
@@ -159,9 +167,16 @@ class Job:
         keep it short); `cancelled()` true ends the request at the next step (its slots freed).
         A worker lost meanwhile: the job recovers and the request goes on with the text an
         uninterrupted run gives. A seeded request draws the same tokens whatever else runs."""
-        options = dict(max_new_tokens=max_new_tokens, do_sample=do_sample,
-                       temperature=temperature, top_k=top_k, top_p=top_p,
-                       eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed)  # fmt: skip
+        options = dict(
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            seed=seed,
+        )
         ids, request, settings = self._submit(input_ids, attention_mask, on_token, None, options)
         engine = self.engine()
         try:
@@ -179,8 +194,14 @@ class Job:
             tail[row, : len(tokens)] = torch.tensor(tokens, dtype=ids.dtype)
         return torch.cat([ids, tail], dim=-1)
 
-    def submit(self, input_ids: torch.Tensor, *, on_token: Callable[[int, int], None] | None = None,
-               on_finish: Callable[[], None] | None = None, **options) -> Request:  # fmt: skip
+    def submit(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        on_token: Callable[[int, int], None] | None = None,
+        on_finish: Callable[[], None] | None = None,
+        **options,
+    ) -> Request:
         """Queue a request of unpadded `input_ids` (1, n) and return at once: the engine's
         `Request`, to wait on or `cancel` (through `engine().cancel`). `on_token(row, token)` and
         `on_finish()` are called from the engine's thread (a server hands them to its event
@@ -188,15 +209,21 @@ class Job:
         return self._submit(input_ids, None, on_token, on_finish, options)[1]
 
     def _submit(self, input_ids, attention_mask, on_token, on_finish, options: dict):
-        ids, mask, _, _ = check_inputs(input_ids, attention_mask, 0,
-                                       self.index.config.get("vocab_size"))  # fmt: skip
+        ids, mask, _, _ = check_inputs(
+            input_ids, attention_mask, 0, self.index.config.get("vocab_size")
+        )
         settings = self.check_request(ids.shape[1], len(ids), **options)
         keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
         prompts = [row[keep_row].tolist() for row, keep_row in zip(ids, keep, strict=True)]
-        request = self.engine().submit(prompts, sampling=settings.sampling,
-                                       max_new_tokens=settings.max_new_tokens,
-                                       eos_token_ids=settings.eos_token_ids, seed=settings.seed,
-                                       on_token=on_token, on_finish=on_finish)  # fmt: skip
+        request = self.engine().submit(
+            prompts,
+            sampling=settings.sampling,
+            max_new_tokens=settings.max_new_tokens,
+            eos_token_ids=settings.eos_token_ids,
+            seed=settings.seed,
+            on_token=on_token,
+            on_finish=on_finish,
+        )
         return ids, request, settings
 
     def engine(self) -> Engine:
@@ -208,14 +235,14 @@ class Job:
         process published (through the load's keeper)."""
         return self._engines.stats()
 
-    def check_request(self, prompt_length: int, sequences: int = 1,
-                      **options) -> generation.Settings:  # fmt: skip
+    def check_request(
+        self, prompt_length: int, sequences: int = 1, **options
+    ) -> generation.Settings:
         """The settings of a request of `sequences` prompts of `prompt_length` tokens (options:
         `generate`'s); GenerationError when it could never run here: a setting this loop does
         not apply, past the model's context, beyond the planned KV cache. Checked before
         anything runs (a server checks before it starts streaming)."""
-        settings = generation.resolve(self.index.root, self.index.config, prompt_length,
-                                      **options)  # fmt: skip
+        settings = generation.resolve(self.index.root, self.index.config, prompt_length, **options)
         self._kv.check(sequences, prompt_length + settings.max_new_tokens)
         return settings
 
@@ -269,15 +296,16 @@ class Job:
         return dead
 
     def _recover_by_keeper(self) -> list[int]:
-        timeout_s = (self.config.load_timeout_s + self.config.placement_timeout_s
-                     + PROBE_TIMEOUT_S)  # fmt: skip
+        timeout_s = self.config.load_timeout_s + self.config.placement_timeout_s + PROBE_TIMEOUT_S
         try:
             dead = ray.get(self.keeper.recover.remote(), timeout=timeout_s)
         except ray.exceptions.RayTaskError as exc:
             cause = getattr(exc, "cause", None)
             raise (cause if isinstance(cause, Exception) else LaunchError(str(exc))) from None
         except ray.exceptions.GetTimeoutError:
-            raise LaunchError(f"the load's keeper did not recover it within {timeout_s:.0f} s") from None
+            raise LaunchError(
+                f"the load's keeper did not recover it within {timeout_s:.0f} s"
+            ) from None
         before = [h.name for h in self.group.handles]
         _, record = registry.load_record(self.name)
         group = registry.group_of(record, self.index)
@@ -285,7 +313,9 @@ class Job:
         self.group, self.events = group, list(record["events"])
         self.next_worker = registry.next_worker_number(record)
         # The keeper may have recovered before this job noticed: its stages changed all the same.
-        changed = [s for s, h in enumerate(group.handles) if s >= len(before) or h.name != before[s]]
+        changed = [
+            s for s, h in enumerate(group.handles) if s >= len(before) or h.name != before[s]
+        ]
         return dead or changed
 
     def new_worker_names(self, count: int) -> list[str]:

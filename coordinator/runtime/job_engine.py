@@ -33,12 +33,17 @@ class JobEngine:
                 config = job.config
                 self._engine = Engine(
                     RayPipeline(job),
-                    EngineConfig(num_slots=config.max_batch, max_seq_len=max(config.max_seq_len, 1),
-                                 max_queue=config.max_queue, prefill_tokens=config.prefill_tokens,
-                                 micro_batches=self.micro_batches(),
-                                 step_timeout_s=config.forward_timeout_s),
-                    recover=job._recover_or_raise, epoch=lambda: job._gate.epoch,
-                )  # fmt: skip
+                    EngineConfig(
+                        num_slots=config.max_batch,
+                        max_seq_len=max(config.max_seq_len, 1),
+                        max_queue=config.max_queue,
+                        prefill_tokens=config.prefill_tokens,
+                        micro_batches=self.micro_batches(),
+                        step_timeout_s=config.forward_timeout_s,
+                    ),
+                    recover=job._recover_or_raise,
+                    epoch=lambda: job._gate.epoch,
+                )
                 if config.snapshot_interval_s > 0:
                     job._loops.every("engine", config.snapshot_interval_s, self.publish)
             return self._engine

@@ -46,11 +46,17 @@ class LoadKeeper:
         self.left_out: set[str] = set()
         self._counted: set[str | None] = set()  # workers whose loss was counted
         config = registry.config_of(registry.load_record(name)[1])
-        for target, interval_s in ((self._watch_loop, config.watch_interval_s),
-                                   (self._export_loop, config.snapshot_interval_s)):  # fmt: skip
+        for target, interval_s in (
+            (self._watch_loop, config.watch_interval_s),
+            (self._export_loop, config.snapshot_interval_s),
+        ):
             if interval_s > 0:
-                threading.Thread(target=target, args=(interval_s,), daemon=True,
-                                 name=f"offload-{target.__name__}").start()  # fmt: skip
+                threading.Thread(
+                    target=target,
+                    args=(interval_s,),
+                    daemon=True,
+                    name=f"offload-{target.__name__}",
+                ).start()
 
     # recovery
     def recover(self) -> list[int]:
@@ -71,10 +77,14 @@ class LoadKeeper:
         newly_left_out = self._count_losses(group, dead)
         if newly_left_out:
             hosts = sorted({h.hostname for h in group.handles if h.node_id in newly_left_out})
-            recovery.add_event(events, {
-                "event": "node left out", "hosts": hosts,
-                "reason": f"{NODE_LOSS_LIMIT} worker losses within {NODE_LOSS_WINDOW_S:.0f} s",
-            })  # fmt: skip
+            recovery.add_event(
+                events,
+                {
+                    "event": "node left out",
+                    "hosts": hosts,
+                    "reason": f"{NODE_LOSS_LIMIT} worker losses within {NODE_LOSS_WINDOW_S:.0f} s",
+                },
+            )
 
         def record_event(event: dict) -> None:
             recovery.add_event(events, event)
@@ -110,8 +120,10 @@ class LoadKeeper:
                 delay = interval_s
             except Exception as exc:  # recorded as an event; try again, later each time
                 delay = min(delay * 2, BACKOFF_MAX_S)
-                print(f"load {self.name!r}: recovery failed, next try in {delay:.0f} s: {exc}",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"load {self.name!r}: recovery failed, next try in {delay:.0f} s: {exc}",
+                    file=sys.stderr,
+                )
 
     # metrics
     def _export_loop(self, interval_s: float) -> None:
@@ -124,8 +136,10 @@ class LoadKeeper:
             try:
                 _, record = registry.load_record(self.name)
                 stages = Plan.from_json(record["plan"]).stages
-                refs = [a.latest.remote() if a is not None else None
-                        for a in registry.worker_handles(record)]  # fmt: skip
+                refs = [
+                    a.latest.remote() if a is not None else None
+                    for a in registry.worker_handles(record)
+                ]
                 exporter.export(collect(stages, refs, EXPORT_TIMEOUT_S), record["events"])
             except Exception as exc:  # keep publishing; say why this tick was skipped
                 print(f"load {self.name!r}: export skipped: {exc}", file=sys.stderr)
@@ -156,8 +170,9 @@ def _namer(record: dict):
 
 def start(name: str, index: CheckpointIndex) -> ray.actor.ActorHandle:
     """The keeper of load `name`, started once its record exists and its workers are loaded."""
-    keeper = LoadKeeper.options(name=keeper_name(name), namespace=NAMESPACE, lifetime="detached",
-                                **registry.on_head()).remote(name, index)  # fmt: skip
+    keeper = LoadKeeper.options(
+        name=keeper_name(name), namespace=NAMESPACE, lifetime="detached", **registry.on_head()
+    ).remote(name, index)
     ray.get(keeper.ping.remote(), timeout=registry.ATTACH_TIMEOUT_S)
     return keeper
 

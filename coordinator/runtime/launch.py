@@ -32,8 +32,10 @@ def launch(
     is released. With `name`, the workers and their placement groups are detached and named,
     so they outlive this process (on a cluster) and `attach(name)` finds them again."""
     if config.replicas != 1:
-        raise ConfigError(f"replicas={config.replicas}: a job runs one pipeline; several are "
-                          "served as replicas (offloadctl serve, launch_replicas)")  # fmt: skip
+        raise ConfigError(
+            f"replicas={config.replicas}: a job runs one pipeline; several are "
+            "served as replicas (offloadctl serve, launch_replicas)"
+        )
     index = _checked_index(config)
     session = connect(config)
     try:
@@ -47,8 +49,9 @@ def launch(
         raise
 
 
-def launch_replicas(config: JobConfig, name: str, *,
-                    progress: Callable[[int, int], None] | None = None) -> list[Job]:  # fmt: skip
+def launch_replicas(
+    config: JobConfig, name: str, *, progress: Callable[[int, int], None] | None = None
+) -> list[Job]:
     """The job as `config.replicas` pipelines (0: the count with the most tokens/s), each a
     named load `{name}-{r}` on its own GPUs (`JobConfig.nodes`) with the plan the replica
     search made for it; the cluster is probed once for all. A single pipeline is the load
@@ -64,14 +67,26 @@ def launch_replicas(config: JobConfig, name: str, *,
         many = len(chosen.plans) > 1
         for r, the_plan in enumerate(chosen.plans):
             replica = dataclasses.replace(
-                config, replicas=1, max_batch=the_plan.options.max_batch,
+                config,
+                replicas=1,
+                max_batch=the_plan.options.max_batch,
                 micro_batches=the_plan.options.micro_batches,
-                nodes=recovery.nodes_of(the_plan) if many else "")  # fmt: skip
+                nodes=recovery.nodes_of(the_plan) if many else "",
+            )
             load = f"{name}-{r}" if many else name
             registry.check_name(load)
             # the first replica owns the Ray this call connected to; the others only use it
-            jobs.append(_start(replica, index, the_plan, envs, session if not jobs else
-                               RaySession(owned=False), load, progress))  # fmt: skip
+            jobs.append(
+                _start(
+                    replica,
+                    index,
+                    the_plan,
+                    envs,
+                    session if not jobs else RaySession(owned=False),
+                    load,
+                    progress,
+                )
+            )
         return jobs
     except BaseException:
         for job in reversed(jobs):
@@ -92,8 +107,15 @@ def _checked_index(config: JobConfig):
     return index
 
 
-def _start(config: JobConfig, index, the_plan: Plan, envs: dict, session: RaySession,
-           name: str | None, progress: Callable[[int, int], None] | None) -> Job:  # fmt: skip
+def _start(
+    config: JobConfig,
+    index,
+    the_plan: Plan,
+    envs: dict,
+    session: RaySession,
+    name: str | None,
+    progress: Callable[[int, int], None] | None,
+) -> Job:
     """Reserve the plan's GPUs, start and load its workers: a Job (named: detached, recorded,
     kept by a keeper). On failure what this started is released and the name forgotten (its
     caller checked that no load had it); the session is the caller's to close."""
@@ -126,9 +148,14 @@ def attach(name: str, *, address: str | None = None) -> Job:
         config = registry.config_of(record)
         index = load_index(config.checkpoint, dtype=config.dtype)
         group = registry.group_of(record, index)
-        job = Job(group=group, session=session, name=name, events=list(record["events"]),
-                  next_worker=registry.next_worker_number(record),
-                  keeper=find_keeper(name))  # fmt: skip
+        job = Job(
+            group=group,
+            session=session,
+            name=name,
+            events=list(record["events"]),
+            next_worker=registry.next_worker_number(record),
+            keeper=find_keeper(name),
+        )
         group.names = job.new_worker_names
         return job
     except BaseException:

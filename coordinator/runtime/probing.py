@@ -25,8 +25,11 @@ def _probe_task(planned_bytes: int = 0, model: tuple[dict, str, int] | None = No
 
 def gpu_nodes(exclude: frozenset[str] = frozenset()) -> list[dict]:
     """Alive nodes with GPUs, but those in `exclude` (node ids)."""
-    nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) >= 1
-             and n["NodeID"] not in exclude]  # fmt: skip
+    nodes = [
+        n
+        for n in ray.nodes()
+        if n["Alive"] and n["Resources"].get("GPU", 0) >= 1 and n["NodeID"] not in exclude
+    ]
     return sorted(nodes, key=lambda n: (n["NodeManagerHostname"], n["NodeID"]))
 
 
@@ -49,8 +52,10 @@ def probe_cluster(
     if allowed:  # the job's own nodes only (a replica of a served model)
         nodes = [n for n in nodes if n["NodeID"] in allowed]
     if not nodes and allowed:
-        raise LaunchError(f"none of the job's nodes ({', '.join(n[:8] for n in allowed)}, "
-                          "its `nodes`) is an alive GPU node of the cluster")  # fmt: skip
+        raise LaunchError(
+            f"none of the job's nodes ({', '.join(n[:8] for n in allowed)}, "
+            "its `nodes`) is an alive GPU node of the cluster"
+        )
     if not nodes:
         raise LaunchError(
             "the Ray cluster has no GPU nodes; on a machine without GPUs use --gpus N with "
@@ -59,9 +64,12 @@ def probe_cluster(
     envs = {}
     refs = []
     for node in nodes:
-        env, origins = node_env(config.overrides, node_id=node["NodeID"],
-                                hostname=node["NodeManagerHostname"],
-                                labels=_user_labels(node))  # fmt: skip
+        env, origins = node_env(
+            config.overrides,
+            node_id=node["NodeID"],
+            hostname=node["NodeManagerHostname"],
+            labels=_user_labels(node),
+        )
         envs[node["NodeID"]] = (env, origins)
         options = {
             "scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
@@ -88,13 +96,25 @@ def model_of(index, config: JobConfig) -> tuple[dict, str, int]:
     return index.config, index.dtype, config.cpus_per_worker
 
 
-def _node_info(config: JobConfig, node: dict, result: dict, held_bytes: int = 0,
-               origins: dict[str, str] | None = None) -> NodeInfo:  # fmt: skip
+def _node_info(
+    config: JobConfig,
+    node: dict,
+    result: dict,
+    held_bytes: int = 0,
+    origins: dict[str, str] | None = None,
+) -> NodeInfo:
     """The budgets of the Ray node `node` (an entry of `ray.nodes()`) from its probe result."""
     gpus = int(node["Resources"]["GPU"])
     gpus = min(gpus, config.node_gpus().get(node["NodeID"], gpus))  # the job's share, if any
-    return node_info(config, result, node_id=node["NodeID"], num_gpus=gpus,
-                     labels=_user_labels(node), held_bytes=held_bytes, origins=origins)  # fmt: skip
+    return node_info(
+        config,
+        result,
+        node_id=node["NodeID"],
+        num_gpus=gpus,
+        labels=_user_labels(node),
+        held_bytes=held_bytes,
+        origins=origins,
+    )
 
 
 def _user_labels(node: dict) -> dict[str, str]:

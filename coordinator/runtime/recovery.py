@@ -86,23 +86,32 @@ def decide(group: WorkerGroup, dead: list[int], left_out: frozenset[str] = froze
             f"stages {dead} were lost with node(s) {', '.join(gone)} and no GPU node is left; "
             "add nodes and run again, or unload"
         )
-    survivors = [(i, h) for i, h in enumerate(group.handles)
-                 if i not in dead and h.node_id not in left_out]  # fmt: skip
+    survivors = [
+        (i, h) for i, h in enumerate(group.handles) if i not in dead and h.node_id not in left_out
+    ]
     held: dict[str, int] = defaultdict(int)  # the survivors' arenas are replaced, not added
     for _, h in survivors:
-        held[h.node_id] += sum(x.unit_bytes(h.spec.offload_unit) for x in h.spec.layers
-                                 if x.name in h.spec.offloaded)
+        held[h.node_id] += sum(
+            x.unit_bytes(h.spec.offload_unit) for x in h.spec.layers if x.name in h.spec.offloaded
+        )
     start = time.perf_counter()
     probers = {h.node_id: h.actor for _, h in survivors}  # they answer for their nodes
     config = group.config
     if config.node_gpus():  # a replica: its survivors' GPUs, and any GPU no load holds
         nodes = _own_and_free(survivors, alive)
         if not nodes:
-            raise PlanError(f"stages {dead} were lost with node(s) {', '.join(gone)}, and no GPU "
-                            "is free for this replica (the others hold theirs); add nodes")  # fmt: skip
+            raise PlanError(
+                f"stages {dead} were lost with node(s) {', '.join(gone)}, and no GPU "
+                "is free for this replica (the others hold theirs); add nodes"
+            )
         config = dataclasses.replace(config, nodes=nodes)
-    snapshot, envs = probe_cluster(config, held_bytes=held, probers=probers,
-                                   exclude=left_out, model=model_of(group.index, config))  # fmt: skip
+    snapshot, envs = probe_cluster(
+        config,
+        held_bytes=held,
+        probers=probers,
+        exclude=left_out,
+        model=model_of(group.index, config),
+    )
     probe_s = time.perf_counter() - start
     try:
         new_plan = plan(group.index.layers, snapshot, group.config.plan_options())
@@ -118,8 +127,14 @@ def decide(group: WorkerGroup, dead: list[int], left_out: frozenset[str] = froze
         new_plan.stages,
         layer_bytes,
     )
-    return Decision(lost=dead, gone=gone, plan=new_plan, envs=envs, probe_s=probe_s,
-                    matched={stage: survivors[i][0] for stage, i in matched.items()})  # fmt: skip
+    return Decision(
+        lost=dead,
+        gone=gone,
+        plan=new_plan,
+        envs=envs,
+        probe_s=probe_s,
+        matched={stage: survivors[i][0] for stage, i in matched.items()},
+    )
 
 
 def _own_and_free(survivors: list, alive: set[str]) -> str:
@@ -128,8 +143,10 @@ def _own_and_free(survivors: list, alive: set[str]) -> str:
     import ray._private.state as ray_state  # per-node availability: Ray has no public API
 
     try:
-        free = {node: int(resources.get("GPU", 0)) for node, resources
-                in ray_state.state.available_resources_per_node().items()}  # fmt: skip
+        free = {
+            node: int(resources.get("GPU", 0))
+            for node, resources in ray_state.state.available_resources_per_node().items()
+        }
     except Exception:  # without it, the replica re-plans on its own GPUs only
         free = {}
     held = Counter(h.node_id for _, h in survivors)

@@ -80,8 +80,9 @@ def _state(group: WorkerGroup) -> dict:
 def save(name: str, config: JobConfig, group: WorkerGroup, events: list[dict]) -> None:
     record = {"name": name, "config": _config_dict(config), **_state(group), "events": events}
     # On the head node: a worker node may leave with the record's process, the head may not.
-    actor = LoadRecord.options(name=record_name(name), namespace=NAMESPACE, lifetime="detached",
-                               **on_head()).remote(record)  # fmt: skip
+    actor = LoadRecord.options(
+        name=record_name(name), namespace=NAMESPACE, lifetime="detached", **on_head()
+    ).remote(record)
     ray.get(actor.get.remote(), timeout=ATTACH_TIMEOUT_S)  # it exists before anything else runs
 
 
@@ -117,14 +118,31 @@ def group_of(record: dict, index) -> WorkerGroup:
     specs = stage_specs(config, index, the_plan, {})
     slots = record.get("slots") or [None] * len(specs)
     handles = []
-    rows = zip(worker_handles(record), specs, the_plan.stages, record["workers"], slots,
-               strict=True)  # fmt: skip
+    rows = zip(
+        worker_handles(record), specs, the_plan.stages, record["workers"], slots, strict=True
+    )
     for actor, spec, stage, actor_name, slot in rows:
-        place = Slot(group=groups.get(slot[0]), group_name=slot[0], bundle=slot[1]) if slot else None
-        handles.append(WorkerHandle(actor=actor, spec=spec, node_id=stage.node_id,
-                                    hostname=stage.hostname, name=actor_name, slot=place))  # fmt: skip
-    return WorkerGroup(config=config, index=index, plan=the_plan, handles=handles,
-                       load_name=record["name"], placement_groups=list(groups.items()))  # fmt: skip
+        place = (
+            Slot(group=groups.get(slot[0]), group_name=slot[0], bundle=slot[1]) if slot else None
+        )
+        handles.append(
+            WorkerHandle(
+                actor=actor,
+                spec=spec,
+                node_id=stage.node_id,
+                hostname=stage.hostname,
+                name=actor_name,
+                slot=place,
+            )
+        )
+    return WorkerGroup(
+        config=config,
+        index=index,
+        plan=the_plan,
+        handles=handles,
+        load_name=record["name"],
+        placement_groups=list(groups.items()),
+    )
 
 
 def named_groups(name: str) -> dict[str, PlacementGroup]:

@@ -148,8 +148,14 @@ def _connect(config: JobConfig) -> RaySession:
     # address="local": always a new cluster. A bare ray.init() joins a Ray that another process
     # on this machine started (/tmp/ray/ray_current_cluster), then refuses num_cpus/num_gpus.
     try:
-        ray.init(address="local", num_cpus=cpus, num_gpus=num_gpus, include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)  # fmt: skip
+        ray.init(
+            address="local",
+            num_cpus=cpus,
+            num_gpus=num_gpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
     finally:
         _embedded.started()  # also when a signal interrupts ray.init: what it started is known
     return RaySession(owned=True)
@@ -163,7 +169,9 @@ def _join(address: str) -> None:
 
         resolved = canonicalize_bootstrap_address(address)
     except ConnectionError as exc:  # "auto" with no cluster on this machine
-        raise ClusterUnreachableError(f"no Ray cluster to join at address={address!r}: {exc}") from None
+        raise ClusterUnreachableError(
+            f"no Ray cluster to join at address={address!r}: {exc}"
+        ) from None
     except Exception:  # a private helper that moved: leave the address to ray.init
         resolved = None
     host, _, port = (resolved or "").rpartition(":")
@@ -186,7 +194,9 @@ def _join(address: str) -> None:
             chain.append(link)
             link = link.__cause__ or link.__context__
         if not any(_is_token_refusal(e) for e in chain):
-            raise ClusterUnreachableError(f"cannot join the Ray cluster at {address}: {exc}") from None
+            raise ClusterUnreachableError(
+                f"cannot join the Ray cluster at {address}: {exc}"
+            ) from None
         raise _token_refused(address) from None
 
 

@@ -78,8 +78,9 @@ class NodeRow:
     pageable_bytes: int
 
 
-def collect(stages: Sequence[StagePlan], refs: Sequence[object | None],
-            timeout_s: float) -> list[Report]:  # fmt: skip
+def collect(
+    stages: Sequence[StagePlan], refs: Sequence[object | None], timeout_s: float
+) -> list[Report]:
     """One snapshot per planned stage, from `refs` (a pending worker call per stage, None where
     the worker is gone), each with its stage's Ray node id. A lost worker's stage gets a
     `LostStage`. All within `timeout_s`, else TimeoutError naming the stage that did not
@@ -100,8 +101,14 @@ def collect(stages: Sequence[StagePlan], refs: Sequence[object | None],
             raise TimeoutError(
                 f"stage {stage.stage} on {stage.hostname} did not report within {timeout_s:.0f} s"
             ) from None
-        reports.append(LostStage(stage=stage.stage, hostname=stage.hostname,
-                                 node_id=stage.node_id, layers=tuple(stage.layers)))  # fmt: skip
+        reports.append(
+            LostStage(
+                stage=stage.stage,
+                hostname=stage.hostname,
+                node_id=stage.node_id,
+                layers=tuple(stage.layers),
+            )
+        )
     return reports
 
 
@@ -120,8 +127,11 @@ def gpu_rows(reports: Sequence[Report]) -> list[GpuRow]:
         stats, pin = r.stats, r.pin
         rows.append(
             GpuRow(
-                stage=r.stage, hostname=r.hostname, gpu=r.gpu or "-",
-                layers=layer_range(r.layers), backend=r.backend,
+                stage=r.stage,
+                hostname=r.hostname,
+                gpu=r.gpu or "-",
+                layers=layer_range(r.layers),
+                backend=r.backend,
                 device_total_bytes=r.device_total_bytes,
                 device_used_bytes=r.device_used_bytes,
                 device_free_bytes=r.device_free_bytes,
@@ -130,13 +140,18 @@ def gpu_rows(reports: Sequence[Report]) -> list[GpuRow]:
                 offloaded_bytes=stats.offloaded_bytes,
                 pinned_bytes=stats.pinned_bytes,
                 pageable_bytes=stats.pageable_bytes,
-                copies=stats.copies, copied_bytes=stats.copied_bytes,
-                copy_s=stats.copy_s, stall_s=stats.stall_s,
-                kv_cache_bytes=r.kv_cache_bytes, requests=r.requests,
-                pin=pin.pin, pin_source=pin.source, pin_reason=pin.reason,
+                copies=stats.copies,
+                copied_bytes=stats.copied_bytes,
+                copy_s=stats.copy_s,
+                stall_s=stats.stall_s,
+                kv_cache_bytes=r.kv_cache_bytes,
+                requests=r.requests,
+                pin=pin.pin,
+                pin_source=pin.source,
+                pin_reason=pin.reason,
                 pin_origin=r.pin_origin,
             )
-        )  # fmt: skip
+        )
     return rows
 
 
@@ -188,31 +203,60 @@ def _node_label(row: NodeRow) -> str:
     return f"{row.hostname} ({row.node_id[:8]})" if row.node_id else row.hostname
 
 
-
-
 def render(reports: Sequence[Report], events: list[dict] = ()) -> str:
-    gpus = [("stage", "host", "gpu", "layers", "backend", "device used/total", "resident", "slots",
-             "offloaded (pinned)", "kv cache (requests)", "copies", "stall", "pin")]  # fmt: skip
+    gpus = [
+        (
+            "stage",
+            "host",
+            "gpu",
+            "layers",
+            "backend",
+            "device used/total",
+            "resident",
+            "slots",
+            "offloaded (pinned)",
+            "kv cache (requests)",
+            "copies",
+            "stall",
+            "pin",
+        )
+    ]
     for g in gpu_rows(reports):
-        gpus.append((
-            str(g.stage), g.hostname, g.gpu, g.layers, g.backend,
-            f"{format_bytes(g.device_used_bytes)} / {format_bytes(g.device_total_bytes)}",
-            format_bytes(g.resident_bytes), format_bytes(g.buffer_bytes),
-            f"{format_bytes(g.offloaded_bytes)} ({format_bytes(g.pinned_bytes)})",
-            f"{format_bytes(g.kv_cache_bytes)} ({g.requests})", str(g.copies), f"{g.stall_s * 1e3:.1f} ms",
-            f"{'on' if g.pin else 'off'} ({g.pin_origin}: {g.pin_source})",
-        ))  # fmt: skip
+        gpus.append(
+            (
+                str(g.stage),
+                g.hostname,
+                g.gpu,
+                g.layers,
+                g.backend,
+                f"{format_bytes(g.device_used_bytes)} / {format_bytes(g.device_total_bytes)}",
+                format_bytes(g.resident_bytes),
+                format_bytes(g.buffer_bytes),
+                f"{format_bytes(g.offloaded_bytes)} ({format_bytes(g.pinned_bytes)})",
+                f"{format_bytes(g.kv_cache_bytes)} ({g.requests})",
+                str(g.copies),
+                f"{g.stall_s * 1e3:.1f} ms",
+                f"{'on' if g.pin else 'off'} ({g.pin_origin}: {g.pin_source})",
+            )
+        )
     nodes = [("node", "stages", "host available", "workers RSS", "pinned", "pageable")]
     for n in node_rows(reports):
-        nodes.append((
-            _node_label(n), ",".join(map(str, n.stages)), format_bytes(n.host_available_bytes),
-            format_bytes(n.workers_rss_bytes), format_bytes(n.pinned_bytes),
-            format_bytes(n.pageable_bytes),
-        ))  # fmt: skip
+        nodes.append(
+            (
+                _node_label(n),
+                ",".join(map(str, n.stages)),
+                format_bytes(n.host_available_bytes),
+                format_bytes(n.workers_rss_bytes),
+                format_bytes(n.pinned_bytes),
+                format_bytes(n.pageable_bytes),
+            )
+        )
     out = render_table(gpus) + "\n\n" + render_table(nodes)
     for r in lost_stages(reports):
-        out += (f"\nstage {r.stage} ({layer_range(r.layers)}, on {r.hostname}): worker "
-                "LOST; the next forward recovers it, or unload")  # fmt: skip
+        out += (
+            f"\nstage {r.stage} ({layer_range(r.layers)}, on {r.hostname}): worker "
+            "LOST; the next forward recovers it, or unload"
+        )
     if events:
         out += "\n\nevents:\n" + "\n".join(_event_line(e) for e in events)
     return out
@@ -229,19 +273,25 @@ def serving_line(stats: dict | None) -> str:
         return "-" if value is None else f"{value * 1e3:.0f} ms"
 
     age = time.time() - stats["time"] if "time" in stats else 0.0
-    return (f"\nserving ({age:.0f} s ago): {stats['requests_running']} running, "
-            f"{stats['requests_waiting']} waiting, {stats['kv_slots']} KV slots, batch occupancy "
-            f"{stats['batch_occupancy']:.0%} (mean batch {stats['mean_batch']}), "
-            f"{stats['generation_tokens']} tokens generated, {stats['requests']} requests "
-            f"({stats['rejected']} refused: queue full); time to first token p50 "
-            f"{ms('ttft_p50_s')} p99 {ms('ttft_p99_s')}, inter-token p50 {ms('itl_p50_s')} "
-            f"p99 {ms('itl_p99_s')}")  # fmt: skip
+    return (
+        f"\nserving ({age:.0f} s ago): {stats['requests_running']} running, "
+        f"{stats['requests_waiting']} waiting, {stats['kv_slots']} KV slots, batch occupancy "
+        f"{stats['batch_occupancy']:.0%} (mean batch {stats['mean_batch']}), "
+        f"{stats['generation_tokens']} tokens generated, {stats['requests']} requests "
+        f"({stats['rejected']} refused: queue full); time to first token p50 "
+        f"{ms('ttft_p50_s')} p99 {ms('ttft_p99_s')}, inter-token p50 {ms('itl_p50_s')} "
+        f"p99 {ms('itl_p99_s')}"
+    )
 
 
 # (metric name, description, GpuRow field)
 GPU_GAUGES = (
     ("device_used_bytes", "Device memory in use on the GPU", "device_used_bytes"),
-    ("device_total_bytes", "Device memory of the GPU (or its simulated budget)", "device_total_bytes"),
+    (
+        "device_total_bytes",
+        "Device memory of the GPU (or its simulated budget)",
+        "device_total_bytes",
+    ),
     ("resident_weight_bytes", "Weight bytes resident on the GPU", "resident_bytes"),
     ("prefetch_buffer_bytes", "Device bytes of prefetch slots", "buffer_bytes"),
     ("offloaded_weight_bytes", "Weight bytes offloaded to host memory", "offloaded_bytes"),
@@ -251,7 +301,7 @@ GPU_GAUGES = (
     ("copies", "Host-to-device copies issued so far", "copies"),
     ("stall_seconds", "Seconds the compute side waited for copies so far", "stall_s"),
     ("pin_memory", "1 if the node pins offloaded weights", "pin"),
-)  # fmt: skip
+)
 
 
 class MetricsExporter:
@@ -267,10 +317,16 @@ class MetricsExporter:
             for name, text, field in GPU_GAUGES
         }
 
-        self._up = Gauge(METRIC_PREFIX + "stage_up", tag_keys=tags,
-                         description="1 while the stage's worker answers, 0 once it is lost")
-        self._events = Gauge(METRIC_PREFIX + "recovery_events", tag_keys=("event",),
-                             description="Recovery events of the job so far, by kind")  # fmt: skip
+        self._up = Gauge(
+            METRIC_PREFIX + "stage_up",
+            tag_keys=tags,
+            description="1 while the stage's worker answers, 0 once it is lost",
+        )
+        self._events = Gauge(
+            METRIC_PREFIX + "recovery_events",
+            tag_keys=("event",),
+            description="Recovery events of the job so far, by kind",
+        )
 
         self._was_up: set[tuple[str, str, str]] = set()
 
@@ -325,12 +381,14 @@ def plot(reports: Sequence[Report], path: str) -> None:
         [
             ("resident weights", [g.resident_bytes for g in gpus]),
             ("prefetch buffers", [g.buffer_bytes for g in gpus]),
-            ("other used", [max(g.device_used_bytes - g.resident_bytes - g.buffer_bytes, 0)
-                            for g in gpus]),
+            (
+                "other used",
+                [max(g.device_used_bytes - g.resident_bytes - g.buffer_bytes, 0) for g in gpus],
+            ),
             ("free", [g.device_free_bytes for g in gpus]),
         ],
         "GPU memory per stage",
-    )  # fmt: skip
+    )
     _stacked(
         right,
         [_node_label(n) for n in nodes],

@@ -51,10 +51,18 @@ LOAD_HEADER = "x-offload-load"  # which load (replica) answered a completion
 # Request fields this server does not apply, with the value that means "off": any other value is
 # refused with 400 rather than silently ignored (the text would not be what the client asked).
 UNSUPPORTED = {
-    "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "logprobs": False,
-    "top_logprobs": 0, "echo": False, "best_of": 1, "suffix": "", "tools": [], "functions": [],
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logit_bias": {},
+    "logprobs": False,
+    "top_logprobs": 0,
+    "echo": False,
+    "best_of": 1,
+    "suffix": "",
+    "tools": [],
+    "functions": [],
     "response_format": {"type": "text"},
-}  # fmt: skip
+}
 
 
 class BadRequest(ConfigError):
@@ -82,8 +90,9 @@ def status_of(exc: BaseException) -> tuple[int, str]:
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
-                        status_code=status)  # fmt: skip
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "code": status}}, status_code=status
+    )
 
 
 def _error_for(exc: BaseException) -> JSONResponse:
@@ -99,8 +108,9 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], default=None, check=N
     if value is None:
         return default
     if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
-        raise BadRequest(f"'{name}' must be {' or '.join(k.__name__ for k in kinds)}, "
-                         f"got {type(value).__name__}")  # fmt: skip
+        raise BadRequest(
+            f"'{name}' must be {' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__}"
+        )
     if check is not None and not check(value):
         raise BadRequest(f"'{name}'={value!r} is out of range")
     return value
@@ -133,24 +143,40 @@ class OpenAIServer:
     @app.get("/v1/models")
     async def models(self, request: Request):
         if not self._authorized(request):
-            return _error(401, "missing or wrong API key (Authorization: Bearer <key>)",
-                          "authentication_error")  # fmt: skip
+            return _error(
+                401,
+                "missing or wrong API key (Authorization: Bearer <key>)",
+                "authentication_error",
+            )
         # max_model_len as vLLM reports it: the longest prompt + completion a request may ask
         # for (the planned KV cache per sequence, which launch keeps within the context)
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                            "created": self.created,
-                                            "owned_by": "offload-coordinator",
-                                            "max_model_len": self.job.config.max_seq_len}]}  # fmt: skip
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "offload-coordinator",
+                    "max_model_len": self.job.config.max_seq_len,
+                }
+            ],
+        }
 
     @app.get("/metrics")
     async def metrics(self, request: Request):
         """Prometheus' text format, vLLM's metric names: sequences running and waiting, KV slot
         usage, time to first token and inter-token latency histograms, tokens generated."""
         if not self._authorized(request):
-            return _error(401, "missing or wrong API key (Authorization: Bearer <key>)",
-                          "authentication_error")  # fmt: skip
-        return PlainTextResponse(self.job.engine().stats.prometheus(self.model_name),
-                                 media_type="text/plain; version=0.0.4")  # fmt: skip
+            return _error(
+                401,
+                "missing or wrong API key (Authorization: Bearer <key>)",
+                "authentication_error",
+            )
+        return PlainTextResponse(
+            self.job.engine().stats.prometheus(self.model_name),
+            media_type="text/plain; version=0.0.4",
+        )
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -162,15 +188,22 @@ class OpenAIServer:
 
     async def _handle(self, request: Request, *, chat: bool):
         if not self._authorized(request):
-            return _error(401, "missing or wrong API key (Authorization: Bearer <key>)",
-                          "authentication_error")  # fmt: skip
+            return _error(
+                401,
+                "missing or wrong API key (Authorization: Bearer <key>)",
+                "authentication_error",
+            )
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             return _error(400, "the request body is not JSON")
         if isinstance(body, dict) and body.get("model", self.model_name) != self.model_name:
-            return _error(404, f"the model {body['model']!r} does not exist here: this server "
-                          f"serves {self.model_name!r} (GET /v1/models)", "NotFoundError")  # fmt: skip
+            return _error(
+                404,
+                f"the model {body['model']!r} does not exist here: this server "
+                f"serves {self.model_name!r} (GET /v1/models)",
+                "NotFoundError",
+            )
         try:
             if not isinstance(body, dict):
                 raise BadRequest("the request body must be a JSON object")
@@ -190,19 +223,33 @@ class OpenAIServer:
                 return _error_for(exc)
             if not await run.started(request):  # no byte until the request runs
                 return _error(499, "the client went away while the request waited")
-            return StreamingResponse(self._events(run, rid, chat, request, usage),
-                                     media_type="text/event-stream",
-                                     headers={LOAD_HEADER: self.load_name})  # fmt: skip
+            return StreamingResponse(
+                self._events(run, rid, chat, request, usage),
+                media_type="text/event-stream",
+                headers={LOAD_HEADER: self.load_name},
+            )
         try:
             await run.finish()
         except Exception as exc:  # busy (429), a lost worker (503), a bug (500): by kind
             return _error_for(exc)
         message = {"role": "assistant", "content": run.text}
-        choice = {"index": 0, "finish_reason": run.finish_reason, "logprobs": None,
-                  **({"message": message} if chat else {"text": run.text})}  # fmt: skip
-        return JSONResponse({"id": rid, "object": kind, "created": int(time.time()),
-                             "model": self.model_name, "choices": [choice], "usage": run.usage()},
-                            headers={LOAD_HEADER: self.load_name})  # fmt: skip
+        choice = {
+            "index": 0,
+            "finish_reason": run.finish_reason,
+            "logprobs": None,
+            **({"message": message} if chat else {"text": run.text}),
+        }
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": kind,
+                "created": int(time.time()),
+                "model": self.model_name,
+                "choices": [choice],
+                "usage": run.usage(),
+            },
+            headers={LOAD_HEADER: self.load_name},
+        )
 
     def _parse(self, body: dict, chat: bool):
         from coordinator.engine.generation import sampling_options
@@ -212,22 +259,35 @@ class OpenAIServer:
             raise BadRequest("only n=1 is supported")
         for name, default in UNSUPPORTED.items():  # settings that would change the output
             if body.get(name) not in (None, default):
-                raise BadRequest(f"'{name}'={body[name]!r} is not supported by this server "
-                                 f"(leave it out, or {default!r})")  # fmt: skip
+                raise BadRequest(
+                    f"'{name}'={body[name]!r} is not supported by this server "
+                    f"(leave it out, or {default!r})"
+                )
         stop = body.get("stop")
         stop = [stop] if isinstance(stop, str) else stop
-        if stop is not None and (not isinstance(stop, list) or len(stop) > MAX_STOP or not all(
-                isinstance(s, str) and s for s in stop)):  # fmt: skip
-            raise BadRequest(f"'stop' must be a non-empty string or a list of up to {MAX_STOP} "
-                             "of them")  # fmt: skip
+        if stop is not None and (
+            not isinstance(stop, list)
+            or len(stop) > MAX_STOP
+            or not all(isinstance(s, str) and s for s in stop)
+        ):
+            raise BadRequest(
+                f"'stop' must be a non-empty string or a list of up to {MAX_STOP} of them"
+            )
         if chat:
             messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in messages
-            ):  # fmt: skip
-                raise BadRequest("'messages' must be a non-empty list of {role, content} with "
-                                 "string values")  # fmt: skip
+            if (
+                not isinstance(messages, list)
+                or not messages
+                or not all(
+                    isinstance(m, dict)
+                    and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)
+                    for m in messages
+                )
+            ):
+                raise BadRequest(
+                    "'messages' must be a non-empty list of {role, content} with string values"
+                )
             ids = prompt_ids(self.tokenizer, messages=messages)
         else:
             prompt = body.get("prompt")
@@ -236,7 +296,9 @@ class OpenAIServer:
             if not isinstance(prompt, str) or not prompt:
                 raise BadRequest("'prompt' must be a non-empty string")
             ids = prompt_ids(self.tokenizer, prompt)
-        limit = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+        limit = (
+            "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+        )
         max_tokens = _field(body, limit, (int,), 16, lambda v: v >= 1)
         options = sampling_options(
             _field(body, "temperature", (int, float), None, lambda v: v >= 0),
@@ -257,9 +319,13 @@ class OpenAIServer:
                 piece = {"delta": {} if delta is None else {"content": delta}}
             else:
                 piece = {"text": delta or "", "logprobs": None}
-            data = {"id": rid, "object": chunk_kind, "created": int(time.time()),
-                    "model": self.model_name,
-                    "choices": [{"index": 0, **piece, "finish_reason": finish}]}  # fmt: skip
+            data = {
+                "id": rid,
+                "object": chunk_kind,
+                "created": int(time.time()),
+                "model": self.model_name,
+                "choices": [{"index": 0, **piece, "finish_reason": finish}],
+            }
             return f"data: {json.dumps(data)}\n\n"
 
         try:
@@ -278,27 +344,45 @@ class OpenAIServer:
             else:
                 yield event(None, run.finish_reason)
                 if usage:  # stream_options.include_usage: one more chunk, no choices
-                    data = {"id": rid, "object": chunk_kind, "created": int(time.time()),
-                            "model": self.model_name, "choices": [], "usage": run.usage()}  # fmt: skip
+                    data = {
+                        "id": rid,
+                        "object": chunk_kind,
+                        "created": int(time.time()),
+                        "model": self.model_name,
+                        "choices": [],
+                        "usage": run.usage(),
+                    }
                     yield f"data: {json.dumps(data)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             run.cancel()  # a client gone mid-stream (the generator is closed): stop and free
 
 
-def start(load_names: list[str], model_name: str, *, host: str, port: int,
-          api_key: str | None, max_ongoing_requests: int = MAX_ONGOING_REQUESTS) -> None:  # fmt: skip
+def start(
+    load_names: list[str],
+    model_name: str,
+    *,
+    host: str,
+    port: int,
+    api_key: str | None,
+    max_ongoing_requests: int = MAX_ONGOING_REQUESTS,
+) -> None:
     """Serve the named loads on host:port, one Serve replica each (returns once the app
     answers). The process's own SIGINT and SIGTERM handlers are kept, whatever Serve's start
     installs."""
     from coordinator.runtime.session import keeping_handlers
 
-    deployment = OpenAIServer.options(max_ongoing_requests=max_ongoing_requests,
-                                      num_replicas=len(load_names))  # fmt: skip
+    deployment = OpenAIServer.options(
+        max_ongoing_requests=max_ongoing_requests, num_replicas=len(load_names)
+    )
     with keeping_handlers():
         serve.start(http_options={"host": host, "port": port})
-        serve.run(deployment.bind(list(load_names), model_name, api_key),
-                  name="offload-openai", route_prefix="/", blocking=False)  # fmt: skip
+        serve.run(
+            deployment.bind(list(load_names), model_name, api_key),
+            name="offload-openai",
+            route_prefix="/",
+            blocking=False,
+        )
 
 
 def stop() -> None:

@@ -31,8 +31,9 @@ class Run:
         """Queue the request (raises what the engine refuses: a full queue is a BusyError)."""
         self._loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue()
-        self._request = self.job.submit(self.ids, on_token=self._on_token,
-                                        on_finish=lambda: self._put(None), **self.options)  # fmt: skip
+        self._request = self.job.submit(
+            self.ids, on_token=self._on_token, on_finish=lambda: self._put(None), **self.options
+        )
 
     async def finish(self) -> None:
         self.start()
@@ -100,5 +101,8 @@ class Run:
 
     def usage(self) -> dict:
         prompt = int(self.ids.shape[1])
-        return {"prompt_tokens": prompt, "completion_tokens": self.new_tokens,
-                "total_tokens": prompt + self.new_tokens}  # fmt: skip
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.new_tokens,
+            "total_tokens": prompt + self.new_tokens,
+        }

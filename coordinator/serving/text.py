@@ -73,8 +73,9 @@ class TextStream:
     the next tokens tell, so a stop string never reaches the client in part. `stopped` turns
     true at an end token or a stop string (`stop_string` says which)."""
 
-    def __init__(self, tokenizer, stop_ids: tuple[int, ...] = (),
-                 stop_strings: tuple[str, ...] = ()) -> None:  # fmt: skip
+    def __init__(
+        self, tokenizer, stop_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = ()
+    ) -> None:
         if any(not s for s in stop_strings):
             raise ConfigError("a stop string must not be empty")
         self.tokenizer = tokenizer
@@ -101,8 +102,7 @@ class TextStream:
         come (the text then equals decoding every token at once, up to a stop string)."""
         if self.stop_string is not None:
             return ""
-        return self._release(self.tokenizer.decode(self.ids, skip_special_tokens=True),
-                             final=True)  # fmt: skip
+        return self._release(self.tokenizer.decode(self.ids, skip_special_tokens=True), final=True)
 
     def _release(self, text: str, *, final: bool) -> str:
         found = [(text.find(s), s) for s in self.stop_strings if s in text]
@@ -112,8 +112,10 @@ class TextStream:
         elif final:
             end = len(text)
         else:  # hold back the longest end of the text that begins a stop string
-            end = len(text) - max((k for s in self.stop_strings for k in range(1, len(s))
-                                   if text.endswith(s[:k])), default=0)  # fmt: skip
+            end = len(text) - max(
+                (k for s in self.stop_strings for k in range(1, len(s)) if text.endswith(s[:k])),
+                default=0,
+            )
         delta = text[len(self.text) : end]
         self.text += delta
         return delta

@@ -52,9 +52,11 @@ def run_demo(*, num_layers: int, hidden: int, batch: int, step: int, repeats: in
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     probe = probe_node()
     gpus = ", ".join(d.name for d in probe.devices) or "none"
-    print(f"node: {probe.cpu_arch}, CUDA devices: {gpus}, WSL: {probe.is_wsl}, host available "
-          f"{(probe.host_available_bytes or 0) / 2**30:.1f} GiB; compute threads "
-          f"{torch.get_num_threads()}")  # fmt: skip
+    print(
+        f"node: {probe.cpu_arch}, CUDA devices: {gpus}, WSL: {probe.is_wsl}, host available "
+        f"{(probe.host_available_bytes or 0) / 2**30:.1f} GiB; compute threads "
+        f"{torch.get_num_threads()}"
+    )
     x = torch.randn(batch, hidden, device=device)
     stacks = {"resident": _stack(num_layers, hidden, device)}
     expected = _forward(stacks["resident"], x)
@@ -79,15 +81,19 @@ def run_demo(*, num_layers: int, hidden: int, batch: int, step: int, repeats: in
         timings = _median_ms(stacks, x, repeats)
         for mode, offloader in offloaders:
             stats = offloader.stats()
-            print(f"{mode:>11}: {stats.offloaded_layers} layers, "
-                  f"{stats.offloaded_bytes / MIB:.1f} MiB offloaded to host memory "
-                  f"({stats.host_bytes / MIB:.1f} MiB allocated), {stats.buffer_bytes / MIB:.1f} MiB "
-                  f"of device slots, {stats.copies} copies, stalled {stats.stall_s * 1e3:.1f} ms")  # fmt: skip
+            print(
+                f"{mode:>11}: {stats.offloaded_layers} layers, "
+                f"{stats.offloaded_bytes / MIB:.1f} MiB offloaded to host memory "
+                f"({stats.host_bytes / MIB:.1f} MiB allocated), {stats.buffer_bytes / MIB:.1f} MiB "
+                f"of device slots, {stats.copies} copies, stalled {stats.stall_s * 1e3:.1f} ms"
+            )
     finally:
         for _, offloader in offloaders:
             offloader.detach()
-    print(f"\nforward of {num_layers} x Linear({hidden}, {hidden}), batch {batch}, on {device} "
-          f"(median of {repeats}); outputs identical in all three modes:")  # fmt: skip
+    print(
+        f"\nforward of {num_layers} x Linear({hidden}, {hidden}), batch {batch}, on {device} "
+        f"(median of {repeats}); outputs identical in all three modes:"
+    )
     for mode, ms in timings.items():
         print(f"  {mode:>11}: {ms:7.2f} ms  ({ms / timings['resident']:.2f}x resident)")
     return 0

@@ -39,13 +39,20 @@ NO_KV_HEADS = ("gpt2", "gpt_neox")  # multi-head attention only: num_kv_heads do
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_POSITIONS = 2048
 # Clearly different from Granite's neutral 1.0, so a stage that drops one of them shows.
-GRANITE_MULTIPLIERS = dict(embedding_multiplier=3.0, residual_multiplier=0.5,
-                           attention_multiplier=0.2, logits_scaling=4.0)  # fmt: skip
+GRANITE_MULTIPLIERS = dict(
+    embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0
+)
 # GPT-2 spells the generic names its own way; its attribute_map aliases all but n_inner, but
 # writing its own names keeps config.json looking like a real GPT-2's.
-_OWN_NAMES = {"gpt2": dict(num_hidden_layers="n_layer", hidden_size="n_embd",
-                           num_attention_heads="n_head", intermediate_size="n_inner",
-                           max_position_embeddings="n_positions")}  # fmt: skip
+_OWN_NAMES = {
+    "gpt2": dict(
+        num_hidden_layers="n_layer",
+        hidden_size="n_embd",
+        num_attention_heads="n_head",
+        intermediate_size="n_inner",
+        max_position_embeddings="n_positions",
+    )
+}
 _PERTURB_STD = 0.1
 
 
@@ -77,9 +84,19 @@ class CheckpointShape:
             raise ConfigError(f"arch={self.arch!r} is not one of {', '.join(ARCHITECTURES)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
-        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
-                     "intermediate_size", "vocab_size", "num_experts", "experts_per_token",
-                     "sliding_window", "max_positions", "max_shard_bytes"):  # fmt: skip
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "vocab_size",
+            "num_experts",
+            "experts_per_token",
+            "sliding_window",
+            "max_positions",
+            "max_shard_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.hidden_size % self.num_heads:
@@ -97,12 +114,16 @@ class CheckpointShape:
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
             )
         if self.arch in MOE_ARCHITECTURES and self.experts_per_token > self.num_experts:
-            raise ConfigError(f"experts_per_token={self.experts_per_token} must be <= "
-                             f"num_experts={self.num_experts}")  # fmt: skip
+            raise ConfigError(
+                f"experts_per_token={self.experts_per_token} must be <= "
+                f"num_experts={self.num_experts}"
+            )
         if self.tokenizer and self.vocab_size < tiny_tokenizer.MIN_VOCAB:
-            raise ConfigError(f"vocab_size={self.vocab_size} is too small for a tokenizer (needs "
-                             f">= {tiny_tokenizer.MIN_VOCAB}); pass tokenizer=False "
-                             "(--no-tokenizer) for a checkpoint without one")  # fmt: skip
+            raise ConfigError(
+                f"vocab_size={self.vocab_size} is too small for a tokenizer (needs "
+                f">= {tiny_tokenizer.MIN_VOCAB}); pass tokenizer=False "
+                "(--no-tokenizer) for a checkpoint without one"
+            )
 
     def family_settings(self) -> dict[str, Any]:
         """What makes `arch` itself, in its config's own field names."""

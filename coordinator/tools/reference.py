@@ -9,8 +9,9 @@ import torch
 
 
 @contextmanager
-def _reference_model(checkpoint: str, dtype: str, num_threads: int | None,
-                     attn_implementation: str | None = None) -> Iterator[torch.nn.Module]:  # fmt: skip
+def _reference_model(
+    checkpoint: str, dtype: str, num_threads: int | None, attn_implementation: str | None = None
+) -> Iterator[torch.nn.Module]:
     """The plain Hugging Face model, loaded by `from_pretrained` in `dtype` ("auto": the
     checkpoint's, as our loader resolves it), run on `num_threads` threads (the workers'
     count: a matmul split over another number of threads may sum in another order)."""
@@ -48,8 +49,12 @@ def reference_logits(
 ) -> torch.Tensor:
     """Logits of the plain Hugging Face model (see `_reference_model`)."""
     with _reference_model(checkpoint, dtype, num_threads, attn_implementation) as model:
-        return model(input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     logits_to_keep=logits_to_keep).logits  # fmt: skip
+        return model(
+            input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=logits_to_keep,
+        ).logits
 
 
 def reference_generate(

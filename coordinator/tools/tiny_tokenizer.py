@@ -43,17 +43,27 @@ from offload.errors import ConfigError
 PAD, BOS, EOS, IM_START, UNK = "<|pad|>", "<|bos|>", "<|im_end|>", "<|im_start|>", "<|unk|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, IM_START, UNK)  # ids 0..4, in this order
 # In config.json's names: what the model's embedding and `generate` know them by.
-SPECIAL_IDS = {f"{kind}_token_id": SPECIAL_TOKENS.index(token)
-               for kind, token in (("pad", PAD), ("bos", BOS), ("eos", EOS))}  # fmt: skip
+SPECIAL_IDS = {
+    f"{kind}_token_id": SPECIAL_TOKENS.index(token)
+    for kind, token in (("pad", PAD), ("bos", BOS), ("eos", EOS))
+}
 # Ordered by need: the letters and space alone make a tokenizer; the rest as the vocab allows.
 ALPHABET = " abcdefghijklmnopqrstuvwxyz\n.,?!'0123456789-:;\"()"
 MIN_VOCAB = len(SPECIAL_TOKENS) + 27  # space and a-z
 BYTE_LEVEL_MIN_VOCAB = len(SPECIAL_TOKENS) + 256
 # What `AutoTokenizer` reads from a directory, in transformers 5 and earlier versions: any of
 # them left by an earlier write would describe another vocab.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                   "special_tokens_map.json", "added_tokens.json", "chat_template.json",
-                   "vocab.json", "merges.txt", "tokenizer.model")  # fmt: skip
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -115,8 +125,10 @@ def alphabet_for(vocab_size: int) -> str | None:
     if vocab_size >= BYTE_LEVEL_MIN_VOCAB:
         return None
     if vocab_size < MIN_VOCAB:
-        raise ConfigError(f"vocab_size={vocab_size} is too small for a tokenizer (needs >= "
-                         f"{MIN_VOCAB}: {len(SPECIAL_TOKENS)} special tokens, space and a-z)")  # fmt: skip
+        raise ConfigError(
+            f"vocab_size={vocab_size} is too small for a tokenizer (needs >= "
+            f"{MIN_VOCAB}: {len(SPECIAL_TOKENS)} special tokens, space and a-z)"
+        )
     return ALPHABET[: vocab_size - len(SPECIAL_TOKENS)]
 
 
@@ -139,8 +151,12 @@ def train(vocab_size: int):
         paragraphs = ["".join(c if c in alphabet else " " for c in p.lower()) for p in paragraphs]
     else:
         initial = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=initial, show_progress=False)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=initial,
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(paragraphs, trainer)
     assert tokenizer.get_vocab_size() <= vocab_size, (tokenizer.get_vocab_size(), vocab_size)
     ids = [tokenizer.token_to_id(token) for token in SPECIAL_TOKENS]
