@@ -3,10 +3,17 @@ strings, on the real (tiny, trained) tokenizer make-checkpoint writes."""
 
 from __future__ import annotations
 
-import pytest
+import json
+import random
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinator.serving import text as text_module
 from coordinator.serving.text import TextStream, load_tokenizer
 from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.tools.tiny_tokenizer import TEXT as PROSE  # what the tokenizer was trained on
 
 TEXT = "the cat sat on the mat. the dog ran to the cat and sat."
 
@@ -76,3 +83,177 @@ def test_an_end_token_stops_and_later_tokens_are_not_text(tokenizer) -> None:
 def test_an_empty_stop_string_is_refused(tokenizer) -> None:
     with pytest.raises(ValueError, match="stop string must not be empty"):
         TextStream(tokenizer, (), ("x", ""))
+
+
+# Incremental decoding: only a short window of recent ids is decoded per token, and the deltas
+# still add up to decoding every id at once, multi-byte characters and garbage bytes included.
+MULTIBYTE = (
+    "héllo wörld, naïve café",
+    "中文 日本語のテキスト 한국어",
+    "emoji 🙂👍🏽 and a flag 🇫🇷 then a family 👨‍👩‍👧",
+    "  two leading spaces,\ttabs\n\nand newlines  ",
+    "the cat 🐈 sat on the mat. ∑ x² ≠ ∞ — “quotes” «too»",
+)
+
+
+def byte_ids(tokenizer) -> list[int]:
+    """Ids of the tokens that are one byte of a multi-byte character (they decode alone to a
+    replacement character): random runs of them make incomplete and invalid UTF-8."""
+    return [i for i in range(len(tokenizer)) if tokenizer.decode([i]) == "\ufffd"]
+
+
+def streamed(tokenizer, ids: list[int], stop: tuple[str, ...] = ()) -> tuple[str, TextStream]:
+    """Every delta of `ids` pushed one by one, plus `finish()`, joined."""
+    stream = TextStream(tokenizer, (), stop)
+    out = "".join(stream.push(i) for i in ids)
+    return out + stream.finish(), stream
+
+
+@pytest.mark.parametrize("text", MULTIBYTE, ids=range(len(MULTIBYTE)))
+def test_multibyte_text_streams_back_exactly(tokenizer, text) -> None:
+    ids = tokenizer(text)["input_ids"]
+    stream = TextStream(tokenizer)
+    deltas = [stream.push(i) for i in ids]
+    assert all("\ufffd" not in d for d in deltas)  # a split character waits until whole
+    assert "".join(deltas) + stream.finish() == tokenizer.decode(ids) == text
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 7, 40, 300, 1500])
+@pytest.mark.parametrize("bytes_share", [0.0, 0.5, 0.95])
+def test_random_ids_stream_back_as_the_whole_decode(tokenizer, length, bytes_share) -> None:
+    rng = random.Random(length * 100 + int(bytes_share * 100))
+    pieces = byte_ids(tokenizer)
+    ids = [
+        rng.choice(pieces) if rng.random() < bytes_share else rng.randrange(len(tokenizer))
+        for _ in range(length)
+    ]
+    out, _ = streamed(tokenizer, ids)
+    assert out == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_any_ids_and_stop_string_stream_as_the_whole_decode(tokenizer, data) -> None:
+    pieces = byte_ids(tokenizer)
+    ids = data.draw(
+        st.lists(
+            st.one_of(st.integers(0, len(tokenizer) - 1), st.sampled_from(pieces)), max_size=60
+        )
+    )
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+    out, stream = streamed(tokenizer, ids)
+    assert out == whole and not stream.stopped
+    if whole:  # a stop string from the text itself: the text ends where it first begins
+        start = data.draw(st.integers(0, len(whole) - 1))
+        stop = whole[start : data.draw(st.integers(start + 1, min(len(whole), start + 6)))]
+        out, stream = streamed(tokenizer, ids, (stop,))
+        assert out == whole[: whole.find(stop)] and stream.stop_string == stop
+
+
+class CountingTokenizer:
+    """The tokenizer, recording how many ids each `decode` is given."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.sizes: list[int] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.tokenizer, name)
+
+    def decode(self, ids, **kwargs) -> str:
+        self.sizes.append(len(ids))
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+def long_stream_ids(tokenizer) -> list[int]:
+    """2,000 ids: text with multi-byte characters, and in its middle a run of garbage bytes
+    (incomplete and invalid UTF-8) and a run of special tokens."""
+    prose = "".join(MULTIBYTE) + PROSE + " the cab and the co-op. "
+    ids: list[int] = []
+    while len(ids) < 1800:
+        ids += tokenizer(prose)["input_ids"]
+    del ids[1800:]
+    ids[900:900] = [*random.Random(0).choices(byte_ids(tokenizer), k=150), *[0] * 50]
+    return ids
+
+
+def test_every_decode_is_of_a_short_window_however_long_the_sequence(tokenizer) -> None:
+    ids = long_stream_ids(tokenizer)
+    counting = CountingTokenizer(tokenizer)
+    out, stream = streamed(counting, ids, ("the cow",))
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+    assert out == whole == stream.text and len(whole) > 3000 and not stream.stopped
+    assert stream.finish() == ""  # all was handed out
+    # the old stream decoded all the ids so far for every token: up to 2,000 at once
+    assert max(counting.sizes) <= 16 and len(counting.sizes) <= 3 * len(ids)
+
+
+def test_every_stop_string_search_is_of_a_short_text(tokenizer, monkeypatch) -> None:
+    """Handed-out text never holds the start of a stop string: only what is held back (shorter
+    than the stop string) and the new delta are searched, not the 3,000 characters so far."""
+    ids = long_stream_ids(tokenizer)
+    searched: list[int] = []
+    first_stop = text_module._first_stop
+    monkeypatch.setattr(
+        text_module,
+        "_first_stop",
+        lambda text, stops: searched.append(len(text)) or first_stop(text, stops),
+    )
+    stop = "the cow"  # never comes, but "the c" keeps being held back
+    stream = TextStream(tokenizer, (), (stop,))
+    out = ""
+    for i in ids:
+        out += stream.push(i)
+        assert len(stream._held) < len(stop)
+    out += stream.finish()
+    assert out == tokenizer.decode(ids, skip_special_tokens=True) and stop not in out
+    assert len(searched) > 1000 and max(searched) <= 64
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizer():
+    """A Llama-style sentencepiece tokenizer ("▁" for a space, byte fallback, the leading
+    space of the text stripped by the decoder): a window decoded alone loses the space its
+    first token begins with, which the stream's prefix window restores."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    trained.train_from_iterator(
+        [PROSE], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
+    )
+    spec = json.loads(trained.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    spec["model"]["byte_fallback"] = True
+    spec["decoder"] = {
+        "type": "Sequence",
+        "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+        ],
+    }
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+    )
+
+
+@pytest.mark.parametrize("text", [PROSE, *MULTIBYTE], ids=range(len(MULTIBYTE) + 1))
+def test_sentencepiece_spaces_and_bytes_stream_back_exactly(sentencepiece_tokenizer, text) -> None:
+    tokenizer = sentencepiece_tokenizer
+    ids = tokenizer(text)["input_ids"]
+    # a word after the first begins with "▁", which decoded alone is no space
+    spaced = [i for i in ids[1:] if tokenizer.convert_ids_to_tokens(i).startswith("▁")]
+    assert spaced and not tokenizer.decode(spaced[:1]).startswith(" ")
+    out, _ = streamed(tokenizer, ids)
+    assert out == tokenizer.decode(ids, skip_special_tokens=True) == text

@@ -9,8 +9,8 @@ DISCONNECT_POLL_S = 1.0  # a streamed request waiting in the queue checks its cl
 
 
 class Run:
-    """One request in the job's engine, its text deltas handed to the event loop (the engine's
-    thread calls back; no thread per request). Waiting in the engine's queue costs nothing
+    """One request in the load's engine, its text deltas handed to the event loop (the engine
+    client's fetch thread calls back and detokenises; no thread per request). Waiting in the engine's queue costs nothing
     here: the client gets its first byte with the first token."""
 
     def __init__(self, job, tokenizer, ids, options: dict, stop: tuple[str, ...] = ()) -> None:
@@ -20,7 +20,6 @@ class Run:
         self.stream = TextStream(tokenizer, end_ids(tokenizer, job.index), stop)
         self.error: Exception | None = None
         self.new_tokens = 0
-        self.text = ""
         self.finish_reason = "length"
         self._request = None
         self._first = _NOTHING  # an item `started` took from the queue
@@ -83,7 +82,6 @@ class Run:
             if self.stream.stop_string is not None:  # the engine has no end token to see
                 self.cancel()
         if delta:
-            self.text += delta
             self._put(delta)
 
     def _end(self) -> str:
@@ -95,9 +93,12 @@ class Run:
         self.error = error
         if error is not None:
             return ""
-        rest = self.stream.finish()
-        self.text += rest
-        return rest
+        return self.stream.finish()
+
+    @property
+    def text(self) -> str:
+        """The text handed out so far (its stream joins it when read, not per token)."""
+        return self.stream.text
 
     def usage(self) -> dict:
         prompt = int(self.ids.shape[1])

@@ -63,15 +63,28 @@ def end_ids(tokenizer, index) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+# A character is at most 4 UTF-8 bytes, so one split over byte tokens is whole within 4 tokens:
+# text still undecodable after this many pending tokens is garbage (invalid bytes), released at
+# a clean cut so that the decoded window, and so the cost of a token, stays bounded.
+MAX_PENDING = 8
+
+
 class TextStream:
-    """Generated tokens of one sequence to text deltas, as they come. The whole sequence is
-    decoded each time and only what is new is returned: a character split over several byte
-    tokens appears once complete, never as a replacement character.
+    """Generated tokens of one sequence to text deltas, as they come, at a cost per token that
+    does not grow with the sequence: incremental detokenizing as vLLM's and
+    text-generation-inference's do. Only a short window of recent ids is decoded, a prefix (the
+    tokens handed out last) and the pending tokens after it; what the window decodes to past
+    the prefix's text is new. The prefix gives the new tokens their context (a sentencepiece
+    "▁" decodes as a space only after other text). A character split over several byte tokens
+    appears once complete, never as a replacement character. Deltas plus `finish()` add up to
+    decoding every token at once (`skip_special_tokens`), up to a stop string.
 
     `stop_strings` end the text where the first of them begins (it is not part of the text, as
     OpenAI's `stop` works); text that could still become the start of one is held back until
     the next tokens tell, so a stop string never reaches the client in part. `stopped` turns
-    true at an end token or a stop string (`stop_string` says which)."""
+    true at an end token or a stop string (`stop_string` says which). Text handed out never
+    holds the start of a stop string, so only the held-back text and the new delta are
+    searched."""
 
     def __init__(
         self, tokenizer, stop_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = ()
@@ -81,20 +94,38 @@ class TextStream:
         self.tokenizer = tokenizer
         self.stop_ids = set(stop_ids)
         self.stop_strings = tuple(stop_strings)
-        self.ids: list[int] = []
-        self.text = ""  # handed out so far
         self.stopped = False
         self.stop_string: str | None = None
+        # The decoded window: _window[:_read] is the prefix, already handed out (its text is
+        # _prefix_text), _window[_read:] the tokens whose text is still pending.
+        self._window: list[int] = []
+        self._read = 0
+        self._prefix_text = ""
+        self._held = ""  # decoded but held back: it may begin a stop string
+        self._out: list[str] = []  # the deltas handed out; `text` joins them when read
+        # Special tokens decode to nothing (skip_special_tokens): they stay out of the window,
+        # or a run of them would widen it. Only ids the tokenizer really skips (checked once,
+        # on first sight) count.
+        self._specials = frozenset(getattr(tokenizer, "all_special_ids", ())) | {
+            i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special
+        }
+        self._skipped: dict[int, bool] = {}
+
+    @property
+    def text(self) -> str:
+        """The text handed out so far (joined when read, not per token)."""
+        if len(self._out) > 1:
+            self._out[:] = ["".join(self._out)]
+        return self._out[0] if self._out else ""
 
     def push(self, token_id: int) -> str:
         if self.stopped or token_id in self.stop_ids:
             self.stopped = True  # the end token and the padding after it are not text
             return ""
-        self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+        if token_id in self._specials and self._skips(token_id):
             return ""
-        return self._release(text, final=False)
+        self._window.append(token_id)
+        return self._release(self._detokenize(), final=False)
 
     def finish(self) -> str:
         """What is left once the sequence has ended: bytes held back as an incomplete
@@ -102,20 +133,89 @@ class TextStream:
         come (the text then equals decoding every token at once, up to a stop string)."""
         if self.stop_string is not None:
             return ""
-        return self._release(self.tokenizer.decode(self.ids, skip_special_tokens=True), final=True)
+        new = self._decode(self._window)[len(self._prefix_text) :]
+        self._window.clear()  # all is handed out: a second finish releases nothing
+        self._read, self._prefix_text = 0, ""
+        return self._release(new, final=True)
 
-    def _release(self, text: str, *, final: bool) -> str:
-        found = [(text.find(s), s) for s in self.stop_strings if s in text]
-        if found:
-            end, self.stop_string = min(found)
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _skips(self, token_id: int) -> bool:
+        if token_id not in self._skipped:
+            self._skipped[token_id] = self._decode([token_id]) == ""
+        return self._skipped[token_id]
+
+    def _detokenize(self) -> str:
+        """The new text the window gives with its last token, or "" while it is incomplete."""
+        text = self._decode(self._window)
+        if len(text) > len(self._prefix_text) and not text.endswith("\ufffd"):
+            return self._advance(text)
+        if len(self._window) - self._read < MAX_PENDING:
+            return ""  # an incomplete character, or nothing new yet: the next tokens tell
+        return self._cut(text)
+
+    def _advance(self, text: str) -> str:
+        """Hand out the window's text (`text`) past the prefix's; the tokens just handed out
+        become the next prefix, the context of the tokens to come."""
+        delta = text[len(self._prefix_text) :]
+        del self._window[: self._read]
+        self._read = len(self._window)
+        self._prefix_text = self._decode(self._window[: self._read])
+        return delta
+
+    def _cut(self, text: str) -> str:
+        """MAX_PENDING tokens and still no complete text: invalid bytes (a character is never
+        that long). Hand out the text up to the last token boundary after which the bytes
+        decode as they do on their own, so nothing later can change what comes before it
+        (and drop the window up to there). With byte-level BPE there is one wherever a token
+        boundary falls between characters (at the latest every 4 tokens when non-ASCII bytes
+        are single tokens, as in the checkpoints' tokenizer); otherwise (byte runs a tokenizer can only decode whole, say) release
+        the window as decoded: the text may then differ from decoding all at once, but a
+        stream of garbage cannot widen the window without bound."""
+        for cut in range(len(self._window) - 1, self._read, -1):
+            head = self._decode(self._window[:cut])
+            if (
+                len(head) >= len(self._prefix_text)
+                and head + self._decode(self._window[cut:]) == text
+            ):
+                delta = head[len(self._prefix_text) :]
+                del self._window[:cut]
+                self._read, self._prefix_text = 0, ""
+                return delta
+        return self._advance(text)
+
+    def _release(self, new: str, *, final: bool) -> str:
+        if not new and not final:
+            return ""
+        pending = self._held + new  # the only text a stop string can begin in
+        found = _first_stop(pending, self.stop_strings)
+        if found is not None:
+            end, self.stop_string = found
             self.stopped = True
         elif final:
-            end = len(text)
+            end = len(pending)
         else:  # hold back the longest end of the text that begins a stop string
-            end = len(text) - max(
-                (k for s in self.stop_strings for k in range(1, len(s)) if text.endswith(s[:k])),
-                default=0,
-            )
-        delta = text[len(self.text) : end]
-        self.text += delta
+            end = len(pending) - _stop_start(pending, self.stop_strings)
+        delta, self._held = pending[:end], pending[end:]
+        if delta:
+            self._out.append(delta)
         return delta
+
+
+def _first_stop(text: str, stop_strings: tuple[str, ...]) -> tuple[int, str] | None:
+    """(where, which) of the stop string that begins first in `text`, if any."""
+    return min(((text.find(s), s) for s in stop_strings if s in text), default=None)
+
+
+def _stop_start(text: str, stop_strings: tuple[str, ...]) -> int:
+    """The length of the longest end of `text` that is the start of a stop string."""
+    return max(
+        (
+            k
+            for s in stop_strings
+            for k in range(1, min(len(s), len(text) + 1))
+            if text.endswith(s[:k])
+        ),
+        default=0,
+    )
