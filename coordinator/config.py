@@ -227,6 +227,11 @@ class JobConfig:
             )
         if self.prefill_tokens < 1:
             raise ConfigError(f"prefill_tokens={self.prefill_tokens} must be >= 1")
+        if self.max_queue < self.max_batch:
+            raise ConfigError(
+                f"max_queue={self.max_queue} must be >= max_batch={self.max_batch}: a request "
+                "as large as the batch must be able to wait for it (raise --max-queue)"
+            )
         for name in (
             "load_timeout_s",
             "forward_timeout_s",

@@ -5,6 +5,7 @@ failures, recovery) fast and exactly. The real models are in test_generation.py.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -14,8 +15,8 @@ from coordinator.engine import Engine, EngineConfig, Finish, QueueFullError
 from coordinator.engine.engine import EngineClosedError
 from coordinator.engine.pipelines import _Done
 from coordinator.runtime.errors import WorkerLostError
-from offload.errors import BusyError, NeverFitsError
-from worker.batched import NO_TOKEN
+from offload.errors import BusyError, ConfigError, NeverFitsError
+from worker.batched import NO_TOKEN, BatchRunner, ClaimedByAnotherError
 from worker.decode import Sampling
 
 GREEDY = Sampling()
@@ -35,8 +36,12 @@ def expected(prompt: list[int], count: int) -> list[int]:
 
 class FakePipeline:
     """Slots of token lists: a step writes each row's real tokens at its start, and a row that
-    chooses gets `next_token` of its slot's contents. Records every step; `fail` makes the next
-    submits raise (a lost worker, or another error)."""
+    chooses gets `next_token` of what its slot holds up to its end. A slot keeps everything
+    ever written to it (nothing is truncated), and every read is checked against the
+    sequence's own tokens: a row that reads another sequence's keys, or a stale position, fails
+    the test. Like a worker, it runs only the steps of the engine (and epoch) that claimed it.
+    Records every step; `fail` makes the next submits raise (a lost worker, or another
+    error)."""
 
     def __init__(self, num_stages: int = 1) -> None:
         self.num_stages = num_stages
@@ -47,8 +52,18 @@ class FakePipeline:
         self.submits: list[int] = []  # steps per submit (> 1: micro-batches in one burst)
         self.starts: list[tuple[int, ...]] = []
         self.epoch = 0
+        self.runner = BatchRunner(torch.device("cpu"))  # the workers' claims and refusals
+        self.claims: list[tuple[str, int]] = []
         self.gate = threading.Event()
         self.gate.set()
+
+    @property
+    def owner(self) -> tuple[str, int] | None:
+        return self.runner.owner
+
+    def claim(self, owner, *, take) -> None:
+        self.runner.claim(owner, take=take)
+        self.claims.append(owner)
 
     def submit(self, steps) -> _Done:
         """One step, or a burst of `count` steps of each micro-batch, taking turns as the
@@ -56,26 +71,34 @@ class FakePipeline:
         self.gate.wait(WAIT_S)
         if self.fail:
             raise self.fail.pop(0)
+        for step in steps:
+            self.runner.check_owner(step.rows)
         self.submits.append(len(steps))
         current = []
         for step in steps:
             self.steps.append((step.prefill, step.rows.slots, step.rows.counts, step.count))
             self.starts.append(step.rows.starts)
-            current.append([step.rows, step.x, step.draw])
+            current.append([step.rows, step.x, step.draw, step.sequences])
         outputs = []
         for _ in range(steps[0].count):
-            for m, (rows, x, draw) in enumerate(current):
+            for m, (rows, x, draw, sequences) in enumerate(current):
                 tokens = torch.full((len(rows.slots),), NO_TOKEN)
                 for r, (slot, start, count) in enumerate(
                     zip(rows.slots, rows.starts, rows.counts, strict=True)
                 ):
-                    cached = self.slots.setdefault(slot, [])
-                    del cached[start:]
-                    assert len(cached) == start, "a row starts past what its slot holds"
-                    cached.extend(x[r, rows.width - count :].tolist())
+                    held = self.slots.setdefault(slot, [])
+                    new = x[r, rows.width - count :].tolist()
+                    held.extend([None] * (start + count - len(held)))
+                    held[start : start + count] = new
+                    seen = held[: start + count]
+                    # as far as the engine knows the sequence (a burst's later steps feed the
+                    # tokens this burst chose, which the engine reads after it)
+                    own = sequences[r].tokens[: start + count]
+                    if sequences[r].finish is None:  # an ended row's reads are never used
+                        assert seen[: len(own)] == own, "a row read what it did not write"
                     if draw.samplings[r] is not None:
-                        tokens[r] = next_token(cached)
-                outputs.append((m, tokens, None))
+                        tokens[r] = next_token(seen)
+                outputs.append((m, tokens))
                 current[m][:2] = rows.advanced(), tokens[:, None]
         return _Done(outputs)
 
@@ -83,21 +106,33 @@ class FakePipeline:
         return list(handles)
 
     def recover(self, exc, epoch) -> None:
+        if epoch != self.epoch:  # replaced since the step was sent: nothing more to do
+            return
         if not isinstance(exc, WorkerLostError):
             raise exc
         self.recoveries += 1
         self.epoch += 1
         self.slots.clear()  # the new worker holds no cache
+        self.runner.reset()  # nor any claim
 
 
 @pytest.fixture
 def make():
     engines = []
 
-    def make(pipeline=None, **options) -> tuple[Engine, FakePipeline]:
+    def make(
+        pipeline=None, plan_micro_batches=None, take_over=False, **options
+    ) -> tuple[Engine, FakePipeline]:
         pipeline = pipeline or FakePipeline()
         config = EngineConfig(**{"num_slots": 2, "max_seq_len": 64, **options})
-        engine = Engine(pipeline, config, recover=pipeline.recover, epoch=lambda: pipeline.epoch)
+        engine = Engine(
+            pipeline,
+            config,
+            recover=pipeline.recover,
+            gate=lambda: contextlib.nullcontext(pipeline.epoch),
+            micro_batches=plan_micro_batches,
+            take_over=take_over,
+        )
         engines.append(engine)
         return engine, pipeline
 
@@ -140,7 +175,7 @@ def test_a_long_prompt_is_chunked_and_decodes_go_on_between_chunks(make) -> None
     assert first.result(WAIT_S) == [expected([3, 4], 30)]
     [long] = joined
     assert long.result(WAIT_S) == [expected(list(range(3, 20)), 2)]
-    slot = long.sequences[0].slot_used
+    slot = next(slots[0] for prefill, slots, counts, _ in pipeline.steps if counts == (4,))
     chunks = [
         i for i, (prefill, slots, _, _) in enumerate(pipeline.steps) if prefill and slots == (slot,)
     ]
@@ -336,3 +371,140 @@ def test_the_stats_count_a_request_gone_once_it_is_done(make) -> None:
     [snapshot] = seen
     assert (snapshot["requests_running"], snapshot["requests_waiting"]) == (0, 0)
     assert snapshot["generation_tokens"] == 5
+
+
+def test_a_request_that_ended_in_a_burst_that_then_fails_completes_once(make) -> None:
+    """A burst in which one request ends, then a worker is lost: that request completes (its
+    client is woken, once), the other goes on after the recovery with the text an
+    uninterrupted run gives."""
+    engine, pipeline = make(num_slots=2, burst_steps=8)
+    real_submit = pipeline.submit
+    ended = []
+
+    def burst_then_lost(steps):
+        done = real_submit(steps)
+        if steps[0].count > 1 and not pipeline.recoveries and not pipeline.fail:
+            outputs = list(done.outputs)
+
+            def results(timeout_s):  # every step of the burst, then the worker is gone
+                yield from outputs
+                pipeline.recover(WorkerLostError("worker died mid-burst"), pipeline.epoch)
+                raise WorkerLostError("worker died mid-burst")
+
+            done.results = results
+        return done
+
+    pipeline.submit = burst_then_lost
+    pipeline.gate.clear()
+    short = submit(engine, [3, 4], 3, on_finish=lambda: ended.append("short"))
+    long = submit(engine, [5, 6], 20)
+    pipeline.gate.set()
+    assert short.result(WAIT_S) == [expected([3, 4], 3)]
+    assert long.result(WAIT_S) == [expected([5, 6], 20)]
+    assert ended == ["short"]  # woken once
+    assert pipeline.recoveries == 1 and engine.stats.restarts == 1
+
+
+def test_a_step_planned_before_the_workers_changed_is_refused_and_dropped(make) -> None:
+    """The workers are replaced by someone else (another thread's recovery) after the engine
+    planned a step and before the step reaches them: the step, stamped with the old claim, is
+    refused by the new workers (never run on an empty cache), the engine claims them again
+    and every sequence feeds its tokens again: the text is unchanged."""
+    engine, pipeline = make(num_slots=2, burst_steps=1)
+    real_submit = pipeline.submit
+    replaced = []
+
+    def replaced_on_the_way(steps):
+        if len(pipeline.steps) == 4 and not replaced:
+            replaced.append(True)
+            pipeline.epoch += 1  # a recovery elsewhere: new workers, no cache, no claim
+            pipeline.slots.clear()
+            pipeline.runner.reset()
+        return real_submit(steps)
+
+    pipeline.submit = replaced_on_the_way
+    a, b = submit(engine, [3, 4, 5], 10), submit(engine, [6, 7], 10)
+    assert a.result(WAIT_S) == [expected([3, 4, 5], 10)]
+    assert b.result(WAIT_S) == [expected([6, 7], 10)]
+    assert replaced and engine.stats.restarts == 1
+    assert len(pipeline.claims) == 2 and pipeline.claims[0][0] == pipeline.claims[1][0]
+
+
+def test_a_second_engine_on_the_same_workers_is_refused_never_mixed(make) -> None:
+    """Two engines on one set of workers: a second one is refused, unless it takes them over
+    (a load's engine replaced); then every later step of the first is refused with an error naming both: its request ends
+    with that error, never with tokens computed from the other's cache."""
+    first, pipeline = make(num_slots=2, burst_steps=1)
+    assert submit(first, [3, 4], 3).result(WAIT_S) == [expected([3, 4], 3)]
+    with pytest.raises(ClaimedByAnotherError, match="owns its KV pool"):
+        make(pipeline, num_slots=2)  # a second engine by mistake: it does not start
+    second, _ = make(pipeline, num_slots=2, burst_steps=1, take_over=True)
+    assert pipeline.owner[0] == second.id != first.id
+    with pytest.raises(ClaimedByAnotherError):
+        submit(first, [5, 6], 3).result(WAIT_S)
+    assert submit(second, [5, 6], 3).result(WAIT_S) == [expected([5, 6], 3)]
+
+
+def test_a_step_that_never_comes_back_ends_at_its_bound(make) -> None:
+    engine, pipeline = make(num_slots=1, step_timeout_s=0.2)
+    pipeline.wait = lambda handles, timeout_s: []  # a stage that hangs
+    request = submit(engine, [3], 4)
+    with pytest.raises(TimeoutError, match=r"did not finish within 0 s"):
+        request.result(WAIT_S)
+    assert request.finish_reasons == [Finish.ERROR]
+
+
+def test_max_queue_must_hold_a_whole_batch() -> None:
+    with pytest.raises(ConfigError, match=r"max_queue=1 must be >= max_batch=2"):
+        EngineConfig(num_slots=2, max_seq_len=8, max_queue=1)
+
+
+def test_bursts_go_on_while_every_slot_is_busy_and_requests_wait(make) -> None:
+    """One slot, two requests: the first decodes in bursts although the second waits (it has
+    no slot to take); the burst is cut the step the first ends, and the second starts."""
+    engine, pipeline = make(num_slots=1, burst_steps=4)
+    pipeline.gate.clear()
+    first, second = submit(engine, [3, 4], 9), submit(engine, [5], 3)
+    pipeline.gate.set()
+    assert first.result(WAIT_S) == [expected([3, 4], 9)]
+    assert second.result(WAIT_S) == [expected([5], 3)]
+    counts = [count for prefill, slots, _, count in pipeline.steps if not prefill]
+    assert counts[:2] == [4, 4]  # 1 + 4 + 4 = 9 tokens of the first, in bursts
+
+
+def test_each_micro_batch_owns_a_contiguous_range_of_slots(make) -> None:
+    engine, pipeline = make(FakePipeline(num_stages=2), num_slots=6, burst_steps=1)
+    pipeline.gate.clear()
+    requests = [submit(engine, [3 + i], 4) for i in range(6)]
+    pipeline.gate.set()
+    for i, request in enumerate(requests):
+        assert request.result(WAIT_S) == [expected([3 + i], 4)]
+    steps = {slots for _, slots, _, _ in pipeline.steps}
+    # each step's rows lie in one micro-batch's range, and both ranges ran full steps
+    assert all(set(slots) <= {0, 1, 2} or set(slots) <= {3, 4, 5} for slots in steps)
+    assert {(0, 1, 2), (3, 4, 5)} <= steps
+
+
+def test_micro_batches_are_formed_again_when_the_plan_changes(make) -> None:
+    """After a recovery the plan offloads layers: the engine asks again how many micro-batches
+    it wants (one) and re-forms them; every sequence goes on exactly."""
+    wanted = [2]
+    engine, pipeline = make(
+        FakePipeline(num_stages=2), plan_micro_batches=lambda: wanted[0], num_slots=4, burst_steps=1
+    )
+    seen = []
+
+    def lose_a_worker_at_the_fourth(row, token):
+        seen.append(token)
+        if len(seen) == 4:
+            wanted[0] = 1
+            pipeline.fail.append(WorkerLostError("worker died"))
+
+    pipeline.gate.clear()
+    requests = [submit(engine, [3 + i], 8, on_token=lose_a_worker_at_the_fourth) for i in range(4)]
+    pipeline.gate.set()
+    for i, request in enumerate(requests):
+        assert request.result(WAIT_S) == [expected([3 + i], 8)]
+    assert len(engine.scheduler.groups) == 1 and engine.stats.restarts == 1
+    last = [slots for prefill, slots, _, _ in pipeline.steps if not prefill][-1]
+    assert len(last) > 2  # one micro-batch of every sequence left

@@ -142,3 +142,130 @@ def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:
     assert "no named loads" in capsys.readouterr().out
     assert main(["run", "m1", *address]) == EXIT_ERROR
     assert "no load named 'm1'" in capsys.readouterr().err
+
+
+def test_every_client_of_a_load_goes_through_its_one_engine(cluster, tmp_path) -> None:
+    """Two processes and two handles in this one generate on one named load at once (4 KV
+    slots, 6 requests: some wait for a slot freed by another client's request): each text
+    equals transformers on its prompt alone. A second engine cannot claim the workers, and a
+    step that is not the load's engine's is refused by the worker with a clear error."""
+    import os
+    import threading
+
+    import torch
+
+    from coordinator.config import JobConfig
+    from coordinator.runtime.job_engine import build_engine
+    from coordinator.runtime.launch import attach, launch
+    from coordinator.tools.reference import reference_generate
+    from worker.batched import ClaimedByAnotherError, StepRows
+
+    checkpoint = make_checkpoint(
+        tmp_path / "ckpt",
+        CheckpointShape(
+            num_layers=4,
+            hidden_size=64,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=128,
+            vocab_size=128,
+        ),
+    )
+    config = JobConfig(
+        checkpoint=str(checkpoint),
+        address=cluster.address,
+        gpu_memory_bytes=load_index(checkpoint).total_bytes,  # one GPU holds it all
+        max_batch=4,
+        max_seq_len=32,
+    )
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 128, (1, 3 + i), generator=g) for i in range(6)]
+    new_tokens = 12
+    expected = [
+        reference_generate(
+            str(checkpoint),
+            p,
+            num_threads=1,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+        )[0, p.shape[1] :].tolist()
+        for p in prompts
+    ]
+
+    @ray.remote(num_cpus=0)
+    def generate_elsewhere(name: str, prompt: list[int]) -> list[int]:
+        import os
+
+        from coordinator.runtime.launch import attach
+
+        with attach(name) as job:
+            out = job.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+            )
+        return [os.getpid(), *out[0, len(prompt) :].tolist()]
+
+    launch(config, name="shared").close()
+    try:
+        outs: dict[int, list[int]] = {}
+        handles = [attach("shared", address=cluster.address) for _ in range(2)]
+        elsewhere = [generate_elsewhere.remote("shared", prompts[i][0].tolist()) for i in (4, 5)]
+
+        def here(i: int) -> None:
+            job = handles[i % 2]
+            out = job.generate(
+                prompts[i], max_new_tokens=new_tokens, do_sample=False, eos_token_id=None
+            )
+            outs[i] = out[0, prompts[i].shape[1] :].tolist()
+
+        threads = [threading.Thread(target=here, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        far = ray.get(elsewhere, timeout=180)
+        assert {pid for pid, *_ in far} != {os.getpid()}  # really other processes
+        for i, (_, *tokens) in zip((4, 5), far, strict=True):
+            outs[i] = tokens
+        assert [outs[i] for i in range(6)] == expected
+        stats = handles[0].serving_stats()
+        assert stats["requests"] == 6 and stats["requests_running"] == 0
+
+        # no second writer: another engine cannot claim the workers...
+        job = handles[0]
+        with pytest.raises(ClaimedByAnotherError, match="owns its KV pool"):
+            build_engine(
+                lambda: job.workers,
+                lambda: job.config,
+                lambda: job.plan,
+                recover=job.recover_after,
+                gate=job.passes,
+                name="intruder",
+            )
+        # ...and a step that is not the load's engine's is refused, never run
+        rows = StepRows(
+            slots=(0,),
+            starts=(0,),
+            counts=(1,),
+            width=1,
+            num_slots=4,
+            max_seq_len=32,
+            owner=("intruder", 1),
+        )
+        with pytest.raises(ray.exceptions.RayTaskError, match="two engines must never write"):
+            ray.get(job.workers[0].actor.batch_step.remote(rows, torch.tensor([[3]])), timeout=60)
+        # the load's engine goes on, its texts unchanged
+        assert (
+            job.generate(prompts[0], max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)[
+                0, prompts[0].shape[1] :
+            ].tolist()
+            == expected[0]
+        )
+        for handle in handles:
+            handle.close()
+    finally:
+        registry.unload("shared")
+    wait_gpus_free(3)

@@ -3,10 +3,11 @@ row at its own positions in its own KV slot (`worker.batch_cache`), and on the l
 choice of each row's next token under that row's own settings.
 
 What crosses Ray per step is small and plain: `StepRows` (which slots, where each row's new
-tokens start, how many), the activations, and for the last stage a `Draw` (per row: greedy or
-sampled, temperature, top-k, top-p; the generator states of the sampling rows). The worker
-keeps nothing of a request but its keys and values: generator states go back with the tokens,
-so a replaced worker, or a different batch, never changes what a seeded request draws.
+tokens start, how many, and the engine and epoch the step belongs to), the activations, and
+for the last stage a `Draw` (per row: greedy or sampled, temperature, top-k, top-p, and a
+seed); back come the tokens. The worker keeps nothing of a request but its keys and values: a
+sampled token is keyed by the row's seed and its position, so a replaced worker, or a different
+batch, never changes what a seeded request draws.
 """
 
 from __future__ import annotations
@@ -18,11 +19,26 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from offload.errors import LaunchError
 from worker.batch_cache import SlotPool, row_positions
-from worker.decode import Sampling, next_tokens
+from worker.decode import RowSettings, Sampling, sample_rows
 from worker.wire import Packed, pack, unpack
 
 NO_TOKEN = -1  # a row that did not choose this step (its prompt goes on in the next chunk)
+Owner = tuple[str, int]  # (engine id, epoch of its claim)
+
+
+class NotOwnerError(LaunchError):
+    """A step from an engine that does not own this worker's KV pool now, or from an older
+    epoch of the one that does: refused, never run (it would read keys it did not write).
+    `other_engine` tells which: another engine claimed the pool (a second writer, refused for
+    good), or nobody holds it since the worker changed (its engine claims it again)."""
+
+    other_engine = False
+
+
+class ClaimedByAnotherError(NotOwnerError):
+    other_engine = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +53,7 @@ class StepRows:
     width: int
     num_slots: int
     max_seq_len: int
+    owner: Owner = ("", 0)
 
     def advanced(self) -> StepRows:
         """The next decode step of the same rows: one token each, after what this step wrote."""
@@ -51,74 +68,91 @@ class StepRows:
 @dataclass(frozen=True, slots=True)
 class Draw:
     """How each row of a step chooses its next token on the last stage (None: it does not
-    choose in this step), and the generator states (uint8, rows that sample x state bytes) of
-    the rows whose Sampling samples, in row order."""
+    choose in this step), and each row's seed (None for greedy rows). A sampled row's draw is
+    keyed by its seed and the position of the token it chooses (`worker.decode.uniform`):
+    nothing of a request's sampler lives on a worker or crosses Ray but the seed, and a row
+    draws the same token whatever else is in the batch, whichever worker runs it."""
 
     samplings: tuple[Sampling | None, ...]
-    states: Packed | torch.Tensor | None = None
+    seeds: tuple[int | None, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class Drawn:
-    """The last stage's answer: each row's token (NO_TOKEN where it did not choose) and the
-    sampling rows' generator states after drawing (as in `Draw`)."""
-
-    tokens: Packed | torch.Tensor
-    states: Packed | torch.Tensor | None = None
-
-
-def choose_rows(logits: torch.Tensor, draw: Draw) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each row's next token from its last position's logits (rows, vocab): argmax for greedy
-    rows (all at once), a draw from the row's own generator for sampling rows (a row's draw
-    depends on its logits and its generator only, never on the other rows)."""
-    rows = logits.shape[0]
-    tokens = torch.full((rows,), NO_TOKEN, dtype=torch.long)
-    greedy = [r for r, s in enumerate(draw.samplings) if s is not None and not s.do_sample]
-    if greedy:
-        chosen = torch.argmax(logits[greedy].to(torch.float32), dim=-1)
-        tokens[greedy] = chosen.cpu()
-    sampling = [r for r, s in enumerate(draw.samplings) if s is not None and s.do_sample]
-    if not sampling:
-        return tokens, None
-    states = unpack(draw.states)
-    if states is None or states.shape[0] != len(sampling):
-        raise ValueError(
-            f"{len(sampling)} sampling row(s) need as many generator states, got "
-            f"{None if states is None else states.shape[0]}"
-        )
-    after = []
-    for state, r in zip(states, sampling, strict=True):
-        generator = torch.Generator()
-        generator.set_state(state.clone())
-        tokens[r] = next_tokens(logits[r : r + 1, None].cpu(), None, draw.samplings[r], generator)[
-            0
-        ]
-        after.append(generator.get_state())
-    return tokens, torch.stack(after)
+def choose_rows(logits: torch.Tensor, draw: Draw, rows: StepRows) -> torch.Tensor:
+    """Each row's next token (CPU, NO_TOKEN where the row does not choose) from its last
+    position's logits (rows, vocab): greedy and sampled rows at once on the logits' device
+    (`worker.decode.sample_rows`), only the tokens copied back."""
+    tokens = torch.full((logits.shape[0],), NO_TOKEN, dtype=torch.long)
+    choosing = [r for r, s in enumerate(draw.samplings) if s is not None]
+    if not choosing:
+        return tokens
+    seeds = draw.seeds or (None,) * len(draw.samplings)
+    settings = RowSettings.of(
+        [draw.samplings[r] for r in choosing],
+        [seeds[r] for r in choosing],
+        [rows.starts[r] + rows.counts[r] for r in choosing],  # the index of the token chosen
+    )
+    every = len(choosing) == logits.shape[0]
+    chosen = sample_rows(logits if every else logits[choosing], settings)
+    if every:
+        return chosen
+    tokens[choosing] = chosen
+    return tokens
 
 
 class BatchRunner:
     """A stage's batched steps and the slot pool they write (created at the first step, sized
-    by it, and kept until the stage changes)."""
+    by it, and kept until the stage changes), owned by one engine at a time (`claim`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pool: SlotPool | None = None
+        self.owner: Owner | None = None  # who may step this pool now
         self.last_rows = 0  # sequences in the last step, for reports
         self.last_step_s = 0.0  # this stage's own time in its last step (not the others')
 
     def reset(self) -> None:
-        """Forget every sequence's keys and values (the stage's layers changed)."""
-        self.pool, self.last_rows = None, 0
+        """Forget every sequence's keys and values (the stage's layers changed): nobody owns
+        the pool until an engine claims it again."""
+        self.pool, self.owner, self.last_rows = None, None, 0
+
+    def claim(self, owner: Owner, *, take: bool = False) -> None:
+        """Make `owner` the one engine (and epoch) whose steps this pool runs. An engine
+        re-claims under a new epoch after the workers changed; `take` lets a new engine take
+        the pool from another (a load's engine replaced), which is refused otherwise."""
+        if self.owner is not None and self.owner[0] != owner[0] and not take:
+            raise ClaimedByAnotherError(
+                f"engine {owner[0]} cannot claim this stage: engine {self.owner[0]} owns its KV "
+                "pool (one engine per load: submit through it, e.g. attach(name))"
+            )
+        self.owner = owner
+
+    def check_owner(self, rows: StepRows) -> None:
+        """Refuse a step of anyone but the pool's owner now."""
+        if rows.owner == self.owner:
+            return
+        if self.owner is None:
+            raise NotOwnerError(
+                f"a step of engine {rows.owner[0]} (epoch {rows.owner[1]}) reached a stage whose "
+                "KV pool no engine holds (the worker was replaced or re-planned): claim it again"
+            )
+        if rows.owner[0] == self.owner[0]:
+            raise NotOwnerError(
+                f"a step of epoch {rows.owner[1]} of engine {rows.owner[0]} reached a stage "
+                f"claimed under epoch {self.owner[1]}: the step is stale (the workers changed)"
+            )
+        raise ClaimedByAnotherError(
+            f"a step of engine {rows.owner[0]} reached a stage whose KV pool engine "
+            f"{self.owner[0]} owns: refused (two engines must never write one pool; every "
+            "client of a load submits through the load's engine)"
+        )
 
     def nbytes(self) -> int:
         return self.pool.nbytes() if self.pool is not None else 0
 
-    def step(
-        self, stage, rows: StepRows, x: torch.Tensor, draw: Draw | None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+    def step(self, stage, rows: StepRows, x: torch.Tensor, draw: Draw | None) -> torch.Tensor:
         """Hidden states (rows, width, hidden) from a stage before the last; from the last,
-        each row's chosen token and the sampling rows' generator states."""
+        each row's chosen token (rows,)."""
+        self.check_owner(rows)
         view = None
         held = stage.decoder_indices
         if held:
@@ -156,7 +190,7 @@ class BatchRunner:
                 return out.cpu()
             if draw is None or len(draw.samplings) != len(rows.slots):
                 raise ValueError("the last stage needs a Draw with one entry per row")
-            return choose_rows(out[:, -1], draw)
+            return choose_rows(out[:, -1], draw, rows)
 
     def ring(
         self,
@@ -165,20 +199,22 @@ class BatchRunner:
         count: int,
         downstream: Sequence = (),
         timeout_s: float = 300.0,
-    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
+    ) -> Iterator[tuple[int, torch.Tensor]]:
         """Up to `count` decode steps of each micro-batch of `batches` (rows, input, draw), run
         from this stage, the first. A step of micro-batch m goes through this stage, then on
         through `downstream` (the later stages in order: Ray actor handles, or in-process
         workers), actor to actor; its last stage's tokens come straight back here as m's next
         input: no round trip to the driver per token. The micro-batches take turns here, so
         while the later stages work on m this stage computes m + 1: with as many micro-batches
-        as stages, every stage is busy. Yields (m, tokens, states) per micro-batch step, in
+        as stages, every stage is busy. Yields (m, tokens) per micro-batch step, in
         order. One micro-batch and no downstream: a one-stage job's decode steps. Every row
         must choose at every step (decode rows).
 
         Left early (the driver cut it at a yield), the steps already sent on are waited for:
         every write this call makes is done before the stage takes its next call, and the
         later stages' next calls depend on that one."""
+        for rows, _, _ in batches:  # refused before any step runs
+            self.check_owner(rows)
         if any(s is None for _, _, draw in batches for s in draw.samplings):
             raise ValueError("steps run together need every row to choose a token")
         rows = [r for r, _, _ in batches]
@@ -189,11 +225,10 @@ class BatchRunner:
             for step in range(count + 1):
                 for m in range(len(batches)):
                     if step:
-                        tokens, states = _collect(pending[m], timeout_s)
+                        tokens = _collect(pending[m], timeout_s)
                         pending[m] = None
-                        yield m, tokens, states
+                        yield m, tokens
                         rows[m], xs[m] = rows[m].advanced(), tokens[:, None]
-                        draws[m] = Draw(draws[m].samplings, states)
                     if step < count:
                         pending[m] = self._send(stage, rows[m], xs[m], draws[m], downstream)
         finally:
@@ -208,11 +243,8 @@ class BatchRunner:
         if not downstream:
             return self.step(stage, rows, x, draw)
         out: object = pack(self.step(stage, rows, x, None))
-        wire_draw = Draw(
-            draw.samplings, pack(unpack(draw.states)) if draw.states is not None else None
-        )
         for i, worker in enumerate(downstream):
-            last_draw = wire_draw if i == len(downstream) - 1 else None
+            last_draw = draw if i == len(downstream) - 1 else None
             call = getattr(worker.batch_step, "remote", None)
             out = (
                 call(rows, out, last_draw)
@@ -222,20 +254,10 @@ class BatchRunner:
         return out
 
 
-def _collect(sent, timeout_s: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Tokens and states from what `_send` returned."""
-    if isinstance(sent, tuple):
-        return sent
-    if not isinstance(sent, Drawn):  # an object ref from an actor
+def _collect(sent, timeout_s: float) -> torch.Tensor:
+    """The tokens `_send` returned: a tensor, packed, or an object ref of an actor's answer."""
+    if not isinstance(sent, torch.Tensor | Packed):
         import ray  # only here: a worker driven in-process never needs Ray
 
         sent = ray.get(sent, timeout=timeout_s)
-    return unpack(sent.tokens), unpack(sent.states)
-
-
-def packed(result) -> Packed | Drawn:
-    """A step's result as it crosses Ray."""
-    if isinstance(result, torch.Tensor):
-        return pack(result)
-    tokens, states = result
-    return Drawn(pack(tokens), pack(states))
+    return unpack(sent)

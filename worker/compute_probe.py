@@ -29,6 +29,7 @@ ROWS = (1, 4, 16, 64)  # sequences per decode step
 CONTEXT = 64  # tokens each sequence has cached
 STEPS = 13  # timed decode steps per size and stage (the first is a warm-up)
 CACHE_ENV = "OFFLOAD_COMPUTE_CACHE"
+PROBE_OWNER = ("compute-probe", 0)  # the probe's own stages: it is their only engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +163,7 @@ def _measure(config: dict, dtype: str, device: torch.device) -> ComputeProfile:
             width=CONTEXT,
             num_slots=rows,
             max_seq_len=CONTEXT + STEPS,
+            owner=PROBE_OWNER,
         )
         x = torch.randn(rows, CONTEXT, hidden, generator=generator, device=device).to(torch_dtype)
         for stage, runner in stages:
@@ -209,7 +211,9 @@ def _stage(config: dict, torch_dtype, device: torch.device, num_layers: int, gen
         for param in stage.parameters():
             if param.is_floating_point() and not param.is_meta:
                 param.normal_(0.0, 0.02, generator=generator)
-    return stage, BatchRunner(device)
+    runner = BatchRunner(device)
+    runner.claim(PROBE_OWNER)
+    return stage, runner
 
 
 def _synchronize(device: torch.device) -> None:

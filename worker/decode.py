@@ -1,10 +1,13 @@
-"""Choosing the next token, as `transformers`' `generate` does (its warpers, in its order): the
-last stage applies it to each row of a batched step (`worker.batched.choose_rows`) with the
-row's own settings and generator.
+"""Choosing the next token, as `transformers`' `generate` does (its warpers, in its order).
+
+`sample_rows` chooses every row of a step at once on the logits' device (the last stage's
+`worker.batched.choose_rows`), a sampled row's draw keyed by (seed, position) alone, so it needs
+no generator state and is the same whatever else is in the batch or whichever worker runs it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,27 +24,253 @@ class Sampling:
     top_p: float = 1.0
 
 
-def next_tokens(
-    logits: torch.Tensor,
-    sequences: torch.Tensor,
-    sampling: Sampling,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """The next token of each row (batch,) from the last position's logits (batch, n, vocab)."""
-    scores = logits[:, -1, :].to(dtype=torch.float32, copy=True)
-    if not sampling.do_sample:
-        return torch.argmax(scores, dim=-1)
-    from transformers.generation.logits_process import (
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
+# --- Vectorised, counter-based sampling -------------------------------------------------------
+#
+# A torch.Generator per row would need its state (~5 KB) to travel with the request every
+# step. `sample_rows` instead draws every row of a step at once, on the logits' device,
+# with one uniform per row that is a pure function of (seed, position): no state to keep or
+# ship, and a row's token depends on nothing but its logits, its settings, its seed and its
+# position (not on the other rows, the batch size or the process that runs it).
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment: 2**64 / golden ratio, odd
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's output function (Stafford's "Mix13"): a bijection of 64-bit integers. Fed
+    a counter that steps by GAMMA it is SplitMix64, whose stream passes BigCrush."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) that a row with `seed` draws its token at `position` with.
+
+    It is output number `position` (0-based) of a SplitMix64 generator whose state starts at
+    key = the first SplitMix64 output of `seed`:
+
+        key  = mix64(seed + GAMMA)
+        bits = mix64(key + (position + 1) * GAMMA)        (all mod 2**64)
+        u    = (bits >> 12) / 2**52
+
+    SplitMix64's state only ever advances by GAMMA, so output n can be computed directly: the
+    draw is a counter, not a state. The seed goes through mix64 first so that seeds s and
+    s + GAMMA (or nearby seeds) do not give shifted copies of one stream. Seeds are taken mod
+    2**64 (a negative seed is its two's complement). u keeps 52 bits, not 53, so that
+    `u * total` rounds strictly below `total` in float64 and the inverse-CDF search always lands
+    on a token of nonzero probability (see `sample_rows`)."""
+    if position < 0:
+        raise ValueError(f"position must be >= 0, got {position}")
+    key = _mix64((seed + _GAMMA) & _MASK64)
+    bits = _mix64((key + (position + 1) * _GAMMA) & _MASK64)
+    return (bits >> 12) * 2.0**-52
+
+
+@dataclass(frozen=True, slots=True)
+class RowSettings:
+    """How each row of a step chooses its token: greedy, or sampled under its own temperature,
+    top-k (0: off), top-p (1: off), seed (any int, used mod 2**64) and position (the index in
+    its sequence of the token being chosen: prompt length + tokens generated so far). Plain
+    Python values, so building one costs nothing on the device and it pickles small."""
+
+    greedy: tuple[bool, ...]
+    temperature: tuple[float, ...]
+    top_k: tuple[int, ...]
+    top_p: tuple[float, ...]
+    seed: tuple[int, ...]
+    position: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        rows = len(self.greedy)
+        fields = (self.temperature, self.top_k, self.top_p, self.seed, self.position)
+        if any(len(f) != rows for f in fields):
+            raise ValueError(f"every field needs {rows} row(s), got {[len(f) for f in fields]}")
+        for r in range(rows):
+            if self.position[r] < 0:
+                raise ValueError(f"row {r}: position must be >= 0, got {self.position[r]}")
+            if self.greedy[r]:
+                continue
+            # The bounds generate's warpers enforce (TemperatureLogitsWarper, TopK.., TopP..).
+            if not self.temperature[r] > 0 or self.temperature[r] == float("inf"):
+                raise ValueError(
+                    f"row {r}: temperature must be finite and > 0, got {self.temperature[r]}"
+                )
+            if self.top_k[r] < 0:
+                raise ValueError(f"row {r}: top_k must be >= 0 (0: off), got {self.top_k[r]}")
+            if not 0.0 <= self.top_p[r] <= 1.0:
+                raise ValueError(f"row {r}: top_p must be in [0, 1], got {self.top_p[r]}")
+
+    @classmethod
+    def of(
+        cls,
+        samplings: Sequence[Sampling],
+        seeds: Sequence[int | None],
+        positions: Sequence[int],
+    ) -> RowSettings:
+        """Per-row settings from each row's Sampling, seed and position. A greedy row needs no
+        seed (None is fine); a sampling row does: give an unseeded request a random one
+        (e.g. `secrets.randbits(64)`) once, when it is submitted, and keep it."""
+        if not len(samplings) == len(seeds) == len(positions):
+            raise ValueError(
+                f"{len(samplings)} samplings, {len(seeds)} seeds and {len(positions)} "
+                "positions: need one of each per row"
+            )
+        for r, (s, seed) in enumerate(zip(samplings, seeds, strict=True)):
+            if s.do_sample and seed is None:
+                raise ValueError(f"row {r} samples and needs a seed")
+        return cls(
+            greedy=tuple(not s.do_sample for s in samplings),
+            temperature=tuple(float(s.temperature) for s in samplings),
+            top_k=tuple(int(s.top_k or 0) for s in samplings),
+            top_p=tuple(float(s.top_p) for s in samplings),
+            seed=tuple(0 if seed is None else int(seed) for seed in seeds),
+            position=tuple(int(p) for p in positions),
+        )
+
+    def __len__(self) -> int:
+        return len(self.greedy)
+
+    def uniforms(self) -> tuple[float, ...]:
+        """Each row's uniform (`uniform(seed, position)`); greedy rows' are never used."""
+        return tuple(uniform(s, p) for s, p in zip(self.seed, self.position, strict=True))
+
+
+# Columns of the per-step table of the sampling rows (float64: every value in it is exact).
+_ROW, _SCALE, _TOP_K, _TOP_P_ON, _CUT, _U = range(6)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What the device needs for the sampling rows of one step, computed on the host so that
+    the device gets it in one copy and nothing on the device waits for a host decision."""
+
+    table: torch.Tensor  # (sampling rows, 6) float64 on the device, columns as above
+    all_rows: bool  # every row samples: no gather of the sampling rows needed
+    reciprocal: bool  # the scale column holds 1/temperature (CUDA), else temperature
+    any_temperature: bool
+    top_k_max: int  # largest active top-k (0: no row has one)
+    any_top_p: bool
+
+
+def _plan(settings: RowSettings, vocab: int, device: torch.device) -> _Plan | None:
+    rows = [r for r in range(len(settings)) if not settings.greedy[r]]
+    if not rows:
+        return None
+    temperatures = torch.tensor([settings.temperature[r] for r in rows], dtype=torch.float32)
+    # generate divides float32 scores by the Python float temperature. On the CPU that is
+    # x / float32(t); CUDA's kernel turns a division by a host scalar into x * (1 / float32(t))
+    # (rounded in float32), which differs in the last bit for some x: do what it does there.
+    reciprocal = device.type == "cuda"
+    scales = torch.ones_like(temperatures) / temperatures if reciprocal else temperatures
+    # TopKLogitsWarper keeps max(top_k, 1) tokens, at most the vocabulary: k >= vocab keeps
+    # everything, the same as off (0).
+    top_ks = [min(max(settings.top_k[r], 1), vocab) if settings.top_k[r] else 0 for r in rows]
+    top_ks = [0 if k >= vocab else k for k in top_ks]
+    top_p_on = [settings.top_p[r] < 1.0 for r in rows]
+    scale_values = scales.tolist()  # exact: float32 values widen to float64 losslessly
+    table = torch.tensor(
+        [
+            [
+                r,
+                scale_values[i],
+                top_ks[i],
+                float(top_p_on[i]),
+                # TopPLogitsWarper compares float32 cumulative probabilities with the Python
+                # float 1 - top_p, which torch casts to float32: cast on the device, as it does.
+                1.0 - settings.top_p[r],
+                uniform(settings.seed[r], settings.position[r]),
+            ]
+            for i, r in enumerate(rows)
+        ],
+        dtype=torch.float64,
+    )
+    return _Plan(
+        table=table.to(device),
+        all_rows=len(rows) == len(settings),
+        reciprocal=reciprocal,
+        any_temperature=any(settings.temperature[r] != 1.0 for r in rows),
+        top_k_max=max(top_ks),
+        any_top_p=any(top_p_on),
     )
 
-    if sampling.temperature != 1.0:
-        scores = TemperatureLogitsWarper(sampling.temperature)(sequences, scores)
-    if sampling.top_k:
-        scores = TopKLogitsWarper(top_k=sampling.top_k)(sequences, scores)
-    if sampling.top_p < 1.0:
-        scores = TopPLogitsWarper(top_p=sampling.top_p)(sequences, scores)
-    probs = torch.softmax(scores, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+
+def _warped(scores: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """The sampling rows' float32 scores (rows, vocab) after generate's warpers in its order
+    (temperature, top-k, top-p), each row under its own values, all rows at once; removed tokens
+    are -inf. Every operation is per row along the vocabulary, so a row's result does not
+    depend on the other rows."""
+    table = plan.table
+    if plan.any_temperature:
+        scale = table[:, _SCALE].to(torch.float32)[:, None]
+        scores = scores * scale if plan.reciprocal else scores / scale
+    if plan.top_k_max:
+        # TopKLogitsWarper: remove what is below the k-th largest score, so ties with it stay.
+        # One topk at the largest k gives every row's k-th largest; rows without top-k get -inf
+        # (nothing is below it).
+        k = table[:, _TOP_K].to(torch.long)[:, None]
+        largest = torch.topk(scores, plan.top_k_max, dim=-1).values
+        kth = largest.gather(1, (k - 1).clamp_min(0)).masked_fill(k == 0, float("-inf"))
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if plan.any_top_p:
+        # TopPLogitsWarper, step by step: the same default (unstable) sort of the same values,
+        # so where tied tokens straddle the cut the same ones go as in generate on this device.
+        sorted_scores, order = torch.sort(scores, dim=-1)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= table[:, _CUT].to(torch.float32)[:, None]
+        remove[:, -1] = False  # min_tokens_to_keep=1: the most probable stays
+        remove &= table[:, _TOP_P_ON].to(torch.bool)[:, None]  # rows with top_p 1: no top-p
+        scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    return scores
+
+
+def _check(logits: torch.Tensor, settings: RowSettings) -> None:
+    if logits.dim() != 2 or logits.shape[0] != len(settings):
+        raise ValueError(
+            f"logits must be (rows, vocab) with {len(settings)} row(s), got {tuple(logits.shape)}"
+        )
+
+
+def row_probabilities(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:
+    """The distribution (rows, vocab) float32, on the logits' device, that each row's token is
+    drawn from by `sample_rows`: for a sampling row the softmax of its warped scores (what
+    generate hands to torch.multinomial), for a greedy row all mass on its argmax."""
+    _check(logits, settings)
+    scores = logits.to(torch.float32)
+    probs = torch.zeros_like(scores)
+    probs.scatter_(1, torch.argmax(scores, dim=-1, keepdim=True), 1.0)
+    plan = _plan(settings, scores.shape[1], scores.device)
+    if plan is not None:
+        rows = plan.table[:, _ROW].to(torch.long)
+        sampled = scores if plan.all_rows else scores.index_select(0, rows)
+        probs.index_copy_(0, rows, _warped(sampled, plan).softmax(dim=-1))
+    return probs
+
+
+def sample_rows(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:
+    """Each row's next token (rows,) int64 on the CPU from its logits (rows, vocab), any device
+    and dtype: the argmax of the float32 logits for a greedy row; for a sampling row a draw
+    from the softmax of its scores after generate's temperature, top-k and top-p (its own
+    values), by inverse CDF with the single uniform u = `uniform(seed, position)`: the token is
+    the first, in vocabulary order, whose float64 cumulative probability exceeds u * total.
+
+    Seeded draws are reproducible with no generator state: the same (logits, settings, seed,
+    position) give the same token on the same kind of device, whatever the other rows, the
+    batch size or the process. The host sends the device one small table and gets back the
+    tokens: the logits never leave their device."""
+    _check(logits, settings)
+    scores = logits.to(torch.float32)
+    tokens = torch.argmax(scores, dim=-1)
+    plan = _plan(settings, scores.shape[1], scores.device)
+    if plan is not None:
+        rows = plan.table[:, _ROW].to(torch.long)
+        sampled = scores if plan.all_rows else scores.index_select(0, rows)
+        probs = _warped(sampled, plan).softmax(dim=-1)
+        # float64 so the CDF's rounding is far below any probability that matters. Cumulative
+        # sums of nonnegative terms never decrease, and u * total < total (52-bit u), so the
+        # first index whose CDF exceeds u * total exists and has probability > 0.
+        cdf = probs.to(torch.float64).cumsum(dim=-1)
+        target = plan.table[:, _U : _U + 1] * cdf[:, -1:]
+        drawn = torch.searchsorted(cdf, target, right=True).squeeze(1)
+        tokens = tokens.index_copy(0, rows, drawn)
+    return tokens.cpu()

@@ -25,7 +25,7 @@ from offload.base import OffloadStats
 from offload.errors import LaunchError
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV
 from offload.probe import DECISION_STEPS
-from worker.batched import BatchRunner, Draw, Drawn, StepRows, packed
+from worker.batched import BatchRunner, Draw, StepRows
 from worker.layout import hf_config_from_dict, model_class_for
 from worker.loader import TensorReader, hold_if_asked
 from worker.node import probe_here
@@ -299,17 +299,21 @@ class StageWorker:
         out = self.forward(unpack(x), unpack(attention_mask), unpack(position_ids), logits_to_keep)
         return pack(out)
 
+    def claim(self, owner: tuple[str, int], take: bool = False) -> None:
+        """Make `owner` (engine id, epoch) the one engine whose generation steps this stage
+        runs (`BatchRunner.claim`); any other engine's step, or an older epoch's, is refused."""
+        self._require_ready()
+        self._batches.claim(owner, take=take)
+
     def batch_step(
         self, rows: StepRows, x: Packed | torch.Tensor, draw: Draw | None = None
-    ) -> Packed | Drawn:
+    ) -> Packed:
         """One generation step of a micro-batch (`worker.batched`): every row at once, each
         in its own KV slot; hidden states out, or from the last stage each row's next token."""
         self._require_ready()
-        if draw is not None and draw.states is not None:
-            draw = Draw(draw.samplings, unpack(draw.states))
         out = self._batches.step(self.stage, rows, unpack(x), draw)
         self._count_forward()
-        return packed(out)
+        return pack(out)
 
     def batch_ring(
         self,
@@ -322,17 +326,13 @@ class StageWorker:
         first stage (`BatchRunner.ring`): each step goes through this stage and then the
         `downstream` ones, actor to actor, and the last stage's tokens come back here as the
         next step's input, the micro-batches taking turns so that every stage has one to work
-        on. Called through Ray as a streaming generator: (micro-batch, `Drawn`) per step."""
+        on. Called through Ray as a streaming generator: (micro-batch, packed tokens) per
+        step."""
         self._require_ready()
-        batches = [
-            (rows, unpack(x), Draw(draw.samplings, unpack(draw.states)))
-            for rows, x, draw in batches
-        ]
-        for m, tokens, states in self._batches.ring(
-            self.stage, batches, count, downstream, timeout_s
-        ):
+        batches = [(rows, unpack(x), draw) for rows, x, draw in batches]
+        for m, tokens in self._batches.ring(self.stage, batches, count, downstream, timeout_s):
             self._count_forward()  # this stage's own part of the step
-            yield m, packed((tokens, states))
+            yield m, pack(tokens)
 
     def kv_cache_bytes(self) -> int:
         return self._batches.nbytes()

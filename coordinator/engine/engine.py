@@ -1,5 +1,6 @@
-"""The engine: the one owner of the generation step loop. `Job.generate`, the CLI and the
-server are its clients: they `submit` requests and wait on them (or stream their tokens).
+"""The engine: the one owner of a load's generation step loop. Clients (`Job.generate`, the
+CLI, the server, through `coordinator.engine.host` from any process) submit requests to it and
+stream their tokens.
 
 One thread runs the loop: take new requests and cancellations, move waiting sequences into
 free KV slots (`Scheduler`), give every micro-batch that is not running a step its next step
@@ -8,19 +9,27 @@ a sequence that ends frees its slot for the next one at once. So every sequence 
 one token per step of its micro-batch, and each offloaded layer is brought in once per step for
 all of them.
 
-A step that fails because a worker was lost: the job recovers (`recover`), and every running
-sequence feeds its prompt and its tokens so far again, so it goes on with the text an
-uninterrupted run gives. A step that fails otherwise ends the requests in it with the error.
+The engine owns its workers' KV pools: at start it claims every worker with its id, and every
+step carries (engine id, epoch); a worker refuses a step of anyone else, or of an older epoch
+(`worker.batched.NotOwnerError`), so two engines can never write one pool, and a step planned
+before the workers changed can never read a pool that no longer holds its keys.
+
+A step that fails because a worker was lost or changed: the job recovers (`recover`), the
+engine claims the workers again under a new epoch, and every running sequence feeds its prompt
+and its tokens so far again, so it goes on with the text an uninterrupted run gives; what the
+old epoch's steps still return is dropped. A step that fails otherwise ends the requests in it
+with the error. Every wait is bounded (`step_timeout_s`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import secrets
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
 
 from coordinator.engine.generation import KvBudget
 from coordinator.engine.pipelines import Handle, Pipeline
@@ -28,10 +37,11 @@ from coordinator.engine.scheduler import Scheduler, Step
 from coordinator.engine.sequences import Finish, Request, Sequence
 from coordinator.engine.stats import EngineStats
 from offload.errors import BusyError, ConfigError, NeverFitsError
+from worker.batched import NotOwnerError
 
 DEFAULT_MAX_QUEUE = 1024  # sequences waiting for a slot; beyond: BusyError (HTTP 429)
 DEFAULT_PREFILL_TOKENS = 512  # per prefill step (rows x width)
-BURST_STEPS = 8  # decode steps per call on a one-stage job when nobody waits
+BURST_STEPS = 8  # decode steps per call when every micro-batch decodes
 IDLE_WAIT_S = 1.0
 CLOSE_TIMEOUT_S = 30.0
 
@@ -58,10 +68,17 @@ class EngineConfig:
         for name in ("num_slots", "max_seq_len", "prefill_tokens", "burst_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.max_queue < 0 or self.micro_batches < 0:
+        if self.micro_batches < 0:
+            raise ConfigError(f"micro_batches={self.micro_batches} must be >= 0")
+        if self.max_queue < self.num_slots:
             raise ConfigError(
-                f"max_queue={self.max_queue} and micro_batches={self.micro_batches} must be >= 0"
+                f"max_queue={self.max_queue} must be >= max_batch={self.num_slots}: a request "
+                "as large as the batch must be able to wait for it"
             )
+
+
+def _stale_epoch() -> contextlib.AbstractContextManager[int]:
+    return contextlib.nullcontext(0)
 
 
 class Engine:
@@ -71,18 +88,26 @@ class Engine:
         config: EngineConfig,
         *,
         recover: Callable[[BaseException, int], None] | None = None,
-        epoch: Callable[[], int] = lambda: 0,
+        gate: Callable[[], contextlib.AbstractContextManager[int]] = _stale_epoch,
+        micro_batches: Callable[[], int] | None = None,
+        name: str = "engine",
+        take_over: bool = False,
     ) -> None:
-        """`recover(exc, epoch)`: after a step of `epoch` failed with `exc`, replace lost
-        workers, or raise (nothing was lost: the step itself failed). `epoch()`: the workers'
-        generation, which changes when they are replaced (by `recover` or anyone else)."""
+        """`recover(exc, epoch)`: after a step sent in workers' `epoch` failed with `exc`,
+        replace lost workers, or raise (nothing was lost: the step itself failed). `gate()`: a
+        context inside which the workers do not change, yielding their epoch (which changes
+        when they are replaced, by `recover` or anyone else). `micro_batches()`: how many
+        micro-batches the current plan wants (asked at start and after every change).
+        `take_over`: claim workers another engine holds (that engine is being replaced);
+        otherwise such workers refuse this engine and it does not start."""
         self.pipeline, self.config = pipeline, config
-        self._recover, self._epoch = recover, epoch
+        self._recover, self._gate = recover, gate
+        self._micro_batches = micro_batches or (lambda: config.micro_batches or pipeline.num_stages)
+        self.id = f"{name}-{uuid.uuid4().hex[:12]}"
         self.scheduler = Scheduler(
             num_slots=config.num_slots,
             max_seq_len=config.max_seq_len,
-            num_groups=config.micro_batches or pipeline.num_stages,
-            max_queue=config.max_queue,
+            num_groups=self._micro_batches(),
             prefill_tokens=config.prefill_tokens,
         )
         self.stats = EngineStats(num_slots=config.num_slots)
@@ -92,8 +117,12 @@ class Engine:
         self._incoming: list[Request] = []
         self._cancelled: list[Request] = []
         self._closed = False
-        self._seen_epoch = epoch()
-        self._in_flight: dict[Handle, tuple[Step, int]] = {}
+        # handle -> its steps, this engine's claim and the workers' epoch it was sent in
+        self._in_flight: dict[Handle, tuple[list[Step], int, int]] = {}
+        self._claim = 0  # how many times this engine claimed the workers (a step's epoch)
+        with self._gate() as epoch:
+            self._seen_epoch = epoch
+            self._claim_workers(take=take_over)  # raises: no engine without its workers
         self._thread = threading.Thread(target=self._loop, daemon=True, name="offload-engine")
         self._thread.start()
 
@@ -110,11 +139,15 @@ class Engine:
         on_finish: Callable[[], None] | None = None,
     ) -> Request:
         """Queue one request of `len(prompts)` sequences; returns at once. Raises
-        QueueFullError when the queue cannot take them, NeverFitsError when they could never
-        run here."""
-        if not all(prompts):
+        QueueFullError when the queue cannot take them now, NeverFitsError when they could
+        never run here."""
+        if not prompts or not all(prompts):
             raise NeverFitsError("a prompt is empty: each sequence needs at least one token")
         self._budget.check(len(prompts), max(len(p) for p in prompts) + max_new_tokens)
+        if len(prompts) > self.config.max_queue:  # max_queue >= num_slots: a safeguard
+            raise NeverFitsError(
+                f"{len(prompts)} sequences exceed max_queue={self.config.max_queue}"
+            )
         request = Request(
             sampling=sampling,
             max_new_tokens=max_new_tokens,
@@ -124,15 +157,13 @@ class Engine:
         )
         for row, prompt in enumerate(prompts):
             seq = Sequence(request=request, row=row, prompt=list(prompt))
-            if sampling.do_sample:
-                generator = torch.Generator()
-                generator.manual_seed(seed + row) if seed is not None else generator.seed()
-                seq.state = generator.get_state()
+            if sampling.do_sample:  # the key of every draw of this row (worker.decode.uniform)
+                seq.seed = seed + row if seed is not None else secrets.randbits(63)
             request.sequences.append(seq)
         if max_new_tokens == 0:
             for seq in request.sequences:
                 seq.finish = Finish.LENGTH
-            request._end_if_done()
+            request.end()
             return request
         with self._cond:
             if self._closed:
@@ -149,7 +180,7 @@ class Engine:
         return request
 
     def cancel(self, request: Request) -> None:
-        request.cancel()
+        """End the request at the next step boundary (its slots are freed then)."""
         with self._cond:
             self._cancelled.append(request)
             self._cond.notify_all()
@@ -161,6 +192,11 @@ class Engine:
             self._cond.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join(CLOSE_TIMEOUT_S)
+
+    @property
+    def owner(self) -> tuple[str, int]:
+        """What this engine's steps carry now: (its id, its claim's epoch)."""
+        return self.id, self._claim
 
     # the loop
     def _loop(self) -> None:
@@ -178,74 +214,98 @@ class Engine:
             if self._closed:
                 return False
             for request in self._incoming:
-                scheduler.enqueue(request.sequences)
+                scheduler.enqueue(request)
                 self.stats.requests += 1
             self._incoming.clear()
-            self._take_cancellations()
+            for request in self._cancelled:
+                scheduler.finish_request(request, Finish.ABORT)
+            self._cancelled.clear()
             scheduler.admit()
-            self._count()
-            if not self._in_flight and not scheduler.idle_groups():
+            idle = not self._in_flight and not scheduler.idle_groups()
+            if idle:
                 self._cond.wait(IDLE_WAIT_S)
-                return True
-        if self._epoch() != self._seen_epoch:  # the workers were replaced: caches are gone
-            self._restart()
+        self._end_done()
+        if idle:
+            return True
         self._submit_idle()
         if self._in_flight:
             self._wait_one()
+        self._end_done()
         return True
 
-    def _take_cancellations(self) -> None:
-        for request in self._cancelled:
-            for seq in request.sequences:
-                if seq.finish is None:
-                    seq.finish = Finish.ABORT
-                    self.scheduler.drop_waiting(seq)
-            request._end_if_done()
-        self._cancelled.clear()
-        self._sweep()
-
-    def _sweep(self) -> None:
-        """Free the slots of ended sequences whose micro-batch has no step in flight."""
-        for group in self.scheduler.groups:
-            if not group.in_flight:
-                for seq in [s for s in group.sequences if s.finish is not None]:
-                    self.scheduler.release(seq)
+    def _end_done(self) -> None:
+        """Wake the clients of the requests that ended (each once), after the stats count
+        them (a client that reads the stats as soon as its request is done sees it gone)."""
+        done = self.scheduler.take_done()
+        self.stats.running = len(self.scheduler.running)
+        self.stats.waiting = len(self.scheduler.waiting)
+        for request in done:
+            for _ in request.sequences:
+                self.stats.finished()
+            try:
+                request.end()
+            except Exception as exc:  # the client's callback: never the loop's end
+                request.error = request.error or exc
 
     def _restart(self) -> None:
+        """The workers changed: what is in flight is dropped, the workers are claimed under a
+        new epoch, and every running sequence starts its caches again."""
         self._in_flight.clear()
-        self.scheduler.reset_caches()
-        self._seen_epoch = self._epoch()
+        self.scheduler.restart(self._micro_batches())
         self.stats.restarts += 1
+        try:
+            self._claim_workers(take=False)
+        except Exception as exc:  # another engine took them, or a worker is gone again
+            for seq in list(self.scheduler.waiting) + self.scheduler.running:
+                self._fail_request(seq.request, exc)
+
+    def _claim_workers(self, *, take: bool) -> None:
+        self._claim += 1
+        self.scheduler.owner = self.owner
+        self.pipeline.claim(self.owner, take=take)
 
     def _submit_idle(self) -> None:
-        """Plan a step for every micro-batch with none in flight and send them: each on its
-        own (the driver then keeps each one's steps in flight), or, when every micro-batch is
-        decoding and nothing waits for a step boundary, all of them as one burst the first
-        stage drives (`Pipeline.submit`: the driver off the per-token path)."""
+        """Plan a step for every micro-batch with none in flight and send them, inside the
+        gate: each on its own (the driver then keeps each one's steps in flight), or, when
+        every micro-batch decodes and nothing waits for a step boundary, all of them as one
+        burst the first stage drives (`Pipeline.submit`: the driver off the per-token path)."""
         scheduler = self.scheduler
         if self._could_burst() and any(g.in_flight for g in scheduler.groups):
             return  # let the others come back: then all of them go as one burst
-        steps = [step for g in scheduler.idle_groups() if (step := scheduler.plan(g))]
-        if not steps:
-            return
-        count = self._burst(steps)
-        for step in steps:
-            step.count = count
-        for batch in [steps] if count > 1 else [[step] for step in steps]:
-            epoch = self._epoch()
-            try:
-                handle = self.pipeline.submit(batch)
-            except Exception as exc:
-                self._step_failed(batch, exc, epoch)
-                continue
-            self._in_flight[handle] = (batch, epoch)
-            self.stats.calls += 1
+        with self._gate() as epoch:
+            if epoch != self._seen_epoch:  # changed by another thread since the last step
+                self._seen_epoch = epoch
+                self._restart()
+            steps = [step for g in scheduler.idle_groups() if (step := scheduler.plan(g))]
+            if not steps:
+                return
+            count = self._burst(steps)
+            for step in steps:
+                step.count = count
+            batches = [steps] if count > 1 else [[step] for step in steps]
+            failed = None
+            for n, batch in enumerate(batches):
+                try:
+                    handle = self.pipeline.submit(batch)
+                except Exception as exc:
+                    failed = (batch, exc)
+                    for later in batches[n + 1 :]:  # never sent: planned again next turn
+                        for step in later:
+                            scheduler.unplan(step)
+                    break
+                self._in_flight[handle] = (batch, self._claim, epoch)
+                self.stats.calls += 1
+        if failed is not None:  # outside the gate: a recovery needs it alone
+            self._step_failed(*failed, epoch)
 
     def _could_burst(self) -> bool:
-        """Every running sequence decodes and nothing waits for a step boundary (a new
-        sequence, a prompt chunk, a cancellation): the steps may run on the workers alone."""
+        """Every running sequence decodes and nothing needs a step boundary (a sequence that
+        could take a free slot, a prompt chunk, a cancellation): the steps may run on the
+        workers alone."""
         scheduler = self.scheduler
-        if self.config.burst_steps == 1 or scheduler.waiting or self._incoming or self._cancelled:
+        if self.config.burst_steps == 1 or self._cancelled:
+            return False
+        if (scheduler.waiting or self._incoming) and scheduler.free_slots:
             return False
         running = scheduler.running
         return bool(running) and all(s.pending == 1 for s in running if s.finish is None)
@@ -267,114 +327,113 @@ class Engine:
     def _wait_one(self) -> None:
         ready = self.pipeline.wait(list(self._in_flight), self.config.step_timeout_s)
         if not ready:
-            for handle, (steps, _) in list(self._in_flight.items()):
+            timeout = TimeoutError(
+                f"a generation step did not finish within {self.config.step_timeout_s:.0f} s "
+                "(forward_timeout_s)"
+            )
+            for handle, (steps, _, _) in list(self._in_flight.items()):
                 del self._in_flight[handle]
-                for step in steps:
-                    self._fail_step(
-                        step,
-                        TimeoutError(
-                            f"a generation step did not finish within "
-                            f"{self.config.step_timeout_s:.0f} s (forward_timeout_s)"
-                        ),
-                    )
+                self._fail_steps(steps, timeout)
             return
         for handle in ready:
-            if handle not in self._in_flight:  # dropped by a restart meanwhile
-                continue
-            steps, epoch = self._in_flight.pop(handle)
-            self._run(handle, steps, epoch)
+            if handle in self._in_flight:  # else dropped by a restart meanwhile
+                self._run(handle, *self._in_flight.pop(handle))
 
-    def _run(self, handle: Handle, steps: list[Step], epoch: int) -> None:
+    def _run(self, handle: Handle, steps: list[Step], claim: int, epoch: int) -> None:
         read = [0] * len(steps)  # results read, per step
         expected = sum(step.count for step in steps)
         try:
-            for m, tokens, states in handle.results(self.config.step_timeout_s):
+            for m, tokens in handle.results(self.config.step_timeout_s):
                 step = steps[m]
-                added = self.scheduler.apply(step, read[m], tokens, states)
+                added = self.scheduler.update(step, read[m], tokens)
                 read[m] += 1
                 self.stats.steps += 1  # a pass through every stage
                 self.stats.step_rows += len(step.sequences)
                 self._deliver(added)
-                if sum(read) < expected and self._wanted_at_a_boundary():
+                if sum(read) < expected and self._wanted_at_a_boundary(added, steps):
                     handle.stop()  # a burst: end it here; the workers stop at their next step
                     self.stats.cut += 1
                     break
         except Exception as exc:
             self._step_failed(steps, exc, epoch)
             return
-        ended = [seq for step in steps for seq in self.scheduler.complete(step)]
-        self._count()  # before a client learns its request is done: stats it reads then hold
-        for seq in ended:
-            self.stats.finished(seq)
-            seq.request._end_if_done()
+        if claim != self._claim:
+            return  # a restart happened meanwhile (a client's callback): nothing to complete
+        for step in steps:
+            self.scheduler.complete(step)
 
-    def _count(self) -> None:
-        """The stats' sequences running and waiting, from the scheduler now."""
-        self.stats.running = len(self.scheduler.running)
-        self.stats.waiting = len(self.scheduler.waiting)
-
-    def _wanted_at_a_boundary(self) -> bool:
-        """A request arrived or was cancelled: the next step boundary should come now."""
+    def _wanted_at_a_boundary(self, added: list[tuple[Sequence, int]], steps: list[Step]) -> bool:
+        """The next step boundary should come now: a request arrived or was cancelled while a
+        slot is free for it, or a sequence of this burst ended while others wait."""
         with self._cond:
-            return bool(self._incoming or self._cancelled)
+            if self._cancelled:
+                return True
+            arrivals = bool(self._incoming or self.scheduler.waiting)
+        if not arrivals:
+            return False
+        if self.scheduler.free_slots:
+            return True
+        return any(s.finish is not None for step in steps for s in step.sequences)
 
     def _deliver(self, added: list[tuple[Sequence, int]]) -> None:
         now = time.perf_counter()
         for seq, token in added:
             request = seq.request
             self.stats.token(seq, now)
-            if request.on_token is not None:
+            if request.on_token is not None and request.error is None:
                 try:
                     request.on_token(seq.row, token)
                 except Exception as exc:  # the client's callback: its request ends, not the loop
                     self._fail_request(request, exc)
 
     def _step_failed(self, steps: list[Step], exc: BaseException, epoch: int) -> None:
-        """Steps raised: recover when a worker was lost (every sequence then starts its
-        caches again), else end the steps' requests with the error. Never once the job is
+        """Steps raised: recover when a worker was lost or changed (every sequence then starts
+        its caches again), else end the steps' requests with the error. Never once the job is
         closing: its workers are going on purpose."""
-        if self._recover is not None and _is_worker_failure(exc) and not self._closed:
+        changed = _workers_changed(exc)
+        if self._recover is not None and changed and not self._closed:
             try:
                 self._recover(exc, epoch)
             except Exception as clear:  # nothing lost (the step failed), or recovery failed
                 exc = clear
             else:
-                self._restart()
+                with self._gate() as now:
+                    self._seen_epoch = now
+                    self._restart()
                 return
-        for step in steps:
-            self._fail_step(step, exc)
+        self._fail_steps(steps, exc)
 
-    def _fail_step(self, step: Step, exc: BaseException) -> None:
-        self.scheduler.groups[step.group].in_flight = False
-        for request in {id(s.request): s.request for s in step.sequences}.values():
-            self._fail_request(request, exc)
-        self._sweep()
+    def _fail_steps(self, steps: list[Step], exc: BaseException) -> None:
+        for step in steps:
+            for request in {id(s.request): s.request for s in step.sequences}.values():
+                self._fail_request(request, exc)
+            self.scheduler.complete(step)
 
     def _fail_request(self, request: Request, exc: BaseException) -> None:
         if request.error is None:
             request.error = exc
-        for seq in request.sequences:
-            if seq.finish is None:
-                seq.finish = Finish.ERROR
-                self.scheduler.drop_waiting(seq)
-        request._end_if_done()
+        self.scheduler.finish_request(request, Finish.ERROR)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cond:
-            requests = list(self._incoming)
-            self._incoming.clear()
-        requests += [s.request for s in self.scheduler.waiting] + [
-            s.request for s in self.scheduler.running
-        ]
-        for request in {id(r): r for r in requests}.values():
-            if not request.done():
-                self._fail_request(request, exc)
+            incoming, self._incoming = self._incoming, []
+        for request in incoming:
+            self.scheduler.enqueue(request)
+        sequences = list(self.scheduler.waiting) + self.scheduler.running
+        for request in {id(s.request): s.request for s in sequences}.values():
+            self._fail_request(request, exc)
+        self._end_done()
 
 
-def _is_worker_failure(exc: BaseException) -> bool:
+def _workers_changed(exc: BaseException) -> bool:
+    """A step failed because a worker was lost, or refused it as not claimed by this engine
+    under this epoch (the worker was replaced or re-planned meanwhile)."""
     # imported here, at a failure: the engine's module loads without Ray (in-process pipelines)
     import ray
 
     from coordinator.runtime.errors import WorkerLostError
 
+    cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else exc
+    if isinstance(cause, NotOwnerError):
+        return not cause.other_engine
     return isinstance(exc, ray.exceptions.RayError | WorkerLostError)

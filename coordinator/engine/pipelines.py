@@ -11,11 +11,10 @@ from typing import Protocol
 import torch
 
 from coordinator.engine.scheduler import Step
-from worker.batched import Draw, Drawn
-from worker.wire import pack, unpack
+from worker.wire import unpack
 
-# (which of the submitted steps, each row's token, the sampling rows' generator states)
-Tokens = tuple[int, torch.Tensor, torch.Tensor | None]
+# (which of the submitted steps, each row's token)
+Tokens = tuple[int, torch.Tensor]
 
 
 class Handle(Protocol):
@@ -23,12 +22,17 @@ class Handle(Protocol):
         """The steps' tokens as they come (a burst yields one per micro-batch per step)."""
 
     def stop(self) -> None:
-        """End a burst early: the workers stop at their next step; what they make after it
-        is never read (the next step of these rows starts where the last one read ended)."""
+        """End a burst early for the engine: what the workers make after the last step read
+        is never applied (the next step of these rows starts where that one ended), and every
+        write of the burst lands before the engine's next call."""
 
 
 class Pipeline(Protocol):
     num_stages: int
+
+    def claim(self, owner: tuple[str, int], *, take: bool) -> None:
+        """Make `owner` the engine (and epoch) whose steps every stage runs; raises when a
+        stage cannot be claimed (another engine owns it and not `take`, or it is gone)."""
 
     def submit(self, steps: list[Step]) -> Handle:
         """One step, through every stage; or a burst of `count` decode steps of each of
@@ -38,23 +42,20 @@ class Pipeline(Protocol):
         """Those of `handles` whose first tokens are ready ([] after `timeout_s`)."""
 
 
-def _drawn(m: int, out: Drawn) -> Tokens:
-    return m, unpack(out.tokens), unpack(out.states)
-
-
-def _packed_draw(draw: Draw) -> Draw:
-    return Draw(draw.samplings, pack(draw.states) if draw.states is not None else None)
+def tokens_of(m: int, out) -> Tokens:
+    """Step `m`'s tokens, from a tensor or from what crossed Ray (`wire.pack`)."""
+    return m, unpack(out)
 
 
 class _Done:
     """A step run in this thread: a burst's steps run as they are read (`stop` ends it)."""
 
     def __init__(self, outputs) -> None:
-        self.outputs = outputs  # a list, or a generator of a burst's (m, Drawn)
+        self.outputs = outputs  # a list, or a generator of a burst's (m, tokens)
 
     def results(self, timeout_s: float) -> Iterator[Tokens]:
-        for out in self.outputs:
-            yield out if len(out) == 3 else _drawn(*out)
+        for m, out in self.outputs:
+            yield tokens_of(m, out)
 
     def stop(self) -> None:
         if not isinstance(self.outputs, list):
@@ -68,6 +69,10 @@ class LocalPipeline:
         self.workers = workers
         self.num_stages = len(workers)
 
+    def claim(self, owner: tuple[str, int], *, take: bool) -> None:
+        for worker in self.workers:
+            worker.claim(owner, take)
+
     def submit(self, steps: list[Step]) -> _Done:
         if len(steps) > 1 or steps[0].count > 1:  # the first stage drives them
             batches = [(step.rows, step.x, step.draw) for step in steps]
@@ -78,7 +83,7 @@ class LocalPipeline:
         x = step.x
         for worker in self.workers[:-1]:
             x = worker.batch_step(step.rows, x)
-        return _Done([_drawn(0, self.workers[-1].batch_step(step.rows, x, step.draw))])
+        return _Done([(0, self.workers[-1].batch_step(step.rows, x, step.draw))])
 
     def wait(self, handles: list[_Done], timeout_s: float) -> list[_Done]:
         return list(handles)

@@ -14,13 +14,14 @@ driver call per burst, the driver off the per-token path."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import ray
 
-from coordinator.engine.pipelines import Tokens, _drawn, _packed_draw
+from coordinator.engine.pipelines import Tokens, tokens_of
 from coordinator.engine.scheduler import Step
 from coordinator.runtime.errors import WorkerLostError
+from worker.batched import NotOwnerError
 from worker.wire import pack
 
 # Below this many bytes a tensor goes inside the call itself: a decode step's inputs are a few
@@ -43,7 +44,7 @@ class _StepRef:
         self.waitable = ref
 
     def results(self, timeout_s: float) -> Iterator[Tokens]:
-        yield _drawn(0, ray.get(self.waitable, timeout=timeout_s))
+        yield tokens_of(0, ray.get(self.waitable, timeout=timeout_s))
 
     def stop(self) -> None:
         pass  # one step: nothing to stop
@@ -52,48 +53,78 @@ class _StepRef:
 class _Burst:
     def __init__(self, stream) -> None:
         self.waitable = stream
+        self._timeout_s = 60.0  # results' bound, for stop
 
     def results(self, timeout_s: float) -> Iterator[Tokens]:
-        for ref in self.waitable:  # each next() waits for the worker's next step
-            yield _drawn(*ray.get(ref, timeout=timeout_s))
+        stream, self._timeout_s = self.waitable, timeout_s
+        while True:
+            # bounded: a stuck stage must not hold the engine's only thread
+            ready, _ = ray.wait([stream], num_returns=1, timeout=timeout_s)
+            if not ready:
+                raise TimeoutError(
+                    f"a burst's next step did not come within {timeout_s:.0f} s (forward_timeout_s)"
+                )
+            try:
+                ref = next(stream)
+            except StopIteration:
+                return
+            yield tokens_of(*ray.get(ref, timeout=timeout_s))
 
     def stop(self) -> None:
-        """Cancel the streaming call after a step it streamed: Ray stops a generator task at
-        its next yield. (Only a call that has streamed: cancelling one the actor has not
-        received yet can leave a hole in the order of this driver's calls to it, which the
-        actor then waits on; see ray-project/ray#65785.) Its later steps run in the same
-        actor call, before any call this driver makes after it."""
-        with contextlib.suppress(Exception):
-            ray.cancel(self.waitable)
+        """End the burst here for the engine: its remaining steps (fewer than its count) are
+        read and dropped, never applied, so that every write it makes, on every stage, lands
+        before the engine's next call. Not `ray.cancel`: cancelling the running generator can
+        interrupt the first stage while it submits a step to the next one, leaving a hole in
+        that stage's sequence of calls from it, which the next stage then waits out (30 s)
+        before failing every call queued behind it (ray-project/ray#65785)."""
+        with contextlib.suppress(Exception):  # a failure shows at the next step, bounded
+            for _ in self.results(self._timeout_s):
+                pass
 
 
 class RayPipeline:
-    def __init__(self, job) -> None:
-        self.job = job  # coordinator.runtime.job.Job (not imported: it imports the engine)
+    def __init__(self, workers: Callable[[], list], timeout_s: Callable[[], float]) -> None:
+        """`workers()`: the load's worker handles now (they change with recoveries);
+        `timeout_s()`: how long one call may take (forward_timeout_s)."""
+        self._workers, self._timeout_s = workers, timeout_s
 
     @property
     def num_stages(self) -> int:
-        return len(self.job.workers)
+        return len(self._workers())
 
-    def submit(self, steps: list[Step]) -> _StepRef | _Burst:
-        actors = [h.actor for h in self.job.workers]
+    def claim(self, owner: tuple[str, int], *, take: bool) -> None:
+        actors = self._actors()
+        try:
+            ray.get(
+                [actor.claim.remote(owner, take) for actor in actors],
+                timeout=self._timeout_s(),
+            )
+        except ray.exceptions.RayTaskError as exc:  # the worker's own words, not Ray's wrapper
+            if isinstance(exc.cause, NotOwnerError):
+                raise exc.cause from None
+            raise
+
+    def _actors(self) -> list:
+        actors = [h.actor for h in self._workers()]
         if not actors or any(a is None for a in actors):  # attached to a load that lost workers
             raise WorkerLostError("a worker of this load was lost")
+        return actors
+
+    def submit(self, steps: list[Step]) -> _StepRef | _Burst:
+        actors = self._actors()
         if len(steps) > 1 or steps[0].count > 1:  # stage 0 drives them, actor to actor
-            batches = [(step.rows, pack(step.x), _packed_draw(step.draw)) for step in steps]
+            batches = [(step.rows, pack(step.x), step.draw) for step in steps]
             stream = (
                 actors[0]
                 .batch_ring.options(num_returns="streaming")
-                .remote(
-                    batches, steps[0].count, tuple(actors[1:]), self.job.config.forward_timeout_s
-                )
+                .remote(batches, steps[0].count, tuple(actors[1:]), self._timeout_s())
             )
             return _Burst(stream)
         [step] = steps
-        draw = _packed_draw(step.draw)
         ref = by_value_or_ref(step.x)
         for s, actor in enumerate(actors):
-            ref = actor.batch_step.remote(step.rows, ref, draw if s == len(actors) - 1 else None)
+            last = s == len(actors) - 1
+            ref = actor.batch_step.remote(step.rows, ref, step.draw if last else None)
         return _StepRef(ref)
 
     def wait(self, handles: list, timeout_s: float) -> list:

@@ -1,10 +1,17 @@
 """Which sequences run in the next step, and in which KV slots: the engine's bookkeeping,
-without Ray and without threads (the engine calls it from its one loop).
+without Ray and without threads (the engine calls it from its one loop). The scheduler is the
+one writer of every sequence's status; the engine and the clients read it.
 
-Sequences wait in one FIFO queue (bounded: `max_queue`) and take a KV slot as one frees (at
-most `num_slots` run at once, the plan's max_batch). Running sequences are split over
-`num_groups` micro-batches (one per pipeline stage, so that every stage has one to work on);
-each micro-batch alternates two kinds of step when it has both to do:
+A sequence moves WAITING -> RUNNING -> FINISHED, and every way out (end token, max tokens,
+cancel, client gone, error, recovery, close) goes through `finish`: a sequence ends once, its
+slot is freed once (at once, or when the step of its micro-batch in flight comes back), and
+the requests whose sequences have all ended are handed out once by `take_done`.
+
+Sequences wait in one FIFO queue and take a KV slot as one frees (at most `num_slots` run at
+once, the plan's max_batch). Running sequences are split over `num_groups` micro-batches, each
+owning a contiguous range of slots (so a step's rows are consecutive slots, and the workers
+read their keys and values through a view, never a gather); each micro-batch alternates two
+kinds of step when it has both to do:
 
 - a **decode** step: every sequence of the micro-batch that has one token to feed (its last
   one chosen) feeds it, so each offloaded layer is brought in once for all of them;
@@ -23,14 +30,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from coordinator.engine.sequences import Finish, Sequence
+from coordinator.engine.sequences import Finish, Request, Sequence, Status
 from worker.batched import NO_TOKEN, Draw, StepRows
 
 
 @dataclass(eq=False)
 class Step:
     """One planned step of micro-batch `group`: its sequences (row order), what the workers
-    get, and how many decode steps it may run on the worker (one-stage jobs)."""
+    get, and how many decode steps it may run on the worker (a burst)."""
 
     group: int
     sequences: list[Sequence]
@@ -43,73 +50,125 @@ class Step:
 
 @dataclass
 class _Group:
+    slots: range  # the KV slots this micro-batch owns
+    free: list[int] = field(default_factory=list)  # a heap: the lowest free slot goes first
     sequences: list[Sequence] = field(default_factory=list)
     in_flight: bool = False
     last_prefill: bool = False
 
+    def __post_init__(self) -> None:
+        self.free = list(self.slots)
+
 
 class Scheduler:
     def __init__(
-        self,
-        *,
-        num_slots: int,
-        max_seq_len: int,
-        num_groups: int,
-        max_queue: int,
-        prefill_tokens: int,
+        self, *, num_slots: int, max_seq_len: int, num_groups: int, prefill_tokens: int
     ) -> None:
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
-        self.max_queue, self.prefill_tokens = max_queue, prefill_tokens
+        self.prefill_tokens = prefill_tokens
         self.waiting: deque[Sequence] = deque()
-        self.free_slots = list(range(num_slots))  # a heap: the lowest free slot goes first
-        self.groups = [_Group() for _ in range(max(1, min(num_groups, num_slots)))]
+        self.groups: list[_Group] = []
+        self._done: list[Request] = []  # requests whose last sequence ended, not yet taken
+        self.owner: tuple[str, int] = ("", 0)  # the engine's claim, stamped on every step
+        self.reform(num_groups)
+
+    def reform(self, num_groups: int) -> None:
+        """Split the slots into `num_groups` micro-batches (at most one per slot) of contiguous
+        ranges. Only with no sequence running (at start, or after a restart, when every
+        running sequence is put back at the head of the queue)."""
+        assert not self.running, "micro-batches re-formed under running sequences"
+        k = max(1, min(num_groups, self.num_slots))
+        bounds = [g * self.num_slots // k for g in range(k + 1)]
+        self.groups = [_Group(slots=range(bounds[g], bounds[g + 1])) for g in range(k)]
 
     # queues
     @property
     def running(self) -> list[Sequence]:
         return [s for g in self.groups for s in g.sequences]
 
-    def room(self) -> int:
-        """Sequences the queue can still take."""
-        return self.max_queue - len(self.waiting)
+    @property
+    def free_slots(self) -> list[int]:
+        return sorted(slot for g in self.groups for slot in g.free)
 
-    def enqueue(self, sequences: list[Sequence]) -> None:
-        self.waiting.extend(sequences)
+    def enqueue(self, request: Request) -> None:
+        for seq in request.sequences:
+            seq.status = Status.WAITING
+        self.waiting.extend(request.sequences)
 
     def admit(self) -> list[Sequence]:
-        """Move waiting sequences into free slots, first come first served; returns them."""
+        """Move waiting sequences into free slots, first come first served, each into the
+        micro-batch with the fewest sequences that has a free slot; returns them."""
         admitted = []
-        while self.waiting and self.free_slots:
+        while self.waiting:
+            open_groups = [g for g in range(len(self.groups)) if self.groups[g].free]
+            if not open_groups:
+                break
             seq = self.waiting.popleft()
-            if seq.finish is not None:  # cancelled while waiting
-                continue
-            seq.slot = seq.slot_used = heapq.heappop(self.free_slots)
-            seq.group = min(range(len(self.groups)), key=lambda g: len(self.groups[g].sequences))
-            self.groups[seq.group].sequences.append(seq)
+            g = min(open_groups, key=lambda g: len(self.groups[g].sequences))
+            group = self.groups[g]
+            seq.slot, seq.group = heapq.heappop(group.free), g
+            seq.status = Status.RUNNING
+            group.sequences.append(seq)
             admitted.append(seq)
         return admitted
 
-    def drop_waiting(self, seq: Sequence) -> None:
-        """A waiting sequence leaves the queue (its request was cancelled or failed)."""
-        if seq in self.waiting:
+    def finish(self, seq: Sequence, reason: Finish) -> None:
+        """End `seq` (once: a sequence already ended keeps its first reason). A waiting one
+        leaves the queue; a running one frees its slot now, or when the step of its
+        micro-batch in flight comes back (`complete`). Its request is done once every one of
+        its sequences is (`take_done`)."""
+        if seq.finish is not None:
+            return
+        seq.finish = reason
+        if seq.status is Status.WAITING:
             self.waiting.remove(seq)
+            seq.status = Status.FINISHED
+        elif seq.status is Status.RUNNING:
+            if not self.groups[seq.group].in_flight:
+                self._release(seq)
+        else:  # never queued (nothing to generate)
+            seq.status = Status.FINISHED
+        if all(s.finish is not None for s in seq.request.sequences):
+            self._done.append(seq.request)
 
-    def release(self, seq: Sequence) -> None:
+    def finish_request(self, request: Request, reason: Finish) -> None:
+        for seq in request.sequences:
+            self.finish(seq, reason)
+
+    def take_done(self) -> list[Request]:
+        """The requests that ended since the last call, each once."""
+        done, self._done = self._done, []
+        return done
+
+    def _release(self, seq: Sequence) -> None:
         """A running sequence leaves its micro-batch and frees its slot (no step of its
-        micro-batch may be in flight: the slot goes to the next sequence at once)."""
+        micro-batch is in flight: the slot goes to the next sequence at once)."""
         group = self.groups[seq.group]
         assert not group.in_flight, "a slot freed under a step in flight"
         group.sequences.remove(seq)
-        heapq.heappush(self.free_slots, seq.slot)
+        heapq.heappush(group.free, seq.slot)
         seq.slot = seq.group = None
+        seq.status = Status.FINISHED
 
-    def reset_caches(self) -> None:
-        """Every running sequence's keys and values are gone (workers replaced): each feeds
-        its prompt and its tokens so far again, as a prefill."""
-        for seq in self.running:
-            seq.cached = 0
+    def restart(self, num_groups: int) -> None:
+        """Every running sequence's keys and values are gone (workers replaced or re-planned):
+        the ended ones free their slots, the others go back to the head of the queue, in the
+        order they were admitted, to feed their prompt and their tokens so far again; the
+        micro-batches are re-formed to `num_groups` (the plan may have changed)."""
+        requeue = []
         for group in self.groups:
             group.in_flight = False
+            for seq in list(group.sequences):
+                if seq.finish is None:
+                    requeue.append(seq)
+                    group.sequences.remove(seq)
+                    seq.slot = seq.group = None
+                    seq.status = Status.WAITING
+                    seq.cached = 0
+                else:
+                    self._release(seq)
+        self.reform(num_groups)
+        self.waiting.extendleft(reversed(requeue))
 
     # steps
     def idle_groups(self) -> list[int]:
@@ -129,6 +188,10 @@ class Scheduler:
             return None
         group.last_prefill = step.prefill
         return step
+
+    def unplan(self, step: Step) -> None:
+        """A planned step that was never sent: its micro-batch may plan again."""
+        self.complete(step)
 
     def _prefill_step(self, g: int, candidates: list[Sequence]) -> Step:
         chosen: list[Sequence] = []
@@ -153,8 +216,8 @@ class Scheduler:
         return self._step(g, chosen, x, [1] * len(chosen), [True] * len(chosen), prefill=False)
 
     def _step(self, g, chosen, x, counts, samples, *, prefill: bool) -> Step:
-        # rows in slot order: with the lowest free slot handed out first they are often
-        # consecutive, and a worker then reads its stores through a view (worker.batch_cache)
+        # rows in slot order: a micro-batch's slots are one range, so its rows are often
+        # consecutive slots, which a worker reads through a view (worker.batch_cache)
         order = sorted(range(len(chosen)), key=lambda r: chosen[r].slot)
         chosen, x = [chosen[r] for r in order], x[order]
         counts, samples = [counts[r] for r in order], [samples[r] for r in order]
@@ -165,28 +228,22 @@ class Scheduler:
             width=x.shape[1],
             num_slots=self.num_slots,
             max_seq_len=self.max_seq_len,
+            owner=self.owner,
         )
         samplings = tuple(
             s.sampling if take else None for s, take in zip(chosen, samples, strict=True)
         )
-        states = [
-            s.state for s, m in zip(chosen, samplings, strict=True) if m is not None and m.do_sample
-        ]
-        draw = Draw(samplings, torch.stack(states) if states else None)
+        draw = Draw(samplings, tuple(s.seed for s in chosen))
         self.groups[g].in_flight = True
         return Step(group=g, sequences=chosen, rows=rows, x=x, draw=draw, prefill=prefill)
 
-    def apply(
-        self, step: Step, index: int, tokens: torch.Tensor, states: torch.Tensor | None
-    ) -> list[tuple[Sequence, int]]:
+    def update(self, step: Step, index: int, tokens: torch.Tensor) -> list[tuple[Sequence, int]]:
         """The tokens of step `index` (0 first; a burst has several) of `step`: each row's
-        cache grew by what it fed, its token is added (a finished row's ignored). Returns the
-        (sequence, token) pairs added; a sequence that ends is marked, and keeps its slot until
-        `complete`."""
+        cache grew by what it fed, its token is added (an ended row's ignored). Returns the
+        (sequence, token) pairs added; a sequence that ends here is finished (its slot freed
+        when the step completes)."""
         added = []
-        sampled = iter(states) if states is not None else iter(())
         for r, seq in enumerate(step.sequences):
-            state = next(sampled) if seq.sampling.do_sample and step.draw.samplings[r] else None
             fed = step.rows.counts[r] if index == 0 else 1
             if seq.finish is not None:
                 continue
@@ -195,20 +252,17 @@ class Scheduler:
             if token == NO_TOKEN:
                 continue
             seq.generated.append(token)
-            if state is not None:
-                seq.state = state
             added.append((seq, token))
             if token in seq.request.eos_token_ids:
-                seq.finish = Finish.STOP
+                self.finish(seq, Finish.STOP)
             elif len(seq.generated) >= seq.request.max_new_tokens:
-                seq.finish = Finish.LENGTH
+                self.finish(seq, Finish.LENGTH)
         return added
 
-    def complete(self, step: Step) -> list[Sequence]:
-        """The step is over: its micro-batch may plan again; the slots of the sequences that
-        ended are freed. Returns those sequences."""
-        self.groups[step.group].in_flight = False
-        ended = [s for s in step.sequences if s.finish is not None and s.slot is not None]
-        for seq in ended:
-            self.release(seq)
-        return ended
+    def complete(self, step: Step) -> None:
+        """The step is over (or failed): its micro-batch may plan again, and the slots of its
+        sequences that ended meanwhile are freed."""
+        group = self.groups[step.group]
+        group.in_flight = False
+        for seq in [s for s in group.sequences if s.finish is not None]:
+            self._release(seq)

@@ -1,5 +1,5 @@
 """A generation request as the engine sees it: a `Request` (what a client submitted and waits
-on) of one or more `Sequence`s (one row each: its tokens, its KV slot, its sampler state).
+on) of one or more `Sequence`s (one row each: its tokens, its KV slot, its sampling seed).
 Sequences move between the scheduler's queues: waiting (FIFO) -> running (a slot, in a
 micro-batch) -> finished; a request is done when all its sequences are."""
 
@@ -11,9 +11,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from worker.decode import Sampling
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # in the queue, no KV slot
+    RUNNING = "running"  # in a KV slot and a micro-batch (prefilling or decoding)
+    FINISHED = "finished"  # ended, slot freed
 
 
 class Finish(enum.Enum):
@@ -31,11 +35,11 @@ class Sequence:
     row: int  # in its request
     prompt: list[int]
     generated: list[int] = field(default_factory=list)
+    status: Status | None = None  # written by the scheduler only
     slot: int | None = None  # KV slot while running
-    slot_used: int | None = None  # the last slot it held (for reports)
     group: int | None = None  # micro-batch while running
     cached: int = 0  # tokens whose keys and values are in the slot
-    state: torch.Tensor | None = None  # generator state when sampling
+    seed: int | None = None  # when sampling: keys each draw with the token's position
     finish: Finish | None = None
     last_token_s: float | None = None  # for inter-token latency
 
@@ -56,7 +60,7 @@ class Sequence:
 
 @dataclass(eq=False)
 class Request:
-    """What `Engine.submit` returns: wait on it with `result`, stop it with `cancel`."""
+    """What `Engine.submit` returns: wait on it with `result`, stop it with `Engine.cancel`."""
 
     sampling: Sampling
     max_new_tokens: int
@@ -67,16 +71,8 @@ class Request:
     first_token_s: float | None = None
     sequences: list[Sequence] = field(default_factory=list)
     error: BaseException | None = None
+    id: int | None = None  # a client's number for it (coordinator.engine.host)
     _done: threading.Event = field(default_factory=threading.Event)
-    _cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def cancel(self) -> None:
-        """End the request at the next step boundary; its slots are freed then."""
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -96,9 +92,10 @@ class Request:
     def finish_reasons(self) -> list[Finish | None]:
         return [s.finish for s in self.sequences]
 
-    def _end_if_done(self) -> None:
-        if self._done.is_set() or not all(s.finish is not None for s in self.sequences):
-            return
+    def end(self) -> None:
+        """Wake the waiting client (once every sequence has ended; the engine calls it once)."""
+        assert all(s.finish is not None for s in self.sequences), "a request ended while running"
+        assert not self._done.is_set(), "a request ended twice"
         self._done.set()
         if self.on_finish is not None:
             self.on_finish()

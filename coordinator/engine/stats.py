@@ -128,7 +128,7 @@ class EngineStats:
             (self.ttft if into is self.ttft_s else self.itl).observe(sample)
             seq.last_token_s = now
 
-    def finished(self, seq) -> None:
+    def finished(self) -> None:
         with self._lock:
             self.ended += 1
 

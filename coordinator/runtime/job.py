@@ -21,7 +21,8 @@ import ray
 import torch
 
 from coordinator.config import JobConfig
-from coordinator.engine import Engine, Request, generation
+from coordinator.engine import Request, generation
+from coordinator.engine.host import EngineClient
 from coordinator.engine.ray_pipeline import by_value_or_ref
 from coordinator.planning.checkpoint import CheckpointIndex
 from coordinator.planning.context import beyond_context
@@ -113,7 +114,7 @@ class Job:
             try:
                 return self._forward(*inputs)
             except (ray.exceptions.RayError, WorkerLostError) as exc:
-                self._recover_or_raise(exc, epoch)
+                self.recover_after(exc, epoch)
             try:
                 return self._forward(*inputs)
             except ray.exceptions.RayError as again:
@@ -226,14 +227,19 @@ class Job:
         )
         return ids, request, settings
 
-    def engine(self) -> Engine:
-        """The job's generation engine, started at the first request."""
+    def engine(self) -> EngineClient:
+        """The client of the load's one engine: this job's own, started at the first request,
+        or a named load's, which runs in its keeper for every client of the load."""
         return self._engines.get()
 
     def serving_stats(self) -> dict | None:
-        """Generation stats: this job's engine's, or for a named load the latest its serving
-        process published (through the load's keeper)."""
+        """Generation stats of the load's engine (None: it has not started)."""
         return self._engines.stats()
+
+    def passes(self):
+        """A context inside which the workers do not change; yields their epoch (see
+        coordinator.runtime.gate)."""
+        return self._gate.inside()
 
     def check_request(
         self, prompt_length: int, sequences: int = 1, **options
@@ -278,7 +284,7 @@ class Job:
                 self._gate.epoch += 1
             return bool(dead)
 
-    def _recover_or_raise(self, exc: Exception, epoch: int) -> None:
+    def recover_after(self, exc: Exception, epoch: int) -> None:
         """After a pass of `epoch` failed with `exc`: recover the job, or raise `exc` (a Ray
         error as the clear error naming the stage) when every worker is alive: then the pass
         itself failed."""

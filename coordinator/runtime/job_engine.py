@@ -1,97 +1,166 @@
-"""A job's generation engine as the job holds it: started at the first request with the job's
-settings and pipeline, its stats published every `snapshot_interval_s` (Ray metrics under
-vLLM's names, and a named load's keeper, so `offloadctl status` shows them from any process),
-closed with the job after a last publish."""
+"""A job's way to its load's one engine.
+
+An unnamed job's engine runs in its driver: started at the first request with the job's
+settings and pipeline, its stats published every `snapshot_interval_s` as Ray metrics (vLLM's
+names), closed with the job. A named load's engine runs in the load's keeper
+(`coordinator.runtime.keeper`), started with the load and shared by every client of it from
+any process (`serve NAME`, `generate NAME`, `attach(name)`): this module gives such a job an
+`EngineClient` that reaches it through Ray.
+"""
 
 from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
 
+from coordinator.config import JobConfig
 from coordinator.engine import Engine, EngineConfig
+from coordinator.engine.host import CALL_TIMEOUT_S, EngineClient, EngineHost
 from coordinator.engine.ray_pipeline import RayPipeline
+from coordinator.planning.planner import Plan
+from offload.errors import LaunchError
 
-PUBLISH_TIMEOUT_S = 60.0
+DRAIN_TIMEOUT_S = 10.0  # a closing job's client hears the engine's last words for this long
+
+
+def micro_batches(config: JobConfig, plan: Plan) -> int:
+    """The config's, or by default: one when any stage offloads (each micro-batch brings the
+    offloaded layers in once per step: one batch brings them in once for all), else one per
+    stage (nothing to bring in: keep every stage busy). Asked again after every re-plan."""
+    if config.micro_batches:
+        return config.micro_batches
+    return 1 if any(s.offloaded for s in plan.stages) else len(plan.stages)
+
+
+def build_engine(
+    workers: Callable[[], list],
+    config: Callable[[], JobConfig],
+    plan: Callable[[], Plan],
+    *,
+    recover: Callable[[BaseException, int], None],
+    gate,
+    name: str,
+) -> Engine:
+    """The engine of a load whose current workers, config and plan these return (they change
+    with recoveries), claiming the workers at once."""
+    now = config()
+    return Engine(
+        RayPipeline(workers, lambda: config().forward_timeout_s),
+        EngineConfig(
+            num_slots=now.max_batch,
+            max_seq_len=max(now.max_seq_len, 1),  # 0: every request is refused (KvBudget)
+            max_queue=now.max_queue,
+            prefill_tokens=now.prefill_tokens,
+            micro_batches=now.micro_batches,
+            step_timeout_s=now.forward_timeout_s,
+        ),
+        recover=recover,
+        gate=gate,
+        micro_batches=lambda: micro_batches(config(), plan()),
+        name=name,
+    )
+
+
+def remote_call(actor, what: str) -> Callable:
+    """`call(method, *args, **kwargs)` on `actor` through Ray, bounded, raising the actor's own
+    error (a full queue is a BusyError here as in process)."""
+
+    def call(method: str, *args, **kwargs):
+        try:
+            return ray.get(getattr(actor, method).remote(*args, **kwargs), timeout=CALL_TIMEOUT_S)
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            raise (cause if isinstance(cause, Exception) else LaunchError(str(exc))) from None
+        except ray.exceptions.RayActorError:
+            raise LaunchError(f"{what} is gone (its keeper died): unload and load again") from None
+        except ray.exceptions.GetTimeoutError:
+            raise LaunchError(f"{what} did not answer within {CALL_TIMEOUT_S:.0f} s") from None
+
+    return call
 
 
 class JobEngine:
     def __init__(self, job) -> None:
         self.job = job  # coordinator.runtime.job.Job (not imported: it imports this module)
-        self._engine: Engine | None = None
+        self._client: EngineClient | None = None
+        self._host: EngineHost | None = None
         self._lock = threading.Lock()
         self._metrics = None
 
-    def get(self) -> Engine:
-        """The engine, started now if it is not yet."""
+    def get(self) -> EngineClient:
+        """The client of the load's engine; an unnamed job's engine is started now if it is
+        not yet."""
         job = self.job
         with self._lock:
-            if self._engine is None:
+            if self._client is None:
                 job._require_open()
-                config = job.config
-                self._engine = Engine(
-                    RayPipeline(job),
-                    EngineConfig(
-                        num_slots=config.max_batch,
-                        max_seq_len=max(config.max_seq_len, 1),
-                        max_queue=config.max_queue,
-                        prefill_tokens=config.prefill_tokens,
-                        micro_batches=self.micro_batches(),
-                        step_timeout_s=config.forward_timeout_s,
-                    ),
-                    recover=job._recover_or_raise,
-                    epoch=lambda: job._gate.epoch,
-                )
-                if config.snapshot_interval_s > 0:
-                    job._loops.every("engine", config.snapshot_interval_s, self.publish)
-            return self._engine
+                if job.name is not None:
+                    self._client = self._remote(job)
+                else:
+                    engine = build_engine(
+                        lambda: job.workers,
+                        lambda: job.config,
+                        lambda: job.plan,
+                        recover=job.recover_after,
+                        gate=job.passes,
+                        name="job",
+                    )
+                    self._host = EngineHost(engine)
+                    host = self._host
+                    self._client = EngineClient(
+                        lambda method, *a, **kw: getattr(host, method)(*a, **kw), local=engine
+                    )
+                    if job.config.snapshot_interval_s > 0:
+                        job._loops.every("engine", job.config.snapshot_interval_s, self.publish)
+            return self._client
 
-    def micro_batches(self) -> int:
-        """The config's, or by default: one when any stage offloads (each micro-batch brings
-        the offloaded layers in once per step: one batch brings them in once for all), else
-        one per stage (nothing to bring in: keep every stage busy)."""
-        job = self.job
-        if job.config.micro_batches:
-            return job.config.micro_batches
-        return 1 if any(s.offloaded for s in job.plan.stages) else len(job.plan.stages)
+    @staticmethod
+    def _remote(job) -> EngineClient:
+        if job.keeper is None:
+            raise LaunchError(
+                f"load {job.name!r} has no keeper, so no engine: unload it and load it again"
+            )
+        return EngineClient(remote_call(job.keeper, f"the engine of load {job.name!r}"))
 
-    def publish(self, *, wait_s: float = 0.0) -> None:
-        """The stats as Ray metrics, and to a named load's keeper (waiting up to `wait_s` for it
-        to have them: the last publish, as the job closes)."""
-        engine = self._engine
-        if engine is None:
+    def publish(self) -> None:
+        """An in-process engine's stats as Ray metrics."""
+        if self._host is None:
             return
         if self._metrics is None:
             from coordinator.engine.stats import EngineMetrics
 
             self._metrics = EngineMetrics(Path(self.job.config.checkpoint).name)
-        self._metrics.export(engine.stats)
-        if self.job.keeper is not None:
-            sent = self.job.keeper.put_engine_stats.remote(engine.stats.snapshot())
-            if wait_s:
-                ray.wait([sent], timeout=wait_s)
+        self._metrics.export(self._host.engine.stats)
 
     def stats(self) -> dict | None:
-        """This engine's stats; for a named load, the latest its serving process published."""
-        keeper = self.job.keeper
-        if keeper is None:
-            return self._engine.stats.snapshot() if self._engine is not None else None
+        """The engine's stats: this job's, or its load's (None: no engine answers)."""
+        if self._host is not None:
+            return self._host.stats()
+        if self.job.name is None or self.job.keeper is None:
+            return None
         try:
-            return ray.get(keeper.engine_stats.remote(), timeout=PUBLISH_TIMEOUT_S)
+            return ray.get(self.job.keeper.stats.remote(), timeout=CALL_TIMEOUT_S)
         except (ray.exceptions.RayError, TimeoutError):
             return None
 
     def close(self) -> None:
-        """Publish the last stats, then stop the engine (unfinished requests end with
-        EngineClosedError)."""
-        if self._engine is not None and self.job.workers:
+        """An in-process engine: publish its last stats, then stop it (unfinished requests end
+        with EngineClosedError). A named load's engine goes on: this client only cancels what
+        it still had in flight."""
+        if self._host is not None:
             try:
-                self.publish(wait_s=PUBLISH_TIMEOUT_S)
+                self.publish()
             except Exception as exc:  # metrics must not stop a close
                 print(f"engine stats not published: {exc}", file=sys.stderr)
         with self._lock:
-            engine, self._engine = self._engine, None
-        if engine is not None:
-            engine.close()
+            client, host, self._client, self._host = self._client, self._host, None, None
+        if host is not None:
+            host.close()
+            if client is not None:
+                client.drain(DRAIN_TIMEOUT_S)
+        if client is not None:
+            client.close()

@@ -1,4 +1,5 @@
-"""A named load's keeper: the one process that changes the load after it is loaded.
+"""A named load's keeper: the one process that changes the load after it is loaded, and the
+home of the load's one engine.
 
 `load --name` leaves no driver behind, so the keeper (a detached actor on the head node, beside
 the load's record) does what a driver's `Job` does for an unnamed job: every
@@ -6,6 +7,13 @@ the load's record) does what a driver's `Job` does for an unnamed job: every
 (`coordinator.runtime.recovery`), and it publishes the workers' latest snapshots as Ray gauges
 every `snapshot_interval_s`. Drivers attached to the load (`run NAME`) never recover it
 themselves: they ask the keeper, so two recoveries never race.
+
+The load's generation engine (`coordinator.engine`) runs here too, started with the keeper and
+living as long as it: every client of the load, from any process (`serve NAME`, `generate
+NAME`, `attach(name)`), submits to it and fetches its tokens from it (`EngineHost`), so they all
+share one queue and one set of KV slots. Its steps and the keeper's recoveries go through one
+gate: a recovery waits for the step being sent, and the engine claims the workers again (a new
+epoch) before its next step.
 
 A node whose workers keep dying is left out: after NODE_LOSS_LIMIT losses there within
 NODE_LOSS_WINDOW_S, the next recovery plans without it (an event says so) even though Ray calls
@@ -22,30 +30,50 @@ from collections import defaultdict
 
 import ray
 
+from coordinator.engine.host import EngineHost
 from coordinator.planning.checkpoint import CheckpointIndex
 from coordinator.runtime import recovery, registry
-from coordinator.runtime.group import NAMESPACE, WorkerGroup
+from coordinator.runtime.gate import Gate
+from coordinator.runtime.group import NAMESPACE, WorkerGroup, worker_failure
+from coordinator.runtime.job_engine import build_engine
 
 NODE_LOSS_LIMIT = 3
 NODE_LOSS_WINDOW_S = 600.0
 BACKOFF_MAX_S = 300.0
 EXPORT_TIMEOUT_S = 30.0  # the workers' latest snapshots are in memory: they answer between calls
+# Calls at once: each client process of the load keeps one fetch of its tokens waiting here,
+# beside submits, cancels, stats and recoveries.
+MAX_CONCURRENCY = 256
 
 
 def keeper_name(name: str) -> str:
     return f"{registry.record_name(name)}:keeper"
 
 
-@ray.remote(num_cpus=0, max_restarts=0)
+@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=MAX_CONCURRENCY)
 class LoadKeeper:
     def __init__(self, name: str, index: CheckpointIndex) -> None:
         self.name = name
         self.index = index  # passed in: the head node need not see the checkpoint files
-        self._lock = threading.Lock()  # one recovery at a time: the loop's or a driver's
+        # One recovery at a time (the loop's or a driver's), never under a step being sent.
+        self.gate = Gate()
         self._losses: dict[str, list[float]] = defaultdict(list)  # node id -> loss times
         self.left_out: set[str] = set()
         self._counted: set[str | None] = set()  # workers whose loss was counted
-        config = registry.config_of(registry.load_record(name)[1])
+        record = registry.load_record(name)[1]
+        config = registry.config_of(record)
+        self.group = registry.group_of(record, index)  # the load now: a recovery replaces it
+        self.host = EngineHost(
+            build_engine(
+                lambda: self.group.handles,
+                lambda: self.group.config,
+                lambda: self.group.plan,
+                recover=self._recover_after,
+                gate=self.gate.inside,
+                name=f"load-{name}",
+            )
+        )
+        self._engine_metrics = None
         for target, interval_s in (
             (self._watch_loop, config.watch_interval_s),
             (self._export_loop, config.snapshot_interval_s),
@@ -63,8 +91,24 @@ class LoadKeeper:
         """Check every stage now and recover the lost ones; returns the lost stages. Raises
         what the recovery raised (a PlanError with the numbers when what is left cannot hold
         the model), after recording it in the load's events."""
-        with self._lock:
-            return self._recover()
+        with self.gate.alone():
+            dead = self._recover()
+            if dead:
+                self.gate.epoch += 1
+            return dead
+
+    def _recover_after(self, exc: BaseException, epoch: int) -> None:
+        """The engine's step sent in `epoch` failed with `exc`: recover (unless the workers
+        changed since), or raise the clear error of a step that failed by itself."""
+        with self.gate.alone():
+            if self.gate.epoch != epoch:
+                return
+            if self._recover():
+                self.gate.epoch += 1
+                return
+        if isinstance(exc, ray.exceptions.RayError):
+            raise worker_failure(exc, self.group.handles) from None
+        raise exc
 
     def _recover(self) -> list[int]:
         _, record = registry.load_record(self.name)
@@ -90,7 +134,10 @@ class LoadKeeper:
             recovery.add_event(events, event)
             registry.update(self.name, group, events)
 
-        recovery.recover(group, record_event, dead=dead, left_out=frozenset(self.left_out))
+        try:
+            recovery.recover(group, record_event, dead=dead, left_out=frozenset(self.left_out))
+        finally:
+            self.group = group  # what the workers are now, even after a failed recovery
         return dead
 
     def _count_losses(self, group: WorkerGroup, dead: list[int]) -> set[str]:
@@ -141,16 +188,32 @@ class LoadKeeper:
                     for a in registry.worker_handles(record)
                 ]
                 exporter.export(collect(stages, refs, EXPORT_TIMEOUT_S), record["events"])
+                self._export_engine()
             except Exception as exc:  # keep publishing; say why this tick was skipped
                 print(f"load {self.name!r}: export skipped: {exc}", file=sys.stderr)
 
-    # serving
-    def put_engine_stats(self, snapshot: dict) -> None:
-        """The latest generation stats of the process serving this load (its engine's)."""
-        self._engine_stats = {**snapshot, "time": time.time()}
+    def _export_engine(self) -> None:
+        from coordinator.engine.stats import EngineMetrics
 
-    def engine_stats(self) -> dict | None:
-        return getattr(self, "_engine_stats", None)
+        if self._engine_metrics is None:
+            self._engine_metrics = EngineMetrics(self.index.root.name)
+        self._engine_metrics.export(self.host.engine.stats)
+
+    # the load's engine (coordinator.engine.host): every client of the load comes here
+    def submit(self, client: str, rid: int, prompts: list[list[int]], **settings) -> None:
+        self.host.submit(client, rid, prompts, **settings)
+
+    def cancel(self, client: str, rid: int) -> None:
+        self.host.cancel(client, rid)
+
+    def fetch(self, client: str, wait_s: float):
+        return self.host.fetch(client, wait_s)
+
+    def stats(self) -> dict:
+        return {**self.host.stats(), "time": time.time()}
+
+    def prometheus(self, model_name: str) -> str:
+        return self.host.prometheus(model_name)
 
     def ping(self) -> bool:
         return True

@@ -174,7 +174,7 @@ class OpenAIServer:
                 "authentication_error",
             )
         return PlainTextResponse(
-            self.job.engine().stats.prometheus(self.model_name),
+            self.job.engine().prometheus(self.model_name),
             media_type="text/plain; version=0.0.4",
         )
 

@@ -1,0 +1,102 @@
+"""A load's engine as its clients reach it (`coordinator.engine.host`): several clients of one
+engine, each request's callbacks on the client's own thread (never the engine's), a client
+that goes silent has its requests cancelled. On the stand-in pipeline of test_engine.py; the
+same host in a named load's keeper is in test_named_loads.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from test_engine import GREEDY, WAIT_S, FakePipeline, expected
+
+from coordinator.engine import Engine, EngineConfig, Finish
+from coordinator.engine.host import EngineClient, EngineHost
+from offload.errors import NeverFitsError
+
+
+@pytest.fixture
+def host():
+    pipeline = FakePipeline()
+    engine = Engine(pipeline, EngineConfig(num_slots=2, max_seq_len=1024, burst_steps=4))
+    made = EngineHost(engine)
+    yield made
+    made.close()
+
+
+def client_of(host: EngineHost) -> EngineClient:
+    return EngineClient(lambda method, *a, **kw: getattr(host, method)(*a, **kw))
+
+
+def test_clients_share_one_engine_and_their_callbacks_run_off_its_thread(host) -> None:
+    clients = [client_of(host) for _ in range(3)]
+    threads: set[str] = set()
+    seen: dict[int, list[int]] = {}
+
+    def on_token(i):
+        def record(row, token):
+            threads.add(threading.current_thread().name)
+            seen.setdefault(i, []).append(token)
+
+        return record
+
+    requests = [
+        c.submit([[3 + i, 4]], sampling=GREEDY, max_new_tokens=6, on_token=on_token(i))
+        for i, c in enumerate(clients)
+    ]
+    for i, request in enumerate(requests):
+        assert request.result(WAIT_S) == [expected([3 + i, 4], 6)]
+        assert seen[i] == expected([3 + i, 4], 6)
+        assert request.finish_reasons == [Finish.LENGTH]
+    assert threads == {"offload-engine-client"}  # never "offload-engine"
+    assert host.engine.stats.requests == 3 and len(host.engine.scheduler.free_slots) == 2
+
+
+def test_refusals_reach_the_client_as_they_are(host) -> None:
+    client = client_of(host)
+    with pytest.raises(NeverFitsError, match="max_seq_len=1024"):
+        client.submit([[3] * 1020], sampling=GREEDY, max_new_tokens=10)
+    assert client.submit([[3]], sampling=GREEDY, max_new_tokens=0).result(WAIT_S) == [[]]
+
+
+def test_a_cancel_from_the_client_frees_the_slot(host) -> None:
+    client = client_of(host)
+    pipeline, submit = host.engine.pipeline, host.engine.pipeline.submit
+
+    def slow(steps):  # 2 ms a step: the client hears its tokens long before the 1000th
+        time.sleep(0.002)
+        return submit(steps)
+
+    pipeline.submit = slow
+    cancelled = []
+
+    def cancel_at_the_second(row, token):
+        if len(long.sequences[0].generated) == 2 and not cancelled:
+            cancelled.append(True)
+            client.cancel(long)
+
+    long = client.submit(
+        [[3, 4]], sampling=GREEDY, max_new_tokens=1000, on_token=cancel_at_the_second
+    )
+    assert long.wait(WAIT_S) and long.finish_reasons == [Finish.ABORT]
+    assert client.submit([[5]], sampling=GREEDY, max_new_tokens=3).result(WAIT_S) == [
+        expected([5], 3)
+    ]
+
+
+def test_a_client_that_goes_silent_has_its_requests_cancelled() -> None:
+    """A client process that dies mid-request stops fetching: after the lease its requests
+    end (aborted) and their slots go to the others."""
+    pipeline = FakePipeline()
+    engine = Engine(pipeline, EngineConfig(num_slots=1, max_seq_len=4096, burst_steps=1))
+    host = EngineHost(engine, lease_s=0.4)
+    try:
+        host.submit("gone", 1, [[3, 4]], sampling=GREEDY, max_new_tokens=4000)
+        alive = client_of(host).submit([[5]], sampling=GREEDY, max_new_tokens=3)
+        # the silent client's 4000 tokens would take far longer than this: its slot is freed
+        assert alive.result(WAIT_S) == [expected([5], 3)]
+        [request] = [r for (c, _), r in list(host._requests.items()) if c == "gone"] or [None]
+        assert request is None  # ended and told (nobody listens)
+    finally:
+        host.close()
