@@ -65,6 +65,9 @@ class FakePipeline:
         self.runner.claim(owner, take=take)
         self.claims.append(owner)
 
+    def release(self, owner) -> None:
+        self.runner.release(owner)
+
     def submit(self, steps) -> _Done:
         """One step, or a burst of `count` steps of each micro-batch, taking turns as the
         first stage drives them (`StageWorker.batch_ring`)."""

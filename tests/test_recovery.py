@@ -312,6 +312,7 @@ def test_a_replica_that_loses_its_node_moves_to_a_free_gpu(cluster, tmp_path) ->
         c.remove_node(nodes[first])
         out = jobs[0].generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
         assert torch.equal(out, expected)
+        jobs[0].refresh()  # its keeper re-planned it, for the engine there: its state now
         moved = jobs[0].plan.stages[0].node_id
         assert moved not in (first, second) and jobs[0].events[-1]["event"] == "re-planned"
         record = registry.load_record("twin-0")[1]

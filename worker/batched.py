@@ -126,6 +126,12 @@ class BatchRunner:
             )
         self.owner = owner
 
+    def release(self, owner: Owner) -> None:
+        """`owner` closes: nobody owns the pool (a later engine may claim it). Another
+        engine's release changes nothing."""
+        if self.owner is not None and self.owner[0] == owner[0]:
+            self.owner = None
+
     def check_owner(self, rows: StepRows) -> None:
         """Refuse a step of anyone but the pool's owner now."""
         if rows.owner == self.owner:

@@ -305,6 +305,10 @@ class StageWorker:
         self._require_ready()
         self._batches.claim(owner, take=take)
 
+    def release(self, owner: tuple[str, int]) -> None:
+        """The engine `owner` closed: its claim goes (`BatchRunner.release`)."""
+        self._batches.release(owner)
+
     def batch_step(
         self, rows: StepRows, x: Packed | torch.Tensor, draw: Draw | None = None
     ) -> Packed:

@@ -186,12 +186,17 @@ class Engine:
             self._cond.notify_all()
 
     def close(self) -> None:
-        """Stop the loop; requests not finished end with EngineClosedError."""
+        """Stop the loop; requests not finished end with EngineClosedError; the workers are
+        nobody's again (a later engine may claim them)."""
         with self._cond:
+            if self._closed:
+                return
             self._closed = True
             self._cond.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join(CLOSE_TIMEOUT_S)
+        with contextlib.suppress(Exception):  # best effort: workers may be going too
+            self.pipeline.release(self.owner)
 
     @property
     def owner(self) -> tuple[str, int]:

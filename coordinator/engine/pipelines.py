@@ -34,6 +34,9 @@ class Pipeline(Protocol):
         """Make `owner` the engine (and epoch) whose steps every stage runs; raises when a
         stage cannot be claimed (another engine owns it and not `take`, or it is gone)."""
 
+    def release(self, owner: tuple[str, int]) -> None:
+        """The engine `owner` closes: the stages it claimed are nobody's (best effort)."""
+
     def submit(self, steps: list[Step]) -> Handle:
         """One step, through every stage; or a burst of `count` decode steps of each of
         `steps` (one per micro-batch), driven by the first stage (`StageWorker.batch_ring`)."""
@@ -72,6 +75,10 @@ class LocalPipeline:
     def claim(self, owner: tuple[str, int], *, take: bool) -> None:
         for worker in self.workers:
             worker.claim(owner, take)
+
+    def release(self, owner: tuple[str, int]) -> None:
+        for worker in self.workers:
+            worker.release(owner)
 
     def submit(self, steps: list[Step]) -> _Done:
         if len(steps) > 1 or steps[0].count > 1:  # the first stage drives them

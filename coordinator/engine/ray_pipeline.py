@@ -29,6 +29,7 @@ from worker.wire import pack
 # (a long prompt, its mask for every stage) are put in the object store once. Either way as
 # `wire.pack` arrays, which Ray moves faster than tensors.
 INLINE_BYTES = 64 * 1024
+RELEASE_TIMEOUT_S = 10.0  # a closing engine gives its claims back, at most this long
 
 
 def by_value_or_ref(tensor):
@@ -103,6 +104,11 @@ class RayPipeline:
             if isinstance(exc.cause, NotOwnerError):
                 raise exc.cause from None
             raise
+
+    def release(self, owner: tuple[str, int]) -> None:
+        actors = [h.actor for h in self._workers() if h.actor is not None]
+        with contextlib.suppress(Exception):  # closing: a worker gone has nothing to release
+            ray.get([a.release.remote(owner) for a in actors], timeout=RELEASE_TIMEOUT_S)
 
     def _actors(self) -> list:
         actors = [h.actor for h in self._workers()]

@@ -313,16 +313,27 @@ class Job:
                 f"the load's keeper did not recover it within {timeout_s:.0f} s"
             ) from None
         before = [h.name for h in self.group.handles]
+        self._take_record()
+        # The keeper may have recovered before this job noticed: its stages changed all the same.
+        changed = [
+            s for s, h in enumerate(self.group.handles) if s >= len(before) or h.name != before[s]
+        ]
+        return dead or changed
+
+    def refresh(self) -> None:
+        """A named load changes in its keeper (which recovers it while its engine runs the
+        requests of every client): take its plan, workers and events as they are now. Nothing
+        to do for an unnamed job, which changes only here."""
+        if self.name is not None:
+            with self._gate.alone():
+                self._take_record()
+
+    def _take_record(self) -> None:
         _, record = registry.load_record(self.name)
         group = registry.group_of(record, self.index)
         group.names = self.new_worker_names
         self.group, self.events = group, list(record["events"])
         self.next_worker = registry.next_worker_number(record)
-        # The keeper may have recovered before this job noticed: its stages changed all the same.
-        changed = [
-            s for s, h in enumerate(group.handles) if s >= len(before) or h.name != before[s]
-        ]
-        return dead or changed
 
     def new_worker_names(self, count: int) -> list[str]:
         """Actor names for `count` new workers of a named load."""
@@ -338,8 +349,10 @@ class Job:
 
     def telemetry(self) -> list[Report]:
         """A fresh memory snapshot from every worker (see StageWorker.report); a stage whose
-        worker is lost gets a `LostStage` instead (see telemetry.collect)."""
+        worker is lost gets a `LostStage` instead (see telemetry.collect). A named load's
+        stages as they are now (`refresh`)."""
         self._require_open()
+        self.refresh()
         refs = [h.actor.report.remote() if h.actor is not None else None for h in self.workers]
         try:
             return collect(self.plan.stages, refs, TELEMETRY_TIMEOUT_S)
