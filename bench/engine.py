@@ -41,7 +41,7 @@ from coordinator.tools.make_checkpoint import make_checkpoint
 
 N = 8
 PROMPT = 8
-MAX_SEQ_LEN = 96
+MAX_SEQ_LEN = 160
 TARGETS = {"tiny": 0.85, "bench": 0.9}
 
 
@@ -119,7 +119,9 @@ def run_case(case: str, root: Path, args) -> dict:
                 steps=statistics.median(o[2] for o in overheads),
                 wall_per_step_ms=1e3 * statistics.median(o[1] for o in overheads),
                 engine_per_step_ms=1e3 * per_step,
-                engine_per_token_ms=1e3 * per_step * statistics.median(o[2] for o in overheads)
+                engine_per_token_ms=1e3
+                * per_step
+                * statistics.median(o[2] for o in overheads)
                 / (N * args.new_tokens),
                 mismatches=mismatches,
             )

@@ -43,6 +43,8 @@ class FakePipeline:
     Records every step; `fail` makes the next submits raise (a lost worker, or another
     error)."""
 
+    max_burst = 8
+
     def __init__(self, num_stages: int = 1) -> None:
         self.num_stages = num_stages
         self.slots: dict[int, list[int]] = {}

@@ -41,7 +41,6 @@ from worker.batched import NotOwnerError
 
 DEFAULT_MAX_QUEUE = 1024  # sequences waiting for a slot; beyond: BusyError (HTTP 429)
 DEFAULT_PREFILL_TOKENS = 512  # per prefill step (rows x width)
-BURST_STEPS = 8  # decode steps per call when every micro-batch decodes
 IDLE_WAIT_S = 1.0
 CLOSE_TIMEOUT_S = 30.0
 
@@ -60,16 +59,18 @@ class EngineConfig:
     max_seq_len: int
     max_queue: int = DEFAULT_MAX_QUEUE
     prefill_tokens: int = DEFAULT_PREFILL_TOKENS
-    burst_steps: int = BURST_STEPS
+    burst_steps: int = 0  # decode steps per call when every micro-batch decodes; 0: the
+    # pipeline's (Pipeline.max_burst: longer where a cut is cheap)
     micro_batches: int = 0  # 0: one per pipeline stage
     step_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        for name in ("num_slots", "max_seq_len", "prefill_tokens", "burst_steps"):
+        for name in ("num_slots", "max_seq_len", "prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.micro_batches < 0:
-            raise ConfigError(f"micro_batches={self.micro_batches} must be >= 0")
+        for name in ("micro_batches", "burst_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
         if self.max_queue < self.num_slots:
             raise ConfigError(
                 f"max_queue={self.max_queue} must be >= max_batch={self.num_slots}: a request "
@@ -308,7 +309,7 @@ class Engine:
         could take a free slot, a prompt chunk, a cancellation): the steps may run on the
         workers alone."""
         scheduler = self.scheduler
-        if self.config.burst_steps == 1 or self._cancelled:
+        if self._burst_steps() == 1 or self._cancelled:
             return False
         if (scheduler.waiting or self._incoming) and scheduler.free_slots:
             return False
@@ -327,7 +328,10 @@ class Engine:
         left = min(
             s.request.max_new_tokens - len(s.generated) for step in steps for s in step.sequences
         )
-        return max(1, min(self.config.burst_steps, left))
+        return max(1, min(self._burst_steps(), left))
+
+    def _burst_steps(self) -> int:
+        return self.config.burst_steps or self.pipeline.max_burst
 
     def _wait_one(self) -> None:
         ready = self.pipeline.wait(list(self._in_flight), self.config.step_timeout_s)
@@ -355,7 +359,7 @@ class Engine:
                 self.stats.steps += 1  # a pass through every stage
                 self.stats.step_rows += len(step.sequences)
                 self._deliver(added)
-                if sum(read) < expected and self._wanted_at_a_boundary(added, steps):
+                if sum(read) < expected and self._wanted_at_a_boundary(steps):
                     handle.stop()  # a burst: end it here; the workers stop at their next step
                     self.stats.cut += 1
                     break
@@ -367,18 +371,17 @@ class Engine:
         for step in steps:
             self.scheduler.complete(step)
 
-    def _wanted_at_a_boundary(self, added: list[tuple[Sequence, int]], steps: list[Step]) -> bool:
-        """The next step boundary should come now: a request arrived or was cancelled while a
-        slot is free for it, or a sequence of this burst ended while others wait."""
+    def _wanted_at_a_boundary(self, steps: list[Step]) -> bool:
+        """The next step boundary should come now: a request was cancelled, a sequence of the
+        burst ended (its row would be computed for nothing; its slot may go to one waiting),
+        or a request arrived while a slot is free for it."""
         with self._cond:
             if self._cancelled:
                 return True
             arrivals = bool(self._incoming or self.scheduler.waiting)
-        if not arrivals:
-            return False
-        if self.scheduler.free_slots:
+        if any(s.finish is not None for step in steps for s in step.sequences):
             return True
-        return any(s.finish is not None for step in steps for s in step.sequences)
+        return arrivals and bool(self.scheduler.free_slots)
 
     def _deliver(self, added: list[tuple[Sequence, int]]) -> None:
         now = time.perf_counter()

@@ -10,6 +10,7 @@ change what `generate` returns and that the engine does not apply (repetition pe
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,18 +120,26 @@ class Settings:
 
 def _checkpoint_generation_config(root: Path, model_config: dict) -> dict:
     """generation_config.json's values (None where unset), else those of config.json, as
-    `from_pretrained` builds a model's generation_config."""
+    `from_pretrained` builds a model's generation_config. Read once per version of the file
+    (its size and mtime), not once per request."""
     path = root / "generation_config.json"
-    if path.is_file():
-        try:
-            values = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise GenerationError(f"generation_config.json: cannot read: {exc}") from None
-        if not isinstance(values, dict):
-            raise GenerationError("generation_config.json: expected a JSON object")
-        return values
-    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
-    return {k: model_config.get(k) for k in keys}
+    try:
+        stat = path.stat()
+    except OSError:
+        keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+        return {k: model_config.get(k) for k in keys}
+    return dict(_read_generation_config(str(path), stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=16)
+def _read_generation_config(path: str, size: int, mtime_ns: int) -> dict:
+    try:
+        values = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise GenerationError(f"generation_config.json: cannot read: {exc}") from None
+    if not isinstance(values, dict):
+        raise GenerationError("generation_config.json: expected a JSON object")
+    return values
 
 
 def resolve(

@@ -29,6 +29,7 @@ class Handle(Protocol):
 
 class Pipeline(Protocol):
     num_stages: int
+    max_burst: int  # decode steps one burst may run: longer where cutting one is cheap
 
     def claim(self, owner: tuple[str, int], *, take: bool) -> None:
         """Make `owner` the engine (and epoch) whose steps every stage runs; raises when a
@@ -57,8 +58,9 @@ class _Done:
         self.outputs = outputs  # a list, or a generator of a burst's (m, tokens)
 
     def results(self, timeout_s: float) -> Iterator[Tokens]:
-        for m, out in self.outputs:
-            yield tokens_of(m, out)
+        for item in self.outputs:  # a burst yields lists of steps (StageWorker.batch_ring)
+            for m, out in item if isinstance(item, list) else [item]:
+                yield tokens_of(m, out)
 
     def stop(self) -> None:
         if not isinstance(self.outputs, list):
@@ -67,6 +69,8 @@ class _Done:
 
 class LocalPipeline:
     """In-process `StageWorker`s, stepped one after another in the calling thread."""
+
+    max_burst = 64  # a burst in this thread ends at once when cut
 
     def __init__(self, workers: list) -> None:
         self.workers = workers

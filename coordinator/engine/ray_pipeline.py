@@ -29,6 +29,9 @@ from worker.wire import pack
 # (a long prompt, its mask for every stage) are put in the object store once. Either way as
 # `wire.pack` arrays, which Ray moves faster than tensors.
 INLINE_BYTES = 64 * 1024
+# A burst's tokens reach the driver at most this long after they are chosen, several steps'
+# to one streamed item when steps are short (StageWorker.batch_ring).
+RING_YIELD_S = 0.004
 RELEASE_TIMEOUT_S = 10.0  # a closing engine gives its claims back, at most this long
 
 
@@ -52,8 +55,9 @@ class _StepRef:
 
 
 class _Burst:
-    def __init__(self, stream) -> None:
+    def __init__(self, stream, *, through: bool) -> None:
         self.waitable = stream
+        self._through = through  # the first stage sends its steps on to others
         self._timeout_s = 60.0  # results' bound, for stop
 
     def results(self, timeout_s: float) -> Iterator[Tokens]:
@@ -69,15 +73,24 @@ class _Burst:
                 ref = next(stream)
             except StopIteration:
                 return
-            yield tokens_of(*ray.get(ref, timeout=timeout_s))
+            for m, out in ray.get(ref, timeout=timeout_s):  # the steps ready by then
+                yield tokens_of(m, out)
 
     def stop(self) -> None:
-        """End the burst here for the engine: its remaining steps (fewer than its count) are
-        read and dropped, never applied, so that every write it makes, on every stage, lands
-        before the engine's next call. Not `ray.cancel`: cancelling the running generator can
-        interrupt the first stage while it submits a step to the next one, leaving a hole in
-        that stage's sequence of calls from it, which the next stage then waits out (30 s)
-        before failing every call queued behind it (ray-project/ray#65785)."""
+        """End the burst here for the engine; what it makes after the last step read is
+        never applied. One stage: cancel the streaming call (Ray stops a generator task at its
+        next yield; it has streamed, so the actor has it: cancelling a call the actor has not
+        received can leave a hole in the order of this driver's calls, ray-project/ray#65785),
+        and its later steps still run in that call, before any later call to it. Several
+        stages: read and drop its remaining steps (fewer than its count) so that every write
+        it makes, on every stage, lands before the engine's next call. Not a cancel there: it
+        can interrupt the first stage while it submits a step to the next one, leaving a hole
+        in that stage's sequence of calls from it, which the next stage waits out (30 s)
+        before failing every call queued behind it."""
+        if not self._through:
+            with contextlib.suppress(Exception):
+                ray.cancel(self.waitable)
+            return
         with contextlib.suppress(Exception):  # a failure shows at the next step, bounded
             for _ in self.results(self._timeout_s):
                 pass
@@ -92,6 +105,13 @@ class RayPipeline:
     @property
     def num_stages(self) -> int:
         return len(self._workers())
+
+    @property
+    def max_burst(self) -> int:
+        """One stage: a cut burst is cancelled at once, so bursts may be long (the driver's
+        turn between two bursts costs ~5 ms: 0.6 ms a step in bursts of 8 on a 2 ms step).
+        Several: a cut burst runs its remaining steps out, so they stay short."""
+        return 64 if self.num_stages == 1 else 8
 
     def claim(self, owner: tuple[str, int], *, take: bool) -> None:
         actors = self._actors()
@@ -123,9 +143,9 @@ class RayPipeline:
             stream = (
                 actors[0]
                 .batch_ring.options(num_returns="streaming")
-                .remote(batches, steps[0].count, tuple(actors[1:]), self._timeout_s())
+                .remote(batches, steps[0].count, tuple(actors[1:]), self._timeout_s(), RING_YIELD_S)
             )
-            return _Burst(stream)
+            return _Burst(stream, through=len(actors) > 1)
         [step] = steps
         ref = by_value_or_ref(step.x)
         for s, actor in enumerate(actors):
