@@ -341,9 +341,22 @@ def _mapping(raw: object, where: str, *, scalars: bool = True) -> dict[str, str]
     out = {}
     for key, value in raw.items():
         if scalars and (isinstance(value, dict | list) or value is None):
-            raise ConfigError(f"{where}.{key}: expected a single value, got {_kind(value)}")
+            raise ConfigError(
+                f"{_key_path(where, key)}: expected a single value, got {_kind(value)}"
+            )
         out[str(key)] = str(value).lower() if isinstance(value, bool) else str(value)
     return out
+
+
+def _key_path(where: str, key: object) -> str:
+    """`where.key`, or `where['key']` when the key is not plain text (a newline or a space in
+    it would break the one-line error)."""
+    text = str(key)
+    return (
+        f"{where}.{text}"
+        if text.isprintable() and not any(c.isspace() for c in text)
+        else (f"{where}[{text!r}]")
+    )
 
 
 def _kind(value: object) -> str:

@@ -144,6 +144,20 @@ def test_a_mutated_job_file_gives_one_line(valid: Path, capsys, data) -> None:
         run_plan(["plan", "--config", str(path)], capsys)
 
 
+def test_a_key_with_a_newline_is_named_on_one_line(valid: Path, capsys, tmp_path) -> None:
+    """Found by the test above: an env key "\n" with no value broke the error over two lines."""
+    job = json.loads(json.dumps(JOB))
+    job["checkpoint"] = str(valid)
+    job["overrides"][0]["env"] = {"\n": None}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    assert main(["plan", "--config", str(path)]) == 2
+    message = capsys.readouterr().err.strip()
+    assert message.count("\n") == 0 and "overrides[0].env['\\n']: expected a single value" in (
+        message
+    ), message
+
+
 @pytest.mark.parametrize("model_type", [[None], ["llama"], 3, {"llama": 1}])
 def test_a_model_type_that_is_not_a_string_is_one_line(
     valid: Path, capsys, tmp_path, model_type

@@ -423,7 +423,9 @@ class TestOneRunningJob:
             assert report.backend == "uva" and "simulated coherent" in report.backend_reason
             assert report.stats.buffer_bytes == report.stats.copies == 0
             assert report.stats.offloaded_bytes == stage.offloaded_bytes
-            assert report.device_used_bytes == stage.resident_bytes  # the arena is host memory
+            # the arena is host memory; the planned KV slots are allocated at load
+            assert report.kv_cache_bytes == stage.kv_bytes > 0
+            assert report.device_used_bytes == stage.resident_bytes + stage.kv_bytes
         assert " uva " in telemetry.render(reports)
         prompt = ids[:, :4]
         want = reference_generate(

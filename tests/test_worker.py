@@ -67,6 +67,30 @@ def test_budget_overrun_is_refused_with_numbers(index) -> None:
         worker.close()
 
 
+def test_the_planned_kv_pool_is_allocated_at_load_inside_the_budget(index) -> None:
+    """The KV slots the plan reserved are allocated when the stage loads, exactly the bytes
+    the index reserves for them, and counted in the budget check: a budget that holds the
+    weights but not the KV fails the load with the numbers, never the first request."""
+    import dataclasses
+
+    slots, seq_len = 3, 40
+    planned = sum(layer.kv_bytes(slots, seq_len) for layer in index.layers)
+    spec = dataclasses.replace(spec_for(index, offloaded=()), kv_slots=slots, kv_seq_len=seq_len)
+    worker = StageWorker(spec, device="cpu")
+    try:
+        report = worker.load()
+        assert report.kv_cache_bytes == planned > 0
+        weights = report.device_used_bytes - planned
+    finally:
+        worker.close()
+    tight = StageWorker(spec, device="cpu", gpu_memory_bytes=weights + planned // 2)
+    try:
+        with pytest.raises(WorkerError, match=rf"of which KV cache {planned}.*--max-batch"):
+            tight.load()
+    finally:
+        tight.close()
+
+
 def stage_spec(index, names: list[str], offloaded: tuple[str, ...] = ()) -> StageSpec:
     layers = tuple(layer for layer in index.layers if layer.name in names)
     return StageSpec(

@@ -155,6 +155,28 @@ class BatchRunner:
     def nbytes(self) -> int:
         return self.pool.nbytes() if self.pool is not None else 0
 
+    def allocate(self, stage, *, num_slots: int, max_seq_len: int, hidden_size: int, dtype) -> None:
+        """Allocate the slot pool now (at load, inside the budget check, not at the first
+        request): one step of one token in slot 0 through the stage, so each layer's stores
+        take the shapes its own attention gives. What it writes is never read: a row sees only
+        the positions it wrote itself."""
+        if not stage.decoder_indices:
+            return
+        self.pool = SlotPool(
+            stage.decoder_indices, num_slots=num_slots, max_seq_len=max_seq_len, device=self.device
+        )
+        if stage.is_first:
+            x = torch.zeros((1, 1), dtype=torch.long)
+        else:
+            x = torch.zeros((1, 1, hidden_size), dtype=dtype)
+        with torch.inference_mode():
+            stage(
+                x.to(self.device),
+                position_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device),
+                logits_to_keep=1 if stage.is_last else 0,
+                cache=self.pool.view([0], [0], [1], 1),
+            )
+
     def step(self, stage, rows: StepRows, x: torch.Tensor, draw: Draw | None) -> torch.Tensor:
         """Hidden states (rows, width, hidden) from a stage before the last; from the last,
         each row's chosen token (rows,)."""

@@ -194,5 +194,9 @@ class StageSpec:
     prefetch_step: int = 1
     backend: str = "auto"
     backend_reason: str = ""  # why the plan chose `backend` for this node (reported)
+    # The KV slot pool the plan reserved (max_batch x max_seq_len), allocated at load inside
+    # the budget check; 0: allocated at the first generation step (no KV planned)
+    kv_slots: int = 0
+    kv_seq_len: int = 0
     env: dict[str, str] = field(default_factory=dict)  # set on this worker by the job
     env_origins: dict[str, str] = field(default_factory=dict)  # "job override" | "node label"

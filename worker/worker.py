@@ -234,12 +234,23 @@ class StageWorker:
         # Ready means ready: the first prefetches have landed, so the memory reported (and the
         # first forward's latency) is that of the steady state.
         self.offloader.synchronize()
+        spec = self.spec
+        if spec.kv_slots and spec.kv_seq_len:  # the planned KV pool, inside the check below
+            self._batches.allocate(
+                self.stage,
+                num_slots=spec.kv_slots,
+                max_seq_len=spec.kv_seq_len,
+                hidden_size=self._hf_config.hidden_size,
+                dtype=torch_dtype_named(spec.dtype),
+            )
+            self.offloader.synchronize()
         self._load_s += time.perf_counter() - start
         device_bytes = self.device_bytes()
         if self.gpu_memory_bytes is not None and device_bytes > self.gpu_memory_bytes:
             raise WorkerError(
-                f"{self._where()}: holds {device_bytes} device bytes, over its budget of "
-                f"{self.gpu_memory_bytes}; offload more layers or raise --gpu-memory"
+                f"{self._where()}: holds {device_bytes} device bytes (of which KV cache "
+                f"{self.kv_cache_bytes()}), over its budget of {self.gpu_memory_bytes}; offload "
+                "more layers, lower --max-batch or --max-seq-len, or raise --gpu-memory"
             )
         self._ready = True
         return self.report()

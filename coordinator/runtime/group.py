@@ -76,6 +76,8 @@ def stage_specs(
             prefetch_step=s.prefetch_step,
             backend=s.backend,  # the node's: "auto" resolved by its probe
             backend_reason=s.backend_reason,
+            kv_slots=config.max_batch if config.max_seq_len else 0,
+            kv_seq_len=config.max_seq_len,
             env=envs.get(s.node_id, ({}, {}))[0],
             env_origins=envs.get(s.node_id, ({}, {}))[1],
         )
