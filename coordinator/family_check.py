@@ -6,11 +6,12 @@ the checkpoint index accepts could fail only inside a worker, after Ray and ever
 error. So the driver first runs the family's own class, from the checkpoint's config shrunk to 2
 layers and tiny widths (structural flags kept: sliding windows, rope type, tying, MoE routing),
 random float32 weights, in this process on the CPU: whole, and split into pass-through stages as
-workers build them (`worker.stage.Stage`), for several splits, through a plain forward, a
-left-padded prefill and decode steps in each stage's KV cache, logits bitwise equal; then as
-the engine generates (`worker.batched`: two prompts of different lengths as left-padded rows of
-one prefill step, then greedy decode steps, each stage in its slot pool, each row at its own
-positions with its own masks, no 2D attention mask), each row's logits within a float32
+workers build them (`worker.stage.Stage`), for several splits, through a plain forward and a
+left-padded one (as `job.forward` sends them), logits bitwise equal; then as the engine
+generates, through the workers' own `BatchRunner.step` (`worker.batched`: two prompts of
+different lengths as left-padded rows of one prefill step, then greedy decode steps, each stage
+in its slot pool, each row at its own positions with its own masks, no 2D attention mask), each
+row's logits within a float32
 tolerance of the whole model's on that prompt alone, same argmax (a padded batch sums in other
 shapes: never bitwise). That catches a family reading what batched steps do not give (ALiBi or
 positions from the 2D mask, masks built other than by `create_causal_mask`). Both pass: it loads
@@ -32,8 +33,7 @@ import torch
 from torch import nn
 
 from coordinator.small_config import NUM_LAYERS, VOCAB, shrink_config
-from worker.batch_cache import SlotPool
-from worker.batched import StepRows
+from worker.batched import BatchRunner, StepRows
 from worker.layout import (
     TESTED_FAMILIES,
     UnsupportedModelError,
@@ -45,6 +45,7 @@ from worker.stage import Stage
 
 SEED = 0
 BATCH, PROMPT, PAD, DECODE_STEPS = 2, 7, 2, 2
+CHECK_OWNER = ("family-check", 0)  # the check's own stages: it is their only engine
 PROMPTS = (7, 4)  # the batched check's prompt lengths: the shorter row is left-padded
 # Batched rows against each prompt alone: float32 sums in other shapes. Measured (1 thread, max
 # abs logit difference over the prefill and 2 decode steps, every split): 1.5e-7 for gemma2, at
@@ -160,61 +161,36 @@ def _stage(hf_config, layer_names: list[str], weights: dict[str, torch.Tensor]) 
 
 
 def _compare(whole: nn.Module, stages: list[Stage], layout) -> str | None:
-    """Run the steps through the whole model and through `stages`; where they first differ."""
-    from transformers import DynamicCache
-
+    """Run the forwards `job.forward` sends (plain, and left-padded rows with their mask and
+    positions) through the whole model and through `stages`; where they first differ.
+    Generation is checked through the workers' own batched steps (`_check_batched`)."""
     generator = torch.Generator().manual_seed(SEED)
     ids = torch.randint(2, VOCAB, (BATCH, PROMPT), generator=generator)
     mask = torch.ones_like(ids)
-    mask[1, :PAD] = 0  # a left-padded row, as batched generation sends it
+    mask[1, :PAD] = 0  # a left-padded row
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    whole_cache = DynamicCache(config=whole.config)
-    caches = [stage.new_cache() for stage in stages]
     stage_modules = [
         entry
         for s, stage in enumerate(stages)
         for entry in _layer_modules(s, stage.model, stage.layout, stage.layer_names)
     ]
-    # (what, ids, mask, positions, logits_to_keep, cached): `run`'s forward, then generation
-    steps: list[tuple] = [
-        ("plain forward", ids, None, None, 0, False),
-        ("prefill", ids, mask, positions, 0, True),
-    ]
-    step = 0
-    while step < len(steps):
-        what, x, m, p, keep, cached = steps[step]
+    for what, m, p in (("plain forward", None, None), ("left-padded forward", mask, positions)):
         calls: list[_Call] = []
         with _recording(_layer_modules(-1, whole, layout, None), calls), torch.inference_mode():
             expected = whole(
-                input_ids=x,
-                attention_mask=m,
-                position_ids=p,
-                logits_to_keep=keep,
-                past_key_values=whole_cache if cached else None,
-                use_cache=cached,
+                input_ids=ids, attention_mask=m, position_ids=p, use_cache=False
             ).logits
         reference = {call.path: call for call in calls}
         calls.clear()
-        got, error = x, None
+        got, error = ids, None
         with _recording(stage_modules, calls), torch.inference_mode():
             try:
-                for stage, cache in zip(stages, caches, strict=True):
-                    got = stage(
-                        got,
-                        attention_mask=m,
-                        position_ids=p,
-                        logits_to_keep=keep,
-                        cache=cache if cached else None,
-                    )
+                for stage in stages:
+                    got = stage(got, attention_mask=m, position_ids=p)
             except Exception as exc:
                 error = exc
         if error is not None or not torch.equal(got, expected):
             return f"{_first_difference(calls, reference, stages, error)}, {what}"
-        if cached and len(steps) < 2 + DECODE_STEPS:
-            tokens = expected[:, -1].argmax(-1, keepdim=True)
-            m, p = advance(m, p)
-            steps.append((f"decode step {len(steps) - 1}", tokens, m, p, 1, True))
-        step += 1
     return None
 
 
@@ -278,18 +254,11 @@ def _batched_steps(
         width=width,
         num_slots=len(prompts),
         max_seq_len=width + DECODE_STEPS + 1,
+        owner=CHECK_OWNER,
     )
-    pools = [
-        SlotPool(
-            stage.decoder_indices,
-            num_slots=rows.num_slots,
-            max_seq_len=rows.max_seq_len,
-            device=torch.device("cpu"),
-        )
-        if stage.decoder_indices
-        else None
-        for stage in stages
-    ]
+    runners = [BatchRunner(torch.device("cpu")) for _ in stages]  # as each worker steps
+    for runner in runners:
+        runner.claim(CHECK_OWNER)
     x = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, prompt in enumerate(prompts):
         x[row, width - len(prompt) :] = prompt
@@ -297,23 +266,9 @@ def _batched_steps(
         if n:
             rows = rows.advanced()
             x = torch.stack([expected[n - 1].argmax() for expected in alone])[:, None]
-        where = (list(rows.slots), list(rows.starts), list(rows.counts), rows.width)
-        with torch.inference_mode():
-            for stage, pool in zip(stages, pools, strict=True):
-                view = None if pool is None else pool.view(*where)
-                x = stage(
-                    x,
-                    position_ids=rows.positions(),
-                    logits_to_keep=1 if stage.is_last else 0,
-                    cache=view,
-                )
-        yield x[:, -1]
-
-
-def advance(attention_mask: torch.Tensor, position_ids: torch.Tensor):
-    """The mask and positions of the next decode step: one more token per row."""
-    ones = attention_mask.new_ones((attention_mask.shape[0], 1))
-    return torch.cat([attention_mask, ones], -1), position_ids[:, -1:] + 1
+        for stage, runner in zip(stages, runners, strict=True):
+            x = runner.step(stage, rows, x, None)  # the last stage: its logits, no draw
+        yield x
 
 
 def _first_difference(

@@ -179,7 +179,8 @@ class BatchRunner:
 
     def step(self, stage, rows: StepRows, x: torch.Tensor, draw: Draw | None) -> torch.Tensor:
         """Hidden states (rows, width, hidden) from a stage before the last; from the last,
-        each row's chosen token (rows,)."""
+        each row's chosen token (rows,), or without a `draw` the last position's logits
+        (rows, vocab)."""
         self.check_owner(rows)
         view = None
         held = stage.decoder_indices
@@ -216,7 +217,9 @@ class BatchRunner:
             )
             if not stage.is_last:
                 return out.cpu()
-            if draw is None or len(draw.samplings) != len(rows.slots):
+            if draw is None:  # the last position's logits (rows, vocab): the family check's
+                return out[:, -1].cpu()
+            if len(draw.samplings) != len(rows.slots):
                 raise ValueError("the last stage needs a Draw with one entry per row")
             return choose_rows(out[:, -1], draw, rows)
 
@@ -270,16 +273,25 @@ class BatchRunner:
         last stage's answer, or (in process, or with no downstream) the answer itself."""
         if not downstream:
             return self.step(stage, rows, x, draw)
-        out: object = pack(self.step(stage, rows, x, None))
-        for i, worker in enumerate(downstream):
-            last_draw = draw if i == len(downstream) - 1 else None
-            call = getattr(worker.batch_step, "remote", None)
-            out = (
-                call(rows, out, last_draw)
-                if call is not None
-                else worker.batch_step(rows, out, last_draw)
-            )
-        return out
+        return send_through(downstream, rows, pack(self.step(stage, rows, x, None)), draw)
+
+
+def send_through(workers: Sequence, rows: StepRows, x, draw: Draw | None):
+    """One step through `workers` in order (Ray actor handles, or in-process `StageWorker`s),
+    each stage's `batch_step` given the previous one's output, the last one `draw`: the one
+    way a step runs through stages (the engine's pipelines, a burst's ring). Returns the last
+    stage's answer: an object ref through Ray (the activations went actor to actor), or the
+    packed tokens in process."""
+    out = x
+    for i, worker in enumerate(workers):
+        last_draw = draw if i == len(workers) - 1 else None
+        call = getattr(worker.batch_step, "remote", None)
+        out = (
+            call(rows, out, last_draw)
+            if call is not None
+            else worker.batch_step(rows, out, last_draw)
+        )
+    return out
 
 
 def _collect(sent, timeout_s: float) -> torch.Tensor:

@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from worker.batch_cache import BatchView
-from worker.cache import StageCache
 from worker.layout import EMBED, HEAD, build_meta_model, find_layout
 
 
@@ -157,11 +156,6 @@ class Stage(nn.Module):
     def decoder_indices(self) -> list[int]:
         return [int(n.split(".")[1]) for n in self.layer_names if n.startswith("layers.")]
 
-    def new_cache(self) -> StageCache | None:
-        """An empty KV cache for one request (None for a stage without decoder layers)."""
-        held = self.decoder_indices
-        return StageCache(self.model.config, held) if held else None
-
     def init_buffers(self, device: torch.device) -> None:
         """Give every buffer still on the meta device memory and initialise the non-persistent
         ones (rotary tables, embedding scales) the way `from_pretrained` does: everything loaded
@@ -192,13 +186,13 @@ class Stage(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         logits_to_keep: int = 0,
-        cache: StageCache | BatchView | None = None,
+        cache: BatchView | None = None,
     ) -> torch.Tensor:
         """Token ids (first stage) or hidden states in; hidden states, or logits from the last
-        stage (of the last `logits_to_keep` positions; 0: all). With `cache`, the keys and
-        values of this stage's layers are appended to it and attended to (generation); with a
-        `BatchView`, each row at its own positions and with its own masks (the mask argument
-        is then unused)."""
+        stage (of the last `logits_to_keep` positions; 0: all). With `cache` (a `BatchView` of
+        the stage's slot pool: generation), the keys and values of this stage's layers are
+        written to it and attended to, each row at its own positions and with its own masks
+        (the mask argument is then unused)."""
         kwargs = {
             "attention_mask": attention_mask,
             "position_ids": position_ids,

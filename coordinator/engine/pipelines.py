@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from coordinator.engine.scheduler import Step
+from worker.batched import send_through
 from worker.wire import unpack
 
 # (which of the submitted steps, each row's token)
@@ -91,10 +92,7 @@ class LocalPipeline:
                 self.workers[0].batch_ring(batches, steps[0].count, tuple(self.workers[1:]))
             )
         [step] = steps
-        x = step.x
-        for worker in self.workers[:-1]:
-            x = worker.batch_step(step.rows, x)
-        return _Done([(0, self.workers[-1].batch_step(step.rows, x, step.draw))])
+        return _Done([(0, send_through(self.workers, step.rows, step.x, step.draw))])
 
     def wait(self, handles: list[_Done], timeout_s: float) -> list[_Done]:
         return list(handles)

@@ -21,7 +21,7 @@ import ray
 from coordinator.engine.pipelines import Tokens, tokens_of
 from coordinator.engine.scheduler import Step
 from coordinator.runtime.errors import WorkerLostError
-from worker.batched import NotOwnerError
+from worker.batched import NotOwnerError, send_through
 from worker.wire import pack
 
 # Below this many bytes a tensor goes inside the call itself: a decode step's inputs are a few
@@ -147,11 +147,7 @@ class RayPipeline:
             )
             return _Burst(stream, through=len(actors) > 1)
         [step] = steps
-        ref = by_value_or_ref(step.x)
-        for s, actor in enumerate(actors):
-            last = s == len(actors) - 1
-            ref = actor.batch_step.remote(step.rows, ref, step.draw if last else None)
-        return _StepRef(ref)
+        return _StepRef(send_through(actors, step.rows, by_value_or_ref(step.x), step.draw))
 
     def wait(self, handles: list, timeout_s: float) -> list:
         by_waitable = {h.waitable: h for h in handles}
