@@ -56,6 +56,7 @@ class FakePipeline:
         self.epoch = 0
         self.runner = BatchRunner(torch.device("cpu"))  # the workers' claims and refusals
         self.claims: list[tuple[str, int]] = []
+        self.settings_sent: list[int] = []  # slots whose sequence's settings a step carried
         self.gate = threading.Event()
         self.gate.set()
 
@@ -84,6 +85,7 @@ class FakePipeline:
             self.steps.append((step.prefill, step.rows.slots, step.rows.counts, step.count))
             self.starts.append(step.rows.starts)
             current.append([step.rows, step.x, step.draw, step.sequences])
+            self.settings_sent.extend(slot for slot, _, _ in step.draw.settings)
         outputs = []
         for _ in range(steps[0].count):
             for m, (rows, x, draw, sequences) in enumerate(current):
@@ -101,7 +103,7 @@ class FakePipeline:
                     own = sequences[r].tokens[: start + count]
                     if sequences[r].finish is None:  # an ended row's reads are never used
                         assert seen[: len(own)] == own, "a row read what it did not write"
-                    if draw.samplings[r] is not None:
+                    if draw.choose[r]:
                         tokens[r] = next_token(seen)
                 outputs.append((m, tokens))
                 current[m][:2] = rows.advanced(), tokens[:, None]
@@ -513,3 +515,25 @@ def test_micro_batches_are_formed_again_when_the_plan_changes(make) -> None:
     assert len(engine.scheduler.groups) == 1 and engine.stats.restarts == 1
     last = [slots for prefill, slots, _, _ in pipeline.steps if not prefill][-1]
     assert len(last) > 2  # one micro-batch of every sequence left
+
+
+def test_a_sequences_settings_reach_the_last_stage_once(make) -> None:
+    """Each sequence's sampling settings travel with its first step that chooses a token, not
+    with every step (the last stage keeps them per slot); a slot's next sequence sends its
+    own; after a recovery (a new claim, workers without them) every running one sends again."""
+    engine, pipeline = make(num_slots=1, burst_steps=1)
+    first = submit(engine, [3, 4], 5)
+    second = submit(engine, [5], 4)
+    assert first.result(WAIT_S) == [expected([3, 4], 5)]
+    assert second.result(WAIT_S) == [expected([5], 4)]
+    assert pipeline.settings_sent == [0, 0]  # one slot, two sequences, once each
+    seen = []
+
+    def lose_a_worker(row, token):
+        seen.append(token)
+        if len(seen) == 2:
+            pipeline.fail.append(WorkerLostError("worker died"))
+
+    third = submit(engine, [6, 7], 6, on_token=lose_a_worker)
+    assert third.result(WAIT_S) == [expected([6, 7], 6)]
+    assert pipeline.settings_sent == [0, 0, 0, 0]  # its first step, and again after recovery

@@ -270,3 +270,39 @@ def test_a_uva_stage_reads_weights_in_place_and_takes_a_new_plan(index) -> None:
     finally:
         worker.close()
         resident.close()
+
+
+def test_the_last_stage_keeps_each_slots_settings_for_its_owner_only(index) -> None:
+    """A slot's sampling settings arrive once (with its sequence's first choosing step) and
+    stay for later steps; a step choosing in a slot whose settings never came is refused, and
+    a new claim (another epoch) forgets them all."""
+    from worker.batched import Draw, StepRows
+    from worker.decode import Sampling
+
+    worker = StageWorker(spec_for(index, offloaded=()), device="cpu")
+    try:
+        worker.load()
+        owner = ("engine-a", 1)
+        worker.claim(owner)
+
+        def rows(start: int, count: int, owner=owner) -> StepRows:
+            return StepRows(
+                slots=(2,),
+                starts=(start,),
+                counts=(count,),
+                width=count,
+                num_slots=4,
+                max_seq_len=16,
+                owner=owner,
+            )
+
+        prompt = torch.tensor([[5, 6, 7]])
+        first = Draw((True,), ((2, Sampling(), None),))
+        token = worker.batch_step(rows(0, 3), prompt, first)
+        again = worker.batch_step(rows(3, 1), torch.tensor([[9]]), Draw((True,)))  # kept
+        assert token.array.shape == again.array.shape == (1,)
+        worker.claim(("engine-a", 2))  # a restart: its sequences send their settings again
+        with pytest.raises(ValueError, match="slot 2 chooses a token but its settings never"):
+            worker.batch_step(rows(0, 3, ("engine-a", 2)), prompt, Draw((True,)))
+    finally:
+        worker.close()

@@ -67,32 +67,42 @@ class StepRows:
 
 @dataclass(frozen=True, slots=True)
 class Draw:
-    """How each row of a step chooses its next token on the last stage (None: it does not
-    choose in this step), and each row's seed (None for greedy rows). A sampled row's draw is
-    keyed by its seed and the position of the token it chooses (`worker.decode.uniform`):
-    nothing of a request's sampler lives on a worker or crosses Ray but the seed, and a row
-    draws the same token whatever else is in the batch, whichever worker runs it."""
+    """Which rows of a step choose their next token on the last stage (a prompt chunk that
+    does not end its prompt chooses nothing), and the settings (greedy or sampled,
+    temperature, top-k, top-p, seed) of the slots whose sequence chooses there for the first
+    time: the last stage keeps each slot's settings from then on (`BatchRunner`), so a step
+    sends them once per sequence, not once per step. A sampled row's draw is keyed by its seed
+    and the position of the token it chooses (`worker.decode.uniform`): a row draws the same
+    token whatever else is in the batch, whichever worker runs it."""
 
-    samplings: tuple[Sampling | None, ...]
-    seeds: tuple[int | None, ...] = ()
+    choose: tuple[bool, ...]
+    settings: tuple[tuple[int, Sampling, int | None], ...] = ()  # (slot, sampling, seed)
 
 
-def choose_rows(logits: torch.Tensor, draw: Draw, rows: StepRows) -> torch.Tensor:
+def choose_rows(
+    logits: torch.Tensor, rows: StepRows, choose: Sequence[bool], settings: dict
+) -> torch.Tensor:
     """Each row's next token (CPU, NO_TOKEN where the row does not choose) from its last
-    position's logits (rows, vocab): greedy and sampled rows at once on the logits' device
+    position's logits (rows, vocab), each with its slot's `settings` (slot -> (Sampling,
+    seed)): greedy and sampled rows at once on the logits' device
     (`worker.decode.sample_rows`), only the tokens copied back."""
     tokens = torch.full((logits.shape[0],), NO_TOKEN, dtype=torch.long)
-    choosing = [r for r, s in enumerate(draw.samplings) if s is not None]
+    choosing = [r for r, take in enumerate(choose) if take]
     if not choosing:
         return tokens
-    seeds = draw.seeds or (None,) * len(draw.samplings)
-    settings = RowSettings.of(
-        [draw.samplings[r] for r in choosing],
-        [seeds[r] for r in choosing],
+    try:
+        chosen_settings = [settings[rows.slots[r]] for r in choosing]
+    except KeyError as exc:
+        raise ValueError(
+            f"slot {exc.args[0]} chooses a token but its settings never reached this stage"
+        ) from None
+    row_settings = RowSettings.of(
+        [sampling for sampling, _ in chosen_settings],
+        [seed for _, seed in chosen_settings],
         [rows.starts[r] + rows.counts[r] for r in choosing],  # the index of the token chosen
     )
     every = len(choosing) == logits.shape[0]
-    chosen = sample_rows(logits if every else logits[choosing], settings)
+    chosen = sample_rows(logits if every else logits[choosing], row_settings)
     if every:
         return chosen
     tokens[choosing] = chosen
@@ -107,6 +117,8 @@ class BatchRunner:
         self.device = device
         self.pool: SlotPool | None = None
         self.owner: Owner | None = None  # who may step this pool now
+        # the last stage: each slot's (Sampling, seed), as its owner sent them (Draw.settings)
+        self.slot_settings: dict[int, tuple[Sampling, int | None]] = {}
         self.last_rows = 0  # sequences in the last step, for reports
         self.last_step_s = 0.0  # this stage's own time in its last step (not the others')
 
@@ -114,6 +126,7 @@ class BatchRunner:
         """Forget every sequence's keys and values (the stage's layers changed): nobody owns
         the pool until an engine claims it again."""
         self.pool, self.owner, self.last_rows = None, None, 0
+        self.slot_settings.clear()
 
     def claim(self, owner: Owner, *, take: bool = False) -> None:
         """Make `owner` the one engine (and epoch) whose steps this pool runs. An engine
@@ -124,6 +137,8 @@ class BatchRunner:
                 f"engine {owner[0]} cannot claim this stage: engine {self.owner[0]} owns its KV "
                 "pool (one engine per load: submit through it, e.g. attach(name))"
             )
+        if owner != self.owner:  # a new claim sends every sequence's settings again
+            self.slot_settings.clear()
         self.owner = owner
 
     def release(self, owner: Owner) -> None:
@@ -219,9 +234,11 @@ class BatchRunner:
                 return out.cpu()
             if draw is None:  # the last position's logits (rows, vocab): the family check's
                 return out[:, -1].cpu()
-            if len(draw.samplings) != len(rows.slots):
+            if len(draw.choose) != len(rows.slots):
                 raise ValueError("the last stage needs a Draw with one entry per row")
-            return choose_rows(out[:, -1], draw, rows)
+            for slot, sampling, seed in draw.settings:  # sequences new to their slots
+                self.slot_settings[slot] = (sampling, seed)
+            return choose_rows(out[:, -1], rows, draw.choose, self.slot_settings)
 
     def ring(
         self,
@@ -246,7 +263,7 @@ class BatchRunner:
         later stages' next calls depend on that one."""
         for rows, _, _ in batches:  # refused before any step runs
             self.check_owner(rows)
-        if any(s is None for _, _, draw in batches for s in draw.samplings):
+        if not all(take for _, _, draw in batches for take in draw.choose):
             raise ValueError("steps run together need every row to choose a token")
         rows = [r for r, _, _ in batches]
         xs = [x for _, x, _ in batches]

@@ -415,7 +415,7 @@ class Engine:
         for step in steps:
             for request in {id(s.request): s.request for s in step.sequences}.values():
                 self._fail_request(request, exc)
-            self.scheduler.complete(step)
+            self.scheduler.unplan(step)  # what it carried may not have arrived
 
     def _fail_request(self, request: Request, exc: BaseException) -> None:
         if request.error is None:

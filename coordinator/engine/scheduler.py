@@ -70,6 +70,7 @@ class Scheduler:
         self.groups: list[_Group] = []
         self._done: list[Request] = []  # requests whose last sequence ended, not yet taken
         self.owner: tuple[str, int] = ("", 0)  # the engine's claim, stamped on every step
+        self._sent: dict[int, Sequence] = {}  # slot -> whose settings the last stage holds
         self.reform(num_groups)
 
     def reform(self, num_groups: int) -> None:
@@ -169,6 +170,7 @@ class Scheduler:
                     self._release(seq)
         self.reform(num_groups)
         self.waiting.extendleft(reversed(requeue))
+        self._sent.clear()  # the workers are claimed again: they hold no settings
 
     # steps
     def idle_groups(self) -> list[int]:
@@ -190,7 +192,10 @@ class Scheduler:
         return step
 
     def unplan(self, step: Step) -> None:
-        """A planned step that was never sent: its micro-batch may plan again."""
+        """A planned step that was never sent (or failed): its micro-batch may plan again, and
+        the settings it carried are sent again with the next."""
+        for slot, _, _ in step.draw.settings:
+            self._sent.pop(slot, None)
         self.complete(step)
 
     def _prefill_step(self, g: int, candidates: list[Sequence]) -> Step:
@@ -230,10 +235,15 @@ class Scheduler:
             max_seq_len=self.max_seq_len,
             owner=self.owner,
         )
-        samplings = tuple(
-            s.sampling if take else None for s, take in zip(chosen, samples, strict=True)
-        )
-        draw = Draw(samplings, tuple(s.seed for s in chosen))
+        # settings travel once per sequence: with its first step that chooses a token
+        new = [
+            s
+            for s, take in zip(chosen, samples, strict=True)
+            if take and self._sent.get(s.slot) is not s
+        ]
+        for seq in new:
+            self._sent[seq.slot] = seq
+        draw = Draw(tuple(samples), tuple((s.slot, s.sampling, s.seed) for s in new))
         self.groups[g].in_flight = True
         return Step(group=g, sequences=chosen, rows=rows, x=x, draw=draw, prefill=prefill)
 
