@@ -49,6 +49,9 @@ bench: $(STAMP)
 	$(PY) bench/batching.py
 	$(PY) bench/serve.py
 	$(PY) bench/policy.py
+	$(PY) bench/engine.py
+	$(PY) bench/shared_load.py
+	$(PY) bench/sampling.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache .hypothesis
