@@ -139,6 +139,9 @@ def test_job_config_validates_fields() -> None:
     with pytest.raises(ConfigError, match="cpus_per_worker"):
         JobConfig(checkpoint="a", cpus_per_worker=0)
     assert job_config_from_dict({"checkpoint": "a", "reserve_bytes": "1KiB"}).reserve_bytes == 1024
+    # a queue that cannot hold a whole batch would refuse, as busy, a request that fits
+    with pytest.raises(ConfigError, match=r"max_queue=0 must be >= max_batch=4.*--max-queue"):
+        JobConfig(checkpoint="a", max_batch=4, max_queue=0)
 
 
 def test_node_env_precedence_override_over_label() -> None:

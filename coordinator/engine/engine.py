@@ -78,7 +78,8 @@ class EngineConfig:
             )
 
 
-def _stale_epoch() -> contextlib.AbstractContextManager[int]:
+def _unchanging_workers() -> contextlib.AbstractContextManager[int]:
+    """The gate of workers that nobody else replaces (in-process pipelines): epoch 0."""
     return contextlib.nullcontext(0)
 
 
@@ -89,7 +90,7 @@ class Engine:
         config: EngineConfig,
         *,
         recover: Callable[[BaseException, int], None] | None = None,
-        gate: Callable[[], contextlib.AbstractContextManager[int]] = _stale_epoch,
+        gate: Callable[[], contextlib.AbstractContextManager[int]] = _unchanging_workers,
         micro_batches: Callable[[], int] | None = None,
         name: str = "engine",
         take_over: bool = False,
@@ -144,11 +145,9 @@ class Engine:
         never run here."""
         if not prompts or not all(prompts):
             raise NeverFitsError("a prompt is empty: each sequence needs at least one token")
+        # more sequences than slots never fit (and max_queue >= num_slots: never more than
+        # the queue holds), nor longer than a slot
         self._budget.check(len(prompts), max(len(p) for p in prompts) + max_new_tokens)
-        if len(prompts) > self.config.max_queue:  # max_queue >= num_slots: a safeguard
-            raise NeverFitsError(
-                f"{len(prompts)} sequences exceed max_queue={self.config.max_queue}"
-            )
         request = Request(
             sampling=sampling,
             max_new_tokens=max_new_tokens,
