@@ -13,7 +13,7 @@ import torch
 
 from coordinator.engine import Engine, EngineConfig, Finish, QueueFullError
 from coordinator.engine.engine import EngineClosedError
-from coordinator.engine.pipelines import _Done
+from coordinator.engine.pipelines import InProcessHandle
 from coordinator.runtime.errors import WorkerLostError
 from offload.errors import BusyError, ConfigError, NeverFitsError
 from worker.batched import NO_TOKEN, BatchRunner, ClaimedByAnotherError
@@ -71,7 +71,7 @@ class FakePipeline:
     def release(self, owner) -> None:
         self.runner.release(owner)
 
-    def submit(self, steps) -> _Done:
+    def submit(self, steps) -> InProcessHandle:
         """One step, or a burst of `count` steps of each micro-batch, taking turns as the
         first stage drives them (`StageWorker.batch_ring`)."""
         self.gate.wait(WAIT_S)
@@ -107,7 +107,7 @@ class FakePipeline:
                         tokens[r] = next_token(seen)
                 outputs.append((m, tokens))
                 current[m][:2] = rows.advanced(), tokens[:, None]
-        return _Done(outputs)
+        return InProcessHandle(outputs)
 
     def wait(self, handles, timeout_s):
         return list(handles)

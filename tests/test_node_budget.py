@@ -12,7 +12,7 @@ from coordinator.config import ConfigError, JobConfig
 from coordinator.planning.budgets import GPU_BUDGET_FRACTION, HOST_BUDGET_FRACTION, node_info
 from coordinator.planning.planner import PlanOptions, plan
 from coordinator.planning.snapshot import ClusterSnapshot
-from coordinator.runtime.probing import _node_info
+from coordinator.runtime.probing import probed_node_info
 from offload import DeviceInfo, NodeProbe
 from offload.policy import PIN_HEADROOM_FRACTION
 from worker.node import probe_here
@@ -72,7 +72,7 @@ def cuda_probe(**fields) -> NodeProbe:
 def test_plan_and_launcher_build_the_same_node(config: JobConfig, probed: dict | None) -> None:
     probed = probed or probe_here()
     planned = plan_cluster(config, probed, num_nodes=1).nodes[0]
-    launched = _node_info(config, ray_node("node-0", config.gpus), probed)
+    launched = probed_node_info(config, ray_node("node-0", config.gpus), probed)
     assert planned == launched
     assert launched.link_bytes_per_s is not None and launched.link_bytes_per_s > 0
 

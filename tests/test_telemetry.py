@@ -283,9 +283,9 @@ def test_gauges_are_set_from_the_snapshots(monkeypatch) -> None:
 
 
 def test_the_load_table_reads_the_snapshots() -> None:
-    from coordinator.cli.loads import _stage_table
+    from coordinator.cli.loads import stage_table
 
-    table = _stage_table([REPORTS[1], dataclasses.replace(REPORTS[0], gpu="")])
+    table = stage_table([REPORTS[1], dataclasses.replace(REPORTS[0], gpu="")])
     assert "on" in table and "probe: probe: discrete GPU" in table
     assert "10.00 MiB (1)" in table and "20.00 MiB" in table  # offloaded (layers), resident
     assert "backend" in table.splitlines()[0]

@@ -45,7 +45,7 @@ def cmd_load_or_run(args: argparse.Namespace, job_config, progress) -> int:
                 f"{job.index.num_decoder_layers} blocks{_untested(job.index.family)}"
             )
             print(job.plan.summary())
-            print(_stage_table(job.load_reports))
+            print(stage_table(job.load_reports))
             print(
                 f"loaded {job.index.total_bytes / 2**20:.1f} MiB on {len(job.workers)} workers "
                 f"in {time.perf_counter() - started:.1f} s"
@@ -168,7 +168,7 @@ def _check(job, config: JobConfig, ids, logits) -> int:
     return EXIT_MISMATCH
 
 
-def _stage_table(reports: Sequence[StageSnapshot]) -> str:
+def stage_table(reports: Sequence[StageSnapshot]) -> str:
     from coordinator.planning.formats import format_bytes, layer_range
 
     rows = [

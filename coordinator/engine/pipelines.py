@@ -52,7 +52,7 @@ def tokens_of(m: int, out) -> Tokens:
     return m, unpack(out)
 
 
-class _Done:
+class InProcessHandle:
     """A step run in this thread: a burst's steps run as they are read (`stop` ends it)."""
 
     def __init__(self, outputs) -> None:
@@ -85,14 +85,14 @@ class LocalPipeline:
         for worker in self.workers:
             worker.release(owner)
 
-    def submit(self, steps: list[Step]) -> _Done:
+    def submit(self, steps: list[Step]) -> InProcessHandle:
         if len(steps) > 1 or steps[0].count > 1:  # the first stage drives them
             batches = [(step.rows, step.x, step.draw) for step in steps]
-            return _Done(
+            return InProcessHandle(
                 self.workers[0].batch_ring(batches, steps[0].count, tuple(self.workers[1:]))
             )
         [step] = steps
-        return _Done([(0, send_through(self.workers, step.rows, step.x, step.draw))])
+        return InProcessHandle([(0, send_through(self.workers, step.rows, step.x, step.draw))])
 
-    def wait(self, handles: list[_Done], timeout_s: float) -> list[_Done]:
+    def wait(self, handles: list[InProcessHandle], timeout_s: float) -> list[InProcessHandle]:
         return list(handles)

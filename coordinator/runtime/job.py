@@ -55,7 +55,7 @@ class Job:
     next_worker: int = 0  # number of the next worker name of a named load
     keeper: ray.actor.ActorHandle | None = None  # a named load's keeper, once it runs
     _exporter: object | None = field(default=None, repr=False)
-    _loops: Loops = field(default_factory=Loops, repr=False)  # "export", "watch"
+    loops: Loops = field(default_factory=Loops, repr=False)  # "export", "watch"
     # Passes and generation steps at once, a recovery alone (see coordinator.runtime.gate).
     _gate: Gate = field(default_factory=Gate, repr=False)
     _kv: generation.KvBudget = field(default=None, repr=False)  # type: ignore[assignment]
@@ -121,7 +121,7 @@ class Job:
                 raise worker_failure(again, self.workers) from None
 
     def _forward(self, input_ids, attention_mask, position_ids, logits_to_keep) -> torch.Tensor:
-        self._require_open()
+        self.require_open()
         if any(h.actor is None for h in self.workers):  # attached to a load that lost workers
             raise WorkerLostError("a worker of this load was lost")
         ref, mask_ref, positions_ref = (
@@ -252,13 +252,13 @@ class Job:
         self._kv.check(sequences, prompt_length + settings.max_new_tokens)
         return settings
 
-    def _require_open(self) -> None:
+    def require_open(self) -> None:
         if not self.workers:
             raise LaunchError("the job is closed")
 
     def dead_stages(self) -> list[int]:
         """Stages whose worker is gone (its actor died or its node left), all pinged at once."""
-        self._require_open()
+        self.require_open()
         return self.group.dead_stages()
 
     def recover(self) -> list[int]:
@@ -351,7 +351,7 @@ class Job:
         """A fresh memory snapshot from every worker (see StageWorker.report); a stage whose
         worker is lost gets a `LostStage` instead (see telemetry.collect). A named load's
         stages as they are now (`refresh`)."""
-        self._require_open()
+        self.require_open()
         self.refresh()
         refs = [h.actor.report.remote() if h.actor is not None else None for h in self.workers]
         try:
@@ -370,13 +370,13 @@ class Job:
     def export_metrics_every(self, interval_s: float) -> None:
         """Publish the gauges every `interval_s` seconds from a background thread, until
         close(). A failed snapshot is reported on stderr and retried at the next tick."""
-        self._loops.every("export", interval_s, self.export_metrics)
+        self.loops.every("export", interval_s, self.export_metrics)
 
     def watch(self, interval_s: float) -> None:
         """Check every stage every `interval_s` seconds from a background thread and recover a
         lost one at once, rather than at the next forward. Until close(); a recovery that fails
         (say, a PlanError) is recorded in `events` and tried again at the next tick."""
-        self._loops.every("watch", interval_s, self._check)
+        self.loops.every("watch", interval_s, self._check)
 
     def _check(self) -> None:
         if self.workers:
@@ -385,7 +385,7 @@ class Job:
     def close(self) -> None:
         """Release the workers and their placement groups; for a named load on a cluster, only
         disconnect (use `registry.unload` to release it)."""
-        self._loops.stop_all()
+        self.loops.stop_all()
         self._engines.close()  # its last stats published; unfinished requests end
         with self._gate.alone():  # passes and a recovery in flight finish first
             if self.name is None or self.session.owned:

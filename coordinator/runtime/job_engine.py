@@ -97,7 +97,7 @@ class JobEngine:
         job = self.job
         with self._lock:
             if self._client is None:
-                job._require_open()
+                job.require_open()
                 if job.name is not None:
                     self._client = self._remote(job)
                 else:
@@ -115,7 +115,7 @@ class JobEngine:
                         lambda method, *a, **kw: getattr(host, method)(*a, **kw), local=engine
                     )
                     if job.config.snapshot_interval_s > 0:
-                        job._loops.every("engine", job.config.snapshot_interval_s, self.publish)
+                        job.loops.every("engine", job.config.snapshot_interval_s, self.publish)
             return self._client
 
     @staticmethod

@@ -16,7 +16,7 @@ LOOP_JOIN_TIMEOUT_S = 5.0
 
 class Loops:
     def __init__(self) -> None:
-        self._loops: dict[str, tuple[threading.Thread, threading.Event]] = {}
+        self.loops: dict[str, tuple[threading.Thread, threading.Event]] = {}
 
     def every(self, name: str, interval_s: float, action: Callable[[], object]) -> None:
         """Run `action` every `interval_s` seconds, replacing the loop called `name`."""
@@ -34,14 +34,14 @@ class Loops:
 
         thread = threading.Thread(target=loop, name=f"offload-{name}", daemon=True)
         thread.start()
-        self._loops[name] = (thread, stop)
+        self.loops[name] = (thread, stop)
 
     def stop(self, name: str) -> None:
-        if name in self._loops:
-            thread, stop = self._loops.pop(name)
+        if name in self.loops:
+            thread, stop = self.loops.pop(name)
             stop.set()
             thread.join(timeout=LOOP_JOIN_TIMEOUT_S)
 
     def stop_all(self) -> None:
-        for name in list(self._loops):
+        for name in list(self.loops):
             self.stop(name)

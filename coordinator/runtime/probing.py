@@ -87,7 +87,7 @@ def probe_cluster(
     infos = []
     for node, result in zip(nodes, results, strict=True):
         held = (held_bytes or {}).get(node["NodeID"], 0)
-        infos.append(_node_info(config, node, result, held, envs[node["NodeID"]][1]))
+        infos.append(probed_node_info(config, node, result, held, envs[node["NodeID"]][1]))
     return ClusterSnapshot(nodes=tuple(infos)), envs
 
 
@@ -96,7 +96,7 @@ def model_of(index, config: JobConfig) -> tuple[dict, str, int]:
     return index.config, index.dtype, config.cpus_per_worker
 
 
-def _node_info(
+def probed_node_info(
     config: JobConfig,
     node: dict,
     result: dict,
