@@ -151,6 +151,7 @@ def test_every_client_of_a_load_goes_through_its_one_engine(cluster, tmp_path) -
     step that is not the load's engine's is refused by the worker with a clear error."""
     import os
     import threading
+    import time
 
     import torch
 
@@ -257,13 +258,28 @@ def test_every_client_of_a_load_goes_through_its_one_engine(cluster, tmp_path) -
         )
         with pytest.raises(ray.exceptions.RayTaskError, match="two engines must never write"):
             ray.get(job.workers[0].actor.batch_step.remote(rows, torch.tensor([[3]])), timeout=60)
-        # the load's engine goes on, its texts unchanged
-        assert (
-            job.generate(prompts[0], max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)[
-                0, prompts[0].shape[1] :
-            ].tolist()
-            == expected[0]
-        )
+
+        def greedy(i: int) -> list[int]:
+            out = job.generate(
+                prompts[i], max_new_tokens=new_tokens, do_sample=False, eos_token_id=None
+            )
+            return out[0, prompts[i].shape[1] :].tolist()
+
+        assert greedy(0) == expected[0]  # the load's engine goes on, its texts unchanged
+        # the keeper's process dies: Ray starts it again, its new engine takes the workers
+        # over, and the clients go on through it (the same handle)
+        ray.kill(job.keeper, no_restart=False)
+        deadline = time.monotonic() + 120
+        while True:  # until the new keeper answers, with a new engine (its own count)
+            try:
+                stats = ray.get(job.keeper.stats.remote(), timeout=10)
+                if stats is not None and stats["requests"] == 0:
+                    break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+            assert time.monotonic() < deadline, "the keeper did not come back"
+            time.sleep(0.5)
+        assert greedy(1) == expected[1]
         for handle in handles:
             handle.close()
     finally:

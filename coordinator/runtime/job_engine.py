@@ -44,6 +44,7 @@ def build_engine(
     recover: Callable[[BaseException, int], None],
     gate,
     name: str,
+    take_over: bool = False,
 ) -> Engine:
     """The engine of a load whose current workers, config and plan these return (they change
     with recoveries), claiming the workers at once."""
@@ -62,6 +63,7 @@ def build_engine(
         gate=gate,
         micro_batches=lambda: micro_batches(config(), plan()),
         name=name,
+        take_over=take_over,
     )
 
 
@@ -76,7 +78,10 @@ def remote_call(actor, what: str) -> Callable:
             cause = getattr(exc, "cause", None)
             raise (cause if isinstance(cause, Exception) else LaunchError(str(exc))) from None
         except ray.exceptions.RayActorError:
-            raise LaunchError(f"{what} is gone (its keeper died): unload and load again") from None
+            raise LaunchError(
+                f"{what} is unavailable: its keeper died (Ray starts it again from the load's "
+                "record, up to 3 times): retry shortly, or unload and load again"
+            ) from None
         except ray.exceptions.GetTimeoutError:
             raise LaunchError(f"{what} did not answer within {CALL_TIMEOUT_S:.0f} s") from None
 

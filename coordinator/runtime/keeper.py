@@ -23,6 +23,7 @@ exponential back-off, from the watch interval up to BACKOFF_MAX_S.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -44,13 +45,17 @@ EXPORT_TIMEOUT_S = 30.0  # the workers' latest snapshots are in memory: they ans
 # Calls at once: each client process of the load keeps one fetch of its tokens waiting here,
 # beside submits, cancels, stats and recoveries.
 MAX_CONCURRENCY = 256
+# A keeper whose process dies is started again by Ray (from its record: the load's plan and
+# workers as they are), and its new engine takes the workers over from the dead one's; the
+# requests that were in flight end with an error, later ones run. `unload` kills it for good.
+KEEPER_RESTARTS = 3
 
 
 def keeper_name(name: str) -> str:
     return f"{registry.record_name(name)}:keeper"
 
 
-@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=MAX_CONCURRENCY)
+@ray.remote(num_cpus=0, max_restarts=KEEPER_RESTARTS, max_concurrency=MAX_CONCURRENCY)
 class LoadKeeper:
     def __init__(self, name: str, index: CheckpointIndex) -> None:
         self.name = name
@@ -63,16 +68,10 @@ class LoadKeeper:
         record = registry.load_record(name)[1]
         config = registry.config_of(record)
         self.group = registry.group_of(record, index)  # the load now: a recovery replaces it
-        self.host = EngineHost(
-            build_engine(
-                lambda: self.group.handles,
-                lambda: self.group.config,
-                lambda: self.group.plan,
-                recover=self._recover_after,
-                gate=self.gate.inside,
-                name=f"load-{name}",
-            )
-        )
+        self._engine_lock = threading.Lock()
+        self._host: EngineHost | None = None
+        with contextlib.suppress(Exception):  # a worker lost now: the first request retries
+            self.host()
         self._engine_metrics = None
         for target, interval_s in (
             (self._watch_loop, config.watch_interval_s),
@@ -197,23 +196,46 @@ class LoadKeeper:
 
         if self._engine_metrics is None:
             self._engine_metrics = EngineMetrics(self.index.root.name)
-        self._engine_metrics.export(self.host.engine.stats)
+        if self._host is not None:
+            self._engine_metrics.export(self._host.engine.stats)
 
     # the load's engine (coordinator.engine.host): every client of the load comes here
+    def host(self) -> EngineHost:
+        """The load's engine, started now if it is not yet (it claims the workers: it fails
+        while one is lost, and starts with the first request after the recovery)."""
+        with self._engine_lock:
+            if self._host is None:
+                self._host = EngineHost(
+                    build_engine(
+                        lambda: self.group.handles,
+                        lambda: self.group.config,
+                        lambda: self.group.plan,
+                        recover=self._recover_after,
+                        gate=self.gate.inside,
+                        name=f"load-{self.name}",
+                        # the load's one engine (its keeper is a named actor): a restarted
+                        # keeper's takes the workers over from the dead one's
+                        take_over=True,
+                    )
+                )
+            return self._host
+
     def submit(self, client: str, rid: int, prompts: list[list[int]], **settings) -> None:
-        self.host.submit(client, rid, prompts, **settings)
+        self.host().submit(client, rid, prompts, **settings)
 
     def cancel(self, client: str, rid: int) -> None:
-        self.host.cancel(client, rid)
+        self.host().cancel(client, rid)
 
     def fetch(self, client: str, wait_s: float):
-        return self.host.fetch(client, wait_s)
+        return self.host().fetch(client, wait_s)
 
-    def stats(self) -> dict:
-        return {**self.host.stats(), "time": time.time()}
+    def stats(self) -> dict | None:
+        if self._host is None:
+            return None
+        return {**self._host.stats(), "time": time.time()}
 
     def prometheus(self, model_name: str) -> str:
-        return self.host.prometheus(model_name)
+        return self.host().prometheus(model_name)
 
     def ping(self) -> bool:
         return True
