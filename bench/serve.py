@@ -116,11 +116,23 @@ def stop_server(proc) -> None:
             proc.wait(timeout=30)
 
 
-def level(base: str, key: str, clients: int, per_client: int, max_tokens: int) -> dict:
+def level(
+    base: str,
+    key: str,
+    clients: int,
+    per_client: int,
+    max_tokens: int,
+    *,
+    prompt=lambda c, r: f"client {c} request {r}: tell me a story about cats",
+    expected=None,
+) -> dict:
+    """C clients at once, each sending `per_client` streamed completions of `prompt(c, r)`
+    one after another. With `expected(c, r)`, each completion's text is compared with it
+    ("wrong" counts those that differ)."""
     import openai
 
     client = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=600)
-    ttft, itl, tokens, errors = [], [], [], []
+    ttft, itl, tokens, errors, wrong = [], [], [], [], []
     lock = threading.Lock()
     barrier = threading.Barrier(clients)
 
@@ -128,11 +140,11 @@ def level(base: str, key: str, clients: int, per_client: int, max_tokens: int) -
         barrier.wait()
         for r in range(per_client):
             sent = time.perf_counter()
-            stamps, usage, finish = [], None, None
+            stamps, usage, finish, text = [], None, None, []
             try:
                 stream = client.completions.create(
                     model="llama",
-                    prompt=f"client {c} request {r}: tell me a story about cats",
+                    prompt=prompt(c, r),
                     max_tokens=max_tokens,
                     temperature=0,
                     stream=True,
@@ -141,6 +153,7 @@ def level(base: str, key: str, clients: int, per_client: int, max_tokens: int) -
                 for chunk in stream:
                     if chunk.choices and chunk.choices[0].text:
                         stamps.append(time.perf_counter())
+                        text.append(chunk.choices[0].text)
                     if chunk.choices and chunk.choices[0].finish_reason:
                         finish = chunk.choices[0].finish_reason
                     if chunk.usage is not None:
@@ -153,6 +166,8 @@ def level(base: str, key: str, clients: int, per_client: int, max_tokens: int) -
                 if finish is None or usage is None:
                     errors.append("no finish")
                     continue
+                if expected is not None and "".join(text) != expected(c, r):
+                    wrong.append((c, r))
                 tokens.append(usage)
                 if stamps:
                     ttft.append(stamps[0] - sent)
@@ -182,6 +197,7 @@ def level(base: str, key: str, clients: int, per_client: int, max_tokens: int) -
         "itl_p99_s": pct(itl, 99),
         "errors": len(errors),
         "error_kinds": sorted(set(errors)),
+        "wrong": len(wrong),
     }
 
 

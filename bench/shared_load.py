@@ -20,16 +20,11 @@ shape), on an embedded Ray with one logical GPU, `max_batch` 8, 16 distinct prom
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import secrets
 import shutil
-import socket
-import statistics
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import ray
@@ -39,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.batching import bench_shape
 from bench.generate import machine
+from bench.serve import free_port, level
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import load_index
 from coordinator.runtime import registry
@@ -50,12 +46,6 @@ from coordinator.tools.make_checkpoint import make_checkpoint
 NAME = "shared"
 PROMPTS = [f"request {i}: tell me a story about cats and {i} dogs" for i in range(16)]
 LOOP_ROUNDS = 3  # the loop generates every prompt this many times
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def references(checkpoint: str, tokenizer, eos: tuple[int, ...], max_tokens: int):
@@ -100,78 +90,6 @@ def generate_loop(name: str, prompts: list[list[int]], max_tokens: int, eos: lis
     return outs
 
 
-def clients_run(base: str, key: str, clients: int, per_client: int, max_tokens: int, refs):
-    import openai
-
-    client = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=600)
-    ttft, itl, tokens, errors, wrong = [], [], [], [], []
-    lock = threading.Lock()
-    barrier = threading.Barrier(clients)
-
-    def one(c: int) -> None:
-        barrier.wait()
-        for r in range(per_client):
-            p = (c * per_client + r) % len(PROMPTS)
-            sent = time.perf_counter()
-            stamps, usage, finish, text = [], None, None, []
-            try:
-                stream = client.completions.create(
-                    model="llama",
-                    prompt=PROMPTS[p],
-                    max_tokens=max_tokens,
-                    temperature=0,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                )
-                for chunk in stream:
-                    if chunk.choices and chunk.choices[0].text:
-                        stamps.append(time.perf_counter())
-                        text.append(chunk.choices[0].text)
-                    if chunk.choices and chunk.choices[0].finish_reason:
-                        finish = chunk.choices[0].finish_reason
-                    if chunk.usage is not None:
-                        usage = chunk.usage.completion_tokens
-            except Exception as exc:  # counted, with its kind
-                with lock:
-                    errors.append(type(exc).__name__)
-                continue
-            with lock:
-                if finish is None or usage is None:
-                    errors.append("no finish")
-                    continue
-                if "".join(text) != refs[p][2]:
-                    wrong.append(p)
-                tokens.append(usage)
-                if stamps:
-                    ttft.append(stamps[0] - sent)
-                    itl.extend(b - a for a, b in itertools.pairwise(stamps))
-
-    threads = [threading.Thread(target=one, args=(c,)) for c in range(clients)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
-
-    def pct(values: list[float], q: int) -> float | None:
-        return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else None
-
-    return {
-        "clients": clients,
-        "requests": clients * per_client,
-        "wall_s": wall,
-        "tokens_per_s": sum(tokens) / wall,
-        "ttft_p50_s": pct(ttft, 50),
-        "ttft_p99_s": pct(ttft, 99),
-        "itl_p50_s": pct(itl, 50),
-        "itl_p99_s": pct(itl, 99),
-        "errors": len(errors),
-        "error_kinds": sorted(set(errors)),
-        "wrong": len(wrong),
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=128)
@@ -202,13 +120,15 @@ def main(argv: list[str] | None = None) -> int:
             port, key = free_port(), secrets.token_hex(16)
             app.start([NAME], "llama", host="127.0.0.1", port=port, api_key=key)
             loop = generate_loop.remote(NAME, [r[0] for r in refs], args.max_tokens, list(eos))
-            row = clients_run(
+            per = args.requests_per_client
+            row = level(
                 f"http://127.0.0.1:{port}/v1",
                 key,
                 args.clients,
-                args.requests_per_client,
+                per,
                 args.max_tokens,
-                refs,
+                prompt=lambda c, r: PROMPTS[(c * per + r) % len(PROMPTS)],
+                expected=lambda c, r: refs[(c * per + r) % len(PROMPTS)][2],
             )
             looped = ray.get(loop, timeout=1800)
             row["loop_requests"] = len(looped)

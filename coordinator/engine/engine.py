@@ -119,8 +119,8 @@ class Engine:
         self._incoming: list[Request] = []
         self._cancelled: list[Request] = []
         self._closed = False
-        # handle -> its steps, this engine's claim and the workers' epoch it was sent in
-        self._in_flight: dict[Handle, tuple[list[Step], int, int]] = {}
+        # handle -> its steps and the workers' epoch it was sent in (a restart drops them all)
+        self._in_flight: dict[Handle, tuple[list[Step], int]] = {}
         self._claim = 0  # how many times this engine claimed the workers (a step's epoch)
         with self._gate() as epoch:
             self._seen_epoch = epoch
@@ -298,7 +298,7 @@ class Engine:
                         for step in later:
                             scheduler.unplan(step)
                     break
-                self._in_flight[handle] = (batch, self._claim, epoch)
+                self._in_flight[handle] = (batch, epoch)
                 self.stats.calls += 1
         if failed is not None:  # outside the gate: a recovery needs it alone
             self._step_failed(*failed, epoch)
@@ -339,7 +339,7 @@ class Engine:
                 f"a generation step did not finish within {self.config.step_timeout_s:.0f} s "
                 "(forward_timeout_s)"
             )
-            for handle, (steps, _, _) in list(self._in_flight.items()):
+            for handle, (steps, _) in list(self._in_flight.items()):
                 del self._in_flight[handle]
                 self._fail_steps(steps, timeout)
             return
@@ -347,7 +347,7 @@ class Engine:
             if handle in self._in_flight:  # else dropped by a restart meanwhile
                 self._run(handle, *self._in_flight.pop(handle))
 
-    def _run(self, handle: Handle, steps: list[Step], claim: int, epoch: int) -> None:
+    def _run(self, handle: Handle, steps: list[Step], epoch: int) -> None:
         read = [0] * len(steps)  # results read, per step
         expected = sum(step.count for step in steps)
         try:
@@ -365,8 +365,6 @@ class Engine:
         except Exception as exc:
             self._step_failed(steps, exc, epoch)
             return
-        if claim != self._claim:
-            return  # a restart happened meanwhile (a client's callback): nothing to complete
         for step in steps:
             self.scheduler.complete(step)
 
