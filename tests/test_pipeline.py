@@ -764,3 +764,35 @@ def test_replicas_each_on_their_own_gpu_and_a_lost_worker_stays_in_its_replica(
             registry.forget(job.name)
             job.close()
     wait_gpus_free(NUM_GPUS)
+
+
+@ray.remote(num_cpus=0)
+class _StuckRing:
+    """A first stage whose burst streams one step, then hangs (a stuck stage)."""
+
+    def ring(self, release_s: float):
+        from worker.wire import pack
+
+        yield [(0, pack(torch.tensor([7, 8])))]
+        time.sleep(release_s)
+        yield [(0, pack(torch.tensor([9, 9])))]
+
+
+def test_a_burst_whose_stage_hangs_ends_at_its_bound(embedded_ray) -> None:
+    """The engine reads a burst through Ray with every wait bounded: a stage that stops
+    streaming mid-burst ends the read at the bound with an error naming it, never holding
+    the engine's only thread."""
+    from coordinator.engine.ray_pipeline import BurstHandle
+
+    stuck = _StuckRing.remote()
+    try:
+        burst = BurstHandle(stuck.ring.options(num_returns="streaming").remote(60.0), through=False)
+        results = burst.results(timeout_s=1.0)
+        m, tokens = next(results)
+        assert m == 0 and tokens.tolist() == [7, 8]
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"next step did not come within 1 s"):
+            next(results)
+        assert time.monotonic() - start < 30
+    finally:
+        ray.kill(stuck)

@@ -43,7 +43,7 @@ def by_value_or_ref(tensor):
     return ray.put(packed)
 
 
-class _StepRef:
+class StepHandle:
     def __init__(self, ref) -> None:
         self.waitable = ref
 
@@ -54,7 +54,7 @@ class _StepRef:
         pass  # one step: nothing to stop
 
 
-class _Burst:
+class BurstHandle:
     def __init__(self, stream, *, through: bool) -> None:
         self.waitable = stream
         self._through = through  # the first stage sends its steps on to others
@@ -136,7 +136,7 @@ class RayPipeline:
             raise WorkerLostError("a worker of this load was lost")
         return actors
 
-    def submit(self, steps: list[Step]) -> _StepRef | _Burst:
+    def submit(self, steps: list[Step]) -> StepHandle | BurstHandle:
         actors = self._actors()
         if len(steps) > 1 or steps[0].count > 1:  # stage 0 drives them, actor to actor
             batches = [(step.rows, pack(step.x), step.draw) for step in steps]
@@ -145,9 +145,9 @@ class RayPipeline:
                 .batch_ring.options(num_returns="streaming")
                 .remote(batches, steps[0].count, tuple(actors[1:]), self._timeout_s(), RING_YIELD_S)
             )
-            return _Burst(stream, through=len(actors) > 1)
+            return BurstHandle(stream, through=len(actors) > 1)
         [step] = steps
-        return _StepRef(send_through(actors, step.rows, by_value_or_ref(step.x), step.draw))
+        return StepHandle(send_through(actors, step.rows, by_value_or_ref(step.x), step.draw))
 
     def wait(self, handles: list, timeout_s: float) -> list:
         by_waitable = {h.waitable: h for h in handles}
