@@ -290,24 +290,23 @@ class BatchRunner:
         last stage's answer, or (in process, or with no downstream) the answer itself."""
         if not downstream:
             return self.step(stage, rows, x, draw)
-        return send_through(downstream, rows, pack(self.step(stage, rows, x, None)), draw)
+        return send_through(downstream, rows, self.step(stage, rows, x, None), draw)
 
 
 def send_through(workers: Sequence, rows: StepRows, x, draw: Draw | None):
     """One step through `workers` in order (Ray actor handles, or in-process `StageWorker`s),
     each stage's `batch_step` given the previous one's output, the last one `draw`: the one
-    way a step runs through stages (the engine's pipelines, a burst's ring). Returns the last
-    stage's answer: an object ref through Ray (the activations went actor to actor), or the
-    packed tokens in process."""
+    way a step runs through stages (the engine's pipelines, a burst's ring). Tensors are
+    packed (`worker.wire`) only where they cross Ray. Returns the last stage's answer: an
+    object ref through Ray (the activations went actor to actor), or the tokens in process."""
     out = x
     for i, worker in enumerate(workers):
         last_draw = draw if i == len(workers) - 1 else None
         call = getattr(worker.batch_step, "remote", None)
-        out = (
-            call(rows, out, last_draw)
-            if call is not None
-            else worker.batch_step(rows, out, last_draw)
-        )
+        if call is None:
+            out = worker.batch_step(rows, out, last_draw, wire=False)
+        else:
+            out = call(rows, pack(out) if isinstance(out, torch.Tensor) else out, last_draw)
     return out
 
 

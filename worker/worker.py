@@ -321,14 +321,15 @@ class StageWorker:
         self._batches.release(owner)
 
     def batch_step(
-        self, rows: StepRows, x: Packed | torch.Tensor, draw: Draw | None = None
-    ) -> Packed:
+        self, rows: StepRows, x: Packed | torch.Tensor, draw: Draw | None = None, wire: bool = True
+    ) -> Packed | torch.Tensor:
         """One generation step of a micro-batch (`worker.batched`): every row at once, each
-        in its own KV slot; hidden states out, or from the last stage each row's next token."""
+        in its own KV slot; hidden states out, or from the last stage each row's next token.
+        `wire`: packed for Ray (`worker.wire`); a caller in this process takes the tensor."""
         self._require_ready()
         out = self._batches.step(self.stage, rows, unpack(x), draw)
         self._count_forward()
-        return pack(out)
+        return pack(out) if wire else out
 
     def batch_ring(
         self,
@@ -337,23 +338,24 @@ class StageWorker:
         downstream: tuple = (),
         timeout_s: float = 300.0,
         yield_every_s: float = 0.0,
+        wire: bool = True,
     ):
         """Up to `count` decode steps of each micro-batch of `batches` driven from here, the
         first stage (`BatchRunner.ring`): each step goes through this stage and then the
         `downstream` ones, actor to actor, and the last stage's tokens come back here as the
         next step's input, the micro-batches taking turns so that every stage has one to work
-        on. Yields lists of (micro-batch, packed tokens), one per step: a step's tokens go out
-        at once when the last went out `yield_every_s` ago or more, else with the next. Called
-        through Ray as a streaming generator, where each item costs ~0.35 ms (on a model whose
-        step takes 2 ms, one item a step was a sixth of the step): `RING_YIELD_S` there; in
-        process, 0 (every step at once, so that a cut burst computes nothing more)."""
+        on. Yields lists of (micro-batch, tokens: packed when `wire`), one per step: a step's
+        tokens go out at once when the last went out `yield_every_s` ago or more, else with the
+        next. Called through Ray as a streaming generator, where each item costs ~0.35 ms (on a
+        model whose step takes 2 ms, one item a step was a sixth of the step): `RING_YIELD_S`
+        there; in process, 0 (every step at once, so that a cut burst computes nothing more)."""
         self._require_ready()
         batches = [(rows, unpack(x), draw) for rows, x, draw in batches]
         ready: list[tuple[int, Packed]] = []
         last = 0.0
         for m, tokens in self._batches.ring(self.stage, batches, count, downstream, timeout_s):
             self._count_forward()  # this stage's own part of the step
-            ready.append((m, pack(tokens)))
+            ready.append((m, pack(tokens) if wire else tokens))
             if time.perf_counter() - last >= yield_every_s:
                 yield ready
                 ready, last = [], time.perf_counter()

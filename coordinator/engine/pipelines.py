@@ -89,7 +89,9 @@ class LocalPipeline:
         if len(steps) > 1 or steps[0].count > 1:  # the first stage drives them
             batches = [(step.rows, step.x, step.draw) for step in steps]
             return InProcessHandle(
-                self.workers[0].batch_ring(batches, steps[0].count, tuple(self.workers[1:]))
+                self.workers[0].batch_ring(
+                    batches, steps[0].count, tuple(self.workers[1:]), wire=False
+                )
             )
         [step] = steps
         return InProcessHandle([(0, send_through(self.workers, step.rows, step.x, step.draw))])
