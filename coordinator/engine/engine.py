@@ -148,18 +148,17 @@ class Engine:
         # more sequences than slots never fit (and max_queue >= num_slots: never more than
         # the queue holds), nor longer than a slot
         self._budget.check(len(prompts), max(len(p) for p in prompts) + max_new_tokens)
-        request = Request(
+        request = Request.of(
+            prompts,
             sampling=sampling,
             max_new_tokens=max_new_tokens,
-            eos_token_ids=frozenset(eos_token_ids),
+            eos_token_ids=eos_token_ids,
             on_token=on_token,
             on_finish=on_finish,
         )
-        for row, prompt in enumerate(prompts):
-            seq = Sequence(request=request, row=row, prompt=list(prompt))
-            if sampling.do_sample:  # the key of every draw of this row (worker.decode.uniform)
-                seq.seed = seed + row if seed is not None else secrets.randbits(63)
-            request.sequences.append(seq)
+        if sampling.do_sample:  # the key of every draw of a row (worker.decode.uniform)
+            for seq in request.sequences:
+                seq.seed = seed + seq.row if seed is not None else secrets.randbits(63)
         if max_new_tokens == 0:
             for seq in request.sequences:
                 seq.finish = Finish.LENGTH

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.engine.engine import Engine
-from coordinator.engine.sequences import Finish, Request, Sequence
+from coordinator.engine.sequences import Finish, Request
 from offload.errors import LaunchError
 
 POLL_WAIT_S = 1.0  # how long one fetch of a client's outbox waits for something to come
@@ -212,17 +212,14 @@ class EngineClient:
         on_token: Callable[[int, int], None] | None = None,
         on_finish: Callable[[], None] | None = None,
     ) -> Request:
-        request = Request(
+        request = Request.of(
+            prompts,
             sampling=sampling,
             max_new_tokens=max_new_tokens,
-            eos_token_ids=frozenset(eos_token_ids),
+            eos_token_ids=eos_token_ids,
             on_token=on_token,
             on_finish=on_finish,
         )
-        request.sequences = [
-            Sequence(request=request, row=row, prompt=list(prompt))
-            for row, prompt in enumerate(prompts)
-        ]
         request.id = rid = next(self._ids)
         with self._lock:  # known before its first token can come
             if self._closed:

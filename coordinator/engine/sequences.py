@@ -74,6 +74,31 @@ class Request:
     id: int | None = None  # a client's number for it (coordinator.engine.host)
     _done: threading.Event = field(default_factory=threading.Event)
 
+    @classmethod
+    def of(
+        cls,
+        prompts: list[list[int]],
+        *,
+        sampling: Sampling,
+        max_new_tokens: int,
+        eos_token_ids=(),
+        on_token: Callable[[int, int], None] | None = None,
+        on_finish: Callable[[], None] | None = None,
+    ) -> Request:
+        """A request of one sequence per prompt (the engine's, or a client's copy of it)."""
+        request = cls(
+            sampling=sampling,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=frozenset(eos_token_ids),
+            on_token=on_token,
+            on_finish=on_finish,
+        )
+        request.sequences = [
+            Sequence(request=request, row=row, prompt=list(prompt))
+            for row, prompt in enumerate(prompts)
+        ]
+        return request
+
     def done(self) -> bool:
         return self._done.is_set()
 
