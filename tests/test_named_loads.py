@@ -285,3 +285,93 @@ def test_every_client_of_a_load_goes_through_its_one_engine(cluster, tmp_path) -
     finally:
         registry.unload("shared")
     wait_gpus_free(3)
+
+
+def _holdings() -> tuple[set[str], dict[str, str]]:
+    """The cluster's named actors and its placement groups that are not removed (id -> state)."""
+    actors = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    groups = {
+        group_id: entry["state"]
+        for group_id, entry in ray.util.placement_group_table().items()
+        if entry["state"] != "REMOVED"
+    }
+    return actors, groups
+
+
+def test_a_load_never_harms_another_of_its_name_or_beside_it(cluster, tmp_path) -> None:
+    """Two loads named `dup` at once: one wins and stays usable, the other fails at once naming
+    the name (before: it waited for GPUs, failed, and its clean-up removed the winner by
+    name). A load that cannot get GPUs (the winner holds two of the three) leaves the cluster
+    as it found it: no record, no worker, no placement group. `unload` of a load whose record
+    died cleans up by name."""
+    import dataclasses
+    import threading
+
+    import torch
+
+    from coordinator.config import JobConfig
+    from coordinator.planning.planner import PlanError
+    from coordinator.runtime.launch import attach, launch
+    from coordinator.tools.reference import reference_logits
+
+    checkpoint = str(
+        make_checkpoint(
+            tmp_path / "ckpt",
+            CheckpointShape(
+                num_layers=4,
+                hidden_size=64,
+                num_heads=4,
+                num_kv_heads=2,
+                intermediate_size=128,
+                vocab_size=128,
+            ),
+        )
+    )
+    index = load_index(checkpoint)
+    decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
+    # two GPUs hold it resident; one cannot (no host memory to offload to)
+    config = JobConfig(
+        checkpoint=checkpoint,
+        address=cluster.address,
+        gpu_memory_bytes=index.total_bytes // 2 + decoder,
+        host_memory_bytes=1,
+        nodes=f"{ray.get_runtime_context().get_node_id()}=2",  # two of the three GPUs
+    )
+    before = _holdings()
+    results: dict[int, object] = {}
+
+    def load(i: int) -> None:
+        try:
+            results[i] = launch(config, name="dup")
+        except Exception as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    [winner] = [r for r in results.values() if not isinstance(r, Exception)]
+    [error] = [r for r in results.values() if isinstance(r, Exception)]
+    try:
+        assert "a load named 'dup' already exists or is loading" in str(error)
+        assert registry.list_loads() == ["dup"] and len(registry.named_groups("dup")) == 1
+        winner.close()  # detaches
+        ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+        with attach("dup", address=cluster.address) as job:
+            assert len(job.plan.stages) == 2
+            assert torch.equal(job.forward(ids), reference_logits(checkpoint, ids))
+        held = _holdings()
+
+        # one GPU is free, and one cannot hold the model: refused, nothing left behind
+        with pytest.raises(PlanError):
+            launch(dataclasses.replace(config, nodes=""), name="greedy")
+        assert _holdings() == held and registry.list_loads() == ["dup"]
+
+        # the record dies (its process, say): unload still finds the load by its name
+        ray.kill(ray.get_actor(registry.record_name("dup"), namespace="offload-coordinator"))
+        assert main(["unload", "dup", "--address", cluster.address]) == 0
+    finally:
+        registry.forget("dup")
+    wait_gpus_free(3)
+    assert _holdings() == before

@@ -17,6 +17,7 @@ from coordinator.runtime import recovery, registry
 from coordinator.runtime.group import WorkerGroup
 from coordinator.runtime.job import Job
 from coordinator.runtime.keeper import find as find_keeper
+from coordinator.runtime.keeper import kill as kill_keeper
 from coordinator.runtime.keeper import start as start_keeper
 from coordinator.runtime.probing import model_of, probe_cluster
 from coordinator.runtime.session import RaySession, connect
@@ -36,15 +37,20 @@ def launch(
             f"replicas={config.replicas}: a job runs one pipeline; several are "
             "served as replicas (offloadctl serve, launch_replicas)"
         )
+    if name is not None:
+        registry.check_name(name)
     index = _checked_index(config)
     session = connect(config)
+    record = None
     try:
-        if name is not None:
-            registry.check_name(name)
+        if name is not None:  # first: a second load of the name fails now, not after its wait
+            record = registry.claim(name)
         snapshot, envs = probe_cluster(config, model=model_of(index, config))
         config, the_plan = plan_job(config, index, snapshot)
-        return _start(config, index, the_plan, envs, session, name, progress)
+        return _start(config, index, the_plan, envs, session, name, progress, record)
     except BaseException:
+        if record is not None:
+            registry.release(record)  # ours, by handle: never another load's record
         session.close()
         raise
 
@@ -74,7 +80,6 @@ def launch_replicas(
                 nodes=recovery.nodes_of(the_plan) if many else "",
             )
             load = f"{name}-{r}" if many else name
-            registry.check_name(load)
             # the first replica owns the Ray this call connected to; the others only use it
             jobs.append(
                 _start(
@@ -85,12 +90,13 @@ def launch_replicas(
                     session if not jobs else RaySession(owned=False),
                     load,
                     progress,
+                    registry.claim(load),
                 )
             )
         return jobs
     except BaseException:
         for job in reversed(jobs):
-            registry.forget(job.name)
+            registry.forget(job.name)  # a replica this call made and loaded: all of it
             job.close()
         if not jobs:
             session.close()
@@ -115,11 +121,15 @@ def _start(
     session: RaySession,
     name: str | None,
     progress: Callable[[int, int], None] | None,
+    record=None,
 ) -> Job:
     """Reserve the plan's GPUs, start and load its workers: a Job (named: detached, recorded,
-    kept by a keeper). On failure what this started is released and the name forgotten (its
-    caller checked that no load had it); the session is the caller's to close."""
+    kept by a keeper). `record`: the name's record, claimed by the caller (`registry.claim`).
+    On failure what this started is released: its workers, its placement groups, its keeper
+    and the record; never anything found by name, which may be another load's. The session is
+    the caller's to close."""
     job = None
+    keeper = None
     try:
         group = WorkerGroup(config=config, index=index, plan=the_plan, load_name=name)
         job = Job(group=group, session=session, name=name)
@@ -127,16 +137,19 @@ def _start(
             group.names = job.new_worker_names
         group.start(envs)
         if name is not None:  # recorded first, so `unload` finds a load interrupted midway
-            registry.save(name, config, group, [])
+            registry.store(record, config, group, [], state="loading")
         job.load_reports = recovery.load_recovering(group, job.record_event, progress)
         if name is not None:  # from now on the keeper changes the load, no driver
-            job.keeper = start_keeper(name, index)
+            keeper = job.keeper = start_keeper(name, index)
+            registry.store(record, group.config, group, job.events, state="loaded")
         return job
     except BaseException:
+        if keeper is not None:
+            kill_keeper(keeper)
         if job is not None:
             job.group.stop()
-        if name is not None:
-            registry.forget(name)  # its record, and whatever of it has a name
+        if record is not None:
+            registry.release(record)
         raise
 
 

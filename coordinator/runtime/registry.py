@@ -1,9 +1,13 @@
 """Named loads: a loaded model that outlives the command that loaded it.
 
-`offloadctl load --name NAME` starts its workers as detached, named actors in our namespace, in
-detached, named placement groups (`load:NAME:pg-N`), and leaves a small detached record (config,
-plan, worker names, their bundles, events) beside them; `run`, `status` and `unload` attach to
-them by name, `list` shows what is loaded. On the embedded Ray they die with the process.
+`offloadctl load --name NAME` first claims the name: it creates the load's record, a detached
+actor named `load:NAME`, which Ray creates once per name (a second load of that name fails at
+once, whatever it was doing). Then it starts its workers as detached, named actors in our
+namespace, in detached, named placement groups (`load:NAME:pg-N`), and fills the record in
+(config, plan, worker names, their bundles, events); `run`, `status` and `unload` attach to them
+by name, `list` shows what is loaded. A load that fails releases what it made (its group and its
+record), never what another load of the name made. On the embedded Ray they die with the
+process.
 """
 
 from __future__ import annotations
@@ -58,14 +62,43 @@ class LoadRecord:
         self.record.update(changes)
 
 
+class LoadingError(ConfigError):
+    """The load of that name is still loading (its record has no plan yet)."""
+
+
 def check_name(name: str) -> None:
     if not name or ":" in name or "/" in name:
         raise ConfigError(f"load name {name!r} must be non-empty, without ':' or '/'")
+
+
+def claim(name: str) -> ray.actor.ActorHandle:
+    """The name `name` for a new load: its record, created at once and atomically (Ray creates
+    one actor per name), in state "loading" until `store` fills it in. Raises ConfigError when
+    another load has the name, loaded or loading."""
+    check_name(name)
+    record = {"name": name, "state": "loading", "workers": [], "slots": [], "events": []}
+    # On the head node: a worker node may leave with the record's process, the head may not.
     try:
-        ray.get_actor(record_name(name), namespace=NAMESPACE)
-    except ValueError:
-        return
-    raise ConfigError(f"a load named {name!r} already exists; unload it or choose another name")
+        actor = LoadRecord.options(
+            name=record_name(name), namespace=NAMESPACE, lifetime="detached", **on_head()
+        ).remote(record)
+    except ValueError:  # ActorAlreadyExistsError: the name is taken
+        raise ConfigError(
+            f"a load named {name!r} already exists or is loading; unload it "
+            f"(offloadctl unload {name}) or choose another name"
+        ) from None
+    try:
+        ray.get(actor.get.remote(), timeout=ATTACH_TIMEOUT_S)  # it exists before anything else
+    except BaseException:
+        release(actor)
+        raise
+    return actor
+
+
+def release(record: ray.actor.ActorHandle) -> None:
+    """Give a claimed name back: kill the record this load created (not one found by name)."""
+    with contextlib.suppress(Exception):  # already gone: nothing held
+        ray.kill(record, no_restart=True)
 
 
 def _state(group: WorkerGroup) -> dict:
@@ -77,13 +110,18 @@ def _state(group: WorkerGroup) -> dict:
     }
 
 
-def save(name: str, config: JobConfig, group: WorkerGroup, events: list[dict]) -> None:
-    record = {"name": name, "config": _config_dict(config), **_state(group), "events": events}
-    # On the head node: a worker node may leave with the record's process, the head may not.
-    actor = LoadRecord.options(
-        name=record_name(name), namespace=NAMESPACE, lifetime="detached", **on_head()
-    ).remote(record)
-    ray.get(actor.get.remote(), timeout=ATTACH_TIMEOUT_S)  # it exists before anything else runs
+def store(
+    record: ray.actor.ActorHandle,
+    config: JobConfig,
+    group: WorkerGroup,
+    events: list[dict],
+    *,
+    state: str,
+) -> None:
+    """Fill in a claimed record: the group's config, plan, workers and bundles, and `state`
+    ("loading" while its workers load, "loaded" once its keeper runs)."""
+    changes = {"config": _config_dict(config), **_state(group), "events": events, "state": state}
+    ray.get(record.update.remote(changes), timeout=ATTACH_TIMEOUT_S)
 
 
 def on_head() -> dict:
@@ -163,14 +201,21 @@ def _config_dict(config: JobConfig) -> dict:
     return data
 
 
-def load_record(name: str) -> tuple[ray.actor.ActorHandle, dict]:
+def load_record(name: str, *, loading: bool = False) -> tuple[ray.actor.ActorHandle, dict]:
+    """The record of load `name`; LoadingError while it has no plan yet, unless `loading`."""
     try:
         actor = ray.get_actor(record_name(name), namespace=NAMESPACE)
     except ValueError:
         raise LoadNotFoundError(
             f"no load named {name!r} on this cluster (see `offloadctl list`)"
         ) from None
-    return actor, ray.get(actor.get.remote(), timeout=ATTACH_TIMEOUT_S)
+    record = ray.get(actor.get.remote(), timeout=ATTACH_TIMEOUT_S)
+    if not loading and "plan" not in record:
+        raise LoadingError(
+            f"the load named {name!r} is still loading (no plan yet); wait for its `load` "
+            f"to finish, or `offloadctl unload {name}` to stop it"
+        )
+    return actor, record
 
 
 def config_of(record: dict) -> JobConfig:
@@ -206,30 +251,38 @@ def list_loads() -> list[str]:
 
 def unload(name: str) -> int:
     """Kill the load's keeper, its workers and its record, and remove its placement groups;
-    returns the number of workers killed. Every worker of the load is found by its name
-    prefix, also one a recovery started but did not get to record."""
-    record_actor, _ = load_record(name)
+    returns the number of workers killed. Everything of the load is found by its name (the
+    prefix `load:NAME:`), also a worker a recovery started but did not get to record, and also
+    when the record itself is gone (its process died): LoadNotFoundError only when nothing of
+    that name is left."""
+    check_name(name)
+    record_actor = None
+    with contextlib.suppress(ValueError):
+        record_actor = ray.get_actor(record_name(name), namespace=NAMESPACE)
+    groups = named_groups(name)
+    keeper = f"{record_name(name)}:keeper"
+    actors = _named_actors()
+    workers = [n for n in actors if n.startswith(_worker_prefix(name))]
+    if record_actor is None and not groups and not workers and keeper not in actors:
+        raise LoadNotFoundError(f"no load named {name!r} on this cluster (see `offloadctl list`)")
     with contextlib.suppress(ValueError):  # the keeper first: it must not start replacements
-        ray.kill(ray.get_actor(f"{record_name(name)}:keeper", namespace=NAMESPACE), no_restart=True)
+        ray.kill(ray.get_actor(keeper, namespace=NAMESPACE), no_restart=True)
     killed = 0
-    for actor_name in _named_actors():
-        if actor_name.startswith(_worker_prefix(name)):
-            try:
-                ray.kill(ray.get_actor(actor_name, namespace=NAMESPACE), no_restart=True)
-                killed += 1
-            except ValueError:
-                pass  # gone since it was listed
-    for group in named_groups(name).values():
+    for actor_name in workers:
+        try:
+            ray.kill(ray.get_actor(actor_name, namespace=NAMESPACE), no_restart=True)
+            killed += 1
+        except ValueError:
+            pass  # gone since it was listed
+    for group in groups.values():
         remove_group(group)
-    ray.kill(record_actor, no_restart=True)
+    if record_actor is not None:
+        release(record_actor)
     return killed
 
 
 def forget(name: str) -> None:
-    """`unload` for a load that failed midway: whatever of it exists goes, also placement
-    groups reserved before its record was written."""
+    """`unload` without the error: whatever of load `name` exists goes (a test's or a serve's
+    clean-up of loads it made itself)."""
     with contextlib.suppress(LoadNotFoundError):
         unload(name)
-        return
-    for group in named_groups(name).values():
-        remove_group(group)
