@@ -167,7 +167,9 @@ class JobConfig:
     gpus: int = 0  # embedded Ray only: logical GPUs to create (0: the real ones)
     gpu_memory_bytes: int | None = None  # per-GPU budget (required without CUDA)
     host_memory_bytes: int | None = None  # per-node budget for offloaded weights
-    reserve_bytes: int = 0  # per GPU, for activations
+    # Per GPU, kept free for a step's activations and workspace; None: computed from the model
+    # and the batch where the GPUs are real (coordinator/planning/reserve.py), 0 simulated.
+    reserve_bytes: int | None = None
     # KV cache reserved on the GPUs for generation: up to max_batch sequences in flight of up
     # to max_seq_len tokens each (prompt + new). max_seq_len 0: none reserved, and the job
     # cannot generate. max_batch 0 ("auto"): the largest batch whose KV cache fits beside the
@@ -218,7 +220,7 @@ class JobConfig:
         if not self.checkpoint:
             raise ConfigError("checkpoint: a checkpoint directory is required")
         for name in ("gpus", "reserve_bytes", "max_seq_len", "max_queue", "micro_batches"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
         if self.max_batch < 0:
             raise ConfigError(
@@ -314,7 +316,7 @@ class JobConfig:
         from coordinator.planning.planner import PlanOptions  # planning imports this module
 
         return PlanOptions(
-            reserve_bytes=self.reserve_bytes,
+            reserve_bytes=self.reserve_bytes or 0,  # None: job_options computes it
             prefetch_step=self.prefetch_step,
             max_batch=self.max_batch,
             max_seq_len=self.max_seq_len,

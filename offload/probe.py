@@ -61,6 +61,9 @@ class DeviceInfo:
     pageable_memory_access_uses_host_page_tables: bool | None = None
     pageable_memory_access: bool | None = None
     host_register_supported: bool | None = None
+    # Memory free on the device when probed (the probe's own CUDA context open): what a
+    # worker's budget is taken from. None: not measured.
+    free_memory_bytes: int | None = None
 
     @property
     def coherent_unified_memory(self) -> bool:
@@ -86,6 +89,8 @@ class NodeProbe:
     link_pageable_bytes_per_s: float | None = None
     # Without CUDA: the kind of GPU the CPU stands in for (see SIMULATED_GPU_ENV); None with CUDA.
     simulated_gpu: str | None = None
+    # Without CUDA: NVIDIA GPUs the kernel driver lists all the same (CUDA failed to start).
+    nvidia_gpus_present: int = 0
     errors: tuple[str, ...] = field(default=())
 
     @property
@@ -135,19 +140,32 @@ def _cuda_driver_attributes(index: int) -> dict[str, bool]:
     return out
 
 
+def _nvidia_gpus_present() -> int:
+    """NVIDIA GPUs the kernel driver lists, whether or not CUDA starts in this process."""
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
 def _probe_cuda(fields: dict, errors: list[str]) -> None:
     available = torch.cuda.is_available()
     fields["cuda_available"] = available
     if not available:
+        fields["nvidia_gpus_present"] = _nvidia_gpus_present()
         return
     devices = []
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
-        attrs: dict[str, bool] = {}
+        attrs: dict = {}
         try:
             attrs = _cuda_driver_attributes(index)
         except Exception as exc:  # a missing libcuda or an old driver: record, go on
             errors.append(f"cuda device {index} attributes: {exc}")
+        try:  # the devices this process was given (Ray's CUDA_VISIBLE_DEVICES): held by it
+            attrs["free_memory_bytes"] = int(torch.cuda.mem_get_info(index)[0])
+        except Exception as exc:
+            errors.append(f"cuda device {index} free memory: {exc}")
         devices.append(
             DeviceInfo(
                 index=index,

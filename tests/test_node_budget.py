@@ -109,11 +109,13 @@ def test_budgets_from_the_probe() -> None:
             "node gpu-a (node-0) has 2 GPUs that are not CUDA devices (simulated); give their "
             "memory with --gpu-memory",
         ),
-        (
-            JobConfig(checkpoint="c"),
-            result(cuda_probe(devices=(H100,)), pin=True),
-            "node gpu-a (node-0) has 2 GPUs but its probe sees 1 CUDA device(s); give the GPUs' "
-            "memory with --gpu-memory, or ask for at most 1 GPUs",
+        (  # --gpu-memory never makes a node whose CUDA fails into simulated GPUs
+            JobConfig(checkpoint="c", gpu_memory_bytes=GiB),
+            result(NodeProbe(nvidia_gpus_present=2), pin=False),
+            "node gpu-a (node-0) has 2 NVIDIA GPU(s) but CUDA does not start in its processes "
+            "(torch.cuda.is_available() is False): fix its driver, CUDA runtime or "
+            "CUDA_VISIBLE_DEVICES, or take it out of the cluster; it is never run as simulated "
+            "GPUs",
         ),
         (
             JobConfig(checkpoint="c", gpu_memory_bytes=GiB),
@@ -201,3 +203,81 @@ def test_a_simulated_coherent_node_plans_uva_and_a_typo_is_an_error() -> None:
         node_info(
             config, probe_here(env={"OFFLOAD_SIMULATED_GPU": "gh200"}), node_id="n0", num_gpus=1
         )
+
+
+def test_gpu_memory_caps_what_the_device_has_free_and_host_memory_what_is_available() -> None:
+    """--gpu-memory is a cap: 80 GiB on an 80 GB H100 with 79 GiB free plans 90% of the free
+    memory, and says so; below that it is the budget. A probe that holds one GPU of a node of
+    two (a surviving worker's) stands for both. --host-memory beyond what is available is
+    capped, and said."""
+    free = dataclasses.replace(H100, free_memory_bytes=79 * GiB)
+    measured = int(79 * GiB * GPU_BUDGET_FRACTION)
+    probe = cuda_probe(devices=(free,))
+    capped = node_info(
+        JobConfig(checkpoint="c", gpu_memory_bytes=80 * GiB, host_memory_bytes=500 * GiB),
+        result(probe, pin=True),
+        node_id="n",
+        num_gpus=2,
+    )
+    assert [g.memory_bytes for g in capped.gpus] == [measured, measured]
+    assert capped.host_budget_bytes == 400 * GiB and capped.cuda
+    assert capped.budget_note == (
+        "2 GPUs, 1 seen by the probe: the others taken to be like GPU 0 (NVIDIA H100 80GB "
+        "HBM3); --gpu-memory 80.00 GiB capped at 71.10 GiB (90% of the 79.00 GiB free on NVIDIA "
+        "H100 80GB HBM3); --host-memory 500.00 GiB capped at the 400.00 GiB of host memory "
+        "available"
+    )
+    under = node_info(
+        JobConfig(checkpoint="c", gpu_memory_bytes=40 * GiB),
+        result(probe, pin=True),
+        node_id="n",
+        num_gpus=1,
+    )
+    assert [g.memory_bytes for g in under.gpus] == [40 * GiB] and under.budget_note == ""
+
+
+def test_plan_shows_the_reserve_computed_for_real_gpus_given_or_none(tmp_path) -> None:
+    """On real GPUs the plan keeps a computed reserve free on every GPU (cuBLAS's workspace, a
+    prefill chunk's activations, with eager attention its scores, the logits) and shows what it
+    is made of; --reserve replaces it; simulated GPUs keep none unless given."""
+    from coordinator.planning.batch_size import plan_job
+    from coordinator.planning.checkpoint import load_index
+    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+
+    shape = CheckpointShape(
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=128,
+        dtype="bfloat16",
+    )
+    index = load_index(make_checkpoint(tmp_path / "ckpt", shape))
+    config = JobConfig(
+        checkpoint="c", max_batch=4, max_seq_len=64, attn_implementation="eager", gpus=1
+    )
+    gpu = node_info(config, result(cuda_probe(), pin=True), node_id="n", num_gpus=1)
+    _, computed = plan_job(config, index, ClusterSnapshot(nodes=(gpu,)))
+    tokens = 4 * 64  # the whole batch's prompts fit one prefill chunk (512 tokens)
+    activations = tokens * 2 * (6 * 64 + 3 * 128 + 64) + tokens * 4 * 64 * (2 + 4)
+    logits = 4 * 128 * 4 * 2
+    assert computed.options.reserve_bytes == (32 << 20) + activations + logits
+    [stage] = computed.stages
+    assert stage.device_bytes == (
+        stage.resident_bytes + stage.kv_bytes + computed.options.reserve_bytes
+    )
+    assert (
+        "(computed: cuBLAS workspace 32.00 MiB + activations of 256 tokens with eager "
+        "attention (4 heads x 64 positions) 800.00 KiB + logits of 4 rows 4.00 KiB)"
+    ) in computed.summary()
+    _, given = plan_job(
+        dataclasses.replace(config, reserve_bytes=1 << 20), index, ClusterSnapshot(nodes=(gpu,))
+    )
+    assert given.options.reserve_bytes == 1 << 20 and "(given (--reserve))" in given.summary()
+    simulated = plan_cluster(
+        dataclasses.replace(config, gpu_memory_bytes=64 << 20), probe_here(), num_nodes=1
+    )
+    _, none = plan_job(config, index, simulated)
+    assert none.options.reserve_bytes == 0
+    assert "(none: simulated GPUs keep activations in host memory)" in none.summary()

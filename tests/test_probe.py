@@ -94,6 +94,7 @@ def test_cuda_device_with_ats_attributes(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (90 << 30, props.total_memory))
     monkeypatch.setattr(link_mod, "measure_host_to_device", lambda device, *, pin: 4e11)
     monkeypatch.setattr(
         probe_mod,
@@ -106,6 +107,7 @@ def test_cuda_device_with_ats_attributes(monkeypatch: pytest.MonkeyPatch) -> Non
     )
     probe = probe_node()
     assert probe.any_coherent_unified_memory and probe.errors == ()
+    assert probe.devices[0].free_memory_bytes == 90 << 30  # what the budget is taken from
     assert probe.link_bytes_per_s(pin=True) == probe.link_bytes_per_s(pin=False) == 4e11
 
 

@@ -21,6 +21,7 @@ from coordinator.planning.checkpoint import load_index
 from coordinator.planning.planner import PlanError, PlanOptions, plan
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from coordinator.runtime import telemetry
+from coordinator.runtime.errors import LaunchError
 from coordinator.runtime.launch import launch
 from coordinator.runtime.recovery import match_survivors
 from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
@@ -323,3 +324,91 @@ def test_a_replica_that_loses_its_node_moves_to_a_free_gpu(cluster, tmp_path) ->
         for job in reversed(jobs):
             registry.forget(job.name)
             job.close()
+
+
+def test_a_replan_never_takes_another_loads_gpu_and_waits_on_its_old_plan(
+    cluster, tmp_path, monkeypatch
+) -> None:
+    """Three one-GPU nodes, another load on one of them, this job on the other two. Its node
+    leaves: the re-plan counts only free GPUs and its own, so one GPU, which cannot hold the
+    model: a PlanError, and the other load is untouched (before, it planned onto that load's
+    GPU and then waited on it). A node joins, and another process takes its GPU between the
+    plan and the reservation: the reservation times out, its placement group is removed, and
+    the survivor is unchanged; once that GPU is free, the next forward recovers, its logits
+    those of transformers."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from coordinator.runtime import recovery, registry
+
+    c, _ = cluster
+    alive = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) >= 1]
+    for _ in range(3 - len(alive)):
+        c.add_node(num_cpus=2, num_gpus=1)
+    while len(alive) > 3:  # earlier tests added some
+        c.remove_node(next(n for n in c.list_all_nodes() if n.node_id == alive.pop()["NodeID"]))
+    nodes = {node.node_id: node for node in c.list_all_nodes()}
+    gpu_nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU"))
+    checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
+    index = load_index(checkpoint)
+    gpu, host = budgets(index)
+    other = launch(
+        JobConfig(
+            checkpoint=checkpoint,
+            address=c.address,
+            gpu_memory_bytes=index.total_bytes * 2,
+            nodes=f"{gpu_nodes[0]}=1",
+        ),
+        name="bystander",
+    )
+    other.close()
+    config = JobConfig(
+        checkpoint=checkpoint,
+        address=c.address,
+        gpu_memory_bytes=gpu,
+        host_memory_bytes=host,
+        placement_timeout_s=3,
+    )
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(4))
+    expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
+    job = launch(config)
+    try:
+        assert {s.node_id for s in job.plan.stages} == set(gpu_nodes[1:])  # the free two
+        assert torch.equal(job.forward(ids), expected)
+        c.remove_node(nodes[job.workers[1].node_id])
+        with pytest.raises(PlanError, match=r"the 1 GPU\(s\) left cannot hold the model"):
+            job.forward(ids)
+        assert registry.list_loads() == ["bystander"]
+        [bystander] = registry.named_groups("bystander").values()
+        assert ray.util.placement_group_table(bystander)["state"] == "CREATED"
+
+        new = c.add_node(num_cpus=2, num_gpus=1)
+        blocker = []
+        real_decide = recovery.decide
+
+        def decide_then_lose_the_gpu(*args, **kwargs):
+            decision = real_decide(*args, **kwargs)
+            assert any(s.node_id == new.node_id for s in decision.plan.stages)
+            blocker.append(placement_group([{"GPU": 1}], strategy="STRICT_PACK"))
+            ray.get(blocker[0].ready(), timeout=60)
+            return decision
+
+        monkeypatch.setattr(recovery, "decide", decide_then_lose_the_gpu)
+        survivor = job.workers[0]
+        groups = list(job.group.placement_groups)
+        with pytest.raises(LaunchError, match="did not reserve 1 GPU"):
+            job.forward(ids)
+        assert job.workers[0] is survivor
+        assert job.plan.stages[0].layers == tuple(x.name for x in survivor.spec.layers)
+        assert ray.get(survivor.actor.ping.remote(), timeout=30) is not None  # still running
+        assert job.group.placement_groups == groups  # the timed-out group is not kept...
+        pending = [e for e in ray.util.placement_group_table().values() if e["state"] == "PENDING"]
+        assert pending == []  # ...and not left waiting for a GPU
+        monkeypatch.setattr(recovery, "decide", real_decide)
+        remove_placement_group(blocker[0])
+        wait_gpus_free(1)  # the removal is asynchronous
+        assert torch.equal(job.forward(ids), expected)
+        assert job.events[-1]["event"] == "re-planned"
+        assert {s.node_id for s in job.plan.stages} == {survivor.node_id, new.node_id}
+    finally:
+        job.close()
+        registry.forget("bystander")

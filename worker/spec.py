@@ -198,5 +198,8 @@ class StageSpec:
     # the budget check; 0: allocated at the first generation step (no KV planned)
     kv_slots: int = 0
     kv_seq_len: int = 0
+    # Device bytes the plan keeps free for a step's activations and workspace: on a real GPU,
+    # checked free once the stage is loaded (coordinator/planning/reserve.py).
+    reserve_bytes: int = 0
     env: dict[str, str] = field(default_factory=dict)  # set on this worker by the job
     env_origins: dict[str, str] = field(default_factory=dict)  # "job override" | "node label"

@@ -145,6 +145,9 @@ class StageWorker:
             n for n in carried if n not in spec.offloaded and n not in previous.spec.offloaded
         }
         if previous is not None:  # free what leaves this worker before allocating what arrives
+            # the KV pool first: its sequences start again anyway (finish_load allocates the
+            # new stage's pool once its layers are in place), and it may be the largest part
+            self._batches.reset()
             for name, module in previous.modules.items():
                 if name not in carried and name not in previous.spec.offloaded:
                     module.to("meta")
@@ -181,7 +184,6 @@ class StageWorker:
         self._chunks = self._make_chunks([n for n in names if n not in carried])
         self._ready = False
         self._snapshots.restart()
-        self._batches.reset()  # caches of the old layers: the sequences in flight start again
 
     def _make_chunks(self, names: list[str]) -> list[list[str]]:
         chunks: list[list[str]] = []
@@ -252,8 +254,26 @@ class StageWorker:
                 f"{self.kv_cache_bytes()}), over its budget of {self.gpu_memory_bytes}; offload "
                 "more layers, lower --max-batch or --max-seq-len, or raise --gpu-memory"
             )
+        self._check_reserve()
         self._ready = True
         return self.report()
+
+    def _check_reserve(self) -> None:
+        """On a real GPU, the plan's reserve must be free once the stage holds its weights, slots
+        and KV pool: a stage that cannot run its largest step fails its load, with the numbers,
+        never a request with an out-of-memory error."""
+        if self.device.type != "cuda" or not self.spec.reserve_bytes:
+            return
+        free, total = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        if free + cached < self.spec.reserve_bytes:
+            raise WorkerError(
+                f"{self._where()}: loaded, {free + cached} bytes of the GPU's {total} are free "
+                f"(of which {cached} cached by PyTorch), less than the plan's reserve of "
+                f"{self.spec.reserve_bytes} bytes for a step's activations and workspace; "
+                "another process uses the GPU, or the plan's budget is too high: lower "
+                "--gpu-memory, --max-batch, --max-seq-len or --prefill-tokens"
+            )
 
     def load(self) -> StageSnapshot:
         """prepare + every chunk + finish, for callers that need no progress."""

@@ -37,6 +37,7 @@ def cmd_plan(args: argparse.Namespace, job_config) -> int:
     from coordinator.planning.batch_size import plan_job, plan_replicas
     from coordinator.planning.checkpoint import load_index
     from coordinator.planning.context import check_max_seq_len
+    from coordinator.planning.reserve import job_options
     from coordinator.planning.throughput import best_plans, curve_text
     from worker.node import probe_here
 
@@ -70,6 +71,8 @@ def cmd_plan(args: argparse.Namespace, job_config) -> int:
         print(the_plan.to_json())
         return 0
     print(the_plan.summary())
+    for note in sorted({n.budget_note for n in cluster.nodes if n.budget_note}):
+        print(f"budgets: {note}")
     if config.max_batch == 0 or config.objective == "throughput":
         why = (
             "chosen for the most decode tokens/s"
@@ -81,7 +84,7 @@ def cmd_plan(args: argparse.Namespace, job_config) -> int:
         curve = best_plans(
             index.layers,
             cluster,
-            config.plan_options(),
+            job_options(config, index, cluster),
             prune=False,
             max_token_latency_s=config.max_token_latency_s,
         )

@@ -16,12 +16,11 @@ from collections.abc import Sequence
 
 from coordinator.planning import planner
 from coordinator.planning.checkpoint import LayerSpec
-from coordinator.planning.options import PlanOptions
+from coordinator.planning.options import AUTO_MAX_BATCH, PlanOptions
 from coordinator.planning.planner import Plan
+from coordinator.planning.reserve import job_options
 from coordinator.planning.snapshot import ClusterSnapshot
 from offload.errors import PlanError
-
-AUTO_MAX_BATCH = 64
 
 
 def offloaded_bytes(the_plan: Plan) -> int:
@@ -69,15 +68,17 @@ def plan_job(config, index, snapshot: ClusterSnapshot):
     if config.objective == "throughput":
         from coordinator.planning.throughput import choose
 
-        the_plan = choose(index.layers, snapshot, config.plan_options(), **_search_space(config))
+        the_plan = choose(
+            index.layers, snapshot, job_options(config, index, snapshot), **_search_space(config)
+        )
         chosen = the_plan.options
         return dataclasses.replace(
             config, max_batch=chosen.max_batch, micro_batches=chosen.micro_batches
         ), the_plan
     if config.max_batch:
         # through the module: tests replace the planner there
-        return config, planner.plan(index.layers, snapshot, config.plan_options())
-    batch, the_plan = largest_batch(index.layers, snapshot, config.plan_options())
+        return config, planner.plan(index.layers, snapshot, job_options(config, index, snapshot))
+    batch, the_plan = largest_batch(index.layers, snapshot, job_options(config, index, snapshot))
     return dataclasses.replace(config, max_batch=batch), the_plan
 
 
@@ -90,7 +91,7 @@ def plan_replicas(config, index, snapshot: ClusterSnapshot):
     return choose_replicas(
         index.layers,
         snapshot,
-        config.plan_options(),
+        job_options(config, index, snapshot),
         replicas=config.replicas,
         **_search_space(config),
     )

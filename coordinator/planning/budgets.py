@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from coordinator.config import ConfigError, JobConfig
+from coordinator.planning.formats import format_bytes
 from coordinator.planning.snapshot import GpuInfo, NodeInfo
 from offload.factory import resolve_backend
 from offload.policy import PIN_HEADROOM_FRACTION
@@ -37,10 +38,16 @@ def node_info(
     `NodeProbe`, its pin decision and the error that prevented one. `held_bytes` is host memory
     this job's own workers hold there (their arenas), counted as available because a re-plan
     replaces them. `origins`: where the variables set for the node's workers come from (job
-    override, node label), named in an error they caused. Budgets: per GPU `--gpu-memory`, else GPU_BUDGET_FRACTION of each CUDA
-    device; host `--host-memory`, else HOST_BUDGET_FRACTION of available host memory; pinned,
+    override, node label), named in an error they caused.
+
+    Budgets: per real GPU, GPU_BUDGET_FRACTION of the memory its probe found free, capped by
+    `--gpu-memory` (a cap, never more than the device has); per simulated GPU, `--gpu-memory`.
+    A probe sees only the GPUs it holds (a surviving worker answering for its node: its one),
+    so the node's other GPUs are taken to be like the smallest it saw. Host: HOST_BUDGET_FRACTION
+    of available host memory, or `--host-memory` capped by what is available; pinned,
     PIN_HEADROOM_FRACTION of it (the pin policy's own limit). The link rate is the one measured
-    from the memory the node will offload to (pinned or pageable); None when not measured.
+    from the memory the node will offload to (pinned or pageable); None when not measured. A
+    node that has NVIDIA GPUs whose CUDA does not start is refused (never simulated).
     """
     hostname = result["hostname"]
     where = f"node {hostname} ({node_id[:8]})"
@@ -53,24 +60,33 @@ def node_info(
         said = f" ({'; '.join(causes)}: change it there)" if causes else ""
         raise ConfigError(f"{where}: {result['error']}{said}")
     probe: NodeProbe = result["probe"]
-    if config.gpu_memory_bytes is not None:
+    notes: list[str] = []
+    if probe.devices:
+        budgets = _device_budgets(config, probe, num_gpus, notes)
+    elif probe.nvidia_gpus_present:
+        raise ConfigError(
+            f"{where} has {probe.nvidia_gpus_present} NVIDIA GPU(s) but CUDA does not start "
+            f"in its processes ({'; '.join(probe.errors) or 'torch.cuda.is_available() is False'}"
+            "): fix its driver, CUDA runtime or CUDA_VISIBLE_DEVICES, or take it out of the "
+            "cluster; it is never run as simulated GPUs"
+        )
+    elif config.gpu_memory_bytes is not None:
         budgets = [config.gpu_memory_bytes] * num_gpus
-    elif not probe.devices:
+    else:
         raise ConfigError(
             f"{where} has {num_gpus} GPUs that are not CUDA devices (simulated); give their "
             "memory with --gpu-memory"
         )
-    elif len(probe.devices) < num_gpus:
-        raise ConfigError(
-            f"{where} has {num_gpus} GPUs but its probe sees {len(probe.devices)} CUDA "
-            "device(s); give the GPUs' memory with --gpu-memory, or ask for at most "
-            f"{len(probe.devices)} GPUs"
-        )
-    else:
-        budgets = [
-            int(d.total_memory_bytes * GPU_BUDGET_FRACTION) for d in probe.devices[:num_gpus]
-        ]
     available = (probe.host_available_bytes or 0) + held_bytes
+    host_budget = int(available * HOST_BUDGET_FRACTION)
+    if config.host_memory_bytes is not None:
+        host_budget = config.host_memory_bytes
+        if probe.host_available_bytes is not None and host_budget > available:
+            notes.append(
+                f"--host-memory {format_bytes(host_budget)} capped at the "
+                f"{format_bytes(available)} of host memory available"
+            )
+            host_budget = available
     pin = bool(result["pin"]["pin"])
     backend, backend_reason = resolve_backend(
         config.backend, probe, device_type="cuda" if probe.cuda_available else "cpu"
@@ -80,7 +96,7 @@ def node_info(
         hostname=hostname,
         labels=dict(labels or {}),
         gpus=tuple(GpuInfo(index=i, memory_bytes=b) for i, b in enumerate(budgets)),
-        host_budget_bytes=config.host_memory_bytes or int(available * HOST_BUDGET_FRACTION),
+        host_budget_bytes=host_budget,
         pinned_budget_bytes=int(available * PIN_HEADROOM_FRACTION),
         pin=pin,
         link_bytes_per_s=probe.link_bytes_per_s(pin=pin),
@@ -89,8 +105,42 @@ def node_info(
         concurrent_stages=None
         if probe.devices or not probe.cpu_count
         else max(1, (probe.cpu_count - 1) // config.cpus_per_worker),
+        cuda=bool(probe.devices),
+        budget_note="; ".join(notes),
         **_compute(result.get("compute"), config),
     )
+
+
+def _device_budgets(
+    config: JobConfig, probe: NodeProbe, num_gpus: int, notes: list[str]
+) -> list[int]:
+    """Per real GPU: GPU_BUDGET_FRACTION of its free memory (total when not measured), capped
+    by --gpu-memory."""
+    devices = list(probe.devices[:num_gpus])
+    if len(devices) < num_gpus:  # the probe holds fewer: the others are like the smallest
+        smallest = min(devices, key=lambda d: d.free_memory_bytes or d.total_memory_bytes)
+        devices += [smallest] * (num_gpus - len(devices))
+        notes.append(
+            f"{num_gpus} GPUs, {len(probe.devices)} seen by the probe: the others taken to be "
+            f"like GPU {smallest.index} ({smallest.name})"
+        )
+    budgets = []
+    for d in devices:
+        free = d.free_memory_bytes if d.free_memory_bytes is not None else d.total_memory_bytes
+        measured = int(free * GPU_BUDGET_FRACTION)
+        cap = config.gpu_memory_bytes
+        if cap is not None and cap <= measured:
+            budgets.append(cap)
+            continue
+        budgets.append(measured)
+        if cap is not None:
+            note = (
+                f"--gpu-memory {format_bytes(cap)} capped at {format_bytes(measured)} "
+                f"({GPU_BUDGET_FRACTION:.0%} of the {format_bytes(free)} free on {d.name})"
+            )
+            if note not in notes:
+                notes.append(note)
+    return budgets
 
 
 def _compute(measured, config: JobConfig) -> dict:

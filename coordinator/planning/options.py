@@ -11,6 +11,9 @@ from offload.errors import ConfigError
 
 OBJECTIVES = ("latency", "throughput")
 DEFAULT_STEP_OVERHEAD_S = 3e-3
+# The largest batch "auto" sizes (coordinator/planning/batch_size.py), and what the reserve of
+# an auto-sized job is computed for.
+AUTO_MAX_BATCH = 64
 
 
 def is_int(value: Any) -> bool:
@@ -31,6 +34,7 @@ class PlanOptions:
     """The planner's knobs and its cost model's rates."""
 
     reserve_bytes: int = 0  # per GPU, kept free for activations and workspace
+    reserve_source: str = ""  # what the reserve is made of (coordinator/planning/reserve.py)
     prefetch_step: int = 1  # device slots per offloading stage
     compute_bytes_per_s: float = 200e9  # weight bytes a stage computes through per second
     default_link_bytes_per_s: float = 25e9  # host-to-device, for nodes that did not measure it

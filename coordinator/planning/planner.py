@@ -177,7 +177,8 @@ class Plan:
         title = (
             f"plan: {len(self.stages)} stages on {nodes} node(s), "
             f"{format_bytes(self.total_bytes)} of weights, prefetch_step "
-            f"{self.options.prefetch_step}, reserve {format_bytes(self.options.reserve_bytes)}, "
+            f"{self.options.prefetch_step}, reserve {format_bytes(self.options.reserve_bytes)}"
+            f"{f' ({self.options.reserve_source})' if self.options.reserve_source else ''}, "
             f"KV cache for {self.options.max_batch} x {self.options.max_seq_len} tokens"
         )
         if self.stages:

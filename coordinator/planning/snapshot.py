@@ -38,6 +38,10 @@ class NodeInfo:
     compute: ComputeProfile | None = None
     compute_bytes_per_s: float | None = None
     compute_source: str = ""
+    # Real CUDA devices (False: GPUs simulated on the CPU), and what set the GPUs' budgets when
+    # it is not plain (a --gpu-memory capped by the device, say), for the plan to show.
+    cuda: bool = False
+    budget_note: str = ""
 
     def compute_rate(self, max_batch: int) -> tuple[float | None, str]:
         """(weight bytes per second for steps of `max_batch` sequences, what it is); None when

@@ -78,6 +78,7 @@ def stage_specs(
             backend_reason=s.backend_reason,
             kv_slots=config.max_batch if config.max_seq_len else 0,
             kv_seq_len=config.max_seq_len,
+            reserve_bytes=the_plan.options.reserve_bytes,
             env=envs.get(s.node_id, ({}, {}))[0],
             env_origins=envs.get(s.node_id, ({}, {}))[1],
         )
@@ -108,7 +109,8 @@ class WorkerGroup:
 
     def _reserve(self, stages: Sequence[StagePlan]) -> list[Slot]:
         """A placement group with one bundle per stage on the stage's node, all or nothing,
-        ready within placement_timeout_s; removed again if not."""
+        ready within placement_timeout_s; removed again if not (a group left waiting would
+        take the GPUs later, from whoever needs them then), and the group is as it was."""
         bundle = {"GPU": 1, "CPU": self.config.cpus_per_worker}
         name, options = None, {}
         if self.load_name is not None:
@@ -121,15 +123,20 @@ class WorkerGroup:
             bundle_label_selector=[{NODE_ID_LABEL: s.node_id} for s in stages],
             **options,
         )
-        self.placement_groups.append((name, group))
-        ready, _ = ray.wait([group.ready()], timeout=self.config.placement_timeout_s)
+        try:
+            ready, _ = ray.wait([group.ready()], timeout=self.config.placement_timeout_s)
+        except BaseException:
+            remove_group(group)
+            raise
         if not ready:
+            remove_group(group)
             wanted = ", ".join(f"{s.hostname or s.node_id[:8]} GPU {s.gpu_index}" for s in stages)
             raise LaunchError(
                 f"the cluster did not reserve {len(stages)} GPU(s) ({wanted}) within "
                 f"{self.config.placement_timeout_s:.0f} s (placement_timeout_s): other jobs hold "
                 "them, or the nodes left; nothing was started"
             )
+        self.placement_groups.append((name, group))
         return [Slot(group=group, bundle=i, group_name=name) for i in range(len(stages))]
 
     def _start(
@@ -226,10 +233,26 @@ class WorkerGroup:
     ) -> tuple[list[int], float]:
         """Take `new_plan`: each new stage in `matched` goes to that surviving worker (index into
         the current handles), which keeps its bundle and reconfigures in memory; the other
-        stages get new workers in a new placement group; unmatched survivors are stopped.
-        Returns the stages on new workers and the survivors' reconfigure time."""
+        stages get new workers, in the bundle of a lost worker on their node where there is
+        one, else in a new placement group; unmatched survivors are stopped. The GPUs are
+        reserved before anything is stopped or changed: a reservation that fails
+        (LaunchError) leaves the group on its old plan, as it was. Returns the stages on new
+        workers and the survivors' reconfigure time."""
         specs = stage_specs(self.config, self.index, new_plan, envs)
         kept = set(matched.values())
+        missing = [s for s in range(len(specs)) if s not in matched]
+        spare: dict[str, list[Slot]] = {}  # bundles this group holds that no kept worker uses
+        for i, h in enumerate(self.handles):
+            if i not in kept and h.slot is not None and h.slot.group is not None:
+                spare.setdefault(h.node_id, []).append(h.slot)
+        slots: dict[int, Slot] = {}
+        for s in missing:
+            if spare.get(new_plan.stages[s].node_id):
+                slots[s] = spare[new_plan.stages[s].node_id].pop(0)
+        rest = [s for s in missing if s not in slots]
+        if rest:
+            slots.update(zip(rest, self._reserve([new_plan.stages[s] for s in rest]), strict=True))
+        # reserved: from here on the group changes
         kill([h for i, h in enumerate(self.handles) if i not in kept])
         handles: list[WorkerHandle | None] = [None] * len(specs)
         refs = []
@@ -237,12 +260,13 @@ class WorkerGroup:
             old = self.handles[i]
             handles[stage] = replace(old, spec=specs[stage])
             refs.append(old.actor.reconfigure.remote(specs[stage]))
-        missing = [s for s in range(len(specs)) if handles[s] is None]
         self.plan = new_plan
         if missing:
-            stages = [new_plan.stages[s] for s in missing]
-            slots = self._reserve(stages)
-            started = self._start([specs[s] for s in missing], stages, slots)
+            started = self._start(
+                [specs[s] for s in missing],
+                [new_plan.stages[s] for s in missing],
+                [slots[s] for s in missing],
+            )
             for stage, handle in zip(missing, started, strict=True):
                 handles[stage] = handle
         self.handles = list(handles)

@@ -5,6 +5,10 @@ become the planner's `ClusterSnapshot` through the same budget function `offload
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+from collections.abc import Iterable
+
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -16,6 +20,9 @@ from coordinator.runtime.errors import LaunchError, WorkerLostError
 PROBE_TIMEOUT_S = 120.0  # one probe task per node; includes starting a Ray worker process
 
 
+# The task holds the GPUs it measures (num_gpus, set per node): with none, Ray leaves every GPU
+# of the node visible to it, and its CUDA context and compute probe would land on GPUs that
+# other loads hold.
 @ray.remote(num_cpus=0, max_calls=1)  # max_calls=1: a process that touched CUDA exits after
 def _probe_task(planned_bytes: int = 0, model: tuple[dict, str, int] | None = None) -> dict:
     from worker.node import probe_here
@@ -33,12 +40,41 @@ def gpu_nodes(exclude: frozenset[str] = frozenset()) -> list[dict]:
     return sorted(nodes, key=lambda n: (n["NodeManagerHostname"], n["NodeID"]))
 
 
+def usable_gpus(own: Iterable[str] = ()) -> dict[str, int]:
+    """The GPUs a plan may use, per alive node id: those nothing holds (no placement group, no
+    actor), and the job's own (`own`: one node id per GPU the planning job holds itself, its
+    surviving workers' bundles). Never another load's. The one answer for new loads, re-plans
+    and replicas."""
+    import ray._private.state as ray_state  # per-node availability: Ray has no public API
+
+    free = {
+        node: int(resources.get("GPU", 0))
+        for node, resources in ray_state.state.available_resources_per_node().items()
+    }
+    held = Counter(own)
+    alive = {n["NodeID"]: int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["Alive"]}
+    usable = {node: min(total, free.get(node, 0) + held[node]) for node, total in alive.items()}
+    return {node: n for node, n in usable.items() if n > 0}
+
+
+def held_elsewhere() -> str:
+    """Who holds the cluster's GPUs, for an error: the named loads' placement groups."""
+    counts: Counter = Counter()
+    for entry in ray.util.placement_group_table().values():
+        if entry.get("state") == "CREATED":
+            load = entry.get("name", "").split(":pg-")[0].removeprefix("load:") or "unnamed jobs"
+            counts[load] += sum(int(b.get("GPU", 0)) for b in entry.get("bundles", {}).values())
+    held = [f"{load} ({n})" for load, n in sorted(counts.items()) if n]
+    return ", ".join(held) or "no placement group (actors or tasks outside them)"
+
+
 def probe_cluster(
     config: JobConfig,
     held_bytes: dict[str, int] | None = None,
     probers: dict[str, ray.actor.ActorHandle] | None = None,
     exclude: frozenset[str] = frozenset(),
     model: tuple[dict, str, int] | None = None,
+    own: Iterable[str] = (),
 ) -> tuple[ClusterSnapshot, dict[str, tuple[dict, dict]]]:
     """A snapshot of every alive GPU node, and per node the env its workers get from the job
     (labels and overrides) with the origin of each variable. When re-planning: `held_bytes`,
@@ -46,7 +82,8 @@ def probe_cluster(
     available since the new plan replaces them; `probers`, a live worker per node that answers
     for its node instead of a probe task (no process to start); `exclude`, nodes left out;
     `model` (config.json, dtype, worker threads): each node also times the model's decoder
-    layer on its device (`worker.compute_probe`), for the planner's compute rate."""
+    layer on its device (`worker.compute_probe`), for the planner's compute rate. Only the GPUs
+    that are free or the job's own (`own`, see `usable_gpus`) are planned on."""
     nodes = gpu_nodes(exclude)
     allowed = config.node_gpus()
     if allowed:  # the job's own nodes only (a replica of a served model)
@@ -61,6 +98,22 @@ def probe_cluster(
             "the Ray cluster has no GPU nodes; on a machine without GPUs use --gpus N with "
             "--gpu-memory to simulate them"
         )
+    usable, free = usable_gpus(own), usable_gpus()
+    total = sum(int(n["Resources"]["GPU"]) for n in nodes)
+    # A node is probed by a live worker of the job, or by a task holding its free GPUs; one
+    # whose usable GPUs are all bundles of lost workers (neither) is left out of this plan.
+    nodes = [
+        n
+        for n in nodes
+        if usable.get(n["NodeID"], 0) > 0
+        and (n["NodeID"] in (probers or {}) or free.get(n["NodeID"], 0) > 0)
+    ]
+    if not nodes:
+        raise LaunchError(
+            f"every GPU of the cluster's {total} is held by other loads or jobs "
+            f"(held by: {held_elsewhere()}); unload one (offloadctl list, offloadctl unload "
+            "NAME) or add GPUs"
+        )
     envs = {}
     refs = []
     for node in nodes:
@@ -72,7 +125,8 @@ def probe_cluster(
         )
         envs[node["NodeID"]] = (env, origins)
         options = {
-            "scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+            "num_gpus": min(free.get(node["NodeID"], 0), usable[node["NodeID"]]),
         }
         if env:
             options["runtime_env"] = {"env_vars": env}
@@ -84,10 +138,21 @@ def probe_cluster(
         results = ray.get(refs, timeout=PROBE_TIMEOUT_S)
     except ray.exceptions.RayActorError as exc:
         raise WorkerLostError(f"a worker died while probing its node: {exc}") from None
+    except ray.exceptions.GetTimeoutError:
+        for ref in refs:  # a task still waiting for GPUs must not get them later
+            with contextlib.suppress(Exception):  # a worker's call: not cancellable by force
+                ray.cancel(ref, force=True)
+        raise LaunchError(
+            f"the probes of {len(nodes)} node(s) did not answer within {PROBE_TIMEOUT_S:.0f} s "
+            "(PROBE_TIMEOUT_S): a node is overloaded, or its free GPUs were taken meanwhile"
+        ) from None
     infos = []
     for node, result in zip(nodes, results, strict=True):
         held = (held_bytes or {}).get(node["NodeID"], 0)
-        infos.append(probed_node_info(config, node, result, held, envs[node["NodeID"]][1]))
+        info = probed_node_info(
+            config, node, result, held, envs[node["NodeID"]][1], usable[node["NodeID"]]
+        )
+        infos.append(info)
     return ClusterSnapshot(nodes=tuple(infos)), envs
 
 
@@ -102,10 +167,14 @@ def probed_node_info(
     result: dict,
     held_bytes: int = 0,
     origins: dict[str, str] | None = None,
+    usable: int | None = None,
 ) -> NodeInfo:
-    """The budgets of the Ray node `node` (an entry of `ray.nodes()`) from its probe result."""
+    """The budgets of the Ray node `node` (an entry of `ray.nodes()`) from its probe result;
+    `usable`: how many of its GPUs the job may plan on (free or its own)."""
     gpus = int(node["Resources"]["GPU"])
     gpus = min(gpus, config.node_gpus().get(node["NodeID"], gpus))  # the job's share, if any
+    if usable is not None:
+        gpus = min(gpus, usable)
     return node_info(
         config,
         result,

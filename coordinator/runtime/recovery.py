@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import ray
 
 from coordinator.planning.planner import Plan, PlanError, StagePlan, plan
-from coordinator.runtime.errors import WorkerLostError
+from coordinator.planning.reserve import job_options
+from coordinator.runtime.errors import LaunchError, WorkerLostError
 from coordinator.runtime.group import WorkerGroup
 from coordinator.runtime.probing import gpu_nodes, model_of, probe_cluster
 from worker.snapshot import StageSnapshot
@@ -96,25 +97,26 @@ def decide(group: WorkerGroup, dead: list[int], left_out: frozenset[str] = froze
         )
     start = time.perf_counter()
     probers = {h.node_id: h.actor for _, h in survivors}  # they answer for their nodes
-    config = group.config
-    if config.node_gpus():  # a replica: its survivors' GPUs, and any GPU no load holds
-        nodes = _own_and_free(survivors, alive)
-        if not nodes:
-            raise PlanError(
-                f"stages {dead} were lost with node(s) {', '.join(gone)}, and no GPU "
-                "is free for this replica (the others hold theirs); add nodes"
-            )
-        config = dataclasses.replace(config, nodes=nodes)
+    # The GPUs this job may plan on: free ones, its survivors' and the bundles of its workers
+    # lost on nodes still alive (apply reuses those); never another load's (a replica's
+    # `nodes` are its old GPUs: the re-plan may take any free one).
+    own = [h.node_id for _, h in survivors] + [
+        h.node_id for h in lost if h.node_id in alive and h.slot is not None and h.slot.group
+    ]
+    config = dataclasses.replace(group.config, nodes="") if group.config.nodes else group.config
     snapshot, envs = probe_cluster(
         config,
         held_bytes=held,
         probers=probers,
         exclude=left_out,
         model=model_of(group.index, config),
+        own=own,
     )
     probe_s = time.perf_counter() - start
     try:
-        new_plan = plan(group.index.layers, snapshot, group.config.plan_options())
+        new_plan = plan(
+            group.index.layers, snapshot, job_options(group.config, group.index, snapshot)
+        )
     except PlanError as exc:
         raise PlanError(
             f"stages {dead} were lost with node(s) {', '.join(gone)} ({len(dead)} GPU(s)); the "
@@ -135,23 +137,6 @@ def decide(group: WorkerGroup, dead: list[int], left_out: frozenset[str] = froze
         probe_s=probe_s,
         matched={stage: survivors[i][0] for stage, i in matched.items()},
     )
-
-
-def _own_and_free(survivors: list, alive: set[str]) -> str:
-    """`JobConfig.nodes` for a replica's re-plan: on each alive node, the GPUs its surviving
-    workers hold and the GPUs no placement group holds (another replica's never)."""
-    import ray._private.state as ray_state  # per-node availability: Ray has no public API
-
-    try:
-        free = {
-            node: int(resources.get("GPU", 0))
-            for node, resources in ray_state.state.available_resources_per_node().items()
-        }
-    except Exception:  # without it, the replica re-plans on its own GPUs only
-        free = {}
-    held = Counter(h.node_id for _, h in survivors)
-    counts = {node: held[node] + free.get(node, 0) for node in sorted(alive)}
-    return ",".join(f"{node}={n}" for node, n in counts.items() if n > 0)
 
 
 def nodes_of(the_plan) -> str:
@@ -225,7 +210,7 @@ def recover(
         return [], []
     try:
         event = apply(group, decide(group, dead, left_out))
-    except PlanError as exc:
+    except (PlanError, LaunchError) as exc:  # no plan, or its GPUs not reserved: unchanged
         record({"event": "re-plan failed", "lost_stages": dead, "error": str(exc)})
         raise
     loading = time.perf_counter()
