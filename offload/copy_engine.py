@@ -11,7 +11,8 @@ a GPU and on the CPU (where it is tested and benchmarked):
 
 `CudaCopyEngine` uses a side stream and events. `ThreadCopyEngine` uses one background thread
 doing `memmove`, the CPU's stand-in for a DMA engine: a single queue, FIFO, so two copies into
-the same slot land in the order they were submitted, as on a CUDA stream.
+the same slot land in the order they were submitted, as on a CUDA stream. From pageable memory
+on CUDA, `offload.staging.StagedCopyEngine` bounces the copies through pinned chunks.
 """
 
 from __future__ import annotations
@@ -257,7 +258,14 @@ class CudaCopyEngine(CopyEngine):
             return dataclasses.replace(self.totals)
 
 
-def make_copy_engine(device: torch.device) -> CopyEngine:
+def make_copy_engine(device: torch.device, *, pinned_source: bool = True) -> CopyEngine:
+    """The engine for copies into `device` from host memory that is pinned or not. On CUDA a
+    copy from pageable memory blocks the host, so it goes through pinned chunks on a copy
+    thread (`offload.staging`); on the CPU every copy is a memmove on a copy thread."""
     if device.type == "cuda":
+        if not pinned_source:
+            from offload.staging import CudaStaging, StagedCopyEngine
+
+            return StagedCopyEngine(CudaStaging(device))
         return CudaCopyEngine(device)
     return ThreadCopyEngine()
