@@ -78,6 +78,8 @@ class CudaStaging:
     """`Staging` on a CUDA device: a side stream, events, pinned chunks."""
 
     def __init__(self, device: torch.device) -> None:
+        if device.index is None:  # the copy thread must name it: set_device needs an index
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
 
@@ -173,7 +175,11 @@ class StagedCopyEngine(CopyEngine):
         return sum(chunk.numel() for chunk in self.chunks)
 
     def _run(self) -> None:
-        self.staging.bind()
+        broken: BaseException | None = None
+        try:
+            self.staging.bind()
+        except BaseException as exc:  # every job fails with it, at its wait: none hangs
+            broken = exc
         while True:
             job = self._jobs.get()
             if job is None:
@@ -181,6 +187,8 @@ class StagedCopyEngine(CopyEngine):
             dst, src, after, ticket = job
             start = time.perf_counter()
             try:
+                if broken is not None:
+                    raise broken
                 self._stage(dst, src, after)
                 ticket.marker = self.staging.record()
             except BaseException as exc:

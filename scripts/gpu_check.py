@@ -436,26 +436,37 @@ _PCIE_LANE_BYTES_PER_S = {1: 0.25e9, 2: 0.5e9, 3: 0.985e9, 4: 1.969e9, 5: 3.938e
 
 
 def _pcie_link(device) -> dict:
-    """The PCIe link of `device` from nvidia-smi: generation and width, current and max, and
-    the peak rate per direction at the max (payload after line encoding)."""
+    """The PCIe link of `device` from nvidia-smi (matched by PCI bus id, since
+    CUDA_VISIBLE_DEVICES may renumber): generation and width, current and max, and the peak
+    rate per direction at the max (payload after line encoding)."""
     import torch
 
     props = torch.cuda.get_device_properties(device)
-    target = getattr(props, "pci_bus_id", None) or str(device.index)
-    fields = "pcie.link.gen.current,pcie.link.width.current,pcie.link.gen.max,pcie.link.width.max"
-    out = (
+    fields = (
+        "pci.bus_id,pcie.link.gen.current,pcie.link.width.current,"
+        "pcie.link.gen.max,pcie.link.width.max"
+    )
+    rows = (
         subprocess.run(
-            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", target],
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
             capture_output=True,
             text=True,
             timeout=20,
             check=True,
         )
         .stdout.strip()
-        .splitlines()[0]
+        .splitlines()
     )
-    gen, width, gen_max, width_max = (int(v.strip()) for v in out.split(","))
+    parsed = [[v.strip() for v in row.split(",")] for row in rows]
+    bus = getattr(props, "pci_bus_id", None)
+    wanted = [r for r in parsed if bus is not None and int(r[0].split(":")[-2], 16) == bus]
+    if len(wanted) != 1:
+        wanted = parsed if len(parsed) == 1 else []
+    if not wanted:
+        raise LookupError(f"cannot tell which of {len(parsed)} GPUs is {device} (bus {bus})")
+    gen, width, gen_max, width_max = (int(v) for v in wanted[0][1:])
     return {
+        "bus_id": wanted[0][0],
         "gen": gen,
         "width": width,
         "gen_max": gen_max,

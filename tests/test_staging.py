@@ -161,3 +161,19 @@ def test_cuda_prefetch_from_pageable_memory_takes_the_staged_engine(monkeypatch)
         copy_engine_module.make_copy_engine(torch.device("cpu"), pinned_source=False),
         copy_engine_module.ThreadCopyEngine,
     )
+
+
+def test_a_copy_thread_that_cannot_start_fails_every_wait_instead_of_hanging() -> None:
+    stream = LazyStream()
+
+    def bind() -> None:
+        raise RuntimeError("no such device")
+
+    stream.bind = bind
+    engine = StagedCopyEngine(stream, chunk_bytes=16, num_chunks=2)
+    ticket = engine.submit(
+        torch.zeros(8, dtype=torch.uint8), torch.ones(8, dtype=torch.uint8), after=None
+    )
+    with pytest.raises(RuntimeError, match="no such device"):
+        engine.wait(ticket)
+    engine.close()
