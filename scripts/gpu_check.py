@@ -936,7 +936,7 @@ def _short(value) -> str:
         shown = {k: value[k] for k in _STATS_SHOWN if value.get(k)}
         if "pin" in value:
             shown["pinned arena"] = value["pin"]["pin"]
-        return _short(shown)
+        return _short(shown) if shown else "nothing offloaded"
     if isinstance(value, dict):
         return ", ".join(f"{k} {_short(v)}" for k, v in value.items())
     return str(value)
