@@ -20,6 +20,7 @@ lives as long as any view of it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 from collections.abc import Mapping
@@ -185,7 +186,10 @@ class UVAOffloader(BaseOffloader):
                 decision, reads_pageable=reads_pageable_memory(probe, self.device.index)
             )
         self.pin_decision = decision
-        arena = move_to_arena(layers, pin=decision.pin)
+        # Registered in this device's context: a torch before 2.9 takes the view's device from
+        # the registration, and a copy to another device would not be a view (refused below).
+        with contextlib.nullcontext() if on_host else torch.cuda.device(self.device):
+            arena = move_to_arena(layers, pin=decision.pin)
         try:
             flat = arena.bytes(0, arena.nbytes) if on_host else device_view(arena, self.device)
         except BaseException:
