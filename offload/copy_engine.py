@@ -11,7 +11,8 @@ a GPU and on the CPU (where it is tested and benchmarked):
 
 `CudaCopyEngine` uses a side stream and events. `ThreadCopyEngine` uses one background thread
 doing `memmove`, the CPU's stand-in for a DMA engine: a single queue, FIFO, so two copies into
-the same slot land in the order they were submitted, as on a CUDA stream.
+the same slot land in the order they were submitted, as on a CUDA stream. From pageable memory
+on CUDA, `offload.staging.StagedCopyEngine` bounces the copies through pinned chunks.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import torch
 
 # A copy of one layer takes milliseconds; a wait this long means the copy thread is wedged.
 COPY_WAIT_TIMEOUT_S = 300.0
-# Timing events are folded into the totals once this many are pending (one sync per fold), so a
-# long-running server does not accumulate them without bound.
+# Completed timing events are folded into the totals once this many are pending, so a
+# long-running server that nobody reads does not accumulate them without bound.
 MAX_PENDING_TIMING_EVENTS = 4096
 
 
@@ -153,19 +154,57 @@ def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+class EventTimes:
+    """Pairs of (start, end) timing events whose elapsed time is still to be counted.
+
+    The thread that issues work adds pairs; whoever reads the totals (a worker's snapshot
+    thread, concurrently) folds them: both under one lock, and a fold takes only the pairs whose
+    end has completed (`query()`, which never blocks; the start, recorded earlier on the same
+    stream, has then completed too). The rest wait for a later fold. So reading the totals never
+    synchronises the device, never asks `elapsed_time` of a pending event, and never loses or
+    counts twice a pair appended during the read.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[tuple[object, object]] = []
+
+    def add(self, start: object, end: object) -> int:
+        """Add a pair; returns how many are pending."""
+        with self._lock:
+            self._pending.append((start, end))
+            return len(self._pending)
+
+    def fold(self) -> float:
+        """Seconds between start and end, summed over the completed pairs, which are dropped."""
+        done: list[tuple[object, object]] = []
+        waiting: list[tuple[object, object]] = []
+        with self._lock:
+            for pair in self._pending:
+                (done if pair[1].query() else waiting).append(pair)
+            self._pending = waiting
+        return sum(start.elapsed_time(end) for start, end in done) / 1e3
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+
 class CudaCopyEngine(CopyEngine):
     """Copies on a side stream. Ordering, all on the GPU, none of it blocking the host:
     copy stream waits on the compute fence -> copies -> records `done`; the compute stream
-    waits on `done` before the layer's kernels. Timing events are read lazily in
-    `read_totals()`, which synchronises, so the hot path never blocks on them."""
+    waits on `done` before the layer's kernels. Timing events are folded in `read_totals()`
+    from completed events only (see `EventTimes`), so neither the hot path nor a reader of the
+    totals ever blocks on them."""
 
     def __init__(self, device: torch.device, *, timing: bool = True) -> None:
         super().__init__()
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         self.timing = timing
-        self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._lock = threading.Lock()  # the counters: the actor writes, a snapshot thread reads
+        self._copy_times = EventTimes()
+        self._stall_times = EventTimes()
 
     def _event(self) -> torch.cuda.Event:
         return torch.cuda.Event(enable_timing=self.timing)
@@ -188,9 +227,10 @@ class CudaCopyEngine(CopyEngine):
             dst.copy_(src, non_blocking=True)
             done.record(self.stream)
         if start is not None:
-            self._copy_events.append((start, done))
-        self.totals.copies += 1
-        self.totals.copied_bytes += src.nbytes
+            self._copy_times.add(start, done)
+        with self._lock:
+            self.totals.copies += 1
+            self.totals.copied_bytes += src.nbytes
         return done
 
     def wait(self, ticket: torch.cuda.Event) -> None:
@@ -202,24 +242,30 @@ class CudaCopyEngine(CopyEngine):
         if self.timing:
             after = self._event()
             after.record(compute)
-            self._stall_events.append((before, after))
-            if len(self._stall_events) > MAX_PENDING_TIMING_EVENTS:
+            if self._stall_times.add(before, after) > MAX_PENDING_TIMING_EVENTS:
                 self.read_totals()
 
     def synchronize(self) -> None:
         self.stream.synchronize()
 
     def read_totals(self) -> CopyTotals:
-        if self._copy_events or self._stall_events:
-            torch.cuda.synchronize(self.device)
-            self.totals.copy_s += sum(a.elapsed_time(b) for a, b in self._copy_events) / 1e3
-            self.totals.stall_s += sum(a.elapsed_time(b) for a, b in self._stall_events) / 1e3
-            self._copy_events.clear()
-            self._stall_events.clear()
-        return super().read_totals()
+        """The totals so far: counters as issued, times of the copies and stalls that have
+        completed (those still in flight are counted by a later read). Safe from any thread."""
+        copy_s, stall_s = self._copy_times.fold(), self._stall_times.fold()
+        with self._lock:
+            self.totals.copy_s += copy_s
+            self.totals.stall_s += stall_s
+            return dataclasses.replace(self.totals)
 
 
-def make_copy_engine(device: torch.device) -> CopyEngine:
+def make_copy_engine(device: torch.device, *, pinned_source: bool = True) -> CopyEngine:
+    """The engine for copies into `device` from host memory that is pinned or not. On CUDA a
+    copy from pageable memory blocks the host, so it goes through pinned chunks on a copy
+    thread (`offload.staging`); on the CPU every copy is a memmove on a copy thread."""
     if device.type == "cuda":
+        if not pinned_source:
+            from offload.staging import CudaStaging, StagedCopyEngine
+
+            return StagedCopyEngine(CudaStaging(device))
         return CudaCopyEngine(device)
     return ThreadCopyEngine()

@@ -88,8 +88,8 @@ class PrefetchOffloader(BaseOffloader):
                 torch.empty(slot_bytes, dtype=torch.uint8, device=self.device)
                 for _ in range(num_slots)
             ]
-            if self._engine is None:
-                self._engine = make_copy_engine(self.device)
+            if self._engine is None:  # from a pageable arena on CUDA: a pinned bounce buffer
+                self._engine = make_copy_engine(self.device, pinned_source=arena.pinned)
         except BaseException:
             self._slots = []
             arena.close()

@@ -9,10 +9,18 @@ On a CPU device (the stand-in for a GPU on machines without one) the compute alr
 memory, so the parameters are plain views of the arena: the same backend, loader path and
 accounting as on CUDA, with the pointer mapping as the identity. That is what lets a UVA job be
 loaded, run, recovered and re-planned in CI.
+
+On CUDA the views are built for an explicit device index. Given one, torch (from 2.9) takes the
+device as said instead of asking the driver what the pointer is, a question pageable memory
+fails ("resides on host memory and is not registered") even where the GPU reads it through the
+host page tables. Older torch therefore gets registered memory on such GPUs, reported in the
+pin decision. The views own a reference to the arena, so the host memory (and its registration)
+lives as long as any view of it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 from collections.abc import Mapping
@@ -31,19 +39,95 @@ from offload.host_store import (
     select_offloaded,
     set_param_data,
 )
+from offload.policy import PinDecision
 from offload.probe import NodeProbe, probe_node
+
+# The first torch release whose `as_tensor(obj, device=cuda:N)` trusts the explicit index of a
+# CUDA-array-interface object (pytorch commit dae7710) rather than asking cudaPointerGetAttributes,
+# which refuses unregistered host memory.
+UNREGISTERED_VIEWS_MIN_TORCH = (2, 9)
+
+
+def torch_views_unregistered_memory(version: str | None = None) -> bool:
+    """Whether this torch (or `version`) can build a device tensor over unregistered memory."""
+    release = (version or torch.__version__).split("+")[0].split(".")
+    numbers = tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in release[:2])
+    return numbers >= UNREGISTERED_VIEWS_MIN_TORCH
+
+
+def cuda_device(device: torch.device | str) -> torch.device:
+    """`device` with its index explicit: the current device where it names none. A view built
+    for `torch.device("cuda")` makes torch ask the driver about the pointer (see above)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"cuda_device() needs a CUDA device, got {device}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.device("cuda", index)
+
+
+def reads_pageable_memory(probe: NodeProbe, index: int) -> bool:
+    """Whether GPU `index` reads pageable host memory through the host page tables (ATS)."""
+    return any(d.index == index and d.coherent_unified_memory for d in probe.devices)
+
+
+def host_memory_for_views(
+    decision: PinDecision, *, reads_pageable: bool, torch_version: str | None = None
+) -> PinDecision:
+    """The pin decision the UVA arena is built with on a CUDA device.
+
+    Pinned memory is always viewable. Pageable memory is viewable only by a GPU that reads it
+    through the host page tables, and only with a torch that takes the explicit index: an older
+    torch gets the memory registered instead (said so in the decision); a GPU without that
+    access is refused with the knobs that fix it.
+    """
+    if decision.pin:
+        return decision
+    if not reads_pageable:
+        raise OffloadUnavailableError(
+            "the UVA backend needs pinned host memory on a GPU that does not read pageable "
+            f"memory through the host page tables (ATS), but the pin policy says off "
+            f"({decision.source}: {decision.reason}); set OFFLOAD_PIN_MEMORY=on for this node "
+            "or use backend='prefetch'"
+        )
+    version = torch_version or torch.__version__
+    if torch_views_unregistered_memory(version):
+        return decision
+    floor = ".".join(map(str, UNREGISTERED_VIEWS_MIN_TORCH))
+    return PinDecision(
+        pin=True,
+        reason=f"torch {version} cannot view unregistered host memory on the GPU (needs "
+        f">= {floor}), so the arena is registered; the policy said off ({decision.reason})",
+        source="torch_version",
+    )
 
 
 class _DeviceMemory:
-    """Hands a raw device pointer to torch through the CUDA array interface."""
+    """Hands a raw device pointer to torch through the CUDA array interface. torch keeps this
+    object alive as long as any tensor built from it, and this object keeps `owner` alive: the
+    host memory behind the pointer."""
 
-    def __init__(self, ptr: int, nbytes: int) -> None:
+    def __init__(self, ptr: int, nbytes: int, *, owner: object) -> None:
+        self.owner = owner
         self.__cuda_array_interface__ = {
             "shape": (nbytes,),
             "typestr": "|u1",
             "data": (ptr, False),
             "version": 3,
         }
+
+
+def device_view(arena: HostArena, device: torch.device) -> torch.Tensor:
+    """A flat uint8 tensor on the CUDA `device` (explicit index) over the whole arena."""
+    assert device.type == "cuda" and device.index is not None, device
+    with torch.cuda.device(device):  # the pointer query and the view in this device's context
+        base = _mapped_device_pointer(arena.data_ptr) if arena.pinned else arena.data_ptr
+        flat = torch.as_tensor(_DeviceMemory(base, arena.nbytes, owner=arena), device=device)
+    if flat.device != device or flat.data_ptr() != base:  # a copy, not a view: never silently
+        raise OffloadUnavailableError(
+            f"torch built a copy on {flat.device}, not a view on {device}, of the host arena; "
+            "use backend='prefetch'"
+        )
+    return flat
 
 
 def _mapped_device_pointer(host_ptr: int) -> int:
@@ -82,6 +166,8 @@ class UVAOffloader(BaseOffloader):
                 f"the UVA backend runs on a CUDA device or on the CPU, not device={self.device}; "
                 "use backend='prefetch' or 'auto'"
             )
+        if self.device.type == "cuda":
+            self.device = cuda_device(self.device)
         self.config = config
         self._env = dict(os.environ if env is None else env)
         self._probe = probe
@@ -93,23 +179,19 @@ class UVAOffloader(BaseOffloader):
         layers = select_offloaded(modules, self.config)
         planned = sum(layer.payload_bytes for layer in layers)
         probe = self._probe if self._probe is not None else probe_node()
-        self.pin_decision = decide_for_device(self._env, probe, planned, self.device)
-        ats = probe.any_coherent_unified_memory
+        decision = decide_for_device(self._env, probe, planned, self.device)
         on_host = self.device.type == "cpu"  # the compute reads host memory already
-        if not self.pin_decision.pin and not ats and not on_host:
-            raise OffloadUnavailableError(
-                "the UVA backend needs pinned host memory on a GPU without ATS, but the pin "
-                f"policy says off ({self.pin_decision.source}: {self.pin_decision.reason}); "
-                "set OFFLOAD_PIN_MEMORY=on for this node or use backend='prefetch'"
+        if not on_host:
+            decision = host_memory_for_views(
+                decision, reads_pageable=reads_pageable_memory(probe, self.device.index)
             )
-        arena = move_to_arena(layers, pin=self.pin_decision.pin)
+        self.pin_decision = decision
+        # Registered in this device's context: a torch before 2.9 takes the view's device from
+        # the registration, and a copy to another device would not be a view (refused below).
+        with contextlib.nullcontext() if on_host else torch.cuda.device(self.device):
+            arena = move_to_arena(layers, pin=decision.pin)
         try:
-            if on_host:
-                flat = arena.bytes(0, arena.nbytes)
-            else:
-                base = _mapped_device_pointer(arena.data_ptr) if arena.pinned else arena.data_ptr
-                with torch.cuda.device(self.device):
-                    flat = torch.as_tensor(_DeviceMemory(base, arena.nbytes), device=self.device)
+            flat = arena.bytes(0, arena.nbytes) if on_host else device_view(arena, self.device)
         except BaseException:
             arena.close()
             raise
@@ -138,7 +220,9 @@ class UVAOffloader(BaseOffloader):
             for layer in self._layers if restore else ():
                 for position, key in enumerate(layer.keys):
                     set_param_data(layer, position, self._arena[key].to(self.device, copy=True))
-        self._arena.close()
+        # Not closed: a view still held (a caller's reference, or every parameter after
+        # restore=False) keeps the arena, and so its memory and registration, alive; the
+        # arena's finalizer unregisters it when the last view goes.
         self._arena = None
         self._layers = []
 

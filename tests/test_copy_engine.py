@@ -1,11 +1,14 @@
-"""The CPU copy engine: FIFO order, errors surface at wait, overlap with the caller."""
+"""The CPU copy engine: FIFO order, errors surface at wait, overlap with the caller; the CUDA
+engine's counters read from another thread (fake events: completion decided by the test)."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
-from offload.copy_engine import ThreadCopyEngine
+from offload.copy_engine import CudaCopyEngine, EventTimes, ThreadCopyEngine
 
 
 def test_copies_to_one_destination_land_in_submission_order() -> None:
@@ -39,3 +42,69 @@ def test_close_drains_pending_copies_and_stops_the_thread() -> None:
     assert all(t.done() for t in tickets)
     assert all(torch.equal(dst, src) for dst, src in pairs)
     assert not engine._thread.is_alive()
+
+
+class FakeEvent:
+    """A timing event whose completion the test decides (CUDA's, without a GPU)."""
+
+    def __init__(self, at_ms: float, *, complete: bool = True) -> None:
+        self.at_ms = at_ms
+        self.complete = complete
+
+    def query(self) -> bool:
+        return self.complete
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        assert self.complete and end.complete, "elapsed_time of an event still pending"
+        return end.at_ms - self.at_ms
+
+
+def test_event_times_fold_only_completed_pairs_and_keep_the_rest() -> None:
+    times = EventTimes()
+    times.add(FakeEvent(0), FakeEvent(2))
+    late = FakeEvent(10, complete=False)
+    times.add(FakeEvent(5), late)
+    assert times.fold() == pytest.approx(0.002)
+    assert len(times) == 1 and times.fold() == 0.0  # pending: not read, not dropped
+    late.complete = True
+    assert times.fold() == pytest.approx(0.005) and len(times) == 0
+
+
+def test_event_times_count_every_pair_added_while_another_thread_folds() -> None:
+    times = EventTimes()
+    num_pairs = 20_000
+    folded = []
+    adding = threading.Event()
+
+    def reader() -> None:
+        adding.wait(timeout=10)
+        while len(folded) < 200 or len(times):
+            folded.append(times.fold())
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for i in range(num_pairs):
+        times.add(FakeEvent(0), FakeEvent(1))
+        if i == 100:
+            adding.set()
+    adding.set()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert sum(folded) + times.fold() == pytest.approx(num_pairs * 1e-3)
+
+
+def test_cuda_totals_are_read_without_synchronising_the_device(monkeypatch) -> None:
+    """A snapshot thread reads the totals while copies are in flight: the completed ones count,
+    the device is never synchronised (it would stall the actor's stream for the snapshot)."""
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: object())
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("read_totals synchronised the device")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
+    engine = CudaCopyEngine(torch.device("cuda", 0))
+    engine._copy_times.add(FakeEvent(0), FakeEvent(4))
+    engine._copy_times.add(FakeEvent(4), FakeEvent(8, complete=False))
+    engine._stall_times.add(FakeEvent(1), FakeEvent(2))
+    totals = engine.read_totals()
+    assert (totals.copy_s, totals.stall_s) == (pytest.approx(0.004), pytest.approx(0.001))

@@ -1,0 +1,1021 @@
+"""Everything that needs a GPU, in one command, on a lent GPU machine (never needed by CI).
+
+Runs with the machine's own `python3` (torch with CUDA, transformers): no Ray, no network, no
+virtual environment, nothing installed. From the repository root:
+
+    python3 scripts/gpu_check.py --out out/gpu              # the GPU check, under 9 minutes
+    python3 scripts/gpu_check.py --dry-run --out /tmp/gpu   # every section on the CPU, tiny
+
+Sections (each in its own process, so a crash or a hang costs that section only, under its own
+time limit, the limits capped so that the whole run ends within TOTAL_BUDGET_S):
+  env               torch, CUDA, the node probe and the pin decision
+  offloaders        none / prefetch (pinned, pageable: the staged engine) / uva, in process:
+                    bitwise equal to resident, detach restores; the arena really registered
+  fences            prefetch under slow kernels: a sleep kernel at the start of every layer,
+                    fewer slots than layers (N % K != 0 too), bitwise over many forwards, from
+                    pinned and pageable memory; controls without the fence and without the wait
+  uva               zero-copy views of registered memory (explicit device index, addresses in
+                    the mapped range), of unpinned memory where the GPU reads it through the
+                    host page tables (refused, naming the fix, where it does not)
+  bandwidth         host-to-device rate from pinned, pageable, staged and pin_memory() memory,
+                    against the link's peak (PCIe generation x width, from nvidia-smi)
+  prefetch_timing   overlap with compute of prefetch from pinned vs pageable memory (staged,
+                    and unstaged: CUDA's own blocking copies), compute matched to the copy time
+  stage             a worker's stage in process (StageWorker, two stages, one layer offloaded
+                    each, bf16): logits of transformers on the same device
+  batched           the engine's batched steps in process (LocalPipeline, two stages, three
+                    prompts at once): each prompt's greedy tokens those of transformers alone
+  pytest_gpu        tests/test_gpu.py, where pytest and hypothesis are installed
+
+Writes DIR/summary.md (the table for bench/RESULTS.md), DIR/results.json, and per section
+DIR/<name>.json and DIR/<name>.log; `--results-md FILE` also puts the summary into FILE between
+the gpu_check markers. Exit status 1 if any section failed, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Sections stop early enough for the whole run to end within one 10-minute command.
+TOTAL_BUDGET_S = 510.0
+DRY_RUN_SECTION_LIMIT_S = 120.0
+MIN_PYTEST_S = 60.0  # pytest_gpu runs only with at least this much of the budget left
+RESULTS_BEGIN = "<!-- gpu_check:begin -->"
+RESULTS_END = "<!-- gpu_check:end -->"
+
+
+class Skip(Exception):
+    """A section that does not apply here (said why in the summary)."""
+
+
+class Section:
+    """What one section found: named checks (pass/fail), data, notes. Saved after every check,
+    so a section whose process dies still reports what it had found."""
+
+    def __init__(self, name: str, out: Path, device, dry: bool) -> None:
+        self.name = name
+        self.out = out
+        self.device = device
+        self.dry = dry
+        self.cuda = device.type == "cuda"
+        self.checks: list[dict] = []
+        self.data: dict = {}
+        self.notes: list[str] = []
+        self.status = "running"
+        self.error = ""
+
+    def check(self, name: str, ok: bool, detail: object = "") -> bool:
+        self.checks.append({"name": name, "ok": bool(ok), "detail": str(detail)})
+        print(f"{'ok  ' if ok else 'FAIL'} {name} {detail}", flush=True)
+        self.save()
+        return bool(ok)
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        print(f"note {text}", flush=True)
+        self.save()
+
+    def save(self) -> None:
+        record = {
+            "name": self.name,
+            "status": self.status,
+            "checks": self.checks,
+            "data": self.data,
+            "notes": self.notes,
+            "error": self.error,
+        }
+        path = self.out / f"{self.name}.json"
+        path.with_suffix(".tmp").write_text(json.dumps(record, indent=1, default=str))
+        path.with_suffix(".tmp").replace(path)
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _sleep_module(cycles: int):
+    import torch
+    from torch import nn
+
+    class Sleep(nn.Module):
+        """Time and nothing else: on CUDA a spinning kernel, so the layer's reads of its
+        weights run well after its kernels were issued (a copy that skips the compute fence
+        lands first); on the CPU a short sleep that lets the copy thread run."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.cycles = cycles
+
+        def forward(self, x):
+            if self.cycles > 0:
+                if x.is_cuda:
+                    torch.cuda._sleep(self.cycles)
+                else:
+                    time.sleep(self.cycles / 1e10)
+            return x
+
+    return Sleep()
+
+
+def _stack(num_layers: int, hidden: int, device, *, sleep_cycles: int = 0, dtype=None):
+    """Linear/GELU/LayerNorm blocks with seeded random weights (LayerNorm's too), optionally
+    each starting with a sleep."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(num_layers):
+        block = [nn.Linear(hidden, hidden), nn.GELU(), nn.LayerNorm(hidden)]
+        with torch.no_grad():
+            block[2].weight.normal_()
+            block[2].bias.normal_()
+        if sleep_cycles:
+            block.insert(0, _sleep_module(sleep_cycles))
+        layers.append(nn.Sequential(*block).to(device=device, dtype=dtype).eval())
+    return layers
+
+
+def _forward(layers, x):
+    import torch
+
+    with torch.no_grad():
+        for layer in layers:
+            x = layer(x)
+    return x
+
+
+def _pin_modes(s: Section) -> list[str]:
+    """Pinned and pageable on CUDA; on the CPU nothing can be pinned: the policy's own choice."""
+    return ["on", "off"] if s.cuda else ["auto"]
+
+
+def _env(pin: str) -> dict[str, str]:
+    return {} if pin == "auto" else {"OFFLOAD_PIN_MEMORY": pin}
+
+
+def _pinned_at(ptr: int) -> bool:
+    """Whether CUDA sees host address `ptr` as pinned (`Tensor.is_pinned` asks about its
+    storage's first byte, so ask with a one-byte tensor that starts at `ptr`)."""
+    import torch
+
+    return torch.frombuffer((ctypes.c_uint8 * 1).from_address(ptr), dtype=torch.uint8).is_pinned()
+
+
+def _time_forwards(layers, x, device, *, iters: int, repeats: int) -> float:
+    """Median seconds per forward over `repeats` runs of `iters` forwards (after a warm-up)."""
+    for _ in range(2):
+        _forward(layers, x)
+    _sync(device)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            _forward(layers, x)
+        _sync(device)
+        samples.append((time.perf_counter() - start) / iters)
+    return statistics.median(samples)
+
+
+# --------------------------------------------------------------------------------- sections
+
+
+def section_env(s: Section) -> None:
+    import torch
+
+    from offload import decide_pinning, probe_node
+    from offload.factory import resolve_backend
+    from offload.uva import torch_views_unregistered_memory
+
+    s.data["python"] = platform.python_version()
+    s.data["torch"] = torch.__version__
+    s.data["torch_cuda"] = torch.version.cuda
+    with contextlib.suppress(ImportError):
+        import transformers
+
+        s.data["transformers"] = transformers.__version__
+    s.data["torch_views_unregistered_memory"] = torch_views_unregistered_memory()
+    probe = probe_node()
+    s.data["probe"] = probe.to_dict()
+    decision = decide_pinning({}, probe)
+    s.data["pin_decision"] = decision.to_dict()
+    s.data["auto_backend"] = resolve_backend("auto", probe, device_type=s.device.type)
+    if s.cuda:
+        props = torch.cuda.get_device_properties(s.device)
+        s.data["device"] = (
+            f"{props.name}, {props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}"
+        )
+        s.check("probe ran without errors", probe.errors == (), probe.errors)
+        s.check(
+            "the driver answered the ATS attributes",
+            all(d.pageable_memory_access_uses_host_page_tables is not None for d in probe.devices),
+        )
+    else:
+        s.data["device"] = f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+        s.check("probe ran", probe.cpu_count > 0, probe.errors)
+
+
+def section_offloaders(s: Section) -> None:
+    import torch
+
+    from offload import HostArena, OffloadConfig, TensorSpec, create_offloader
+    from offload.staging import StagedCopyEngine
+
+    hidden = 32 if s.dry else 1024
+    modules = _stack(6, hidden, s.device)
+    x = torch.randn(8, hidden, generator=torch.Generator().manual_seed(1)).to(s.device)
+    reference = _forward(modules, x)
+    variants = [("none", "auto")] + [("prefetch", pin) for pin in _pin_modes(s)]
+    variants.append(("uva", "on" if s.cuda else "auto"))
+    for backend, pin in variants:
+        label = backend if pin == "auto" else f"{backend} pin={pin}"
+        offloader = create_offloader(
+            OffloadConfig(backend=backend, layers=(1, 2, 4), prefetch_step=2),
+            device=s.device,
+            env=_env(pin),
+        )
+        try:
+            offloader.wrap_modules(modules)
+            offloader.post_init()
+            same = all(torch.equal(_forward(modules, x), reference) for _ in range(5))
+            offloader.synchronize()
+            stats = offloader.stats()
+            s.data[label] = stats.to_dict()
+            s.check(f"{label}: bitwise equal to resident over 5 forwards", same)
+            if backend != "none":
+                s.check(
+                    f"{label}: weights offloaded", stats.offloaded_bytes > 0, stats.offloaded_bytes
+                )
+            if backend == "prefetch" and s.cuda:
+                staged = isinstance(offloader._engine, StagedCopyEngine)
+                s.check(f"{label}: staged engine exactly when pageable", staged == (pin == "off"))
+        finally:
+            offloader.detach()
+        s.check(f"{label}: detach restores", torch.equal(_forward(modules, x), reference))
+    if s.cuda:
+        specs = [TensorSpec(f"t{i}", (1000 + 7 * i,), torch.float16) for i in range(10)]
+        arena = HostArena(specs, pin=True)
+        inside = [arena[k].data_ptr() for k in arena] + [arena.data_ptr + arena.nbytes - 1]
+        s.check("arena: every address inside the range is pinned", all(map(_pinned_at, inside)))
+        arena.close()
+        s.check("arena: unregistered by close()", not any(map(_pinned_at, inside)))
+
+
+def _broken_engine(device, what: str):
+    """A CUDA copy engine without the compute fence, or without the wait: the controls that
+    show the fence test would catch either."""
+    from offload.copy_engine import CudaCopyEngine
+
+    class Broken(CudaCopyEngine):
+        def fence(self):
+            return None if what == "fence" else super().fence()
+
+        def wait(self, ticket) -> None:
+            if what != "wait":
+                super().wait(ticket)
+
+    return Broken(device)
+
+
+def section_fences(s: Section) -> None:
+    import torch
+
+    from offload import OffloadConfig, PrefetchOffloader
+
+    hidden = 32 if s.dry else 2048  # 16 MiB per layer on the GPU: ~0.3 ms over PCIe 5
+    cycles = 1_000_000  # ~0.5 ms on the GPU
+    forwards = 3 if s.dry else 30
+    modules = _stack(7, hidden, s.device, sleep_cycles=cycles)
+    x = torch.randn(8, hidden, generator=torch.Generator().manual_seed(2)).to(s.device)
+    reference = _forward(modules, x)
+    patterns = [((0, 1, 2, 3, 4, 5), 2), ((0, 1, 2, 3, 4, 5, 6), 3), ((1, 3, 4), 1), ((0, 2), 0)]
+    for pin in _pin_modes(s):
+        for layers, step in patterns:
+            offloader = PrefetchOffloader(
+                OffloadConfig(layers=layers, prefetch_step=step), device=s.device, env=_env(pin)
+            )
+            offloader.wrap_modules(modules)
+            try:
+                offloader.post_init()
+                differ = sum(
+                    not torch.equal(_forward(modules, x), reference) for _ in range(forwards)
+                )
+                offloader.synchronize()
+                stats = offloader.stats()
+            finally:
+                offloader.detach()
+            s.data[f"pin={pin} layers={layers} step={step}"] = stats.to_dict()
+            s.check(
+                f"pin={pin}, {len(layers)} layers, {offloader.config.prefetch_step} step: "
+                f"bitwise over {forwards} forwards",
+                differ == 0,
+                f"{differ} differ",
+            )
+    if not s.cuda:
+        s.note("controls without fence / wait: CUDA only (CPU compute is synchronous)")
+        return
+    for what in ("fence", "wait"):
+        offloader = PrefetchOffloader(
+            OffloadConfig(layers=tuple(range(7)), prefetch_step=3),
+            device=s.device,
+            env={"OFFLOAD_PIN_MEMORY": "on"},
+            copy_engine=_broken_engine(s.device, what),
+        )
+        offloader.wrap_modules(modules)
+        try:
+            offloader.post_init()
+            differ = sum(not torch.equal(_forward(modules, x), reference) for _ in range(forwards))
+        finally:
+            offloader.detach()
+        s.data[f"control without the {what}"] = differ
+        s.note(
+            f"control without the {what}: {differ} of {forwards} forwards differ "
+            "(0 would mean this test could not see that bug)"
+        )
+
+
+def section_uva(s: Section) -> None:
+    import torch
+
+    from offload import OffloadConfig, OffloadUnavailableError, probe_node
+    from offload.probe import DECISION_STEPS
+    from offload.uva import UVAOffloader, _mapped_device_pointer, reads_pageable_memory
+
+    hidden = 32 if s.dry else 1024
+    modules = _stack(4, hidden, s.device)
+    x = torch.randn(8, hidden, generator=torch.Generator().manual_seed(3)).to(s.device)
+    reference = _forward(modules, x)
+
+    def run(pin: str, device: str) -> None:
+        offloader = UVAOffloader(
+            OffloadConfig(backend="uva", layers=(1, 3)), device=device, env=_env(pin)
+        )
+        label = f"uva pin={pin} device={device}"
+        offloader.wrap_modules(modules)
+        try:
+            arena = offloader._arena
+            weight = modules[1][0].weight
+            s.check(
+                f"{label}: bitwise equal to resident", torch.equal(_forward(modules, x), reference)
+            )
+            stats = offloader.stats()
+            s.data[label] = stats.to_dict() | {"pin": offloader.pin_decision.to_dict()}
+            s.check(
+                f"{label}: nothing copied, no slots", stats.copies == 0 and stats.buffer_bytes == 0
+            )
+            if s.cuda:
+                s.check(
+                    f"{label}: explicit device index",
+                    weight.device.index is not None,
+                    weight.device,
+                )
+                base = _mapped_device_pointer(arena.data_ptr) if arena.pinned else arena.data_ptr
+                s.check(
+                    f"{label}: a view in the arena's mapped range",
+                    base <= weight.data_ptr() < base + arena.nbytes,
+                )
+                s.check(
+                    f"{label}: arena pinned as decided", arena.pinned == offloader.pin_decision.pin
+                )
+        finally:
+            offloader.detach()
+        s.check(f"{label}: detach restores", torch.equal(_forward(modules, x), reference))
+
+    if not s.cuda:
+        run("auto", "cpu")  # the CPU stand-in: plain views of the arena
+        s.note("registered and unpinned device views: CUDA only")
+        return
+    run("on", "cuda")  # registered memory, no index given: the offloader makes it explicit
+    probe = probe_node(DECISION_STEPS)
+    index = torch.cuda.current_device()
+    s.data["reads pageable memory (ATS)"] = reads_pageable_memory(probe, index)
+    if reads_pageable_memory(probe, index):
+        run("off", f"cuda:{index}")  # unpinned memory read through the host page tables
+    else:
+        try:
+            UVAOffloader(
+                OffloadConfig(backend="uva", layers=(0,)),
+                device=f"cuda:{index}",
+                env={"OFFLOAD_PIN_MEMORY": "off"},
+            ).wrap_modules(_stack(2, hidden, s.device))
+            s.check("unpinned memory without ATS is refused", False, "no error raised")
+        except OffloadUnavailableError as exc:
+            s.check(
+                "unpinned memory without ATS is refused, naming the fix",
+                "OFFLOAD_PIN_MEMORY=on" in str(exc),
+                exc,
+            )
+        s.note(
+            "this GPU does not read pageable memory through the host page tables: the "
+            "unpinned view path runs on GH200/GB200 only"
+        )
+
+
+_PCIE_LANE_BYTES_PER_S = {1: 0.25e9, 2: 0.5e9, 3: 0.985e9, 4: 1.969e9, 5: 3.938e9, 6: 7.563e9}
+
+
+def _pcie_link(device) -> dict:
+    """The PCIe link of `device` from nvidia-smi (matched by PCI bus id, since
+    CUDA_VISIBLE_DEVICES may renumber): generation and width, current and max, and the peak
+    rate per direction at the max (payload after line encoding)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    fields = (
+        "pci.bus_id,pcie.link.gen.current,pcie.link.width.current,"
+        "pcie.link.gen.max,pcie.link.width.max"
+    )
+    rows = (
+        subprocess.run(
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        )
+        .stdout.strip()
+        .splitlines()
+    )
+    parsed = [[v.strip() for v in row.split(",")] for row in rows]
+    bus = getattr(props, "pci_bus_id", None)
+    wanted = [r for r in parsed if bus is not None and int(r[0].split(":")[-2], 16) == bus]
+    if len(wanted) != 1:
+        wanted = parsed if len(parsed) == 1 else []
+    if not wanted:
+        raise LookupError(f"cannot tell which of {len(parsed)} GPUs is {device} (bus {bus})")
+    gen, width, gen_max, width_max = (int(v) for v in wanted[0][1:])
+    return {
+        "bus_id": wanted[0][0],
+        "gen": gen,
+        "width": width,
+        "gen_max": gen_max,
+        "width_max": width_max,
+        "peak_bytes_per_s": _PCIE_LANE_BYTES_PER_S[gen_max] * width_max,
+    }
+
+
+def section_bandwidth(s: Section) -> None:
+    import torch
+
+    from offload import link
+    from offload.staging import CudaStaging, StagedCopyEngine
+
+    if not s.cuda:
+        rate = link.measure_cpu_copy(num_bytes=4 * 2**20, repeats=2)
+        s.data["cpu memmove GB/s"] = rate / 1e9
+        s.check("CPU copy rate measured", rate > 0, f"{rate / 1e9:.1f} GB/s")
+        s.note("link peak: CUDA only")
+        return
+    nbytes = 256 * 2**20
+    rates = {
+        "pinned (registered arena)": link.measure_host_to_device(
+            s.device, pin=True, num_bytes=nbytes
+        ),
+        "pageable": link.measure_host_to_device(s.device, pin=False, num_bytes=nbytes),
+    }
+    # pin_memory(): torch's caching host allocator
+    host = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=s.device)
+    best = float("inf")
+    for _ in range(4):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    rates["pin_memory()"] = nbytes / best
+    del host
+    # the staged engine: pageable memory through pinned chunks on a copy thread
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    engine = StagedCopyEngine(CudaStaging(s.device))
+    try:
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            engine.wait(engine.submit(dst, src, after=None))
+            engine.synchronize()
+            best = min(best, time.perf_counter() - start)
+        rates["pageable, staged (copy thread + pinned chunks)"] = nbytes / best
+        s.check("staged copy lands every byte", torch.equal(dst.cpu(), src))
+    finally:
+        engine.close()
+    s.data["GB/s"] = {k: v / 1e9 for k, v in rates.items()}
+    try:
+        pcie = _pcie_link(s.device)
+        s.data["pcie"] = pcie
+        peak = pcie["peak_bytes_per_s"]
+        s.data["fraction of peak"] = {k: v / peak for k, v in rates.items()}
+        s.check(
+            "pinned reaches half the link's peak",
+            rates["pinned (registered arena)"] >= 0.5 * peak,
+            f"{rates['pinned (registered arena)'] / 1e9:.1f} of {peak / 1e9:.1f} GB/s "
+            f"(PCIe gen {pcie['gen_max']} x{pcie['width_max']}; now gen {pcie['gen']} x{pcie['width']})",
+        )
+    except Exception as exc:  # no nvidia-smi, or no PCIe link (C2C): the rates still stand
+        s.note(f"link peak unknown: {type(exc).__name__}: {exc}")
+    s.check(
+        "pinned is faster than pageable", rates["pinned (registered arena)"] > rates["pageable"]
+    )
+
+
+def section_prefetch_timing(s: Section) -> None:
+    import torch
+
+    from offload import HostArena, OffloadConfig, PrefetchOffloader, TensorSpec
+    from offload.copy_engine import CudaCopyEngine, make_copy_engine
+
+    num_layers, hidden = (4, 64) if s.dry else (8, 4096)
+    dtype = torch.float16 if s.cuda else torch.float32
+    iters, repeats = (2, 1) if s.dry else (10, 3)
+    modules = _stack(num_layers, hidden, s.device, sleep_cycles=1, dtype=dtype)
+    for module in modules:
+        module[0].cycles = 0  # set below, on CUDA, to match the copy time
+    x = torch.randn(16, hidden, generator=torch.Generator().manual_seed(4)).to(s.device, dtype)
+    layer_bytes = sum(p.nbytes for p in modules[0].parameters())
+
+    # The copies alone: each layer's bytes from a pinned arena, one at a time (as `sync` does).
+    pin = s.cuda
+    with HostArena([TensorSpec("w", (layer_bytes,), torch.uint8)], pin=pin) as arena:
+        slot = torch.empty(layer_bytes, dtype=torch.uint8, device=s.device)
+        engine = make_copy_engine(s.device)
+        try:
+            start = time.perf_counter()
+            for _ in range(iters * num_layers):
+                engine.wait(engine.submit(slot, arena["w"], after=engine.fence()))
+            _sync(s.device)
+            copy_s = (time.perf_counter() - start) / iters
+        finally:
+            engine.close()
+    # Compute matched to the copy: a sleep per layer as long as one layer's copy.
+    if s.cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        cycles_per_s = 10_000_000 / (start.elapsed_time(end) / 1e3)
+        for module in modules:
+            module[0].cycles = int(copy_s / num_layers * cycles_per_s)
+    reference = _forward(modules, x)
+    compute_s = _time_forwards(modules, x, s.device, iters=iters, repeats=repeats)
+    everything = tuple(range(num_layers))
+
+    # name -> (prefetch_step, pin, engine): on CUDA from pinned memory, from pageable memory
+    # through the staged engine, and through CUDA's own pageable copies (which block the host)
+    modes: dict[str, tuple[int, str, str]] = {"sync": (0, _pin_modes(s)[0], "default")}
+    if s.cuda:
+        modes["prefetch pinned"] = (2, "on", "default")
+        modes["prefetch pageable, staged"] = (2, "off", "default")
+        modes["prefetch pageable, unstaged"] = (2, "off", "unstaged")
+    else:  # nothing to pin: one prefetch mode, the copy thread's
+        modes["prefetch"] = (2, "auto", "default")
+    times = {"resident": compute_s, "copy": copy_s}
+    for name, (step, pin, engine_kind) in modes.items():
+        engine = CudaCopyEngine(s.device) if engine_kind == "unstaged" else None
+        offloader = PrefetchOffloader(
+            OffloadConfig(layers=everything, prefetch_step=step),
+            device=s.device,
+            env=_env(pin),
+            copy_engine=engine,
+        )
+        offloader.wrap_modules(modules)
+        try:
+            offloader.post_init()
+            times[name] = _time_forwards(modules, x, s.device, iters=iters, repeats=repeats)
+            s.check(
+                f"{name}: bitwise equal to resident", torch.equal(_forward(modules, x), reference)
+            )
+        finally:
+            offloader.detach()
+    hidden_part = min(copy_s, compute_s)
+    s.data["ms per forward"] = {k: v * 1e3 for k, v in times.items()}
+    s.data["overlap efficiency"] = {
+        k: (times["sync"] - v) / hidden_part for k, v in times.items() if k.startswith("prefetch")
+    }
+    s.data["layers"] = f"{num_layers} x {layer_bytes / 2**20:.3g} MiB, all offloaded, 2 slots"
+    if s.cuda:
+        s.check(
+            "prefetch from pinned memory hides at least half of the smaller of copy and compute",
+            s.data["overlap efficiency"]["prefetch pinned"] >= 0.5,
+            f"{s.data['overlap efficiency']['prefetch pinned']:.2f}",
+        )
+
+
+def _checkpoint(s: Section, tmp: Path, arch: str, dtype: str):
+    from coordinator.planning.checkpoint import load_index
+    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+
+    size = (
+        dict(
+            num_layers=4,
+            hidden_size=64,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=128,
+            vocab_size=256,
+        )
+        if s.dry
+        else dict(
+            num_layers=4,
+            hidden_size=256,
+            num_heads=8,
+            num_kv_heads=4,
+            intermediate_size=512,
+            vocab_size=512,
+        )
+    )
+    return load_index(make_checkpoint(tmp / arch, CheckpointShape(arch=arch, dtype=dtype, **size)))
+
+
+def _two_stages(index, backend: str) -> list:
+    """embed + layers 0-1 | layers 2-3 + head, each stage offloading one decoder layer."""
+    from worker.spec import StageSpec
+
+    names = [layer.name for layer in index.layers]
+    return [
+        StageSpec(
+            stage=stage,
+            num_stages=2,
+            checkpoint_dir=str(index.root),
+            config=index.config,
+            dtype=index.dtype,
+            layers=tuple(x for x in index.layers if x.name in group),
+            offloaded=tuple(n for n in group if n in ("layers.1", "layers.3")),
+            backend=backend,
+        )
+        for stage, group in enumerate([names[:3], names[3:]])
+    ]
+
+
+def _reference_model(index, dtype, device):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(index.root, dtype=dtype).to(device).eval()
+
+
+def section_stage(s: Section) -> None:
+    import torch
+
+    from worker.worker import StageWorker
+
+    archs = ("llama",) if s.dry else ("llama", "mixtral")
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in archs:
+            index = _checkpoint(s, Path(tmp), arch, "bfloat16")
+            vocab = index.config["vocab_size"]
+            ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+            model = _reference_model(index, torch.bfloat16, s.device)
+            with torch.no_grad():
+                expected = model(ids.to(s.device)).logits.cpu()
+            del model
+            for backend in ("prefetch", "uva"):
+                x = ids
+                for spec in _two_stages(index, backend):
+                    worker = StageWorker(
+                        spec, device=str(s.device), num_threads=torch.get_num_threads()
+                    )
+                    try:
+                        report = worker.load()
+                        s.check(
+                            f"{arch} {backend} stage {spec.stage}: loaded with {backend}",
+                            report.backend == backend,
+                            report.backend,
+                        )
+                        x = worker.forward(x)
+                    finally:
+                        worker.close()
+                x = x.cpu()
+                tolerance = (
+                    2 * torch.finfo(torch.bfloat16).eps * float(expected.float().abs().max())
+                )
+                diff = float((x.float() - expected.float()).abs().max())
+                s.data[f"{arch} {backend} max abs diff"] = diff
+                s.check(
+                    f"{arch} {backend}: logits of transformers on {s.device.type} (bf16)",
+                    x.dtype == torch.bfloat16 and diff <= tolerance,
+                    f"max abs diff {diff:.3e} <= {tolerance:.3e}; bitwise {torch.equal(x, expected)}",
+                )
+
+
+def section_batched(s: Section) -> None:
+    import torch
+
+    from coordinator.engine import Engine, EngineConfig
+    from coordinator.engine.pipelines import LocalPipeline
+    from worker.decode import Sampling
+    from worker.worker import StageWorker
+
+    if s.cuda:  # float32 means float32: no TF32 in either side's matmuls
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    new_tokens = 4 if s.dry else 16
+    lengths = (5, 3, 7) if s.dry else (9, 4, 13)
+    with tempfile.TemporaryDirectory() as tmp:
+        index = _checkpoint(s, Path(tmp), "llama", "float32")
+        vocab = index.config["vocab_size"]
+        g = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+        model = _reference_model(index, torch.float32, s.device)
+        alone = []
+        for prompt in prompts:
+            with torch.no_grad():
+                out = model.generate(
+                    torch.tensor([prompt], device=s.device),
+                    max_new_tokens=new_tokens,
+                    do_sample=False,
+                    eos_token_id=None,
+                )
+            alone.append(out[0, len(prompt) :].tolist())
+        del model
+        for backend in ("prefetch", "uva"):
+            workers = [
+                StageWorker(spec, device=str(s.device), num_threads=torch.get_num_threads())
+                for spec in _two_stages(index, backend)
+            ]
+            engine = None
+            try:
+                for worker in workers:
+                    worker.load()
+                engine = Engine(
+                    LocalPipeline(workers),
+                    EngineConfig(num_slots=len(prompts), max_seq_len=40, micro_batches=1),
+                )
+                requests = [
+                    engine.submit([p], sampling=Sampling(), max_new_tokens=new_tokens)
+                    for p in prompts
+                ]
+                ours = [r.result(120)[0] for r in requests]
+            finally:
+                if engine is not None:
+                    engine.close()
+                for worker in workers:
+                    worker.close()
+            s.data[f"{backend} tokens"] = ours
+            s.check(
+                f"{backend}: {len(prompts)} prompts batched = transformers alone, greedy",
+                ours == alone,
+                f"ours {ours} vs {alone}" if ours != alone else "",
+            )
+
+
+def section_pytest_gpu(s: Section) -> None:
+    if s.dry:
+        raise Skip("dry run: the suite runs tests/test_gpu.py itself (skipped without CUDA)")
+    missing = [m for m in ("pytest", "hypothesis") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise Skip(f"not installed here: {', '.join(missing)} (the sections above cover it)")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-m",
+            "gpu",
+            "-q",
+            "-rA",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_gpu.py",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    (s.out / "pytest_gpu.txt").write_text(done.stdout + done.stderr)
+    tail = (done.stdout.strip().splitlines() or [""])[-1]
+    s.check("tests/test_gpu.py passed", done.returncode == 0, tail)
+
+
+# name -> (function, time limit on a GPU in seconds)
+SECTIONS: dict[str, tuple[Callable[[Section], None], float]] = {
+    "env": (section_env, 30),
+    "offloaders": (section_offloaders, 45),
+    "fences": (section_fences, 70),
+    "uva": (section_uva, 45),
+    "bandwidth": (section_bandwidth, 45),
+    "prefetch_timing": (section_prefetch_timing, 75),
+    "stage": (section_stage, 75),
+    "batched": (section_batched, 90),
+    "pytest_gpu": (section_pytest_gpu, 240),
+}
+
+
+# ---------------------------------------------------------------------------------- running
+
+
+def run_section(name: str, out: Path, device_name: str, dry: bool) -> int:
+    """In the section's own process: run it, save its record."""
+    import torch
+
+    if dry:
+        torch.set_num_threads(1)  # the CPU dry run: quiet beside other work, deterministic
+    s = Section(name, out, torch.device(device_name), dry)
+    start = time.perf_counter()
+    try:
+        SECTIONS[name][0](s)
+        s.status = "pass" if all(c["ok"] for c in s.checks) else "fail"
+    except Skip as exc:
+        s.status, s.error = "skip", str(exc)
+    except BaseException as exc:
+        s.status, s.error = "fail", f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    if "ray" in sys.modules and s.status != "skip":
+        s.status, s.error = "fail", (s.error + "; " if s.error else "") + "imported ray"
+    s.data["seconds"] = round(time.perf_counter() - start, 2)
+    s.save()
+    print(f"== {name}: {s.status} {s.error}", flush=True)
+    return 0 if s.status in ("pass", "skip") else 1
+
+
+def _launch(name: str, out: Path, device_name: str, dry: bool, limit_s: float) -> dict:
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--section",
+        name,
+        "--out",
+        str(out),
+        "--device",
+        device_name,
+    ] + (["--dry-run"] if dry else [])
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
+    env.setdefault("OFFLOAD_COMPUTE_CACHE", str(out / "compute-cache"))
+    (out / f"{name}.json").unlink(missing_ok=True)
+    start = time.perf_counter()
+    with open(out / f"{name}.log", "w") as log:
+        try:
+            rc = subprocess.run(
+                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=limit_s
+            ).returncode
+            why = "" if rc == 0 else f"exit status {rc}"
+        except subprocess.TimeoutExpired:
+            rc, why = None, f"killed at its time limit of {limit_s:.0f} s"
+    path = out / f"{name}.json"
+    record = (
+        json.loads(path.read_text())
+        if path.exists()
+        else {"name": name, "checks": [], "data": {}, "notes": [], "error": ""}
+    )
+    if rc is None or (rc != 0 and record.get("status") in (None, "running", "pass")):
+        record["status"] = "fail"  # died or hung: what it had found stays in the record
+        record["error"] = "; ".join(filter(None, [record.get("error"), why]))
+    record.setdefault("data", {})["seconds"] = round(time.perf_counter() - start, 1)
+    record["limit_s"] = round(limit_s)
+    return record
+
+
+def summarize(records: list[dict], *, device: str, dry: bool, total_s: float) -> str:
+    env = next((r["data"] for r in records if r["name"] == "env"), {})
+    lines = [
+        f"### GPU check{' (dry run, CPU)' if dry else ''}: {time.strftime('%Y-%m-%d')}, "
+        f"`python3 scripts/gpu_check.py{' --dry-run' if dry else ''}`",
+        "",
+        f"{env.get('device', device)}; torch {env.get('torch', '?')} (CUDA {env.get('torch_cuda')}), "
+        f"transformers {env.get('transformers', '?')}, Python {env.get('python', '?')}; "
+        f"{total_s:.0f} s in all.",
+        "",
+        "| section | status | checks | s (limit) | notes |",
+        "|---|---|---:|---:|---|",
+    ]
+    for r in records:
+        checks = r.get("checks", [])
+        passed = sum(c["ok"] for c in checks)
+        failed = [c["name"] for c in checks if not c["ok"]]
+        notes = "; ".join(filter(None, [r.get("error", "")] + [f"FAILED {n}" for n in failed]))
+        lines.append(
+            f"| {r['name']} | {r.get('status')} | {passed}/{len(checks)} | "
+            f"{r['data'].get('seconds', '?')} ({r.get('limit_s', '?')}) | {notes} |"
+        )
+    lines.append("")
+    for r in records:
+        data = {k: v for k, v in r.get("data", {}).items() if k not in ("seconds", "probe")}
+        if not data and not r.get("notes"):
+            continue
+        lines.append(f"**{r['name']}**")
+        lines.append("")
+        for key, value in data.items():
+            lines.append(f"- {key}: {_short(value)}")
+        for note in r.get("notes", []):
+            lines.append(f"- note: {note}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+_STATS_SHOWN = ("offloaded_bytes", "pinned_bytes", "copies", "copy_s", "stall_s", "sync_loads")
+
+
+def _short(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, dict) and "backend" in value:  # OffloadStats: the telling fields
+        shown = {k: value[k] for k in _STATS_SHOWN if value.get(k)}
+        if "pin" in value:
+            shown["pinned arena"] = value["pin"]["pin"]
+        return _short(shown) if shown else "nothing offloaded"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_short(v)}" for k, v in value.items())
+    return str(value)
+
+
+def write_results_md(path: Path, summary: str) -> None:
+    """Put `summary` between the gpu_check markers of `path` (appended with them if absent)."""
+    text = path.read_text() if path.exists() else ""
+    block = f"{RESULTS_BEGIN}\n{summary}\n{RESULTS_END}"
+    if RESULTS_BEGIN in text and RESULTS_END in text:
+        head, rest = text.split(RESULTS_BEGIN, 1)
+        text = head + block + rest.split(RESULTS_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "gpu")
+    parser.add_argument("--dry-run", action="store_true", help="tiny sizes, on the CPU by default")
+    parser.add_argument("--device", help="cuda or cpu (default: cuda, or cpu for --dry-run)")
+    parser.add_argument("--sections", help=f"comma-separated subset of {','.join(SECTIONS)}")
+    parser.add_argument("--results-md", type=Path, help="also write the summary into this file")
+    parser.add_argument("--section", help=argparse.SUPPRESS)  # one section, in its own process
+    args = parser.parse_args(argv)
+    device = args.device or ("cpu" if args.dry_run else "cuda")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.section:
+        return run_section(args.section, args.out, device, args.dry_run)
+    names = args.sections.split(",") if args.sections else list(SECTIONS)
+    unknown = sorted(set(names) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
+    start = time.perf_counter()
+    records = []
+    for name in names:
+        left = TOTAL_BUDGET_S - (time.perf_counter() - start)
+        limit = min(SECTIONS[name][1], DRY_RUN_SECTION_LIMIT_S if args.dry_run else left)
+        if name == "pytest_gpu" and not args.dry_run and left < MIN_PYTEST_S:
+            records.append(
+                {
+                    "name": name,
+                    "status": "skip",
+                    "checks": [],
+                    "notes": [],
+                    "data": {},
+                    "error": f"only {left:.0f} s of the budget left",
+                }
+            )
+            continue
+        if limit <= 5:
+            records.append(
+                {
+                    "name": name,
+                    "status": "fail",
+                    "checks": [],
+                    "notes": [],
+                    "data": {},
+                    "error": "the run's time budget was spent before it",
+                }
+            )
+            continue
+        print(f"== {name} (limit {limit:.0f} s)", flush=True)
+        records.append(_launch(name, args.out, device, args.dry_run, limit))
+        r = records[-1]
+        print(
+            f"== {name}: {r['status']} {r.get('error', '')} ({r['data'].get('seconds')} s)",
+            flush=True,
+        )
+    total_s = time.perf_counter() - start
+    summary = summarize(records, device=device, dry=args.dry_run, total_s=total_s)
+    (args.out / "summary.md").write_text(summary + "\n")
+    (args.out / "results.json").write_text(json.dumps(records, indent=1, default=str))
+    if args.results_md:
+        write_results_md(args.results_md, summary)
+    print(summary)
+    return 1 if any(r["status"] == "fail" for r in records) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
