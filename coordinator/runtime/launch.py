@@ -27,10 +27,14 @@ def launch(
     *,
     progress: Callable[[int, int], None] | None = None,
     name: str | None = None,
+    lease_s: float | None = None,
 ) -> Job:
     """Index, probe, plan, reserve the GPUs, start and load. On any failure everything started
     is released. With `name`, the workers and their placement groups are detached and named,
-    so they outlive this process (on a cluster) and `attach(name)` finds them again."""
+    so they outlive this process (on a cluster) and `attach(name)` finds them again. With
+    `lease_s` too, the load's keeper unloads it once no `renew()` reached it for that long."""
+    if lease_s is not None and (name is None or not lease_s > 0):
+        raise ConfigError(f"lease_s={lease_s}: a lease is a positive time, for a named load")
     if config.replicas != 1:
         raise ConfigError(
             f"replicas={config.replicas}: a job runs one pipeline; several are "
@@ -43,21 +47,28 @@ def launch(
             registry.check_name(name)
         snapshot, envs = probe_cluster(config, model=model_of(index, config))
         config, the_plan = plan_job(config, index, snapshot)
-        return _start(config, index, the_plan, envs, session, name, progress)
+        return _start(config, index, the_plan, envs, session, name, progress, lease_s)
     except BaseException:
         session.close()
         raise
 
 
 def launch_replicas(
-    config: JobConfig, name: str, *, progress: Callable[[int, int], None] | None = None
+    config: JobConfig,
+    name: str,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    lease_s: float | None = None,
 ) -> list[Job]:
     """The job as `config.replicas` pipelines (0: the count with the most tokens/s), each a
     named load `{name}-{r}` on its own GPUs (`JobConfig.nodes`) with the plan the replica
     search made for it; the cluster is probed once for all. A single pipeline is the load
-    `name` itself. On any failure every replica started is released."""
+    `name` itself. On any failure every replica started is released. `lease_s`: each is
+    leased (see `launch`)."""
     if config.replicas == 1:
-        return [launch(config, progress=progress, name=name)]
+        return [launch(config, progress=progress, name=name, lease_s=lease_s)]
+    if lease_s is not None and not lease_s > 0:
+        raise ConfigError(f"lease_s={lease_s}: a lease is a positive time")
     index = _checked_index(config)
     session = connect(config)
     jobs: list[Job] = []
@@ -85,6 +96,7 @@ def launch_replicas(
                     session if not jobs else RaySession(owned=False),
                     load,
                     progress,
+                    lease_s,
                 )
             )
         return jobs
@@ -115,6 +127,7 @@ def _start(
     session: RaySession,
     name: str | None,
     progress: Callable[[int, int], None] | None,
+    lease_s: float | None = None,
 ) -> Job:
     """Reserve the plan's GPUs, start and load its workers: a Job (named: detached, recorded,
     kept by a keeper). On failure what this started is released and the name forgotten (its
@@ -130,7 +143,7 @@ def _start(
             registry.save(name, config, group, [])
         job.load_reports = recovery.load_recovering(group, job.record_event, progress)
         if name is not None:  # from now on the keeper changes the load, no driver
-            job.keeper = start_keeper(name, index)
+            job.keeper = start_keeper(name, index, lease_s)
         return job
     except BaseException:
         if job is not None:

@@ -204,13 +204,17 @@ def list_loads() -> list[str]:
     )
 
 
-def unload(name: str) -> int:
+def unload(name: str, *, keeper: bool = True) -> int:
     """Kill the load's keeper, its workers and its record, and remove its placement groups;
     returns the number of workers killed. Every worker of the load is found by its name
-    prefix, also one a recovery started but did not get to record."""
+    prefix, also one a recovery started but did not get to record. `keeper=False`: the keeper
+    itself unloads (its lease ran out), and ends itself after."""
     record_actor, _ = load_record(name)
     with contextlib.suppress(ValueError):  # the keeper first: it must not start replacements
-        ray.kill(ray.get_actor(f"{record_name(name)}:keeper", namespace=NAMESPACE), no_restart=True)
+        if keeper:
+            ray.kill(
+                ray.get_actor(f"{record_name(name)}:keeper", namespace=NAMESPACE), no_restart=True
+            )
     killed = 0
     for actor_name in _named_actors():
         if actor_name.startswith(_worker_prefix(name)):
