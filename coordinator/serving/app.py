@@ -23,11 +23,11 @@ response_format) are refused with 400, not ignored.
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations
 # (`request: Request`) as objects to know what to inject.
-import contextlib
 import hmac
 import json
 import logging
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -427,8 +427,11 @@ class ServedApp:
             if self.front is not None:
                 self.front.close()
         finally:
-            with contextlib.suppress(Exception):  # gone already (its Ray stopped): nothing held
+            try:
                 serve.delete(self.name)
+            except Exception as exc:  # its Ray gone already: nothing left; else say it
+                if ray.is_initialized():
+                    print(f"Serve app {self.name!r} not removed: {exc}", file=sys.stderr)
 
 
 def start(
