@@ -40,6 +40,7 @@ from coordinator.planning.checkpoint import load_index
 from coordinator.runtime import registry
 from coordinator.runtime.launch import attach, launch
 from coordinator.serving import app
+from coordinator.serving.bridge import bind
 from coordinator.serving.text import end_ids, load_tokenizer
 from coordinator.tools.make_checkpoint import make_checkpoint
 
@@ -118,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             launch(config, name=NAME).close()  # stays loaded (this process holds the Ray)
             port, key = free_port(), secrets.token_hex(16)
-            app.start([NAME], "llama", host="127.0.0.1", port=port, api_key=key)
+            served = app.start(
+                [NAME], "llama", app_id="bench", sock=bind("127.0.0.1", port), api_key=key
+            )
             loop = generate_loop.remote(NAME, [r[0] for r in refs], args.max_tokens, list(eos))
             per = args.requests_per_client
             row = level(
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                 stats = job.serving_stats()
             row["engine_requests"] = stats["requests"]
             row["engine_tokens"] = stats["generation_tokens"]
-            app.stop()
+            served.stop()
             registry.unload(NAME)
         finally:
             ray.shutdown()

@@ -63,18 +63,15 @@ class Served:
     proc: subprocess.Popen
     log_path: Path
     spawned: list[psutil.Process]  # the processes the command had started once it served
-    session: str  # its embedded Ray's session directory
+    session: str  # its embedded Ray's session directory ("" on a cluster it joined)
 
     def log(self) -> str:
         return self.log_path.read_text()[-3000:]
 
 
-@contextlib.contextmanager
-def serving(root: Path, *flags: str):
-    """`offloadctl serve` of a tiny checkpoint written under `root`, on its own embedded Ray,
-    with these flags; stopped on leaving (SIGTERM, then its whole process group killed), so
-    nothing outlives the caller."""
-    checkpoint = str(
+def tiny_checkpoint(root: Path) -> str:
+    """The tiny llama checkpoint these tests serve, written under `root`."""
+    return str(
         make_checkpoint(
             root / "tiny-llama",
             CheckpointShape(
@@ -88,13 +85,31 @@ def serving(root: Path, *flags: str):
             ),
         )
     )
+
+
+@contextlib.contextmanager
+def serving(
+    root: Path,
+    *flags: str,
+    load: str | None = None,
+    checkpoint: str | None = None,
+    ray_env: dict[str, str] | None = None,
+):
+    """`offloadctl serve` with these flags: of the named `load`, or of `checkpoint` (default:
+    the tiny checkpoint written under `root`); on its own embedded Ray, or on the cluster that
+    `ray_env` joins (RAY_ADDRESS and its token). Stopped on leaving (SIGTERM, then its whole
+    process group killed), so nothing outlives the caller."""
+    if load is None:
+        checkpoint = checkpoint or tiny_checkpoint(root)
     port, key = free_ports(1)[0], secrets.token_hex(16)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(ray_env or {})
     env["OFFLOAD_API_KEY"] = key
-    log_path = root / "serve.log"
+    log_path = root / f"serve-{port}.log"
     log = open(log_path, "w")  # noqa: SIM115 - closed in finally
+    what = [load] if load is not None else ["--checkpoint", checkpoint]
     proc = subprocess.Popen(
-        [OFFLOADCTL, "serve", "--checkpoint", checkpoint, "--port", str(port), *flags],
+        [OFFLOADCTL, "serve", *what, "--port", str(port), *flags],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -117,7 +132,8 @@ def serving(root: Path, *flags: str):
             assert time.monotonic() < deadline, f"not up: {log_path.read_text()[-3000:]}"
             time.sleep(1)
         spawned = psutil.Process(proc.pid).children(recursive=True)
-        yield Served(base, key, checkpoint, proc, log_path, spawned, session_dir_of(spawned))
+        session = session_dir_of(spawned) if ray_env is None else ""
+        yield Served(base, key, checkpoint or "", proc, log_path, spawned, session)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -169,6 +169,9 @@ def _serving_what(jobs: list, auto: bool) -> str:
 
 
 def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
+    """Serve on host:port with a Serve app of this command's own, removed when it ends (other
+    `serve` commands on the cluster go on). Loads it starts itself are leased (SERVE_LEASE_S):
+    killed with -9, this command leaves no GPU held for longer than the lease."""
     import uuid
     from pathlib import Path
 
@@ -177,7 +180,9 @@ def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
     from coordinator.planning.context import model_context
     from coordinator.runtime import registry
     from coordinator.runtime.launch import attach, launch_replicas
+    from coordinator.runtime.lease import LeaseHolder
     from coordinator.serving import app as serving
+    from coordinator.serving.bridge import bind
 
     key = _api_key(args.api_key_file)
     if args.host not in LOOPBACK and key is None:
@@ -187,50 +192,85 @@ def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
         )
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port} must be in 1..65535")
+    serve_id = uuid.uuid4().hex[:8]  # names this command's loads and its Serve app
     auto = False
-    if args.name:
-        jobs, ours = [attach(args.name, address=args.address)], False
-    else:
-        # serve's own defaults, for what neither the flags nor the job file set
-        config = job_config(
-            args,
-            defaults={"max_batch": DEFAULT_SERVE_BATCH, "objective": DEFAULT_SERVE_OBJECTIVE},
-            throughput_defaults={"replicas": 0},
-        )
-        auto = config.max_batch == 0
-        if config.max_seq_len == 0:  # 512 tokens, within the model's context
-            context = model_context(read_config(config.checkpoint))
-            seq_len = min(
-                DEFAULT_SERVE_SEQ_LEN, context.tokens if context else DEFAULT_SERVE_SEQ_LEN
-            )
-            config = dataclasses.replace(config, max_seq_len=seq_len)
-        jobs = launch_replicas(config, f"serve-{uuid.uuid4().hex[:8]}", progress=progress)
-        ours = True
-    job = jobs[0]
-    model = args.model_name or Path(job.config.checkpoint).resolve().name
+    jobs: list = []
+    served = None
+    holder = None
+    ours = False
+    sock = bind(args.host, args.port)  # a port in use is said now, before any load
     try:
+        if args.name:
+            jobs, ours = [attach(args.name, address=args.address)], False
+        else:
+            # serve's own defaults, for what neither the flags nor the job file set
+            config = job_config(
+                args,
+                defaults={"max_batch": DEFAULT_SERVE_BATCH, "objective": DEFAULT_SERVE_OBJECTIVE},
+                throughput_defaults={"replicas": 0},
+            )
+            auto = config.max_batch == 0
+            if config.max_seq_len == 0:  # 512 tokens, within the model's context
+                context = model_context(read_config(config.checkpoint))
+                seq_len = min(
+                    DEFAULT_SERVE_SEQ_LEN, context.tokens if context else DEFAULT_SERVE_SEQ_LEN
+                )
+                config = dataclasses.replace(config, max_seq_len=seq_len)
+            ours = True
+            lease_s = _serve_lease_s()
+            holder = LeaseHolder(f"serve-{serve_id}", lease_s)  # renews from the first load on
+            jobs = launch_replicas(config, f"serve-{serve_id}", progress=progress, lease_s=lease_s)
+        job = jobs[0]
+        model = args.model_name or Path(job.config.checkpoint).resolve().name
         from coordinator.serving.text import load_tokenizer
 
         load_tokenizer(job.config.checkpoint)  # a checkpoint without one fails here, not later
-        serving.start(
+        served = serving.start(
             [j.name for j in jobs],
             model,
-            host=args.host,
-            port=args.port,
+            app_id=serve_id,
+            sock=sock,
             api_key=key,
             max_ongoing_requests=job.config.max_queue + job.config.max_batch,
         )
         print(
             f"serving {model!r} on http://{args.host}:{args.port}/v1 ({_serving_what(jobs, auto)}"
-            f"); Ctrl-C stops it",
+            f"; Serve app {served.name!r}); Ctrl-C stops it",
             flush=True,
         )
         while True:
             time.sleep(3600)
     finally:
-        serving.stop()
-        for j in reversed(jobs):  # the first owns an embedded Ray: it goes last
-            if ours:
-                registry.forget(j.name)
-            j.close()
+        try:
+            if served is not None:
+                served.stop()  # this command's app and server only
+        finally:
+            sock.close()  # closed already where the server ran
+            if holder is not None:
+                holder.close()
+            for j in reversed(jobs):  # the first owns an embedded Ray: it goes last
+                if ours:
+                    registry.forget(j.name)
+                j.close()
     return 0  # unreachable: Ctrl-C or SIGTERM ends the command
+
+
+SERVE_LEASE_S = 30.0  # the loads serve starts go this long after its last renewal
+
+
+def _serve_lease_s() -> float:
+    """SERVE_LEASE_S, or OFFLOAD_SERVE_LEASE_S where set (tests: a short lease)."""
+    import os
+
+    from coordinator.config import ConfigError
+
+    text = os.environ.get("OFFLOAD_SERVE_LEASE_S")
+    if not text:
+        return SERVE_LEASE_S
+    try:
+        lease_s = float(text)
+    except ValueError:
+        lease_s = 0.0
+    if not lease_s > 0:
+        raise ConfigError(f"OFFLOAD_SERVE_LEASE_S={text!r} must be a positive number of seconds")
+    return lease_s

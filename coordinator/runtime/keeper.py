@@ -19,6 +19,11 @@ A node whose workers keep dying is left out: after NODE_LOSS_LIMIT losses there 
 NODE_LOSS_WINDOW_S, the next recovery plans without it (an event says so) even though Ray calls
 it alive. A recovery that fails (say, what is left cannot hold the model) is retried with
 exponential back-off, from the watch interval up to BACKOFF_MAX_S.
+
+A load may be leased (`launch(..., lease_s=...)`; `serve` leases the loads it starts): its
+holder calls `renew()` well within every `lease_s`, and once no renewal came for `lease_s` the
+keeper unloads the load (workers, placement groups, record) and ends itself last, so a holder
+killed with -9 leaves no GPU held. A keeper that Ray restarts starts its lease afresh.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ MAX_CONCURRENCY = 256
 # workers as they are), and its new engine takes the workers over from the dead one's; the
 # requests that were in flight end with an error, later ones run. `unload` kills it for good.
 KEEPER_RESTARTS = 3
+LEASE_POLL_S = 1.0  # a leased keeper looks at its last renewal this often (or lease_s / 4)
 
 
 def keeper_name(name: str) -> str:
@@ -57,8 +63,9 @@ def keeper_name(name: str) -> str:
 
 @ray.remote(num_cpus=0, max_restarts=KEEPER_RESTARTS, max_concurrency=MAX_CONCURRENCY)
 class LoadKeeper:
-    def __init__(self, name: str, index: CheckpointIndex) -> None:
+    def __init__(self, name: str, index: CheckpointIndex, lease_s: float | None = None) -> None:
         self.name = name
+        self._renewed = time.monotonic()  # a lease starts with the keeper
         self.index = index  # passed in: the head node need not see the checkpoint files
         # One recovery at a time (the loop's or a driver's), never under a step being sent.
         self.gate = Gate()
@@ -84,6 +91,30 @@ class LoadKeeper:
                     daemon=True,
                     name=f"offload-{target.__name__}",
                 ).start()
+        if lease_s is not None:
+            threading.Thread(
+                target=self._lease_loop, args=(lease_s,), daemon=True, name="offload-lease"
+            ).start()
+
+    # the lease of a load that its holder's process keeps alive (serve)
+    def renew(self) -> None:
+        self._renewed = time.monotonic()
+
+    def _lease_loop(self, lease_s: float) -> None:
+        while time.monotonic() - self._renewed <= lease_s:
+            time.sleep(min(LEASE_POLL_S, lease_s / 4))
+        print(
+            f"load {self.name!r}: no renewal of its lease within {lease_s:g} s (its holder is "
+            "gone): unloading it",
+            file=sys.stderr,
+        )
+        # No recovery or step runs meanwhile (the engine's steps wait at the gate, then fail
+        # on the dead workers); the keeper goes last, itself, so the rest is done first.
+        with self.gate.alone():
+            try:
+                registry.unload(self.name, keeper=False)
+            finally:
+                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     # recovery
     def recover(self) -> list[int]:
@@ -253,11 +284,12 @@ def _namer(record: dict):
     return names
 
 
-def start(name: str, index: CheckpointIndex) -> ray.actor.ActorHandle:
-    """The keeper of load `name`, started once its record exists and its workers are loaded."""
+def start(name: str, index: CheckpointIndex, lease_s: float | None = None) -> ray.actor.ActorHandle:
+    """The keeper of load `name`, started once its record exists and its workers are loaded;
+    with `lease_s`, it unloads the load when no `renew()` came for that long."""
     keeper = LoadKeeper.options(
         name=keeper_name(name), namespace=NAMESPACE, lifetime="detached", **registry.on_head()
-    ).remote(name, index)
+    ).remote(name, index, lease_s)
     ray.get(keeper.ping.remote(), timeout=registry.ATTACH_TIMEOUT_S)
     return keeper
 

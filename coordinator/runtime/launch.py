@@ -28,10 +28,14 @@ def launch(
     *,
     progress: Callable[[int, int], None] | None = None,
     name: str | None = None,
+    lease_s: float | None = None,
 ) -> Job:
     """Index, probe, plan, reserve the GPUs, start and load. On any failure everything started
     is released. With `name`, the workers and their placement groups are detached and named,
-    so they outlive this process (on a cluster) and `attach(name)` finds them again."""
+    so they outlive this process (on a cluster) and `attach(name)` finds them again. With
+    `lease_s` too, the load's keeper unloads it once no `renew()` reached it for that long."""
+    if lease_s is not None and (name is None or not lease_s > 0):
+        raise ConfigError(f"lease_s={lease_s}: a lease is a positive time, for a named load")
     if config.replicas != 1:
         raise ConfigError(
             f"replicas={config.replicas}: a job runs one pipeline; several are "
@@ -47,7 +51,7 @@ def launch(
             record = registry.claim(name)
         snapshot, envs = probe_cluster(config, model=model_of(index, config))
         config, the_plan = plan_job(config, index, snapshot)
-        return _start(config, index, the_plan, envs, session, name, progress, record)
+        return _start(config, index, the_plan, envs, session, name, progress, record, lease_s)
     except BaseException:
         if record is not None:
             registry.release(record)  # ours, by handle: never another load's record
@@ -56,14 +60,21 @@ def launch(
 
 
 def launch_replicas(
-    config: JobConfig, name: str, *, progress: Callable[[int, int], None] | None = None
+    config: JobConfig,
+    name: str,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    lease_s: float | None = None,
 ) -> list[Job]:
     """The job as `config.replicas` pipelines (0: the count with the most tokens/s), each a
     named load `{name}-{r}` on its own GPUs (`JobConfig.nodes`) with the plan the replica
     search made for it; the cluster is probed once for all. A single pipeline is the load
-    `name` itself. On any failure every replica started is released."""
+    `name` itself. On any failure every replica started is released. `lease_s`: each is
+    leased (see `launch`)."""
     if config.replicas == 1:
-        return [launch(config, progress=progress, name=name)]
+        return [launch(config, progress=progress, name=name, lease_s=lease_s)]
+    if lease_s is not None and not lease_s > 0:
+        raise ConfigError(f"lease_s={lease_s}: a lease is a positive time")
     index = _checked_index(config)
     session = connect(config)
     jobs: list[Job] = []
@@ -91,6 +102,7 @@ def launch_replicas(
                     load,
                     progress,
                     registry.claim(load),
+                    lease_s,
                 )
             )
         return jobs
@@ -122,6 +134,7 @@ def _start(
     name: str | None,
     progress: Callable[[int, int], None] | None,
     record=None,
+    lease_s: float | None = None,
 ) -> Job:
     """Reserve the plan's GPUs, start and load its workers: a Job (named: detached, recorded,
     kept by a keeper). `record`: the name's record, claimed by the caller (`registry.claim`).
@@ -140,7 +153,7 @@ def _start(
             registry.store(record, config, group, [], state="loading")
         job.load_reports = recovery.load_recovering(group, job.record_event, progress)
         if name is not None:  # from now on the keeper changes the load, no driver
-            keeper = job.keeper = start_keeper(name, index)
+            keeper = job.keeper = start_keeper(name, index, lease_s)
             registry.store(record, group.config, group, job.events, state="loaded")
         return job
     except BaseException:

@@ -249,24 +249,26 @@ def list_loads() -> list[str]:
     )
 
 
-def unload(name: str) -> int:
+def unload(name: str, *, keeper: bool = True) -> int:
     """Kill the load's keeper, its workers and its record, and remove its placement groups;
     returns the number of workers killed. Everything of the load is found by its name (the
     prefix `load:NAME:`), also a worker a recovery started but did not get to record, and also
     when the record itself is gone (its process died): LoadNotFoundError only when nothing of
-    that name is left."""
+    that name is left. `keeper=False`: the keeper itself unloads (its lease ran out), and ends
+    itself after."""
     check_name(name)
     record_actor = None
     with contextlib.suppress(ValueError):
         record_actor = ray.get_actor(record_name(name), namespace=NAMESPACE)
     groups = named_groups(name)
-    keeper = f"{record_name(name)}:keeper"
+    keeper_actor = f"{record_name(name)}:keeper"
     actors = _named_actors()
     workers = [n for n in actors if n.startswith(_worker_prefix(name))]
-    if record_actor is None and not groups and not workers and keeper not in actors:
+    if record_actor is None and not groups and not workers and keeper_actor not in actors:
         raise LoadNotFoundError(f"no load named {name!r} on this cluster (see `offloadctl list`)")
-    with contextlib.suppress(ValueError):  # the keeper first: it must not start replacements
-        ray.kill(ray.get_actor(keeper, namespace=NAMESPACE), no_restart=True)
+    if keeper:  # the keeper first: it must not start replacements
+        with contextlib.suppress(ValueError):
+            ray.kill(ray.get_actor(keeper_actor, namespace=NAMESPACE), no_restart=True)
     killed = 0
     for actor_name in workers:
         try:

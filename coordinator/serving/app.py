@@ -1,6 +1,9 @@
 """An OpenAI-style HTTP front for named loads, on Ray Serve: one Serve replica per load (a
 pipeline on its own GPUs; several when the plan chose replicas), Serve's router spreading the
-requests; each completion's `x-offload-load` header says which load answered.
+requests; each completion's `x-offload-load` header says which load answered. Each `serve`
+command deploys a Serve app of its own and listens on its own port itself (serving/bridge.py:
+Serve has one proxy port per cluster), so several run on one cluster; its replicas remove the
+app when the command's process is gone without removing it (killed with -9).
 
 `GET /v1/models`, `POST /v1/completions` and `POST /v1/chat/completions` (where the tokenizer
 has a chat template), both with `stream: true` as server-sent events. A replica attaches to its
@@ -23,13 +26,19 @@ response_format) are refused with 400, not ignored.
 import hmac
 import json
 import logging
+import socket
+import sys
+import threading
 import time
 import uuid
+from dataclasses import dataclass
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 
+from coordinator.serving.bridge import HttpFront, HttpRequest, run_asgi
 from coordinator.serving.runs import Run
 from offload.errors import (
     BusyError,
@@ -46,6 +55,7 @@ logger = logging.getLogger(__name__)
 # in front of it. `start` sizes it to the engine's queue + batch, so that the engine's queue
 # (FIFO, 429 only when full) is the one that decides.
 MAX_ONGOING_REQUESTS = 1024 + 64
+OWNER_CHECK_S = 5.0  # a replica checks this often that the serve process that started it runs
 MAX_STOP = 4  # stop strings per request, as OpenAI's API allows
 LOAD_HEADER = "x-offload-load"  # which load (replica) answered a completion
 # Request fields this server does not apply, with the value that means "off": any other value is
@@ -116,15 +126,52 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], default=None, check=N
     return value
 
 
+def _owner_alive(job_id: str) -> bool:
+    """Whether the Ray job (driver) `job_id` still runs, as the GCS's job table says: a driver
+    killed with -9 is marked dead there when its node sees it gone. Unknown: alive."""
+    from ray._private import state
+
+    for job in state.jobs():
+        if job["JobID"] == job_id:
+            return not job["IsDead"]
+    return True
+
+
+def _end_with_owner(app_name: str, job_id: str) -> None:
+    """A replica's watch (a daemon thread): once the `serve` process that deployed `app_name`
+    is gone without removing it (killed with -9), the app is removed, so no replica of it
+    stays a client of its load."""
+    while True:
+        time.sleep(OWNER_CHECK_S)
+        try:
+            if not _owner_alive(job_id):
+                logger.warning("the serve process of %s is gone: removing the app", app_name)
+                serve.delete(app_name, _blocking=False)
+                return
+        except Exception as exc:  # look again later
+            logger.warning("cannot check the serve process of %s: %s", app_name, exc)
+
+
 # Ray Serve pickles the deployment class when it is decorated: everything it uses is defined
 # above it. No CPU of its own: the replica waits on the workers, which hold the job's CPUs (a
 # replica asking for one on a small embedded Ray would never be scheduled).
 @serve.deployment(max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class OpenAIServer:
-    def __init__(self, load_names: list[str], model_name: str, api_key: str | None) -> None:
+    def __init__(
+        self,
+        load_names: list[str],
+        model_name: str,
+        api_key: str | None,
+        owner: tuple[str, str] | None = None,
+    ) -> None:
         from coordinator.runtime.launch import attach
         from coordinator.serving.text import load_tokenizer
+
+        if owner is not None:  # (app name, the serve process's Ray job): the app ends with it
+            threading.Thread(
+                target=_end_with_owner, args=owner, daemon=True, name="offload-owner"
+            ).start()
 
         rank = serve.get_replica_context().rank.rank if len(load_names) > 1 else 0
         self.load_name = load_names[rank % len(load_names)]
@@ -185,6 +232,13 @@ class OpenAIServer:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         return await self._handle(request, chat=True)
+
+    async def forward(self, request: HttpRequest):
+        """One HTTP request that the serve process's own server received (serving/bridge.py),
+        run through this replica's FastAPI app: yields the response's start, then its body
+        chunks. Cancelled (the client went away), the app's run is cancelled with it."""
+        async for item in run_asgi(self.app, request):
+            yield item
 
     async def _handle(self, request: Request, *, chat: bool):
         if not self._authorized(request):
@@ -358,32 +412,61 @@ class OpenAIServer:
             run.cancel()  # a client gone mid-stream (the generator is closed): stop and free
 
 
+APP_PREFIX = "offload-openai-"  # + the serve command's id: the Serve app of one `serve`
+
+
+@dataclass(slots=True)
+class ServedApp:
+    """One `serve` command's Serve app and its HTTP front; `stop()` removes only these."""
+
+    name: str
+    front: HttpFront | None = None
+
+    def stop(self) -> None:
+        try:
+            if self.front is not None:
+                self.front.close()
+        finally:
+            try:
+                serve.delete(self.name)
+            except Exception as exc:  # its Ray gone already: nothing left; else say it
+                if ray.is_initialized():
+                    print(f"Serve app {self.name!r} not removed: {exc}", file=sys.stderr)
+
+
 def start(
     load_names: list[str],
     model_name: str,
     *,
-    host: str,
-    port: int,
+    app_id: str,
+    sock: socket.socket,
     api_key: str | None,
     max_ongoing_requests: int = MAX_ONGOING_REQUESTS,
-) -> None:
-    """Serve the named loads on host:port, one Serve replica each (returns once the app
-    answers). The process's own SIGINT and SIGTERM handlers are kept, whatever Serve's start
-    installs."""
+) -> ServedApp:
+    """Serve the named loads on `sock` (bridge.bind), one Serve replica each, as a Serve app
+    of this command's own (`offload-openai-<app_id>`, no HTTP route through Serve's proxy:
+    this process listens itself and forwards to it). Other Serve apps on the cluster
+    and Serve's own settings are left as they are; Serve starts without its proxy when it is
+    not running. Returns once the app answers; on failure what this started is removed. The
+    process's own SIGINT and SIGTERM handlers are kept, whatever Serve's start installs."""
     from coordinator.runtime.session import keeping_handlers
 
     deployment = OpenAIServer.options(
         max_ongoing_requests=max_ongoing_requests, num_replicas=len(load_names)
     )
-    with keeping_handlers():
-        serve.start(http_options={"host": host, "port": port})
-        serve.run(
-            deployment.bind(list(load_names), model_name, api_key),
-            name="offload-openai",
-            route_prefix="/",
-            blocking=False,
-        )
-
-
-def stop() -> None:
-    serve.shutdown()
+    served = ServedApp(name=f"{APP_PREFIX}{app_id}")
+    owner = (served.name, ray.get_runtime_context().get_job_id())
+    try:
+        with keeping_handlers():
+            serve.start(proxy_location="Disabled")  # joins a running Serve as it is
+            handle = serve.run(
+                deployment.bind(list(load_names), model_name, api_key, owner),
+                name=served.name,
+                route_prefix=None,
+                blocking=False,
+            )
+        served.front = HttpFront(handle, sock)
+        return served
+    except BaseException:
+        served.stop()
+        raise

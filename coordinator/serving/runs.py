@@ -36,23 +36,31 @@ class Run:
 
     async def finish(self) -> None:
         self.start()
-        async for _ in self.deltas():
-            pass
+        try:
+            async for _ in self.deltas():
+                pass
+        except BaseException:  # cancelled (its client went away): the request ends too
+            self.cancel()
+            raise
         if self.error is not None:
             raise self.error
 
     async def started(self, request: Request) -> bool:
         """Wait until the request has its first token (or has ended): it waited its turn in
         the engine's queue until then. False when the client went away meanwhile (the request
-        is then cancelled)."""
-        while True:
-            try:
-                self._first = await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_S)
-                return True
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    self.cancel()
-                    return False
+        is then cancelled; so it is when this wait is)."""
+        try:
+            while True:
+                try:
+                    self._first = await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_S)
+                    return True
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        self.cancel()
+                        return False
+        except BaseException:
+            self.cancel()
+            raise
 
     async def deltas(self):
         first, self._first = self._first, _NOTHING

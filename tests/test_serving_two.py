@@ -1,0 +1,140 @@
+"""`offloadctl serve` on a shared Ray cluster (a private head, token auth on): a `serve` of its
+own load killed with -9 leaves nothing (its load's lease runs out, its app ends with it); two
+`serve` of one named load, each on its own port, each with a Serve app of its own, both
+answer, and Ctrl-C of one removes its app only while the other goes on answering."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from ray_head import private_ray_head
+from test_serving import STOP_TIMEOUT_S, greedy_text, serving, tiny_checkpoint
+
+OFFLOADCTL = str(Path(sys.executable).with_name("offloadctl"))
+COMMAND_TIMEOUT_S = 300.0
+LEASE_S = 5.0  # the lease of the -9 serve's load
+GONE_BOUND_S = 90.0  # past the lease: the keeper's poll, its unload, GCS' view of it
+LOAD_FLAGS = ("--gpu-memory", "8MiB", "--max-seq-len", "64", "--max-batch", "2")
+
+
+def offloadctl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    run = subprocess.run(
+        [OFFLOADCTL, *args], env=env, text=True, capture_output=True, timeout=COMMAND_TIMEOUT_S
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return run
+
+
+def cluster_state(env: dict[str, str]) -> dict:
+    """Serve's apps, the named loads and the free GPUs of the cluster `env` joins, seen from a
+    process of its own (as an operator would look)."""
+    code = (
+        "import json, ray\n"
+        "from ray import serve\n"
+        "from coordinator.runtime import registry\n"
+        "ray.init(log_to_driver=False)\n"
+        "apps = sorted(serve.status().applications)\n"
+        "print(json.dumps({'apps': apps, 'loads': registry.list_loads(),"
+        " 'gpus': ray.available_resources().get('GPU', 0)}))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, text=True, capture_output=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def complete(served, prompt: str) -> str:
+    body = json.dumps(
+        {"model": "tiny-llama", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    ).encode()
+    request = urllib.request.Request(
+        f"{served.base}/completions",
+        data=body,
+        headers={"Authorization": f"Bearer {served.key}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())["choices"][0]["text"]
+
+
+def app_of(served) -> str:
+    log = served.log_path.read_text()
+    marker = "Serve app '"
+    assert marker in log, log[-3000:]
+    return log[log.index(marker) + len(marker) :].split("'", 1)[0]
+
+
+def test_two_serves_on_one_cluster_and_one_killed(tmp_path) -> None:
+    from transformers import AutoTokenizer
+
+    checkpoint = tiny_checkpoint(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    prompt = "two servers, one cluster"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    expected = greedy_text(checkpoint, tokenizer, ids, 6)
+    with private_ray_head(num_cpus=4, num_gpus=1) as (_, headers, track, gcs):
+        token = headers["Authorization"].removeprefix("Bearer ")
+        ray_env = {"RAY_ADDRESS": gcs, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        env.update(ray_env)
+        try:
+            # A serve of its own load, killed with -9: no renewal from then on, so its load is
+            # unloaded when the lease runs out, and its app goes with the process.
+            (tmp_path / "own").mkdir()
+            with serving(
+                tmp_path / "own",
+                *LOAD_FLAGS,
+                checkpoint=checkpoint,
+                ray_env={**ray_env, "OFFLOAD_SERVE_LEASE_S": str(LEASE_S)},
+            ) as own:
+                track()
+                assert complete(own, prompt) == expected
+                state = cluster_state(env)
+                assert state["apps"] == [app_of(own)] and state["gpus"] == 0, state
+                assert [n.startswith("serve-") for n in state["loads"]] == [True], state
+                own.proc.kill()
+                own.proc.wait(timeout=STOP_TIMEOUT_S)
+            killed = time.monotonic()
+            while (state := cluster_state(env)) != {"apps": [], "loads": [], "gpus": 1}:
+                assert time.monotonic() - killed < LEASE_S + GONE_BOUND_S, state
+                time.sleep(1)
+
+            # Two serves of one named load, each on its own port with its own app: both answer;
+            # Ctrl-C of one removes its app only, and the other goes on.
+            offloadctl(env, "load", "--checkpoint", checkpoint, *LOAD_FLAGS, "--name", "shared")
+            (tmp_path / "a").mkdir()
+            (tmp_path / "b").mkdir()
+            with (
+                serving(tmp_path / "a", load="shared", ray_env=ray_env) as first,
+                serving(tmp_path / "b", load="shared", ray_env=ray_env) as second,
+            ):
+                track()
+                assert complete(first, prompt) == expected
+                assert complete(second, prompt) == expected
+                apps = {app_of(first), app_of(second)}
+                assert len(apps) == 2 and all(a.startswith("offload-openai-") for a in apps)
+                assert set(cluster_state(env)["apps"]) == apps
+
+                first.proc.send_signal(signal.SIGINT)  # Ctrl-C of the first
+                assert first.proc.wait(timeout=STOP_TIMEOUT_S) == 130, first.log()
+                assert "Traceback" not in first.log(), first.log()
+                assert complete(second, prompt) == expected  # the other goes on
+                try:
+                    urllib.request.urlopen(f"{first.base}/models", timeout=10)
+                    raise AssertionError("the stopped server still answers")
+                except urllib.error.URLError:
+                    pass
+                state = cluster_state(env)
+                assert state["apps"] == [app_of(second)] and state["loads"] == ["shared"]
+        finally:
+            track()
+            if "shared" in cluster_state(env)["loads"]:
+                offloadctl(env, "unload", "shared")
