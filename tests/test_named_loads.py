@@ -375,3 +375,137 @@ def test_a_load_never_harms_another_of_its_name_or_beside_it(cluster, tmp_path) 
         registry.forget("dup")
     wait_gpus_free(3)
     assert _holdings() == before
+
+
+def test_a_loader_killed_mid_load_leaves_nothing(cluster, tmp_path) -> None:
+    """`load --name` killed with -9 while its workers load (held at their first chunk): its
+    record sees its loader gone and unloads what the load made (workers, placement group, the
+    record itself), so no GPU stays held by a load nobody finishes."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from worker.loader import HOLD_ENV
+
+    checkpoint = make_checkpoint(
+        tmp_path / "ckpt",
+        CheckpointShape(
+            num_layers=2,
+            hidden_size=64,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=128,
+            vocab_size=128,
+        ),
+    )
+    job = tmp_path / "held.yaml"
+    job.write_text(
+        f"overrides:\n  - match: {{hostname: '*'}}\n"
+        f"    env: {{{HOLD_ENV}: '{tmp_path / 'never'}'}}\n"
+    )
+    before = _holdings()
+    offloadctl = str(Path(sys.executable).with_name("offloadctl"))
+    loader = subprocess.Popen(
+        [
+            offloadctl,
+            "load",
+            "--checkpoint",
+            str(checkpoint),
+            "--config",
+            str(job),
+            "--name",
+            "orphan",
+            "--gpu-memory",
+            "64MiB",
+            "--address",
+            cluster.address,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "RAY_ADDRESS": cluster.address},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # its workers started and recorded, held at their first chunk
+            try:
+                record = registry.load_record("orphan", loading=True)[1]
+                if record["workers"] and registry.named_groups("orphan"):
+                    break
+            except registry.LoadNotFoundError:
+                pass
+            assert loader.poll() is None and time.monotonic() < deadline, "the load never started"
+            time.sleep(0.2)
+        assert record["state"] == "loading"
+        loader.kill()
+        loader.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while _holdings() != before or registry.list_loads():
+            assert time.monotonic() < deadline, f"still held: {_holdings()}"
+            time.sleep(0.5)
+    finally:
+        if loader.poll() is None:
+            loader.kill()
+        registry.forget("orphan")
+    wait_gpus_free(3)
+
+
+def test_a_load_whose_lease_is_not_renewed_is_unloaded(cluster, tmp_path) -> None:
+    """A leased named load (`launch(..., lease_s=...)`, as `serve` launches its own) stays while
+    its holder renews the lease; once the renewals stop (the holder killed with -9) its keeper
+    unloads it: record, workers, placement group, GPU, keeper."""
+    import time
+
+    from coordinator.config import ConfigError, JobConfig
+    from coordinator.runtime import keeper
+    from coordinator.runtime.launch import launch
+    from coordinator.runtime.lease import LeaseHolder
+
+    lease_s, gone_bound_s = 5.0, 60.0  # past the lease: the keeper's poll, its unload, the kill
+    checkpoint = make_checkpoint(
+        tmp_path / "ckpt",
+        CheckpointShape(
+            num_layers=2,
+            hidden_size=64,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=128,
+            vocab_size=128,
+        ),
+    )
+    config = JobConfig(
+        checkpoint=str(checkpoint),
+        gpu_memory_bytes=load_index(checkpoint).total_bytes,
+        max_seq_len=16,
+        address=cluster.address,
+    )
+    with pytest.raises(ConfigError, match=r"lease_s=5\.0: a lease is a positive time, for a named"):
+        launch(config, lease_s=lease_s)  # an unnamed job ends with its process anyway
+    name = "leased"
+    holder = LeaseHolder(name, lease_s)  # renewing before the launch, as serve does
+    try:
+        launch(config, name=name, lease_s=lease_s).close()  # detached: only the lease holds it
+        assert ray.available_resources().get("GPU", 0) < 3  # its workers hold GPUs
+        held_until = time.monotonic() + 3 * lease_s  # renewed: it stays past several leases
+        while time.monotonic() < held_until:
+            assert registry.list_loads() == [name]
+            time.sleep(0.5)
+        assert holder.renew(timeout_s=10) == 1
+        the_keeper = keeper.find(name)
+        assert the_keeper is not None
+    finally:
+        holder.close()  # the holder is gone: no renewal from now on
+    stopped = time.monotonic()
+    while registry.list_loads():
+        assert time.monotonic() - stopped < lease_s + gone_bound_s, "the lease did not end it"
+        time.sleep(0.2)
+    assert time.monotonic() - stopped > lease_s / 2  # not before its lease ran out
+    assert registry.named_groups(name) == {}  # its placement group went with it
+    wait_gpus_free(3)
+    deadline = time.monotonic() + gone_bound_s  # and the keeper ended itself, for good
+    while keeper.find(name) is not None:
+        assert time.monotonic() < deadline, "the keeper outlived its load"
+        time.sleep(0.2)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(the_keeper.ping.remote(), timeout=gone_bound_s)

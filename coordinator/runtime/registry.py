@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
+import threading
+import time
 
 import ray
 from ray.util.placement_group import PlacementGroup
@@ -23,6 +26,7 @@ from coordinator.runtime.group import NAMESPACE, Slot, WorkerGroup, WorkerHandle
 from offload.errors import ConfigError, NotFoundError
 
 ATTACH_TIMEOUT_S = 60.0
+LOADER_CHECK_S = 2.0  # a loading record checks this often that its loader still runs
 _RECORD_PREFIX = "load:"
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
 
@@ -49,11 +53,36 @@ def _worker_prefix(name: str) -> str:
 @ray.remote(num_cpus=0, max_restarts=0)
 class LoadRecord:
     """Holds what a later command needs to attach: the job config, the plan, the workers'
-    names and bundles in stage order, and the recovery events. A store only: the load's
-    keeper (coordinator.runtime.keeper) watches the workers and publishes their metrics."""
+    names and bundles in stage order, and the recovery events. A store, and the load's owner
+    while it loads: if the process that claimed the name dies before the load is done (killed
+    with -9 mid-load), the record unloads what the load made and ends itself. Once loaded, the
+    load's keeper (coordinator.runtime.keeper) watches the workers and publishes their
+    metrics."""
 
     def __init__(self, record: dict) -> None:
         self.record = record
+        if record.get("owner_job"):
+            threading.Thread(target=self._watch_loader, daemon=True, name="loader").start()
+
+    def _watch_loader(self) -> None:
+        from coordinator.runtime.session import driver_alive
+
+        while self.record.get("state") == "loading":
+            time.sleep(LOADER_CHECK_S)
+            try:
+                if self.record.get("state") != "loading" or driver_alive(self.record["owner_job"]):
+                    continue
+            except Exception as exc:  # look again later
+                print(
+                    f"load {self.record['name']!r}: cannot check its loader: {exc}", file=sys.stderr
+                )
+                continue
+            print(
+                f"load {self.record['name']!r}: the process loading it is gone: unloading it",
+                file=sys.stderr,
+            )
+            unload(self.record["name"])  # kills this record last
+            return
 
     def get(self) -> dict:
         return self.record
@@ -76,7 +105,14 @@ def claim(name: str) -> ray.actor.ActorHandle:
     one actor per name), in state "loading" until `store` fills it in. Raises ConfigError when
     another load has the name, loaded or loading."""
     check_name(name)
-    record = {"name": name, "state": "loading", "workers": [], "slots": [], "events": []}
+    record = {
+        "name": name,
+        "state": "loading",
+        "workers": [],
+        "slots": [],
+        "events": [],
+        "owner_job": ray.get_runtime_context().get_job_id(),  # the loader, watched (LoadRecord)
+    }
     # On the head node: a worker node may leave with the record's process, the head may not.
     try:
         actor = LoadRecord.options(

@@ -38,6 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 
+from coordinator.runtime.session import driver_alive
 from coordinator.serving.bridge import HttpFront, HttpRequest, run_asgi
 from coordinator.serving.runs import Run
 from offload.errors import (
@@ -126,17 +127,6 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], default=None, check=N
     return value
 
 
-def _owner_alive(job_id: str) -> bool:
-    """Whether the Ray job (driver) `job_id` still runs, as the GCS's job table says: a driver
-    killed with -9 is marked dead there when its node sees it gone. Unknown: alive."""
-    from ray._private import state
-
-    for job in state.jobs():
-        if job["JobID"] == job_id:
-            return not job["IsDead"]
-    return True
-
-
 def _end_with_owner(app_name: str, job_id: str) -> None:
     """A replica's watch (a daemon thread): once the `serve` process that deployed `app_name`
     is gone without removing it (killed with -9), the app is removed, so no replica of it
@@ -144,7 +134,7 @@ def _end_with_owner(app_name: str, job_id: str) -> None:
     while True:
         time.sleep(OWNER_CHECK_S)
         try:
-            if not _owner_alive(job_id):
+            if not driver_alive(job_id):
                 logger.warning("the serve process of %s is gone: removing the app", app_name)
                 serve.delete(app_name, _blocking=False)
                 return
