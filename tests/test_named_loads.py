@@ -487,7 +487,7 @@ def test_a_load_whose_lease_is_not_renewed_is_unloaded(cluster, tmp_path) -> Non
     try:
         launch(config, name=name, lease_s=lease_s).close()  # detached: only the lease holds it
         assert ray.available_resources().get("GPU", 0) < 3  # its workers hold GPUs
-        held_until = time.monotonic() + 3 * lease_s  # renewed: it stays past several leases
+        held_until = time.monotonic() + 2 * lease_s  # renewed: it stays past two leases
         while time.monotonic() < held_until:
             assert registry.list_loads() == [name]
             time.sleep(0.5)

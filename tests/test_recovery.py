@@ -329,16 +329,17 @@ def test_a_replica_that_loses_its_node_moves_to_a_free_gpu(cluster, tmp_path) ->
 def test_a_replan_never_takes_another_loads_gpu_and_waits_on_its_old_plan(
     cluster, tmp_path, monkeypatch
 ) -> None:
-    """Three one-GPU nodes, another load on one of them, this job on the other two. Its node
-    leaves: the re-plan counts only free GPUs and its own, so one GPU, which cannot hold the
-    model: a PlanError, and the other load is untouched (before, it planned onto that load's
+    """Three one-GPU nodes, another load's placement group on one of them, this job on the
+    other two. Its node leaves: the re-plan counts only free GPUs and its own, so one GPU,
+    which cannot hold the model: a PlanError, and the other load is untouched (before, it planned onto that load's
     GPU and then waited on it). A node joins, and another process takes its GPU between the
     plan and the reservation: the reservation times out, its placement group is removed, and
     the survivor is unchanged; once that GPU is free, the next forward recovers, its logits
     those of transformers."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from coordinator.runtime import recovery, registry
+    from coordinator.runtime import recovery
+    from coordinator.runtime.group import NODE_ID_LABEL
 
     c, _ = cluster
     alive = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) >= 1]
@@ -351,16 +352,11 @@ def test_a_replan_never_takes_another_loads_gpu_and_waits_on_its_old_plan(
     checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
     index = load_index(checkpoint)
     gpu, host = budgets(index)
-    other = launch(
-        JobConfig(
-            checkpoint=checkpoint,
-            address=c.address,
-            gpu_memory_bytes=index.total_bytes * 2,
-            nodes=f"{gpu_nodes[0]}=1",
-        ),
-        name="bystander",
+    # another load's GPU: its placement group, as `load` reserves it
+    bystander = placement_group(
+        [{"GPU": 1}], bundle_label_selector=[{NODE_ID_LABEL: gpu_nodes[0]}], name="load:by:pg-0"
     )
-    other.close()
+    ray.get(bystander.ready(), timeout=60)
     config = JobConfig(
         checkpoint=checkpoint,
         address=c.address,
@@ -377,9 +373,7 @@ def test_a_replan_never_takes_another_loads_gpu_and_waits_on_its_old_plan(
         c.remove_node(nodes[job.workers[1].node_id])
         with pytest.raises(PlanError, match=r"the 1 GPU\(s\) left cannot hold the model"):
             job.forward(ids)
-        assert registry.list_loads() == ["bystander"]
-        [bystander] = registry.named_groups("bystander").values()
-        assert ray.util.placement_group_table(bystander)["state"] == "CREATED"
+        assert ray.util.placement_group_table(bystander)["state"] == "CREATED"  # untouched
 
         new = c.add_node(num_cpus=2, num_gpus=1)
         blocker = []
@@ -411,4 +405,4 @@ def test_a_replan_never_takes_another_loads_gpu_and_waits_on_its_old_plan(
         assert {s.node_id for s in job.plan.stages} == {survivor.node_id, new.node_id}
     finally:
         job.close()
-        registry.forget("bystander")
+        remove_placement_group(bystander)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -33,23 +34,48 @@ def offloadctl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     return run
 
 
-def cluster_state(env: dict[str, str]) -> dict:
-    """Serve's apps, the named loads and the free GPUs of the cluster `env` joins, seen from a
-    process of its own (as an operator would look)."""
-    code = (
-        "import json, ray\n"
+class Observer:
+    """One process of its own joined to the cluster `env` names (as an operator would look),
+    asked again and again: Serve's apps, the named loads and the free GPUs. One Ray connection
+    for the whole test, where a process per look cost seconds each on a busy machine."""
+
+    CODE = (
+        "import json, sys, ray\n"
         "from ray import serve\n"
         "from coordinator.runtime import registry\n"
         "ray.init(log_to_driver=False)\n"
-        "apps = sorted(serve.status().applications)\n"
-        "print(json.dumps({'apps': apps, 'loads': registry.list_loads(),"
-        " 'gpus': ray.available_resources().get('GPU', 0)}))\n"
+        "for _ in sys.stdin:\n"
+        "    apps = sorted(serve.status().applications)\n"
+        "    print(json.dumps({'apps': apps, 'loads': registry.list_loads(),"
+        " 'gpus': ray.available_resources().get('GPU', 0)}), flush=True)\n"
     )
-    run = subprocess.run(
-        [sys.executable, "-c", code], env=env, text=True, capture_output=True, timeout=120
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", self.CODE],
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def state(self, timeout_s: float = 120.0) -> dict:
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        assert ready, f"the observer did not answer within {timeout_s} s"
+        line = self.proc.stdout.readline()
+        assert line, f"the observer ended ({self.proc.poll()})"
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
 
 
 def complete(served, prompt: str) -> str:
@@ -85,6 +111,7 @@ def test_two_serves_on_one_cluster_and_one_killed(tmp_path) -> None:
         ray_env = {"RAY_ADDRESS": gcs, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         env.update(ray_env)
+        observer = Observer(env)
         try:
             # A serve of its own load, killed with -9: no renewal from then on, so its load is
             # unloaded when the lease runs out, and its app goes with the process.
@@ -97,15 +124,15 @@ def test_two_serves_on_one_cluster_and_one_killed(tmp_path) -> None:
             ) as own:
                 track()
                 assert complete(own, prompt) == expected
-                state = cluster_state(env)
+                state = observer.state()
                 assert state["apps"] == [app_of(own)] and state["gpus"] == 0, state
                 assert [n.startswith("serve-") for n in state["loads"]] == [True], state
                 own.proc.kill()
                 own.proc.wait(timeout=STOP_TIMEOUT_S)
             killed = time.monotonic()
-            while (state := cluster_state(env)) != {"apps": [], "loads": [], "gpus": 1}:
+            while (state := observer.state()) != {"apps": [], "loads": [], "gpus": 1}:
                 assert time.monotonic() - killed < LEASE_S + GONE_BOUND_S, state
-                time.sleep(1)
+                time.sleep(0.5)
 
             # Two serves of one named load, each on its own port with its own app: both answer;
             # Ctrl-C of one removes its app only, and the other goes on.
@@ -121,7 +148,7 @@ def test_two_serves_on_one_cluster_and_one_killed(tmp_path) -> None:
                 assert complete(second, prompt) == expected
                 apps = {app_of(first), app_of(second)}
                 assert len(apps) == 2 and all(a.startswith("offload-openai-") for a in apps)
-                assert set(cluster_state(env)["apps"]) == apps
+                assert set(observer.state()["apps"]) == apps
 
                 first.proc.send_signal(signal.SIGINT)  # Ctrl-C of the first
                 assert first.proc.wait(timeout=STOP_TIMEOUT_S) == 130, first.log()
@@ -132,9 +159,12 @@ def test_two_serves_on_one_cluster_and_one_killed(tmp_path) -> None:
                     raise AssertionError("the stopped server still answers")
                 except urllib.error.URLError:
                     pass
-                state = cluster_state(env)
+                state = observer.state()
                 assert state["apps"] == [app_of(second)] and state["loads"] == ["shared"]
         finally:
             track()
-            if "shared" in cluster_state(env)["loads"]:
-                offloadctl(env, "unload", "shared")
+            try:
+                if "shared" in observer.state()["loads"]:
+                    offloadctl(env, "unload", "shared")
+            finally:
+                observer.close()
