@@ -92,6 +92,12 @@ class BaseOffloader(ABC):
     def synchronize(self) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """Wait until every copy issued so far has landed. Default: nothing is in flight."""
 
+    def release_device_buffers(self) -> None:  # noqa: B027 - an optional hook
+        """Free the device memory that holds only copies of host memory (prefetch slots), for a
+        caller about to drop the modules and build others (a worker's re-plan): the new stage
+        may then allocate it. The offloaded parameters are left empty and must not be used
+        again; `detach(restore=False)` follows. Default: no such memory."""
+
     def detach(self, *, restore: bool = True) -> None:
         """Restore every wrapped module: parameters back on the device, hooks removed.
 

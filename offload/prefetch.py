@@ -129,6 +129,16 @@ class PrefetchOffloader(BaseOffloader):
         if self._engine is not None:
             self._engine.synchronize()
 
+    def release_device_buffers(self) -> None:
+        """The slots go: no copy into them is in flight, and no parameter views them."""
+        if self._engine is None:
+            return
+        self._engine.synchronize()
+        for layer in self._layers:
+            for position, (_, param) in enumerate(layer.params):
+                set_param_data(layer, position, param.new_empty(0))
+        self._slots = []
+
     def _load(self, layer: OffloadedLayer, *, after: object | None) -> None:
         slot = self._slot_of[layer.index]
         src = self._arena.bytes(layer.start, layer.end)

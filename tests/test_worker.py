@@ -108,11 +108,23 @@ def nbytes(index, names) -> int:
     return sum(layer.file_bytes for layer in index.layers if layer.name in names)
 
 
-def test_reconfigure_reads_only_the_layers_it_did_not_hold(index) -> None:
+def test_reconfigure_reads_only_the_layers_it_did_not_hold(index, monkeypatch) -> None:
     """A re-plan grows a stage and changes what it offloads: the layers it held move in memory
     (resident -> arena, arena -> device, resident kept as is), only new ones come from disk,
-    and the logits equal transformers' own."""
+    and the logits equal transformers' own. The old stage's prefetch slots are freed before
+    the new stage allocates anything (a survivor never needs both)."""
+    import worker.worker as worker_module
     from coordinator.tools.reference import reference_logits
+
+    slots_when_built = []
+    create = worker_module.create_offloader
+
+    def create_after_checking(*args, **kwargs):
+        if worker._placement is not None:  # a rebuild: what the old stage still holds
+            slots_when_built.append(worker._placement.offloader.stats().buffer_bytes)
+        return create(*args, **kwargs)
+
+    monkeypatch.setattr(worker_module, "create_offloader", create_after_checking)
 
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(5))
     expected = reference_logits(str(index.root), ids)
@@ -140,6 +152,7 @@ def test_reconfigure_reads_only_the_layers_it_did_not_hold(index) -> None:
         )  # adopted, not copied
         assert report.offloaded == ("layers.0", "layers.3")
         assert torch.equal(worker.forward(ids), expected)
+        assert slots_when_built == [0]  # the old slot was gone before the new stage was built
         # Shrinking to a suffix reads nothing: every layer it keeps is already here.
         assert worker.reconfigure(stage_spec(index, everything, offloaded=("layers.2",))) == {}
         assert worker.finish_load().bytes_read == nbytes(index, everything)

@@ -146,8 +146,10 @@ class StageWorker:
         }
         if previous is not None:  # free what leaves this worker before allocating what arrives
             # the KV pool first: its sequences start again anyway (finish_load allocates the
-            # new stage's pool once its layers are in place), and it may be the largest part
+            # new stage's pool once its layers are in place), and it may be the largest part;
+            # then the old prefetch slots (copies of the old arena, which the moves read)
             self._batches.reset()
+            previous.offloader.release_device_buffers()
             for name, module in previous.modules.items():
                 if name not in carried and name not in previous.spec.offloaded:
                     module.to("meta")
