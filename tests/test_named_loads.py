@@ -19,6 +19,18 @@ from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 METRICS_PORT = free_ports(1)[0]
 
 
+def shape(num_layers: int) -> CheckpointShape:
+    """The tests' tiny llama: hidden 64, 4 heads (2 KV), vocab 128."""
+    return CheckpointShape(
+        num_layers=num_layers,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=128,
+    )
+
+
 @pytest.fixture(scope="module")
 def cluster():
     c = Cluster(
@@ -41,14 +53,7 @@ def cluster():
 def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:
     checkpoint = make_checkpoint(
         tmp_path / "ckpt",
-        CheckpointShape(
-            num_layers=6,
-            hidden_size=64,
-            num_heads=4,
-            num_kv_heads=2,
-            intermediate_size=128,
-            vocab_size=128,
-        ),
+        shape(6),
     )
     index = load_index(checkpoint)
     decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
@@ -163,14 +168,7 @@ def test_every_client_of_a_load_goes_through_its_one_engine(cluster, tmp_path) -
 
     checkpoint = make_checkpoint(
         tmp_path / "ckpt",
-        CheckpointShape(
-            num_layers=4,
-            hidden_size=64,
-            num_heads=4,
-            num_kv_heads=2,
-            intermediate_size=128,
-            vocab_size=128,
-        ),
+        shape(4),
     )
     config = JobConfig(
         checkpoint=str(checkpoint),
@@ -317,14 +315,7 @@ def test_a_load_never_harms_another_of_its_name_or_beside_it(cluster, tmp_path) 
     checkpoint = str(
         make_checkpoint(
             tmp_path / "ckpt",
-            CheckpointShape(
-                num_layers=4,
-                hidden_size=64,
-                num_heads=4,
-                num_kv_heads=2,
-                intermediate_size=128,
-                vocab_size=128,
-            ),
+            shape(4),
         )
     )
     index = load_index(checkpoint)
@@ -391,14 +382,7 @@ def test_a_loader_killed_mid_load_leaves_nothing(cluster, tmp_path) -> None:
 
     checkpoint = make_checkpoint(
         tmp_path / "ckpt",
-        CheckpointShape(
-            num_layers=2,
-            hidden_size=64,
-            num_heads=4,
-            num_kv_heads=2,
-            intermediate_size=128,
-            vocab_size=128,
-        ),
+        shape(2),
     )
     job = tmp_path / "held.yaml"
     job.write_text(
@@ -449,63 +433,3 @@ def test_a_loader_killed_mid_load_leaves_nothing(cluster, tmp_path) -> None:
             loader.kill()
         registry.forget("orphan")
     wait_gpus_free(3)
-
-
-def test_a_load_whose_lease_is_not_renewed_is_unloaded(cluster, tmp_path) -> None:
-    """A leased named load (`launch(..., lease_s=...)`, as `serve` launches its own) stays while
-    its holder renews the lease; once the renewals stop (the holder killed with -9) its keeper
-    unloads it: record, workers, placement group, GPU, keeper."""
-    import time
-
-    from coordinator.config import ConfigError, JobConfig
-    from coordinator.runtime import keeper
-    from coordinator.runtime.launch import launch
-    from coordinator.runtime.lease import LeaseHolder
-
-    lease_s, gone_bound_s = 5.0, 60.0  # past the lease: the keeper's poll, its unload, the kill
-    checkpoint = make_checkpoint(
-        tmp_path / "ckpt",
-        CheckpointShape(
-            num_layers=2,
-            hidden_size=64,
-            num_heads=4,
-            num_kv_heads=2,
-            intermediate_size=128,
-            vocab_size=128,
-        ),
-    )
-    config = JobConfig(
-        checkpoint=str(checkpoint),
-        gpu_memory_bytes=load_index(checkpoint).total_bytes,
-        max_seq_len=16,
-        address=cluster.address,
-    )
-    with pytest.raises(ConfigError, match=r"lease_s=5\.0: a lease is a positive time, for a named"):
-        launch(config, lease_s=lease_s)  # an unnamed job ends with its process anyway
-    name = "leased"
-    holder = LeaseHolder(name, lease_s)  # renewing before the launch, as serve does
-    try:
-        launch(config, name=name, lease_s=lease_s).close()  # detached: only the lease holds it
-        assert ray.available_resources().get("GPU", 0) < 3  # its workers hold GPUs
-        held_until = time.monotonic() + 2 * lease_s  # renewed: it stays past two leases
-        while time.monotonic() < held_until:
-            assert registry.list_loads() == [name]
-            time.sleep(0.5)
-        assert holder.renew(timeout_s=10) == 1
-        the_keeper = keeper.find(name)
-        assert the_keeper is not None
-    finally:
-        holder.close()  # the holder is gone: no renewal from now on
-    stopped = time.monotonic()
-    while registry.list_loads():
-        assert time.monotonic() - stopped < lease_s + gone_bound_s, "the lease did not end it"
-        time.sleep(0.2)
-    assert time.monotonic() - stopped > lease_s / 2  # not before its lease ran out
-    assert registry.named_groups(name) == {}  # its placement group went with it
-    wait_gpus_free(3)
-    deadline = time.monotonic() + gone_bound_s  # and the keeper ended itself, for good
-    while keeper.find(name) is not None:
-        assert time.monotonic() < deadline, "the keeper outlived its load"
-        time.sleep(0.2)
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(the_keeper.ping.remote(), timeout=gone_bound_s)
