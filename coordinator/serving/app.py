@@ -593,6 +593,12 @@ class OpenAIServer:
                     param=f"stream_options.{name}",
                 )
         usage = _field(stream_options, "include_usage", (bool,), False)
+        continuous = _field(stream_options, "continuous_usage_stats", (bool,), False)
+        if continuous and not usage:  # vLLM would drop it: refused rather than ignored
+            raise BadRequest(
+                "'stream_options.continuous_usage_stats' needs 'include_usage': true",
+                param="stream_options.continuous_usage_stats",
+            )
         return Parsed(
             ids=ids,
             options={"max_new_tokens": max_tokens, **options},
@@ -600,8 +606,7 @@ class OpenAIServer:
             stop=tuple(stop or ()),
             include_stop=_field(body, "include_stop_str_in_output", (bool,), False),
             usage=usage,
-            continuous_usage=usage
-            and _field(stream_options, "continuous_usage_stats", (bool,), False),
+            continuous_usage=continuous,
         )
 
     def _prompt(self, prompt, prompt_ids):
