@@ -300,6 +300,150 @@ def test_wrong_key_and_bad_requests_get_4xx(server) -> None:
     )  # the server is fine after all that
 
 
+def test_every_request_field_is_applied_or_refused_by_name() -> None:
+    """The table of request fields (OpenAI's schemas, vLLM's extensions): each is applied, of
+    no effect on the output, or refused unless "off"; an unknown one is refused naming it."""
+    from coordinator.serving.app import (
+        APPLIED,
+        CHAT,
+        COMPLETIONS,
+        FIELDS,
+        NO_EFFECT,
+        BadRequest,
+        check_fields,
+    )
+
+    applied = {n for n, (_, how) in FIELDS.items() if how == APPLIED}
+    assert applied == {
+        "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
+        "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "ignore_eos",
+        "stop_token_ids", "include_stop_str_in_output", "add_generation_prompt",
+    }  # fmt: skip
+    assert {n for n, (_, how) in FIELDS.items() if how == NO_EFFECT} == {
+        "user",
+        "safety_identifier",
+        "prompt_cache_key",
+        "metadata",
+        "parallel_tool_calls",
+    }
+    for name in ("min_tokens", "skip_special_tokens", "tools", "tool_choice", "functions",
+                 "function_call", "response_format", "logit_bias", "presence_penalty"):  # fmt: skip
+        assert isinstance(FIELDS[name][1], tuple), name
+    for name, (endpoints, how) in FIELDS.items():
+        for endpoint in (COMPLETIONS, CHAT):
+            if endpoint not in endpoints:
+                with pytest.raises(BadRequest, match=f"unknown field '{name}'") as caught:
+                    check_fields({name: 1}, endpoint)
+                assert caught.value.param == name
+            elif isinstance(how, tuple):
+                check_fields({name: None}, endpoint)  # null: left out
+                for off in how:
+                    check_fields({name: off}, endpoint)
+                with pytest.raises(BadRequest, match=f"'{name}'=.* is not supported") as caught:
+                    check_fields({name: "surely-not-off"}, endpoint)
+                assert caught.value.param == name
+            else:
+                check_fields({name: "any"}, endpoint)  # applied: its own checks come later
+    with pytest.raises(BadRequest, match="unknown field 'temprature'"):
+        check_fields({"temprature": 0}, COMPLETIONS)
+
+
+def test_health_version_content_parts_vllm_fields_and_error_shape(server) -> None:
+    """/health and /version (no key); chat content as text parts, other parts and tools
+    refused by name; vLLM's ignore_eos, stop_token_ids, include_stop_str_in_output and
+    continuous_usage_stats applied; errors in OpenAI's shape with the field as `param`."""
+    import openai
+    from transformers import AutoTokenizer
+
+    base, key, checkpoint = server
+    root = base.removesuffix("/v1")
+    with urllib.request.urlopen(f"{root}/health", timeout=30) as response:
+        assert response.status == 200
+    with urllib.request.urlopen(f"{root}/version", timeout=30) as response:
+        assert json.loads(response.read())["version"]
+    client = openai.OpenAI(base_url=base, api_key=key, max_retries=0)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+
+    plain = [{"role": "user", "content": "hello there"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]
+    one = client.chat.completions.create(
+        model="tiny-llama", messages=plain, max_tokens=6, temperature=0
+    )
+    two = client.chat.completions.create(
+        model="tiny-llama", messages=parts, max_tokens=6, temperature=0
+    )
+    assert one.choices[0].message.content == two.choices[0].message.content
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    with pytest.raises(openai.BadRequestError, match="content part type 'image_url'") as caught:
+        client.chat.completions.create(
+            model="tiny-llama",
+            messages=[{"role": "user", "content": [image]}],
+            max_tokens=2,
+        )
+    assert caught.value.body["param"] == "messages[0].content"
+    for name, value in (
+        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ("tool_choice", "auto"),
+        ("response_format", {"type": "json_object"}),
+    ):
+        with pytest.raises(openai.BadRequestError, match=f"'{name}'=") as caught:
+            client.chat.completions.create(
+                model="tiny-llama", messages=plain, max_tokens=2, **{name: value}
+            )
+        assert caught.value.body["param"] == name and caught.value.body["code"] == 400
+    status, body = post(
+        f"{base}/completions", json.dumps({"prompt": "hi", "min_tokens": 3}).encode(), key
+    )
+    assert status == 400 and body["error"]["param"] == "min_tokens"
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    status, body = post(
+        f"{base}/completions", json.dumps({"prompt": "hi", "temprature": 0}).encode(), key
+    )
+    assert status == 400 and body["error"]["param"] == "temprature"
+
+    # ignore_eos: exactly max_tokens tokens; stop_token_ids: ends at the first such token
+    prompt = "the quick brown fox"
+    full = client.completions.create(
+        model="tiny-llama",
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert full.usage.completion_tokens == 12 and full.choices[0].finish_reason == "length"
+    prompt_ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    new = reference_generate(
+        checkpoint, prompt_ids, num_threads=1, max_new_tokens=6, do_sample=False
+    )[0, prompt_ids.shape[1] :].tolist()
+    stop_at = next(
+        i
+        for i in range(1, 6)
+        if new[i] not in new[:i] and tokenizer.eos_token_id not in new[: i + 1]
+    )
+    stop_id = new[stop_at]  # a token greedy generates, first there, before any end token
+    cut = client.completions.create(
+        model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]},
+    )  # fmt: skip
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == tokenizer.decode(new[:stop_at], skip_special_tokens=True)
+    kept = client.completions.create(
+        model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True, "stop_token_ids": [stop_id],
+                    "include_stop_str_in_output": True},
+    )  # fmt: skip
+    assert kept.choices[0].text.startswith(cut.choices[0].text)
+    assert len(kept.choices[0].text) > len(cut.choices[0].text)
+    chunks = list(
+        client.completions.create(
+            model="tiny-llama", prompt=prompt, max_tokens=4, temperature=0, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )  # fmt: skip
+    assert all(c.usage is not None for c in chunks)
+    assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].choices == []
+
+
 def metrics(base: str, key: str) -> dict[str, float]:
     """The server's /metrics (Prometheus text), unlabelled: name -> value."""
     request = urllib.request.Request(

@@ -5,24 +5,25 @@ command deploys a Serve app of its own and listens on its own port itself (servi
 Serve has one proxy port per cluster), so several run on one cluster; its replicas remove the
 app when the command's process is gone without removing it (killed with -9).
 
-`GET /v1/models`, `POST /v1/completions` and `POST /v1/chat/completions` (where the tokenizer
-has a chat template), both with `stream: true` as server-sent events. A replica attaches to its
+`GET /v1/models`, `GET /health` (no key: 503 with the reason once the load cannot serve),
+`GET /version`, `POST /v1/completions` and `POST /v1/chat/completions` (where the tokenizer
+has a chat template; content a string or text parts), both with `stream: true` as server-sent events. A replica attaches to its
 load (so it may run on any node), tokenizes with the checkpoint's tokenizer and submits each
 request to the job's engine (`coordinator.engine`), which runs every request in flight in one
 batch per step; a request beyond the batch waits in the engine's FIFO queue (a streamed one gets
 its first byte with its first token), and only a full queue is answered 429. A client that goes
 away cancels its request, which frees its KV slot. With an API key, every request needs
-`Authorization: Bearer <key>` (401 otherwise). Bad requests get a 4xx naming the field; the
-status comes from the error's kind, never its text (`STATUS_OF_KIND`): beyond the planned KV
-cache 400 (never fits), a full queue 429 (busy), a lost worker 503, only a bug 500. `stop`
-strings end the text where they begin (streamed text never shows part of one);
-`stream_options.include_usage` adds a usage chunk; settings that would change the text and are
-not applied here (penalties, logit_bias, logprobs, echo, best_of, suffix, tools,
-response_format) are refused with 400, not ignored.
+`Authorization: Bearer <key>` (401 otherwise). Errors are in OpenAI's shape, `param` naming
+the field; the status comes from the error's kind, never its text (`STATUS_OF_KIND`): beyond
+the planned KV cache 400 (never fits), a full queue 429 (busy), a lost worker 503, only a bug
+500. `stop` strings end the text where they begin (streamed text never shows part of one);
+`stream_options.include_usage` adds a usage chunk. Every request field is applied or refused
+with a 400 naming it (`FIELDS`), unknown ones too: none is accepted and ignored.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations
 # (`request: Request`) as objects to know what to inject.
+import asyncio
 import hmac
 import json
 import logging
@@ -57,27 +58,120 @@ logger = logging.getLogger(__name__)
 # (FIFO, 429 only when full) is the one that decides.
 MAX_ONGOING_REQUESTS = 1024 + 64
 OWNER_CHECK_S = 5.0  # a replica checks this often that the serve process that started it runs
+HEALTH_PING_S = 2.0  # /health: a part that does not answer a ping within this is busy, not gone
+RECOVERY_GRACE_S = 60.0
+KEEPER = "the load's keeper (its engine)"  # /health: a worker gone this long is not being recovered
 MAX_STOP = 4  # stop strings per request, as OpenAI's API allows
 LOAD_HEADER = "x-offload-load"  # which load (replica) answered a completion
-# Request fields this server does not apply, with the value that means "off": any other value is
-# refused with 400 rather than silently ignored (the text would not be what the client asked).
-UNSUPPORTED = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logit_bias": {},
-    "logprobs": False,
-    "top_logprobs": 0,
-    "echo": False,
-    "best_of": 1,
-    "suffix": "",
-    "tools": [],
-    "functions": [],
-    "response_format": {"type": "text"},
+# Every request field of OpenAI's completions and chat schemas and the vLLM extensions clients
+# send, and what this server does with it: applied (to the text, or the response's shape),
+# `NO_EFFECT` (accepted: it does not change the output, say an end-user id), or a tuple of the
+# values that mean "off", any other value refused with a 400 naming the field (the text would
+# not be what the client asked for). A field not in the table (or sent to the other endpoint) is
+# refused with a 400 naming it: never accepted and ignored.
+APPLIED, NO_EFFECT = "applied", "no effect"
+COMPLETIONS, CHAT = "completions", "chat"
+BOTH = (COMPLETIONS, CHAT)
+FIELDS: dict[str, tuple[tuple[str, ...], object]] = {
+    # applied
+    "model": (BOTH, APPLIED),
+    "prompt": ((COMPLETIONS,), APPLIED),  # a string, or token ids; one prompt per request
+    "messages": ((CHAT,), APPLIED),
+    "max_tokens": (BOTH, APPLIED),
+    "max_completion_tokens": ((CHAT,), APPLIED),
+    "temperature": (BOTH, APPLIED),
+    "top_p": (BOTH, APPLIED),
+    "top_k": (BOTH, APPLIED),  # vLLM: -1 or 0 off
+    "seed": (BOTH, APPLIED),
+    "stop": (BOTH, APPLIED),
+    "stream": (BOTH, APPLIED),
+    "stream_options": (BOTH, APPLIED),  # include_usage, continuous_usage_stats (vLLM)
+    "n": (BOTH, APPLIED),  # 1 only
+    "ignore_eos": (BOTH, APPLIED),  # vLLM: no end token ends it, only max_tokens (and stops)
+    "stop_token_ids": (BOTH, APPLIED),  # vLLM: more ids that end it (not in the text)
+    "include_stop_str_in_output": (BOTH, APPLIED),  # vLLM: the stop string or token kept
+    "add_generation_prompt": ((CHAT,), APPLIED),  # vLLM: open the assistant's turn (default)
+    # accepted, no effect on the output
+    "user": (BOTH, NO_EFFECT),
+    "safety_identifier": (BOTH, NO_EFFECT),
+    "prompt_cache_key": (BOTH, NO_EFFECT),
+    "metadata": ((CHAT,), NO_EFFECT),
+    "parallel_tool_calls": ((CHAT,), NO_EFFECT),  # only acts with tools, which are refused
+    # refused unless "off"
+    "presence_penalty": (BOTH, (0,)),
+    "frequency_penalty": (BOTH, (0,)),
+    "repetition_penalty": (BOTH, (1,)),  # vLLM
+    "logit_bias": (BOTH, ({},)),
+    "logprobs": (BOTH, (False,)),  # 0 == False: the completions' count, the chat's flag
+    "top_logprobs": ((CHAT,), (0,)),
+    "echo": (BOTH, (False,)),  # vLLM's on chat
+    "best_of": ((COMPLETIONS,), (1,)),
+    "suffix": ((COMPLETIONS,), ("",)),
+    "tools": ((CHAT,), ([],)),
+    "tool_choice": ((CHAT,), ("none",)),
+    "functions": ((CHAT,), ([],)),
+    "function_call": ((CHAT,), ("none",)),
+    "response_format": (BOTH, ({"type": "text"},)),
+    "min_tokens": (BOTH, (0,)),  # vLLM: the engine cannot hold back the end token per request
+    "min_p": (BOTH, (0,)),  # vLLM
+    "skip_special_tokens": (BOTH, (True,)),  # vLLM: special tokens are always left out
+    "spaces_between_special_tokens": (BOTH, (True,)),  # vLLM
+    "use_beam_search": (BOTH, (False,)),  # vLLM
+    "length_penalty": (BOTH, (1,)),  # vLLM
+    "truncate_prompt_tokens": (BOTH, ()),  # vLLM
+    "allowed_token_ids": (BOTH, ()),  # vLLM
+    "bad_words": (BOTH, ([],)),  # vLLM
+    "prompt_logprobs": (BOTH, ()),  # vLLM
+    "guided_json": (BOTH, ()),  # vLLM
+    "guided_regex": (BOTH, ()),  # vLLM
+    "guided_choice": (BOTH, ()),  # vLLM
+    "guided_grammar": (BOTH, ()),  # vLLM
+    "structured_outputs": (BOTH, ()),  # vLLM
+    "return_tokens_as_token_ids": (BOTH, (False,)),  # vLLM
+    "add_special_tokens": (BOTH, ()),  # vLLM: the default differs per endpoint; left to it
+    "continue_final_message": ((CHAT,), (False,)),  # vLLM
+    "chat_template": ((CHAT,), ()),  # vLLM
+    "chat_template_kwargs": ((CHAT,), ({},)),  # vLLM
+    "documents": ((CHAT,), ()),  # vLLM
+    "priority": (BOTH, (0,)),  # vLLM: scheduling order
+    "store": ((CHAT,), (False,)),  # nothing is stored here
+    "service_tier": ((CHAT,), ("auto", "default")),
+    "modalities": ((CHAT,), (["text"],)),
+    "audio": ((CHAT,), ()),
+    "prediction": ((CHAT,), ()),
+    "reasoning_effort": ((CHAT,), ()),
+    "verbosity": ((CHAT,), ()),
+    "web_search_options": ((CHAT,), ()),
 }
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+CONTENT_PARTS = ("text",)  # chat content part types taken: this server's models read text
+
+
+def check_fields(body: dict, endpoint: str) -> None:
+    """Refuse (a 400 naming it) a field this endpoint does not know, or one set to a value
+    this server does not apply (see FIELDS)."""
+    for name, value in body.items():
+        endpoints, how = FIELDS.get(name, ((), None))
+        if endpoint not in endpoints:
+            raise BadRequest(
+                f"unknown field '{name}' for /v1/{'chat/' if endpoint == CHAT else ''}"
+                "completions: this server refuses fields it does not know rather than "
+                "ignore them",
+                param=name,
+            )
+        if isinstance(how, tuple) and value is not None and value not in how:
+            off = f"leave it out, or {' or '.join(map(repr, how))}" if how else "leave it out"
+            raise BadRequest(
+                f"'{name}'={value!r} is not supported by this server ({off})", param=name
+            )
 
 
 class BadRequest(ConfigError):
-    """A request field the server cannot take: a 400 naming the field."""
+    """A request field the server cannot take: a 400 naming the field (`param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 # The project's error kinds -> HTTP status and OpenAI error type, first match wins (the kinds
@@ -100,10 +194,15 @@ def status_of(exc: BaseException) -> tuple[int, str]:
     return 500, "internal_error"
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "code": status}}, status_code=status
-    )
+def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict:
+    """OpenAI's error shape (as vLLM's server sends it: the status as `code`)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def _error(
+    status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, kind, param), status_code=status)
 
 
 def _error_for(exc: BaseException) -> JSONResponse:
@@ -111,7 +210,7 @@ def _error_for(exc: BaseException) -> JSONResponse:
     if status == 500:  # a bug: the client gets no internals, the log gets the traceback
         logger.exception("request failed", exc_info=exc)
         return _error(500, f"internal error ({type(exc).__name__}); see the server log", kind)
-    return _error(status, str(exc), kind)
+    return _error(status, str(exc), kind, getattr(exc, "param", None))
 
 
 def _field(body: dict, name: str, kinds: tuple[type, ...], default=None, check=None):
@@ -120,11 +219,108 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], default=None, check=N
         return default
     if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
         raise BadRequest(
-            f"'{name}' must be {' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__}"
+            f"'{name}' must be {' or '.join(k.__name__ for k in kinds)}, got "
+            f"{type(value).__name__}",
+            param=name,
         )
     if check is not None and not check(value):
-        raise BadRequest(f"'{name}'={value!r} is out of range")
+        raise BadRequest(f"'{name}'={value!r} is out of range", param=name)
     return value
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """A completion request as the engine and the response take it."""
+
+    ids: object  # token ids (1, n)
+    options: dict  # Job.submit's
+    stream: bool
+    stop: tuple[str, ...]
+    include_stop: bool  # vLLM's include_stop_str_in_output
+    usage: bool  # stream_options.include_usage: a last chunk with the usage
+    continuous_usage: bool  # stream_options.continuous_usage_stats: usage in every chunk
+
+
+def chat_messages(messages, tokenizer) -> list[dict]:
+    """Chat `messages` for the tokenizer's template: each {role, content}, the content a string
+    or a list of text parts (`[{"type": "text", "text": ...}]`). Parts are passed as they are to
+    a template that reads them (one that loops over a message's content), else joined with
+    newlines, as vLLM does for a template that takes strings. Other part types (images, audio,
+    files), and tool calls, are refused naming them."""
+    from coordinator.serving.text import template_reads_parts
+
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest(
+            "'messages' must be a non-empty list of {role, content} with string values",
+            param="messages",
+        )
+    as_parts = template_reads_parts(tokenizer)
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest(f"'{where}' must be an object with a string 'role'", param=where)
+        for name in ("tool_calls", "function_call", "tool_call_id"):
+            if message.get(name) is not None:
+                raise BadRequest(
+                    f"'{where}.{name}': tools are not supported by this server",
+                    param=f"{where}.{name}",
+                )
+        if message["role"] in ("tool", "function"):
+            raise BadRequest(
+                f"'{where}.role'={message['role']!r}: tools are not supported by this server",
+                param=f"{where}.role",
+            )
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in CONTENT_PARTS:
+                    raise BadRequest(
+                        f"'{where}.content[{j}]': content part type {kind!r} is not supported "
+                        "by this server (text only)",
+                        param=f"{where}.content",
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise BadRequest(
+                        f"'{where}.content[{j}].text' must be a string", param=f"{where}.content"
+                    )
+                texts.append(part["text"])
+            if not as_parts:
+                content = "\n".join(texts)
+        elif not isinstance(content, str):
+            raise BadRequest(
+                f"'{where}.content' must be a string or a list of text parts",
+                param=f"{where}.content",
+            )
+        out.append({**message, "content": content})
+    return out
+
+
+def gone_parts(parts: dict, timeout_s: float) -> list[str]:
+    """Which of `parts` (what -> actor handle, None: gone) are gone: each pinged at once; one
+    that does not answer within `timeout_s` is busy, not gone (a bounded, cheap check)."""
+    refs = {what: actor.ping.remote() for what, actor in parts.items() if actor is not None}
+    dead = [what for what, actor in parts.items() if actor is None]
+    if refs:
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        for what, ref in refs.items():
+            if ref in ready:
+                try:
+                    ray.get(ref, timeout=0)
+                except ray.exceptions.RayActorError:
+                    dead.append(what)
+    return dead
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("offload-coordinator")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
 
 
 def _end_with_owner(app_name: str, job_id: str) -> None:
@@ -170,6 +366,7 @@ class OpenAIServer:
         self.model_name = model_name
         self.api_key = api_key
         self.created = int(time.time())
+        self._dead_since: float | None = None  # when /health first saw a worker gone
 
     def _authorized(self, request: Request) -> bool:
         if self.api_key is None:
@@ -199,6 +396,54 @@ class OpenAIServer:
                 }
             ],
         }
+
+    @app.get("/health")
+    async def health(self):
+        """200 while the load can serve; 503 with the reason once its keeper (its engine) is
+        gone, or a worker has been gone past RECOVERY_GRACE_S (the keeper recovers lost workers
+        meanwhile). No key needed, as vLLM's: a router's probe."""
+        problem = await asyncio.to_thread(self._liveness)
+        if problem is not None:
+            return _error(503, problem, "service_unavailable")
+        return PlainTextResponse("")
+
+    @app.get("/version")
+    async def version(self):
+        return {"version": package_version()}
+
+    def _liveness(self) -> str | None:
+        try:
+            parts = self._parts()
+        except OffloadCoordinatorError as exc:  # the load is gone (unloaded), say
+            return f"the load {self.load_name!r}: {exc}"
+        dead = gone_parts(parts, HEALTH_PING_S)
+        if not dead:
+            self._dead_since = None
+            return None
+        now = time.monotonic()
+        if self._dead_since is None:
+            self._dead_since = now
+        if KEEPER in dead or KEEPER not in parts:  # no engine, or none to recover the workers
+            return f"{', '.join(dead)} gone: this load cannot serve"
+        if now - self._dead_since > RECOVERY_GRACE_S:
+            return (
+                f"{', '.join(dead)} gone and not recovered within {RECOVERY_GRACE_S:.0f} s: "
+                "this load cannot serve"
+            )
+        return None  # the keeper is recovering them: requests wait meanwhile
+
+    def _parts(self) -> dict:
+        """What -> actor (None: gone): the load's keeper and its workers as its record says now
+        (the keeper replaces lost workers: this replica's own view of them may be old)."""
+        from coordinator.runtime import keeper, registry
+
+        if self.job.name is None:
+            return {f"the worker of stage {s}": h.actor for s, h in enumerate(self.job.workers)}
+        _, record = registry.load_record(self.job.name)
+        parts = {KEEPER: keeper.find(self.job.name)}
+        for stage, actor in enumerate(registry.worker_handles(record)):
+            parts[f"the worker of stage {stage}"] = actor
+        return parts
 
     @app.get("/metrics")
     async def metrics(self, request: Request):
@@ -241,26 +486,27 @@ class OpenAIServer:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             return _error(400, "the request body is not JSON")
-        if isinstance(body, dict) and body.get("model", self.model_name) != self.model_name:
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        if body.get("model", self.model_name) != self.model_name:
             return _error(
                 404,
                 f"the model {body['model']!r} does not exist here: this server "
                 f"serves {self.model_name!r} (GET /v1/models)",
                 "NotFoundError",
+                "model",
             )
         try:
-            if not isinstance(body, dict):
-                raise BadRequest("the request body must be a JSON object")
-            ids, options, stream, stop = self._parse(body, chat)
-            stream_options = _field(body, "stream_options", (dict,), {})
-            usage = _field(stream_options, "include_usage", (bool,), False)
-            self.job.check_request(ids.shape[1], **options)  # a 400 now, not mid-stream
+            parsed = self._parse(body, chat)
+            self.job.check_request(parsed.ids.shape[1], **parsed.options)  # a 400 now
         except OffloadCoordinatorError as exc:  # no chat template, past the context or the KV plan
             return _error_for(exc)
         kind = "chat.completion" if chat else "text_completion"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        run = Run(self.job, self.tokenizer, ids, options, stop)
-        if stream:
+        run = Run(
+            self.job, self.tokenizer, parsed.ids, parsed.options, parsed.stop, parsed.include_stop
+        )
+        if parsed.stream:
             try:
                 run.start()  # a full queue is a 429 here, before the stream's 200
             except OffloadCoordinatorError as exc:
@@ -268,7 +514,7 @@ class OpenAIServer:
             if not await run.started(request):  # no byte until the request runs
                 return _error(499, "the client went away while the request waited")
             return StreamingResponse(
-                self._events(run, rid, chat, request, usage),
+                self._events(run, rid, chat, request, parsed),
                 media_type="text/event-stream",
                 headers={LOAD_HEADER: self.load_name},
             )
@@ -295,18 +541,13 @@ class OpenAIServer:
             headers={LOAD_HEADER: self.load_name},
         )
 
-    def _parse(self, body: dict, chat: bool):
+    def _parse(self, body: dict, chat: bool) -> "Parsed":
         from coordinator.engine.generation import sampling_options
-        from coordinator.serving.text import prompt_ids
+        from coordinator.serving.text import end_ids, prompt_ids
 
+        check_fields(body, CHAT if chat else COMPLETIONS)
         if _field(body, "n", (int,), 1) != 1:
-            raise BadRequest("only n=1 is supported")
-        for name, default in UNSUPPORTED.items():  # settings that would change the output
-            if body.get(name) not in (None, default):
-                raise BadRequest(
-                    f"'{name}'={body[name]!r} is not supported by this server "
-                    f"(leave it out, or {default!r})"
-                )
+            raise BadRequest("only n=1 is supported", param="n")
         stop = body.get("stop")
         stop = [stop] if isinstance(stop, str) else stop
         if stop is not None and (
@@ -315,45 +556,83 @@ class OpenAIServer:
             or not all(isinstance(s, str) and s for s in stop)
         ):
             raise BadRequest(
-                f"'stop' must be a non-empty string or a list of up to {MAX_STOP} of them"
+                f"'stop' must be a non-empty string or a list of up to {MAX_STOP} of them",
+                param="stop",
             )
         if chat:
-            messages = body.get("messages")
-            if (
-                not isinstance(messages, list)
-                or not messages
-                or not all(
-                    isinstance(m, dict)
-                    and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str)
-                    for m in messages
-                )
-            ):
-                raise BadRequest(
-                    "'messages' must be a non-empty list of {role, content} with string values"
-                )
-            ids = prompt_ids(self.tokenizer, messages=messages)
+            messages = chat_messages(body.get("messages"), self.tokenizer)
+            opened = _field(body, "add_generation_prompt", (bool,), True)
+            ids = prompt_ids(self.tokenizer, messages=messages, add_generation_prompt=opened)
         else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if not isinstance(prompt, str) or not prompt:
-                raise BadRequest("'prompt' must be a non-empty string")
-            ids = prompt_ids(self.tokenizer, prompt)
+            ids = self._prompt(body.get("prompt"), prompt_ids)
         limit = (
             "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
         )
         max_tokens = _field(body, limit, (int,), 16, lambda v: v >= 1)
+        top_k = _field(body, "top_k", (int,), None, lambda v: v >= -1)
         options = sampling_options(
             _field(body, "temperature", (int, float), None, lambda v: v >= 0),
             _field(body, "top_p", (int, float), None, lambda v: 0 < v <= 1),
-            None,
+            None if top_k is None else max(top_k, 0),  # vLLM's -1: off
             _field(body, "seed", (int,), None),
         )
+        stop_ids = _field(body, "stop_token_ids", (list,), [])
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in stop_ids):
+            raise BadRequest("'stop_token_ids' must be a list of token ids", param="stop_token_ids")
+        if _field(body, "ignore_eos", (bool,), False) or stop_ids:
+            ends = () if body.get("ignore_eos") else end_ids(self.tokenizer, self.job.index)
+            options["eos_token_id"] = sorted({*ends, *stop_ids})
         stream = _field(body, "stream", (bool,), False)
-        return ids, {"max_new_tokens": max_tokens, **options}, stream, tuple(stop or ())
+        stream_options = _field(body, "stream_options", (dict,), {})
+        if stream_options and not stream:
+            raise BadRequest("'stream_options' is only allowed with stream=true", "stream_options")
+        for name in stream_options:
+            if name not in STREAM_OPTIONS:
+                raise BadRequest(
+                    f"unknown field 'stream_options.{name}' (known: {', '.join(STREAM_OPTIONS)})",
+                    param=f"stream_options.{name}",
+                )
+        usage = _field(stream_options, "include_usage", (bool,), False)
+        continuous = _field(stream_options, "continuous_usage_stats", (bool,), False)
+        if continuous and not usage:  # vLLM would drop it: refused rather than ignored
+            raise BadRequest(
+                "'stream_options.continuous_usage_stats' needs 'include_usage': true",
+                param="stream_options.continuous_usage_stats",
+            )
+        return Parsed(
+            ids=ids,
+            options={"max_new_tokens": max_tokens, **options},
+            stream=stream,
+            stop=tuple(stop or ()),
+            include_stop=_field(body, "include_stop_str_in_output", (bool,), False),
+            usage=usage,
+            continuous_usage=continuous,
+        )
 
-    async def _events(self, run: Run, rid: str, chat: bool, request: Request, usage: bool):
+    def _prompt(self, prompt, prompt_ids):
+        """A completion's prompt: a string, or token ids (as OpenAI's API takes them), one
+        prompt per request."""
+        import torch
+
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str) and prompt:
+            return prompt_ids(self.tokenizer, prompt)
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt)
+        ):
+            vocab = self.job.index.config.get("vocab_size")
+            if any(i < 0 or (vocab and i >= vocab) for i in prompt):
+                raise BadRequest(f"'prompt' has token ids outside [0, {vocab})", param="prompt")
+            return torch.tensor([prompt], dtype=torch.long)
+        raise BadRequest(
+            "'prompt' must be a non-empty string or a list of token ids (one prompt per request)",
+            param="prompt",
+        )
+
+    async def _events(self, run: Run, rid: str, chat: bool, request: Request, parsed: "Parsed"):
         """Server-sent events: a chunk per text delta, a last chunk with the finish reason,
         then [DONE]. A client that goes away cancels the request (its caches are freed)."""
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
@@ -370,6 +649,8 @@ class OpenAIServer:
                 "model": self.model_name,
                 "choices": [{"index": 0, **piece, "finish_reason": finish}],
             }
+            if parsed.continuous_usage:  # vLLM's continuous_usage_stats: usage so far, each
+                data["usage"] = run.usage()
             return f"data: {json.dumps(data)}\n\n"
 
         try:
@@ -383,11 +664,11 @@ class OpenAIServer:
             if run.error is not None:
                 status, kind = status_of(run.error)
                 text = str(run.error) if status != 500 else "internal error; see the server log"
-                message = json.dumps({"error": {"message": text, "type": kind, "code": status}})
+                message = json.dumps(error_body(status, text, kind))
                 yield f"data: {message}\n\n"
             else:
                 yield event(None, run.finish_reason)
-                if usage:  # stream_options.include_usage: one more chunk, no choices
+                if parsed.usage:  # stream_options.include_usage: one more chunk, no choices
                     data = {
                         "id": rid,
                         "object": chunk_kind,

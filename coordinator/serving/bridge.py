@@ -214,7 +214,8 @@ class HttpFront:
 
 async def _send_error(send, status: int, message: str) -> None:
     kind = "service_unavailable" if status == 503 else "internal_error"
-    body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+    error = {"message": message, "type": kind, "param": None, "code": status}  # OpenAI's shape
+    body = json.dumps({"error": error}).encode()
     headers = [(b"content-type", b"application/json")]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

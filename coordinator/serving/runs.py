@@ -13,11 +13,21 @@ class Run:
     client's fetch thread calls back and detokenises; no thread per request). Waiting in the engine's queue costs nothing
     here: the client gets its first byte with the first token."""
 
-    def __init__(self, job, tokenizer, ids, options: dict, stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        job,
+        tokenizer,
+        ids,
+        options: dict,
+        stop: tuple[str, ...] = (),
+        include_stop: bool = False,
+    ) -> None:
         from coordinator.serving.text import TextStream, end_ids
 
         self.job, self.ids, self.options = job, ids, options
-        self.stream = TextStream(tokenizer, end_ids(tokenizer, job.index), stop)
+        ends = options.get("eos_token_id")  # given (ignore_eos, stop_token_ids): the engine's
+        ends = end_ids(tokenizer, job.index) if ends is None else tuple(ends)
+        self.stream = TextStream(tokenizer, ends, stop, include_stop=include_stop)
         self.error: Exception | None = None
         self.new_tokens = 0
         self.finish_reason = "length"

@@ -3,6 +3,7 @@ chat template, and decoding a stream of generated tokens as they come."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from offload.errors import CheckpointError, ConfigError
@@ -32,9 +33,15 @@ def load_tokenizer(root: str | Path):
         raise TokenizerError(f"{root}: cannot load its tokenizer: {exc}") from None
 
 
-def prompt_ids(tokenizer, prompt: str | None = None, *, messages: list[dict] | None = None):
+def prompt_ids(
+    tokenizer,
+    prompt: str | None = None,
+    *,
+    messages: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+):
     """Token ids (1, n) of a plain prompt, or of chat `messages` through the tokenizer's chat
-    template with the assistant's turn opened (`add_generation_prompt`)."""
+    template, the assistant's turn opened unless `add_generation_prompt` is False."""
     import torch
 
     if messages is not None:
@@ -43,13 +50,33 @@ def prompt_ids(tokenizer, prompt: str | None = None, *, messages: list[dict] | N
                 "this checkpoint's tokenizer has no chat template: send a plain prompt "
                 "(/v1/completions, offloadctl generate without --chat)"
             )
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer(prompt)["input_ids"]
     if not ids:
         raise TokenizerError("the prompt is empty once tokenized")
     return torch.tensor([ids], dtype=torch.long)
+
+
+# A chat template that loops over a message's content (or tests whether it is a string) reads
+# content parts itself, as transformers passes them; one that does not takes a string.
+_READS_PARTS = re.compile(
+    r"for\s+\w+\s+in\s+\w+(\[\s*['\"]content['\"]\s*\]|\.content\b)"
+    r"|content['\"]?\]?\s+is\s+(not\s+)?(string|iterable|sequence|mapping)"
+)
+
+
+def template_reads_parts(tokenizer) -> bool:
+    """Whether the tokenizer's chat template takes a message's content as a list of parts
+    ({"type": "text", "text": ...}, as transformers passes them); else content parts are
+    joined into a string first (vLLM's "string" content format, detected likewise)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: the default one
+        template = template.get("default")
+    return isinstance(template, str) and bool(_READS_PARTS.search(template))
 
 
 def end_ids(tokenizer, index) -> tuple[int, ...]:
@@ -80,20 +107,27 @@ class TextStream:
     decoding every token at once (`skip_special_tokens`), up to a stop string.
 
     `stop_strings` end the text where the first of them begins (it is not part of the text, as
-    OpenAI's `stop` works); text that could still become the start of one is held back until
+    OpenAI's `stop` works; with `include_stop` they end it after it, as vLLM's
+    include_stop_str_in_output, which also keeps a stop token's text); text that could still become the start of one is held back until
     the next tokens tell, so a stop string never reaches the client in part. `stopped` turns
     true at an end token or a stop string (`stop_string` says which). Text handed out never
     holds the start of a stop string, so only the held-back text and the new delta are
     searched."""
 
     def __init__(
-        self, tokenizer, stop_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = ()
+        self,
+        tokenizer,
+        stop_ids: tuple[int, ...] = (),
+        stop_strings: tuple[str, ...] = (),
+        *,
+        include_stop: bool = False,
     ) -> None:
         if any(not s for s in stop_strings):
             raise ConfigError("a stop string must not be empty")
         self.tokenizer = tokenizer
         self.stop_ids = set(stop_ids)
         self.stop_strings = tuple(stop_strings)
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output
         self.stopped = False
         self.stop_string: str | None = None
         # The decoded window: _window[:_read] is the prefix, already handed out (its text is
@@ -119,9 +153,12 @@ class TextStream:
         return self._out[0] if self._out else ""
 
     def push(self, token_id: int) -> str:
-        if self.stopped or token_id in self.stop_ids:
-            self.stopped = True  # the end token and the padding after it are not text
-            return ""
+        if self.stopped:
+            return ""  # the padding after the end is not text
+        if token_id in self.stop_ids:
+            self.stopped = True  # the end token is not text, unless include_stop
+            if not self.include_stop:
+                return ""
         if token_id in self._specials and self._skips(token_id):
             return ""
         self._window.append(token_id)
@@ -192,6 +229,7 @@ class TextStream:
         found = _first_stop(pending, self.stop_strings)
         if found is not None:
             end, self.stop_string = found
+            end += len(self.stop_string) if self.include_stop else 0
             self.stopped = True
         elif final:
             end = len(pending)
