@@ -1,7 +1,10 @@
-"""`offloadctl serve` on a shared Ray cluster (a private head, token auth on): a `serve` of its
-own load killed with -9 leaves nothing (its load's lease runs out, its app ends with it); two
-`serve` of one named load, each on its own port, each with a Serve app of its own, both
-answer, and Ctrl-C of one removes its app only while the other goes on answering."""
+"""`offloadctl serve` on a shared Ray cluster (a private head with two GPUs, token auth on): a
+`serve` of its own model as two replicas (two pipelines, two named loads, one Serve deployment
+whose router spreads the requests: every completion is transformers' greedy text, whichever
+replica answered it, `x-offload-load`), then killed with -9, leaves nothing (its loads' leases
+run out, its app ends with it); two `serve` of one named load, each on its own port, each with a
+Serve app of its own, both answer, and Ctrl-C of one removes its app only while the other goes
+on answering."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ray_head import private_ray_head
@@ -78,7 +82,8 @@ class Observer:
             self.proc.wait(timeout=30)
 
 
-def complete(served, prompt: str) -> str:
+def complete_from(served, prompt: str) -> tuple[str, str]:
+    """(the load that answered, the completion's text)."""
     body = json.dumps(
         {"model": "tiny-llama", "prompt": prompt, "max_tokens": 6, "temperature": 0}
     ).encode()
@@ -88,7 +93,12 @@ def complete(served, prompt: str) -> str:
         headers={"Authorization": f"Bearer {served.key}", "Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())["choices"][0]["text"]
+        load = response.headers["x-offload-load"]
+        return load, json.loads(response.read())["choices"][0]["text"]
+
+
+def complete(served, prompt: str) -> str:
+    return complete_from(served, prompt)[1]
 
 
 def app_of(served) -> str:
@@ -106,31 +116,42 @@ def test_two_serves_on_one_cluster_and_one_killed(tmp_path) -> None:
     prompt = "two servers, one cluster"
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     expected = greedy_text(checkpoint, tokenizer, ids, 6)
-    with private_ray_head(num_cpus=4, num_gpus=1) as (_, headers, track, gcs):
+    with private_ray_head(num_cpus=4, num_gpus=2) as (_, headers, track, gcs):
         token = headers["Authorization"].removeprefix("Bearer ")
         ray_env = {"RAY_ADDRESS": gcs, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         env.update(ray_env)
         observer = Observer(env)
         try:
-            # A serve of its own load, killed with -9: no renewal from then on, so its load is
-            # unloaded when the lease runs out, and its app goes with the process.
+            # A serve of its own model as two replicas, which share the requests; killed with
+            # -9: no renewal from then on, so its loads are unloaded when their leases run out,
+            # and its app goes with the process.
             (tmp_path / "own").mkdir()
             with serving(
                 tmp_path / "own",
                 *LOAD_FLAGS,
+                "--replicas",
+                "2",
                 checkpoint=checkpoint,
                 ray_env={**ray_env, "OFFLOAD_SERVE_LEASE_S": str(LEASE_S)},
             ) as own:
                 track()
-                assert complete(own, prompt) == expected
+                assert "2 replicas (loads 'serve-" in own.log_path.read_text(), own.log()
+                prompts = [f"request number {i} of many" for i in range(8)]
+                with ThreadPoolExecutor(len(prompts)) as pool:
+                    answers = list(pool.map(lambda p: complete_from(own, p), prompts))
+                for text, (_, answer) in zip(prompts, answers, strict=True):
+                    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+                    assert answer == greedy_text(checkpoint, tokenizer, ids, 6)
+                loads = {load for load, _ in answers}
+                assert len(loads) == 2 and all(x.endswith(("-0", "-1")) for x in loads), answers
                 state = observer.state()
                 assert state["apps"] == [app_of(own)] and state["gpus"] == 0, state
-                assert [n.startswith("serve-") for n in state["loads"]] == [True], state
+                assert sorted(state["loads"]) == sorted(loads), state
                 own.proc.kill()
                 own.proc.wait(timeout=STOP_TIMEOUT_S)
             killed = time.monotonic()
-            while (state := observer.state()) != {"apps": [], "loads": [], "gpus": 1}:
+            while (state := observer.state()) != {"apps": [], "loads": [], "gpus": 2}:
                 assert time.monotonic() - killed < LEASE_S + GONE_BOUND_S, state
                 time.sleep(0.5)
 
