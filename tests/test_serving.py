@@ -315,10 +315,24 @@ def test_every_request_field_is_applied_or_refused_by_name() -> None:
 
     applied = {n for n, (_, how) in FIELDS.items() if how == APPLIED}
     assert applied == {
-        "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
-        "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "ignore_eos",
-        "stop_token_ids", "include_stop_str_in_output", "add_generation_prompt",
-    }  # fmt: skip
+        "model",
+        "prompt",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "n",
+        "ignore_eos",
+        "stop_token_ids",
+        "include_stop_str_in_output",
+        "add_generation_prompt",
+    }
     assert {n for n, (_, how) in FIELDS.items() if how == NO_EFFECT} == {
         "user",
         "safety_identifier",
@@ -326,8 +340,17 @@ def test_every_request_field_is_applied_or_refused_by_name() -> None:
         "metadata",
         "parallel_tool_calls",
     }
-    for name in ("min_tokens", "skip_special_tokens", "tools", "tool_choice", "functions",
-                 "function_call", "response_format", "logit_bias", "presence_penalty"):  # fmt: skip
+    for name in (
+        "min_tokens",
+        "skip_special_tokens",
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "response_format",
+        "logit_bias",
+        "presence_penalty",
+    ):
         assert isinstance(FIELDS[name][1], tuple), name
     for name, (endpoints, how) in FIELDS.items():
         for endpoint in (COMPLETIONS, CHAT):
@@ -422,24 +445,37 @@ def test_health_version_content_parts_vllm_fields_and_error_shape(server) -> Non
     )
     stop_id = new[stop_at]  # a token greedy generates, first there, before any end token
     cut = client.completions.create(
-        model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0,
+        model="tiny-llama",
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
         extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]},
-    )  # fmt: skip
+    )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == tokenizer.decode(new[:stop_at], skip_special_tokens=True)
     kept = client.completions.create(
-        model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0,
-        extra_body={"ignore_eos": True, "stop_token_ids": [stop_id],
-                    "include_stop_str_in_output": True},
-    )  # fmt: skip
+        model="tiny-llama",
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        extra_body={
+            "ignore_eos": True,
+            "stop_token_ids": [stop_id],
+            "include_stop_str_in_output": True,
+        },
+    )
     assert kept.choices[0].text.startswith(cut.choices[0].text)
     assert len(kept.choices[0].text) > len(cut.choices[0].text)
     chunks = list(
         client.completions.create(
-            model="tiny-llama", prompt=prompt, max_tokens=4, temperature=0, stream=True,
+            model="tiny-llama",
+            prompt=prompt,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True, "continuous_usage_stats": True},
         )
-    )  # fmt: skip
+    )
     assert all(c.usage is not None for c in chunks)
     assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].choices == []
 
