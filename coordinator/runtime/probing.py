@@ -40,29 +40,36 @@ def gpu_nodes(exclude: frozenset[str] = frozenset()) -> list[dict]:
     return sorted(nodes, key=lambda n: (n["NodeManagerHostname"], n["NodeID"]))
 
 
-def usable_gpus(own: Iterable[str] = ()) -> dict[str, int]:
-    """The GPUs a plan may use, per alive node id: those nothing holds (no placement group, no
-    actor), and the job's own (`own`: one node id per GPU the planning job holds itself, its
-    surviving workers' bundles). Never another load's. The one answer for new loads, re-plans
-    and replicas."""
+def free_gpus() -> dict[str, int]:
+    """The GPUs nothing holds (no placement group, no actor), per alive node id."""
     import ray._private.state as ray_state  # per-node availability: Ray has no public API
 
-    free = {
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    return {
         node: int(resources.get("GPU", 0))
         for node, resources in ray_state.state.available_resources_per_node().items()
+        if node in alive
     }
-    held = Counter(own)
-    alive = {n["NodeID"]: int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["Alive"]}
-    usable = {node: min(total, free.get(node, 0) + held[node]) for node, total in alive.items()}
+
+
+def usable_gpus(own: Iterable[str] = (), free: dict[str, int] | None = None) -> dict[str, int]:
+    """The GPUs a plan may use, per alive node id: the free ones (`free`, else asked now) and
+    the job's own (`own`: one node id per GPU the planning job holds itself, its surviving
+    workers' bundles). Never another load's. The one answer for new loads, re-plans and
+    replicas."""
+    usable = Counter(free if free is not None else free_gpus())
+    usable.update(own)
     return {node: n for node, n in usable.items() if n > 0}
 
 
 def held_elsewhere() -> str:
     """Who holds the cluster's GPUs, for an error: the named loads' placement groups."""
+    from coordinator.runtime.registry import load_of_group
+
     counts: Counter = Counter()
     for entry in ray.util.placement_group_table().values():
         if entry.get("state") == "CREATED":
-            load = entry.get("name", "").split(":pg-")[0].removeprefix("load:") or "unnamed jobs"
+            load = load_of_group(entry.get("name", "")) or "unnamed jobs"
             counts[load] += sum(int(b.get("GPU", 0)) for b in entry.get("bundles", {}).values())
     held = [f"{load} ({n})" for load, n in sorted(counts.items()) if n]
     return ", ".join(held) or "no placement group (actors or tasks outside them)"
@@ -98,7 +105,8 @@ def probe_cluster(
             "the Ray cluster has no GPU nodes; on a machine without GPUs use --gpus N with "
             "--gpu-memory to simulate them"
         )
-    usable, free = usable_gpus(own), usable_gpus()
+    free = free_gpus()
+    usable = usable_gpus(own, free)
     total = sum(int(n["Resources"]["GPU"]) for n in nodes)
     # A node is probed by a live worker of the job, or by a task holding its free GPUs; one
     # whose usable GPUs are all bundles of lost workers (neither) is left out of this plan.
@@ -126,7 +134,7 @@ def probe_cluster(
         envs[node["NodeID"]] = (env, origins)
         options = {
             "scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
-            "num_gpus": min(free.get(node["NodeID"], 0), usable[node["NodeID"]]),
+            "num_gpus": free.get(node["NodeID"], 0),
         }
         if env:
             options["runtime_env"] = {"env_vars": env}

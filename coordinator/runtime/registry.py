@@ -219,6 +219,13 @@ def group_of(record: dict, index) -> WorkerGroup:
     )
 
 
+def load_of_group(group_name: str) -> str | None:
+    """The load a placement group named `load:NAME:pg-N` belongs to (None: not a load's)."""
+    if not group_name.startswith(_RECORD_PREFIX) or ":pg-" not in group_name:
+        return None
+    return group_name[len(_RECORD_PREFIX) :].rpartition(":pg-")[0]
+
+
 def named_groups(name: str) -> dict[str, PlacementGroup]:
     """The placement groups of load `name` that exist (not removed), by name."""
     prefix = f"{_RECORD_PREFIX}{name}:pg-"
