@@ -47,6 +47,8 @@ class CopyTotals:
 class CopyEngine(ABC):
     def __init__(self) -> None:
         self.totals = CopyTotals()
+        # The counters: the engine's user (or its copy thread) writes, a snapshot thread reads.
+        self._lock = threading.Lock()
 
     @abstractmethod
     def fence(self) -> object | None: ...
@@ -61,7 +63,8 @@ class CopyEngine(ABC):
     def synchronize(self) -> None: ...
 
     def read_totals(self) -> CopyTotals:
-        return dataclasses.replace(self.totals)
+        with self._lock:
+            return dataclasses.replace(self.totals)
 
     def close(self) -> None:
         self.synchronize()
@@ -74,7 +77,6 @@ class ThreadCopyEngine(CopyEngine):
     def __init__(self) -> None:
         super().__init__()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
         self._last: Future | None = None
         self._thread = threading.Thread(target=self._run, name="offload-copy", daemon=True)
         self._thread.start()
@@ -127,10 +129,6 @@ class ThreadCopyEngine(CopyEngine):
             done, _ = futures.wait([self._last], timeout=COPY_WAIT_TIMEOUT_S)
             if not done:
                 raise TimeoutError(f"copy engine did not drain within {COPY_WAIT_TIMEOUT_S} s")
-
-    def read_totals(self) -> CopyTotals:
-        with self._lock:
-            return super().read_totals()
 
     def close(self) -> None:
         if self._thread.is_alive():
@@ -202,7 +200,6 @@ class CudaCopyEngine(CopyEngine):
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         self.timing = timing
-        self._lock = threading.Lock()  # the counters: the actor writes, a snapshot thread reads
         self._copy_times = EventTimes()
         self._stall_times = EventTimes()
 

@@ -34,7 +34,7 @@ from typing import Protocol
 
 import torch
 
-from offload.copy_engine import COPY_WAIT_TIMEOUT_S, CopyEngine, CopyTotals, _copy_bytes
+from offload.copy_engine import COPY_WAIT_TIMEOUT_S, CopyEngine, _copy_bytes
 
 # Two chunks: the copy thread fills one while the device reads the other. 8 MiB each (a power
 # of two: the pinned allocator rounds up to one) amortises the per-copy launch cost (~10 us)
@@ -165,7 +165,6 @@ class StagedCopyEngine(CopyEngine):
         self._free: list[object | None] = [None] * num_chunks  # the copy that last read each
         self._next_chunk = 0
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
         self._last: StagedTicket | None = None
         self._thread = threading.Thread(target=self._run, name="offload-stage", daemon=True)
         self._thread.start()
@@ -243,10 +242,6 @@ class StagedCopyEngine(CopyEngine):
         if last is not None and not last.issued.wait(COPY_WAIT_TIMEOUT_S):
             raise TimeoutError(f"copy engine did not drain within {COPY_WAIT_TIMEOUT_S} s")
         self.staging.synchronize()
-
-    def read_totals(self) -> CopyTotals:
-        with self._lock:
-            return super().read_totals()
 
     def close(self) -> None:
         if self._thread.is_alive():
