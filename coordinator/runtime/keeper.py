@@ -299,9 +299,3 @@ def find(name: str) -> ray.actor.ActorHandle | None:
         return ray.get_actor(keeper_name(name), namespace=NAMESPACE)
     except ValueError:
         return None
-
-
-def kill(keeper: ray.actor.ActorHandle) -> None:
-    """Stop a keeper this process started, for good (a load that failed after starting it)."""
-    with contextlib.suppress(Exception):  # already gone: nothing held
-        ray.kill(keeper, no_restart=True)

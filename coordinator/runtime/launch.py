@@ -17,7 +17,6 @@ from coordinator.runtime import recovery, registry
 from coordinator.runtime.group import WorkerGroup
 from coordinator.runtime.job import Job
 from coordinator.runtime.keeper import find as find_keeper
-from coordinator.runtime.keeper import kill as kill_keeper
 from coordinator.runtime.keeper import start as start_keeper
 from coordinator.runtime.probing import model_of, probe_cluster
 from coordinator.runtime.session import RaySession, connect
@@ -158,7 +157,7 @@ def _start(
         return job
     except BaseException:
         if keeper is not None:
-            kill_keeper(keeper)
+            registry.release(keeper)
         if job is not None:
             job.group.stop()
         if record is not None:

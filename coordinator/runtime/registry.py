@@ -131,10 +131,11 @@ def claim(name: str) -> ray.actor.ActorHandle:
     return actor
 
 
-def release(record: ray.actor.ActorHandle) -> None:
-    """Give a claimed name back: kill the record this load created (not one found by name)."""
+def release(actor: ray.actor.ActorHandle) -> None:
+    """Kill, for good, an actor of a load that this process created and holds the handle of (its
+    record: the name goes back; its keeper), never one found by name."""
     with contextlib.suppress(Exception):  # already gone: nothing held
-        ray.kill(record, no_restart=True)
+        ray.kill(actor, no_restart=True)
 
 
 def _state(group: WorkerGroup) -> dict:
