@@ -168,3 +168,10 @@ def test_a_model_type_that_is_not_a_string_is_one_line(
     (root / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
     assert main(["plan", "--checkpoint", str(root), "--gpus", "2", "--gpu-memory", "1MiB"]) == 2
     assert "config.json: model_type must be a string" in capsys.readouterr().err
+
+
+def test_a_checkpoint_path_with_a_newline_is_named_on_one_line(capsys, tmp_path) -> None:
+    """Found by the job-file test above: checkpoint "\n" broke "not a directory" over two lines."""
+    assert main(["plan", "--checkpoint", "\n", "--gpus", "1", "--gpu-memory", "1MiB"]) == 2
+    message = capsys.readouterr().err.strip()
+    assert message == "error: '\\n': not a directory", message

@@ -68,6 +68,13 @@ class CheckpointIndex:
         return sum(1 for layer in self.layers if layer.kind == "decoder")
 
 
+def shown(path: str | Path) -> str:
+    """A path as an error names it on one line: as given, or quoted with its control characters
+    escaped (a path the user typed may hold a newline)."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)
+
+
 def read_header(path: Path) -> dict[str, TensorSlice]:
     """The tensors of one safetensors file, validated against the file's size."""
     name = path.name
@@ -159,7 +166,7 @@ def read_config(root: str | os.PathLike) -> dict:
     """The checkpoint's config.json, as a dict (CheckpointError when missing or not JSON)."""
     path = Path(root) / "config.json"
     if not (path.exists() or path.is_symlink()):
-        raise CheckpointError(f"{root}: config.json is missing")
+        raise CheckpointError(f"{shown(root)}: config.json is missing")
     return _read_json(path, "config.json")
 
 
@@ -200,12 +207,12 @@ def _tensor_files(root: Path) -> dict[str, str]:
     pickles = sorted(p.name for p in root.iterdir() if p.suffix in _PICKLE_SUFFIXES)
     if pickles:
         raise CheckpointError(
-            f"{root}: only pickle weights ({', '.join(pickles)}); they are refused because "
+            f"{shown(root)}: only pickle weights ({', '.join(pickles)}); they are refused because "
             "unpickling runs arbitrary code and cannot be read by offset. Convert once with "
             "transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out) "
             "writes safetensors"
         )
-    raise CheckpointError(f"{root}: no {SINGLE_FILE} and no {INDEX_FILE}")
+    raise CheckpointError(f"{shown(root)}: no {SINGLE_FILE} and no {INDEX_FILE}")
 
 
 def _identity(path: Path) -> FileIdentity:
@@ -251,7 +258,7 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
 
     root = Path(root)
     if not root.is_dir():
-        raise CheckpointError(f"{root}: not a directory")
+        raise CheckpointError(f"{shown(root)}: not a directory")
     # Weights first: a pickle-only directory must hear why it is refused, not that it lacks
     # config.json (adding one would only lead to the pickle refusal).
     weight_map = _tensor_files(root)
