@@ -284,9 +284,36 @@ def test_a_burst_ends_at_the_step_a_request_arrives(make) -> None:
     assert first.result(WAIT_S) == [expected([3, 4], 20)]
     assert joined[0].result(WAIT_S) == [expected([9, 8, 7], 4)]
     # prefill (token 1), a burst of 8 cut after its second step (token 3), then the newcomer's
-    # prefill; the first sequence resumes feeding token 3 at position 4 (2 prompt + 2 fed)
-    assert pipeline.steps[1][3] == 8 and pipeline.steps[2][0] and pipeline.steps[2][1] == (1,)
-    assert pipeline.starts[3][0] == 4
+    # prefill, which the first sequence's decode rides along: it resumes feeding token 3 at
+    # position 4 (2 prompt + 2 fed)
+    assert pipeline.steps[1][3] == 8
+    assert pipeline.steps[2][:3] == (True, (0, 1), (1, 3)) and pipeline.starts[2] == (4, 0)
+
+
+def test_requests_a_step_apart_share_their_prefill_with_the_decodes(make) -> None:
+    """A prompt that arrives while another sequence decodes goes in one step with that decode
+    (both choose a token), while the padded tokens fit `prefill_tokens`; a prompt as wide as
+    the budget goes alone and the decode goes next (it never starves)."""
+    engine, pipeline = make(num_slots=3, prefill_tokens=8, burst_steps=1)
+    joined = []
+
+    def join(row, token):
+        if len(first.sequences[0].generated) == 2 and not joined:
+            joined.append(submit(engine, [9, 8, 7], 3))  # 2 rows x 3 wide <= 8: together
+            joined.append(submit(engine, list(range(3, 11)), 2))  # 8 wide: alone
+
+    first = submit(engine, [3, 4], 8, on_token=join)
+    assert first.result(WAIT_S) == [expected([3, 4], 8)]
+    assert joined[0].result(WAIT_S) == [expected([9, 8, 7], 3)]
+    assert joined[1].result(WAIT_S) == [expected(list(range(3, 11)), 2)]
+    kinds = [(prefill, counts) for prefill, _, counts, _ in pipeline.steps[:5]]
+    assert kinds == [
+        (True, (2,)),  # the first prompt
+        (False, (1,)),  # its second token; the two requests arrive during it
+        (True, (1, 3)),  # the first one's decode rides along the 3-token prompt
+        (True, (8,)),  # the 8-token prompt fills the budget: the decodes wait one step
+        (False, (1, 1, 1)),  # and go first after it, with its first token
+    ], kinds
 
 
 def test_micro_batches_split_the_running_sequences(make) -> None:

@@ -17,8 +17,10 @@ kinds of step when it has both to do:
   one chosen) feeds it, so each offloaded layer is brought in once for all of them;
 - a **prefill** step: sequences whose prompt is not in the cache yet feed a chunk of it, at most
   `prefill_tokens` tokens in all (rows x width, the rows left-padded to the widest), in
-  admission order; a long prompt takes several, and the decodes of the others go on between
-  them, so a new prompt delays them by one chunk at most.
+  admission order; the decodes ride along in the same step while the padded tokens stay
+  within that budget (short prompts: one step for all), else a long prompt takes several
+  steps, and the decodes of the others go on between them, so a new prompt delays them by one
+  chunk at most.
 A sequence whose chunk ends its prompt chooses its first token in the same step.
 """
 
@@ -183,12 +185,13 @@ class Scheduler:
         prefill = [s for s in live if s.pending > 1]
         decode = [s for s in live if s.pending == 1]
         if prefill and (not decode or not group.last_prefill):
-            step = self._prefill_step(g, prefill)
+            step = self._prefill_step(g, prefill, decode)
         elif decode:
             step = self._decode_step(g, decode)
         else:
             return None
-        group.last_prefill = step.prefill
+        # a decode left out of a prefill step goes first next time: prompts never starve it
+        group.last_prefill = step.prefill and any(s not in step.sequences for s in decode)
         return step
 
     def unplan(self, step: Step) -> None:
@@ -198,7 +201,11 @@ class Scheduler:
             self._sent.pop(slot, None)
         self.complete(step)
 
-    def _prefill_step(self, g: int, candidates: list[Sequence]) -> Step:
+    def _prefill_step(self, g: int, candidates: list[Sequence], decode: list[Sequence]) -> Step:
+        """Prompt chunks, and the micro-batch's decodes with them while the step's padded
+        tokens (rows x width) stay within `prefill_tokens`: requests that arrive a little
+        apart (one while another's prompt runs) then share steps instead of taking turns,
+        and a decode costs at most `width` padded positions, never a long prompt's."""
         chosen: list[Sequence] = []
         width = 0
         for seq in candidates:
@@ -207,6 +214,8 @@ class Scheduler:
                 break
             chosen.append(seq)
             width = max(width, chunk)
+        room = self.prefill_tokens // width - len(chosen)
+        chosen += decode[: max(0, room)]
         x = torch.zeros((len(chosen), width), dtype=torch.long)
         counts = []
         for r, seq in enumerate(chosen):
