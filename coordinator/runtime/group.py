@@ -18,18 +18,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import CheckpointIndex
 from coordinator.planning.planner import Plan, StagePlan
 from coordinator.runtime.errors import LaunchError, WorkerLostError
+from coordinator.runtime.record import NAMESPACE, remove_group
 from worker.snapshot import StageSnapshot
 from worker.spec import StageSpec
 from worker.worker import StageWorker
 
-NAMESPACE = "offload-coordinator"  # named loads' actors and placement groups
 NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it: a bundle's node selector
 PING_TIMEOUT_S = 30.0  # one bound for the pings of all stages at once
 RECONFIGURE_TIMEOUT_S = 120.0  # a survivor moves its layers in memory: no disk reads
@@ -282,15 +282,6 @@ class WorkerGroup:
         for _, group in self.placement_groups:
             remove_group(group)
         self.placement_groups = []
-
-
-def remove_group(group: PlacementGroup) -> None:
-    try:
-        remove_placement_group(group)
-    except Exception as exc:  # already removed (a named load's unload): nothing held
-        print(
-            f"note: could not remove placement group {group.id.hex()[:8]}: {exc}", file=sys.stderr
-        )
 
 
 def kill(handles: Sequence[WorkerHandle]) -> None:

@@ -40,8 +40,9 @@ from coordinator.engine.host import EngineHost
 from coordinator.planning.checkpoint import CheckpointIndex
 from coordinator.runtime import recovery, registry
 from coordinator.runtime.gate import Gate
-from coordinator.runtime.group import NAMESPACE, WorkerGroup, worker_failure
+from coordinator.runtime.group import WorkerGroup, worker_failure
 from coordinator.runtime.job_engine import build_engine
+from coordinator.runtime.record import NAMESPACE, keeper_name
 
 NODE_LOSS_LIMIT = 3
 NODE_LOSS_WINDOW_S = 600.0
@@ -55,10 +56,6 @@ MAX_CONCURRENCY = 256
 # requests that were in flight end with an error, later ones run. `unload` kills it for good.
 KEEPER_RESTARTS = 3
 LEASE_POLL_S = 1.0  # a leased keeper looks at its last renewal this often (or lease_s / 4)
-
-
-def keeper_name(name: str) -> str:
-    return f"{registry.record_name(name)}:keeper"
 
 
 @ray.remote(num_cpus=0, max_restarts=KEEPER_RESTARTS, max_concurrency=MAX_CONCURRENCY)

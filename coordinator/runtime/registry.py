@@ -14,20 +14,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
-import threading
-import time
 
 import ray
-from ray.util.placement_group import PlacementGroup
 
 from coordinator.config import JobConfig, job_config_from_dict
-from coordinator.runtime.group import NAMESPACE, Slot, WorkerGroup, WorkerHandle, remove_group
+from coordinator.runtime.group import Slot, WorkerGroup, WorkerHandle
+from coordinator.runtime.record import (
+    NAMESPACE,
+    RECORD_PREFIX,
+    LoadRecord,
+    named_actors,
+    named_groups,
+    record_name,
+    release,
+    remove_all,
+    worker_prefix,
+)
 from offload.errors import ConfigError, NotFoundError
 
 ATTACH_TIMEOUT_S = 60.0
-LOADER_CHECK_S = 2.0  # a loading record checks this often that its loader still runs
-_RECORD_PREFIX = "load:"
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
 
 
@@ -35,60 +40,11 @@ class LoadNotFoundError(NotFoundError):
     """No load of that name on the cluster."""
 
 
-def record_name(name: str) -> str:
-    return f"{_RECORD_PREFIX}{name}"
-
-
 def worker_name(name: str, number: int) -> str:
     """Actor name of worker `number` of load `name`. Numbers are never reused within a load: a
     worker keeps its name when a re-plan gives it another stage, a replacement gets a new one;
     the record lists them in stage order."""
-    return f"{_worker_prefix(name)}{number}"
-
-
-def _worker_prefix(name: str) -> str:
-    return f"{_RECORD_PREFIX}{name}:worker-"
-
-
-@ray.remote(num_cpus=0, max_restarts=0)
-class LoadRecord:
-    """Holds what a later command needs to attach: the job config, the plan, the workers'
-    names and bundles in stage order, and the recovery events. A store, and the load's owner
-    while it loads: if the process that claimed the name dies before the load is done (killed
-    with -9 mid-load), the record unloads what the load made and ends itself. Once loaded, the
-    load's keeper (coordinator.runtime.keeper) watches the workers and publishes their
-    metrics."""
-
-    def __init__(self, record: dict) -> None:
-        self.record = record
-        if record.get("owner_job"):
-            threading.Thread(target=self._watch_loader, daemon=True, name="loader").start()
-
-    def _watch_loader(self) -> None:
-        from coordinator.runtime.session import driver_alive
-
-        while self.record.get("state") == "loading":
-            time.sleep(LOADER_CHECK_S)
-            try:
-                if self.record.get("state") != "loading" or driver_alive(self.record["owner_job"]):
-                    continue
-            except Exception as exc:  # look again later
-                print(
-                    f"load {self.record['name']!r}: cannot check its loader: {exc}", file=sys.stderr
-                )
-                continue
-            print(
-                f"load {self.record['name']!r}: the process loading it is gone: unloading it",
-                file=sys.stderr,
-            )
-            unload(self.record["name"])  # kills this record last
-            return
-
-    def get(self) -> dict:
-        return self.record
-
-    def update(self, changes: dict) -> None:
-        self.record.update(changes)
+    return f"{worker_prefix(name)}{number}"
 
 
 class LoadingError(ConfigError):
@@ -129,13 +85,6 @@ def claim(name: str) -> ray.actor.ActorHandle:
         release(actor)
         raise
     return actor
-
-
-def release(actor: ray.actor.ActorHandle) -> None:
-    """Kill, for good, an actor of a load that this process created and holds the handle of (its
-    record: the name goes back; its keeper), never one found by name."""
-    with contextlib.suppress(Exception):  # already gone: nothing held
-        ray.kill(actor, no_restart=True)
 
 
 def _state(group: WorkerGroup) -> dict:
@@ -222,19 +171,9 @@ def group_of(record: dict, index) -> WorkerGroup:
 
 def load_of_group(group_name: str) -> str | None:
     """The load a placement group named `load:NAME:pg-N` belongs to (None: not a load's)."""
-    if not group_name.startswith(_RECORD_PREFIX) or ":pg-" not in group_name:
+    if not group_name.startswith(RECORD_PREFIX) or ":pg-" not in group_name:
         return None
-    return group_name[len(_RECORD_PREFIX) :].rpartition(":pg-")[0]
-
-
-def named_groups(name: str) -> dict[str, PlacementGroup]:
-    """The placement groups of load `name` that exist (not removed), by name."""
-    prefix = f"{_RECORD_PREFIX}{name}:pg-"
-    found = {}
-    for group_id, entry in ray.util.placement_group_table().items():
-        if entry.get("name", "").startswith(prefix) and entry.get("state") != "REMOVED":
-            found[entry["name"]] = PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id)))
-    return found
+    return group_name[len(RECORD_PREFIX) :].rpartition(":pg-")[0]
 
 
 def _config_dict(config: JobConfig) -> dict:
@@ -277,19 +216,11 @@ def worker_handles(record: dict) -> list[ray.actor.ActorHandle | None]:
     return handles
 
 
-def _named_actors() -> list[str]:
-    return [
-        entry["name"]
-        for entry in ray.util.list_named_actors(all_namespaces=True)
-        if entry["namespace"] == NAMESPACE
-    ]
-
-
 def list_loads() -> list[str]:
     return sorted(
-        actor_name.removeprefix(_RECORD_PREFIX)
-        for actor_name in _named_actors()
-        if actor_name.startswith(_RECORD_PREFIX) and ":" not in actor_name[len(_RECORD_PREFIX) :]
+        actor_name.removeprefix(RECORD_PREFIX)
+        for actor_name in named_actors()
+        if actor_name.startswith(RECORD_PREFIX) and ":" not in actor_name[len(RECORD_PREFIX) :]
     )
 
 
@@ -301,29 +232,9 @@ def unload(name: str, *, keeper: bool = True) -> int:
     that name is left. `keeper=False`: the keeper itself unloads (its lease ran out), and ends
     itself after."""
     check_name(name)
-    record_actor = None
-    with contextlib.suppress(ValueError):
-        record_actor = ray.get_actor(record_name(name), namespace=NAMESPACE)
-    groups = named_groups(name)
-    keeper_actor = f"{record_name(name)}:keeper"
-    actors = _named_actors()
-    workers = [n for n in actors if n.startswith(_worker_prefix(name))]
-    if record_actor is None and not groups and not workers and keeper_actor not in actors:
+    killed = remove_all(name, keeper=keeper)
+    if killed is None:
         raise LoadNotFoundError(f"no load named {name!r} on this cluster (see `offloadctl list`)")
-    if keeper:  # the keeper first: it must not start replacements
-        with contextlib.suppress(ValueError):
-            ray.kill(ray.get_actor(keeper_actor, namespace=NAMESPACE), no_restart=True)
-    killed = 0
-    for actor_name in workers:
-        try:
-            ray.kill(ray.get_actor(actor_name, namespace=NAMESPACE), no_restart=True)
-            killed += 1
-        except ValueError:
-            pass  # gone since it was listed
-    for group in groups.values():
-        remove_group(group)
-    if record_actor is not None:
-        release(record_actor)
     return killed
 
 

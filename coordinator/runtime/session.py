@@ -83,17 +83,6 @@ class EmbeddedGuard:
             psutil.wait_procs(alive, timeout=STOP_TIMEOUT_S)
 
 
-def driver_alive(job_id: str) -> bool:
-    """Whether the Ray job (driver) `job_id` still runs, as the GCS's job table says: a driver
-    killed with -9 is marked dead there when its node sees it gone. Unknown: alive."""
-    from ray._private import state
-
-    for job in state.jobs():
-        if job["JobID"] == job_id:
-            return not job["IsDead"]
-    return True
-
-
 def _session_dir() -> str | None:
     """The session directory of the Ray this process started or joined (None: none)."""
     node = getattr(ray._private.worker, "_global_node", None)

@@ -39,7 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 
-from coordinator.runtime.session import driver_alive
+from coordinator.runtime.record import driver_alive
 from coordinator.serving.bridge import HttpFront, HttpRequest, run_asgi
 from coordinator.serving.runs import Run
 from offload.errors import (
