@@ -331,6 +331,7 @@ def test_every_request_field_is_applied_or_refused_by_name() -> None:
         "ignore_eos",
         "stop_token_ids",
         "include_stop_str_in_output",
+        "min_tokens",
         "add_generation_prompt",
     }
     assert {n for n, (_, how) in FIELDS.items() if how == NO_EFFECT} == {
@@ -341,8 +342,7 @@ def test_every_request_field_is_applied_or_refused_by_name() -> None:
         "parallel_tool_calls",
     }
     for name in (
-        "min_tokens",
-        "skip_special_tokens",
+        "spaces_between_special_tokens",
         "tools",
         "tool_choice",
         "functions",
@@ -415,9 +415,9 @@ def test_health_version_content_parts_vllm_fields_and_error_shape(server) -> Non
             )
         assert caught.value.body["param"] == name and caught.value.body["code"] == 400
     status, body = post(
-        f"{base}/completions", json.dumps({"prompt": "hi", "min_tokens": 3}).encode(), key
+        f"{base}/completions", json.dumps({"prompt": "hi", "min_p": 0.2}).encode(), key
     )
-    assert status == 400 and body["error"]["param"] == "min_tokens"
+    assert status == 400 and body["error"]["param"] == "min_p"
     assert set(body["error"]) == {"message", "type", "param", "code"}
     status, body = post(
         f"{base}/completions", json.dumps({"prompt": "hi", "temprature": 0}).encode(), key
@@ -466,6 +466,34 @@ def test_health_version_content_parts_vllm_fields_and_error_shape(server) -> Non
     )
     assert kept.choices[0].text.startswith(cut.choices[0].text)
     assert len(kept.choices[0].text) > len(cut.choices[0].text)
+    # min_tokens: the stop token cannot come before it; the rest as transformers' generate
+    # with min_new_tokens (its logits processor masks it)
+    held = reference_generate(
+        checkpoint,
+        prompt_ids,
+        num_threads=1,
+        max_new_tokens=12,
+        do_sample=False,
+        eos_token_id=stop_id,
+        pad_token_id=0,
+        min_new_tokens=stop_at + 2,
+    )[0, prompt_ids.shape[1] :].tolist()
+    held = held[: held.index(stop_id) + 1] if stop_id in held else held
+    late = client.completions.create(
+        model="tiny-llama",
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True, "stop_token_ids": [stop_id], "min_tokens": stop_at + 2},
+    )
+    assert late.usage.completion_tokens == len(held) > stop_at + 2
+    assert late.choices[0].text == tokenizer.decode(
+        [t for t in held if t != stop_id], skip_special_tokens=True
+    )
+    with pytest.raises(openai.BadRequestError, match="'min_tokens'=13 must be <= 'max_tokens'=12"):
+        client.completions.create(
+            model="tiny-llama", prompt=prompt, max_tokens=12, extra_body={"min_tokens": 13}
+        )
     chunks = list(
         client.completions.create(
             model="tiny-llama",

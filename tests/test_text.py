@@ -80,6 +80,16 @@ def test_an_end_token_stops_and_later_tokens_are_not_text(tokenizer) -> None:
     assert text + stream.finish() == tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def test_no_stop_string_in_the_text_of_the_first_min_tokens(tokenizer) -> None:
+    """vLLM's min_tokens: a stop string in the first min_tokens tokens' text is text; one
+    after them stops it."""
+    ids = tokenizer("the cat and the cat")["input_ids"]
+    first = len(tokenizer("the cat")["input_ids"])
+    stream = TextStream(tokenizer, (), ("cat",), min_tokens=first)
+    text = "".join(stream.push(i) for i in ids)
+    assert stream.stopped and text == "the cat and the "
+
+
 def test_an_empty_stop_string_is_refused(tokenizer) -> None:
     with pytest.raises(ValueError, match="stop string must not be empty"):
         TextStream(tokenizer, (), ("x", ""))

@@ -90,6 +90,7 @@ FIELDS: dict[str, tuple[tuple[str, ...], object]] = {
     "ignore_eos": (BOTH, APPLIED),  # vLLM: no end token ends it, only max_tokens (and stops)
     "stop_token_ids": (BOTH, APPLIED),  # vLLM: more ids that end it (not in the text)
     "include_stop_str_in_output": (BOTH, APPLIED),  # vLLM: the stop string or token kept
+    "min_tokens": (BOTH, APPLIED),  # vLLM: no end token (nor stop string) before this many
     "add_generation_prompt": ((CHAT,), APPLIED),  # vLLM: open the assistant's turn (default)
     # accepted, no effect on the output
     "user": (BOTH, NO_EFFECT),
@@ -112,7 +113,6 @@ FIELDS: dict[str, tuple[tuple[str, ...], object]] = {
     "functions": ((CHAT,), ([],)),
     "function_call": ((CHAT,), ("none",)),
     "response_format": (BOTH, ({"type": "text"},)),
-    "min_tokens": (BOTH, (0,)),  # vLLM: the engine cannot hold back the end token per request
     "min_p": (BOTH, (0,)),  # vLLM
     "skip_special_tokens": (BOTH, (True,)),  # vLLM: special tokens are always left out
     "spaces_between_special_tokens": (BOTH, (True,)),  # vLLM
@@ -569,6 +569,11 @@ class OpenAIServer:
             "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
         )
         max_tokens = _field(body, limit, (int,), 16, lambda v: v >= 1)
+        min_tokens = _field(body, "min_tokens", (int,), 0, lambda v: v >= 0)
+        if min_tokens > max_tokens:
+            raise BadRequest(
+                f"'min_tokens'={min_tokens} must be <= '{limit}'={max_tokens}", param="min_tokens"
+            )
         top_k = _field(body, "top_k", (int,), None, lambda v: v >= -1)
         options = sampling_options(
             _field(body, "temperature", (int, float), None, lambda v: v >= 0),
@@ -601,7 +606,7 @@ class OpenAIServer:
             )
         return Parsed(
             ids=ids,
-            options={"max_new_tokens": max_tokens, **options},
+            options={"max_new_tokens": max_tokens, "min_new_tokens": min_tokens, **options},
             stream=stream,
             stop=tuple(stop or ()),
             include_stop=_field(body, "include_stop_str_in_output", (bool,), False),

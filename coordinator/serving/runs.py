@@ -27,7 +27,13 @@ class Run:
         self.job, self.ids, self.options = job, ids, options
         ends = options.get("eos_token_id")  # given (ignore_eos, stop_token_ids): the engine's
         ends = end_ids(tokenizer, job.index) if ends is None else tuple(ends)
-        self.stream = TextStream(tokenizer, ends, stop, include_stop=include_stop)
+        self.stream = TextStream(
+            tokenizer,
+            ends,
+            stop,
+            include_stop=include_stop,
+            min_tokens=options.get("min_new_tokens") or 0,
+        )
         self.error: Exception | None = None
         self.new_tokens = 0
         self.finish_reason = "length"

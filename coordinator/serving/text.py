@@ -121,9 +121,14 @@ class TextStream:
         stop_strings: tuple[str, ...] = (),
         *,
         include_stop: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         if any(not s for s in stop_strings):
             raise ConfigError("a stop string must not be empty")
+        # vLLM's min_tokens: the text of the first min_tokens tokens is never searched for a
+        # stop string (their end tokens the engine masks)
+        self.min_tokens = min_tokens
+        self._pushed = 0
         self.tokenizer = tokenizer
         self.stop_ids = set(stop_ids)
         self.stop_strings = tuple(stop_strings)
@@ -155,6 +160,7 @@ class TextStream:
     def push(self, token_id: int) -> str:
         if self.stopped:
             return ""  # the padding after the end is not text
+        self._pushed += 1
         if token_id in self.stop_ids:
             self.stopped = True  # the end token is not text, unless include_stop
             if not self.include_stop:
@@ -226,6 +232,11 @@ class TextStream:
         if not new and not final:
             return ""
         pending = self._held + new  # the only text a stop string can begin in
+        if self._pushed <= self.min_tokens:
+            self._held = ""  # before min_tokens: no stop string, nothing held for one
+            if pending:
+                self._out.append(pending)
+            return pending
         found = _first_stop(pending, self.stop_strings)
         if found is not None:
             end, self.stop_string = found
