@@ -328,6 +328,11 @@ def test_every_request_field_is_applied_or_refused_by_name() -> None:
         "stream",
         "stream_options",
         "n",
+        "best_of",
+        "logprobs",
+        "top_logprobs",
+        "echo",
+        "skip_special_tokens",
         "ignore_eos",
         "stop_token_ids",
         "include_stop_str_in_output",
@@ -506,6 +511,173 @@ def test_health_version_content_parts_vllm_fields_and_error_shape(server) -> Non
     )
     assert all(c.usage is not None for c in chunks)
     assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].choices == []
+
+
+def reference_logprobs(checkpoint: str, ids: list[int]):
+    """transformers' log_softmax of its float32 logits over `ids` (positions, vocab)."""
+    import torch
+
+    from coordinator.tools.reference import reference_logits
+
+    logits = reference_logits(checkpoint, torch.tensor([ids]), num_threads=1)[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def greedy_ids(checkpoint: str, ids: list[int], new: int) -> list[int]:
+    """transformers' greedy `new` tokens after `ids`, no end token."""
+    import torch
+
+    out = reference_generate(
+        checkpoint,
+        torch.tensor([ids]),
+        num_threads=1,
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=None,
+    )
+    return out[0, len(ids) :].tolist()
+
+
+def test_logprobs_echo_n_and_streams_as_vllm_serves_them(server) -> None:
+    """Completions' logprobs with echo (prompt scoring: the first prompt token unscored) and
+    chat's logprobs/top_logprobs equal transformers' log_softmax of the same checkpoint's
+    logits, streamed alike; n choices, choice i seeded seed + i; best_of other than n and
+    chat echo refused by name; special tokens kept when asked; a stream's first chunk leaves
+    with its first token."""
+    import openai
+    import torch
+    from transformers import AutoTokenizer
+
+    base, key, checkpoint = server
+    client = openai.OpenAI(base_url=base, api_key=key, max_retries=0)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    greedy = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+    prompt = "the quick brown fox"
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    new = greedy_ids(checkpoint, prompt_ids, 5)
+    done = client.completions.create(
+        model="tiny-llama", prompt=prompt, max_tokens=5, logprobs=3, echo=True, **greedy
+    )
+    choice, scores = done.choices[0], done.choices[0].logprobs
+    assert choice.text == prompt + tokenizer.decode(new, skip_special_tokens=True)
+    everything = prompt_ids + new
+    assert scores.tokens == [tokenizer.decode([t]) for t in everything]
+    logp = reference_logprobs(checkpoint, everything[:-1])
+    want = logp[torch.arange(len(everything) - 1), torch.tensor(everything[1:])]
+    assert scores.token_logprobs[0] is None and scores.top_logprobs[0] is None
+    assert torch.allclose(torch.tensor(scores.token_logprobs[1:]), want, atol=1e-4, rtol=0)
+    for position, top in enumerate(scores.top_logprobs[1:]):
+        best = torch.topk(logp[position], 3)
+        top_ids = best.indices.tolist()
+        expected = {tokenizer.decode([i]): v for i, v in zip(top_ids, best.values, strict=True)}
+        assert set(expected) <= set(top) and len(top) <= 4  # the top 3 and the token itself
+        assert all(abs(top[t] - v) < 1e-4 for t, v in expected.items())
+    assert scores.text_offset[:2] == [0, len(scores.tokens[0])]
+    chunks = list(  # as a stream: the same scores, the prompt's first
+        client.completions.create(
+            model="tiny-llama",
+            prompt=prompt,
+            max_tokens=5,
+            logprobs=3,
+            echo=True,
+            stream=True,
+            **greedy,
+        )
+    )
+    streamed = [
+        v
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for v in c.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed[0] is None
+    assert streamed[1:] == pytest.approx(scores.token_logprobs[1:], abs=1e-6)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+
+    # chat: logprobs true, top_logprobs 2, streamed alike
+    messages = [{"role": "user", "content": "hello there"}]
+    chat_ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"][0].tolist()
+    chat_new = greedy_ids(checkpoint, chat_ids, 4)
+    chat = client.chat.completions.create(
+        model="tiny-llama", messages=messages, max_tokens=4, logprobs=True, top_logprobs=2, **greedy
+    )
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [tokenizer.decode([t]) for t in chat_new]
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    logp = reference_logprobs(checkpoint, chat_ids + chat_new[:-1])
+    rows = torch.arange(len(chat_ids) - 1, len(chat_ids) - 1 + len(content))
+    want = logp[rows, torch.tensor(chat_new)]
+    assert [c.logprob for c in content] == pytest.approx(want.tolist(), abs=1e-4)
+    best = torch.topk(logp[rows], 2)
+    assert [t.logprob for c in content for t in c.top_logprobs] == pytest.approx(
+        best.values.flatten().tolist(), abs=1e-4
+    )
+    deltas = list(
+        client.chat.completions.create(
+            model="tiny-llama",
+            messages=messages,
+            max_tokens=4,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+            **greedy,
+        )
+    )
+    assert deltas[0].choices[0].delta.role == "assistant"
+    again = [
+        c
+        for d in deltas
+        if d.choices and d.choices[0].logprobs
+        for c in d.choices[0].logprobs.content
+    ]
+    assert [c.logprob for c in again] == pytest.approx([c.logprob for c in content], abs=1e-6)
+
+    # n: choice i draws with seed + i, so choice 1 of seed 5 is choice 0 of seed 6
+    sampled = {"temperature": 1.0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
+    two = client.completions.create(model="tiny-llama", prompt=prompt, seed=5, n=2, **sampled)
+    one = client.completions.create(model="tiny-llama", prompt=prompt, seed=6, **sampled)
+    assert [c.index for c in two.choices] == [0, 1] and two.usage.completion_tokens == 16
+    assert two.choices[1].text == one.choices[0].text
+    parts = {0: "", 1: ""}
+    for chunk in client.completions.create(
+        model="tiny-llama", prompt=prompt, seed=5, n=2, stream=True, **sampled
+    ):
+        for c in chunk.choices:
+            parts[c.index] += c.text
+    assert [parts[0], parts[1]] == [c.text for c in two.choices]
+    with pytest.raises(openai.BadRequestError, match="'best_of'=3 is not supported") as caught:
+        client.completions.create(model="tiny-llama", prompt=prompt, n=2, best_of=3)
+    assert caught.value.body["param"] == "best_of"
+    with pytest.raises(openai.BadRequestError, match="'echo'=true is not supported"):
+        client.chat.completions.create(
+            model="tiny-llama", messages=messages, extra_body={"echo": True}
+        )
+    # skip_special_tokens=false: special tokens are text (the echoed prompt's bos here)
+    kept = client.completions.create(
+        model="tiny-llama",
+        prompt=[1, *prompt_ids],
+        max_tokens=3,
+        echo=True,
+        temperature=0,
+        extra_body={"ignore_eos": True, "skip_special_tokens": False},
+    )
+    assert kept.choices[0].text.startswith("<|bos|>" + prompt)
+    # a stream's first chunk leaves with its first token (its usage says 1 token)
+    first = next(
+        iter(
+            client.completions.create(
+                model="tiny-llama",
+                prompt=prompt,
+                max_tokens=6,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True, "continuous_usage_stats": True},
+            )
+        )
+    )
+    assert first.usage.completion_tokens == 1
 
 
 def metrics(base: str, key: str) -> dict[str, float]:
