@@ -680,6 +680,127 @@ def test_logprobs_echo_n_and_streams_as_vllm_serves_them(server) -> None:
     assert first.usage.completion_tokens == 1
 
 
+def test_an_independent_harness_and_load_generator_at_1_8_and_32_streams(server) -> None:
+    """What vLLM-compatible tools send, from tools that are not ours: lm-eval's
+    `local-completions` and `local-chat-completions` models (used programmatically: no data
+    set download) score continuations through /v1/completions' echo + logprobs equal to
+    transformers' log-likelihoods of the same checkpoint, and generate at 1, 8 and 32
+    concurrent requests on both endpoints; the official async client runs 1, 8 and 32
+    concurrent streams on both: every request succeeds, each ignore_eos request returns
+    exactly max_tokens tokens of transformers' greedy text, and every stream's first chunk
+    leaves with its first token (its usage says 1 completion token)."""
+    import asyncio
+
+    import openai
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.api_models import JsonChatStr
+    from lm_eval.models.openai_completions import LocalChatCompletion, LocalCompletionsAPI
+    from transformers import AutoTokenizer
+
+    base, key, checkpoint = server
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    header = {"Authorization": f"Bearer {key}"}
+    new = 8
+    prompts = ["the cat sat on", "a dog ran to the", "story of the mat", "the quick brown"]
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    expected = [
+        tokenizer.decode(
+            greedy_ids(checkpoint, tokenizer(p)["input_ids"], new), skip_special_tokens=True
+        )
+        for p in prompts
+    ]
+    chat_ids = [
+        tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True)["input_ids"]
+        for m in chats
+    ]
+    expected_chat = [
+        tokenizer.decode(greedy_ids(checkpoint, ids, new), skip_special_tokens=True)
+        for ids in chat_ids
+    ]
+
+    # lm-eval: prompt scoring (log-likelihood of continuations) equals transformers'
+    pairs = [("the cat sat on", " the mat"), ("a dog ran", " to the cat and sat"), ("x", " y")]
+    scorer = LocalCompletionsAPI(
+        base_url=f"{base}/completions",
+        model="tiny-llama",
+        tokenizer=checkpoint,
+        num_concurrent=8,
+        max_retries=1,
+        header=header,
+    )
+    scored = scorer.loglikelihood(
+        [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)],
+        disable_tqdm=True,
+    )
+    for (context, continuation), (logprob, greedy) in zip(pairs, scored, strict=True):
+        context_ids = tokenizer(context, add_special_tokens=False)["input_ids"]
+        ids = context_ids + tokenizer(continuation, add_special_tokens=False)["input_ids"]
+        logp = reference_logprobs(checkpoint, ids)
+        targets = range(len(context_ids), len(ids))
+        want = sum(logp[i - 1, ids[i]].item() for i in targets)
+        assert logprob == pytest.approx(want, abs=1e-4)
+        assert greedy == all(logp[i - 1].argmax().item() == ids[i] for i in targets)
+
+    # lm-eval: generation at 1, 8 and 32 concurrent requests, both endpoints
+    until = {"until": ["\u2603"], "max_gen_toks": new, "ignore_eos": True}
+    for concurrent in (1, 8, 32):
+        for model, contexts, want in (
+            (LocalCompletionsAPI, prompts, expected),
+            (LocalChatCompletion, [JsonChatStr(json.dumps(m)) for m in chats], expected_chat),
+        ):
+            endpoint = "completions" if model is LocalCompletionsAPI else "chat/completions"
+            harness = model(
+                base_url=f"{base}/{endpoint}",
+                model="tiny-llama",
+                tokenizer=checkpoint if model is LocalCompletionsAPI else None,
+                tokenizer_backend="huggingface" if model is LocalCompletionsAPI else None,
+                tokenized_requests=model is LocalCompletionsAPI,
+                num_concurrent=concurrent,
+                max_retries=1,
+                header=header,
+            )
+            requests = [
+                Instance("generate_until", {}, (contexts[i % 4], dict(until)), i)
+                for i in range(concurrent)
+            ]
+            texts = harness.generate_until(requests, disable_tqdm=True)
+            assert texts == [want[i % 4] for i in range(concurrent)], (endpoint, concurrent)
+
+    # the official async client: 1, 8 and 32 concurrent streams on both endpoints
+    async def stream(client, i: int, chat: bool) -> tuple[str, int, int]:
+        options = {
+            "model": "tiny-llama",
+            "max_tokens": new,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "extra_body": {"ignore_eos": True},
+        }
+        if chat:
+            chunks = await client.chat.completions.create(messages=chats[i % 4], **options)
+        else:
+            chunks = await client.completions.create(prompt=prompts[i % 4], **options)
+        text, first, last = "", None, None
+        async for chunk in chunks:
+            first = chunk.usage.completion_tokens if first is None else first
+            last = chunk.usage.completion_tokens
+            for c in chunk.choices:
+                text += (c.delta.content or "") if chat else c.text
+        return text, first, last
+
+    async def load(concurrent: int, chat: bool) -> list:
+        async with openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0) as client:
+            return await asyncio.gather(*(stream(client, i, chat) for i in range(concurrent)))
+
+    for concurrent in (1, 8, 32):
+        for chat, want in ((False, expected), (True, expected_chat)):
+            results = asyncio.run(load(concurrent, chat))
+            assert results == [(want[i % 4], 1, new) for i in range(concurrent)], (
+                chat,
+                concurrent,
+            )
+
+
 def metrics(base: str, key: str) -> dict[str, float]:
     """The server's /metrics (Prometheus text), unlabelled: name -> value."""
     request = urllib.request.Request(

@@ -749,7 +749,7 @@ class OpenAIServer:
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
         offsets = [0] * parsed.n  # completions' text_offset: where each choice's text is
 
-        def event(row: int, delta: str | None, finish: str | None, scores=None, role=False):
+        def event(row, delta: str | None, finish: str | None, scores=None, role=False, count=None):
             logprobs = None
             if parsed.logprobs is not None and scores is not None:
                 if chat:
@@ -771,21 +771,22 @@ class OpenAIServer:
                 "choices": [{"index": row, **piece, "logprobs": logprobs, "finish_reason": finish}],
             }
             if parsed.continuous_usage:  # vLLM's continuous_usage_stats: usage so far, each
-                data["usage"] = run.usage()
+                data["usage"] = run.usage(count)
             return f"data: {json.dumps(data)}\n\n"
 
         try:
+            first = run.first_count()
             for row in range(parsed.n if chat else 0):
-                yield event(row, None, None, role=True)
+                yield event(row, None, None, role=True, count=first)
             async for delta in run.deltas():
                 if await request.is_disconnected():
                     run.cancel()
                     return
                 if delta.first and parsed.echo is not None:  # the prompt, before all else
                     for row in range(parsed.n):
-                        yield event(row, parsed.echo, None, run.prompt_scores)
+                        yield event(row, parsed.echo, None, run.prompt_scores, count=0)
                 if delta.text or delta.scores or (delta.first and not chat):
-                    yield event(delta.row, delta.text, None, delta.scores)
+                    yield event(delta.row, delta.text, None, delta.scores, count=delta.new_tokens)
             if run.error is not None:
                 status, kind = status_of(run.error)
                 text = str(run.error) if status != 500 else "internal error; see the server log"

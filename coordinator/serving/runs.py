@@ -31,6 +31,7 @@ class Delta:
     text: str
     scores: tuple[TokenScore, ...] = ()
     first: bool = False  # the request's first token: a streamed response starts with it
+    new_tokens: int = 0  # the request's completion tokens with this one (a chunk's usage)
 
 
 @dataclass
@@ -136,6 +137,10 @@ class Run:
             self.cancel()
             raise
 
+    def first_count(self) -> int | None:
+        """The completion tokens with the first delta `started` took (None: none yet)."""
+        return self._first.new_tokens if isinstance(self._first, Delta) else None
+
     async def deltas(self):
         """Each `Delta` as it comes; at the end, what each row held back (its text then ends
         as decoding all its tokens at once does)."""
@@ -183,7 +188,8 @@ class Run:
         first = not self._first_sent
         self._first_sent = True
         if delta or scores or first:  # the first token always: the response starts with it
-            self._put(Delta(row, delta, scores, first))
+            count = sum(c.new_tokens for c in self.choices)
+            self._put(Delta(row, delta, scores, first, count))
 
     def _scored(self, token_ids: list[int], scores) -> list[TokenScore]:
         """`TokenScore`s of `token_ids` from their `Logprobs` (None: unscored)."""
@@ -228,9 +234,11 @@ class Run:
     def finish_reason(self) -> str:
         return self.choices[0].finish_reason
 
-    def usage(self) -> dict:
+    def usage(self, new_tokens: int | None = None) -> dict:
+        """The request's usage: its completion tokens so far, or `new_tokens` (those up to a
+        delta: a streamed chunk's usage is that of the tokens it carries)."""
         prompt = int(self.ids.shape[1])
-        new = sum(c.new_tokens for c in self.choices)
+        new = sum(c.new_tokens for c in self.choices) if new_tokens is None else new_tokens
         return {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}
 
 
