@@ -85,7 +85,7 @@ class FakePipeline:
             self.steps.append((step.prefill, step.rows.slots, step.rows.counts, step.count))
             self.starts.append(step.rows.starts)
             current.append([step.rows, step.x, step.draw, step.sequences])
-            self.settings_sent.extend(slot for slot, _, _ in step.draw.settings)
+            self.settings_sent.extend(slot for slot, _ in step.draw.settings)
         outputs = []
         for _ in range(steps[0].count):
             for m, (rows, x, draw, sequences) in enumerate(current):

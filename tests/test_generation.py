@@ -14,7 +14,7 @@ from coordinator.engine import Engine, EngineConfig, generation
 from coordinator.engine.pipelines import LocalPipeline
 from coordinator.planning.checkpoint import load_index
 from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
-from coordinator.tools.reference import reference_generate
+from coordinator.tools.reference import reference_generate, reference_logits
 from worker.decode import Sampling
 
 FAMILIES = ("llama", "mistral", "qwen3", "gemma2", "mixtral")
@@ -320,3 +320,126 @@ def test_the_kv_budget_refuses_what_never_fits() -> None:
     with pytest.raises(generation.GenerationError, match=r"3 sequence\(s\) exceed .* max_batch=2"):
         budget.check(3, 5)
     budget.check(2, 10)
+
+
+def test_min_new_tokens_holds_back_each_rows_end_tokens_inside_a_batch(indexes) -> None:
+    """Two rows of one prompt in one batch, the token greedy makes at step `end_at` taken as
+    their end token: the row without min_new_tokens ends there; the row with it cannot choose
+    it (nor a second end id) before its min_new_tokens, and makes what transformers' generate
+    makes with min_new_tokens (its MinNewTokensLengthLogitsProcessor), to the token."""
+    index = indexes("llama")
+    prompt = prompts(seed=5)[0]
+    free = alone(index, prompt, 12)
+    end_at = next(i for i in range(2, 12) if free[i] not in free[:i])
+    end = free[end_at]
+    other_end = next(t for t in range(3, VOCAB) if t not in free)
+    minimum = end_at + 3
+    pipeline = Pipeline(index, *TWO_STAGES)
+    try:
+        engine = Engine(
+            LocalPipeline(pipeline.workers),
+            EngineConfig(num_slots=3, max_seq_len=MAX_SEQ_LEN, micro_batches=1),
+        )
+        try:
+            ends = (end, other_end)
+            held = engine.submit(
+                [prompt],
+                sampling=Sampling(),
+                max_new_tokens=12,
+                eos_token_ids=ends,
+                min_new_tokens=minimum,
+            )
+            plain = engine.submit(
+                [prompt], sampling=Sampling(), max_new_tokens=12, eos_token_ids=ends
+            )
+            ours_held, ours_plain = held.result(WAIT_S)[0], plain.result(WAIT_S)[0]
+        finally:
+            engine.close()
+    finally:
+        pipeline.close()
+    assert ours_plain == free[: end_at + 1] and plain.finish_reasons[0].value == "stop"
+    expected = reference_generate(
+        str(index.root),
+        torch.tensor([prompt]),
+        num_threads=1,
+        max_new_tokens=12,
+        do_sample=False,
+        eos_token_id=list(ends),
+        pad_token_id=0,
+        min_new_tokens=minimum,
+    )[0, len(prompt) :].tolist()
+    stop = next((i + 1 for i, t in enumerate(expected) if t in ends), len(expected))
+    assert ours_held == expected[:stop]
+    assert len(ours_held) >= minimum and not set(ours_held[:minimum]) & set(ends)
+    assert ours_held[:end_at] == free[:end_at] and ours_held[end_at] != end
+
+
+def test_logprobs_equal_transformers_log_softmax_of_the_same_logits(indexes) -> None:
+    """A greedy row and a sampled row (temperature and top-k: raw log-probabilities all the
+    same) ask for their tokens' log-probabilities with the top 3, the greedy one for its
+    prompt's too (two chunks: the second's first token is scored by the first's last logits);
+    a third row asks for nothing. All equal transformers' log_softmax of its float32 logits
+    over prompt + generated tokens. Two stages, decode bursts (the scores ride the ring)."""
+    index = indexes("llama")
+    long, short, third = prompts(seed=6)[2], prompts(seed=6)[1], prompts(seed=6)[0]
+    pipeline = Pipeline(index, *TWO_STAGES)
+    got: dict[int, list] = {0: [], 1: []}
+    try:
+        engine = Engine(
+            LocalPipeline(pipeline.workers),
+            EngineConfig(num_slots=3, max_seq_len=MAX_SEQ_LEN, micro_batches=1, prefill_tokens=8),
+        )
+        try:
+            greedy = engine.submit(
+                [long],
+                sampling=Sampling(),
+                max_new_tokens=6,
+                logprobs=3,
+                prompt_logprobs=2,
+                on_logprobs=lambda row, lp: got[0].append(lp),
+                on_token=lambda row, token: None,
+            )
+            sampled = engine.submit(
+                [short],
+                sampling=Sampling(do_sample=True, temperature=0.6, top_k=5),
+                seed=11,
+                max_new_tokens=6,
+                logprobs=3,
+                on_logprobs=lambda row, lp: got[1].append(lp),
+                on_token=lambda row, token: None,
+            )
+            bystander = engine.submit([third], sampling=Sampling(), max_new_tokens=6)
+            tokens = [r.result(WAIT_S)[0] for r in (greedy, sampled, bystander)]
+        finally:
+            engine.close()
+    finally:
+        pipeline.close()
+    assert tokens[2] == alone(index, third, 6)
+    for prompt, new, scores, prompt_top in (
+        (long, tokens[0], got[0], 2),
+        (short, tokens[1], got[1], None),
+    ):
+        full = torch.tensor([prompt + new])
+        logits = reference_logits(str(index.root), full, num_threads=1)[0]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        if prompt_top is not None:
+            first, *scores = scores
+            assert (first.start, len(first)) == (1, len(prompt) - 1)
+            assert list(first.token_ids) == prompt[1:]
+            want = logp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+            assert torch.allclose(torch.tensor(first.logprobs), want, atol=1e-5, rtol=0)
+            top = torch.topk(logp[: len(prompt) - 1], prompt_top, dim=-1)
+            assert [list(t) for t in first.top_ids] == top.indices.tolist()
+            assert torch.allclose(torch.tensor(first.top_logprobs), top.values, atol=1e-5, rtol=0)
+        assert [s.start for s in scores] == list(range(len(prompt), len(prompt) + len(new)))
+        assert [s.token_ids[0] for s in scores] == new
+        rows = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(new))
+        want = logp[rows, torch.tensor(new)]
+        assert torch.allclose(
+            torch.tensor([s.logprobs[0] for s in scores]), want, atol=1e-5, rtol=0
+        )
+        top = torch.topk(logp[rows], 3, dim=-1)
+        assert [list(s.top_ids[0]) for s in scores] == top.indices.tolist()
+        assert torch.allclose(
+            torch.tensor([s.top_logprobs[0] for s in scores]), top.values, atol=1e-5, rtol=0
+        )

@@ -328,9 +328,15 @@ def test_every_request_field_is_applied_or_refused_by_name() -> None:
         "stream",
         "stream_options",
         "n",
+        "best_of",
+        "logprobs",
+        "top_logprobs",
+        "echo",
+        "skip_special_tokens",
         "ignore_eos",
         "stop_token_ids",
         "include_stop_str_in_output",
+        "min_tokens",
         "add_generation_prompt",
     }
     assert {n for n, (_, how) in FIELDS.items() if how == NO_EFFECT} == {
@@ -341,8 +347,7 @@ def test_every_request_field_is_applied_or_refused_by_name() -> None:
         "parallel_tool_calls",
     }
     for name in (
-        "min_tokens",
-        "skip_special_tokens",
+        "spaces_between_special_tokens",
         "tools",
         "tool_choice",
         "functions",
@@ -415,9 +420,9 @@ def test_health_version_content_parts_vllm_fields_and_error_shape(server) -> Non
             )
         assert caught.value.body["param"] == name and caught.value.body["code"] == 400
     status, body = post(
-        f"{base}/completions", json.dumps({"prompt": "hi", "min_tokens": 3}).encode(), key
+        f"{base}/completions", json.dumps({"prompt": "hi", "min_p": 0.2}).encode(), key
     )
-    assert status == 400 and body["error"]["param"] == "min_tokens"
+    assert status == 400 and body["error"]["param"] == "min_p"
     assert set(body["error"]) == {"message", "type", "param", "code"}
     status, body = post(
         f"{base}/completions", json.dumps({"prompt": "hi", "temprature": 0}).encode(), key
@@ -466,6 +471,34 @@ def test_health_version_content_parts_vllm_fields_and_error_shape(server) -> Non
     )
     assert kept.choices[0].text.startswith(cut.choices[0].text)
     assert len(kept.choices[0].text) > len(cut.choices[0].text)
+    # min_tokens: the stop token cannot come before it; the rest as transformers' generate
+    # with min_new_tokens (its logits processor masks it)
+    held = reference_generate(
+        checkpoint,
+        prompt_ids,
+        num_threads=1,
+        max_new_tokens=12,
+        do_sample=False,
+        eos_token_id=stop_id,
+        pad_token_id=0,
+        min_new_tokens=stop_at + 2,
+    )[0, prompt_ids.shape[1] :].tolist()
+    held = held[: held.index(stop_id) + 1] if stop_id in held else held
+    late = client.completions.create(
+        model="tiny-llama",
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True, "stop_token_ids": [stop_id], "min_tokens": stop_at + 2},
+    )
+    assert late.usage.completion_tokens == len(held) > stop_at + 2
+    assert late.choices[0].text == tokenizer.decode(
+        [t for t in held if t != stop_id], skip_special_tokens=True
+    )
+    with pytest.raises(openai.BadRequestError, match="'min_tokens'=13 must be <= 'max_tokens'=12"):
+        client.completions.create(
+            model="tiny-llama", prompt=prompt, max_tokens=12, extra_body={"min_tokens": 13}
+        )
     chunks = list(
         client.completions.create(
             model="tiny-llama",
@@ -478,6 +511,294 @@ def test_health_version_content_parts_vllm_fields_and_error_shape(server) -> Non
     )
     assert all(c.usage is not None for c in chunks)
     assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].choices == []
+
+
+def reference_logprobs(checkpoint: str, ids: list[int]):
+    """transformers' log_softmax of its float32 logits over `ids` (positions, vocab)."""
+    import torch
+
+    from coordinator.tools.reference import reference_logits
+
+    logits = reference_logits(checkpoint, torch.tensor([ids]), num_threads=1)[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def greedy_ids(checkpoint: str, ids: list[int], new: int) -> list[int]:
+    """transformers' greedy `new` tokens after `ids`, no end token."""
+    import torch
+
+    out = reference_generate(
+        checkpoint,
+        torch.tensor([ids]),
+        num_threads=1,
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=None,
+    )
+    return out[0, len(ids) :].tolist()
+
+
+def test_logprobs_echo_n_and_streams_as_vllm_serves_them(server) -> None:
+    """Completions' logprobs with echo (prompt scoring: the first prompt token unscored) and
+    chat's logprobs/top_logprobs equal transformers' log_softmax of the same checkpoint's
+    logits, streamed alike; n choices, choice i seeded seed + i; best_of other than n and
+    chat echo refused by name; special tokens kept when asked; a stream's first chunk leaves
+    with its first token."""
+    import openai
+    import torch
+    from transformers import AutoTokenizer
+
+    base, key, checkpoint = server
+    client = openai.OpenAI(base_url=base, api_key=key, max_retries=0)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    greedy = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+    prompt = "the quick brown fox"
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    new = greedy_ids(checkpoint, prompt_ids, 5)
+    done = client.completions.create(
+        model="tiny-llama", prompt=prompt, max_tokens=5, logprobs=3, echo=True, **greedy
+    )
+    choice, scores = done.choices[0], done.choices[0].logprobs
+    assert choice.text == prompt + tokenizer.decode(new, skip_special_tokens=True)
+    everything = prompt_ids + new
+    assert scores.tokens == [tokenizer.decode([t]) for t in everything]
+    logp = reference_logprobs(checkpoint, everything[:-1])
+    want = logp[torch.arange(len(everything) - 1), torch.tensor(everything[1:])]
+    assert scores.token_logprobs[0] is None and scores.top_logprobs[0] is None
+    assert torch.allclose(torch.tensor(scores.token_logprobs[1:]), want, atol=1e-4, rtol=0)
+    for position, top in enumerate(scores.top_logprobs[1:]):
+        best = torch.topk(logp[position], 3)
+        top_ids = best.indices.tolist()
+        expected = {tokenizer.decode([i]): v for i, v in zip(top_ids, best.values, strict=True)}
+        assert set(expected) <= set(top) and len(top) <= 4  # the top 3 and the token itself
+        assert all(abs(top[t] - v) < 1e-4 for t, v in expected.items())
+    assert scores.text_offset[:2] == [0, len(scores.tokens[0])]
+    chunks = list(  # as a stream: the same scores, the prompt's first
+        client.completions.create(
+            model="tiny-llama",
+            prompt=prompt,
+            max_tokens=5,
+            logprobs=3,
+            echo=True,
+            stream=True,
+            **greedy,
+        )
+    )
+    streamed = [
+        v
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for v in c.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed[0] is None
+    assert streamed[1:] == pytest.approx(scores.token_logprobs[1:], abs=1e-6)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+
+    # chat: logprobs true, top_logprobs 2, streamed alike
+    messages = [{"role": "user", "content": "hello there"}]
+    chat_ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"][0].tolist()
+    chat_new = greedy_ids(checkpoint, chat_ids, 4)
+    chat = client.chat.completions.create(
+        model="tiny-llama", messages=messages, max_tokens=4, logprobs=True, top_logprobs=2, **greedy
+    )
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [tokenizer.decode([t]) for t in chat_new]
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    logp = reference_logprobs(checkpoint, chat_ids + chat_new[:-1])
+    rows = torch.arange(len(chat_ids) - 1, len(chat_ids) - 1 + len(content))
+    want = logp[rows, torch.tensor(chat_new)]
+    assert [c.logprob for c in content] == pytest.approx(want.tolist(), abs=1e-4)
+    best = torch.topk(logp[rows], 2)
+    assert [t.logprob for c in content for t in c.top_logprobs] == pytest.approx(
+        best.values.flatten().tolist(), abs=1e-4
+    )
+    deltas = list(
+        client.chat.completions.create(
+            model="tiny-llama",
+            messages=messages,
+            max_tokens=4,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+            **greedy,
+        )
+    )
+    assert deltas[0].choices[0].delta.role == "assistant"
+    again = [
+        c
+        for d in deltas
+        if d.choices and d.choices[0].logprobs
+        for c in d.choices[0].logprobs.content
+    ]
+    assert [c.logprob for c in again] == pytest.approx([c.logprob for c in content], abs=1e-6)
+
+    # n: choice i draws with seed + i, so choice 1 of seed 5 is choice 0 of seed 6
+    sampled = {"temperature": 1.0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
+    two = client.completions.create(model="tiny-llama", prompt=prompt, seed=5, n=2, **sampled)
+    one = client.completions.create(model="tiny-llama", prompt=prompt, seed=6, **sampled)
+    assert [c.index for c in two.choices] == [0, 1] and two.usage.completion_tokens == 16
+    assert two.choices[1].text == one.choices[0].text
+    parts = {0: "", 1: ""}
+    for chunk in client.completions.create(
+        model="tiny-llama", prompt=prompt, seed=5, n=2, stream=True, **sampled
+    ):
+        for c in chunk.choices:
+            parts[c.index] += c.text
+    assert [parts[0], parts[1]] == [c.text for c in two.choices]
+    with pytest.raises(openai.BadRequestError, match="'best_of'=3 is not supported") as caught:
+        client.completions.create(model="tiny-llama", prompt=prompt, n=2, best_of=3)
+    assert caught.value.body["param"] == "best_of"
+    with pytest.raises(openai.BadRequestError, match="'echo'=true is not supported"):
+        client.chat.completions.create(
+            model="tiny-llama", messages=messages, extra_body={"echo": True}
+        )
+    # skip_special_tokens=false: special tokens are text (the echoed prompt's bos here)
+    kept = client.completions.create(
+        model="tiny-llama",
+        prompt=[1, *prompt_ids],
+        max_tokens=3,
+        echo=True,
+        temperature=0,
+        extra_body={"ignore_eos": True, "skip_special_tokens": False},
+    )
+    assert kept.choices[0].text.startswith("<|bos|>" + prompt)
+    # a stream's first chunk leaves with its first token (its usage says 1 token)
+    first = next(
+        iter(
+            client.completions.create(
+                model="tiny-llama",
+                prompt=prompt,
+                max_tokens=6,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True, "continuous_usage_stats": True},
+            )
+        )
+    )
+    assert first.usage.completion_tokens == 1
+
+
+def test_an_independent_harness_and_load_generator_at_1_8_and_32_streams(server) -> None:
+    """What vLLM-compatible tools send, from tools that are not ours: lm-eval's
+    `local-completions` and `local-chat-completions` models (used programmatically: no data
+    set download) score continuations through /v1/completions' echo + logprobs equal to
+    transformers' log-likelihoods of the same checkpoint, and generate at 1, 8 and 32
+    concurrent requests on both endpoints; the official async client runs 1, 8 and 32
+    concurrent streams on both: every request succeeds, each ignore_eos request returns
+    exactly max_tokens tokens of transformers' greedy text, and every stream's first chunk
+    leaves with its first token (its usage says 1 completion token)."""
+    import asyncio
+
+    import openai
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.api_models import JsonChatStr
+    from lm_eval.models.openai_completions import LocalChatCompletion, LocalCompletionsAPI
+    from transformers import AutoTokenizer
+
+    base, key, checkpoint = server
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    header = {"Authorization": f"Bearer {key}"}
+    new = 8
+    prompts = ["the cat sat on", "a dog ran to the", "story of the mat", "the quick brown"]
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    expected = [
+        tokenizer.decode(
+            greedy_ids(checkpoint, tokenizer(p)["input_ids"], new), skip_special_tokens=True
+        )
+        for p in prompts
+    ]
+    chat_ids = [
+        tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True)["input_ids"]
+        for m in chats
+    ]
+    expected_chat = [
+        tokenizer.decode(greedy_ids(checkpoint, ids, new), skip_special_tokens=True)
+        for ids in chat_ids
+    ]
+
+    # lm-eval: prompt scoring (log-likelihood of continuations) equals transformers'
+    pairs = [("the cat sat on", " the mat"), ("a dog ran", " to the cat and sat"), ("x", " y")]
+    scorer = LocalCompletionsAPI(
+        base_url=f"{base}/completions",
+        model="tiny-llama",
+        tokenizer=checkpoint,
+        num_concurrent=8,
+        max_retries=1,
+        header=header,
+    )
+    scored = scorer.loglikelihood(
+        [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)],
+        disable_tqdm=True,
+    )
+    for (context, continuation), (logprob, greedy) in zip(pairs, scored, strict=True):
+        context_ids = tokenizer(context, add_special_tokens=False)["input_ids"]
+        ids = context_ids + tokenizer(continuation, add_special_tokens=False)["input_ids"]
+        logp = reference_logprobs(checkpoint, ids)
+        targets = range(len(context_ids), len(ids))
+        want = sum(logp[i - 1, ids[i]].item() for i in targets)
+        assert logprob == pytest.approx(want, abs=1e-4)
+        assert greedy == all(logp[i - 1].argmax().item() == ids[i] for i in targets)
+
+    # lm-eval: generation at 1, 8 and 32 concurrent requests, both endpoints
+    until = {"until": ["\u2603"], "max_gen_toks": new, "ignore_eos": True}
+    for concurrent in (1, 8, 32):
+        for model, contexts, want in (
+            (LocalCompletionsAPI, prompts, expected),
+            (LocalChatCompletion, [JsonChatStr(json.dumps(m)) for m in chats], expected_chat),
+        ):
+            endpoint = "completions" if model is LocalCompletionsAPI else "chat/completions"
+            harness = model(
+                base_url=f"{base}/{endpoint}",
+                model="tiny-llama",
+                tokenizer=checkpoint if model is LocalCompletionsAPI else None,
+                tokenizer_backend="huggingface" if model is LocalCompletionsAPI else None,
+                tokenized_requests=model is LocalCompletionsAPI,
+                num_concurrent=concurrent,
+                max_retries=1,
+                header=header,
+            )
+            requests = [
+                Instance("generate_until", {}, (contexts[i % 4], dict(until)), i)
+                for i in range(concurrent)
+            ]
+            texts = harness.generate_until(requests, disable_tqdm=True)
+            assert texts == [want[i % 4] for i in range(concurrent)], (endpoint, concurrent)
+
+    # the official async client: 1, 8 and 32 concurrent streams on both endpoints
+    async def stream(client, i: int, chat: bool) -> tuple[str, int, int]:
+        options = {
+            "model": "tiny-llama",
+            "max_tokens": new,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "extra_body": {"ignore_eos": True},
+        }
+        if chat:
+            chunks = await client.chat.completions.create(messages=chats[i % 4], **options)
+        else:
+            chunks = await client.completions.create(prompt=prompts[i % 4], **options)
+        text, first, last = "", None, None
+        async for chunk in chunks:
+            first = chunk.usage.completion_tokens if first is None else first
+            last = chunk.usage.completion_tokens
+            for c in chunk.choices:
+                text += (c.delta.content or "") if chat else c.text
+        return text, first, last
+
+    async def load(concurrent: int, chat: bool) -> list:
+        async with openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0) as client:
+            return await asyncio.gather(*(stream(client, i, chat) for i in range(concurrent)))
+
+    for concurrent in (1, 8, 32):
+        for chat, want in ((False, expected), (True, expected_chat)):
+            results = asyncio.run(load(concurrent, chat))
+            assert results == [(want[i % 4], 1, new) for i in range(concurrent)], (
+                chat,
+                concurrent,
+            )
 
 
 def metrics(base: str, key: str) -> dict[str, float]:

@@ -80,6 +80,16 @@ def test_an_end_token_stops_and_later_tokens_are_not_text(tokenizer) -> None:
     assert text + stream.finish() == tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def test_no_stop_string_in_the_text_of_the_first_min_tokens(tokenizer) -> None:
+    """vLLM's min_tokens: a stop string in the first min_tokens tokens' text is text; one
+    after them stops it."""
+    ids = tokenizer("the cat and the cat")["input_ids"]
+    first = len(tokenizer("the cat")["input_ids"])
+    stream = TextStream(tokenizer, (), ("cat",), min_tokens=first)
+    text = "".join(stream.push(i) for i in ids)
+    assert stream.stopped and text == "the cat and the "
+
+
 def test_an_empty_stop_string_is_refused(tokenizer) -> None:
     with pytest.raises(ValueError, match="stop string must not be empty"):
         TextStream(tokenizer, (), ("x", ""))
@@ -257,3 +267,46 @@ def test_sentencepiece_spaces_and_bytes_stream_back_exactly(sentencepiece_tokeni
     assert spaced and not tokenizer.decode(spaced[:1]).startswith(" ")
     out, _ = streamed(tokenizer, ids)
     assert out == tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+def byte_token(tokenizer, byte: int) -> int:
+    """The id of the byte-level token of one byte (GPT-2's byte-to-unicode mapping)."""
+    return tokenizer.convert_tokens_to_ids(text_module.byte_level_char(byte))
+
+
+def test_bytes_that_cannot_complete_leave_as_u_fffd_at_the_next_token(tokenizer) -> None:
+    """Invalid UTF-8: a lead byte followed by another lead byte, a lone continuation byte, a
+    truncated character before plain text. Each replacement character leaves with the token
+    that shows it cannot complete; at most one incomplete character is held back. The text
+    equals decoding all at once (`tokenizers` decodes bytes lossily)."""
+    lead3, cont, a = (
+        byte_token(tokenizer, 0xE2),
+        byte_token(tokenizer, 0x82),
+        tokenizer("a")["input_ids"][0],
+    )
+    stream = TextStream(tokenizer)
+    deltas = [stream.push(i) for i in (lead3, lead3, cont, lead3, a)]
+    # E2: may complete; E2: the first cannot (held: the second); 82: E2 82 may complete;
+    # E2: E2 82 cannot; "a": the last E2 cannot
+    assert deltas == ["", "\ufffd", "", "\ufffd", "\ufffda"]
+    assert "".join(deltas) + stream.finish() == tokenizer.decode([lead3, lead3, cont, lead3, a])
+    stream = TextStream(tokenizer)
+    assert [stream.push(i) for i in (cont, cont, a)] == ["", "\ufffd", "\ufffda"]
+
+
+def test_special_tokens_are_text_when_not_skipped(tokenizer) -> None:
+    ids = [
+        *tokenizer("the cat")["input_ids"],
+        tokenizer.eos_token_id,
+        3,
+        *tokenizer(" sat")["input_ids"],
+    ]
+    stream = TextStream(tokenizer, skip_special_tokens=False)
+    out = "".join(stream.push(i) for i in ids) + stream.finish()
+    assert (
+        out
+        == tokenizer.decode(ids, skip_special_tokens=False)
+        == "the cat<|im_end|><|im_start|> sat"
+    )
+    skipped = TextStream(tokenizer)
+    assert "".join(skipped.push(i) for i in ids) + skipped.finish() == "the cat sat"

@@ -289,7 +289,7 @@ def test_the_last_stage_keeps_each_slots_settings_for_its_owner_only(index) -> N
     """A slot's sampling settings arrive once (with its sequence's first choosing step) and
     stay for later steps; a step choosing in a slot whose settings never came is refused, and
     a new claim (another epoch) forgets them all."""
-    from worker.batched import Draw, StepRows
+    from worker.batched import Draw, SlotSettings, StepRows
     from worker.decode import Sampling
 
     worker = StageWorker(spec_for(index, offloaded=()), device="cpu")
@@ -310,7 +310,7 @@ def test_the_last_stage_keeps_each_slots_settings_for_its_owner_only(index) -> N
             )
 
         prompt = torch.tensor([[5, 6, 7]])
-        first = Draw((True,), ((2, Sampling(), None),))
+        first = Draw((True,), ((2, SlotSettings(Sampling())),))
         token = worker.batch_step(rows(0, 3), prompt, first)
         again = worker.batch_step(rows(3, 1), torch.tensor([[9]]), Draw((True,)))  # kept
         assert token.array.shape == again.array.shape == (1,)

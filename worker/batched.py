@@ -21,7 +21,7 @@ import torch
 
 from offload.errors import LaunchError
 from worker.batch_cache import SlotPool, row_positions
-from worker.decode import RowSettings, Sampling, sample_rows
+from worker.decode import Logprobs, RowSettings, Sampling, logprobs_of, sample_rows
 from worker.wire import Packed, pack, unpack
 
 NO_TOKEN = -1  # a row that did not choose this step (its prompt goes on in the next chunk)
@@ -66,26 +66,101 @@ class StepRows:
 
 
 @dataclass(frozen=True, slots=True)
+class SlotSettings:
+    """How the sequence in a slot chooses its tokens, and what the last stage returns beside
+    them: sent once per sequence, with its first step (`Draw`), kept by the last stage.
+
+    `end_ids` cannot be chosen before the sequence has `min_tokens` new tokens (vLLM's
+    min_tokens, transformers' min_new_tokens: their logits are -inf until then), counted from
+    `prompt_length`. `logprobs`: with every chosen token, its log-probability and those of the
+    `logprobs` most likely tokens (None: nothing). `prompt_logprobs`: the same for every
+    prompt position after the first (`prompt_ids`, which the last stage otherwise never
+    sees) as the prompt goes through."""
+
+    sampling: Sampling
+    seed: int | None = None
+    end_ids: tuple[int, ...] = ()
+    prompt_length: int = 0
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be None or >= 0, got {value}")
+        if self.prompt_logprobs is not None and len(self.prompt_ids) != self.prompt_length:
+            raise ValueError(
+                f"prompt_logprobs needs the {self.prompt_length} prompt ids, got "
+                f"{len(self.prompt_ids)}"
+            )
+
+    def banned(self, position: int) -> tuple[int, ...]:
+        """The tokens this sequence may not choose at `position` (its end tokens while it has
+        fewer than min_tokens new ones)."""
+        if position < self.prompt_length + self.min_tokens:
+            return self.end_ids
+        return ()
+
+
+@dataclass(frozen=True, slots=True)
 class Draw:
     """Which rows of a step choose their next token on the last stage (a prompt chunk that
-    does not end its prompt chooses nothing), and the settings (greedy or sampled,
-    temperature, top-k, top-p, seed) of the slots whose sequence chooses there for the first
-    time: the last stage keeps each slot's settings from then on (`BatchRunner`), so a step
-    sends them once per sequence, not once per step. A sampled row's draw is keyed by its seed
-    and the position of the token it chooses (`worker.decode.uniform`): a row draws the same
-    token whatever else is in the batch, whichever worker runs it."""
+    does not end its prompt chooses nothing), and the settings (`SlotSettings`) of the slots
+    whose sequence is new there: the last stage keeps each slot's settings from then on
+    (`BatchRunner`), so a step sends them once per sequence, not once per step. A sampled
+    row's draw is keyed by its seed and the position of the token it chooses
+    (`worker.decode.uniform`): a row draws the same token whatever else is in the batch,
+    whichever worker runs it."""
 
     choose: tuple[bool, ...]
-    settings: tuple[tuple[int, Sampling, int | None], ...] = ()  # (slot, sampling, seed)
+    settings: tuple[tuple[int, SlotSettings], ...] = ()  # (slot, its sequence's settings)
+
+
+@dataclass(frozen=True, slots=True)
+class Chosen:
+    """What the last stage returns when a row of the step asked for log-probabilities: the
+    tokens (as without), and per row (index in the step) the `Logprobs` of its chosen token
+    (`chosen`) and of the prompt positions its chunk fed (`prompt`)."""
+
+    tokens: object  # torch.Tensor (rows,), or packed for Ray (`worker.wire`)
+    chosen: dict[int, Logprobs]
+    prompt: dict[int, Logprobs]
+
+    def packed(self) -> Chosen:
+        return Chosen(pack(self.tokens), self.chosen, self.prompt)
+
+    def unpacked(self) -> Chosen:
+        return Chosen(unpack(self.tokens), self.chosen, self.prompt)
+
+
+def token_ids(out) -> torch.Tensor:
+    """The tokens (rows,) of a last stage's answer (a tensor, or `Chosen`; packed or not)."""
+    return unpack(out.tokens if isinstance(out, Chosen) else out)
+
+
+def pack_out(out):
+    """A last stage's answer as it crosses Ray."""
+    return out.packed() if isinstance(out, Chosen) else pack(out)
+
+
+def unpack_out(out):
+    """A last stage's answer from Ray: a tensor, or `Chosen` with its tokens a tensor."""
+    return out.unpacked() if isinstance(out, Chosen) else unpack(out)
 
 
 def choose_rows(
     logits: torch.Tensor, rows: StepRows, choose: Sequence[bool], settings: dict
-) -> torch.Tensor:
+) -> torch.Tensor | Chosen:
     """Each row's next token (CPU, NO_TOKEN where the row does not choose) from its last
-    position's logits (rows, vocab), each with its slot's `settings` (slot -> (Sampling,
-    seed)): greedy and sampled rows at once on the logits' device
-    (`worker.decode.sample_rows`), only the tokens copied back."""
+    position's logits (rows, vocab), each with its slot's `settings` (slot -> SlotSettings):
+    greedy and sampled rows at once on the logits' device (`worker.decode.sample_rows`), a
+    row's end tokens masked before its min_tokens, only the tokens copied back; with the
+    log-probabilities of the rows that ask for them (`Chosen`), computed for those rows only."""
     tokens = torch.full((logits.shape[0],), NO_TOKEN, dtype=torch.long)
     choosing = [r for r, take in enumerate(choose) if take]
     if not choosing:
@@ -96,17 +171,92 @@ def choose_rows(
         raise ValueError(
             f"slot {exc.args[0]} chooses a token but its settings never reached this stage"
         ) from None
+    positions = [rows.starts[r] + rows.counts[r] for r in choosing]  # of the tokens chosen
     row_settings = RowSettings.of(
-        [sampling for sampling, _ in chosen_settings],
-        [seed for _, seed in chosen_settings],
-        [rows.starts[r] + rows.counts[r] for r in choosing],  # the index of the token chosen
+        [s.sampling for s in chosen_settings],
+        [s.seed for s in chosen_settings],
+        positions,
+        [s.banned(p) for s, p in zip(chosen_settings, positions, strict=True)],
     )
     every = len(choosing) == logits.shape[0]
-    chosen = sample_rows(logits if every else logits[choosing], row_settings)
+    picked = logits if every else logits[choosing]
+    chosen = sample_rows(picked, row_settings)
     if every:
-        return chosen
-    tokens[choosing] = chosen
-    return tokens
+        tokens = chosen
+    else:
+        tokens[choosing] = chosen
+    asking = [i for i, s in enumerate(chosen_settings) if s.logprobs is not None]
+    if not asking:
+        return tokens
+    values, top_ids, top_values = logprobs_of(
+        picked[asking], chosen[asking], [chosen_settings[i].logprobs for i in asking]
+    )
+    return Chosen(
+        tokens,
+        {
+            choosing[i]: Logprobs(
+                start=positions[i],
+                token_ids=(int(chosen[i]),),
+                logprobs=(values[j],),
+                top_ids=(top_ids[j],),
+                top_logprobs=(top_values[j],),
+            )
+            for j, i in enumerate(asking)
+        },
+        {},
+    )
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, rows: StepRows, settings: dict, tails: dict
+) -> dict[int, Logprobs]:
+    """The `Logprobs` of the prompt positions each row of a step fed, for the rows whose slot
+    asks for them (`SlotSettings.prompt_logprobs`), from the step's logits (rows, width,
+    vocab; rows left-padded): the token at position q is scored by the logits of position
+    q - 1, which for the first token of a chunk are the last of the chunk before, kept per
+    slot in `tails` (slot -> logits (vocab,)) between the two steps. Position 0 has no score
+    (nothing comes before it). All asking rows' positions in one log-softmax."""
+    pieces, targets, tops, spans = [], [], [], {}
+    for r, slot in enumerate(rows.slots):
+        s = settings.get(slot)
+        if s is None or s.prompt_logprobs is None:
+            continue
+        start, count, width = rows.starts[r], rows.counts[r], rows.width
+        end = min(start + count, s.prompt_length)  # prompt positions this chunk fed
+        first = max(start, 1)
+        if first < end:
+            c0 = width - count  # the column of position `start`
+            # the logits of positions first - 1 .. end - 2: in this chunk from `start` on
+            columns = logits[r, c0 : c0 + end - 1 - start]
+            if first == start:  # position start - 1: the last of the previous chunk
+                tail = tails.get(slot)
+                if tail is None:
+                    raise ValueError(f"slot {slot}: the prompt's previous chunk left no logits")
+                columns = torch.cat([tail[None].to(columns.dtype), columns])
+            spans[r] = (first, end - first)
+            pieces.append(columns)
+            targets.extend(s.prompt_ids[first:end])
+            tops.extend([s.prompt_logprobs] * (end - first))
+        if start + count < s.prompt_length:
+            tails[slot] = logits[r, -1].clone()  # scores the next chunk's first token
+        else:
+            tails.pop(slot, None)
+    if not pieces:
+        return {}
+    values, top_ids, top_values = logprobs_of(
+        torch.cat(pieces), torch.tensor(targets, dtype=torch.long), tops
+    )
+    out, offset = {}, 0
+    for r, (first, n) in spans.items():
+        out[r] = Logprobs(
+            start=first,
+            token_ids=tuple(settings[rows.slots[r]].prompt_ids[first : first + n]),
+            logprobs=tuple(values[offset : offset + n]),
+            top_ids=tuple(top_ids[offset : offset + n]),
+            top_logprobs=tuple(top_values[offset : offset + n]),
+        )
+        offset += n
+    return out
 
 
 class BatchRunner:
@@ -117,8 +267,10 @@ class BatchRunner:
         self.device = device
         self.pool: SlotPool | None = None
         self.owner: Owner | None = None  # who may step this pool now
-        # the last stage: each slot's (Sampling, seed), as its owner sent them (Draw.settings)
-        self.slot_settings: dict[int, tuple[Sampling, int | None]] = {}
+        # the last stage: each slot's settings, as its owner sent them (Draw.settings), and the
+        # last logits of a prompt chunk whose next chunk's first token is to be scored
+        self.slot_settings: dict[int, SlotSettings] = {}
+        self.prompt_tails: dict[int, torch.Tensor] = {}
         self.last_rows = 0  # sequences in the last step, for reports
         self.last_step_s = 0.0  # this stage's own time in its last step (not the others')
 
@@ -127,6 +279,7 @@ class BatchRunner:
         the pool until an engine claims it again."""
         self.pool, self.owner, self.last_rows = None, None, 0
         self.slot_settings.clear()
+        self.prompt_tails.clear()
 
     def claim(self, owner: Owner, *, take: bool = False) -> None:
         """Make `owner` the one engine (and epoch) whose steps this pool runs. An engine
@@ -139,6 +292,7 @@ class BatchRunner:
             )
         if owner != self.owner:  # a new claim sends every sequence's settings again
             self.slot_settings.clear()
+            self.prompt_tails.clear()
         self.owner = owner
 
     def release(self, owner: Owner) -> None:
@@ -194,8 +348,8 @@ class BatchRunner:
 
     def step(self, stage, rows: StepRows, x: torch.Tensor, draw: Draw | None) -> torch.Tensor:
         """Hidden states (rows, width, hidden) from a stage before the last; from the last,
-        each row's chosen token (rows,), or without a `draw` the last position's logits
-        (rows, vocab)."""
+        each row's chosen token (rows,) (`Chosen` when a row asked for log-probabilities), or
+        without a `draw` the last position's logits (rows, vocab)."""
         self.check_owner(rows)
         view = None
         held = stage.decoder_indices
@@ -223,22 +377,37 @@ class BatchRunner:
 
     def _forward(self, stage, rows: StepRows, x: torch.Tensor, view, draw: Draw | None):
         # inference_mode: no version counters or view tracking on activations and caches
+        scoring = False  # a row feeds prompt positions it wants scored: every position's logits
+        if stage.is_last and draw is not None:
+            if len(draw.choose) != len(rows.slots):
+                raise ValueError("the last stage needs a Draw with one entry per row")
+            for slot, settings in draw.settings:  # sequences new to their slots
+                self.slot_settings[slot] = settings
+                self.prompt_tails.pop(slot, None)
+            scoring = any(
+                (s := self.slot_settings.get(slot)) is not None
+                and s.prompt_logprobs is not None
+                and start < s.prompt_length
+                for slot, start in zip(rows.slots, rows.starts, strict=True)
+            )
         with torch.inference_mode():
             out = stage(
                 x.to(self.device),
                 position_ids=rows.positions().to(self.device),
-                logits_to_keep=1 if stage.is_last else 0,
+                logits_to_keep=1 if stage.is_last and not scoring else 0,
                 cache=view,
             )
             if not stage.is_last:
                 return out.cpu()
             if draw is None:  # the last position's logits (rows, vocab): the family check's
                 return out[:, -1].cpu()
-            if len(draw.choose) != len(rows.slots):
-                raise ValueError("the last stage needs a Draw with one entry per row")
-            for slot, sampling, seed in draw.settings:  # sequences new to their slots
-                self.slot_settings[slot] = (sampling, seed)
-            return choose_rows(out[:, -1], rows, draw.choose, self.slot_settings)
+            chosen = choose_rows(out[:, -1], rows, draw.choose, self.slot_settings)
+            if not scoring:
+                return chosen
+            prompt = prompt_logprobs(out, rows, self.slot_settings, self.prompt_tails)
+            if isinstance(chosen, Chosen):
+                return Chosen(chosen.tokens, chosen.chosen, prompt)
+            return Chosen(chosen, {}, prompt)
 
     def ring(
         self,
@@ -276,7 +445,7 @@ class BatchRunner:
                         tokens = _collect(pending[m], timeout_s)
                         pending[m] = None
                         yield m, tokens
-                        rows[m], xs[m] = rows[m].advanced(), tokens[:, None]
+                        rows[m], xs[m] = rows[m].advanced(), token_ids(tokens)[:, None]
                     if step < count:
                         pending[m] = self._send(stage, rows[m], xs[m], draws[m], downstream)
         finally:
@@ -310,10 +479,11 @@ def send_through(workers: Sequence, rows: StepRows, x, draw: Draw | None):
     return out
 
 
-def _collect(sent, timeout_s: float) -> torch.Tensor:
-    """The tokens `_send` returned: a tensor, packed, or an object ref of an actor's answer."""
-    if not isinstance(sent, torch.Tensor | Packed):
+def _collect(sent, timeout_s: float):
+    """The last stage's answer `_send` returned (a tensor or `Chosen`, packed or not), or from
+    an object ref of an actor's answer: unpacked."""
+    if not isinstance(sent, torch.Tensor | Packed | Chosen):
         import ray  # only here: a worker driven in-process never needs Ray
 
         sent = ray.get(sent, timeout=timeout_s)
-    return unpack(sent)
+    return unpack_out(sent)

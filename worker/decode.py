@@ -80,10 +80,16 @@ class RowSettings:
     top_p: tuple[float, ...]
     seed: tuple[int, ...]
     position: tuple[int, ...]
+    # per row, the tokens it may not choose now (its end tokens before its min_tokens, as
+    # transformers' MinNewTokensLengthLogitsProcessor and vLLM's min_tokens mask them); ()
+    # for a step where no row has any
+    banned: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         rows = len(self.greedy)
         fields = (self.temperature, self.top_k, self.top_p, self.seed, self.position)
+        if self.banned and len(self.banned) != rows:
+            raise ValueError(f"banned needs {rows} row(s), got {len(self.banned)}")
         if any(len(f) != rows for f in fields):
             raise ValueError(f"every field needs {rows} row(s), got {[len(f) for f in fields]}")
         for r in range(rows):
@@ -107,10 +113,12 @@ class RowSettings:
         samplings: Sequence[Sampling],
         seeds: Sequence[int | None],
         positions: Sequence[int],
+        banned: Sequence[Sequence[int]] = (),
     ) -> RowSettings:
-        """Per-row settings from each row's Sampling, seed and position. A greedy row needs no
-        seed (None is fine); a sampling row does: give an unseeded request a random one
-        (e.g. `secrets.randbits(64)`) once, when it is submitted, and keep it."""
+        """Per-row settings from each row's Sampling, seed, position and the tokens it may not
+        choose now (`banned`: none when empty). A greedy row needs no seed (None is fine); a
+        sampling row does: give an unseeded request a random one (e.g.
+        `secrets.randbits(64)`) once, when it is submitted, and keep it."""
         if not len(samplings) == len(seeds) == len(positions):
             raise ValueError(
                 f"{len(samplings)} samplings, {len(seeds)} seeds and {len(positions)} "
@@ -126,6 +134,7 @@ class RowSettings:
             top_p=tuple(float(s.top_p) for s in samplings),
             seed=tuple(0 if seed is None else int(seed) for seed in seeds),
             position=tuple(int(p) for p in positions),
+            banned=tuple(tuple(b) for b in banned) if any(banned) else (),
         )
 
     def __len__(self) -> int:
@@ -231,12 +240,29 @@ def _check(logits: torch.Tensor, settings: RowSettings) -> None:
         )
 
 
+def _scores(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:
+    """The float32 scores the rows choose from: the logits, each row's banned tokens -inf (as
+    generate's logits processors do before its warpers), all rows in one indexed write on the
+    logits' device. A copy whenever it writes: the logits themselves are never changed."""
+    scores = logits.to(torch.float32)
+    if not settings.banned:
+        return scores
+    vocab = scores.shape[1]
+    where = [(r, t) for r, ids in enumerate(settings.banned) for t in ids if 0 <= t < vocab]
+    if not where:
+        return scores
+    index = torch.tensor(where, dtype=torch.long).to(scores.device)
+    return scores.index_put(
+        (index[:, 0], index[:, 1]), torch.tensor(float("-inf"), device=scores.device)
+    )
+
+
 def row_probabilities(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:
     """The distribution (rows, vocab) float32, on the logits' device, that each row's token is
     drawn from by `sample_rows`: for a sampling row the softmax of its warped scores (what
     generate hands to torch.multinomial), for a greedy row all mass on its argmax."""
     _check(logits, settings)
-    scores = logits.to(torch.float32)
+    scores = _scores(logits, settings)
     probs = torch.zeros_like(scores)
     probs.scatter_(1, torch.argmax(scores, dim=-1, keepdim=True), 1.0)
     plan = _plan(settings, scores.shape[1], scores.device)
@@ -257,9 +283,9 @@ def sample_rows(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:
     Seeded draws are reproducible with no generator state: the same (logits, settings, seed,
     position) give the same token on the same kind of device, whatever the other rows, the
     batch size or the process. The host sends the device one small table and gets back the
-    tokens: the logits never leave their device."""
+    tokens: the logits never leave their device. A row's `banned` tokens are never chosen."""
     _check(logits, settings)
-    scores = logits.to(torch.float32)
+    scores = _scores(logits, settings)
     tokens = torch.argmax(scores, dim=-1)
     plan = _plan(settings, scores.shape[1], scores.device)
     if plan is not None:
@@ -274,3 +300,58 @@ def sample_rows(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:
         drawn = torch.searchsorted(cdf, target, right=True).squeeze(1)
         tokens = tokens.index_copy(0, rows, drawn)
     return tokens.cpu()
+
+
+# --- Log-probabilities ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Logprobs:
+    """The model's log-probabilities at consecutive positions of one sequence, from `start` on:
+    of the token at each position, and of the `k` most likely tokens there (most likely
+    first). Those of its raw distribution, the log-softmax of its float32 logits before any
+    temperature, top-k, top-p or masking (vLLM's default `logprobs_mode`, raw_logprobs), so
+    they are the same whatever the request's sampling settings."""
+
+    start: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    top_ids: tuple[tuple[int, ...], ...]
+    top_logprobs: tuple[tuple[float, ...], ...]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __add__(self, other: Logprobs) -> Logprobs:
+        """The positions of `self` and then those of `other` (which must follow them)."""
+        if other.start != self.start + len(self):
+            raise ValueError(f"positions from {other.start} do not follow {self.start}+{len(self)}")
+        return Logprobs(
+            start=self.start,
+            token_ids=self.token_ids + other.token_ids,
+            logprobs=self.logprobs + other.logprobs,
+            top_ids=self.top_ids + other.top_ids,
+            top_logprobs=self.top_logprobs + other.top_logprobs,
+        )
+
+
+def logprobs_of(logits: torch.Tensor, targets: torch.Tensor, tops: Sequence[int]) -> tuple:
+    """For each row of `logits` (rows, vocab), any device and dtype, the log-probability of its
+    `targets` token (rows,) and of its `tops[row]` most likely tokens: one log_softmax over the
+    rows at once in float32 and one topk at the largest k, then what the rows asked copied to
+    the host. Returns (logprobs, top ids, top logprobs), plain Python lists per row."""
+    if logits.shape[0] == 0:
+        return [], [], []
+    logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    chosen = logp.gather(1, targets.to(logp.device, torch.long)[:, None]).squeeze(1).cpu()
+    k = min(max(tops, default=0), logp.shape[1])
+    if k:
+        values, ids = torch.topk(logp, k, dim=-1)
+        values, ids = values.cpu().tolist(), ids.cpu().tolist()
+    else:
+        values = ids = [[] for _ in range(logp.shape[0])]
+    return (
+        chosen.tolist(),
+        [tuple(row[:n]) for row, n in zip(ids, tops, strict=True)],
+        [tuple(row[:n]) for row, n in zip(values, tops, strict=True)],
+    )

@@ -25,7 +25,7 @@ from offload.base import OffloadStats
 from offload.errors import LaunchError
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV
 from offload.probe import DECISION_STEPS
-from worker.batched import BatchRunner, Draw, StepRows
+from worker.batched import BatchRunner, Draw, StepRows, pack_out
 from worker.layout import hf_config_from_dict, model_class_for
 from worker.loader import TensorReader, hold_if_asked
 from worker.node import probe_here
@@ -351,7 +351,7 @@ class StageWorker:
         self._require_ready()
         out = self._batches.step(self.stage, rows, unpack(x), draw)
         self._count_forward()
-        return pack(out) if wire else out
+        return pack_out(out) if wire else out
 
     def batch_ring(
         self,
@@ -377,7 +377,7 @@ class StageWorker:
         last = 0.0
         for m, tokens in self._batches.ring(self.stage, batches, count, downstream, timeout_s):
             self._count_forward()  # this stage's own part of the step
-            ready.append((m, pack(tokens) if wire else tokens))
+            ready.append((m, pack_out(tokens) if wire else tokens))
             if time.perf_counter() - last >= yield_every_s:
                 yield ready
                 ready, last = [], time.perf_counter()

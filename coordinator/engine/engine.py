@@ -139,10 +139,14 @@ class Engine:
         seed: int | None = None,
         on_token: Callable[[int, int], None] | None = None,
         on_finish: Callable[[], None] | None = None,
+        **scoring,
     ) -> Request:
         """Queue one request of `len(prompts)` sequences; returns at once. Raises
         QueueFullError when the queue cannot take them now, NeverFitsError when they could
-        never run here."""
+        never run here. `scoring` (`Request`'s): min_new_tokens (no end token before),
+        logprobs and prompt_logprobs (how many top ones; None: none) and on_logprobs(row,
+        Logprobs), called before on_token with the token's, and before the first token with
+        the prompt's."""
         if not prompts or not all(prompts):
             raise NeverFitsError("a prompt is empty: each sequence needs at least one token")
         # more sequences than slots never fit (and max_queue >= num_slots: never more than
@@ -155,6 +159,7 @@ class Engine:
             eos_token_ids=eos_token_ids,
             on_token=on_token,
             on_finish=on_finish,
+            **scoring,
         )
         if sampling.do_sample:  # the key of every draw of a row (worker.decode.uniform)
             for seq in request.sequences:
@@ -386,9 +391,26 @@ class Engine:
             self.stats.token(seq, now)
             if request.on_token is not None and request.error is None:
                 try:
+                    if request.on_logprobs is not None:
+                        self._deliver_logprobs(seq)
                     request.on_token(seq.row, token)
                 except Exception as exc:  # the client's callback: its request ends, not the loop
                     self._fail_request(request, exc)
+
+    @staticmethod
+    def _deliver_logprobs(seq: Sequence) -> None:
+        """The log-probabilities of the token just added, and before the first, the prompt's."""
+        request = seq.request
+        if len(seq.generated) == 1 and request.prompt_logprobs is not None:
+            prompt = seq.prompt_logprobs()
+            if prompt is None and len(seq.prompt) > 1:
+                raise RuntimeError("the prompt's log-probabilities did not all come back")
+            if prompt is not None:
+                request.on_logprobs(seq.row, prompt)
+        if request.logprobs is not None:
+            if len(seq.logprobs) != len(seq.generated):
+                raise RuntimeError("a token came back without its log-probabilities")
+            request.on_logprobs(seq.row, seq.logprobs[-1])
 
     def _step_failed(self, steps: list[Step], exc: BaseException, epoch: int) -> None:
         """Steps raised: recover when a worker was lost or changed (every sequence then starts

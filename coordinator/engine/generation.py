@@ -26,7 +26,6 @@ UNSUPPORTED = {
     "repetition_penalty": 1.0,
     "no_repeat_ngram_size": 0,
     "min_length": 0,
-    "min_new_tokens": None,
     "num_beams": 1,
     "typical_p": 1.0,
     "epsilon_cutoff": 0.0,
@@ -97,6 +96,7 @@ class Settings:
     eos_token_ids: tuple[int, ...]  # empty: never stop before max_new_tokens
     pad_token_id: int
     seed: int | None = None
+    min_new_tokens: int = 0  # no end token before this many new tokens
 
     @property
     def sampling(self) -> Sampling:
@@ -116,6 +116,8 @@ class Settings:
             raise GenerationError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k is not None and self.top_k < 0:
             raise GenerationError(f"top_k={self.top_k} must be >= 0 (0 or None: off)")
+        if self.min_new_tokens < 0:
+            raise GenerationError(f"min_new_tokens={self.min_new_tokens} must be >= 0")
 
 
 def _checkpoint_generation_config(root: Path, model_config: dict) -> dict:
@@ -155,10 +157,12 @@ def resolve(
     eos_token_id: int | list[int] | None = FROM_CHECKPOINT,  # type: ignore[assignment]
     pad_token_id: int | None = None,
     seed: int | None = None,
+    min_new_tokens: int | None = None,
 ) -> Settings:
     """The settings of one request: the arguments given, else the checkpoint's
     generation_config.json, else transformers' defaults (greedy, 20 new tokens, top_k 50 when
-    sampling)."""
+    sampling, no min_new_tokens). min_new_tokens masks the end tokens until then, as
+    generate's MinNewTokensLengthLogitsProcessor does (vLLM's min_tokens)."""
     values = _checkpoint_generation_config(Path(root), model_config)
     for key, neutral in UNSUPPORTED.items():
         value = values.get(key)
@@ -197,6 +201,9 @@ def resolve(
         eos_token_ids=tuple(int(e) for e in eos_ids),
         pad_token_id=int(pad),
         seed=seed,
+        min_new_tokens=int(
+            min_new_tokens if min_new_tokens is not None else values.get("min_new_tokens") or 0
+        ),
     )
 
 

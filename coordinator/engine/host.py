@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from coordinator.engine.engine import Engine
 from coordinator.engine.sequences import Finish, Request
 from offload.errors import LaunchError
+from worker.decode import Logprobs
 
 POLL_WAIT_S = 1.0  # how long one fetch of a client's outbox waits for something to come
 CLIENT_LEASE_S = 30.0  # a client with requests in flight that has not fetched for this long is gone
@@ -34,10 +35,11 @@ CALL_TIMEOUT_S = 60.0  # a call to the host (submit, cancel, stats) from another
 
 @dataclass
 class Delivery:
-    """What a client's fetch returns: tokens (request id, row, token) in the order they came,
+    """What a client's fetch returns: tokens (request id, row, token, the log-probabilities
+    that came with it: the prompt's before a first token, the token's) in the order they came,
     and the requests that ended since (request id, each row's finish reason, the error)."""
 
-    tokens: list[tuple[int, int, int]] = field(default_factory=list)
+    tokens: list[tuple[int, int, int, tuple[Logprobs, ...]]] = field(default_factory=list)
     ended: list[tuple[int, list[str], BaseException | None]] = field(default_factory=list)
 
 
@@ -55,6 +57,8 @@ class EngineHost:
         self._cond = threading.Condition()
         self._clients: dict[str, _Client] = {}
         self._requests: dict[tuple[str, int], Request] = {}
+        # (client, request, row) -> the log-probabilities of the token about to come
+        self._scores: dict[tuple[str, int, int], list[Logprobs]] = {}
         self._closed = False
         threading.Thread(target=self._reap, daemon=True, name="offload-engine-leases").start()
 
@@ -68,9 +72,10 @@ class EngineHost:
         max_new_tokens: int,
         eos_token_ids: tuple[int, ...] = (),
         seed: int | None = None,
+        **scoring,
     ) -> None:
         """Queue request `rid` (the client numbers its own) of `client`. Raises what
-        `Engine.submit` refuses."""
+        `Engine.submit` refuses. `scoring`: min_new_tokens, logprobs, prompt_logprobs."""
         key = (client, rid)
         with self._cond:
             box = self._clients.setdefault(client, _Client())
@@ -85,6 +90,10 @@ class EngineHost:
                 seed=seed,
                 on_token=lambda row, token: self._token(client, rid, row, token),
                 on_finish=lambda: self._ended(key),
+                on_logprobs=lambda row, scores: self._scores.setdefault(
+                    (client, rid, row), []
+                ).append(scores),
+                **scoring,
             )
         except BaseException:
             with self._cond:
@@ -135,10 +144,11 @@ class EngineHost:
 
     # from the engine's thread: appends only
     def _token(self, client: str, rid: int, row: int, token: int) -> None:
+        scores = tuple(self._scores.pop((client, rid, row), ()))  # this thread's, just before
         with self._cond:
             box = self._clients.get(client)
             if box is not None:
-                box.outbox.tokens.append((rid, row, token))
+                box.outbox.tokens.append((rid, row, token, scores))
                 self._cond.notify_all()
 
     def _ended(self, key: tuple[str, int]) -> None:
@@ -152,6 +162,8 @@ class EngineHost:
                 return  # not recorded yet (submit tells), or told already
             del self._requests[key]
             box.open.discard(rid)
+            for row in range(len(request.sequences)):  # a token's that never came
+                self._scores.pop((client, rid, row), None)
             reasons = [s.finish.value for s in request.sequences]
             box.outbox.ended.append((rid, reasons, _portable(request.error)))
             self._cond.notify_all()
@@ -211,7 +223,12 @@ class EngineClient:
         seed: int | None = None,
         on_token: Callable[[int, int], None] | None = None,
         on_finish: Callable[[], None] | None = None,
+        on_logprobs: Callable[[int, Logprobs], None] | None = None,
+        **scoring,
     ) -> Request:
+        """`Engine.submit`'s arguments; `on_logprobs(row, Logprobs)` is called just before
+        `on_token` with those that came with the token (scoring: min_new_tokens, logprobs,
+        prompt_logprobs)."""
         request = Request.of(
             prompts,
             sampling=sampling,
@@ -219,6 +236,8 @@ class EngineClient:
             eos_token_ids=eos_token_ids,
             on_token=on_token,
             on_finish=on_finish,
+            on_logprobs=on_logprobs,
+            **scoring,
         )
         request.id = rid = next(self._ids)
         with self._lock:  # known before its first token can come
@@ -235,6 +254,7 @@ class EngineClient:
                 max_new_tokens=max_new_tokens,
                 eos_token_ids=tuple(eos_token_ids),
                 seed=seed,
+                **scoring,
             )
         except BaseException:
             with self._lock:
@@ -295,15 +315,20 @@ class EngineClient:
     def _apply(self, delivery: Delivery) -> None:
         with self._lock:
             requests = dict(self._requests)
-        for rid, row, token in delivery.tokens:
+        for rid, row, token, scores in delivery.tokens:
             request = requests.get(rid)
             if request is None:
                 continue
             request.sequences[row].generated.append(token)
+            seq = request.sequences[row]
+            seq.logprobs.extend(s for s in scores if s.start >= len(seq.prompt))  # not the prompt's
             if request.first_token_s is None:
                 request.first_token_s = time.perf_counter()
             if request.on_token is not None and request.error is None:
                 try:
+                    if request.on_logprobs is not None:
+                        for one in scores:
+                            request.on_logprobs(row, one)
                     request.on_token(row, token)
                 except Exception as exc:  # the client's own callback: its request ends
                     request.error = exc

@@ -11,11 +11,10 @@ from typing import Protocol
 import torch
 
 from coordinator.engine.scheduler import Step
-from worker.batched import send_through
-from worker.wire import unpack
+from worker.batched import Chosen, send_through, unpack_out
 
-# (which of the submitted steps, each row's token)
-Tokens = tuple[int, torch.Tensor]
+# (which of the submitted steps, each row's token: with log-probabilities when a row asked)
+Tokens = tuple[int, torch.Tensor | Chosen]
 
 
 class Handle(Protocol):
@@ -48,8 +47,8 @@ class Pipeline(Protocol):
 
 
 def tokens_of(m: int, out) -> Tokens:
-    """Step `m`'s tokens, from a tensor or from what crossed Ray (`wire.pack`)."""
-    return m, unpack(out)
+    """Step `m`'s tokens, from a tensor or `Chosen`, or from what crossed Ray (packed)."""
+    return m, unpack_out(out)
 
 
 class InProcessHandle:

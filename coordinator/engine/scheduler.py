@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from coordinator.engine.sequences import Finish, Request, Sequence, Status
-from worker.batched import NO_TOKEN, Draw, StepRows
+from worker.batched import NO_TOKEN, Chosen, Draw, StepRows
 
 
 @dataclass(eq=False)
@@ -197,7 +197,7 @@ class Scheduler:
     def unplan(self, step: Step) -> None:
         """A planned step that was never sent (or failed): its micro-batch may plan again, and
         the settings it carried are sent again with the next."""
-        for slot, _, _ in step.draw.settings:
+        for slot, _ in step.draw.settings:
             self._sent.pop(slot, None)
         self.complete(step)
 
@@ -244,35 +244,42 @@ class Scheduler:
             max_seq_len=self.max_seq_len,
             owner=self.owner,
         )
-        # settings travel once per sequence: with its first step that chooses a token
-        new = [
-            s
-            for s, take in zip(chosen, samples, strict=True)
-            if take and self._sent.get(s.slot) is not s
-        ]
+        # settings travel once per sequence: with its first step (the last stage scores the
+        # prompt's chunks as they come when asked)
+        new = [s for s in chosen if self._sent.get(s.slot) is not s]
         for seq in new:
             self._sent[seq.slot] = seq
-        draw = Draw(tuple(samples), tuple((s.slot, s.sampling, s.seed) for s in new))
+        draw = Draw(tuple(samples), tuple((s.slot, s.settings()) for s in new))
         self.groups[g].in_flight = True
         return Step(group=g, sequences=chosen, rows=rows, x=x, draw=draw, prefill=prefill)
 
-    def update(self, step: Step, index: int, tokens: torch.Tensor) -> list[tuple[Sequence, int]]:
+    def update(
+        self, step: Step, index: int, tokens: torch.Tensor | Chosen
+    ) -> list[tuple[Sequence, int]]:
         """The tokens of step `index` (0 first; a burst has several) of `step`: each row's
-        cache grew by what it fed, its token is added (an ended row's ignored). Returns the
+        cache grew by what it fed, its token is added (an ended row's ignored), with its
+        log-probabilities and its prompt chunk's when they came (`Chosen`). Returns the
         (sequence, token) pairs added; a sequence that ends here is finished (its slot freed
         when the step completes)."""
+        chosen = prompt = {}
+        if isinstance(tokens, Chosen):
+            chosen, prompt, tokens = tokens.chosen, tokens.prompt, tokens.tokens
         added = []
         for r, seq in enumerate(step.sequences):
             fed = step.rows.counts[r] if index == 0 else 1
             if seq.finish is not None:
                 continue
             seq.cached += fed
+            if r in prompt and not seq.generated:  # by position: a restart's again is the same
+                seq.prompt_chunks[prompt[r].start] = prompt[r]
             token = int(tokens[r])
             if token == NO_TOKEN:
                 continue
+            if r in chosen:
+                seq.logprobs.append(chosen[r])
             seq.generated.append(token)
             added.append((seq, token))
-            if token in seq.request.eos_token_ids:
+            if token in seq.request.eos_token_ids:  # never before min_new_tokens: masked
                 self.finish(seq, Finish.STOP)
             elif len(seq.generated) >= seq.request.max_new_tokens:
                 self.finish(seq, Finish.LENGTH)

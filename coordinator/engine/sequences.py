@@ -11,7 +11,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from worker.decode import Sampling
+from worker.batched import SlotSettings
+from worker.decode import Logprobs, Sampling
 
 
 class Status(enum.Enum):
@@ -42,6 +43,10 @@ class Sequence:
     seed: int | None = None  # when sampling: keys each draw with the token's position
     finish: Finish | None = None
     last_token_s: float | None = None  # for inter-token latency
+    # log-probabilities, when its request asks: of each generated token, and of its prompt
+    # (the chunks' as they come, by first position, until its first token: then joined)
+    logprobs: list[Logprobs] = field(default_factory=list)
+    prompt_chunks: dict[int, Logprobs] = field(default_factory=dict)
 
     @property
     def tokens(self) -> list[int]:
@@ -57,6 +62,35 @@ class Sequence:
     def sampling(self) -> Sampling:
         return self.request.sampling
 
+    def settings(self) -> SlotSettings:
+        """What the last stage needs to choose this sequence's tokens (sent with its first
+        step)."""
+        request = self.request
+        scored = request.prompt_logprobs is not None and not self.generated
+        return SlotSettings(
+            sampling=request.sampling,
+            seed=self.seed,
+            end_ids=tuple(sorted(request.eos_token_ids)) if request.min_new_tokens else (),
+            prompt_length=len(self.prompt),
+            min_tokens=request.min_new_tokens,
+            logprobs=request.logprobs,
+            prompt_logprobs=request.prompt_logprobs if scored else None,
+            prompt_ids=tuple(self.prompt) if scored else (),
+        )
+
+    def prompt_logprobs(self) -> Logprobs | None:
+        """The prompt's scores (positions 1 on) once every chunk's came, else None."""
+        if not self.prompt_chunks or len(self.prompt) < 2:
+            return None
+        position, joined = 1, None
+        while position < len(self.prompt):
+            chunk = self.prompt_chunks.get(position)
+            if chunk is None:
+                return None
+            joined = chunk if joined is None else joined + chunk
+            position += len(chunk)
+        return joined
+
 
 @dataclass(eq=False)
 class Request:
@@ -67,6 +101,12 @@ class Request:
     eos_token_ids: frozenset[int]
     on_token: Callable[[int, int], None] | None = None  # (row, token), from the engine thread
     on_finish: Callable[[], None] | None = None  # once, when the request is done
+    min_new_tokens: int = 0  # no end token before this many new tokens
+    logprobs: int | None = None  # each token's log-probability and this many top ones
+    prompt_logprobs: int | None = None  # the same for every prompt position after the first
+    # (row, Logprobs): just before on_token, those of the token it hands over; before the
+    # first token, the prompt's (when asked)
+    on_logprobs: Callable[[int, Logprobs], None] | None = None
     submitted_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     sequences: list[Sequence] = field(default_factory=list)
@@ -84,15 +124,20 @@ class Request:
         eos_token_ids=(),
         on_token: Callable[[int, int], None] | None = None,
         on_finish: Callable[[], None] | None = None,
+        **scoring,
     ) -> Request:
-        """A request of one sequence per prompt (the engine's, or a client's copy of it)."""
+        """A request of one sequence per prompt (the engine's, or a client's copy of it).
+        `scoring`: min_new_tokens, logprobs, prompt_logprobs, on_logprobs."""
         request = cls(
             sampling=sampling,
             max_new_tokens=max_new_tokens,
             eos_token_ids=frozenset(eos_token_ids),
             on_token=on_token,
             on_finish=on_finish,
+            **scoring,
         )
+        if request.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens={request.min_new_tokens} must be >= 0")
         request.sequences = [
             Sequence(request=request, row=row, prompt=list(prompt))
             for row, prompt in enumerate(prompts)

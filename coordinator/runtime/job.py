@@ -153,6 +153,7 @@ class Job:
         eos_token_id: int | list[int] | None = generation.FROM_CHECKPOINT,  # type: ignore[assignment]
         pad_token_id: int | None = None,
         seed: int | None = None,
+        min_new_tokens: int | None = None,
         on_token: Callable[[int, int], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
@@ -167,7 +168,8 @@ class Job:
         flight. `on_token(row, token)` sees each token as it comes (from the engine's thread:
         keep it short); `cancelled()` true ends the request at the next step (its slots freed).
         A worker lost meanwhile: the job recovers and the request goes on with the text an
-        uninterrupted run gives. A seeded request draws the same tokens whatever else runs."""
+        uninterrupted run gives. A seeded request draws the same tokens whatever else runs.
+        `min_new_tokens`: no end token before this many new tokens (as generate's)."""
         options = dict(
             max_new_tokens=max_new_tokens,
             do_sample=do_sample,
@@ -177,6 +179,7 @@ class Job:
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
             seed=seed,
+            min_new_tokens=min_new_tokens,
         )
         ids, request, settings = self._submit(input_ids, attention_mask, on_token, None, options)
         engine = self.engine()
@@ -201,19 +204,30 @@ class Job:
         *,
         on_token: Callable[[int, int], None] | None = None,
         on_finish: Callable[[], None] | None = None,
+        on_logprobs: Callable | None = None,
         **options,
     ) -> Request:
-        """Queue a request of unpadded `input_ids` (1, n) and return at once: the engine's
-        `Request`, to wait on or `cancel` (through `engine().cancel`). `on_token(row, token)` and
-        `on_finish()` are called from the engine's thread (a server hands them to its event
-        loop). Options and errors: `generate`'s, checked before anything is queued."""
-        return self._submit(input_ids, None, on_token, on_finish, options)[1]
+        """Queue a request of unpadded `input_ids` (rows, n) and return at once: the engine's
+        `Request`, to wait on or `cancel` (through `engine().cancel`). `on_token(row, token)`,
+        `on_logprobs(row, Logprobs)` (just before on_token, those that came with the token:
+        the prompt's before the first, the token's) and `on_finish()` are called from the
+        client's thread (a server hands them to its event loop). Options and errors:
+        `generate`'s and `logprobs` / `prompt_logprobs` (how many top tokens with each
+        generated / prompt token's log-probability; None: none), checked before anything is
+        queued."""
+        return self._submit(input_ids, None, on_token, on_finish, options, on_logprobs)[1]
 
-    def _submit(self, input_ids, attention_mask, on_token, on_finish, options: dict):
+    def _submit(
+        self, input_ids, attention_mask, on_token, on_finish, options: dict, on_logprobs=None
+    ):
         ids, mask, _, _ = check_inputs(
             input_ids, attention_mask, 0, self.index.config.get("vocab_size")
         )
         settings = self.check_request(ids.shape[1], len(ids), **options)
+        scoring = {
+            "logprobs": options.get("logprobs"),
+            "prompt_logprobs": options.get("prompt_logprobs"),
+        }
         keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
         prompts = [row[keep_row].tolist() for row, keep_row in zip(ids, keep, strict=True)]
         request = self.engine().submit(
@@ -224,6 +238,9 @@ class Job:
             seed=settings.seed,
             on_token=on_token,
             on_finish=on_finish,
+            on_logprobs=on_logprobs,
+            min_new_tokens=settings.min_new_tokens,
+            **scoring,
         )
         return ids, request, settings
 
@@ -242,12 +259,26 @@ class Job:
         return self._gate.inside()
 
     def check_request(
-        self, prompt_length: int, sequences: int = 1, **options
+        self,
+        prompt_length: int,
+        sequences: int = 1,
+        *,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        **options,
     ) -> generation.Settings:
         """The settings of a request of `sequences` prompts of `prompt_length` tokens (options:
-        `generate`'s); GenerationError when it could never run here: a setting this loop does
-        not apply, past the model's context, beyond the planned KV cache. Checked before
-        anything runs (a server checks before it starts streaming)."""
+        `generate`'s, and `submit`'s logprobs and prompt_logprobs); GenerationError when it
+        could never run here: a setting this loop does not apply, past the model's context,
+        beyond the planned KV cache. Checked before anything runs (a server checks before it
+        starts streaming)."""
+        vocab = self.index.config.get("vocab_size") or 0
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and not 0 <= value <= max(vocab, 1):
+                raise generation.GenerationError(
+                    f"{name}={value} must be None (none) or a count of top tokens in "
+                    f"[0, {vocab}] (the vocabulary)"
+                )
         settings = generation.resolve(self.index.root, self.index.config, prompt_length, **options)
         self._kv.check(sequences, prompt_length + settings.max_new_tokens)
         return settings

@@ -62,6 +62,7 @@ HEALTH_PING_S = 2.0  # /health: a part that does not answer a ping within this i
 RECOVERY_GRACE_S = 60.0
 KEEPER = "the load's keeper (its engine)"  # /health: a worker gone this long is not being recovered
 MAX_STOP = 4  # stop strings per request, as OpenAI's API allows
+MAX_LOGPROBS = 20  # top tokens per position (OpenAI's chat limit, vLLM's default max_logprobs)
 LOAD_HEADER = "x-offload-load"  # which load (replica) answered a completion
 # Every request field of OpenAI's completions and chat schemas and the vLLM extensions clients
 # send, and what this server does with it: applied (to the text, or the response's shape),
@@ -86,10 +87,16 @@ FIELDS: dict[str, tuple[tuple[str, ...], object]] = {
     "stop": (BOTH, APPLIED),
     "stream": (BOTH, APPLIED),
     "stream_options": (BOTH, APPLIED),  # include_usage, continuous_usage_stats (vLLM)
-    "n": (BOTH, APPLIED),  # 1 only
+    "n": (BOTH, APPLIED),  # n rows of one prompt, row i seeded seed + i
+    "best_of": ((COMPLETIONS,), APPLIED),  # == n only: no row is dropped
+    "logprobs": (BOTH, APPLIED),  # completions: top count; chat: a flag (top_logprobs: count)
+    "top_logprobs": ((CHAT,), APPLIED),
+    "echo": (BOTH, APPLIED),  # completions: the prompt first (scored with logprobs); chat: off
+    "skip_special_tokens": (BOTH, APPLIED),  # vLLM: false keeps special tokens in the text
     "ignore_eos": (BOTH, APPLIED),  # vLLM: no end token ends it, only max_tokens (and stops)
     "stop_token_ids": (BOTH, APPLIED),  # vLLM: more ids that end it (not in the text)
     "include_stop_str_in_output": (BOTH, APPLIED),  # vLLM: the stop string or token kept
+    "min_tokens": (BOTH, APPLIED),  # vLLM: no end token (nor stop string) before this many
     "add_generation_prompt": ((CHAT,), APPLIED),  # vLLM: open the assistant's turn (default)
     # accepted, no effect on the output
     "user": (BOTH, NO_EFFECT),
@@ -102,20 +109,16 @@ FIELDS: dict[str, tuple[tuple[str, ...], object]] = {
     "frequency_penalty": (BOTH, (0,)),
     "repetition_penalty": (BOTH, (1,)),  # vLLM
     "logit_bias": (BOTH, ({},)),
-    "logprobs": (BOTH, (False,)),  # 0 == False: the completions' count, the chat's flag
-    "top_logprobs": ((CHAT,), (0,)),
-    "echo": (BOTH, (False,)),  # vLLM's on chat
-    "best_of": ((COMPLETIONS,), (1,)),
     "suffix": ((COMPLETIONS,), ("",)),
     "tools": ((CHAT,), ([],)),
     "tool_choice": ((CHAT,), ("none",)),
     "functions": ((CHAT,), ([],)),
     "function_call": ((CHAT,), ("none",)),
     "response_format": (BOTH, ({"type": "text"},)),
-    "min_tokens": (BOTH, (0,)),  # vLLM: the engine cannot hold back the end token per request
     "min_p": (BOTH, (0,)),  # vLLM
-    "skip_special_tokens": (BOTH, (True,)),  # vLLM: special tokens are always left out
-    "spaces_between_special_tokens": (BOTH, (True,)),  # vLLM
+    # vLLM: spaces its slow-tokenizer path puts around special tokens; this server decodes
+    # as the fast tokenizer does (vLLM's fast path too), without them
+    "spaces_between_special_tokens": (BOTH, (True,)),
     "use_beam_search": (BOTH, (False,)),  # vLLM
     "length_penalty": (BOTH, (1,)),  # vLLM
     "truncate_prompt_tokens": (BOTH, ()),  # vLLM
@@ -239,6 +242,10 @@ class Parsed:
     include_stop: bool  # vLLM's include_stop_str_in_output
     usage: bool  # stream_options.include_usage: a last chunk with the usage
     continuous_usage: bool  # stream_options.continuous_usage_stats: usage in every chunk
+    n: int = 1  # rows (choices) of the prompt
+    logprobs: int | None = None  # top tokens with each generated token's score (None: none)
+    echo: str | None = None  # completions: the prompt's text, returned before the completion
+    skip_special_tokens: bool = True
 
 
 def chat_messages(messages, tokenizer) -> list[dict]:
@@ -336,6 +343,41 @@ def _end_with_owner(app_name: str, job_id: str) -> None:
                 return
         except Exception as exc:  # look again later
             logger.warning("cannot check the serve process of %s: %s", app_name, exc)
+
+
+def completion_logprobs(scores, offset: int = 0) -> dict:
+    """The completions' `logprobs` of `scores` (`TokenScore`s): each token's text, its
+    log-probability, its top tokens with the token itself (as vLLM's: up to k + 1, None for
+    the first prompt token) and where its text begins (from `offset`)."""
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for score in scores:
+        out["tokens"].append(score.text)
+        out["token_logprobs"].append(score.logprob)
+        top = None
+        if score.top is not None:
+            top = {score.text: score.logprob, **{text: value for text, _, value in score.top}}
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(score.text)
+    return out
+
+
+def chat_logprobs(scores) -> dict:
+    """The chat's `logprobs`: per token its text, log-probability, UTF-8 bytes and its top
+    tokens (the `top_logprobs` asked for)."""
+
+    def entry(text: str, value: float) -> dict:
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {
+                **entry(score.text, score.logprob),
+                "top_logprobs": [entry(text, value) for text, _, value in score.top or ()],
+            }
+            for score in scores
+        ]
+    }
 
 
 # Ray Serve pickles the deployment class when it is decorated: everything it uses is defined
@@ -498,13 +540,28 @@ class OpenAIServer:
             )
         try:
             parsed = self._parse(body, chat)
-            self.job.check_request(parsed.ids.shape[1], **parsed.options)  # a 400 now
+            self.job.check_request(  # a 400 now
+                parsed.ids.shape[1],
+                parsed.n,
+                logprobs=parsed.logprobs,
+                prompt_logprobs=parsed.logprobs if parsed.echo is not None else None,
+                **parsed.options,
+            )
         except OffloadCoordinatorError as exc:  # no chat template, past the context or the KV plan
             return _error_for(exc)
         kind = "chat.completion" if chat else "text_completion"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         run = Run(
-            self.job, self.tokenizer, parsed.ids, parsed.options, parsed.stop, parsed.include_stop
+            self.job,
+            self.tokenizer,
+            parsed.ids,
+            parsed.options,
+            parsed.stop,
+            parsed.include_stop,
+            n=parsed.n,
+            skip_special_tokens=parsed.skip_special_tokens,
+            logprobs=parsed.logprobs,
+            echo_logprobs=parsed.logprobs if parsed.echo is not None else None,
         )
         if parsed.stream:
             try:
@@ -522,20 +579,25 @@ class OpenAIServer:
             await run.finish()
         except Exception as exc:  # busy (429), a lost worker (503), a bug (500): by kind
             return _error_for(exc)
-        message = {"role": "assistant", "content": run.text}
-        choice = {
-            "index": 0,
-            "finish_reason": run.finish_reason,
-            "logprobs": None,
-            **({"message": message} if chat else {"text": run.text}),
-        }
+        choices = []
+        for row, choice in enumerate(run.choices):
+            text, scores = choice.stream.text, choice.scores
+            if parsed.echo is not None:
+                text, scores = parsed.echo + text, run.prompt_scores + scores
+            logprobs = None
+            if parsed.logprobs is not None:
+                logprobs = chat_logprobs(scores) if chat else completion_logprobs(scores)
+            body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            choices.append(
+                {"index": row, "finish_reason": choice.finish_reason, "logprobs": logprobs, **body}
+            )
         return JSONResponse(
             {
                 "id": rid,
                 "object": kind,
                 "created": int(time.time()),
                 "model": self.model_name,
-                "choices": [choice],
+                "choices": choices,
                 "usage": run.usage(),
             },
             headers={LOAD_HEADER: self.load_name},
@@ -546,8 +608,15 @@ class OpenAIServer:
         from coordinator.serving.text import end_ids, prompt_ids
 
         check_fields(body, CHAT if chat else COMPLETIONS)
-        if _field(body, "n", (int,), 1) != 1:
-            raise BadRequest("only n=1 is supported", param="n")
+        n = _field(body, "n", (int,), 1, lambda v: v >= 1)
+        best_of = _field(body, "best_of", (int,), n)
+        if best_of != n:
+            raise BadRequest(
+                f"'best_of'={best_of} is not supported: only best_of == n ({n}), every row "
+                "returned (send n alone)",
+                param="best_of",
+            )
+        logprobs, echo = self._scoring(body, chat)
         stop = body.get("stop")
         stop = [stop] if isinstance(stop, str) else stop
         if stop is not None and (
@@ -569,6 +638,11 @@ class OpenAIServer:
             "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
         )
         max_tokens = _field(body, limit, (int,), 16, lambda v: v >= 1)
+        min_tokens = _field(body, "min_tokens", (int,), 0, lambda v: v >= 0)
+        if min_tokens > max_tokens:
+            raise BadRequest(
+                f"'min_tokens'={min_tokens} must be <= '{limit}'={max_tokens}", param="min_tokens"
+            )
         top_k = _field(body, "top_k", (int,), None, lambda v: v >= -1)
         options = sampling_options(
             _field(body, "temperature", (int, float), None, lambda v: v >= 0),
@@ -600,14 +674,49 @@ class OpenAIServer:
                 param="stream_options.continuous_usage_stats",
             )
         return Parsed(
+            n=n,
+            logprobs=logprobs,
+            echo=self._echo_text(body, ids) if echo else None,
+            skip_special_tokens=_field(body, "skip_special_tokens", (bool,), True),
             ids=ids,
-            options={"max_new_tokens": max_tokens, **options},
+            options={"max_new_tokens": max_tokens, "min_new_tokens": min_tokens, **options},
             stream=stream,
             stop=tuple(stop or ()),
             include_stop=_field(body, "include_stop_str_in_output", (bool,), False),
             usage=usage,
             continuous_usage=continuous,
         )
+
+    @staticmethod
+    def _scoring(body: dict, chat: bool) -> tuple[int | None, bool]:
+        """(top tokens with each token's log-probability, None: none; echo): the completions'
+        `logprobs: k` and `echo`, the chat's `logprobs: true` with `top_logprobs: k`."""
+        in_range = lambda v: 0 <= v <= MAX_LOGPROBS  # noqa: E731
+        if chat:
+            if _field(body, "echo", (bool,), False):
+                raise BadRequest(
+                    "'echo'=true is not supported on /v1/chat/completions (use "
+                    "/v1/completions with the templated prompt)",
+                    param="echo",
+                )
+            top = _field(body, "top_logprobs", (int,), None, in_range)
+            if not _field(body, "logprobs", (bool,), False):
+                if top:
+                    raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+                return None, False
+            return top or 0, False
+        return _field(body, "logprobs", (int,), None, in_range), _field(
+            body, "echo", (bool,), False
+        )
+
+    def _echo_text(self, body: dict, ids) -> str:
+        """The prompt as `echo` returns it: the string sent, or its token ids decoded."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(ids[0].tolist(), skip_special_tokens=False)
 
     def _prompt(self, prompt, prompt_ids):
         """A completion's prompt: a string, or token ids (as OpenAI's API takes them), one
@@ -633,41 +742,59 @@ class OpenAIServer:
         )
 
     async def _events(self, run: Run, rid: str, chat: bool, request: Request, parsed: "Parsed"):
-        """Server-sent events: a chunk per text delta, a last chunk with the finish reason,
-        then [DONE]. A client that goes away cancels the request (its caches are freed)."""
+        """Server-sent events: the first with the first token (chat: each choice's role; echo:
+        the prompt), a chunk per text delta of a choice (with its tokens' log-probabilities
+        when asked), a last chunk per choice with its finish reason, then [DONE]. A client
+        that goes away cancels the request (its caches are freed)."""
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+        offsets = [0] * parsed.n  # completions' text_offset: where each choice's text is
 
-        def event(delta: str | None, finish: str | None) -> str:
+        def event(row, delta: str | None, finish: str | None, scores=None, role=False, count=None):
+            logprobs = None
+            if parsed.logprobs is not None and scores is not None:
+                if chat:
+                    logprobs = chat_logprobs(scores)
+                else:
+                    logprobs = completion_logprobs(scores, offsets[row])
             if chat:
-                piece = {"delta": {} if delta is None else {"content": delta}}
+                piece = {"delta": {"role": "assistant"} if role else {}}
+                if delta is not None:
+                    piece["delta"]["content"] = delta
             else:
-                piece = {"text": delta or "", "logprobs": None}
+                piece = {"text": delta or ""}
+                offsets[row] += len(delta or "")
             data = {
                 "id": rid,
                 "object": chunk_kind,
                 "created": int(time.time()),
                 "model": self.model_name,
-                "choices": [{"index": 0, **piece, "finish_reason": finish}],
+                "choices": [{"index": row, **piece, "logprobs": logprobs, "finish_reason": finish}],
             }
             if parsed.continuous_usage:  # vLLM's continuous_usage_stats: usage so far, each
-                data["usage"] = run.usage()
+                data["usage"] = run.usage(count)
             return f"data: {json.dumps(data)}\n\n"
 
         try:
-            if chat:
-                yield event(None, None).replace('"delta": {}', '"delta": {"role": "assistant"}')
+            first = run.first_count()
+            for row in range(parsed.n if chat else 0):
+                yield event(row, None, None, role=True, count=first)
             async for delta in run.deltas():
                 if await request.is_disconnected():
                     run.cancel()
                     return
-                yield event(delta, None)
+                if delta.first and parsed.echo is not None:  # the prompt, before all else
+                    for row in range(parsed.n):
+                        yield event(row, parsed.echo, None, run.prompt_scores, count=0)
+                if delta.text or delta.scores or (delta.first and not chat):
+                    yield event(delta.row, delta.text, None, delta.scores, count=delta.new_tokens)
             if run.error is not None:
                 status, kind = status_of(run.error)
                 text = str(run.error) if status != 500 else "internal error; see the server log"
                 message = json.dumps(error_body(status, text, kind))
                 yield f"data: {message}\n\n"
             else:
-                yield event(None, run.finish_reason)
+                for row, choice in enumerate(run.choices):
+                    yield event(row, None, choice.finish_reason)
                 if parsed.usage:  # stream_options.include_usage: one more chunk, no choices
                     data = {
                         "id": rid,

@@ -90,9 +90,10 @@ def end_ids(tokenizer, index) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-# A character is at most 4 UTF-8 bytes, so one split over byte tokens is whole within 4 tokens:
-# text still undecodable after this many pending tokens is garbage (invalid bytes), released at
-# a clean cut so that the decoded window, and so the cost of a token, stays bounded.
+# A character is at most 4 UTF-8 bytes, so one split over byte tokens is whole within 4 tokens,
+# and bytes that cannot complete one are released at the next token (`_detokenize`). Tokens
+# that still give no text after this many (ones that decode to nothing) are released at a
+# clean cut so that the decoded window, and so the cost of a token, stays bounded.
 MAX_PENDING = 8
 
 
@@ -103,8 +104,11 @@ class TextStream:
     tokens handed out last) and the pending tokens after it; what the window decodes to past
     the prefix's text is new. The prefix gives the new tokens their context (a sentencepiece
     "▁" decodes as a space only after other text). A character split over several byte tokens
-    appears once complete, never as a replacement character. Deltas plus `finish()` add up to
-    decoding every token at once (`skip_special_tokens`), up to a stop string.
+    appears once complete, never as a replacement character; bytes that cannot complete one
+    appear as U+FFFD at the next token, so at most one incomplete character is ever held
+    back (and a stop string's possible start). Deltas plus `finish()` add up to
+    decoding every token at once (with `skip_special_tokens` as given: by default special
+    tokens are not text), up to a stop string.
 
     `stop_strings` end the text where the first of them begins (it is not part of the text, as
     OpenAI's `stop` works; with `include_stop` they end it after it, as vLLM's
@@ -121,9 +125,16 @@ class TextStream:
         stop_strings: tuple[str, ...] = (),
         *,
         include_stop: bool = False,
+        min_tokens: int = 0,
+        skip_special_tokens: bool = True,
     ) -> None:
         if any(not s for s in stop_strings):
             raise ConfigError("a stop string must not be empty")
+        # vLLM's min_tokens: the text of the first min_tokens tokens is never searched for a
+        # stop string (their end tokens the engine masks)
+        self.min_tokens = min_tokens
+        self._pushed = 0
+        self.skip_special_tokens = skip_special_tokens
         self.tokenizer = tokenizer
         self.stop_ids = set(stop_ids)
         self.stop_strings = tuple(stop_strings)
@@ -143,7 +154,10 @@ class TextStream:
         self._specials = frozenset(getattr(tokenizer, "all_special_ids", ())) | {
             i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special
         }
+        if not skip_special_tokens:  # they are text: in the window like any token
+            self._specials = frozenset()
         self._skipped: dict[int, bool] = {}
+        self._probe: list[int] | None = None  # continuation-byte tokens (`_split`), on need
 
     @property
     def text(self) -> str:
@@ -155,6 +169,7 @@ class TextStream:
     def push(self, token_id: int) -> str:
         if self.stopped:
             return ""  # the padding after the end is not text
+        self._pushed += 1
         if token_id in self.stop_ids:
             self.stopped = True  # the end token is not text, unless include_stop
             if not self.include_stop:
@@ -176,7 +191,7 @@ class TextStream:
         return self._release(new, final=True)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _skips(self, token_id: int) -> bool:
         if token_id not in self._skipped:
@@ -184,10 +199,17 @@ class TextStream:
         return self._skipped[token_id]
 
     def _detokenize(self) -> str:
-        """The new text the window gives with its last token, or "" while it is incomplete."""
+        """The new text the window gives with its last token. Only the bytes of one character
+        that may still complete (the text ends in a replacement character) are held back:
+        whatever comes before it is handed out, replacement characters of bytes that the next
+        token showed can never complete included (as `tokenizers`' decode stream and vLLM do)."""
         text = self._decode(self._window)
         if len(text) > len(self._prefix_text) and not text.endswith("\ufffd"):
             return self._advance(text)
+        if text.endswith("\ufffd") and len(self._window) - self._read > 1:
+            head = self._split(text, proven=True)  # what comes before the last character
+            if head is not None:
+                return head
         if len(self._window) - self._read < MAX_PENDING:
             return ""  # an incomplete character, or nothing new yet: the next tokens tell
         return self._cut(text)
@@ -201,31 +223,52 @@ class TextStream:
         self._prefix_text = self._decode(self._window[: self._read])
         return delta
 
-    def _cut(self, text: str) -> str:
-        """MAX_PENDING tokens and still no complete text: invalid bytes (a character is never
-        that long). Hand out the text up to the last token boundary after which the bytes
-        decode as they do on their own, so nothing later can change what comes before it
-        (and drop the window up to there). With byte-level BPE there is one wherever a token
-        boundary falls between characters (at the latest every 4 tokens when non-ASCII bytes
-        are single tokens, as in the checkpoints' tokenizer); otherwise (byte runs a tokenizer can only decode whole, say) release
-        the window as decoded: the text may then differ from decoding all at once, but a
-        stream of garbage cannot widen the window without bound."""
+    def _split(self, text: str, *, proven: bool) -> str | None:
+        """Hand out the text up to the last token boundary after which the pending tokens
+        decode as they do on their own, when that releases something; the window keeps the
+        tokens after it. `proven`: only where continuation bytes after the window would not
+        change that text either (so nothing later can), which needs the tokenizer's byte
+        tokens (`_continuations`). None when there is no such boundary."""
+        if proven:
+            if self._probe is None:
+                self._probe = _continuations(self.tokenizer)
+            if not self._probe:
+                return None
         for cut in range(len(self._window) - 1, self._read, -1):
             head = self._decode(self._window[:cut])
-            if (
-                len(head) >= len(self._prefix_text)
-                and head + self._decode(self._window[cut:]) == text
-            ):
-                delta = head[len(self._prefix_text) :]
-                del self._window[:cut]
-                self._read, self._prefix_text = 0, ""
-                return delta
-        return self._advance(text)
+            if len(head) < len(self._prefix_text) + proven:
+                continue
+            if head + self._decode(self._window[cut:]) != text:
+                continue
+            # Lossy decoders may give an incomplete character one U+FFFD per byte
+            # (sentencepiece's byte fallback), so head + tail == text although more bytes
+            # complete it later: the probe's continuation bytes tell.
+            if proven and not self._decode(self._window + self._probe).startswith(head):
+                continue
+            delta = head[len(self._prefix_text) :]
+            del self._window[:cut]
+            self._read, self._prefix_text = 0, ""
+            return delta
+        return None
+
+    def _cut(self, text: str) -> str:
+        """MAX_PENDING tokens and still no complete text: invalid bytes a tokenizer without
+        byte tokens decodes, or tokens that decode to nothing. Hand out the text up to the last
+        clean token boundary (`_split`); otherwise (byte runs a tokenizer can only decode
+        whole, say) release the window as decoded: the text may then differ from decoding all
+        at once, but the window cannot widen without bound."""
+        head = self._split(text, proven=False)
+        return head if head is not None else self._advance(text)
 
     def _release(self, new: str, *, final: bool) -> str:
         if not new and not final:
             return ""
         pending = self._held + new  # the only text a stop string can begin in
+        if self._pushed <= self.min_tokens:
+            self._held = ""  # before min_tokens: no stop string, nothing held for one
+            if pending:
+                self._out.append(pending)
+            return pending
         found = _first_stop(pending, self.stop_strings)
         if found is not None:
             end, self.stop_string = found
@@ -239,6 +282,32 @@ class TextStream:
         if delta:
             self._out.append(delta)
         return delta
+
+
+def byte_level_char(byte: int) -> str:
+    """The character GPT-2's byte-level BPE writes `byte` as in its tokens (its
+    bytes_to_unicode: printable Latin-1 bytes as themselves, the others from U+0100 on)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    if byte in printable:
+        return chr(byte)
+    return chr(256 + [b for b in range(256) if b not in printable].index(byte))
+
+
+def _continuations(tokenizer) -> list[int]:
+    """Three tokens of the byte 0x80 (a UTF-8 continuation byte), enough to complete any
+    incomplete character, when the tokenizer has byte tokens that it decodes as
+    `String::from_utf8_lossy` does (byte-level BPE: one U+FFFD per invalid sequence, the
+    bytes around it decoded as they are, so bytes appended never change a character before
+    an incomplete one); else [] (never probed). Sentencepiece's byte fallback turns a whole
+    run of byte tokens into one U+FFFD per byte unless the run is valid UTF-8, so bytes
+    appended can change what comes before: it is not probed."""
+    for lead, cont in (("<0xE2>", "<0x80>"), (byte_level_char(0xE2), byte_level_char(0x80))):
+        ids = tokenizer.convert_tokens_to_ids([lead, cont])
+        if any(i is None or i == tokenizer.unk_token_id for i in ids):
+            continue
+        if tokenizer.decode([ids[0], ids[1], ids[1], ids[1]]) == "\u2000\ufffd":  # E2 80 80 80
+            return [ids[1]] * 3
+    return []
 
 
 def _first_stop(text: str, stop_strings: tuple[str, ...]) -> tuple[int, str] | None:
