@@ -17,7 +17,7 @@ import torch
 from helpers import assert_probe_decided_pin, kill_actor, scrape_gauges, wait_gpus_free
 from ray_head import free_ports
 
-from coordinator.config import JobConfig
+from coordinator.config import ConfigError, JobConfig
 from coordinator.planning.checkpoint import load_index
 from coordinator.runtime import telemetry
 from coordinator.runtime.errors import LaunchError
@@ -701,11 +701,14 @@ def test_offloadctl_generate_streams_the_greedy_text(
 def test_replicas_each_on_their_own_gpu_and_a_lost_worker_stays_in_its_replica(
     embedded_ray, checkpoints
 ) -> None:
-    """Three replicas (throughput), one GPU each: three named loads, each planned on its own
-    GPU (`nodes`) with the plan the replica search made, each generating transformers' greedy
-    tokens; a worker lost in one replica is replaced there, and the others never notice."""
+    """Three replicas (throughput), one GPU each, loaded at once: three named loads, each
+    planned on its own GPU (`nodes`) with the plan the replica search made, each generating
+    transformers' greedy tokens, their loading told as one progress; a worker lost in one
+    replica is replaced there, and the others never notice. A launch whose second name is
+    taken, or whose second replica fails while the first loads, leaves nothing of its own."""
     from concurrent.futures import ThreadPoolExecutor
 
+    import coordinator.runtime.launch as launching
     from coordinator.runtime import registry
     from coordinator.runtime.launch import launch_replicas
     from coordinator.tools.reference import reference_generate
@@ -724,9 +727,13 @@ def test_replicas_each_on_their_own_gpu_and_a_lost_worker_stays_in_its_replica(
     expected = reference_generate(
         checkpoint, ids, num_threads=1, max_new_tokens=8, do_sample=False, eos_token_id=None
     )
-    jobs = launch_replicas(config, "rep")
+    told: list[tuple[int, int]] = []
+    jobs = launch_replicas(config, "rep", progress=lambda done, total: told.append((done, total)))
     try:
         assert [j.name for j in jobs] == ["rep-0", "rep-1", "rep-2"]
+        # one bar for the three: its total never changes, and it ends full
+        assert len({total for _, total in told}) == 1 and told[-1][0] == told[-1][1] > 0, told
+        assert [done for done, _ in told] == sorted(done for done, _ in told), told
         node = ray.get_runtime_context().get_node_id()
         assert {j.config.nodes for j in jobs} == {f"{node}=1"} and len(
             {s.gpu_index for j in jobs for s in j.plan.stages}
@@ -754,6 +761,35 @@ def test_replicas_each_on_their_own_gpu_and_a_lost_worker_stays_in_its_replica(
         for job in reversed(jobs):
             registry.forget(job.name)
             job.close()
+    wait_gpus_free(NUM_GPUS)
+
+    def holdings() -> tuple[list[str], set[str]]:
+        table = ray.util.placement_group_table().values()
+        return registry.list_loads(), {g["name"] for g in table if g["state"] != "REMOVED"}
+
+    before = holdings()
+    taken = registry.claim("clash-1")  # another load's name: the launch fails before any GPU
+    try:
+        with pytest.raises(ConfigError, match="'clash-1' already exists"):
+            launch_replicas(config, "clash")
+        assert registry.list_loads() == ["clash-1"]  # the other's, untouched
+    finally:
+        registry.release(taken)
+    real_start = launching._start
+
+    def second_fails(replica, index, plan, envs, session, load, *rest):
+        if load.endswith("-1"):
+            time.sleep(0.5)  # while the first replica loads
+            raise LaunchError(f"{load}: failed on purpose")
+        return real_start(replica, index, plan, envs, session, load, *rest)
+
+    launching._start = second_fails
+    try:
+        with pytest.raises(LaunchError, match="fail-1: failed on purpose"):
+            launch_replicas(config, "fail")
+    finally:
+        launching._start = real_start
+    assert holdings() == before  # no load, record or placement group of either replica
     wait_gpus_free(NUM_GPUS)
 
 

@@ -5,7 +5,9 @@ finds a named load again from any process. Both return a `coordinator.runtime.jo
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from coordinator.config import ConfigError, JobConfig
 from coordinator.family_check import check_family
@@ -20,6 +22,9 @@ from coordinator.runtime.keeper import find as find_keeper
 from coordinator.runtime.keeper import start as start_keeper
 from coordinator.runtime.probing import model_of, probe_cluster
 from coordinator.runtime.session import RaySession, connect
+
+REPLICA_STOP_TIMEOUT_S = 120.0  # replicas still loading at a failure: their threads, after
+# their workers were killed
 
 
 def launch(
@@ -67,21 +72,30 @@ def launch_replicas(
 ) -> list[Job]:
     """The job as `config.replicas` pipelines (0: the count with the most tokens/s), each a
     named load `{name}-{r}` on its own GPUs (`JobConfig.nodes`) with the plan the replica
-    search made for it; the cluster is probed once for all. A single pipeline is the load
-    `name` itself. On any failure every replica started is released. `lease_s`: each is
-    leased (see `launch`)."""
+    search made for it; the cluster is probed once for all, every name is claimed first, and
+    the replicas load at once (each on its own GPUs: N replicas take about as long as one).
+    A single pipeline is the load `name` itself. On any failure, or an interrupt, every
+    replica is released, loaded or not. `lease_s`: each is leased (see `launch`)."""
     if config.replicas == 1:
         return [launch(config, progress=progress, name=name, lease_s=lease_s)]
     if lease_s is not None and not lease_s > 0:
         raise ConfigError(f"lease_s={lease_s}: a lease is a positive time")
     index = _checked_index(config)
     session = connect(config)
-    jobs: list[Job] = []
+    records: dict[str, object] = {}  # load name -> its record, claimed by this call
+    futures: list[Future] = []
+    pool = None
     try:
         snapshot, envs = probe_cluster(config, model=model_of(index, config))
         chosen = plan_replicas(config, index, snapshot)
         many = len(chosen.plans) > 1
-        for r, the_plan in enumerate(chosen.plans):
+        loads = [f"{name}-{r}" if many else name for r in range(len(chosen.plans))]
+        for load in loads:  # every name first: a clash fails before any GPU is taken
+            records[load] = registry.claim(load)
+        combined = _CombinedProgress(progress, len(loads)) if progress is not None else None
+        # not `with`: its exit would wait for every load, also on an interrupt (Ctrl-C)
+        pool = ThreadPoolExecutor(len(loads), thread_name_prefix="offload-replica")
+        for r, (the_plan, load) in enumerate(zip(chosen.plans, loads, strict=True)):
             replica = dataclasses.replace(
                 config,
                 replicas=1,
@@ -89,29 +103,62 @@ def launch_replicas(
                 micro_batches=the_plan.options.micro_batches,
                 nodes=recovery.nodes_of(the_plan) if many else "",
             )
-            load = f"{name}-{r}" if many else name
-            # the first replica owns the Ray this call connected to; the others only use it
-            jobs.append(
-                _start(
+            futures.append(
+                pool.submit(
+                    _start,
                     replica,
                     index,
                     the_plan,
                     envs,
-                    session if not jobs else RaySession(owned=False),
+                    # the first replica owns the Ray this call connected to
+                    session if r == 0 else RaySession(owned=False),
                     load,
-                    progress,
-                    registry.claim(load),
+                    combined.of(r) if combined is not None else None,
+                    records[load],
                     lease_s,
                 )
             )
-        return jobs
+        return [future.result() for future in futures]
     except BaseException:
-        for job in reversed(jobs):
-            registry.forget(job.name)  # a replica this call made and loaded: all of it
-            job.close()
-        if not jobs:
-            session.close()
+        # What finished is ours to release; what still loads is stopped by name (its workers
+        # killed, so its wait ends), then swept again once every replica's thread is done (a
+        # keeper started meanwhile goes too). Only names this call claimed: never another's.
+        for load in records:
+            registry.forget(load)
+        wait(futures, timeout=REPLICA_STOP_TIMEOUT_S)
+        for future in futures:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().close()
+        for load in records:
+            registry.forget(load)
+        if not (futures and futures[0].done() and futures[0].exception() is None):
+            session.close()  # not closed with the first replica's job
         raise
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=False)  # its threads are done, or end once their loads fail
+
+
+class _CombinedProgress:
+    """The replicas' loading progress as one (bytes loaded of all, bytes of all), told once
+    every replica has said its size (the total does not change under the caller's bar)."""
+
+    def __init__(self, progress: Callable[[int, int], None], count: int) -> None:
+        self._progress = progress
+        self._state: list[tuple[int, int] | None] = [None] * count
+        self._lock = threading.Lock()
+
+    def of(self, r: int) -> Callable[[int, int], None]:
+        def told(done: int, total: int) -> None:
+            with self._lock:
+                self._state[r] = (done, total)
+                if any(s is None for s in self._state):
+                    return
+                done_all = sum(s[0] for s in self._state)
+                total_all = sum(s[1] for s in self._state)
+                self._progress(done_all, total_all)
+
+        return told
 
 
 def _checked_index(config: JobConfig):
