@@ -1,10 +1,10 @@
 """`offloadctl serve` on a shared Ray cluster (a private head with two GPUs, token auth on): a
 `serve` of its own model as two replicas (two pipelines, two named loads, one Serve deployment
 whose router spreads the requests: every completion is transformers' greedy text, whichever
-replica answered it, `x-offload-load`), then killed with -9, leaves nothing (its loads' leases
-run out, its app ends with it); two `serve` of one named load, each on its own port, each with a
-Serve app of its own, both answer, and Ctrl-C of one removes its app only while the other goes
-on answering."""
+replica answered it, `x-offload-load`); a second `serve` of one of those named loads, on its own
+port with a Serve app of its own: both answer, and Ctrl-C of the second removes its app only
+while the first goes on answering; then the first, killed with -9, leaves nothing (its loads'
+leases run out, its app ends with it)."""
 
 from __future__ import annotations
 
@@ -123,9 +123,7 @@ def test_two_serves_on_one_cluster_and_one_killed(tmp_path) -> None:
         env.update(ray_env)
         observer = Observer(env)
         try:
-            # A serve of its own model as two replicas, which share the requests; killed with
-            # -9: no renewal from then on, so its loads are unloaded when their leases run out,
-            # and its app goes with the process.
+            # A serve of its own model as two replicas, which share the requests.
             (tmp_path / "own").mkdir()
             with serving(
                 tmp_path / "own",
@@ -148,44 +146,44 @@ def test_two_serves_on_one_cluster_and_one_killed(tmp_path) -> None:
                 state = observer.state()
                 assert state["apps"] == [app_of(own)] and state["gpus"] == 0, state
                 assert sorted(state["loads"]) == sorted(loads), state
+
+                # A second serve of one of those named loads, on its own port with its own
+                # app: both answer; Ctrl-C of the second removes its app only, and the first
+                # goes on (the load is the first's: the second never unloads it).
+                (tmp_path / "b").mkdir()
+                with serving(tmp_path / "b", load=min(loads), ray_env=ray_env) as second:
+                    track()
+                    assert complete(second, prompt) == expected
+                    assert complete(own, prompt) == expected
+                    apps = {app_of(own), app_of(second)}
+                    assert len(apps) == 2 and all(a.startswith("offload-openai-") for a in apps)
+                    assert set(observer.state()["apps"]) == apps
+
+                    second.proc.send_signal(signal.SIGINT)  # Ctrl-C of the second
+                    assert second.proc.wait(timeout=STOP_TIMEOUT_S) == 130, second.log()
+                    assert "Traceback" not in second.log(), second.log()
+                    assert complete(own, prompt) == expected  # the first goes on
+                    try:
+                        urllib.request.urlopen(f"{second.base}/models", timeout=10)
+                        raise AssertionError("the stopped server still answers")
+                    except urllib.error.URLError:
+                        pass
+                    state = observer.state()
+                    assert state["apps"] == [app_of(own)], state
+                    assert sorted(state["loads"]) == sorted(loads), state
+
+                # The first killed with -9: no renewal from then on, so its loads are unloaded
+                # when their leases run out, and its app goes with the process.
                 own.proc.kill()
                 own.proc.wait(timeout=STOP_TIMEOUT_S)
             killed = time.monotonic()
             while (state := observer.state()) != {"apps": [], "loads": [], "gpus": 2}:
                 assert time.monotonic() - killed < LEASE_S + GONE_BOUND_S, state
                 time.sleep(0.5)
-
-            # Two serves of one named load, each on its own port with its own app: both answer;
-            # Ctrl-C of one removes its app only, and the other goes on.
-            offloadctl(env, "load", "--checkpoint", checkpoint, *LOAD_FLAGS, "--name", "shared")
-            (tmp_path / "a").mkdir()
-            (tmp_path / "b").mkdir()
-            with (
-                serving(tmp_path / "a", load="shared", ray_env=ray_env) as first,
-                serving(tmp_path / "b", load="shared", ray_env=ray_env) as second,
-            ):
-                track()
-                assert complete(first, prompt) == expected
-                assert complete(second, prompt) == expected
-                apps = {app_of(first), app_of(second)}
-                assert len(apps) == 2 and all(a.startswith("offload-openai-") for a in apps)
-                assert set(observer.state()["apps"]) == apps
-
-                first.proc.send_signal(signal.SIGINT)  # Ctrl-C of the first
-                assert first.proc.wait(timeout=STOP_TIMEOUT_S) == 130, first.log()
-                assert "Traceback" not in first.log(), first.log()
-                assert complete(second, prompt) == expected  # the other goes on
-                try:
-                    urllib.request.urlopen(f"{first.base}/models", timeout=10)
-                    raise AssertionError("the stopped server still answers")
-                except urllib.error.URLError:
-                    pass
-                state = observer.state()
-                assert state["apps"] == [app_of(second)] and state["loads"] == ["shared"]
         finally:
             track()
             try:
-                if "shared" in observer.state()["loads"]:
-                    offloadctl(env, "unload", "shared")
+                for load in observer.state()["loads"]:
+                    offloadctl(env, "unload", load)
             finally:
                 observer.close()
