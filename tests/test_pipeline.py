@@ -767,12 +767,21 @@ def test_replicas_each_on_their_own_gpu_and_a_lost_worker_stays_in_its_replica(
         table = ray.util.placement_group_table().values()
         return registry.list_loads(), {g["name"] for g in table if g["state"] != "REMOVED"}
 
+    def settles_to(expected, timeout_s: float = 30.0) -> bool:  # kills and removals are async
+        deadline = time.monotonic() + timeout_s
+        while holdings() != expected:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
+
     before = holdings()
     taken = registry.claim("clash-1")  # another load's name: the launch fails before any GPU
     try:
         with pytest.raises(ConfigError, match="'clash-1' already exists"):
             launch_replicas(config, "clash")
-        assert registry.list_loads() == ["clash-1"]  # the other's, untouched
+        # the other's, untouched; nothing of this launch's own
+        assert settles_to((sorted([*before[0], "clash-1"]), before[1])), holdings()
     finally:
         registry.release(taken)
     real_start = launching._start
@@ -789,7 +798,7 @@ def test_replicas_each_on_their_own_gpu_and_a_lost_worker_stays_in_its_replica(
             launch_replicas(config, "fail")
     finally:
         launching._start = real_start
-    assert holdings() == before  # no load, record or placement group of either replica
+    assert settles_to(before), holdings()  # no load, record or placement group of any replica
     wait_gpus_free(NUM_GPUS)
 
 
