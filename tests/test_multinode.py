@@ -26,7 +26,10 @@ def cluster():
     labelled - the offload-pin-memory=off label, over OFFLOAD_PIN_MEMORY=auto in its environment;
     override - the same label and environment, and the job overrides both (and makes its GPU
                stand in for a GH200-class one: OFFLOAD_SIMULATED_GPU=coherent)."""
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False},
+    )
     try:
         c.add_node(num_cpus=1, num_gpus=1, labels={"pool": "plain"})
         c.add_node(

@@ -36,6 +36,7 @@ def cluster():
     c = Cluster(
         initialize_head=True,
         head_node_args={
+            "include_dashboard": False,  # the nodes' agents still export the metrics
             "num_cpus": 4,
             "num_gpus": 3,
             "metrics_export_port": METRICS_PORT,

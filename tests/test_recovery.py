@@ -41,7 +41,10 @@ SHAPE = CheckpointShape(
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False},
+    )
     nodes = [c.add_node(num_cpus=2, num_gpus=1) for _ in range(3)]
     try:
         ray.init(address=c.address, log_to_driver=False)
