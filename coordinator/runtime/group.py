@@ -192,19 +192,7 @@ class WorkerGroup:
     def dead_stages(self) -> list[int]:
         """Stages whose worker is gone (its actor died or its node left), from one ping of
         every stage at once under one bound. A worker busy past PING_TIMEOUT_S is not dead."""
-        refs = {s: h.actor.ping.remote() for s, h in enumerate(self.handles) if h.actor}
-        dead = [s for s, h in enumerate(self.handles) if h.actor is None]
-        if not refs:
-            return dead
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=PING_TIMEOUT_S)
-        answered = set(ready)
-        for stage, ref in refs.items():
-            if ref in answered:
-                try:
-                    ray.get(ref, timeout=0)
-                except ray.exceptions.RayActorError:
-                    dead.append(stage)
-        return sorted(dead)
+        return sorted(gone_parts(dict(enumerate(h.actor for h in self.handles)), PING_TIMEOUT_S))
 
     # changes
     def replace(self, stages: list[int]) -> None:
@@ -282,6 +270,22 @@ class WorkerGroup:
         for _, group in self.placement_groups:
             remove_group(group)
         self.placement_groups = []
+
+
+def gone_parts(parts: dict, timeout_s: float) -> list:
+    """Which of `parts` (key -> actor handle, None: gone) are gone: each pinged at once; one
+    that does not answer within `timeout_s` is busy, not gone (a bounded, cheap check)."""
+    refs = {what: actor.ping.remote() for what, actor in parts.items() if actor is not None}
+    dead = [what for what, actor in parts.items() if actor is None]
+    if refs:
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        for what, ref in refs.items():
+            if ref in ready:
+                try:
+                    ray.get(ref, timeout=0)
+                except ray.exceptions.RayActorError:
+                    dead.append(what)
+    return dead
 
 
 def kill(handles: Sequence[WorkerHandle]) -> None:

@@ -39,6 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 
+from coordinator.runtime.group import gone_parts
 from coordinator.runtime.record import driver_alive
 from coordinator.serving.bridge import HttpFront, HttpRequest, run_asgi
 from coordinator.serving.runs import Run
@@ -303,22 +304,6 @@ def chat_messages(messages, tokenizer) -> list[dict]:
             )
         out.append({**message, "content": content})
     return out
-
-
-def gone_parts(parts: dict, timeout_s: float) -> list[str]:
-    """Which of `parts` (what -> actor handle, None: gone) are gone: each pinged at once; one
-    that does not answer within `timeout_s` is busy, not gone (a bounded, cheap check)."""
-    refs = {what: actor.ping.remote() for what, actor in parts.items() if actor is not None}
-    dead = [what for what, actor in parts.items() if actor is None]
-    if refs:
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-        for what, ref in refs.items():
-            if ref in ready:
-                try:
-                    ray.get(ref, timeout=0)
-                except ray.exceptions.RayActorError:
-                    dead.append(what)
-    return dead
 
 
 def package_version() -> str:
