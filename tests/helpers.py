@@ -5,6 +5,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from coordinator.tools.make_checkpoint import CheckpointShape
+
+
+def tiny_shape(num_layers: int, **changes) -> CheckpointShape:
+    """The tests' tiny decoder checkpoint (llama unless `arch` says otherwise): hidden 64, 4
+    heads (2 KV), intermediate 128, vocab 128; `changes` sets any other field."""
+    fields = dict(
+        hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=128
+    )
+    return CheckpointShape(num_layers=num_layers, **{**fields, **changes})
+
 
 def block_stack(num_layers: int, hidden: int = 16, *, seed: int = 0) -> list[nn.Module]:
     """Linear/GELU/LayerNorm blocks with deterministic random weights."""

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
-from helpers import assert_probe_decided_pin
+from helpers import assert_probe_decided_pin, tiny_shape
 from ray.cluster_utils import Cluster
 
 from coordinator.config import JobConfig, NodeMatch, Override
 from coordinator.planning.checkpoint import load_index
 from coordinator.runtime.launch import launch
-from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.tools.make_checkpoint import make_checkpoint
 from coordinator.tools.reference import reference_logits
 
 
@@ -56,15 +56,7 @@ def test_pin_decisions_follow_precedence_and_output_matches(cluster, tmp_path) -
     checkpoint = str(
         make_checkpoint(
             tmp_path / "ckpt",
-            CheckpointShape(
-                num_layers=6,
-                hidden_size=64,
-                num_heads=4,
-                num_kv_heads=2,
-                intermediate_size=128,
-                vocab_size=128,
-                max_shard_bytes=200_000,
-            ),
+            tiny_shape(6, max_shard_bytes=200_000),
         )
     )
     index = load_index(checkpoint)

@@ -7,28 +7,16 @@ import json
 
 import pytest
 import ray
-from helpers import scrape_gauges, wait_gpus_free
+from helpers import scrape_gauges, tiny_shape, wait_gpus_free
 from ray.cluster_utils import Cluster
 from ray_head import free_ports
 
 from coordinator.cli import EXIT_ERROR, main
 from coordinator.planning.checkpoint import load_index
 from coordinator.runtime import registry
-from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.tools.make_checkpoint import make_checkpoint
 
 METRICS_PORT = free_ports(1)[0]
-
-
-def shape(num_layers: int) -> CheckpointShape:
-    """The tests' tiny llama: hidden 64, 4 heads (2 KV), vocab 128."""
-    return CheckpointShape(
-        num_layers=num_layers,
-        hidden_size=64,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        vocab_size=128,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +42,7 @@ def cluster():
 def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:
     checkpoint = make_checkpoint(
         tmp_path / "ckpt",
-        shape(6),
+        tiny_shape(6),
     )
     index = load_index(checkpoint)
     decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
@@ -169,7 +157,7 @@ def test_every_client_of_a_load_goes_through_its_one_engine(cluster, tmp_path) -
 
     checkpoint = make_checkpoint(
         tmp_path / "ckpt",
-        shape(4),
+        tiny_shape(4),
     )
     config = JobConfig(
         checkpoint=str(checkpoint),
@@ -316,7 +304,7 @@ def test_a_load_never_harms_another_of_its_name_or_beside_it(cluster, tmp_path) 
     checkpoint = str(
         make_checkpoint(
             tmp_path / "ckpt",
-            shape(4),
+            tiny_shape(4),
         )
     )
     index = load_index(checkpoint)
@@ -383,7 +371,7 @@ def test_a_loader_killed_mid_load_leaves_nothing(cluster, tmp_path) -> None:
 
     checkpoint = make_checkpoint(
         tmp_path / "ckpt",
-        shape(2),
+        tiny_shape(2),
     )
     job = tmp_path / "held.yaml"
     job.write_text(

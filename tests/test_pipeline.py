@@ -14,7 +14,7 @@ import time
 import pytest
 import ray
 import torch
-from helpers import assert_probe_decided_pin, kill_actor, scrape_gauges, wait_gpus_free
+from helpers import assert_probe_decided_pin, kill_actor, scrape_gauges, tiny_shape, wait_gpus_free
 from ray_head import free_ports
 
 from coordinator.config import ConfigError, JobConfig
@@ -23,7 +23,7 @@ from coordinator.runtime import telemetry
 from coordinator.runtime.errors import LaunchError
 from coordinator.runtime.inputs import check_inputs
 from coordinator.runtime.launch import launch
-from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.tools.make_checkpoint import make_checkpoint
 from coordinator.tools.reference import reference_logits
 from worker.loader import HOLD_ENV
 
@@ -33,28 +33,8 @@ NUM_GPUS = 3
 METRICS_PORT = free_ports(1)[0]
 SHAPES = {
     # sharded llama; tied-embedding qwen2 in one file
-    "llama": CheckpointShape(
-        arch="llama",
-        num_layers=6,
-        hidden_size=64,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        vocab_size=128,
-        dtype="bfloat16",
-        max_shard_bytes=100_000,
-    ),
-    "qwen2": CheckpointShape(
-        arch="qwen2",
-        num_layers=5,
-        hidden_size=64,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        vocab_size=128,
-        tie_embeddings=True,
-        max_shard_bytes=10**8,
-    ),
+    "llama": tiny_shape(6, dtype="bfloat16", max_shard_bytes=100_000),
+    "qwen2": tiny_shape(5, arch="qwen2", tie_embeddings=True, max_shard_bytes=10**8),
 }
 
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import ray
 import torch
-from helpers import wait_gpus_free
+from helpers import tiny_shape, wait_gpus_free
 from ray.cluster_utils import Cluster
 
 from coordinator.cli import main
@@ -24,19 +24,10 @@ from coordinator.runtime import telemetry
 from coordinator.runtime.errors import LaunchError
 from coordinator.runtime.launch import launch
 from coordinator.runtime.recovery import match_survivors
-from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.tools.make_checkpoint import make_checkpoint
 from coordinator.tools.reference import reference_logits
 
-SHAPE = CheckpointShape(
-    arch="llama",
-    num_layers=6,
-    hidden_size=64,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=128,
-    vocab_size=128,
-    max_shard_bytes=200_000,
-)
+SHAPE = tiny_shape(6, max_shard_bytes=200_000)
 
 
 @pytest.fixture(scope="module")

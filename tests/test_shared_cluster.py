@@ -26,11 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from helpers import tiny_shape
 from ray_head import private_ray_head
 from test_serving import STOP_TIMEOUT_S, greedy_text, serving, tiny_checkpoint
 
 from coordinator.planning.checkpoint import load_index
-from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.tools.make_checkpoint import make_checkpoint
 
 OFFLOADCTL = str(Path(sys.executable).with_name("offloadctl"))
 COMMAND_TIMEOUT_S = 300.0
@@ -133,14 +134,7 @@ def test_offloadctl_run_as_a_ray_job(head, tmp_path) -> None:
     address, headers, track, gcs = head
     checkpoint = make_checkpoint(
         tmp_path / "ckpt",
-        CheckpointShape(
-            num_layers=6,
-            hidden_size=64,
-            num_heads=4,
-            num_kv_heads=2,
-            intermediate_size=128,
-            vocab_size=128,
-        ),
+        tiny_shape(6),
     )
     index = load_index(checkpoint)
     decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
