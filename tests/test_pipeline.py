@@ -144,11 +144,26 @@ def test_worker_failure_releases_every_actor(embedded_ray, checkpoints) -> None:
     wait_gpus_free(NUM_GPUS)
 
 
-def test_infeasible_plan_starts_nothing(embedded_ray, checkpoints) -> None:
+def test_infeasible_plan_starts_nothing(embedded_ray, checkpoints, monkeypatch) -> None:
+    """...and its probes, on a node with no CUDA device, run in one process from the second
+    launch on (a probe task's process exits after it only where it may hold a CUDA context)."""
     from coordinator.planning.planner import PlanError
+    from coordinator.runtime import probing
 
-    with pytest.raises(PlanError, match="gpu-memory"):
-        launch(JobConfig(checkpoint=checkpoints["llama"], gpu_memory_bytes=1000))
+    answered: list[int] = []
+    real = probing.probed_node_info
+
+    def seen(config, node, result, *rest):
+        answered.append(result["pid"])
+        assert not result["probe"].cuda_available  # the case this test is about
+        return real(config, node, result, *rest)
+
+    monkeypatch.setattr(probing, "probed_node_info", seen)
+    for _ in range(3):
+        with pytest.raises(PlanError, match="gpu-memory"):
+            launch(JobConfig(checkpoint=checkpoints["llama"], gpu_memory_bytes=1000))
+        wait_gpus_free(NUM_GPUS)  # the probe's GPUs: Ray's view of them lags its end
+    assert len(answered) == 3 and answered[1] == answered[2]
     wait_gpus_free(NUM_GPUS)
 
 

@@ -36,7 +36,13 @@ def probe_here(
         error = None
     except ConfigError as exc:
         decision, error = None, str(exc)
-    result = {"hostname": socket.gethostname(), "probe": probe, "pin": decision, "error": error}
+    result = {
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),  # which process answered (a probe task's is reused where no CUDA)
+        "probe": probe,
+        "pin": decision,
+        "error": error,
+    }
     if model is not None:
         result["compute"] = _compute(probe, *model, cached_only=cached_only)
     return result

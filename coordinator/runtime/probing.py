@@ -20,14 +20,22 @@ from coordinator.runtime.errors import LaunchError, WorkerLostError
 PROBE_TIMEOUT_S = 120.0  # one probe task per node; includes starting a Ray worker process
 
 
-# The task holds the GPUs it measures (num_gpus, set per node): with none, Ray leaves every GPU
-# of the node visible to it, and its CUDA context and compute probe would land on GPUs that
-# other loads hold.
-@ray.remote(num_cpus=0, max_calls=1)  # max_calls=1: a process that touched CUDA exits after
-def _probe_task(planned_bytes: int = 0, model: tuple[dict, str, int] | None = None) -> dict:
+def _probe(planned_bytes: int = 0, model: tuple[dict, str, int] | None = None) -> dict:
     from worker.node import probe_here
 
     return probe_here(planned_bytes, model=model)
+
+
+# The task holds the GPUs it measures (num_gpus, set per node): with none, Ray leaves every GPU
+# of the node visible to it, and its CUDA context and compute probe would land on GPUs that
+# other loads hold. max_calls=1: a process that touched CUDA exits after, so no idle worker
+# keeps a context (hundreds of MiB) on GPUs that loads then plan on.
+_probe_task = ray.remote(num_cpus=0, max_calls=1)(_probe)
+# On a node whose probe found no CUDA device (simulated GPUs: a laptop, CI) there is no context
+# to release, and the probe's process (torch imported, ~3 s of CPU to start) serves the next
+# launch of this driver too.
+_probe_task_reused = ray.remote(num_cpus=0)(_probe)
+_NO_CUDA_NODES: set[str] = set()  # node ids whose probe said: no CUDA device here
 
 
 def gpu_nodes(exclude: frozenset[str] = frozenset()) -> list[dict]:
@@ -141,7 +149,8 @@ def probe_cluster(
         if node["NodeID"] in (probers or {}):
             refs.append(probers[node["NodeID"]].node_probe.remote(model))
         else:
-            refs.append(_probe_task.options(**options).remote(0, model))
+            task = _probe_task_reused if node["NodeID"] in _NO_CUDA_NODES else _probe_task
+            refs.append(task.options(**options).remote(0, model))
     try:
         results = ray.get(refs, timeout=PROBE_TIMEOUT_S)
     except ray.exceptions.RayActorError as exc:
@@ -156,6 +165,8 @@ def probe_cluster(
         ) from None
     infos = []
     for node, result in zip(nodes, results, strict=True):
+        if not result["probe"].cuda_available:
+            _NO_CUDA_NODES.add(node["NodeID"])
         held = (held_bytes or {}).get(node["NodeID"], 0)
         info = probed_node_info(
             config, node, result, held, envs[node["NodeID"]][1], usable[node["NodeID"]]
