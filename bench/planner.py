@@ -2,7 +2,10 @@
 
 1. Planning time: `plan()` for 1,000 decoder layers on 64 nodes x 8 GPUs (512 GPUs), median
    of --repeats runs, for a model that fits resident and for one that must offload under
-   heterogeneous GPUs, links and host budgets (some of which bind). Target: < 1 s each.
+   heterogeneous GPUs, links and host budgets (some of which bind); and the throughput
+   objective's `choose()` (every batch and micro-batch count planned or bounded) on the
+   offloading case with KV caches and each decoder's MLP an offload unit of its own.
+   Target: < 1 s each. (The tests check these plans' invariants, not their time.)
 2. Plan quality: a Llama-like model built on the meta device with transformers, three GPUs of
    different sizes plus CPU overflow. Accelerate's `infer_auto_device_map` and our planner get
    the same layers, the same per-GPU byte budgets and the same host budget; both placements
@@ -26,6 +29,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -33,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from coordinator.planning.formats import format_bytes, format_seconds
 from coordinator.planning.planner import Plan, PlanOptions, plan
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
+from coordinator.planning.throughput import choose
 from worker.spec import LayerSpec, TensorSlice
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -52,6 +57,30 @@ def synthetic_model(num_layers: int, layer_bytes: int, end_bytes: int) -> list[L
         *(synthetic_layer(f"layers.{i}", "decoder", layer_bytes) for i in range(num_layers)),
         synthetic_layer("head", "head", end_bytes),
     ]
+
+
+def with_mlps(layers: list[LayerSpec], mlp_bytes: int, kv_per_token: int) -> list[LayerSpec]:
+    """Each decoder split into attention and an MLP of `mlp_bytes` (an offload unit of its
+    own), with `kv_per_token` bytes of KV cache per token."""
+    out = []
+    for x in layers:
+        if x.kind != "decoder":
+            out.append(x)
+            continue
+        tensors = tuple(
+            TensorSlice(
+                name=f"{x.name}.{part}.weight",
+                dtype="BF16",
+                shape=(n // 2,),
+                file="x",
+                start=0,
+                end=n,
+                target=f"model.{x.name}.{part}.weight",
+            )
+            for part, n in (("self_attn", x.nbytes - mlp_bytes), ("mlp", mlp_bytes))
+        )
+        out.append(replace(x, tensors=tensors, kv_bytes_per_token=kv_per_token))
+    return out
 
 
 def big_cluster(gpu_bytes, host_bytes=lambda n: 0, link=lambda n: None) -> ClusterSnapshot:
@@ -88,16 +117,22 @@ def scale_scenarios() -> dict[str, tuple[list[LayerSpec], ClusterSnapshot, PlanO
         ),
         PlanOptions(reserve_bytes=GiB // 2),
     )
-    return {"resident": resident, "offload": offload}
+    throughput = (
+        with_mlps(offload[0], 2 * GiB, 256 * 1024),
+        offload[1],
+        PlanOptions(reserve_bytes=GiB // 2, max_seq_len=64),
+    )
+    return {"resident": resident, "offload": offload, "throughput": throughput}
 
 
 def time_plans(repeats: int) -> list[dict]:
     rows = []
     for name, (layers, cluster, options) in scale_scenarios().items():
         times, result = [], None
+        planner = choose if name == "throughput" else plan
         for _ in range(repeats):
             start = time.perf_counter()
-            result = plan(layers, cluster, options)
+            result = planner(layers, cluster, options)
             times.append(time.perf_counter() - start)
         assert result is not None
         rows.append(

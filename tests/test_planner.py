@@ -7,7 +7,6 @@ import dataclasses
 import itertools
 import json
 import math
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -525,17 +524,15 @@ def large_cluster() -> ClusterSnapshot:
     )
 
 
-def test_thousand_layers_on_512_gpus_is_fast() -> None:
+def test_thousand_layers_on_512_gpus() -> None:
     """64 nodes x 8 GPUs of 8 or 6 GiB hold 768 of 1,000 layers of 3 GiB: ~700 GiB must be
-    offloaded, under host budgets of 8 to 32 GiB per node, several of which bind."""
+    offloaded, under host budgets of 8 to 32 GiB per node, several of which bind. Its time:
+    bench/planner.py (target < 1 s), not a timed test."""
     layers = model([3 * GiB] * 1000, embed=4 * GiB, head=4 * GiB)
     snap = large_cluster()
-    start = time.perf_counter()
     result = plan(layers, snap, PlanOptions(reserve_bytes=GiB // 2))
-    elapsed = time.perf_counter() - start
     check_invariants(result, layers, snap)
     assert sum(s.offloaded_bytes for s in result.stages) >= 232 * 3 * GiB
-    assert elapsed < 3.0, f"plan took {elapsed:.2f} s"  # target < 1 s; slack for slow CI
 
 
 def test_a_faster_node_takes_more_layers() -> None:

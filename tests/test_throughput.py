@@ -5,7 +5,6 @@ small clusters (heterogeneous memory, links, compute and host budgets). Pure Pyt
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -202,21 +201,18 @@ def test_latency_bound_that_nothing_meets_names_the_shortest() -> None:
         choose(layers, snap, opts, batches=(4, 1, 2), max_token_latency_s=0.5)
 
 
-def test_thousand_layers_on_512_gpus_for_throughput_is_fast() -> None:
+def test_thousand_layers_on_512_gpus_for_throughput() -> None:
     """The planner's large case with KV caches and MLPs to offload on their own: every (batch,
     micro-batch) pair is planned or bounded; too large for the exact DP, the plan says how far
-    from optimal it can be."""
+    from optimal it can be. Its time: bench/planner.py."""
     layers = [
         dataclasses.replace(x, kv_bytes_per_token=256 * 1024) if x.kind == "decoder" else x
         for x in model([3 * GiB] * 1000, embed=4 * GiB, head=4 * GiB, mlps=[2 * GiB] * 1000)
     ]
     snap = large_cluster()
-    start = time.perf_counter()
     chosen = choose(layers, snap, PlanOptions(reserve_bytes=GiB // 2, max_seq_len=64))
-    elapsed = time.perf_counter() - start
     check_invariants(chosen, layers, snap)
     assert chosen.cycle_bound_s <= chosen.cycle_s
-    assert elapsed < 3.0, f"plan took {elapsed:.2f} s"  # target < 1 s; slack for slow CI
 
 
 def test_min_cycle_of_a_cluster_too_large_for_the_dp_reports_its_bound() -> None:
