@@ -16,10 +16,15 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check $(CONSTRAINTS) -e '.[test]'
 	touch $(STAMP)
 
+# Two pytest processes, each module whole in one of them (its Ray and its fixtures), handed out
+# in collection order (tests/conftest.py puts the longest first). A single process left a
+# 2-core machine a third idle while Ray workers started. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check offload worker coordinator tests bench scripts examples
 	$(VENV)/bin/ruff format --check offload worker coordinator tests bench scripts examples
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The same suite while CPU hogs keep every core busy (tests/busy.sh), as on CI's shared 2-core
 # machines: no test may race a signal, a kill or a thread against work that may finish first.

@@ -32,7 +32,27 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
+# The modules that start Ray clusters and workers, the longest first: `make test` hands whole
+# modules to its two pytest processes in collection order, and a long one handed out last ran
+# alone at the end while the other process idled.
+LONGEST_FIRST = (
+    "test_pipeline.py",
+    "test_recovery.py",
+    "test_shared_cluster.py",
+    "test_named_loads.py",
+    "test_serving.py",
+    "test_multinode.py",
+    "test_gpu_check.py",
+    "test_signals.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each module's own order is kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (gpu marker); this machine has none")
