@@ -16,10 +16,12 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check $(CONSTRAINTS) -e '.[test]'
 	touch $(STAMP)
 
-# Two pytest processes, each module whole in one of them (its Ray and its fixtures), handed out
-# in collection order (tests/conftest.py puts the longest first). A single process left a
-# 2-core machine a third idle while Ray workers started. TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 2
+# TEST_WORKERS=2: two pytest processes (pytest-xdist), each module whole in one of them (its
+# Ray and its fixtures), the longest handed out first (tests/conftest.py). On a quiet 2-core
+# machine that cut the suite from 790 to 544 s (one process leaves a third of the CPU idle
+# while Ray workers start); under CPU hogs it made it slower (1140-1500 s against ~1080 s) and
+# pushed timing bounds over, so one process stays the default.
+TEST_WORKERS ?= 0
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check offload worker coordinator tests bench scripts examples
