@@ -146,8 +146,8 @@ def test_worker_failure_releases_every_actor(embedded_ray, checkpoints) -> None:
 
 
 def test_infeasible_plan_starts_nothing(embedded_ray, checkpoints, monkeypatch) -> None:
-    """...and its probes, on a node with no CUDA device, run in one process from the second
-    launch on (a probe task's process exits after it only where it may hold a CUDA context)."""
+    """...and its probes, on a node with no CUDA device, run in one process for every launch
+    (a probe task's process exits after it only where it may hold a CUDA context)."""
     from coordinator.planning.planner import PlanError
     from coordinator.runtime import probing
 
@@ -164,7 +164,7 @@ def test_infeasible_plan_starts_nothing(embedded_ray, checkpoints, monkeypatch) 
         with pytest.raises(PlanError, match="gpu-memory"):
             launch(JobConfig(checkpoint=checkpoints["llama"], gpu_memory_bytes=1000))
         wait_gpus_free(NUM_GPUS)  # the probe's GPUs: Ray's view of them lags its end
-    assert len(answered) == 3 and answered[1] == answered[2]
+    assert len(answered) == 3 and len(set(answered)) == 1, answered
     wait_gpus_free(NUM_GPUS)
 
 

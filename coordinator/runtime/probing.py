@@ -26,16 +26,30 @@ def _probe(planned_bytes: int = 0, model: tuple[dict, str, int] | None = None) -
     return probe_here(planned_bytes, model=model)
 
 
+def _probe_unless_cuda(
+    planned_bytes: int = 0, model: tuple[dict, str, int] | None = None
+) -> dict | None:
+    """The probe, in a process that stays for the next one; None, without touching a device,
+    where CUDA has devices (`torch.cuda.is_available` counts them and creates no context)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return _probe(planned_bytes, model)
+
+
 # The task holds the GPUs it measures (num_gpus, set per node): with none, Ray leaves every GPU
 # of the node visible to it, and its CUDA context and compute probe would land on GPUs that
-# other loads hold. max_calls=1: a process that touched CUDA exits after, so no idle worker
-# keeps a context (hundreds of MiB) on GPUs that loads then plan on.
+# other loads hold. Where the node has CUDA devices, the probe runs with max_calls=1: a process
+# that touched CUDA exits after, so no idle worker keeps a context (hundreds of MiB) on GPUs
+# that loads then plan on.
 _probe_task = ray.remote(num_cpus=0, max_calls=1)(_probe)
-# On a node whose probe found no CUDA device (simulated GPUs: a laptop, CI) there is no context
-# to release, and the probe's process (torch imported, ~3 s of CPU to start) serves the next
-# launch of this driver too.
-_probe_task_reused = ray.remote(num_cpus=0)(_probe)
-_NO_CUDA_NODES: set[str] = set()  # node ids whose probe said: no CUDA device here
+# Every node is asked first by a task whose process Ray keeps for the job's next probe there:
+# a node without CUDA (simulated GPUs: a laptop, CI) is probed in one process for every launch
+# and re-plan of the job (a process with torch imported: ~3 s of CPU to start), and a node with
+# CUDA answers None at once and is probed by `_probe_task`.
+_probe_task_reused = ray.remote(num_cpus=0)(_probe_unless_cuda)
+_CUDA_NODES: set[str] = set()  # node ids where CUDA has devices: `_probe_task` at once
 
 
 def gpu_nodes(exclude: frozenset[str] = frozenset()) -> list[dict]:
@@ -132,6 +146,7 @@ def probe_cluster(
         )
     envs = {}
     refs = []
+    options_of: dict[str, dict] = {}
     for node in nodes:
         env, origins = node_env(
             config.overrides,
@@ -149,10 +164,18 @@ def probe_cluster(
         if node["NodeID"] in (probers or {}):
             refs.append(probers[node["NodeID"]].node_probe.remote(model))
         else:
-            task = _probe_task_reused if node["NodeID"] in _NO_CUDA_NODES else _probe_task
+            task = _probe_task if node["NodeID"] in _CUDA_NODES else _probe_task_reused
             refs.append(task.options(**options).remote(0, model))
+        options_of[node["NodeID"]] = options
     try:
         results = ray.get(refs, timeout=PROBE_TIMEOUT_S)
+        again = {
+            i: n["NodeID"] for i, (n, r) in enumerate(zip(nodes, results, strict=True)) if r is None
+        }
+        _CUDA_NODES.update(again.values())
+        refs = [_probe_task.options(**options_of[n]).remote(0, model) for n in again.values()]
+        for i, result in zip(again, ray.get(refs, timeout=PROBE_TIMEOUT_S), strict=True):
+            results[i] = result
     except ray.exceptions.RayActorError as exc:
         raise WorkerLostError(f"a worker died while probing its node: {exc}") from None
     except ray.exceptions.GetTimeoutError:
@@ -165,8 +188,6 @@ def probe_cluster(
         ) from None
     infos = []
     for node, result in zip(nodes, results, strict=True):
-        if not result["probe"].cuda_available:
-            _NO_CUDA_NODES.add(node["NodeID"])
         held = (held_bytes or {}).get(node["NodeID"], 0)
         info = probed_node_info(
             config, node, result, held, envs[node["NodeID"]][1], usable[node["NodeID"]]
