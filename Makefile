@@ -16,12 +16,11 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check $(CONSTRAINTS) -e '.[test]'
 	touch $(STAMP)
 
-# TEST_WORKERS=2: two pytest processes (pytest-xdist), each module whole in one of them (its
-# Ray and its fixtures), the longest handed out first (tests/conftest.py). On a quiet 2-core
-# machine that cut the suite from 790 to 544 s (one process leaves a third of the CPU idle
-# while Ray workers start); under CPU hogs it made it slower (1140-1500 s against ~1080 s) and
-# pushed timing bounds over, so one process stays the default.
-TEST_WORKERS ?= 0
+# Two pytest processes (pytest-xdist), each module whole in one of them (its Ray and its
+# fixtures), the longest handed out first (tests/conftest.py): one process leaves a third of the
+# 2 cores idle while Ray workers start. Measured back to back under 2 CPU hogs (make test-busy)
+# the same day: 684 s against 1071 s for one process (TEST_WORKERS=0).
+TEST_WORKERS ?= 2
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check offload worker coordinator tests bench scripts examples

@@ -32,9 +32,9 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
-# The modules that start Ray clusters and workers, the longest first: `TEST_WORKERS=2 make test`
-# hands whole modules to its two pytest processes in collection order, and a long one handed
-# out last ran alone at the end while the other process idled. One process: order only.
+# The modules that start Ray clusters and workers, the longest first: `make test` hands whole
+# modules to its two pytest processes in collection order, and a long one handed out last ran
+# alone at the end while the other process idled. One process (TEST_WORKERS=0): order only.
 LONGEST_FIRST = (
     "test_pipeline.py",
     "test_recovery.py",
