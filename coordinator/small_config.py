@@ -66,6 +66,9 @@ def shrink_config(config: dict) -> dict:
         small[k] = HEADS if value == heads else 1 if value == 1 else 2
     for k, _ in ints(["head_dim", "kv_channels", *(k for k in small if k.endswith("_head_dim"))]):
         small[k] = HEAD_DIM
+    if {"qk_nope_head_dim", "qk_rope_head_dim"} <= small.keys() and "qk_head_dim" in small:
+        # multi-head latent attention: a query/key head is its unrotated and rotated parts
+        small["qk_head_dim"] = small["qk_nope_head_dim"] + small["qk_rope_head_dim"]
     for k, value in ints(["rotary_dim"]):  # partial rotary stays partial
         small[k] = HEAD_DIM if head_dim and value >= head_dim else HEAD_DIM // 2
     for k, _ in ints(k for k in small if k.endswith("_lora_rank")):

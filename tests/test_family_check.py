@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_families import VOCAB, Pipeline, reference
-from test_generation import alone, generate_each
+from test_generation import MAX_SEQ_LEN, alone, generate_each
 
 import worker.batch_cache
 import worker.batched
@@ -37,6 +37,20 @@ TINY = dict(
     bos_token_id=1,
     eos_token_id=2,
     pad_token_id=0,
+)
+MLA = dict(
+    num_key_value_heads=4,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    topk_group=1,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
 )
 CASES = {  # name -> (config class, its settings, dtype written)
     # Falcon-7B's layout (multi-query, parallel attention), in bfloat16 as it is published
@@ -59,6 +73,16 @@ CASES = {  # name -> (config class, its settings, dtype written)
         "float32",
     ),
     "opt": ("OPTConfig", dict(ffn_dim=48, word_embed_proj_dim=32, dropout=0.0), "float32"),
+    # DeepSeek-V3's multi-head latent attention (keys of qk_nope + qk_rope = 24 dims, values
+    # of 12: a slot pool shaped by the keys refused it), routed and shared experts, the first
+    # layer dense, in bfloat16 as it is published
+    "deepseek_v3": ("DeepseekV3Config", {**MLA, "q_lora_rank": 16, "n_group": 1}, "bfloat16"),
+    # DeepSeek-V2-Lite's: no query compression, greedy routing over every expert
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        {**MLA, "q_lora_rank": None, "topk_method": "greedy", "n_group": 1},
+        "float32",
+    ),
 }
 
 
@@ -94,11 +118,12 @@ def fresh_verdicts(monkeypatch):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_falcon_and_opt_pass_the_check_and_load_as_transformers_does(checkpoints, name) -> None:
+def test_untested_families_pass_the_check_and_load_as_transformers_does(checkpoints, name) -> None:
     """The check passes; then a real load (the planner's split over 3 stages, layers
     offloaded, same files, same dtype) gives transformers' logits bitwise, plain and
     left-padded, and each prompt's greedy `generate` tokens through the engine's batched
-    steps (two prompts of different lengths in one batch)."""
+    steps (two prompts of different lengths in one batch), in KV slots of the bytes the
+    planner counts."""
     index = checkpoints(name)
     assert check_family(index.config) is True
     ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
@@ -111,8 +136,11 @@ def test_falcon_and_opt_pass_the_check_and_load_as_transformers_does(checkpoints
         padded_logits = pipeline(padded, mask)
         prompts = [padded[0].tolist(), padded[1, 3:].tolist()]
         tokens = generate_each(pipeline, prompts, 6)
+        # the KV slots the plan reserves are what the model's own cache writes filled
+        kv_bytes = sum(worker.kv_cache_bytes() for worker in pipeline.workers)
     finally:
         pipeline.close()
+    assert kv_bytes == sum(layer.kv_bytes(len(prompts), MAX_SEQ_LEN) for layer in index.layers)
     assert logits.dtype == getattr(torch, index.dtype)
     assert torch.equal(logits, reference(index, ids))
     assert torch.equal(
@@ -304,6 +332,22 @@ def test_the_config_shrinks_keeping_its_structure() -> None:
         "sliding_window_pattern",
     ):
         assert small.get(key) == config.get(key), key
+
+
+def test_an_mla_config_shrinks_with_its_head_dims_coupled_and_passes() -> None:
+    """DeepSeek-V3 as published (61 layers, 256 experts in 8 groups, MLA ranks 1536 / 512, a
+    query/key head of 128 + 64 dims): the shrunk config keeps qk_head_dim the sum of its two
+    parts, a dense first layer and a routed one, groups that divide the experts; the check
+    passes, its batched steps included (before: refused, the slot pool shaped values like
+    keys)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("deepseek_v3", n_group=8, topk_group=4).to_dict()
+    small = shrink_config(config)
+    assert small["qk_head_dim"] == small["qk_nope_head_dim"] + small["qk_rope_head_dim"] == 16
+    assert small["first_k_dense_replace"] == 1 and small["num_hidden_layers"] == 2
+    assert small["n_routed_experts"] % small["n_group"] == 0
+    assert check_family(config) is True
 
 
 def test_offloadctl_run_says_the_family_was_self_checked(checkpoints, monkeypatch, capsys) -> None:

@@ -1,7 +1,8 @@
 """A stage's KV cache for every sequence in flight: a fixed pool of slots, one per sequence.
 
 Each decoder layer the stage holds gets a keys and a values store of shape (slots, kv_heads,
-max_seq_len, head_dim), allocated at the layer's first write (its shapes come from the model)
+max_seq_len, head_dim), each shaped as the model writes it (multi-head latent attention writes
+keys of qk_nope + qk_rope dims and values of v_head_dim), allocated at the layer's first write
 and kept: the bytes the plan reserved (`max_batch` x `max_seq_len`), never more, and no
 allocation per request or per step. A sequence owns one slot from its admission to its end;
 the engine hands a freed slot to the next sequence at once, and the stale keys in it are never
@@ -64,15 +65,17 @@ class SlotPool:
             t.numel() * t.element_size() for d in (self.keys, self.values) for t in d.values()
         )
 
-    def stores(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's keys and values stores, allocated on first use shaped like `like`
-        (rows, kv_heads, width, head_dim)."""
+    def stores(
+        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys and values stores, allocated on first use, each shaped like what
+        the model writes (`keys`, `values`: rows, kv_heads, width, head_dim)."""
         if layer_idx not in self.keys:
             if layer_idx not in self.held:
                 raise ValueError(f"layer {layer_idx} is not held by this stage ({self.held})")
-            shape = (self.num_slots, like.shape[1], self.max_seq_len, like.shape[3])
-            self.keys[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=self.device)
-            self.values[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=self.device)
+            for store, like in ((self.keys, keys), (self.values, values)):
+                shape = (self.num_slots, like.shape[1], self.max_seq_len, like.shape[3])
+                store[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=self.device)
         return self.keys[layer_idx], self.values[layer_idx]
 
     def view(self, slots: list[int], starts: list[int], counts: list[int], width: int) -> BatchView:
@@ -116,7 +119,7 @@ class BatchView(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.pool.stores(layer_idx, key_states)
+        keys, values = self.pool.stores(layer_idx, key_states, value_states)
         if self.decode:
             keys[self.slots, :, self.starts] = key_states[:, :, 0]
             values[self.slots, :, self.starts] = value_states[:, :, 0]

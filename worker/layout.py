@@ -211,14 +211,15 @@ class ModelLayout:
 def kv_per_layer(model: nn.Module) -> list[tuple[int, int | None]]:
     """(KV bytes per token of one sequence, sliding window or None) of each decoder layer, from
     the cache `generate` builds for the model (`DynamicCache(config=...)`: which layers slide)
-    and the attention shape of its config (key and value: KV heads x head dim each)."""
+    and what the model's own attention writes to it (`cached_bytes_per_token`)."""
     from transformers import DynamicCache
 
     text = model.config.get_text_config()
+    measured = cached_bytes_per_token(model.config)
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    per_token = 2 * kv_heads * head_dim * model.config.dtype.itemsize
+    assumed = 2 * kv_heads * head_dim * model.config.dtype.itemsize
     cache = DynamicCache(config=model.config)
     windows: list[int | None] = [None] * text.num_hidden_layers
     if len(cache.layers) == text.num_hidden_layers:
@@ -226,7 +227,44 @@ def kv_per_layer(model: nn.Module) -> list[tuple[int, int | None]]:
             getattr(layer, "sliding_window", None) if sliding else None
             for layer, sliding in zip(cache.layers, cache.is_sliding, strict=True)
         ]
-    return [(per_token, window) for window in windows]
+    return [(measured.get(i, assumed), window) for i, window in enumerate(windows)]
+
+
+def cached_bytes_per_token(hf_config) -> dict[int, int]:
+    """Per decoder layer, the bytes one token adds to its cache, keys and values together, as
+    the model's own attention writes them: its forward over two tokens on the meta device (no
+    memory, no arithmetic), its MLPs and experts passed through (their routing needs values),
+    into a cache that records each write's shape and dtype. That is what the slot pools hold
+    (`tests/test_family_check.py` checks the slots a generation fills against it): DeepSeek's
+    multi-head latent attention caches its compressed latent and rotated key, one head each
+    (1152 bytes a token in bfloat16 for DeepSeek-V3, not 80 KiB of 128 heads' keys and values);
+    Falcon-7B's multi-query attention one head; Falcon-40B's every query head. Empty when the
+    forward cannot run on the meta device (the config's KV heads x head dim stand in then)."""
+    from transformers import DynamicCache
+
+    from worker.spec import MLP_NAMES
+    from worker.stage import PassThrough
+
+    written: dict[int, int] = {}
+
+    class Recording(DynamicCache):
+        def update(self, keys, values, layer_idx, *args, **kwargs):
+            per_token = keys[0, :, 0].numel() * keys.element_size()
+            written[layer_idx] = per_token + values[0, :, 0].numel() * values.element_size()
+            return super().update(keys, values, layer_idx, *args, **kwargs)
+
+    model = build_meta_model(hf_config)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if name in MLP_NAMES and not isinstance(child, nn.ModuleList):
+                setattr(module, name, PassThrough())
+    try:
+        with torch.no_grad():
+            ids = torch.zeros((1, 2), dtype=torch.long, device="meta")
+            model(input_ids=ids, past_key_values=Recording(config=hf_config), use_cache=True)
+    except Exception:  # a family whose forward needs values: the config's shape stands in
+        return {}
+    return written
 
 
 def find_layout(model: nn.Module) -> ModelLayout:

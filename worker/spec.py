@@ -121,9 +121,10 @@ class FileIdentity:
 # a regular expression on a parameter's name within its layer (`OffloadConfig.param_filter`),
 # None for the whole layer. Experts and MLPs are most of a layer's bytes and the least of its
 # time per byte (an MoE step reads a few experts of many), attention and norms the opposite.
+MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "ffn")  # a decoder layer's MLP child
 OFFLOAD_UNITS: dict[str, str | None] = {
     "experts": r"(^|\.)experts\.",
-    "mlp": r"^(mlp|feed_forward|block_sparse_moe|ffn)\.",
+    "mlp": rf"^({'|'.join(MLP_NAMES)})\.",
     "layer": None,
 }
 
