@@ -17,7 +17,7 @@ from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.tools.reference import reference_generate, reference_logits
 from worker.decode import Sampling
 
-FAMILIES = ("llama", "mistral", "qwen3", "gemma2", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen3", "gemma2", "mixtral", "deepseek_v3")
 WAIT_S = 120.0
 MAX_SEQ_LEN = 40
 # (prompt length, new tokens, joins when the previous request has this many tokens)
@@ -166,7 +166,9 @@ def test_joining_and_leaving_requests_equal_transformers_alone(
     assert any(r.stats.copies > 0 for r in reports)  # layers were offloaded
 
 
-@pytest.mark.parametrize(("family", "unit"), [("mixtral", "experts"), ("llama", "mlp")])
+@pytest.mark.parametrize(
+    ("family", "unit"), [("mixtral", "experts"), ("deepseek_v3", "experts"), ("llama", "mlp")]
+)
 def test_requests_with_part_of_each_layer_offloaded_equal_transformers_alone(
     indexes, family: str, unit: str
 ) -> None:

@@ -27,6 +27,7 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoTokenizer
 from coordinator.cli import main
 from coordinator.tools.make_checkpoint import (
     ARCHITECTURES,
+    MLA_ARCHITECTURES,
     MOE_ARCHITECTURES,
     NO_KV_HEADS,
     SLIDING_ARCHITECTURES,
@@ -91,6 +92,8 @@ EXPERT_TENSORS = {
     "mixtral": [f"block_sparse_moe.experts.{{e}}.{w}.weight" for w in ("w1", "w2", "w3")],
     "qwen2_moe": [f"mlp.experts.{{e}}.{p}_proj.weight" for p in ("gate", "up", "down")],
     "qwen3_moe": [f"mlp.experts.{{e}}.{p}_proj.weight" for p in ("gate", "up", "down")],
+    "deepseek_v2": [f"mlp.experts.{{e}}.{p}_proj.weight" for p in ("gate", "up", "down")],
+    "deepseek_v3": [f"mlp.experts.{{e}}.{p}_proj.weight" for p in ("gate", "up", "down")],
 }
 
 
@@ -243,13 +246,20 @@ def test_moe_files_hold_one_tensor_per_expert_and_routing_is_real(
 ) -> None:
     out = write(tmp_path, arch)
     saved = read_tensors(out)
-    for layer in range(LAYERS):
+    dense = 1 if arch in MLA_ARCHITECTURES else 0  # DeepSeek's first layer: a dense MLP
+    for layer in range(dense, LAYERS):
         for expert in range(4):
             for pattern in EXPERT_TENSORS[arch]:
                 assert f"model.layers.{layer}.{pattern.format(e=expert)}" in saved
     assert not [name for name in saved if "experts.4." in name or "gate_up_proj" in name]
     if arch == "qwen2_moe":
         assert saved["model.layers.0.mlp.shared_expert.up_proj.weight"].shape == (FFN, HIDDEN)
+    if arch in MLA_ARCHITECTURES:  # a dense first layer, a shared expert, routing by a gate
+        assert saved["model.layers.0.mlp.gate_proj.weight"].shape == (FFN, HIDDEN)
+        assert not [name for name in saved if name.startswith("model.layers.0.mlp.experts")]
+        assert saved["model.layers.1.mlp.shared_experts.up_proj.weight"].shape == (FFN, HIDDEN)
+        assert saved["model.layers.1.mlp.gate.weight"].shape == (4, HIDDEN)
+        return  # its gate returns no router logits; test_families checks its outputs
 
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(0))
@@ -359,7 +369,10 @@ def test_kv_heads_do_not_apply_to_families_without_gqa() -> None:
     for arch in NO_KV_HEADS:
         config = CheckpointShape(arch=arch, num_heads=4, hidden_size=32, num_kv_heads=3).hf_config()
         assert config.num_attention_heads == 4
-        assert not hasattr(config, "num_key_value_heads")
+        if arch in MLA_ARCHITECTURES:  # as many as the query heads: DeepSeek fails with fewer
+            assert config.num_key_value_heads == 4
+        else:
+            assert not hasattr(config, "num_key_value_heads")
 
 
 @pytest.mark.parametrize(

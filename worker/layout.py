@@ -44,6 +44,8 @@ TESTED_FAMILIES = (
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
+    "deepseek_v2",
+    "deepseek_v3",
     "gpt2",
     "gpt_neox",
 )

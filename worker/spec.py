@@ -81,6 +81,9 @@ class TensorSlice:
     target: str = ""
     view: tuple[ViewOp, ...] = ()
     target_dtype: str = ""  # torch name, e.g. "bfloat16"; "" = as in the file
+    # It fills a buffer (DeepSeek's router bias), not a parameter: offloaders move parameters
+    # only, so a buffer stays on the device whatever its layer's plan.
+    buffer: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -170,12 +173,11 @@ class LayerSpec:
         pattern = OFFLOAD_UNITS[unit]
         if self.kind != "decoder":
             return 0
-        if pattern is None:
-            return self.nbytes
         return sum(
             t.loaded_bytes
             for t in self.tensors
-            if re.search(pattern, local_name(self.index, t.target or t.name))
+            if not t.buffer
+            and (pattern is None or re.search(pattern, local_name(self.index, t.target or t.name)))
         )
 
 

@@ -265,6 +265,7 @@ def plan(
             kv_sizes=kv,
             compute_sizes=[compute_bytes(layer) for layer in layers],
             units=list(units.values()),
+            offload_sizes=[layer.unit_bytes("layer") for layer in layers],
         )
         solved = (search, [*units, "layer"], *search.solve())
         if memo is not None:
@@ -289,7 +290,7 @@ def sub_layer_units(layers: Sequence[LayerSpec]) -> dict[str, list[int]]:
     """The OFFLOAD_UNITS smaller than a whole layer that this model has (experts, an MLP):
     those that move something of some decoder layer and not all of it, with the bytes each
     moves of every layer (0 for the embedding and head)."""
-    whole = [layer.nbytes if layer.kind == "decoder" else 0 for layer in layers]
+    whole = [layer.unit_bytes("layer") for layer in layers]
     found = {}
     for name, pattern in OFFLOAD_UNITS.items():
         sizes = [layer.unit_bytes(name) for layer in layers] if pattern else []

@@ -183,6 +183,7 @@ class Search:
         kv_sizes: Sequence[int] | None = None,
         compute_sizes: Sequence[int] | None = None,
         units: Sequence[Sequence[int]] = (),
+        offload_sizes: Sequence[int] | None = None,
     ) -> None:
         """`kv_sizes`: device bytes each layer needs besides its weights and never offloads
         (its reserved KV cache); they count against the GPU's memory wherever the layer is.
@@ -191,7 +192,8 @@ class Search:
         `units`: smaller ways to offload a layer, each the bytes it moves per layer (a layer's
         MLP, say: the rest of it stays resident, and its prefetch slot is that size). A GPU's
         range offloads by one unit: the one moving the fewest bytes (ties: the earlier unit);
-        the whole layer (`offloadable`) is the last unit."""
+        the whole layer (`offloadable`) is the last unit, moving `offload_sizes` (default:
+        `sizes`; less where a layer has buffers, which stay on the device)."""
         self.num_layers = len(sizes)
         self.nodes = tuple(nodes)
         self.reserve_bytes = reserve_bytes
@@ -202,7 +204,8 @@ class Search:
         self.kv_prefix = list(accumulate(kv_sizes or [0] * len(sizes), initial=0))
         # weights + KV per prefix: what a range needs on the device with nothing offloaded
         self.device_prefix = [w + k for w, k in zip(self.prefix, self.kv_prefix, strict=True)]
-        whole = [s if ok and s > 0 else 0 for s, ok in zip(sizes, offloadable, strict=True)]
+        moved = sizes if offload_sizes is None else offload_sizes
+        whole = [s if ok and s > 0 else 0 for s, ok in zip(moved, offloadable, strict=True)]
         self.units = [
             _Unit.of([max(0, b) if w else 0 for b, w in zip(unit, whole, strict=True)])
             for unit in units

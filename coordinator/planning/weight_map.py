@@ -132,7 +132,11 @@ def _placed(tensor: TensorSlice, target: str, view: tuple, param: torch.Tensor) 
             f"config.json implies {list(want)} for {target!r}"
         )
     return dataclasses.replace(
-        tensor, target=target, view=view, target_dtype=_dtype_name(param.dtype)
+        tensor,
+        target=target,
+        view=view,
+        target_dtype=_dtype_name(param.dtype),
+        buffer=not isinstance(param, nn.Parameter),
     )
 
 

@@ -10,7 +10,8 @@ One generic shape maps onto every family's own config. Each family also gets wha
 itself, sized so that a 12-16 token test sequence runs through it: a sliding window shorter than
 the sequence, sliding and full layers side by side, soft-capping, Granite's multipliers, MoE
 routing over several experts. Flags that do not apply to a family are ignored, never an error:
-`num_kv_heads` for gpt2 and gpt_neox (no grouped-query attention: they use `num_heads`),
+`num_kv_heads` for gpt2, gpt_neox and the DeepSeek families (no grouped-query attention: they
+use `num_heads`),
 `num_experts` / `experts_per_token` outside the MoE families, `sliding_window` outside mistral,
 gemma2 and gemma3_text. In the MoE families `intermediate_size` is each expert's width (and
 qwen2_moe's shared expert's).
@@ -33,9 +34,12 @@ from offload.errors import ConfigError
 from worker.layout import TESTED_FAMILIES
 
 ARCHITECTURES = TESTED_FAMILIES  # every family the parity tests check
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", *MLA_ARCHITECTURES)
 SLIDING_ARCHITECTURES = ("mistral", "gemma2", "gemma3_text")
-NO_KV_HEADS = ("gpt2", "gpt_neox")  # multi-head attention only: num_kv_heads does not apply
+# num_kv_heads does not apply: multi-head attention only (no such field), or MLA (as many KV
+# heads as query heads: DeepSeek's attention fails with fewer)
+NO_KV_HEADS = ("gpt2", "gpt_neox", *MLA_ARCHITECTURES)
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_POSITIONS = 2048
 # Clearly different from Granite's neutral 1.0, so a stage that drops one of them shows.
@@ -139,6 +143,19 @@ class CheckpointShape:
         gemma = {**window, "query_pre_attn_scalar": head_dim}
         experts = {"num_experts": self.num_experts, "num_experts_per_tok": self.experts_per_token}
         qwen_moe = {**experts, "moe_intermediate_size": self.intermediate_size}
+        deepseek = {
+            "n_routed_experts": self.num_experts,
+            "num_experts_per_tok": self.experts_per_token,
+            "moe_intermediate_size": self.intermediate_size,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": min(1, self.num_layers - 1),
+            "n_group": 1,
+            "topk_group": 1,
+            "kv_lora_rank": 2 * head_dim,
+            "qk_nope_head_dim": head_dim,
+            "qk_rope_head_dim": head_dim,  # its head_dim, as the config derives it
+            "v_head_dim": head_dim,
+        }
         table: dict[str, dict[str, Any]] = {
             "mistral": window,
             # Gemma 2 alternates sliding and full layers by default (sliding first).
@@ -150,6 +167,12 @@ class CheckpointShape:
             "qwen2_moe": {**qwen_moe, "shared_expert_intermediate_size": self.intermediate_size},
             # Real Qwen3 MoE checkpoints renormalise the chosen experts' routing weights.
             "qwen3_moe": {**qwen_moe, "norm_topk_prob": True},
+            # DeepSeek-V3 as published, shrunk: the first layer dense, then routed experts and
+            # a shared one; MLA with a compressed query, a latent of twice the head dim (what
+            # the cache holds, with the rotated key part), groups that divide the experts.
+            "deepseek_v3": {**deepseek, "q_lora_rank": self.hidden_size * 3 // 4},
+            # DeepSeek-V2-Lite's: no query compression, greedy routing
+            "deepseek_v2": {**deepseek, "q_lora_rank": None, "topk_method": "greedy"},
             # Dropout would make a module left in train mode nondeterministic.
             "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
         }
@@ -170,7 +193,9 @@ class CheckpointShape:
             tie_word_embeddings=self.tie_embeddings,  # explicit: gemma and gpt2 tie by default
             dtype=self.dtype,
         )
-        if self.arch not in NO_KV_HEADS:
+        if self.arch in MLA_ARCHITECTURES:
+            values["num_key_value_heads"] = self.num_heads
+        elif self.arch not in NO_KV_HEADS:
             values["num_key_value_heads"] = self.num_kv_heads
         if "head_dim" in defaults:  # else derived from hidden/heads; gemma's 256 breaks tiny shapes
             values["head_dim"] = self.hidden_size // self.num_heads
