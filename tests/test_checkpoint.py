@@ -665,6 +665,32 @@ def test_keys_transformers_ignores_are_ignored(qwen_copy: Path) -> None:
     assert all("inv_freq" not in t.name for layer in index.layers for t in layer.tensors)
 
 
+def test_deepseek_v3s_multi_token_prediction_layer_is_skipped_as_from_pretrained_skips_it(
+    tmp_path: Path,
+) -> None:
+    """DeepSeek-V3 checkpoints as published carry layer 61, the multi-token prediction module,
+    which `from_pretrained` ignores (`_keys_to_ignore_on_load_unexpected`): so does the index,
+    listing its tensors, and no layer reads them."""
+    shape = CheckpointShape(
+        arch="deepseek_v3",
+        num_layers=61,
+        hidden_size=16,
+        num_heads=2,
+        intermediate_size=8,
+        vocab_size=128,
+        max_shard_bytes=10**8,
+        tokenizer=False,
+    )
+    root = make_checkpoint(tmp_path / "dsv3", shape)
+    mtp = ["model.layers.61.eh_proj.weight", "model.layers.61.mlp.experts.0.up_proj.weight"]
+    for name in mtp:
+        add_tensor(root / SINGLE_FILE, name)
+    index = load_index(root)
+    assert index.ignored == tuple(mtp)
+    assert not [t for layer in index.layers for t in layer.tensors if "layers.61." in t.name]
+    assert len([x for x in index.layers if x.kind == "decoder"]) == 61
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_the_dtype_counts_the_bytes_loaded(llama_dir: Path, dtype: str) -> None:
     """A float32 checkpoint loaded in another dtype: the plan's bytes are the loaded ones, the
