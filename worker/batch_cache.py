@@ -1,9 +1,9 @@
 """A stage's KV cache for every sequence in flight: a fixed pool of slots, one per sequence.
 
 Each decoder layer the stage holds gets a keys and a values store of shape (slots, kv_heads,
-max_seq_len, head_dim), each shaped as the model writes it (multi-head latent attention writes
-keys of qk_nope + qk_rope dims and values of v_head_dim), allocated at the layer's first write
-and kept: the bytes the plan reserved (`max_batch` x `max_seq_len`), never more, and no
+max_seq_len, head_dim), each shaped as the model writes it (DeepSeek's multi-head latent
+attention writes its compressed latent as keys and its rotated key part as values, one head
+each), allocated at the layer's first write and kept: the bytes the plan reserved (`max_batch` x `max_seq_len`), never more, and no
 allocation per request or per step. A sequence owns one slot from its admission to its end;
 the engine hands a freed slot to the next sequence at once, and the stale keys in it are never
 read (the mask only lets a row see the positions it wrote).
