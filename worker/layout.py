@@ -241,7 +241,18 @@ def cached_bytes_per_token(hf_config) -> dict[int, int]:
     multi-head latent attention caches its compressed latent and rotated key, one head each
     (1152 bytes a token in bfloat16 for DeepSeek-V3, not 80 KiB of 128 heads' keys and values);
     Falcon-7B's multi-query attention one head; Falcon-40B's every query head. Empty when the
-    forward cannot run on the meta device (the config's KV heads x head dim stand in then)."""
+    forward cannot run on the meta device (the config's KV heads x head dim stand in then).
+    Kept per config in this process (the forward costs ~50 ms, a plan's index is read often)."""
+    key = hf_config.to_json_string()
+    if key not in _MEASURED:
+        _MEASURED[key] = _measure_cache_writes(hf_config)
+    return dict(_MEASURED[key])
+
+
+_MEASURED: dict[str, dict[int, int]] = {}  # config.json text -> cached_bytes_per_token
+
+
+def _measure_cache_writes(hf_config) -> dict[int, int]:
     from transformers import DynamicCache
 
     from worker.spec import MLP_NAMES
