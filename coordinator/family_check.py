@@ -27,7 +27,7 @@ import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ from worker.layout import (
     UnsupportedModelError,
     find_layout,
     hf_config_from_dict,
+    measure_cache_writes,
     model_class_for,
 )
 from worker.stage import Stage
@@ -227,14 +228,20 @@ def _check_batched(whole: nn.Module, built: list[tuple[str, list[Stage]]]) -> st
 
 def _alone(whole: nn.Module, prompt: torch.Tensor) -> list[torch.Tensor]:
     """The whole model on `prompt` alone, as plain transformers generates (its own cache, no
-    padding, no positions given): the last position's logits of the prefill and of each greedy
-    decode step."""
+    padding, each token's position given as `generate` gives it: Bamba's cached decode
+    without them sits 9e-5 from its own uncached forward): the last position's logits of the
+    prefill and of each greedy decode step."""
     from transformers import DynamicCache
 
     cache, x, out = DynamicCache(config=whole.config), prompt[None], []
     with torch.inference_mode():
         for _ in range(DECODE_STEPS + 1):
-            out.append(whole(input_ids=x, past_key_values=cache, use_cache=True).logits[0, -1])
+            start = len(prompt) + len(out) - x.shape[1]
+            positions = torch.arange(start, start + x.shape[1])[None]
+            logits = whole(
+                input_ids=x, position_ids=positions, past_key_values=cache, use_cache=True
+            ).logits
+            out.append(logits[0, -1])
             x = out[-1].argmax().reshape(1, 1)
     return out
 
@@ -245,10 +252,13 @@ def _batched_steps(
     """Each step's last-position logits (rows, vocab) through `stages` as `BatchRunner.step`
     runs them: one prefill of the prompts as rows left-padded with token 0 (as the engine pads
     them), then decode steps feeding each row the token its prompt chose alone, so both sides
-    see the same inputs. Rows sit in slots of the other order, as the engine may assign them."""
+    see the same inputs. Rows sit in slots of the other order, as the engine may assign them.
+    A model with recurrent state takes no padding (`Scheduler(uniform=True)`): each prompt is
+    then its own prefill step, as the engine plans them, and the decodes run together."""
     width = max(len(prompt) for prompt in prompts)
+    slots = tuple(reversed(range(len(prompts))))
     rows = StepRows(
-        slots=tuple(reversed(range(len(prompts)))),
+        slots=slots,
         starts=(0,) * len(prompts),
         counts=tuple(len(prompt) for prompt in prompts),
         width=width,
@@ -259,16 +269,30 @@ def _batched_steps(
     runners = [BatchRunner(torch.device("cpu")) for _ in stages]  # as each worker steps
     for runner in runners:
         runner.claim(CHECK_OWNER)
-    x = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        x[row, width - len(prompt) :] = prompt
-    for n in range(DECODE_STEPS + 1):
-        if n:
-            rows = rows.advanced()
-            x = torch.stack([expected[n - 1].argmax() for expected in alone])[:, None]
+
+    def step(rows: StepRows, x: torch.Tensor) -> torch.Tensor:
         for stage, runner in zip(stages, runners, strict=True):
             x = runner.step(stage, rows, x, None)  # the last stage: its logits, no draw
-        yield x
+        return x
+
+    if measure_cache_writes(stages[0].model.config).recurrent:
+        yield torch.cat(
+            [
+                step(
+                    replace(rows, slots=(slot,), starts=(0,), counts=(len(p),), width=len(p)),
+                    p[None],
+                )
+                for slot, p in zip(slots, prompts, strict=True)
+            ]
+        )
+    else:
+        x = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            x[row, width - len(prompt) :] = prompt
+        yield step(rows, x)
+    for n in range(1, DECODE_STEPS + 1):
+        rows = rows.advanced()
+        yield step(rows, torch.stack([expected[n - 1].argmax() for expected in alone])[:, None])
 
 
 def _first_difference(

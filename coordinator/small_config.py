@@ -18,6 +18,22 @@ TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token")
 # "Layers below this index are X": a threshold past the shrunk depth keeps every layer X,
 # one inside it keeps both kinds (layer 0 X, layer 1 not).
 THRESHOLD_KEYS = ("first_k_dense_replace", "max_window_layers")
+# Lists of the layers that are attention layers in a mamba hybrid (Bamba, LFM2's full ones).
+INDEX_LIST_KEYS = ("attn_layer_indices", "full_attn_idxs")
+# "Every period-th layer from offset on is X" (Jamba's attention and expert layers).
+PERIOD_KEYS = (
+    ("attn_layer_period", "attn_layer_offset"),
+    ("expert_layer_period", "expert_layer_offset"),
+)
+# Mamba-2 mixers (Bamba, Falcon-H1, Granite 4 hybrids, Nemotron-H, Zamba2): heads x head dim
+# = the mixer's width (expand x hidden, or its own `mamba_d_ssm`), groups dividing the heads.
+MAMBA_EXPAND_KEYS = ("mamba_expand", "expand")
+MAMBA_HEADS_KEYS = ("mamba_n_heads", "mamba_num_heads")
+MAMBA_HEAD_DIM_KEYS = ("mamba_d_head", "mamba_head_dim")
+MAMBA_STATE_KEYS = ("mamba_d_state", "ssm_state_size", "state_size")
+MAMBA_GROUP_KEYS = ("mamba_n_groups", "n_groups")
+MAMBA_CHUNK_KEYS = ("mamba_chunk_size", "chunk_size")
+MAMBA_STATE, MAMBA_CHUNK = 16, 4  # a chunk shorter than the prompts: the scan continues chunks
 
 
 def shrink_config(config: dict) -> dict:
@@ -41,19 +57,25 @@ def shrink_config(config: dict) -> dict:
                 yield k, value
 
     layers_key = key("num_hidden_layers")
-    depth = small[layers_key]
+    kinds = small.get("layer_types") or small.get("layers_block_type")
+    depth = small[layers_key] if layers_key in small else len(kinds)  # Nemotron-H: the list
     hidden = small.get(key("hidden_size"))
     heads = small.get(key("num_attention_heads"))
     head_dim = small.get("head_dim") or (hidden // heads if hidden and heads else None)
-    kept = _kept_layers(small.get("layer_types"), depth)
-    small[layers_key] = len(kept)
+    kept = _kept_layers(_layer_kinds(small, kinds, depth), depth)
+    if layers_key in small:
+        small[layers_key] = len(kept)
     for k, value in list(small.items()):  # per-layer lists and dicts: the kept layers' entries
         if isinstance(value, list) and len(value) == depth and not k.endswith("_token_id"):
             small[k] = [value[i] for i in kept]
         elif isinstance(value, dict) and value and all(str(i).isdigit() for i in value):
             small[k] = {type(i)(kept.index(int(i))): v for i, v in value.items() if int(i) in kept}
-    if isinstance(small.get("mlp_only_layers"), list):
-        small["mlp_only_layers"] = [kept.index(i) for i in small["mlp_only_layers"] if i in kept]
+    for k in ("mlp_only_layers", *INDEX_LIST_KEYS):
+        if isinstance(small.get(k), list):
+            small[k] = [kept.index(i) for i in small[k] if i in kept]
+    for period_key, offset_key in PERIOD_KEYS:  # kept: layer 0 one kind, layer 1 the other
+        if isinstance(small.get(period_key), int) and small[period_key] > 1:
+            small[period_key], small[offset_key] = 2, 1
     for k, value in ints(THRESHOLD_KEYS):
         small[k] = len(kept) if value >= depth else min(value, 1)
     for k, _ in ints([key("hidden_size")]):
@@ -86,6 +108,7 @@ def shrink_config(config: dict) -> dict:
         small[k] = 1
     for k, value in ints(("sliding_window", "attention_chunk_size")):
         small[k] = min(value, WINDOW)
+    _shrink_mamba(small)
     for k, _ in ints([key("vocab_size")]):
         small[k] = VOCAB
     for k, value in list(small.items()):  # special tokens inside the small vocabulary
@@ -94,15 +117,57 @@ def shrink_config(config: dict) -> dict:
     return small
 
 
-def _kept_layers(layer_types: list | None, depth: int) -> list[int]:
-    """Which of `depth` layers the shrunk model keeps: layer 0 and the first of another kind
-    (a full-attention layer after sliding ones), else layer 1."""
+def _layer_kinds(small: dict, kinds, depth: int) -> list | None:
+    """Each layer's kind: the config's per-layer list, or from a list of attention layers."""
+    if isinstance(kinds, list) and len(kinds) == depth:
+        return kinds
+    for k in INDEX_LIST_KEYS:
+        if isinstance(small.get(k), list):
+            return ["attention" if i in small[k] else "other" for i in range(depth)]
+    period, offset = PERIOD_KEYS[0]
+    if isinstance(small.get(period), int) and isinstance(small.get(offset), int):
+        return [
+            "attention" if i % small[period] == small[offset] else "mamba" for i in range(depth)
+        ]
+    return None
+
+
+def _kept_layers(kinds: list | None, depth: int) -> list[int]:
+    """Which of `depth` layers the shrunk model keeps: the first layer of each kind (a
+    full-attention layer after sliding ones, a mamba and an attention layer of a hybrid), in
+    model order; layers 0 and 1 when all are alike."""
     if depth < NUM_LAYERS:
         return list(range(depth))
-    if isinstance(layer_types, list) and len(layer_types) == depth:
-        other = next((i for i, kind in enumerate(layer_types) if kind != layer_types[0]), 1)
-        return [0, other]
+    if kinds is not None:
+        first = sorted({kind: i for i, kind in reversed(list(enumerate(kinds)))}.values())
+        if len(first) >= NUM_LAYERS:
+            return first
     return [0, 1]
+
+
+def _shrink_mamba(small: dict) -> None:
+    """Mamba-2 mixer widths, shrunk together: heads x head dim = expand x hidden (or the
+    config's own mixer width), a small state, groups that divide the heads, and chunks shorter
+    than the check's prompts."""
+    heads_key = next((k for k in MAMBA_HEADS_KEYS if isinstance(small.get(k), int)), None)
+    if heads_key is None:
+        return
+    expand = next((small[k] for k in MAMBA_EXPAND_KEYS if isinstance(small.get(k), int)), 2)
+    width = expand * small.get("hidden_size", HIDDEN)
+    if isinstance(small.get("mamba_d_ssm"), int):
+        small["mamba_d_ssm"] = width
+    small[heads_key] = width // HEAD_DIM
+    for k in MAMBA_HEAD_DIM_KEYS:
+        if isinstance(small.get(k), int):
+            small[k] = HEAD_DIM
+    for keys, most in (
+        (MAMBA_STATE_KEYS, MAMBA_STATE),
+        (MAMBA_GROUP_KEYS, 2),
+        (MAMBA_CHUNK_KEYS, MAMBA_CHUNK),
+    ):
+        for k in keys:
+            if isinstance(small.get(k), int):
+                small[k] = min(small[k], most)
 
 
 def _inside_vocab(value):

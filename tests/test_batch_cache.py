@@ -76,3 +76,60 @@ def test_a_row_that_does_not_fit_is_refused() -> None:
         pool.view([0], [MAX_LEN - 1], [2], 2)
     with pytest.raises(NotImplementedError, match="does not route"):
         pool.view([0], [0], [1], 1).get_mask_sizes(1, 0)
+
+
+CHANNELS, KERNEL, STATE = 3, 4, (2, 5)  # a convolution's channels and kernel; an SSM state
+
+
+def conv_like(rows: int, width: int, seed: int) -> torch.Tensor:
+    return torch.randn(rows, CHANNELS, width, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("slots", [[0, 1], [2, 0]])  # consecutive (a view), or not (a copy)
+def test_recurrent_states_follow_each_row_through_its_slot(slots) -> None:
+    """As a mamba layer uses them: a fresh prefill sees no state and writes its last `KERNEL`
+    inputs; a decode sees each row's own state, updates it in place, and the pool keeps the
+    update (written back for rows not in consecutive slots); a sequence new to a slot starts
+    from a cleared state, the other row's untouched."""
+    pool = SlotPool([0], num_slots=3, max_seq_len=MAX_LEN, device=torch.device("cpu"))
+    prompt = conv_like(2, 6, seed=1)
+    view = pool.view(slots, [0, 0], [6, 6], 6)
+    assert view.get_conv_state(0) is None and view.get_recurrent_state(0) is None
+    full = view.update_conv_state(prompt, 0, conv_kernel_size=KERNEL)
+    assert torch.equal(full, prompt)  # no previous state: the inputs as they came
+    states = torch.randn(2, *STATE, generator=torch.Generator().manual_seed(2))
+    view.update_recurrent_state(states, 0)
+    view.commit()
+
+    step = conv_like(2, 1, seed=3)
+    view = pool.view(slots, [6, 6], [1, 1], 1)
+    conv = view.get_conv_state(0)
+    assert torch.equal(conv, prompt[..., -KERNEL:])
+    conv.copy_(torch.cat([conv, step], -1)[..., -KERNEL:])  # causal_conv1d_update's in place
+    recurrent = view.get_recurrent_state(0)
+    assert torch.equal(recurrent, states)
+    recurrent.mul_(2)  # mamba2_selective_state_update's in place
+    view.commit()
+    for r, slot in enumerate(slots):
+        want = torch.cat([prompt[r], step[r]], -1)[..., -KERNEL:]
+        assert torch.equal(pool.states["conv", 0, 0][slot], want)
+        assert torch.equal(pool.states["recurrent", 0, 0][slot], 2 * states[r])
+
+    view = pool.view(slots[:1], [0], [1], 1)  # a new sequence in the first slot
+    assert pool.states["recurrent", 0, 0][slots[0]].abs().sum() == 0
+    assert torch.equal(pool.states["recurrent", 0, 0][slots[1]], 2 * states[1])
+
+
+def test_a_recurrent_state_refuses_padding_and_a_step_it_did_not_take_in() -> None:
+    """A padded row would feed its padding into the recurrence, and a state cannot be rewound:
+    both are refused with what to do, never run."""
+    pool = SlotPool([0], num_slots=2, max_seq_len=MAX_LEN, device=torch.device("cpu"))
+    view = pool.view([0, 1], [0, 0], [3, 3], 3)
+    view.update_conv_state(conv_like(2, 3, seed=1), 0, conv_kernel_size=KERNEL)
+    view.commit()
+    with pytest.raises(ValueError, match="same number of tokens"):
+        pool.view([0, 1], [3, 3], [1, 2], 2).get_conv_state(0)
+    with pytest.raises(ValueError, match="took in 3 tokens, but the step feeds it from position 5"):
+        pool.view([0], [5], [1], 1)  # steps at 3 and 4 ran, their tokens dropped
+    pool.view([0, 1], [3, 3], [1, 1], 1).commit()
+    pool.view([0], [4], [1], 1)  # where its last step ended: fine

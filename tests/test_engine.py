@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from coordinator.engine import Engine, EngineConfig, Finish, QueueFullError
-from coordinator.engine.engine import EngineClosedError
+from coordinator.engine.engine import UNIFORM_MAX_BURST, EngineClosedError
 from coordinator.engine.pipelines import InProcessHandle
 from coordinator.runtime.errors import WorkerLostError
 from offload.errors import BusyError, ConfigError, NeverFitsError
+from worker.batch_cache import SlotPool
 from worker.batched import NO_TOKEN, BatchRunner, ClaimedByAnotherError
 from worker.decode import Sampling
 
@@ -45,8 +46,13 @@ class FakePipeline:
 
     max_burst = 8
 
-    def __init__(self, num_stages: int = 1) -> None:
+    def __init__(self, num_stages: int = 1, *, recurrent: bool = False) -> None:
+        """`recurrent`: the model keeps a state per sequence, as a worker's slot pool keeps
+        it (`worker.batch_cache`): a padded row, or a step that does not start where its
+        slot's last step ended (one ran whose tokens were dropped), is refused."""
         self.num_stages = num_stages
+        self.recurrent = recurrent
+        self.pool: SlotPool | None = None
         self.slots: dict[int, list[int]] = {}
         self.steps: list[tuple[bool, tuple[int, ...], tuple[int, ...], int]] = []
         self.fail: list[BaseException] = []
@@ -89,6 +95,7 @@ class FakePipeline:
         outputs = []
         for _ in range(steps[0].count):
             for m, (rows, x, draw, sequences) in enumerate(current):
+                self._take_in(rows)
                 tokens = torch.full((len(rows.slots),), NO_TOKEN)
                 for r, (slot, start, count) in enumerate(
                     zip(rows.slots, rows.starts, rows.counts, strict=True)
@@ -109,6 +116,22 @@ class FakePipeline:
                 current[m][:2] = rows.advanced(), tokens[:, None]
         return InProcessHandle(outputs)
 
+    def _take_in(self, rows) -> None:
+        """A recurrent model's step through the workers' own checks on a one-layer state."""
+        if not self.recurrent:
+            return
+        if self.pool is None:
+            self.pool = SlotPool(
+                [0],
+                num_slots=rows.num_slots,
+                max_seq_len=rows.max_seq_len,
+                device=torch.device("cpu"),
+            )
+            self.pool.states["recurrent", 0, 0] = torch.zeros(rows.num_slots, 1)
+        view = self.pool.view(list(rows.slots), list(rows.starts), list(rows.counts), rows.width)
+        view.get_recurrent_state(0)  # refuses padding
+        view.commit()
+
     def wait(self, handles, timeout_s):
         return list(handles)
 
@@ -120,6 +143,7 @@ class FakePipeline:
         self.recoveries += 1
         self.epoch += 1
         self.slots.clear()  # the new worker holds no cache
+        self.pool = None  # nor any state
         self.runner.reset()  # nor any claim
 
 
@@ -290,6 +314,48 @@ def test_a_burst_ends_at_the_step_a_request_arrives(make) -> None:
     assert pipeline.steps[2][:3] == (True, (0, 1), (1, 3)) and pipeline.starts[2] == (4, 0)
 
 
+def test_a_model_with_recurrent_state_gets_no_padding_no_chunk_and_no_cut_burst(make) -> None:
+    """`uniform_steps` (mamba, linear attention): a step that ran updated each row's state even
+    if its tokens were dropped, and a padded position would enter it. So a request arriving
+    mid-burst waits for the burst's end (at most `UNIFORM_MAX_BURST` steps), prompts of other
+    lengths go in steps of their own, a prompt longer than `prefill_tokens` goes whole, and
+    every step that ran is applied. Without it, the cut burst of the same requests is refused
+    by the state (a step starting behind what the state took in)."""
+
+    def run(uniform: bool):
+        engine, pipeline = make(
+            FakePipeline(recurrent=True),
+            num_slots=3,
+            burst_steps=16,
+            prefill_tokens=4,
+            uniform_steps=uniform,
+        )
+        joined = []
+
+        def join(row, token):
+            if len(first.sequences[0].generated) == 3 and not joined:
+                joined.append(submit(engine, [9, 8, 7], 4))
+                joined.append(submit(engine, list(range(3, 12)), 3))  # 9 > prefill_tokens
+
+        first = submit(engine, [3, 4], 20, on_token=join)
+        return engine, pipeline, first, joined
+
+    _, _, first, _ = run(uniform=False)
+    with pytest.raises(ValueError, match=r"took in .* a step ran whose tokens were dropped"):
+        first.result(WAIT_S)
+    engine, pipeline, first, joined = run(uniform=True)
+    assert first.result(WAIT_S) == [expected([3, 4], 20)]
+    assert [r.result(WAIT_S) for r in joined] == [
+        [expected([9, 8, 7], 4)],
+        [expected(list(range(3, 12)), 3)],
+    ]
+    assert engine.stats.cut == 0
+    assert pipeline.steps[1][3] == UNIFORM_MAX_BURST  # burst_steps 16, capped
+    prefills = [counts for prefill, _, counts, _ in pipeline.steps if prefill]
+    assert prefills == [(2,), (3,), (9,)]  # each prompt alone, the 9 tokens whole
+    assert all(len(set(counts)) == 1 for _, _, counts, _ in pipeline.steps)
+
+
 def test_requests_a_step_apart_share_their_prefill_with_the_decodes(make) -> None:
     """A prompt that arrives while another sequence decodes goes in one step with that decode
     (both choose a token), while the padded tokens fit `prefill_tokens`; a prompt as wide as
@@ -350,6 +416,32 @@ def test_a_lost_worker_is_recovered_and_every_sequence_goes_on_exactly(make) -> 
     restart = next(i for i, s in enumerate(pipeline.steps) if s[0] and i > 1)
     # 5 tokens each by then (a: 3 + 5, b: 2 + 5), each fed whole
     assert pipeline.starts[restart] == (0, 0) and sorted(pipeline.steps[restart][2]) == [7, 8]
+
+
+def test_a_recovery_feeds_each_recurrent_sequence_again_from_its_start(make) -> None:
+    """The new worker holds no state: each running sequence is fed again whole, from position
+    0, in a step of its own length (no padding), and goes on exactly."""
+    engine, pipeline = make(
+        FakePipeline(recurrent=True), num_slots=2, burst_steps=1, uniform_steps=True
+    )
+    seen = []
+
+    def on_token(row, token):
+        seen.append(token)
+        if len(seen) == 5:
+            pipeline.fail.append(WorkerLostError("worker died"))
+
+    a = submit(engine, [3, 4, 5], 12, on_token=on_token)
+    b = submit(engine, [6, 7], 9)
+    assert a.result(WAIT_S) == [expected([3, 4, 5], 12)]
+    assert b.result(WAIT_S) == [expected([6, 7], 9)]
+    assert pipeline.recoveries == 1 and engine.stats.restarts == 1
+    # 5 tokens each by then (a: 3 + 5, b: 2 + 5), each fed whole in its own step
+    again = [i for i, s in enumerate(pipeline.steps) if s[0] and i > 1]
+    assert [(pipeline.starts[i], pipeline.steps[i][2]) for i in again] == [
+        ((0,), (8,)),
+        ((0,), (7,)),
+    ]
 
 
 def test_a_failing_step_ends_its_requests_with_the_error_and_the_engine_goes_on(make) -> None:

@@ -20,6 +20,18 @@ where each row's new tokens start and how many there are. Rows are left-padded t
 width; only the real tokens are written. The masks follow each row's own length; the model's
 code asks for them by kind (`create_causal_mask`, `create_sliding_window_causal_mask`) and
 `worker.stage` routes those calls here (`mask`).
+
+Layers with recurrent state (mamba mixers, gated delta-net and other linear attention, short
+convolutions: `qwen3_next`, `bamba`, `jamba`, `lfm2`...) keep per sequence a fixed-size state
+instead of keys and values: the model's own code asks the cache for its convolution and
+recurrent states (`get_conv_state`, `update_recurrent_state`, as transformers'
+`LinearAttentionLayer` answers them) and the pool keeps them per slot, shaped as the model writes
+them. A row whose sequence starts in this step (`start` 0) gets its slot's states cleared first
+(a freed slot's state is never read by the next sequence); when every row starts, the model sees
+no previous state, as transformers' own fresh cache gives. A recurrence cannot skip a padded
+position (a mamba state decays on a zero input, a convolution shifts it in), so a step through
+such a layer must have every row feed exactly `width` tokens: the engine plans such steps for
+these models (`Scheduler(uniform=True)`), and a padded one is refused here, never run.
 """
 
 from __future__ import annotations
@@ -59,11 +71,36 @@ class SlotPool:
         self.num_slots, self.max_seq_len, self.device = num_slots, max_seq_len, device
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
+        # (kind "conv" or "recurrent", layer, state index) -> (slots, *one sequence's state)
+        self.states: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.state_at: dict[int, int] = {}  # slot -> how many tokens its states took in
 
     def nbytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size() for d in (self.keys, self.values) for t in d.values()
-        )
+        stores = (*self.keys.values(), *self.values.values(), *self.states.values())
+        return sum(t.numel() * t.element_size() for t in stores)
+
+    def state_store(
+        self, key: tuple[str, int, int], like: torch.Tensor, length: int | None = None
+    ) -> torch.Tensor:
+        """The store of recurrent-state `key`, allocated on first use shaped like one row of
+        `like` (a convolution state with its last dim `length`: the kernel's)."""
+        store = self.states.get(key)
+        if store is None:
+            if key[1] not in self.held:
+                raise ValueError(f"layer {key[1]} is not held by this stage ({self.held})")
+            shape = (*like.shape[1:-1], length) if length is not None else like.shape[1:]
+            store = self.states[key] = torch.zeros(
+                (self.num_slots, *shape), dtype=like.dtype, device=self.device
+            )
+        return store
+
+    def clear_states(self, slots: list[int]) -> None:
+        """Zero every recurrent state of `slots` (their sequences start now)."""
+        if slots and self.states:
+            index = torch.tensor(slots, device=self.device)
+            with torch.inference_mode():  # the stores were made in a step's inference mode
+                for store in self.states.values():
+                    store.index_fill_(0, index, 0)
 
     def stores(
         self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor
@@ -115,6 +152,23 @@ class BatchView(Cache):
             else None
         )
         self.kv_length = max(s + c for s, c in zip(starts, counts, strict=True))
+        # recurrent state: rows that start here (cleared), and the states handed to the model
+        # as copies (rows not consecutive) that its in-place updates change: written back by
+        # `commit` after the step
+        fresh = [slot for slot, start in zip(slots, starts, strict=True) if start == 0]
+        if pool.states:  # a state cannot go back: a step must start where the last one ended
+            for slot, start in zip(slots, starts, strict=True):
+                if start and pool.state_at.get(slot) != start:
+                    raise ValueError(
+                        f"slot {slot}'s recurrent state took in {pool.state_at.get(slot, 0)} "
+                        f"tokens, but the step feeds it from position {start}: a step ran "
+                        "whose tokens were dropped (a recurrence cannot be rewound), or its "
+                        "state was lost; the sequence must be fed again from its start"
+                    )
+        pool.clear_states(fresh)
+        self.all_fresh = len(fresh) == len(slots)
+        self.uniform = all(c == width for c in counts)
+        self._handed: dict[tuple[str, int, int], torch.Tensor] = {}
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
@@ -131,6 +185,105 @@ class BatchView(Cache):
         if self._span is not None:
             return keys[self._span, :, :length], values[self._span, :, :length]
         return keys[self.slots, :, :length], values[self.slots, :, :length]
+
+    # recurrent state (transformers' LinearAttentionLayer interface, per row from the slots)
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._state_rows(("conv", layer_idx, state_idx))
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._state_rows(("recurrent", layer_idx, state_idx))
+
+    def update_conv_state(
+        self,
+        conv_states: torch.Tensor,
+        layer_idx: int,
+        state_idx: int = 0,
+        conv_kernel_size: int | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """The step's inputs (rows, channels, width) after each row's previous convolution
+        state (none when every row starts here: padded to the kernel as transformers does);
+        the last `kernel` positions become each row's state."""
+        key = ("conv", layer_idx, state_idx)
+        previous = self._state_rows(key)
+        existing = self.pool.states.get(key)
+        kernel = existing.shape[-1] if existing is not None else conv_kernel_size
+        kernel = kernel or conv_states.shape[-1]
+        if previous is None:
+            full = conv_states
+            if full.shape[-1] < kernel:
+                full = torch.nn.functional.pad(full, (kernel - full.shape[-1], 0), value=0)
+        else:
+            full = torch.cat([previous, conv_states], dim=-1)
+        self._write_rows(key, full[..., -kernel:], kernel)
+        return full
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
+    ) -> torch.Tensor:
+        key = ("recurrent", layer_idx, state_idx)
+        self._check_uniform(key)
+        self._write_rows(key, recurrent_states)
+        return recurrent_states
+
+    def has_previous_state(
+        self, layer_idx: int | None = None, state_idx: int | None = None
+    ) -> bool:
+        return not self.all_fresh
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def commit(self) -> None:
+        """Write the states the model updated in place (copies of rows not consecutive) back
+        to their slots. Called once the step's forward is done."""
+        with torch.inference_mode():
+            for key, rows in self._handed.items():
+                self.pool.states[key][self.slots] = rows
+        self._handed.clear()
+        if self.pool.states:
+            for slot, start, count in self._rows:
+                self.pool.state_at[slot] = start + count
+
+    def _check_uniform(self, key: tuple[str, int, int]) -> None:
+        if not self.uniform:
+            raise ValueError(
+                f"a step whose rows feed {sorted(set(self.counts.tolist()))} tokens (padded to "
+                f"{self.width}) reached layer {key[1]}'s recurrent state: a recurrence cannot "
+                "skip padding, so every row of a step through it must feed the same number of "
+                "tokens (Scheduler(uniform=True))"
+            )
+
+    def _state_rows(self, key: tuple[str, int, int]) -> torch.Tensor | None:
+        """The step's rows of state `key` (None when every row starts here): a view of the
+        store when the rows are consecutive slots (the model's in-place updates land in it),
+        else a copy that `commit` writes back."""
+        self._check_uniform(key)
+        if self.all_fresh:
+            return None
+        if key in self._handed:
+            return self._handed[key]
+        store = self.pool.states.get(key)
+        if store is None:
+            raise ValueError(
+                f"layer {key[1]}'s {key[0]} state was never written, yet a row continues its "
+                "sequence: the slot pool lost it (the stage changed); the sequence must be fed "
+                "again from its start"
+            )
+        if self._span is not None:
+            return store[self._span]
+        rows = self._handed[key] = store[self.slots]
+        return rows
+
+    def _write_rows(
+        self, key: tuple[str, int, int], rows: torch.Tensor, length: int | None = None
+    ) -> None:
+        store = self.pool.state_store(key, rows, length)
+        if self._span is not None:
+            store[self._span].copy_(rows)
+        else:
+            store[self.slots] = rows
+        self._handed.pop(key, None)  # what the model wrote supersedes the copy handed out
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return int(self.starts.min())  # positions come from position_ids, never from here

@@ -371,7 +371,10 @@ class BatchRunner:
         self.last_rows = len(rows.slots)
         start = time.perf_counter()
         try:
-            return self._forward(stage, rows, x, view, draw)
+            out = self._forward(stage, rows, x, view, draw)
+            if view is not None:
+                view.commit()  # recurrent states updated in place on copies
+            return out
         finally:
             self.last_step_s = time.perf_counter() - start
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import ast
 import inspect
+import logging
+import math
 import re
 import textwrap
 from dataclasses import dataclass
@@ -46,6 +48,10 @@ TESTED_FAMILIES = (
     "qwen3_moe",
     "deepseek_v2",
     "deepseek_v3",
+    "gpt_oss",
+    "qwen3_next",
+    "bamba",
+    "jamba",
     "gpt2",
     "gpt_neox",
 )
@@ -119,12 +125,28 @@ def hf_config_from_dict(
     supports it, eager for Gemma 2)."""
     from transformers import AutoConfig
 
-    values = {k: v for k, v in config.items() if k not in ("dtype", "torch_dtype")}
+    values = {k: _json_floats(v) for k, v in config.items() if k not in ("dtype", "torch_dtype")}
     hf_config = AutoConfig.for_model(**values)
     hf_config.dtype = dtype
     if attn_implementation is not None:
         hf_config._attn_implementation = attn_implementation
     return hf_config
+
+
+_SPECIAL_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def _json_floats(value):
+    """`value` with the floats JSON cannot spell back: `save_pretrained` writes infinity and
+    NaN as `{"__float__": "Infinity"}` (Bamba's `time_step_limit`), as `from_pretrained` reads
+    them."""
+    if isinstance(value, dict):
+        if value.keys() == {"__float__"} and value["__float__"] in _SPECIAL_FLOATS:
+            return _SPECIAL_FLOATS[value["__float__"]]
+        return {k: _json_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_floats(v) for v in value]
+    return value
 
 
 def model_class_for(hf_config) -> type:
@@ -210,18 +232,21 @@ class ModelLayout:
         return None
 
 
-def kv_per_layer(model: nn.Module) -> list[tuple[int, int | None]]:
-    """(KV bytes per token of one sequence, sliding window or None) of each decoder layer, from
-    the cache `generate` builds for the model (`DynamicCache(config=...)`: which layers slide)
-    and what the model's own attention writes to it (`cached_bytes_per_token`)."""
+def kv_per_layer(model: nn.Module) -> list[tuple[int, int | None, int]]:
+    """(KV bytes per token of one sequence, sliding window or None, recurrent-state bytes of one
+    sequence) of each decoder layer, from the cache `generate` builds for the model
+    (`DynamicCache(config=...)`: which layers slide) and what the model's own layers write to
+    it (`measure_cache_writes`)."""
     from transformers import DynamicCache
 
     text = model.config.get_text_config()
-    measured = cached_bytes_per_token(model.config)
+    writes = measure_cache_writes(model.config)
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    assumed = 2 * kv_heads * head_dim * model.config.dtype.itemsize
+    # Measured: a layer that wrote nothing caches nothing (a mamba layer; a layer sharing
+    # another's keys). Not measured: the config's heads stand in for every layer.
+    assumed = 0 if writes.measured else 2 * kv_heads * head_dim * model.config.dtype.itemsize
     cache = DynamicCache(config=model.config)
     windows: list[int | None] = [None] * text.num_hidden_layers
     if len(cache.layers) == text.num_hidden_layers:
@@ -229,55 +254,106 @@ def kv_per_layer(model: nn.Module) -> list[tuple[int, int | None]]:
             getattr(layer, "sliding_window", None) if sliding else None
             for layer, sliding in zip(cache.layers, cache.is_sliding, strict=True)
         ]
-    return [(measured.get(i, assumed), window) for i, window in enumerate(windows)]
+    return [
+        (writes.per_token.get(i, assumed), window, writes.per_sequence.get(i, 0))
+        for i, window in enumerate(windows)
+    ]
+
+
+@dataclass(frozen=True)
+class CacheWrites:
+    """What each decoder layer's own code writes to its cache for one sequence: keys and values
+    per token (`per_token`), and fixed-size convolution and recurrent states (`per_sequence`:
+    mamba mixers, linear attention, short convolutions), in bytes by layer index."""
+
+    per_token: dict[int, int]
+    per_sequence: dict[int, int]
+    measured: bool  # False: the forward could not run on the meta device (nothing known)
+
+    @property
+    def recurrent(self) -> bool:
+        return bool(self.per_sequence)
 
 
 def cached_bytes_per_token(hf_config) -> dict[int, int]:
-    """Per decoder layer, the bytes one token adds to its cache, keys and values together, as
-    the model's own attention writes them: its forward over two tokens on the meta device (no
-    memory, no arithmetic), its MLPs and experts passed through (their routing needs values),
-    into a cache that records each write's shape and dtype. That is what the slot pools hold
-    (`tests/test_family_check.py` checks the slots a generation fills against it): DeepSeek's
-    multi-head latent attention caches its compressed latent and rotated key, one head each
-    (1152 bytes a token in bfloat16 for DeepSeek-V3, not 80 KiB of 128 heads' keys and values);
-    Falcon-7B's multi-query attention one head; Falcon-40B's every query head. Empty when the
-    forward cannot run on the meta device (the config's KV heads x head dim stand in then).
-    Kept per config in this process (the forward costs ~50 ms, a plan's index is read often)."""
+    """Per decoder layer, the bytes one token adds to its cache (`measure_cache_writes`)."""
+    return dict(measure_cache_writes(hf_config).per_token)
+
+
+def measure_cache_writes(hf_config) -> CacheWrites:
+    """What the model's own layers write to their cache: its forward over two tokens on the
+    meta device (no memory, no arithmetic), its MLPs and experts passed through (their routing
+    needs values), into a cache that records each write's shape and dtype. That is what the slot
+    pools hold (`tests/test_family_check.py` checks the slots a generation fills against it):
+    DeepSeek's multi-head latent attention caches its compressed latent and rotated key, one
+    head each (1152 bytes a token in bfloat16 for DeepSeek-V3, not 80 KiB of 128 heads' keys and
+    values); Falcon-7B's multi-query attention one head; Falcon-40B's every query head; a mamba
+    layer no keys but a convolution state (kernel positions) and a recurrent one per sequence.
+    `measured` False when the forward cannot run on the meta device (the config's KV heads x
+    head dim then stand in). Kept per config in this process (the forward costs ~50 ms, a plan's
+    index is read often)."""
     key = hf_config.to_json_string()
     if key not in _MEASURED:
         _MEASURED[key] = _measure_cache_writes(hf_config)
-    return dict(_MEASURED[key])
+    return _MEASURED[key]
 
 
-_MEASURED: dict[str, dict[int, int]] = {}  # config.json text -> cached_bytes_per_token
+_MEASURED: dict[str, CacheWrites] = {}  # config.json text -> measure_cache_writes
+# An MLP or MoE block by its class (Nemotron-H calls every block's one child `mixer`)
+_MLP_CLASS = re.compile(r"(MLP|Mlp|MoE|Moe|Experts)(Block)?$")
 
 
-def _measure_cache_writes(hf_config) -> dict[int, int]:
+def _measure_cache_writes(hf_config) -> CacheWrites:
     from transformers import DynamicCache
 
     from worker.spec import MLP_NAMES
     from worker.stage import PassThrough
 
     written: dict[int, int] = {}
+    states: dict[tuple[str, int, int], int] = {}  # (kind, layer, state index) -> bytes
+
+    def row_bytes(tensor: torch.Tensor, last: int | None = None) -> int:
+        shape = (*tensor.shape[1:-1], last) if last is not None else tensor.shape[1:]
+        return math.prod(shape) * tensor.element_size()
 
     class Recording(DynamicCache):
         def update(self, keys, values, layer_idx, *args, **kwargs):
-            per_token = keys[0, :, 0].numel() * keys.element_size()
-            written[layer_idx] = per_token + values[0, :, 0].numel() * values.element_size()
+            written[layer_idx] = row_bytes(keys[:, :, :1]) + row_bytes(values[:, :, :1])
             return super().update(keys, values, layer_idx, *args, **kwargs)
+
+        def update_conv_state(self, conv_states, layer_idx, state_idx=0, **kwargs):
+            kernel = kwargs.get("conv_kernel_size") or conv_states.shape[-1]
+            states["conv", layer_idx, state_idx] = row_bytes(conv_states, kernel)
+            return super().update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
+
+        def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
+            states["recurrent", layer_idx, state_idx] = row_bytes(recurrent_states)
+            return super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
 
     model = build_meta_model(hf_config)
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if name in MLP_NAMES and not isinstance(child, nn.ModuleList):
+            mlp = name in MLP_NAMES or _MLP_CLASS.search(type(child).__name__)
+            if mlp and not isinstance(child, nn.ModuleList):
                 setattr(module, name, PassThrough())
+    # transformers tells, once per process, that a mamba kernel falls back to PyTorch: this
+    # forward computes nothing, and a user running `offloadctl plan` need not read that
+    quiet = logging.getLogger("transformers.integrations.hub_kernels")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         with torch.no_grad():
             ids = torch.zeros((1, 2), dtype=torch.long, device="meta")
             model(input_ids=ids, past_key_values=Recording(config=hf_config), use_cache=True)
     except Exception:  # a family whose forward needs values: the config's shape stands in
-        return {}
-    return written
+        return CacheWrites({}, {}, measured=False)
+    finally:
+        quiet.setLevel(level)
+    per_sequence: dict[int, int] = {}
+    for (_, layer, _), nbytes in states.items():
+        per_sequence[layer] = per_sequence.get(layer, 0) + nbytes
+    # nothing written at all (the model ignored the cache): nothing known either
+    return CacheWrites(written, per_sequence, measured=bool(written or states))
 
 
 def find_layout(model: nn.Module) -> ModelLayout:

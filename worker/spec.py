@@ -151,11 +151,17 @@ class LayerSpec:
     # window it keeps at most (None: every token).
     kv_bytes_per_token: int = 0
     kv_window: int | None = None
+    # recurrent state of one sequence (convolution and SSM / linear-attention states: mamba
+    # and hybrid layers), whatever its length
+    state_bytes: int = 0
 
     def kv_bytes(self, sequences: int, tokens: int) -> int:
-        """KV cache bytes for `sequences` sequences of up to `tokens` tokens each."""
+        """KV cache and recurrent state bytes for `sequences` sequences of up to `tokens`
+        tokens each."""
+        if tokens <= 0:  # no generation (max_seq_len 0): no cache at all
+            return 0
         kept = tokens if self.kv_window is None else min(tokens, self.kv_window)
-        return sequences * kept * self.kv_bytes_per_token
+        return sequences * (kept * self.kv_bytes_per_token + self.state_bytes)
 
     @property
     def nbytes(self) -> int:

@@ -169,7 +169,18 @@ class Stage(nn.Module):
             tensor._is_hf_initialized = True
         for param in self.model.parameters():
             param._is_hf_initialized = True
-        self.model.initialize_weights()
+        try:
+            self.model.initialize_weights()
+        except AttributeError:
+            # The model's own init reaches into every block (Falcon-H1 gives each mamba mixer a
+            # buffer): run it over the blocks this stage holds, the stand-ins out of the list.
+            blocks = self.model.get_submodule(self.layout.layers_path)
+            held = nn.ModuleList(b for b in blocks if not isinstance(b, PassThrough))
+            self.model.set_submodule(self.layout.layers_path, held)
+            try:
+                self.model.initialize_weights()
+            finally:
+                self.model.set_submodule(self.layout.layers_path, blocks)
 
     def _restore_incoming(self, module, args, kwargs):
         if self._incoming is None:  # not called through forward(): leave the call alone

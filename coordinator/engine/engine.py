@@ -42,6 +42,9 @@ from worker.batched import NotOwnerError
 DEFAULT_MAX_QUEUE = 1024  # sequences waiting for a slot; beyond: BusyError (HTTP 429)
 DEFAULT_PREFILL_TOKENS = 512  # per prefill step (rows x width)
 IDLE_WAIT_S = 1.0
+# A model with recurrent state runs every burst out (a step that ran updated a state, even if
+# its tokens were dropped): short bursts, so a request waits at most this many decode steps.
+UNIFORM_MAX_BURST = 8
 CLOSE_TIMEOUT_S = 30.0
 
 
@@ -63,6 +66,9 @@ class EngineConfig:
     # pipeline's (Pipeline.max_burst: longer where a cut is cheap)
     micro_batches: int = 0  # 0: one per pipeline stage
     step_timeout_s: float = 600.0
+    # every row of a step feeds equally many tokens: the model keeps a recurrent state per
+    # sequence (mamba, linear attention), which a padded position would change
+    uniform_steps: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_slots", "max_seq_len", "prefill_tokens"):
@@ -111,6 +117,7 @@ class Engine:
             max_seq_len=config.max_seq_len,
             num_groups=self._micro_batches(),
             prefill_tokens=config.prefill_tokens,
+            uniform=config.uniform_steps,
         )
         self.stats = EngineStats(num_slots=config.num_slots)
         # what could never fit: the same refusals (and words) as Job.check_request's
@@ -334,7 +341,8 @@ class Engine:
         return max(1, min(self._burst_steps(), left))
 
     def _burst_steps(self) -> int:
-        return self.config.burst_steps or self.pipeline.max_burst
+        steps = self.config.burst_steps or self.pipeline.max_burst
+        return min(steps, UNIFORM_MAX_BURST) if self.config.uniform_steps else steps
 
     def _wait_one(self) -> None:
         ready = self.pipeline.wait(list(self._in_flight), self.config.step_timeout_s)
@@ -376,6 +384,8 @@ class Engine:
         """The next step boundary should come now: a request was cancelled, a sequence of the
         burst ended (its row would be computed for nothing; its slot may go to one waiting),
         or a request arrived while a slot is free for it."""
+        if self.config.uniform_steps:
+            return False  # never cut: a step run and dropped would still advance a state
         with self._cond:
             if self._cancelled:
                 return True

@@ -22,6 +22,15 @@ kinds of step when it has both to do:
   steps, and the decodes of the others go on between them, so a new prompt delays them by one
   chunk at most.
 A sequence whose chunk ends its prompt chooses its first token in the same step.
+
+A model with recurrent state per sequence (mamba, linear attention) cannot take padded rows (a
+padded position would enter the recurrence): with `uniform`, every row of a step feeds the same
+number of tokens, so a prefill step takes the prompts as long as the first one's and decodes
+ride along only when that is one token. Its prompts are not chunked either: Jamba's own code
+does not continue a recurrence over a second chunk (its cached forward over tokens 8-10 after
+0-7 differs from the whole forward by 0.02 in transformers 5.23; Qwen3-Next's and Bamba's agree
+to 1e-7), so each prompt goes in whole, as `generate` feeds it (the plan reserves activations
+for `max_seq_len` tokens then).
 """
 
 from __future__ import annotations
@@ -64,10 +73,16 @@ class _Group:
 
 class Scheduler:
     def __init__(
-        self, *, num_slots: int, max_seq_len: int, num_groups: int, prefill_tokens: int
+        self,
+        *,
+        num_slots: int,
+        max_seq_len: int,
+        num_groups: int,
+        prefill_tokens: int,
+        uniform: bool = False,
     ) -> None:
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
-        self.prefill_tokens = prefill_tokens
+        self.prefill_tokens, self.uniform = prefill_tokens, uniform
         self.waiting: deque[Sequence] = deque()
         self.groups: list[_Group] = []
         self._done: list[Request] = []  # requests whose last sequence ended, not yet taken
@@ -209,13 +224,16 @@ class Scheduler:
         chosen: list[Sequence] = []
         width = 0
         for seq in candidates:
-            chunk = min(seq.pending, self.prefill_tokens)
+            chunk = seq.pending if self.uniform else min(seq.pending, self.prefill_tokens)
+            if self.uniform and chosen and chunk != width:
+                continue  # no padding: only prompts as long as the first
             if chosen and (len(chosen) + 1) * max(width, chunk) > self.prefill_tokens:
                 break
             chosen.append(seq)
             width = max(width, chunk)
         room = self.prefill_tokens // width - len(chosen)
-        chosen += decode[: max(0, room)]
+        if not self.uniform or width == 1:
+            chosen += decode[: max(0, room)]
         x = torch.zeros((len(chosen), width), dtype=torch.long)
         counts = []
         for r, seq in enumerate(chosen):

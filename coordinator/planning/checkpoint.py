@@ -67,6 +67,12 @@ class CheckpointIndex:
     def num_decoder_layers(self) -> int:
         return sum(1 for layer in self.layers if layer.kind == "decoder")
 
+    @property
+    def recurrent(self) -> bool:
+        """Some layer keeps a recurrent state per sequence (a mamba or linear-attention
+        hybrid): every row of a generation step must feed equally many tokens."""
+        return any(layer.state_bytes for layer in self.layers)
+
 
 def shown(path: str | Path) -> str:
     """A path as an error names it on one line: as given, or quoted with its control characters
@@ -337,14 +343,15 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
     )
 
 
-def _kv_fields(kv: list[tuple[int, int | None]], index: int | None) -> dict:
-    """A decoder layer's KV cache bytes per token. No window: the workers' KV slots keep every
-    position of a sequence for every layer, sliding ones included (worker/batch_cache.py), so
-    the plan reserves that much, never less than they use."""
+def _kv_fields(kv: list[tuple[int, int | None, int]], index: int | None) -> dict:
+    """A decoder layer's KV cache bytes per token, and its recurrent state's per sequence. No
+    window: the workers' KV slots keep every position of a sequence for every layer, sliding
+    ones included (worker/batch_cache.py), so the plan reserves that much, never less than they
+    use."""
     if index is None:
         return {}
-    per_token, _window = kv[index]
-    return {"kv_bytes_per_token": per_token}
+    per_token, _window, state = kv[index]
+    return {"kv_bytes_per_token": per_token, "state_bytes": state}
 
 
 def _kind(layer: str) -> str:

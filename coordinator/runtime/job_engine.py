@@ -44,10 +44,12 @@ def build_engine(
     recover: Callable[[BaseException, int], None],
     gate,
     name: str,
+    uniform_steps: bool,
     take_over: bool = False,
 ) -> Engine:
     """The engine of a load whose current workers, config and plan these return (they change
-    with recoveries), claiming the workers at once."""
+    with recoveries), claiming the workers at once. `uniform_steps`: the model keeps recurrent
+    state (`CheckpointIndex.recurrent`)."""
     now = config()
     return Engine(
         RayPipeline(workers, lambda: config().forward_timeout_s),
@@ -58,6 +60,7 @@ def build_engine(
             prefill_tokens=now.prefill_tokens,
             micro_batches=now.micro_batches,
             step_timeout_s=now.forward_timeout_s,
+            uniform_steps=uniform_steps,
         ),
         recover=recover,
         gate=gate,
@@ -113,6 +116,7 @@ class JobEngine:
                         recover=job.recover_after,
                         gate=job.passes,
                         name="job",
+                        uniform_steps=job.index.recurrent,
                     )
                     self._host = EngineHost(engine)
                     host = self._host

@@ -241,6 +241,7 @@ class LoadKeeper:
                         recover=self._recover_after,
                         gate=self.gate.inside,
                         name=f"load-{self.name}",
+                        uniform_steps=self.index.recurrent,
                         # the load's one engine (its keeper is a named actor): a restarted
                         # keeper's takes the workers over from the dead one's
                         take_over=True,

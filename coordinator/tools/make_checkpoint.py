@@ -35,8 +35,18 @@ from worker.layout import TESTED_FAMILIES
 
 ARCHITECTURES = TESTED_FAMILIES  # every family the parity tests check
 MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", *MLA_ARCHITECTURES)
-SLIDING_ARCHITECTURES = ("mistral", "gemma2", "gemma3_text")
+# with recurrent state per sequence: gated delta-net (qwen3_next), Mamba-2 (bamba), Mamba (jamba)
+HYBRID_ARCHITECTURES = ("qwen3_next", "bamba", "jamba")
+MOE_ARCHITECTURES = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    *MLA_ARCHITECTURES,
+    "gpt_oss",
+    "qwen3_next",
+    "jamba",
+)
+SLIDING_ARCHITECTURES = ("mistral", "gemma2", "gemma3_text", "gpt_oss")
 # num_kv_heads does not apply: multi-head attention only (no such field), or MLA (as many KV
 # heads as query heads: DeepSeek's attention fails with fewer)
 NO_KV_HEADS = ("gpt2", "gpt_neox", *MLA_ARCHITECTURES)
@@ -173,6 +183,50 @@ class CheckpointShape:
             "deepseek_v3": {**deepseek, "q_lora_rank": self.hidden_size * 3 // 4},
             # DeepSeek-V2-Lite's: no query compression, greedy routing
             "deepseek_v2": {**deepseek, "q_lora_rank": None, "topk_method": "greedy"},
+            # gpt-oss as published: sliding and full layers alternating, attention sinks,
+            # biased attention, experts with clamped SwiGLU (its defaults)
+            "gpt_oss": {
+                **window,
+                "num_local_experts": self.num_experts,
+                # YaRN's published factor of 32, over a context shrunk with max_positions
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "factor": 32.0,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "truncate": False,
+                    "original_max_position_embeddings": max(1, self.max_positions // 32),
+                    "rope_theta": 150000.0,
+                },
+            },
+            # Qwen3-Next: 3 gated delta-net (linear attention) layers to 1 gated full-attention
+            # layer (the last one at least: a cache needs one), every layer MoE with a shared
+            # expert
+            "qwen3_next": {
+                **qwen_moe,
+                "layer_types": [
+                    "full_attention"
+                    if (i + 1) % min(4, self.num_layers) == 0
+                    else "linear_attention"
+                    for i in range(self.num_layers)
+                ],
+                "shared_expert_intermediate_size": self.intermediate_size,
+                "linear_num_key_heads": self.num_kv_heads,
+                "linear_num_value_heads": self.num_heads,
+                "linear_key_head_dim": head_dim,
+                "linear_value_head_dim": head_dim,
+            },
+            # Bamba: Mamba-2 mixers, one attention layer in four (from the second)
+            "bamba": {
+                "attn_layer_indices": [i for i in range(self.num_layers) if i % 4 == 1],
+                "mamba_n_heads": 2 * self.hidden_size // head_dim,  # x head dim = expand x hidden
+                "mamba_d_head": head_dim,
+                "mamba_d_state": 16,
+                "mamba_chunk_size": 4,  # shorter than most prompts: the scan continues chunks
+            },
+            # Jamba: Mamba mixers, attention every 4th layer from the second, experts in every
+            # other layer
+            "jamba": {**experts, "attn_layer_period": 4, "attn_layer_offset": 1},
             # Dropout would make a module left in train mode nondeterministic.
             "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
         }
