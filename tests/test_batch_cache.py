@@ -48,13 +48,14 @@ def test_each_row_reads_back_exactly_what_its_sequence_wrote(slots) -> None:
         assert torch.equal(got_k[r, :, :n], want_k) and torch.equal(got_v[r, :, :n], want_v)
 
 
-@pytest.mark.parametrize("window", [None, 3])
-def test_masks_let_each_real_token_see_its_own_past_only(window) -> None:
+@pytest.mark.parametrize(("window", "chunk"), [(None, None), (3, None), (None, 4)])
+def test_masks_let_each_real_token_see_its_own_past_only(window, chunk) -> None:
     pool = SlotPool([0], num_slots=3, max_seq_len=MAX_LEN, device=torch.device("cpu"))
     starts, counts, width = [4, 0, 2], [2, 3, 1], 3
     view = pool.view([2, 0, 1], starts, counts, width)
-    mask = view.mask(sliding_window=window, dtype=torch.float32, implementation="sdpa")[:, 0]
-    additive = view.mask(sliding_window=window, dtype=torch.float32, implementation="eager")[:, 0]
+    kinds = dict(sliding_window=window, chunk=chunk, dtype=torch.float32)
+    mask = view.mask(implementation="sdpa", **kinds)[:, 0]
+    additive = view.mask(implementation="eager", **kinds)[:, 0]
     assert torch.equal(additive == 0, mask)
     for r in range(3):
         for column in range(width):
@@ -65,6 +66,7 @@ def test_masks_let_each_real_token_see_its_own_past_only(window) -> None:
                     want = key == 0
                 else:
                     want = key <= position and (window is None or key > position - window)
+                    want = want and (chunk is None or key // chunk == position // chunk)
                 assert bool(mask[r, column, key]) == want, (r, column, key)
 
 
@@ -75,7 +77,7 @@ def test_a_row_that_does_not_fit_is_refused() -> None:
     with pytest.raises(ValueError, match="does not fit"):
         pool.view([0], [MAX_LEN - 1], [2], 2)
     with pytest.raises(NotImplementedError, match="does not route"):
-        pool.view([0], [0], [1], 1).get_mask_sizes(1, 0)
+        pool.view([0], [0], [1], 1).get_query_offset(0)  # where any other mask function asks
 
 
 CHANNELS, KERNEL, STATE = 3, 4, (2, 5)  # a convolution's channels and kernel; an SSM state

@@ -27,7 +27,8 @@ from worker.worker import StageWorker
 NUM_GPUS = 3
 VOCAB = 96
 CASES = [(family, "float32") for family in TESTED_FAMILIES] + [
-    (family, "bfloat16") for family in ("llama", "qwen3", "mixtral", "deepseek_v3")
+    (family, "bfloat16")
+    for family in ("llama", "qwen3", "mixtral", "deepseek_v3", "qwen3_next", "bamba")
 ]
 NO_GQA = ("gpt2", "gpt_neox")
 

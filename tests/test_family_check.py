@@ -52,6 +52,14 @@ MLA = dict(
     qk_rope_head_dim=8,
     v_head_dim=12,
 )
+MAMBA2 = dict(  # Mamba-2 mixers: 8 heads x 8 = 2 x hidden, a small state, chunks of 4
+    num_key_value_heads=2,
+    intermediate_size=48,
+    mamba_n_heads=8,
+    mamba_d_head=8,
+    mamba_d_state=16,
+    mamba_chunk_size=4,
+)
 CASES = {  # name -> (config class, its settings, dtype written)
     # Falcon-7B's layout (multi-query, parallel attention), in bfloat16 as it is published
     "falcon": (
@@ -81,6 +89,46 @@ CASES = {  # name -> (config class, its settings, dtype written)
     "deepseek_v2": (
         "DeepseekV2Config",
         {**MLA, "q_lora_rank": None, "topk_method": "greedy", "n_group": 1},
+        "float32",
+    ),
+    # masks built their own way: BLOOM's ALiBi biases (from the keys' count), Llama 4's
+    # chunked attention (a window of 4 the prompts outrun) and NoPE layers, in bfloat16
+    "bloom": ("BloomConfig", dict(hidden_dropout=0.0, attention_dropout=0.0), "bfloat16"),
+    "llama4_text": (
+        "Llama4TextConfig",
+        dict(
+            num_key_value_heads=2,
+            head_dim=8,
+            intermediate_size=48,
+            intermediate_size_mlp=64,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            attention_chunk_size=4,
+            interleave_moe_layer_step=2,
+        ),
+        "bfloat16",
+    ),
+    # hybrids with recurrent state: Falcon-H1 (attention and Mamba-2 in parallel in every
+    # layer), Granite 4 (Mamba-2 and attention layers, experts), LFM2 (short convolutions)
+    "falcon_h1": ("FalconH1Config", {**MAMBA2, "mamba_d_ssm": 64}, "float32"),
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        {
+            **MAMBA2,
+            "layer_types": ["mamba", "attention", "mamba", "mamba"],
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "shared_intermediate_size": 48,
+        },
+        "float32",
+    ),
+    "lfm2": (
+        "Lfm2Config",
+        dict(
+            num_key_value_heads=2,
+            intermediate_size=48,
+            layer_types=["conv", "full_attention", "conv", "conv"],
+        ),
         "float32",
     ),
 }
@@ -388,3 +436,23 @@ def test_offloadctl_run_says_the_family_was_self_checked(checkpoints, monkeypatc
         "self-checked before launch"
     ) in out
     assert "check: logits are bitwise equal" in out
+
+
+def test_llama4_nope_temperature_past_its_floor_scale_is_refused_never_approximated() -> None:
+    """Llama 4's NoPE layers scale queries by a temperature of the position, computed from the
+    cache's one length: in a batch that is every row's, exact only while every position is
+    below floor_scale - 1 (the scale is then 1). A step reaching further is refused."""
+    import transformers
+
+    from worker.batch_cache import SlotPool
+    from worker.layout import hf_config_from_dict
+    from worker.stage import Stage
+
+    settings = dict(CASES["llama4_text"][1], floor_scale=6)
+    config = transformers.Llama4TextConfig(**TINY, **settings).to_dict()
+    stage = Stage(hf_config_from_dict(config, dtype=torch.float32), ["embed", "layers.0"])
+    assert stage.batched_positions == 5
+    pool = SlotPool([0], num_slots=2, max_seq_len=16, device=torch.device("cpu"))
+    ids = torch.zeros((2, 1), dtype=torch.long)
+    with pytest.raises(ValueError, match=r"reaches position 5, .* max_seq_len <= 5"):
+        stage(ids, cache=pool.view([0, 1], [2, 5], [1, 1], 1))

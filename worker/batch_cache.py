@@ -18,8 +18,12 @@ the longest sequence (bench/RESULTS.md, "Continuous batching", has the numbers).
 A step sees the pool through a `BatchView` (a transformers `Cache`): the step's rows (slots),
 where each row's new tokens start and how many there are. Rows are left-padded to the step's
 width; only the real tokens are written. The masks follow each row's own length; the model's
-code asks for them by kind (`create_causal_mask`, `create_sliding_window_causal_mask`) and
-`worker.stage` routes those calls here (`mask`).
+code asks for them by kind (`create_causal_mask`, `create_sliding_window_causal_mask`,
+`create_chunked_causal_mask`) and `worker.stage` routes those calls here (`mask`). Any other
+mask function reaches `get_query_offset`, which refuses it. A model may ask the cache how many
+keys a step attends to (`get_mask_sizes`; Bloom builds its ALiBi biases from it): every row's
+keys sit at their own positions in its slot, so a bias linear in the key's position is right
+for each row (softmax ignores a constant per query).
 
 Layers with recurrent state (mamba mixers, gated delta-net and other linear attention, short
 convolutions: `qwen3_next`, `bamba`, `jamba`, `lfm2`...) keep per sequence a fixed-size state
@@ -43,7 +47,8 @@ from transformers.cache_utils import Cache
 # builds its masks some other way, and a mask sized as one sequence would be silently wrong.
 _UNROUTED = (
     "this model builds an attention mask that batched generation does not route "
-    "(only create_causal_mask and create_sliding_window_causal_mask are): its family "
+    "(only create_causal_mask, create_sliding_window_causal_mask and "
+    "create_chunked_causal_mask are): its family "
     "cannot generate in batches yet"
 )
 
@@ -289,7 +294,7 @@ class BatchView(Cache):
         return int(self.starts.min())  # positions come from position_ids, never from here
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        raise NotImplementedError(_UNROUTED)
+        return self.kv_length, 0  # keys at positions 0..kv_length-1 in every row's slot
 
     def get_query_offset(self, layer_idx: int) -> int:
         raise NotImplementedError(_UNROUTED)
@@ -299,11 +304,17 @@ class BatchView(Cache):
         return False
 
     def mask(
-        self, *, sliding_window: int | None, dtype: torch.dtype, implementation: str
+        self,
+        *,
+        sliding_window: int | None,
+        dtype: torch.dtype,
+        implementation: str,
+        chunk: int | None = None,
     ) -> torch.Tensor:
         """The 4D mask (rows, 1, width, kv_length) of this step: a real token sees its row's
-        positions up to its own (and, with `sliding_window`, fewer than that many back); a
-        padding query sees position 0 only (always written: it never yields NaN). Boolean for
+        positions up to its own (with `sliding_window`, fewer than that many back; with
+        `chunk`, none before its own chunk of that many positions); a padding query sees
+        position 0 only (always written: it never yields NaN). Boolean for
         sdpa, additive (0 / dtype min) for eager attention, as transformers builds them."""
         keys = torch.arange(self.kv_length, device=self.pool.device)
         queries = row_positions(self.starts, self.counts, self.width)[
@@ -312,6 +323,8 @@ class BatchView(Cache):
         allowed = keys <= queries
         if sliding_window is not None:
             allowed &= keys > queries - sliding_window
+        if chunk is not None:  # Llama 4's chunked layers: only the query's own chunk
+            allowed &= keys // chunk == queries // chunk
         column = torch.arange(self.width, device=self.pool.device)
         padding = (column < self.width - self.counts[:, None])[:, :, None]
         allowed = torch.where(padding, keys == 0, allowed)[:, None]

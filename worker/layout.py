@@ -275,11 +275,6 @@ class CacheWrites:
         return bool(self.per_sequence)
 
 
-def cached_bytes_per_token(hf_config) -> dict[int, int]:
-    """Per decoder layer, the bytes one token adds to its cache (`measure_cache_writes`)."""
-    return dict(measure_cache_writes(hf_config).per_token)
-
-
 def measure_cache_writes(hf_config) -> CacheWrites:
     """What the model's own layers write to their cache: its forward over two tokens on the
     meta device (no memory, no arithmetic), its MLPs and experts passed through (their routing

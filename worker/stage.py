@@ -138,6 +138,15 @@ class Stage(nn.Module):
         self.model = model
         self.base = model.get_submodule(layout.base_path)
         self._incoming: torch.Tensor | None = None
+        # Llama 4's NoPE layers scale queries by a temperature of each position, which they
+        # compute from the cache's length (the lowest row's in a batch): one for every
+        # position below floor_scale - 1, so batched rows are exact up to there only
+        text = hf_config.get_text_config()
+        self.batched_positions = (
+            getattr(text, "floor_scale", 0) - 1
+            if getattr(text, "attn_temperature_tuning", False)
+            else None
+        )
         if not self.is_first:
             entry = model.get_submodule(layout.module_paths(self.layer_names[0])[0])
             entry.register_forward_pre_hook(self._restore_incoming, with_kwargs=True)
@@ -204,6 +213,15 @@ class Stage(nn.Module):
         the stage's slot pool: generation), the keys and values of this stage's layers are
         written to it and attended to, each row at its own positions and with its own masks
         (the mask argument is then unused)."""
+        limit = self.batched_positions
+        if cache is not None and limit is not None and cache.kv_length > limit:
+            raise ValueError(
+                f"a batched step reaches position {cache.kv_length - 1}, but this model's "
+                "NoPE layers scale queries by a temperature of the position, which they read "
+                "from the cache as one number for every row: exact below floor_scale - 1 = "
+                f"{self.batched_positions} positions only; generate with max_seq_len <= "
+                f"{self.batched_positions}"
+            )
         kwargs = {
             "attention_mask": attention_mask,
             "position_ids": position_ids,
@@ -225,32 +243,37 @@ class Stage(nn.Module):
 
 def _route_masks(base_class: type) -> None:
     """Let the model's own code ask a `BatchView` for its masks: the module defining
-    `base_class` calls `create_causal_mask` / `create_sliding_window_causal_mask` for each kind
-    of layer it has (one mask, or one per kind in gemma2's alternation); those names in that
-    module become wrappers that answer from the step's `BatchView` (each row its own length,
-    the config's window for the sliding kind) and call transformers' function for anything
+    `base_class` calls `create_causal_mask` / `create_sliding_window_causal_mask` /
+    `create_chunked_causal_mask` for each kind of layer it has (one mask, or one per kind in
+    gemma2's alternation); those names in that module become wrappers that answer from the
+    step's `BatchView` (each row its own length, the config's window for the sliding kind, its
+    `attention_chunk_size` for the chunked one) and call transformers' function for anything
     else, so the model in every other use is unchanged. Once per module."""
     module = sys.modules[base_class.__module__]
-    for name, sliding in (
-        ("create_causal_mask", False),
-        ("create_sliding_window_causal_mask", True),
+    for name, kind in (
+        ("create_causal_mask", None),
+        ("create_sliding_window_causal_mask", "sliding_window"),
+        ("create_chunked_causal_mask", "attention_chunk_size"),
     ):
         original = getattr(module, name, None)
         if original is None or getattr(original, "_routes_batches", False):
             continue
-        setattr(module, name, _mask_router(original, sliding))
+        setattr(module, name, _mask_router(original, kind))
 
 
-def _mask_router(original, sliding: bool):
+def _mask_router(original, kind: str | None):
     @functools.wraps(original)
     def route(*args, **kwargs):
         cache = kwargs.get("past_key_values")
         if not isinstance(cache, BatchView):
             return original(*args, **kwargs)
         config, embeds = kwargs["config"], kwargs["inputs_embeds"]
-        window = getattr(config, "sliding_window", None) if sliding else None
+        size = getattr(config, kind, None) if kind is not None else None
         return cache.mask(
-            sliding_window=window, dtype=embeds.dtype, implementation=config._attn_implementation
+            sliding_window=size if kind == "sliding_window" else None,
+            chunk=size if kind == "attention_chunk_size" else None,
+            dtype=embeds.dtype,
+            implementation=config._attn_implementation,
         )
 
     route._routes_batches = True
