@@ -232,6 +232,7 @@ def test_every_client_of_a_load_goes_through_its_one_engine(cluster, tmp_path) -
                 recover=job.recover_after,
                 gate=job.passes,
                 name="intruder",
+                uniform_steps=job.index.recurrent,
             )
         # ...and a step that is not the load's engine's is refused, never run
         rows = StepRows(
