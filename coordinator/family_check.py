@@ -66,25 +66,68 @@ _lock = threading.Lock()
 
 def check_family(config: dict, *, attn_implementation: str | None = None) -> bool:
     """Check config.json's family before launch (see the module doc): False for a tested family
-    (not checked), True for an untested one that passed; FamilyCheckError when it failed."""
+    (not checked), True for an untested one that passed; FamilyCheckError when it failed. When
+    the shrunk copy cannot be made (its coupled widths are not the ones this shrinks), the
+    check runs two layers at the config's own widths instead, if they fit `WIDE_CHECK_BYTES`:
+    a shrink problem is never reported as the model's."""
     family = config.get("model_type")
     if family in TESTED_FAMILIES:
         return False
     try:
-        small = shrink_config(config)
+        verdict = _verdict(shrink_config(config), attn_implementation)
     except Exception as exc:  # any surprise in config.json: refused in one line, no traceback
-        raise FamilyCheckError(
+        verdict = (
             f"{family}: the pre-launch check of this untested family cannot "
             f"shrink its config ({_describe(exc)})"
-        ) from None
-    key = (family, json.dumps(small, sort_keys=True, default=repr), attn_implementation)
-    with _lock:  # two jobs launched at once from one driver: checked once
-        if key not in _verdicts:
-            _verdicts[key] = _check(small, attn_implementation)
-        verdict = _verdicts[key]
+        )
+    if verdict is not None and (CANNOT_BUILD in verdict or CANNOT_SHRINK in verdict):
+        verdict = _at_real_widths(config, attn_implementation, verdict)
     if verdict is not None:
         raise FamilyCheckError(verdict)
     return True
+
+
+WIDE_CHECK_BYTES = 2 << 30  # two layers at the config's widths, float32, checked in the driver
+CANNOT_BUILD = "cannot build a"
+CANNOT_SHRINK = "cannot shrink its config"
+
+
+def _verdict(small: dict, attn_implementation: str | None) -> str | None:
+    key = (
+        small["model_type"],
+        json.dumps(small, sort_keys=True, default=repr),
+        attn_implementation,
+    )
+    with _lock:  # two jobs launched at once from one driver: checked once
+        if key not in _verdicts:
+            _verdicts[key] = _check(small, attn_implementation)
+        return _verdicts[key]
+
+
+def _at_real_widths(config: dict, attn_implementation: str | None, shrunk: str) -> str | None:
+    """The check on two layers at the config's own widths (depth, windows and vocabulary
+    shrunk only), when the shrunk copy could not be made: None when that passes, its refusal
+    when it does not, and the shrink's refusal with the size when it is too large to run here."""
+    try:
+        wide = shrink_config(config, widths=False)
+        size = _float32_bytes(wide)
+    except Exception:
+        return shrunk
+    if size > WIDE_CHECK_BYTES:
+        return (
+            f"{shrunk}; at its own widths a copy of a layer of each kind takes "
+            f"{size / 2**30:.1f} GiB in float32, more than the check's "
+            f"{WIDE_CHECK_BYTES / 2**30:.0f} GiB"
+        )
+    return _verdict(wide, attn_implementation)
+
+
+def _float32_bytes(config: dict) -> int:
+    """The parameters' bytes of `config`'s model in float32, counted on the meta device."""
+    from worker.layout import build_meta_model
+
+    model = build_meta_model(hf_config_from_dict(config, dtype=torch.float32))
+    return sum(p.numel() for p in model.parameters()) * 4
 
 
 @dataclass(slots=True)

@@ -36,10 +36,12 @@ MAMBA_CHUNK_KEYS = ("mamba_chunk_size", "chunk_size")
 MAMBA_STATE, MAMBA_CHUNK = 16, 4  # a chunk shorter than the prompts: the scan continues chunks
 
 
-def shrink_config(config: dict) -> dict:
+def shrink_config(config: dict, *, widths: bool = True) -> dict:
     """config.json's values with `NUM_LAYERS` decoder layers and tiny widths, shrunk together
     (heads x head dim = hidden; grouped-query and multi-query attention stay so); every other
-    key, the structural flags, as it was. Per-layer lists keep a layer of each kind."""
+    key, the structural flags, as it was. Per-layer lists keep a layer of each kind. With
+    `widths` False only the depth, the windows and the vocabulary shrink: the layers keep the
+    config's own widths (for a family whose coupled widths this cannot shrink)."""
     from transformers import CONFIG_MAPPING
 
     family = config["model_type"]
@@ -78,6 +80,19 @@ def shrink_config(config: dict) -> dict:
             small[period_key], small[offset_key] = 2, 1
     for k, value in ints(THRESHOLD_KEYS):
         small[k] = len(kept) if value >= depth else min(value, 1)
+    for k, value in ints(("sliding_window", "attention_chunk_size")):
+        small[k] = min(value, WINDOW)
+    for k, _ in ints([key("vocab_size")]):
+        small[k] = VOCAB
+    for k, value in list(small.items()):  # special tokens inside the small vocabulary
+        if k.endswith("_token_id"):
+            small[k] = _inside_vocab(value)
+    if widths:
+        _shrink_widths(small, key, ints, hidden, heads, head_dim)
+    return small
+
+
+def _shrink_widths(small: dict, key, ints, hidden, heads, head_dim) -> None:
     for k, _ in ints([key("hidden_size")]):
         small[k] = HIDDEN
     for k, value in ints(("word_embed_proj_dim", "embedding_size")):  # projected embeddings
@@ -106,15 +121,7 @@ def shrink_config(config: dict) -> dict:
         small[k] = min(value, EXPERTS_PER_TOKEN)
     for k, _ in ints(("n_group", "topk_group")):  # expert groups must divide the experts
         small[k] = 1
-    for k, value in ints(("sliding_window", "attention_chunk_size")):
-        small[k] = min(value, WINDOW)
     _shrink_mamba(small)
-    for k, _ in ints([key("vocab_size")]):
-        small[k] = VOCAB
-    for k, value in list(small.items()):  # special tokens inside the small vocabulary
-        if k.endswith("_token_id"):
-            small[k] = _inside_vocab(value)
-    return small
 
 
 def _layer_kinds(small: dict, kinds, depth: int) -> list | None:

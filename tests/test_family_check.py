@@ -456,3 +456,23 @@ def test_llama4_nope_temperature_past_its_floor_scale_is_refused_never_approxima
     ids = torch.zeros((2, 1), dtype=torch.long)
     with pytest.raises(ValueError, match=r"reaches position 5, .* max_seq_len <= 5"):
         stage(ids, cache=pool.view([0, 1], [2, 5], [1, 1], 1))
+
+
+def test_a_config_the_shrink_breaks_is_checked_at_its_own_widths(checkpoints, monkeypatch) -> None:
+    """A shrink problem is never reported as the model's: when the shrunk copy cannot be built
+    (here a shrink that breaks heads x head dim = hidden), the check runs a layer of each kind
+    at the config's own widths and passes; a copy too large for the driver is refused with the
+    shrink's reason and its size."""
+    import coordinator.small_config
+
+    def wrong_widths(small, *args) -> None:
+        small["hidden_size"] = 30  # not a multiple of the 4 heads
+
+    monkeypatch.setattr(coordinator.small_config, "_shrink_widths", wrong_widths)
+    config = checkpoints("opt").config
+    assert check_family(config) is True
+    monkeypatch.setattr(family_check, "_verdicts", {})
+    monkeypatch.setattr(family_check, "WIDE_CHECK_BYTES", 1000)
+    message = _one_line_refusal(config, "opt", "the pre-launch check of this untested family")
+    assert "cannot build a 2-layer copy of its model" in message
+    assert "at its own widths a copy of a layer of each kind takes 0.0 GiB" in message
