@@ -58,7 +58,10 @@ def shrink_config(config: dict, *, widths: bool = True) -> dict:
             if isinstance(value, int) and not isinstance(value, bool):
                 yield k, value
 
-    layers_key = key("num_hidden_layers")
+    layers_key = next(  # LongCat-Flash spells it num_layers, with no alias
+        (k for k in (key("num_hidden_layers"), "num_layers", "n_layers") if k in small),
+        key("num_hidden_layers"),
+    )
     kinds = small.get("layer_types") or small.get("layers_block_type")
     depth = small[layers_key] if layers_key in small else len(kinds)  # Nemotron-H: the list
     hidden = small.get(key("hidden_size"))
