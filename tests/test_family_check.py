@@ -401,6 +401,37 @@ def test_an_mla_config_shrinks_with_its_head_dims_coupled_and_passes() -> None:
     assert family_check._check(small, None) is None
 
 
+@pytest.mark.parametrize(
+    ("family", "settings", "kinds"),
+    [
+        # Bamba-9B's attention layers among 32 Mamba-2 ones; its mixer 128 heads x 64 = 2 x 4096
+        ("bamba", dict(attn_layer_indices=[9, 18, 27], mamba_n_heads=128), "attn_layer_indices"),
+        # Jamba: attention every 8th layer from the 5th, experts every other layer
+        ("jamba", dict(), "attn_layer_period"),
+        # LFM2: short convolutions, attention at some indices
+        ("lfm2", dict(full_attn_idxs=[2, 5, 8], num_hidden_layers=16), "full_attn_idxs"),
+        # Qwen3-Next: 3 gated delta-net layers to 1 full attention layer
+        ("qwen3_next", dict(), "layer_types"),
+    ],
+)
+def test_a_hybrid_shrinks_to_a_layer_of_each_kind_and_passes(family, settings, kinds) -> None:
+    """The shrunk hybrid keeps a recurrent layer and an attention layer (else its recurrent
+    state and its batched steps are never checked), Mamba-2 widths coupled (heads x head dim
+    = expand x hidden); the check passes, recurrent states through the slot pools included."""
+    from transformers import AutoConfig
+
+    from worker.layout import hf_config_from_dict, measure_cache_writes
+
+    small = shrink_config(AutoConfig.for_model(family, **settings).to_dict())
+    writes = measure_cache_writes(hf_config_from_dict(small, dtype=torch.float32))
+    assert writes.per_token and writes.per_sequence  # attention, and a recurrent state
+    assert set(writes.per_token).isdisjoint(writes.per_sequence)  # in layers of their own
+    if "mamba_n_heads" in small:
+        assert small["mamba_n_heads"] * small["mamba_d_head"] == 2 * small["hidden_size"]
+    assert small[kinds] is not None
+    assert family_check._check(small, None) is None
+
+
 def test_offloadctl_run_says_the_family_was_self_checked(checkpoints, monkeypatch, capsys) -> None:
     """`offloadctl run --check` on OPT: checked before launch, then its output says the family
     is untested and self-checked, and the logits match transformers. The job is the in-process
