@@ -6,6 +6,8 @@ with offloaded layers; the Ray path is in test_pipeline.py, the server's in test
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from test_families import VOCAB, Pipeline
@@ -13,9 +15,11 @@ from test_families import VOCAB, Pipeline
 from coordinator.engine import Engine, EngineConfig, generation
 from coordinator.engine.pipelines import LocalPipeline
 from coordinator.planning.checkpoint import load_index
+from coordinator.runtime.errors import WorkerLostError
 from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.tools.reference import reference_generate, reference_logits
 from worker.decode import Sampling
+from worker.worker import StageWorker
 
 FAMILIES = (
     "llama",
@@ -188,6 +192,59 @@ def test_joining_and_leaving_requests_equal_transformers_alone(
     spare = stats.cut * (len(engine.scheduler.groups) - 1)
     assert all(stats.steps <= r.forwards <= stats.steps + spare for r in reports)
     assert any(r.stats.copies > 0 for r in reports)  # layers were offloaded
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "bamba"])
+def test_a_replaced_worker_gets_each_recurrent_state_fed_again(indexes, family: str) -> None:
+    """A worker is lost mid-generation and replaced by a fresh one (no slot pool, no state):
+    every running sequence is fed again from its start, each prompt and its tokens so far in a
+    step of their own (no padding), and every request's tokens equal transformers' `generate`
+    on its prompt alone."""
+    index = indexes(family)
+    pipeline = Pipeline(index, *TWO_STAGES)
+    epoch, lose = [0], []
+
+    class LosingOnce(LocalPipeline):
+        def submit(self, steps):
+            if lose == [True]:
+                lose.append(False)
+                raise WorkerLostError("stage 1's worker died")
+            return super().submit(steps)
+
+    def replace_the_worker(exc: BaseException, sent_in: int) -> None:
+        if not isinstance(exc, WorkerLostError):
+            raise exc
+        if sent_in == epoch[0]:
+            old = pipeline.workers[1]
+            pipeline.workers[1] = StageWorker(old.spec, device="cpu", num_threads=1)
+            pipeline.workers[1].load()
+            old.close()
+            epoch[0] += 1
+
+    engine = Engine(
+        LosingOnce(pipeline.workers),
+        EngineConfig(num_slots=3, max_seq_len=MAX_SEQ_LEN, uniform_steps=True, burst_steps=1),
+        recover=replace_the_worker,
+        gate=lambda: contextlib.nullcontext(epoch[0]),
+    )
+    ids = prompts(seed=6)[:3]
+    try:
+
+        def on_token(row: int, token: int) -> None:
+            if len(requests[0].sequences[0].generated) == 4 and not lose:
+                lose.append(True)
+
+        requests = [
+            engine.submit([p], sampling=Sampling(), max_new_tokens=9, on_token=on_token)
+            for p in ids
+        ]
+        ours = [r.result(WAIT_S)[0] for r in requests]
+        restarts = engine.stats.restarts
+    finally:
+        engine.close()
+        pipeline.close()
+    assert restarts == 1 and lose == [True, False]
+    assert ours == [alone(index, prompt, 9) for prompt in ids]
 
 
 @pytest.mark.parametrize(
