@@ -130,6 +130,54 @@ def _float32_bytes(config: dict) -> int:
     return sum(p.numel() for p in model.parameters()) * 4
 
 
+_continues: dict[str, bool] = {}  # shrunk config -> continues_chunks
+
+
+def continues_chunks(config: dict) -> bool:
+    """Whether the family's own code continues its recurrent state over a second prompt chunk
+    as over the whole prompt (a model with recurrent state: the engine chunks its prompts only
+    then): its shrunk copy, random float32 weights, over 11 tokens whole and as 8 then 3 through
+    transformers' own cache, logits within float32 rounding. Qwen3-Next and Bamba do (1e-7);
+    Jamba does not (0.02). False when it cannot tell (the prompts then go whole, which is always
+    right). Kept per config in this process."""
+    from transformers import DynamicCache
+
+    try:
+        small = shrink_config(config)
+    except Exception:
+        return False
+    key = json.dumps(small, sort_keys=True, default=repr)
+    if key not in _continues:
+        try:
+            with _quiet_and_seeded(), torch.inference_mode():
+                hf_config = hf_config_from_dict(small, dtype=torch.float32)
+                model = model_class_for(hf_config)._from_config(hf_config, dtype=torch.float32)
+                from coordinator.tools.make_checkpoint import perturb_constant_parameters
+
+                perturb_constant_parameters(model.eval(), SEED)
+                ids = torch.randint(
+                    2, VOCAB, (1, 11), generator=torch.Generator().manual_seed(SEED)
+                )
+                whole = model(input_ids=ids).logits
+                cache, parts = DynamicCache(config=model.config), []
+                for start, end in ((0, 8), (8, 11)):
+                    positions = torch.arange(start, end)[None]
+                    parts.append(
+                        model(
+                            input_ids=ids[:, start:end],
+                            position_ids=positions,
+                            past_key_values=cache,
+                            use_cache=True,
+                        ).logits
+                    )
+                _continues[key] = torch.allclose(
+                    torch.cat(parts, dim=1), whole, atol=ATOL, rtol=RTOL
+                )
+        except Exception:
+            _continues[key] = False
+    return _continues[key]
+
+
 @dataclass(slots=True)
 class _Call:
     """One call of a pipeline layer's module during a step: what came in and went out."""

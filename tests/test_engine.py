@@ -314,21 +314,23 @@ def test_a_burst_ends_at_the_step_a_request_arrives(make) -> None:
     assert pipeline.steps[2][:3] == (True, (0, 1), (1, 3)) and pipeline.starts[2] == (4, 0)
 
 
-def test_a_model_with_recurrent_state_gets_no_padding_no_chunk_and_no_cut_burst(make) -> None:
+@pytest.mark.parametrize("whole_prompts", [False, True])
+def test_a_model_with_recurrent_state_gets_no_padding_and_no_cut_burst(make, whole_prompts) -> None:
     """`uniform_steps` (mamba, linear attention): a step that ran updated each row's state even
     if its tokens were dropped, and a padded position would enter it. So a request arriving
     mid-burst waits for the burst's end (at most `UNIFORM_MAX_BURST` steps), prompts of other
-    lengths go in steps of their own, a prompt longer than `prefill_tokens` goes whole, and
-    every step that ran is applied. Without it, the cut burst of the same requests is refused
-    by the state (a step starting behind what the state took in)."""
+    lengths go in steps of their own, and every step that ran is applied. A prompt longer than
+    `prefill_tokens` goes in chunks that continue the state, or whole with `whole_prompts`.
+    Without `uniform_steps` the cut burst of the same requests is refused by the state (a step
+    starting behind what the state took in)."""
 
-    def run(uniform: bool):
+    def run(**options):
         engine, pipeline = make(
             FakePipeline(recurrent=True),
             num_slots=3,
             burst_steps=16,
             prefill_tokens=4,
-            uniform_steps=uniform,
+            **options,
         )
         joined = []
 
@@ -340,10 +342,10 @@ def test_a_model_with_recurrent_state_gets_no_padding_no_chunk_and_no_cut_burst(
         first = submit(engine, [3, 4], 20, on_token=join)
         return engine, pipeline, first, joined
 
-    _, _, first, _ = run(uniform=False)
+    _, _, first, _ = run()
     with pytest.raises(ValueError, match=r"took in .* a step ran whose tokens were dropped"):
         first.result(WAIT_S)
-    engine, pipeline, first, joined = run(uniform=True)
+    engine, pipeline, first, joined = run(uniform_steps=True, whole_prompts=whole_prompts)
     assert first.result(WAIT_S) == [expected([3, 4], 20)]
     assert [r.result(WAIT_S) for r in joined] == [
         [expected([9, 8, 7], 4)],
@@ -351,8 +353,15 @@ def test_a_model_with_recurrent_state_gets_no_padding_no_chunk_and_no_cut_burst(
     ]
     assert engine.stats.cut == 0
     assert pipeline.steps[1][3] == UNIFORM_MAX_BURST  # burst_steps 16, capped
-    prefills = [counts for prefill, _, counts, _ in pipeline.steps if prefill]
-    assert prefills == [(2,), (3,), (9,)]  # each prompt alone, the 9 tokens whole
+    prefills = [
+        (counts, starts)
+        for (p, _, counts, _), starts in zip(pipeline.steps, pipeline.starts, strict=True)
+        if p
+    ]
+    # each prompt alone; the 9 tokens whole, or in chunks of 4 each starting where the last
+    # ended (the ninth then goes as a decode, at 8: the fake's state checks every start)
+    nine = [((9,), (0,))] if whole_prompts else [((4,), (0,)), ((4,), (4,))]
+    assert prefills[:2] == [((2,), (0,)), ((3,), (0,))] and prefills[2:] == nine
     assert all(len(set(counts)) == 1 for _, _, counts, _ in pipeline.steps)
 
 

@@ -507,3 +507,24 @@ def test_a_config_the_shrink_breaks_is_checked_at_its_own_widths(checkpoints, mo
     message = _one_line_refusal(config, "opt", "the pre-launch check of this untested family")
     assert "cannot build a 2-layer copy of its model" in message
     assert "at its own widths a copy of a layer of each kind takes 0.0 GiB" in message
+
+
+@pytest.mark.parametrize(
+    ("family", "continues"), [("qwen3_next", True), ("bamba", True), ("jamba", False)]
+)
+def test_prompts_are_chunked_only_where_the_familys_recurrence_continues_a_chunk(
+    tmp_path, family, continues
+) -> None:
+    """Qwen3-Next's and Bamba's code continue their recurrent state over a second chunk as over
+    the whole prompt; Jamba's does not (0.02 off): its index says so, and its engine feeds each
+    prompt whole (`model_steps`)."""
+    from coordinator.engine.engine import model_steps
+    from coordinator.family_check import continues_chunks
+    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+
+    shape = CheckpointShape(
+        arch=family, num_layers=4, hidden_size=32, num_heads=4, num_kv_heads=2, vocab_size=VOCAB
+    )
+    assert continues_chunks(shape.hf_config().to_dict()) is continues
+    index = load_index(make_checkpoint(tmp_path / family, shape))
+    assert model_steps(index) == {"uniform_steps": True, "whole_prompts": not continues}

@@ -13,6 +13,7 @@ import torch
 from test_families import VOCAB, Pipeline
 
 from coordinator.engine import Engine, EngineConfig, generation
+from coordinator.engine.engine import model_steps
 from coordinator.engine.pipelines import LocalPipeline
 from coordinator.planning.checkpoint import load_index
 from coordinator.runtime.errors import WorkerLostError
@@ -94,7 +95,7 @@ def run_joining(
             num_slots=num_slots,
             max_seq_len=MAX_SEQ_LEN,
             prefill_tokens=8,
-            uniform_steps=pipeline.index.recurrent,
+            **model_steps(pipeline.index),
             **config,
         ),
     )
@@ -140,7 +141,7 @@ def generate_each(pipeline: Pipeline, prompt_ids: list[list[int]], new: int) -> 
         EngineConfig(
             num_slots=len(prompt_ids),
             max_seq_len=MAX_SEQ_LEN,
-            uniform_steps=pipeline.index.recurrent,
+            **model_steps(pipeline.index),
         ),
     )
     try:
@@ -223,7 +224,9 @@ def test_a_replaced_worker_gets_each_recurrent_state_fed_again(indexes, family: 
 
     engine = Engine(
         LosingOnce(pipeline.workers),
-        EngineConfig(num_slots=3, max_seq_len=MAX_SEQ_LEN, uniform_steps=True, burst_steps=1),
+        EngineConfig(
+            num_slots=3, max_seq_len=MAX_SEQ_LEN, burst_steps=1, **model_steps(pipeline.index)
+        ),
         recover=replace_the_worker,
         gate=lambda: contextlib.nullcontext(epoch[0]),
     )

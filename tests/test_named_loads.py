@@ -150,6 +150,7 @@ def test_every_client_of_a_load_goes_through_its_one_engine(cluster, tmp_path) -
     import torch
 
     from coordinator.config import JobConfig
+    from coordinator.engine.engine import model_steps
     from coordinator.runtime.job_engine import build_engine
     from coordinator.runtime.launch import attach, launch
     from coordinator.tools.reference import reference_generate
@@ -232,7 +233,7 @@ def test_every_client_of_a_load_goes_through_its_one_engine(cluster, tmp_path) -
                 recover=job.recover_after,
                 gate=job.passes,
                 name="intruder",
-                uniform_steps=job.index.recurrent,
+                steps=model_steps(job.index),
             )
         # ...and a step that is not the load's engine's is refused, never run
         rows = StepRows(

@@ -48,6 +48,16 @@ UNIFORM_MAX_BURST = 8
 CLOSE_TIMEOUT_S = 30.0
 
 
+def model_steps(index) -> dict[str, bool]:
+    """The `EngineConfig` step rules the model of `index` (a `CheckpointIndex`) needs: rows of
+    equal length for a model with recurrent state, and whole prompts when its code does not
+    continue a recurrence over a second chunk."""
+    return {
+        "uniform_steps": index.recurrent,
+        "whole_prompts": index.recurrent and not index.chunks_continue,
+    }
+
+
 class QueueFullError(BusyError):
     """The waiting queue is full: retry later (HTTP 429), or raise max_queue."""
 
@@ -69,6 +79,9 @@ class EngineConfig:
     # every row of a step feeds equally many tokens: the model keeps a recurrent state per
     # sequence (mamba, linear attention), which a padded position would change
     uniform_steps: bool = False
+    # each prompt in one step: the model's code does not continue its recurrence over a
+    # second chunk (Jamba)
+    whole_prompts: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_slots", "max_seq_len", "prefill_tokens"):
@@ -118,6 +131,7 @@ class Engine:
             num_groups=self._micro_batches(),
             prefill_tokens=config.prefill_tokens,
             uniform=config.uniform_steps,
+            whole_prompts=config.whole_prompts,
         )
         self.stats = EngineStats(num_slots=config.num_slots)
         # what could never fit: the same refusals (and words) as Job.check_request's

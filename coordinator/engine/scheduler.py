@@ -25,12 +25,12 @@ A sequence whose chunk ends its prompt chooses its first token in the same step.
 
 A model with recurrent state per sequence (mamba, linear attention) cannot take padded rows (a
 padded position would enter the recurrence): with `uniform`, every row of a step feeds the same
-number of tokens, so a prefill step takes the prompts as long as the first one's and decodes
-ride along only when that is one token. Its prompts are not chunked either: Jamba's own code
-does not continue a recurrence over a second chunk (its cached forward over tokens 8-10 after
-0-7 differs from the whole forward by 0.02 in transformers 5.23; Qwen3-Next's and Bamba's agree
-to 1e-7), so each prompt goes in whole, as `generate` feeds it (the plan reserves activations
-for `max_seq_len` tokens then).
+number of tokens, so a prefill step takes the chunks as long as the first one's and decodes
+ride along only when that is one token. A chunk after the first continues each row's state;
+with `whole_prompts` (a model whose code does not continue a recurrence over a second chunk:
+Jamba's cached forward over tokens 8-10 after 0-7 differs from the whole forward by 0.02 in
+transformers 5.23, where Qwen3-Next's and Bamba's agree to 1e-7) each prompt goes in whole, as
+`generate` feeds it (the plan reserves activations for `max_seq_len` tokens then).
 """
 
 from __future__ import annotations
@@ -80,9 +80,11 @@ class Scheduler:
         num_groups: int,
         prefill_tokens: int,
         uniform: bool = False,
+        whole_prompts: bool = False,
     ) -> None:
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.prefill_tokens, self.uniform = prefill_tokens, uniform
+        self.whole_prompts = whole_prompts
         self.waiting: deque[Sequence] = deque()
         self.groups: list[_Group] = []
         self._done: list[Request] = []  # requests whose last sequence ended, not yet taken
@@ -224,9 +226,9 @@ class Scheduler:
         chosen: list[Sequence] = []
         width = 0
         for seq in candidates:
-            chunk = seq.pending if self.uniform else min(seq.pending, self.prefill_tokens)
+            chunk = seq.pending if self.whole_prompts else min(seq.pending, self.prefill_tokens)
             if self.uniform and chosen and chunk != width:
-                continue  # no padding: only prompts as long as the first
+                continue  # no padding: only chunks as long as the first
             if chosen and (len(chosen) + 1) * max(width, chunk) > self.prefill_tokens:
                 break
             chosen.append(seq)

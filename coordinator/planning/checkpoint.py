@@ -48,6 +48,9 @@ class CheckpointIndex:
     tied_embeddings: bool
     dtype: str  # what the model loads and computes in (torch name)
     ignored: tuple[str, ...] = ()  # checkpoint keys from_pretrained ignores too
+    # a model with recurrent state whose code continues it over a second prompt chunk
+    # (`family_check.continues_chunks`); True where there is no such state
+    chunks_continue: bool = True
 
     @property
     def family(self) -> str:
@@ -331,16 +334,24 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
         )
         for name, items in by_layer.items()
     )
+    recurrent = any(layer.state_bytes for layer in layers)
     return CheckpointIndex(
         root=root,
         config=config,
         layers=layers,
+        chunks_continue=not recurrent or _continues_chunks(config),
         files=tuple(files),
         identities=tuple(identities),
         tied_embeddings=bool(getattr(model, "all_tied_weights_keys", None)),
         dtype=compute_dtype,
         ignored=tuple(ignored),
     )
+
+
+def _continues_chunks(config: dict) -> bool:
+    from coordinator.family_check import continues_chunks
+
+    return continues_chunks(config)
 
 
 def _kv_fields(kv: list[tuple[int, int | None, int]], index: int | None) -> dict:

@@ -92,9 +92,10 @@ def resolve_reserve(config, index, snapshot: ClusterSnapshot) -> Reserve:
         index.dtype,
         max_batch=config.max_batch or AUTO_MAX_BATCH,  # auto: the largest it may choose
         max_seq_len=config.max_seq_len,
-        # a model with recurrent state takes each prompt whole (engine.scheduler)
+        # a model whose recurrence does not continue over chunks takes each prompt whole
+        # (engine.scheduler)
         prefill_tokens=max(config.prefill_tokens, config.max_seq_len)
-        if index.recurrent
+        if not index.chunks_continue
         else config.prefill_tokens,
         attn_implementation=config.attn_implementation,
     )

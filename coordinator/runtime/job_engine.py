@@ -19,6 +19,7 @@ import ray
 
 from coordinator.config import JobConfig
 from coordinator.engine import Engine, EngineConfig
+from coordinator.engine.engine import model_steps
 from coordinator.engine.host import CALL_TIMEOUT_S, EngineClient, EngineHost
 from coordinator.engine.ray_pipeline import RayPipeline
 from coordinator.planning.planner import Plan
@@ -44,12 +45,12 @@ def build_engine(
     recover: Callable[[BaseException, int], None],
     gate,
     name: str,
-    uniform_steps: bool,
+    steps: dict[str, bool],
     take_over: bool = False,
 ) -> Engine:
     """The engine of a load whose current workers, config and plan these return (they change
-    with recoveries), claiming the workers at once. `uniform_steps`: the model keeps recurrent
-    state (`CheckpointIndex.recurrent`)."""
+    with recoveries), claiming the workers at once. `steps`: the step rules its model needs
+    (`model_steps`)."""
     now = config()
     return Engine(
         RayPipeline(workers, lambda: config().forward_timeout_s),
@@ -60,7 +61,7 @@ def build_engine(
             prefill_tokens=now.prefill_tokens,
             micro_batches=now.micro_batches,
             step_timeout_s=now.forward_timeout_s,
-            uniform_steps=uniform_steps,
+            **steps,
         ),
         recover=recover,
         gate=gate,
@@ -116,7 +117,7 @@ class JobEngine:
                         recover=job.recover_after,
                         gate=job.passes,
                         name="job",
-                        uniform_steps=job.index.recurrent,
+                        steps=model_steps(job.index),
                     )
                     self._host = EngineHost(engine)
                     host = self._host

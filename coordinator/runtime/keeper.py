@@ -36,6 +36,7 @@ from collections import defaultdict
 
 import ray
 
+from coordinator.engine.engine import model_steps
 from coordinator.engine.host import EngineHost
 from coordinator.planning.checkpoint import CheckpointIndex
 from coordinator.runtime import recovery, registry
@@ -241,7 +242,7 @@ class LoadKeeper:
                         recover=self._recover_after,
                         gate=self.gate.inside,
                         name=f"load-{self.name}",
-                        uniform_steps=self.index.recurrent,
+                        steps=model_steps(self.index),
                         # the load's one engine (its keeper is a named actor): a restarted
                         # keeper's takes the workers over from the dead one's
                         take_over=True,
