@@ -403,3 +403,47 @@ def test_wrong_types_are_named(values: dict) -> None:
     [(name, value)] = values.items()
     with pytest.raises(ValueError, match=rf"{name}={value!r} must be of type"):
         CheckpointShape(**values)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral", "deepseek_v3"])
+def test_fp8_checkpoints_are_written_as_deepseek_publishes_them(tmp_path: Path, arch) -> None:
+    """`--quantization fp8`: the decoder layers' linear weights (experts one by one) in
+    float8_e4m3fn with a float32 scale per block, everything else as the bf16 checkpoint of the
+    same seed writes it. transformers reads it (dequantizing on the CPU) to weights within
+    FP8's rounding of the unquantized ones: half a step of 3 mantissa bits, 2^-4 of each block's
+    largest magnitude at most. The index refuses it, naming the format, until FP8 loads."""
+    pytest.importorskip("accelerate")  # transformers' FP8 loader needs it
+    from coordinator.planning.checkpoint import load_index
+    from offload.errors import CheckpointError
+
+    shards = dict(dtype="bfloat16", max_shard_bytes=20_000)  # several: the index too
+    out = write(tmp_path, arch, quantization="fp8", **shards)
+    plain = write(tmp_path / "plain", arch, **shards)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+    }
+    saved, unquantized = read_tensors(out), read_tensors(plain)
+    eight = {name for name, t in saved.items() if t.dtype == torch.float8_e4m3fn}
+    assert eight and all(saved[f"{name}_scale_inv"].dtype == torch.float32 for name in eight)
+    assert any(".experts." in name for name in eight) == (arch in ("mixtral", "deepseek_v3"))
+    for name, tensor in unquantized.items():
+        if name in eight:
+            error = (saved[name].float() * saved[f"{name}_scale_inv"] - tensor.float()).abs()
+            assert error.max() <= tensor.float().abs().max() / 16, name
+        else:
+            assert torch.equal(saved[name], tensor), name  # norms, embeddings, head, routers
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(saved)
+
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).state_dict()
+    reference = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.bfloat16).state_dict()
+    assert theirs.keys() == reference.keys()
+    for name, tensor in reference.items():
+        bound = tensor.float().abs().max() / 16 + 1e-2 * tensor.float().abs().max()
+        assert (theirs[name].float() - tensor.float()).abs().max() <= bound, name
+    with pytest.raises(CheckpointError, match=r"quant_method='fp8'"):
+        load_index(out)

@@ -30,6 +30,7 @@ from coordinator.tools.make_checkpoint import (
     DTYPES,
     MOE_ARCHITECTURES,
     NO_KV_HEADS,
+    QUANTIZATIONS,
     SLIDING_ARCHITECTURES,
 )
 from offload.errors import OffloadCoordinatorError
@@ -313,6 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest sequence (gpt2 learns an embedding row per position)",
     )
     make.add_argument("--dtype", default="float32", choices=DTYPES)
+    make.add_argument(
+        "--quantization",
+        default="none",
+        choices=QUANTIZATIONS,
+        help="fp8: the decoder layers' linear weights in float8_e4m3fn with a float32 scale "
+        "per 128x128 block, as DeepSeek-V3 publishes them (with --dtype bfloat16)",
+    )
     make.add_argument("--tie-embeddings", action="store_true")
     make.add_argument(
         "--no-tokenizer",
@@ -479,6 +487,7 @@ def _run(args: argparse.Namespace, expected: tuple[type[Exception], ...]) -> int
                 "dtype",
                 "max_shard_bytes",
                 "seed",
+                "quantization",
             )
             shape = CheckpointShape(
                 **{f: getattr(args, f) for f in fields},

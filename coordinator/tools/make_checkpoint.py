@@ -25,6 +25,7 @@ eos. Without one, the family's own defaults stay (None where they fall outside t
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,12 @@ SLIDING_ARCHITECTURES = ("mistral", "gemma2", "gemma3_text", "gpt_oss")
 # heads as query heads: DeepSeek's attention fails with fewer)
 NO_KV_HEADS = ("gpt2", "gpt_neox", *MLA_ARCHITECTURES)
 DTYPES = ("float32", "bfloat16", "float16")
+# "fp8": as DeepSeek-V3 and the Qwen3 -FP8 checkpoints are published: every linear weight of
+# the decoder layers (experts one by one) in float8_e4m3fn, one float32 scale per 128 x 128
+# block in `<name>_scale_inv` (what the block's entries are multiplied by)
+QUANTIZATIONS = ("none", "fp8")
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # the largest float8_e4m3fn
 MAX_POSITIONS = 2048
 # Clearly different from Granite's neutral 1.0, so a stage that drops one of them shows.
 GRANITE_MULTIPLIERS = dict(
@@ -88,6 +95,7 @@ class CheckpointShape:
     max_shard_bytes: int = 2 * 2**20
     seed: int = 0
     tokenizer: bool = True  # write a tokenizer; its special-token ids go into the configs
+    quantization: str = "none"  # QUANTIZATIONS
 
     def __post_init__(self) -> None:
         for f in fields(self):  # the Python API gets the CLI's checks: a wrong type is named
@@ -98,6 +106,15 @@ class CheckpointShape:
             raise ConfigError(f"arch={self.arch!r} is not one of {', '.join(ARCHITECTURES)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"quantization={self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}"
+            )
+        if self.quantization == "fp8" and self.dtype == "float32":
+            raise ConfigError(
+                "quantization='fp8' goes with dtype bfloat16 or float16 (published FP8 "
+                "checkpoints keep their other tensors in 16 bits): pass --dtype bfloat16"
+            )
         for name in (
             "num_layers",
             "hidden_size",
@@ -317,6 +334,8 @@ def make_checkpoint(out_dir: str | Path, shape: CheckpointShape, *, force: bool 
         # with `--no-tokenizer`, or files a newer tokenizer does not write) and mismatch.
         tiny_tokenizer.remove_tokenizer_files(out)
         model.save_pretrained(out, max_shard_size=shape.max_shard_bytes)
+        if shape.quantization == "fp8":
+            _quantize_fp8(out, model)
         if shape.tokenizer:
             tiny_tokenizer.write_tokenizer(
                 out, vocab_size=shape.vocab_size, max_positions=shape.max_positions
@@ -324,3 +343,84 @@ def make_checkpoint(out_dir: str | Path, shape: CheckpointShape, *, force: bool 
     except OSError as exc:
         raise FileExistsError(f"cannot write the checkpoint to {out}: {exc}") from None
     return out
+
+
+def fp8_weight_names(model) -> set[str]:
+    """The checkpoint names FP8 publishes in 8 bits: each `nn.Linear` weight inside the decoder
+    layers (transformers' FP8 loader converts exactly those), and each expert's projections
+    (saved one tensor per expert). Embeddings, norms, routers that are not `nn.Linear`, and the
+    head stay in the checkpoint's dtype."""
+    import torch
+
+    linear = {
+        f"{name}.weight"
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}."
+    }
+    return linear
+
+
+def _quantize_fp8(out: Path, model) -> None:
+    """Rewrite the shards `save_pretrained` wrote with the FP8 weights and their block scales,
+    the index and config.json to match (`quantization_config` as DeepSeek-V3's)."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    linear = fp8_weight_names(model)
+
+    def quantized(name: str, tensor: torch.Tensor) -> bool:
+        if tensor.ndim != 2 or not name.endswith(".weight") or ".layers." not in name:
+            return False
+        return name in linear or ".experts." in name  # experts: saved one by one
+
+    index_path = out / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else None
+    for shard in sorted(out.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+            metadata = f.metadata()
+        written: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors.items():
+            if not quantized(name, tensor):
+                written[name] = tensor
+                continue
+            written[name], written[f"{name}_scale_inv"] = _fp8_blocks(tensor)
+            if index is not None:
+                index["weight_map"][f"{name}_scale_inv"] = shard.name
+        save_file(written, shard, metadata=metadata)
+    if index is not None:
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+    }
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _fp8_blocks(weight):
+    """`weight` (rows, cols) as float8_e4m3fn and one float32 scale per block: FP8_BLOCK
+    square where a dim is a multiple of it (as published), else that dim split into equal
+    blocks of at most FP8_BLOCK (transformers reads the block size from the grid of scales).
+    Each block is divided by its largest magnitude / FP8_MAX; the scale is what to multiply
+    by."""
+    import math
+
+    import torch
+
+    rows, cols = weight.shape
+    grid = [math.ceil(n / FP8_BLOCK) for n in (rows, cols)]
+    if rows % grid[0] or cols % grid[1]:
+        raise ConfigError(
+            f"a {rows} x {cols} weight cannot be split into equal FP8 blocks of at most "
+            f"{FP8_BLOCK}: choose sizes that are multiples of {FP8_BLOCK} or smaller"
+        )
+    block = (rows // grid[0], cols // grid[1])
+    blocks = weight.float().reshape(grid[0], block[0], grid[1], block[1])
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    scaled = (blocks / scale[:, None, :, None]).reshape(rows, cols)
+    return scaled.to(torch.float8_e4m3fn), scale
