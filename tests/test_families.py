@@ -313,3 +313,43 @@ def test_what_the_model_keeps_in_float32_stays_in_float32(tmp_path) -> None:
         offloaded=("layers.1", "layers.2"),
     )
     assert torch.equal(logits, reference(index, ids))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mixtral", "deepseek_v3"])
+def test_block_fp8_checkpoints_load_as_transformers_reads_them(tmp_path, family: str) -> None:
+    """A block-FP8 checkpoint as DeepSeek-V3 publishes it (`make-checkpoint --quantization
+    fp8`: the linear weights in float8_e4m3fn, a float32 scale per block) loads through the
+    planner's 3 stages with layers offloaded, each weight dequantized while read as
+    transformers dequantizes it on a CPU: logits bitwise equal to transformers loading the same
+    files (bf16), plain and left-padded. The planner counts the weights as loaded (16 bits),
+    the bytes read as stored (8 bits and the scales)."""
+    pytest.importorskip("accelerate")  # transformers' FP8 loader needs it
+    shape = CheckpointShape(
+        arch=family,
+        num_layers=4,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=48,
+        vocab_size=VOCAB,
+        dtype="bfloat16",
+        quantization="fp8",
+        max_shard_bytes=40_000,
+        tokenizer=False,
+    )
+    index = load_index(make_checkpoint(tmp_path / family, shape))
+    eight = [t for layer in index.layers for t in layer.tensors if t.scale is not None]
+    assert eight and all(t.dtype == "F8_E4M3" and t.target_dtype == "bfloat16" for t in eight)
+    assert index.file_bytes < index.total_bytes
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    pipeline = Pipeline(index)
+    try:
+        assert any(s.offloaded for s in pipeline.plan.stages)
+        logits, padded = pipeline(ids), pipeline(ids, mask)
+    finally:
+        pipeline.close()
+    assert torch.equal(logits, reference(index, ids))
+    assert torch.equal(padded, reference(index, ids, attention_mask=mask, position_ids=positions))

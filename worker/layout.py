@@ -67,6 +67,17 @@ def _supported_text() -> str:
     return f"decoder-only causal LMs; tested families: {', '.join(TESTED_FAMILIES)}"
 
 
+def is_block_fp8(quant) -> bool:
+    """`quantization_config` of the fine-grained FP8 format (DeepSeek-V3, the Qwen3 -FP8
+    checkpoints): float8_e4m3fn weights with float32 `weight_scale_inv` per block."""
+    return (
+        isinstance(quant, dict)
+        and quant.get("quant_method") == "fp8"
+        and quant.get("fmt", "e4m3") == "e4m3"
+        and isinstance(quant.get("weight_block_size"), list)
+    )
+
+
 def check_supported(config: dict) -> None:
     """Refuse, from config.json alone, what cannot run: quantized checkpoints, encoder-decoder
     and vision/audio models, and model types transformers has no causal LM for."""
@@ -81,11 +92,12 @@ def check_supported(config: dict) -> None:
             f"{_supported_text()}"
         )
     quant = config.get("quantization_config")
-    if quant:
+    if quant and not is_block_fp8(quant):
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
         raise UnsupportedModelError(
             f"{family}: the checkpoint is quantized (quantization_config.quant_method={method!r});"
-            f" only unquantized checkpoints (float32, bfloat16, float16) are supported"
+            f" supported: unquantized checkpoints (float32, bfloat16, float16) and block-FP8 "
+            "ones as DeepSeek-V3 publishes them (quant_method 'fp8', e4m3, weight_block_size)"
         )
     if config.get("is_encoder_decoder"):
         raise UnsupportedModelError(
@@ -125,7 +137,10 @@ def hf_config_from_dict(
     supports it, eager for Gemma 2)."""
     from transformers import AutoConfig
 
-    values = {k: _json_floats(v) for k, v in config.items() if k not in ("dtype", "torch_dtype")}
+    # a block-FP8 checkpoint's model is the unquantized one: its weights are dequantized while
+    # read (worker.loader), as transformers does without an FP8 GPU
+    dropped = ("dtype", "torch_dtype", "quantization_config")
+    values = {k: _json_floats(v) for k, v in config.items() if k not in dropped}
     hf_config = AutoConfig.for_model(**values)
     hf_config.dtype = dtype
     if attn_implementation is not None:

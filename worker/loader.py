@@ -158,7 +158,11 @@ class TensorReader:
                 )
             where = f"{tensor.file}: tensor {tensor.name!r}"
             fd = self._fd(tensor.file)
-            if dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == tensor.torch_dtype:
+            if tensor.scale is not None:
+                self._read_dequantized(fd, tensor, dst, where)
+            elif (
+                dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == tensor.torch_dtype
+            ):
                 view = memoryview(_as_bytes(dst).numpy())
                 for begin in range(0, tensor.nbytes, PIECE_BYTES):
                     end = min(begin + PIECE_BYTES, tensor.nbytes)
@@ -197,6 +201,40 @@ class TensorReader:
             _pread_exact(fd, memoryview(chunk.numpy()), tensor.start + first * row_bytes, where)
             source = chunk.view(tensor.torch_dtype).view(count, *shape[1:])
             rows[first : first + count].copy_(source)  # synchronous: the buffer is reused
+
+    def _read_dequantized(
+        self, fd: int, tensor: TensorSlice, dst: torch.Tensor, where: str
+    ) -> None:
+        """A block-FP8 weight, rows at a time through the staging buffer, each entry times its
+        block's scale in float32, then in `dst`'s dtype: transformers' own dequantization
+        (`Fp8Dequantize`), so the weights are bitwise the ones it loads."""
+        scale = tensor.scale
+        scales = torch.empty(scale.shape, dtype=scale.torch_dtype)
+        _pread_exact(
+            self._fd(scale.file),
+            memoryview(_as_bytes(scales).numpy()),
+            scale.start,
+            f"{scale.file}: tensor {scale.name!r}",
+        )
+        self.stats.bytes_read += scale.nbytes
+        scales = scales.float()
+        rows, cols = tensor.shape
+        block_rows, block_cols = rows // scales.shape[0], cols // scales.shape[1]
+        row_bytes = tensor.nbytes // rows
+        size = max(STAGING_BYTES, row_bytes)
+        if self._staging is None or self._staging.numel() < size:
+            self._staging = torch.empty(
+                size, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+            )
+        per_piece = size // row_bytes
+        for first in range(0, rows, per_piece):
+            count = min(per_piece, rows - first)
+            chunk = self._staging[: count * row_bytes]
+            _pread_exact(fd, memoryview(chunk.numpy()), tensor.start + first * row_bytes, where)
+            values = chunk.view(tensor.torch_dtype).view(count, cols).float()
+            factors = scales[torch.arange(first, first + count) // block_rows]
+            factors = factors.repeat_interleave(block_cols, dim=1)
+            dst[first : first + count].copy_((values * factors).to(dst.dtype))
 
     def close(self) -> None:
         if self._pool is not None:

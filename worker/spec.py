@@ -84,6 +84,9 @@ class TensorSlice:
     # It fills a buffer (DeepSeek's router bias), not a parameter: offloaders move parameters
     # only, so a buffer stays on the device whatever its layer's plan.
     buffer: bool = False
+    # A block-FP8 weight's scales (`<name>_scale_inv`, float32, one per block of the grid they
+    # form): the weight is dequantized while reading, each block times its scale.
+    scale: TensorSlice | None = None
 
     @property
     def nbytes(self) -> int:
@@ -170,8 +173,8 @@ class LayerSpec:
 
     @property
     def file_bytes(self) -> int:
-        """Bytes read from the checkpoint for this layer."""
-        return sum(t.nbytes for t in self.tensors)
+        """Bytes read from the checkpoint for this layer (FP8 weights' scales too)."""
+        return sum(t.nbytes + (t.scale.nbytes if t.scale else 0) for t in self.tensors)
 
     def unit_bytes(self, unit: str) -> int:
         """The bytes offloading this decoder layer by `unit` (OFFLOAD_UNITS) moves to host

@@ -68,6 +68,7 @@ def map_tensors(
     ignore = _ignored_patterns(model)
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
 
+    tensors = _with_fp8_scales(tensors)
     plain: list[TensorSlice] = []
     fused: dict[str, dict[str, list[TensorSlice]]] = defaultdict(lambda: defaultdict(list))
     ignored: list[str] = []
@@ -113,6 +114,34 @@ def map_tensors(
             f"that config.json implies, e.g. {missing[:3]}"
         )
     return plain, ignored
+
+
+FP8_SCALE = "_scale_inv"
+
+
+def _with_fp8_scales(tensors: dict[str, TensorSlice]) -> dict[str, TensorSlice]:
+    """Each block-FP8 weight with its `<name>_scale_inv` attached (the scales are not weights
+    of the model: they are read with their weight, which is dequantized while read)."""
+    out: dict[str, TensorSlice] = {}
+    for key, tensor in tensors.items():
+        if key.endswith(FP8_SCALE) and key[: -len(FP8_SCALE)] in tensors:
+            continue
+        if tensor.dtype.startswith("F8"):
+            scale = tensors.get(key + FP8_SCALE)
+            if scale is None or len(scale.shape) != 2 or len(tensor.shape) != 2:
+                raise WeightMapError(
+                    f"{tensor.file}: FP8 tensor {key!r} has no 2-D {key + FP8_SCALE!r} of "
+                    "block scales: only the block-FP8 format (DeepSeek-V3's) is supported"
+                )
+            rows, cols = tensor.shape
+            if rows % scale.shape[0] or cols % scale.shape[1]:
+                raise WeightMapError(
+                    f"{tensor.file}: FP8 tensor {key!r} {list(tensor.shape)} is not split evenly "
+                    f"by its {list(scale.shape)} block scales"
+                )
+            tensor = dataclasses.replace(tensor, scale=scale)
+        out[key] = tensor
+    return out
 
 
 def _layer_hint(model: nn.Module, key: str) -> str:
