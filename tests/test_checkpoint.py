@@ -625,6 +625,29 @@ def rewrite_config(root: Path, **changes: object) -> None:
             {"quantization_config": {"quant_method": "gptq", "bits": 4}},
             r"quantized \(quantization_config.quant_method='gptq'\).*unquantized",
         ),
+        (  # FP8 with per-tensor / per-channel scales (how Llama and Qwen FP8 also come)
+            {
+                "quantization_config": {
+                    "quant_method": "compressed-tensors",
+                    "format": "float-quantized",
+                }
+            },
+            r"quant_method='compressed-tensors'\).*block-FP8 ones as DeepSeek-V3 publishes them",
+        ),
+        (  # FP8 without blocks, or another float8 format: not the block format read here
+            {
+                "quantization_config": {
+                    "quant_method": "fp8",
+                    "fmt": "e5m2",
+                    "weight_block_size": [128, 128],
+                }
+            },
+            r"quant_method='fp8'\).*\(quant_method 'fp8', e4m3, weight_block_size\)",
+        ),
+        (
+            {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}},
+            r"quant_method='fp8'\).*\(quant_method 'fp8', e4m3, weight_block_size\)",
+        ),
         ({"model_type": "t5", "is_encoder_decoder": True}, r"t5 is an encoder-decoder model"),
         (
             {"model_type": "gemma3", "vision_config": {}, "text_config": {}},
