@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,23 +184,9 @@ class TensorReader:
     def _read_staged(self, fd: int, tensor: TensorSlice, dst: torch.Tensor, where: str) -> None:
         """Rows of the tensor (its first dimension) at a time through the staging buffer, each
         copied into `dst` with `copy_`, which converts the dtype and crosses to the GPU."""
-        shape = tensor.shape or (1,)
         rows = dst.reshape(1) if not tensor.shape else dst
-        row_bytes = tensor.nbytes // shape[0] if shape[0] else 0
-        if not row_bytes:
-            return
-        size = max(STAGING_BYTES, row_bytes)
-        if self._staging is None or self._staging.numel() < size:
-            self._staging = torch.empty(
-                size, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
-            )
-        per_piece = size // row_bytes
-        for first in range(0, shape[0], per_piece):
-            count = min(per_piece, shape[0] - first)
-            chunk = self._staging[: count * row_bytes]
-            _pread_exact(fd, memoryview(chunk.numpy()), tensor.start + first * row_bytes, where)
-            source = chunk.view(tensor.torch_dtype).view(count, *shape[1:])
-            rows[first : first + count].copy_(source)  # synchronous: the buffer is reused
+        for first, source in self._staged_rows(fd, tensor, where):
+            rows[first : first + len(source)].copy_(source)  # synchronous: the buffer is reused
 
     def _read_dequantized(
         self, fd: int, tensor: TensorSlice, dst: torch.Tensor, where: str
@@ -220,21 +206,32 @@ class TensorReader:
         scales = scales.float()
         rows, cols = tensor.shape
         block_rows, block_cols = rows // scales.shape[0], cols // scales.shape[1]
-        row_bytes = tensor.nbytes // rows
+        for first, source in self._staged_rows(fd, tensor, where):
+            count = len(source)
+            factors = scales[torch.arange(first, first + count) // block_rows]
+            factors = factors.repeat_interleave(block_cols, dim=1)
+            dst[first : first + count].copy_((source.float() * factors).to(dst.dtype))
+
+    def _staged_rows(
+        self, fd: int, tensor: TensorSlice, where: str
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first row, the rows read from there) of the tensor, in its own dtype, as many rows
+        at a time as the staging buffer holds; each view is overwritten by the next one."""
+        shape = tensor.shape or (1,)
+        row_bytes = tensor.nbytes // shape[0] if shape[0] else 0
+        if not row_bytes:
+            return
         size = max(STAGING_BYTES, row_bytes)
         if self._staging is None or self._staging.numel() < size:
             self._staging = torch.empty(
                 size, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
             )
         per_piece = size // row_bytes
-        for first in range(0, rows, per_piece):
-            count = min(per_piece, rows - first)
+        for first in range(0, shape[0], per_piece):
+            count = min(per_piece, shape[0] - first)
             chunk = self._staging[: count * row_bytes]
             _pread_exact(fd, memoryview(chunk.numpy()), tensor.start + first * row_bytes, where)
-            values = chunk.view(tensor.torch_dtype).view(count, cols).float()
-            factors = scales[torch.arange(first, first + count) // block_rows]
-            factors = factors.repeat_interleave(block_cols, dim=1)
-            dst[first : first + count].copy_((values * factors).to(dst.dtype))
+            yield first, chunk.view(tensor.torch_dtype).view(count, *shape[1:])
 
     def close(self) -> None:
         if self._pool is not None:
