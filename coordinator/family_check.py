@@ -68,8 +68,8 @@ def check_family(config: dict, *, attn_implementation: str | None = None) -> boo
     """Check config.json's family before launch (see the module doc): False for a tested family
     (not checked), True for an untested one that passed; FamilyCheckError when it failed. When
     the shrunk copy cannot be made (its coupled widths are not the ones this shrinks), the
-    check runs two layers at the config's own widths instead, if they fit `WIDE_CHECK_BYTES`:
-    a shrink problem is never reported as the model's."""
+    check runs a layer of each kind at the config's own widths instead, if they fit
+    `WIDE_CHECK_BYTES`: a shrink problem is never reported as the model's."""
     family = config.get("model_type")
     if family in TESTED_FAMILIES:
         return False
@@ -87,7 +87,7 @@ def check_family(config: dict, *, attn_implementation: str | None = None) -> boo
     return True
 
 
-WIDE_CHECK_BYTES = 2 << 30  # two layers at the config's widths, float32, checked in the driver
+WIDE_CHECK_BYTES = 2 << 30  # a layer of each kind at the config's widths, float32, in the driver
 CANNOT_BUILD = "cannot build a"
 CANNOT_SHRINK = "cannot shrink its config"
 
@@ -105,7 +105,7 @@ def _verdict(small: dict, attn_implementation: str | None) -> str | None:
 
 
 def _at_real_widths(config: dict, attn_implementation: str | None, shrunk: str) -> str | None:
-    """The check on two layers at the config's own widths (depth, windows and vocabulary
+    """The check on a layer of each kind at the config's own widths (depth, windows and vocabulary
     shrunk only), when the shrunk copy could not be made: None when that passes, its refusal
     when it does not, and the shrink's refusal with the size when it is too large to run here."""
     try:
@@ -150,11 +150,7 @@ def continues_chunks(config: dict) -> bool:
     if key not in _continues:
         try:
             with _quiet_and_seeded(), torch.inference_mode():
-                hf_config = hf_config_from_dict(small, dtype=torch.float32)
-                model = model_class_for(hf_config)._from_config(hf_config, dtype=torch.float32)
-                from coordinator.tools.make_checkpoint import perturb_constant_parameters
-
-                perturb_constant_parameters(model.eval(), SEED)
+                model = _random_model(hf_config_from_dict(small, dtype=torch.float32))
                 ids = torch.randint(
                     2, VOCAB, (1, 11), generator=torch.Generator().manual_seed(SEED)
                 )
@@ -202,11 +198,7 @@ def _check(small: dict, attn_implementation: str | None) -> str | None:
 
     with _quiet_and_seeded():
         try:
-            whole = model_class_for(hf_config())._from_config(hf_config(), dtype=torch.float32)
-            from coordinator.tools.make_checkpoint import perturb_constant_parameters
-
-            perturb_constant_parameters(whole, SEED)  # norms and biases count too
-            whole.eval()
+            whole = _random_model(hf_config())
             layout = find_layout(whole)
         except Exception as exc:
             return (
@@ -237,6 +229,16 @@ def _check(small: dict, attn_implementation: str | None) -> str | None:
         if refusal is not None:
             return f"{family}: batched generation does not reproduce the model ({refusal})"
     return None
+
+
+def _random_model(hf_config) -> nn.Module:
+    """The whole model of `hf_config` in float32, its random weights seeded (by the caller's
+    `_quiet_and_seeded`), norms and biases perturbed so they count too, in eval mode."""
+    from coordinator.tools.make_checkpoint import perturb_constant_parameters
+
+    model = model_class_for(hf_config)._from_config(hf_config, dtype=torch.float32)
+    perturb_constant_parameters(model, SEED)
+    return model.eval()
 
 
 def _stage(hf_config, layer_names: list[str], weights: dict[str, torch.Tensor]) -> Stage:
