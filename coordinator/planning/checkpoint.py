@@ -16,7 +16,7 @@ import json
 import os
 import struct
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from coordinator.planning.weight_map import WeightMapError, map_tensors
@@ -334,24 +334,21 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
         )
         for name, items in by_layer.items()
     )
-    recurrent = any(layer.state_bytes for layer in layers)
-    return CheckpointIndex(
+    index = CheckpointIndex(
         root=root,
         config=config,
         layers=layers,
-        chunks_continue=not recurrent or _continues_chunks(config),
         files=tuple(files),
         identities=tuple(identities),
         tied_embeddings=bool(getattr(model, "all_tied_weights_keys", None)),
         dtype=compute_dtype,
         ignored=tuple(ignored),
     )
-
-
-def _continues_chunks(config: dict) -> bool:
+    if not index.recurrent:
+        return index
     from coordinator.family_check import continues_chunks
 
-    return continues_chunks(config)
+    return replace(index, chunks_continue=continues_chunks(config))
 
 
 def _kv_fields(kv: list[tuple[int, int | None, int]], index: int | None) -> dict:

@@ -36,8 +36,6 @@ from worker.layout import TESTED_FAMILIES
 
 ARCHITECTURES = TESTED_FAMILIES  # every family the parity tests check
 MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention
-# with recurrent state per sequence: gated delta-net (qwen3_next), Mamba-2 (bamba), Mamba (jamba)
-HYBRID_ARCHITECTURES = ("qwen3_next", "bamba", "jamba")
 MOE_ARCHITECTURES = (
     "mixtral",
     "qwen2_moe",
@@ -352,12 +350,11 @@ def fp8_weight_names(model) -> set[str]:
     head stay in the checkpoint's dtype."""
     import torch
 
-    linear = {
+    return {
         f"{name}.weight"
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}."
     }
-    return linear
 
 
 def _quantize_fp8(out: Path, model) -> None:
@@ -366,6 +363,8 @@ def _quantize_fp8(out: Path, model) -> None:
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
+
+    from coordinator.planning.weight_map import FP8_SCALE
 
     linear = fp8_weight_names(model)
 
@@ -385,9 +384,9 @@ def _quantize_fp8(out: Path, model) -> None:
             if not quantized(name, tensor):
                 written[name] = tensor
                 continue
-            written[name], written[f"{name}_scale_inv"] = _fp8_blocks(tensor)
+            written[name], written[name + FP8_SCALE] = _fp8_blocks(tensor)
             if index is not None:
-                index["weight_map"][f"{name}_scale_inv"] = shard.name
+                index["weight_map"][name + FP8_SCALE] = shard.name
         save_file(written, shard, metadata=metadata)
     if index is not None:
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
