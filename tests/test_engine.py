@@ -406,32 +406,13 @@ def test_micro_batches_split_the_running_sequences(make) -> None:
     assert sum(pipeline.submits) == len(pipeline.steps)
 
 
-def test_a_lost_worker_is_recovered_and_every_sequence_goes_on_exactly(make) -> None:
-    engine, pipeline = make(num_slots=2, burst_steps=1)
-    seen = []
-
-    def on_token(row, token):
-        seen.append(token)
-        if len(seen) == 5:
-            pipeline.fail.append(WorkerLostError("worker died"))
-
-    a = submit(engine, [3, 4, 5], 12, on_token=on_token)
-    b = submit(engine, [6, 7], 9)
-    assert a.result(WAIT_S) == [expected([3, 4, 5], 12)]
-    assert b.result(WAIT_S) == [expected([6, 7], 9)]
-    assert pipeline.recoveries == 1 and engine.stats.restarts == 1
-    # after the recovery, both running sequences fed their prompt and tokens so far again,
-    # from position 0, in one prefill step
-    restart = next(i for i, s in enumerate(pipeline.steps) if s[0] and i > 1)
-    # 5 tokens each by then (a: 3 + 5, b: 2 + 5), each fed whole
-    assert pipeline.starts[restart] == (0, 0) and sorted(pipeline.steps[restart][2]) == [7, 8]
-
-
-def test_a_recovery_feeds_each_recurrent_sequence_again_from_its_start(make) -> None:
-    """The new worker holds no state: each running sequence is fed again whole, from position
-    0, in a step of its own length (no padding), and goes on exactly."""
+@pytest.mark.parametrize("recurrent", [False, True])
+def test_a_lost_worker_is_recovered_and_every_sequence_goes_on_exactly(make, recurrent) -> None:
+    """After the recovery both running sequences feed their prompt and tokens so far again,
+    from position 0: in one prefill step, or, for a model with recurrent state (the new worker
+    holds none; no padding), each in a step of its own length."""
     engine, pipeline = make(
-        FakePipeline(recurrent=True), num_slots=2, burst_steps=1, uniform_steps=True
+        FakePipeline(recurrent=recurrent), num_slots=2, burst_steps=1, uniform_steps=recurrent
     )
     seen = []
 
@@ -445,12 +426,16 @@ def test_a_recovery_feeds_each_recurrent_sequence_again_from_its_start(make) -> 
     assert a.result(WAIT_S) == [expected([3, 4, 5], 12)]
     assert b.result(WAIT_S) == [expected([6, 7], 9)]
     assert pipeline.recoveries == 1 and engine.stats.restarts == 1
-    # 5 tokens each by then (a: 3 + 5, b: 2 + 5), each fed whole in its own step
+    # 5 tokens each by then (a: 3 + 5, b: 2 + 5), each fed whole
     again = [i for i, s in enumerate(pipeline.steps) if s[0] and i > 1]
-    assert [(pipeline.starts[i], pipeline.steps[i][2]) for i in again] == [
-        ((0,), (8,)),
-        ((0,), (7,)),
-    ]
+    if recurrent:
+        assert [(pipeline.starts[i], pipeline.steps[i][2]) for i in again] == [
+            ((0,), (8,)),
+            ((0,), (7,)),
+        ]
+    else:
+        restart = again[0]
+        assert pipeline.starts[restart] == (0, 0) and sorted(pipeline.steps[restart][2]) == [7, 8]
 
 
 def test_a_failing_step_ends_its_requests_with_the_error_and_the_engine_goes_on(make) -> None:

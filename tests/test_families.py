@@ -39,23 +39,29 @@ def checkpoints(tmp_path_factory):
 
     def get(family: str, dtype: str) -> CheckpointIndex:
         if (family, dtype) not in made:
-            shape = CheckpointShape(
-                arch=family,
-                num_layers=4,
-                hidden_size=32,
-                num_heads=4,
-                num_kv_heads=4 if family in NO_GQA else 2,
-                intermediate_size=48,
-                vocab_size=VOCAB,
-                dtype=dtype,
-                max_positions=64,
-                max_shard_bytes=40_000,
-            )
             root = tmp_path_factory.mktemp(f"{family}-{dtype}") / "ckpt"
-            made[family, dtype] = load_index(make_checkpoint(root, shape))
+            made[family, dtype] = load_index(make_checkpoint(root, family_shape(family, dtype)))
         return made[family, dtype]
 
     return get
+
+
+def family_shape(family: str, dtype: str = "float32", **changes) -> CheckpointShape:
+    """The families' test checkpoint: 4 layers, hidden 32, 4 heads (2 KV heads where the family
+    groups them), intermediate 48, the tests' vocabulary, several shards."""
+    return CheckpointShape(
+        arch=family,
+        num_layers=4,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=4 if family in NO_GQA else 2,
+        intermediate_size=48,
+        vocab_size=VOCAB,
+        dtype=dtype,
+        max_positions=64,
+        max_shard_bytes=40_000,
+        **changes,
+    )
 
 
 def offloading_plan(index: CheckpointIndex) -> Plan:
@@ -324,19 +330,7 @@ def test_block_fp8_checkpoints_load_as_transformers_reads_them(tmp_path, family:
     files (bf16), plain and left-padded. The planner counts the weights as loaded (16 bits),
     the bytes read as stored (8 bits and the scales)."""
     pytest.importorskip("accelerate")  # transformers' FP8 loader needs it
-    shape = CheckpointShape(
-        arch=family,
-        num_layers=4,
-        hidden_size=32,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=48,
-        vocab_size=VOCAB,
-        dtype="bfloat16",
-        quantization="fp8",
-        max_shard_bytes=40_000,
-        tokenizer=False,
-    )
+    shape = family_shape(family, "bfloat16", quantization="fp8")
     index = load_index(make_checkpoint(tmp_path / family, shape))
     eight = [t for layer in index.layers for t in layer.tensors if t.scale is not None]
     assert eight and all(t.dtype == "F8_E4M3" and t.target_dtype == "bfloat16" for t in eight)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_families import VOCAB, Pipeline, reference
+from test_families import VOCAB, Pipeline, family_shape, reference
 from test_generation import MAX_SEQ_LEN, alone, generate_each
 
 import worker.batch_cache
@@ -520,11 +520,9 @@ def test_prompts_are_chunked_only_where_the_familys_recurrence_continues_a_chunk
     prompt whole (`model_steps`)."""
     from coordinator.engine.engine import model_steps
     from coordinator.family_check import continues_chunks
-    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+    from coordinator.tools.make_checkpoint import make_checkpoint
 
-    shape = CheckpointShape(
-        arch=family, num_layers=4, hidden_size=32, num_heads=4, num_kv_heads=2, vocab_size=VOCAB
-    )
+    shape = family_shape(family)
     assert continues_chunks(shape.hf_config().to_dict()) is continues
     index = load_index(make_checkpoint(tmp_path / family, shape))
     assert model_steps(index) == {"uniform_steps": True, "whole_prompts": not continues}

@@ -10,14 +10,14 @@ import contextlib
 
 import pytest
 import torch
-from test_families import VOCAB, Pipeline
+from test_families import VOCAB, Pipeline, family_shape
 
 from coordinator.engine import Engine, EngineConfig, generation
 from coordinator.engine.engine import model_steps
 from coordinator.engine.pipelines import LocalPipeline
 from coordinator.planning.checkpoint import load_index
 from coordinator.runtime.errors import WorkerLostError
-from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.tools.make_checkpoint import make_checkpoint
 from coordinator.tools.reference import reference_generate, reference_logits
 from worker.decode import Sampling
 from worker.worker import StageWorker
@@ -54,19 +54,7 @@ def indexes(tmp_path_factory):
 
     def get(family: str, dtype: str = "float32", quantization: str = "none"):
         if (family, dtype, quantization) not in made:
-            shape = CheckpointShape(
-                arch=family,
-                num_layers=4,
-                hidden_size=32,
-                num_heads=4,
-                num_kv_heads=2,
-                intermediate_size=48,
-                vocab_size=VOCAB,
-                dtype=dtype,
-                max_positions=64,
-                max_shard_bytes=40_000,
-                quantization=quantization,
-            )
+            shape = family_shape(family, dtype, quantization=quantization)
             root = tmp_path_factory.mktemp(f"gen-{family}-{dtype}-{quantization}") / "ckpt"
             made[family, dtype, quantization] = load_index(make_checkpoint(root, shape))
         return made[family, dtype, quantization]
