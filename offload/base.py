@@ -28,7 +28,7 @@ _MARK = "_offload_coordinator_owner"
 class OffloadStats:
     backend: str
     offloaded_layers: int = 0
-    offloaded_bytes: int = 0  # weight bytes living in host memory
+    offloaded_bytes: int = 0  # weight bytes living in host memory, as stored (8 bits where so)
     resident_bytes: int = 0  # weight bytes of wrapped modules that stay on the device
     buffer_bytes: int = 0  # device bytes of prefetch slots
     host_bytes: int = 0  # host bytes allocated for the offloaded weights (arena + page slack)
@@ -38,6 +38,7 @@ class OffloadStats:
     copied_bytes: int = 0
     copy_s: float = 0.0  # time the copy engine spent copying
     stall_s: float = 0.0  # time the compute side waited for a copy
+    dequant_s: float = 0.0  # time spent dequantizing 8-bit weights after their copies
     sync_loads: int = 0  # copies issued on demand because no prefetch was in flight
 
     def to_dict(self) -> dict:

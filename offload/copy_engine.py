@@ -5,7 +5,10 @@ a GPU and on the CPU (where it is tested and benchmarked):
 
 - `fence()`: a marker of "all compute issued so far"; a copy submitted `after` it must not start
   writing before that compute is done (the slot it overwrites may still be read).
-- `submit(dst, src, after=...)`: start copying, return a ticket.
+- `submit(dst, src, after=..., then=...)`: start copying, return a ticket. `then`, if given,
+  runs after the copy on the copy side (the side stream, the copy thread) and before the ticket
+  completes: the prefetch offloader dequantizes 8-bit weights there (`offload.quant`), so the
+  compute side waits for weights that are ready to use, and the dequantization overlaps compute.
 - `wait(ticket)`: make the compute side wait until that copy has landed.
 - `synchronize()`: wait for every copy (before detach or close).
 
@@ -23,6 +26,7 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -42,6 +46,7 @@ class CopyTotals:
     copied_bytes: int = 0
     copy_s: float = 0.0
     stall_s: float = 0.0
+    dequant_s: float = 0.0  # time of the `then` steps after copies (dequantizing 8-bit weights)
 
 
 class CopyEngine(ABC):
@@ -54,7 +59,14 @@ class CopyEngine(ABC):
     def fence(self) -> object | None: ...
 
     @abstractmethod
-    def submit(self, dst: torch.Tensor, src: torch.Tensor, *, after: object | None) -> object: ...
+    def submit(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        after: object | None,
+        then: Callable[[], None] | None = None,
+    ) -> object: ...
 
     @abstractmethod
     def wait(self, ticket: object) -> None: ...
@@ -86,15 +98,18 @@ class ThreadCopyEngine(CopyEngine):
             job = self._jobs.get()
             if job is None:
                 return
-            dst, src, future = job
+            dst, src, then, future = job
             if not future.set_running_or_notify_cancel():
                 continue
             try:
                 start = time.perf_counter()
                 _copy_bytes(dst, src)
-                elapsed = time.perf_counter() - start
+                copied = time.perf_counter()
+                if then is not None:
+                    then()
                 with self._lock:
-                    self.totals.copy_s += elapsed
+                    self.totals.copy_s += copied - start
+                    self.totals.dequant_s += time.perf_counter() - copied
                 future.set_result(None)
             except BaseException as exc:
                 future.set_exception(exc)
@@ -102,14 +117,21 @@ class ThreadCopyEngine(CopyEngine):
     def fence(self) -> None:
         return None
 
-    def submit(self, dst: torch.Tensor, src: torch.Tensor, *, after: object | None) -> Future:
+    def submit(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        after: object | None,
+        then: Callable[[], None] | None = None,
+    ) -> Future:
         if not self._thread.is_alive():
             raise RuntimeError("the copy engine is closed")
         future: Future = Future()
         with self._lock:
             self.totals.copies += 1
             self.totals.copied_bytes += src.nbytes
-        self._jobs.put((dst, src, future))
+        self._jobs.put((dst, src, then, future))
         self._last = future
         return future
 
@@ -202,6 +224,7 @@ class CudaCopyEngine(CopyEngine):
         self.timing = timing
         self._copy_times = EventTimes()
         self._stall_times = EventTimes()
+        self._dequant_times = EventTimes()
 
     def _event(self) -> torch.cuda.Event:
         return torch.cuda.Event(enable_timing=self.timing)
@@ -212,9 +235,15 @@ class CudaCopyEngine(CopyEngine):
         return event
 
     def submit(
-        self, dst: torch.Tensor, src: torch.Tensor, *, after: object | None
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        after: object | None,
+        then: Callable[[], None] | None = None,
     ) -> torch.cuda.Event:
         done = self._event()
+        copied = self._event() if then is not None and self.timing else done
         with torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)
@@ -222,9 +251,15 @@ class CudaCopyEngine(CopyEngine):
             if start is not None:
                 start.record(self.stream)
             dst.copy_(src, non_blocking=True)
+            if then is not None:
+                if copied is not done:
+                    copied.record(self.stream)
+                then()  # kernels on the side stream, after the copy
             done.record(self.stream)
         if start is not None:
-            self._copy_times.add(start, done)
+            self._copy_times.add(start, copied)
+            if copied is not done:
+                self._dequant_times.add(copied, done)
         with self._lock:
             self.totals.copies += 1
             self.totals.copied_bytes += src.nbytes
@@ -249,9 +284,11 @@ class CudaCopyEngine(CopyEngine):
         """The totals so far: counters as issued, times of the copies and stalls that have
         completed (those still in flight are counted by a later read). Safe from any thread."""
         copy_s, stall_s = self._copy_times.fold(), self._stall_times.fold()
+        dequant_s = self._dequant_times.fold()
         with self._lock:
             self.totals.copy_s += copy_s
             self.totals.stall_s += stall_s
+            self.totals.dequant_s += dequant_s
             return dataclasses.replace(self.totals)
 
 

@@ -13,7 +13,9 @@ import torch
 
 from offload.base import BaseOffloader, NoopOffloader
 from offload.config import OffloadConfig
+from offload.errors import OffloadError
 from offload.probe import NodeProbe, probe_node
+from offload.quant import BlockFormat
 
 
 def choose_backend(
@@ -46,9 +48,12 @@ def create_offloader(
     device: torch.device | str,
     env: Mapping[str, str] | None = None,
     probe: NodeProbe | None = None,
+    formats: Mapping[str, BlockFormat] | None = None,
 ) -> BaseOffloader:
     """Build the offloader `config` asks for on `device`. `env` defaults to os.environ and
     `probe` to a fresh `probe_node()`; pass both to decide for a node other than this process.
+    `formats`: offloaded parameters (by arena key) kept in 8 bits, dequantized on the device
+    after their copy: the prefetch backend only (UVA computes on host memory as it is stored).
     The chosen backend and why are in `offloader.backend_reason`."""
     device = torch.device(device)
     env = dict(os.environ if env is None else env)
@@ -58,6 +63,12 @@ def create_offloader(
         return offloader
     probe = probe if probe is not None else probe_node()
     backend, reason = choose_backend(config, device, probe)
+    if formats and backend != "prefetch":
+        raise OffloadError(
+            f"8-bit offloaded weights ({len(formats)} parameters) need the prefetch backend, "
+            f"which dequantizes them on the device after each copy; this offloader is {backend} "
+            f"({reason}): use backend=prefetch, or keep the weights at the model's width"
+        )
     if backend == "uva":
         from offload.uva import UVAOffloader
 
@@ -65,6 +76,6 @@ def create_offloader(
     else:
         from offload.prefetch import PrefetchOffloader
 
-        offloader = PrefetchOffloader(config, device=device, env=env, probe=probe)
+        offloader = PrefetchOffloader(config, device=device, env=env, probe=probe, formats=formats)
     offloader.backend_reason = reason
     return offloader

@@ -1,7 +1,9 @@
 """Choosing the parameters to offload and moving them into one arena, layer by layer.
 
 Shared by the prefetch and UVA backends: both offload the same parameters and keep them in the
-same exact-size arena; they differ only in how the device reaches them.
+same exact-size arena; they differ only in how the device reaches them. A parameter given a
+`BlockFormat` (prefetch only) is kept in 8 bits: its values under its own key and its scales
+under `key + SCALE_KEY_SUFFIX`, both inside its layer's span (`offload.quant`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from offload.base import OffloadError
 from offload.config import OffloadConfig
 from offload.policy import PinDecision, decide_pinning
 from offload.probe import NodeProbe
+from offload.quant import SCALE_DTYPE, SCALE_KEY_SUFFIX, BlockFormat, QuantizedTensor
 
 
 @dataclass(slots=True)
@@ -30,10 +33,37 @@ class OffloadedLayer:
     keys: list[str]  # arena keys, f"{index}.{name}"
     start: int = 0
     end: int = 0
+    formats: dict[str, BlockFormat] = dataclasses.field(default_factory=dict)  # 8-bit keys
 
     @property
     def payload_bytes(self) -> int:
+        """The parameters' bytes at the model's width (what they take on the device)."""
         return sum(p.numel() * p.element_size() for _, p in self.params)
+
+
+def host_view(
+    arena: HostArena, key: str, fmt: BlockFormat | None
+) -> torch.Tensor | QuantizedTensor:
+    """What holds parameter `key` in `arena`: its tensor, or its 8-bit values and scales."""
+    if fmt is None:
+        return arena[key]
+    return QuantizedTensor(arena[key], arena[key + SCALE_KEY_SUFFIX], fmt)
+
+
+def arena_specs(key: str, param: torch.Tensor, fmt: BlockFormat | None) -> list[TensorSpec]:
+    """The arena entries of one parameter: itself, or its 8-bit values and its scales."""
+    shape = tuple(param.shape)
+    if fmt is None:
+        return [TensorSpec(key, shape, param.dtype)]
+    if not param.dtype.is_floating_point or not fmt.fits(shape):
+        raise ValueError(
+            f"offloaded parameter {key!r} ({param.dtype}{list(shape)}) cannot be kept as {fmt}: "
+            "only floating weights that split into whole blocks can"
+        )
+    return [
+        TensorSpec(key, shape, fmt.dtype),
+        TensorSpec(key + SCALE_KEY_SUFFIX, fmt.scale_shape(shape), SCALE_DTYPE),
+    ]
 
 
 def select_offloaded(modules: list[nn.Module], config: OffloadConfig) -> list[OffloadedLayer]:
@@ -103,12 +133,26 @@ def decide_for_device(
     return decide_pinning(env, probe, planned_bytes=planned_bytes)
 
 
-def move_to_arena(layers: list[OffloadedLayer], *, pin: bool) -> HostArena:
-    """Copy every selected parameter into a new arena; record each layer's byte span."""
+def move_to_arena(
+    layers: list[OffloadedLayer],
+    *,
+    pin: bool,
+    formats: Mapping[str, BlockFormat] | None = None,
+) -> HostArena:
+    """Copy every selected parameter into a new arena (quantized where `formats`, by arena key,
+    gives it a block format); record each layer's byte span and formats."""
+    formats = dict(formats or {})
+    known = {key for layer in layers for key in layer.keys}
+    unknown = sorted(set(formats) - known)
+    if unknown:
+        raise ValueError(f"formats given for parameters that are not offloaded: {unknown[:3]}")
+    for layer in layers:
+        layer.formats = {key: formats[key] for key in layer.keys if key in formats}
     specs = [
-        TensorSpec(key, tuple(p.shape), p.dtype)
+        spec
         for layer in layers
         for key, (_, p) in zip(layer.keys, layer.params, strict=True)
+        for spec in arena_specs(key, p, layer.formats.get(key))
     ]
     arena = HostArena(specs, pin=pin)
     try:
@@ -118,8 +162,13 @@ def move_to_arena(layers: list[OffloadedLayer], *, pin: bool) -> HostArena:
                     # A parameter on the meta device has no data yet: a loader writes it into
                     # the arena afterwards (see `host_tensors()`), with no device copy at all.
                     if param.device.type != "meta":
-                        arena[key].copy_(param.detach())
-                layer.start, layer.end = arena.span(layer.keys)
+                        host_view(arena, key, layer.formats.get(key)).copy_(param.detach())
+                names = [
+                    name
+                    for key in layer.keys
+                    for name in ((key, key + SCALE_KEY_SUFFIX) if key in layer.formats else (key,))
+                ]
+                layer.start, layer.end = arena.span(names)
     except BaseException:
         arena.close()
         raise

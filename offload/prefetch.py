@@ -11,6 +11,14 @@ Schedule. When o_j finishes, its slot is free and the copy of the slot's *next o
 wrap-around instead loads o_{(j+K) mod M}, which for M % K != 0 lands in a slot whose current
 layer has not run yet. Here a copy never targets a slot before the layer holding it has run.
 
+8-bit weights. A parameter given a `BlockFormat` (`formats`, by arena key) stays 8 bits in the
+arena and crosses the link so: its layer's span is copied into one device staging buffer, and on
+the copy side (side stream, copy thread) each parameter is then dequantized from it into its
+place in the layer's slot (`offload.quant.dequantize_into`), before the copy's ticket completes.
+Such a layer's slot is laid out at the model's width, not like its arena span. One staging
+buffer serves every slot: copies and their dequantization are FIFO on the copy side, so the
+next copy into it starts after the last dequantization has read it.
+
 Robustness. Each slot records which layer its latest copy brings (`_owner`). A layer whose slot
 holds something else when it is called (first forward without `post_init`, an aborted forward,
 layers called out of order) is loaded on demand and counted in `sync_loads`: slower, never wrong.
@@ -19,6 +27,7 @@ Copies to one slot are FIFO on one stream/thread, so the latest copy is what the
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 
@@ -32,11 +41,23 @@ from offload.copy_engine import CopyEngine, make_copy_engine
 from offload.host_store import (
     OffloadedLayer,
     decide_for_device,
+    host_view,
     move_to_arena,
     select_offloaded,
     set_param_data,
 )
 from offload.probe import NodeProbe, probe_node
+from offload.quant import (
+    SCALE_DTYPE,
+    SCALE_KEY_SUFFIX,
+    BlockFormat,
+    QuantizedTensor,
+    dequantize_into,
+)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ARENA_ALIGNMENT_BYTES) * ARENA_ALIGNMENT_BYTES
 
 
 class PrefetchOffloader(BaseOffloader):
@@ -50,9 +71,12 @@ class PrefetchOffloader(BaseOffloader):
         env: Mapping[str, str] | None = None,
         probe: NodeProbe | None = None,
         copy_engine: CopyEngine | None = None,
+        formats: Mapping[str, BlockFormat] | None = None,
     ) -> None:
+        """`formats`: parameters (by arena key, f"{module index}.{name}") kept in 8 bits."""
         super().__init__()
         self.config = config
+        self._formats = dict(formats or {})
         self.device = torch.device(device)
         self._env = dict(os.environ if env is None else env)
         self._probe = probe
@@ -60,6 +84,10 @@ class PrefetchOffloader(BaseOffloader):
         self._layers: list[OffloadedLayer] = []
         self._arena: HostArena | None = None
         self._slots: list[torch.Tensor] = []
+        self._staging: torch.Tensor | None = None  # 8-bit layers' spans land here first
+        self._host: dict[str, torch.Tensor | QuantizedTensor] = {}
+        # layer index -> each parameter's byte offset in its slot
+        self._slot_offsets: dict[int, list[int]] = {}
         self._slot_of: dict[int, int] = {}  # layer index -> slot
         self._next: dict[int, OffloadedLayer] = {}  # layer index -> next occupant of its slot
         self._owner: list[OffloadedLayer | None] = []
@@ -79,22 +107,31 @@ class PrefetchOffloader(BaseOffloader):
         self.pin_decision = decide_for_device(self._env, probe, planned, self.device)
         # Everything that can fail (host and device allocation) happens before any module is
         # touched, so a failure leaves the modules exactly as they were.
-        arena = move_to_arena(layers, pin=self.pin_decision.pin)
+        arena = move_to_arena(layers, pin=self.pin_decision.pin, formats=self._formats)
         try:
             num_slots = min(max(self.config.prefetch_step, 1), len(layers))
-            slot_bytes = max(layer.end - layer.start for layer in layers)
-            slot_bytes = -(-slot_bytes // ARENA_ALIGNMENT_BYTES) * ARENA_ALIGNMENT_BYTES
+            sizes = [self._lay_out_slot(layer, arena) for layer in layers]
             self._slots = [
-                torch.empty(slot_bytes, dtype=torch.uint8, device=self.device)
+                torch.empty(_aligned(max(sizes)), dtype=torch.uint8, device=self.device)
                 for _ in range(num_slots)
             ]
+            packed = [layer.end - layer.start for layer in layers if layer.formats]
+            if packed:
+                self._staging = torch.empty(
+                    _aligned(max(packed)), dtype=torch.uint8, device=self.device
+                )
             if self._engine is None:  # from a pageable arena on CUDA: a pinned bounce buffer
                 self._engine = make_copy_engine(self.device, pinned_source=arena.pinned)
         except BaseException:
-            self._slots = []
+            self._slots, self._staging = [], None
             arena.close()
             raise
         self._arena = arena
+        self._host = {
+            key: host_view(arena, key, layer.formats.get(key))
+            for layer in layers
+            for key in layer.keys
+        }
         self._layers = layers
         self._owner = [None] * num_slots
         self._ticket = [None] * num_slots
@@ -109,14 +146,57 @@ class PrefetchOffloader(BaseOffloader):
             )
             self._hooks.append(layer.module.register_forward_hook(self._make_post_hook(layer)))
 
+    def _lay_out_slot(self, layer: OffloadedLayer, arena: HostArena) -> int:
+        """Each parameter's offset in the layer's slot; returns the bytes the slot needs. A
+        layer at the model's width is laid out as in the arena (its copy is one copy); an
+        8-bit one at the model's width, its parameters aligned as the arena aligns them."""
+        if not layer.formats:
+            self._slot_offsets[layer.index] = [arena.offset(k) - layer.start for k in layer.keys]
+            return layer.end - layer.start
+        offsets, offset = [], 0
+        for _, param in layer.params:
+            offsets.append(offset)
+            offset = _aligned(offset + param.numel() * param.element_size())
+        self._slot_offsets[layer.index] = offsets
+        return offset
+
+    def _slot_views(self, layer: OffloadedLayer, slot: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter of `layer` as it sits in `slot`."""
+        return [
+            slot[offset : offset + param.numel() * param.element_size()]
+            .view(param.dtype)
+            .view(param.shape)
+            for offset, (_, param) in zip(
+                self._slot_offsets[layer.index], layer.params, strict=True
+            )
+        ]
+
     def _point_params_at_slot(self, layer: OffloadedLayer, slot: torch.Tensor) -> None:
-        for position, (key, (_, param)) in enumerate(zip(layer.keys, layer.params, strict=True)):
-            # Offsets within a layer are the same in the arena and in its slot.
-            offset = self._arena.offset(key) - layer.start
-            view = slot[offset : offset + param.numel() * param.element_size()]
+        for position, view in enumerate(self._slot_views(layer, slot)):
             # The parameter becomes a fixed view into the slot; the original device tensor is
             # freed (see set_param_data for parameters still on the meta device).
-            set_param_data(layer, position, view.view(param.dtype).view(param.shape))
+            set_param_data(layer, position, view)
+
+    def _unpack(self, layer: OffloadedLayer, slot: torch.Tensor) -> None:
+        """Layer `layer`'s span, just copied into the staging buffer, into its slot: each 8-bit
+        parameter dequantized, the others copied. Runs on the copy side, after the copy."""
+        staging = self._staging
+        for key, (_, param), view in zip(
+            layer.keys, layer.params, self._slot_views(layer, slot), strict=True
+        ):
+            offset = self._arena.offset(key) - layer.start
+            fmt = layer.formats.get(key)
+            if fmt is None:
+                nbytes = param.numel() * param.element_size()
+                view.copy_(staging[offset : offset + nbytes].view(param.dtype).view(param.shape))
+                continue
+            shape = tuple(param.shape)
+            scale_shape = fmt.scale_shape(shape)
+            scale_offset = self._arena.offset(key + SCALE_KEY_SUFFIX) - layer.start
+            scale_bytes = SCALE_DTYPE.itemsize * int(torch.Size(scale_shape).numel())
+            q = staging[offset : offset + param.numel()].view(fmt.dtype).view(shape)
+            scales = staging[scale_offset : scale_offset + scale_bytes].view(SCALE_DTYPE)
+            dequantize_into(view, QuantizedTensor(q, scales.view(scale_shape), fmt))
 
     def post_init(self) -> None:
         """Start copying the first K offloaded layers, so the first forward does not stall."""
@@ -137,13 +217,22 @@ class PrefetchOffloader(BaseOffloader):
         for layer in self._layers:
             for position, (_, param) in enumerate(layer.params):
                 set_param_data(layer, position, param.new_empty(0))
-        self._slots = []
+        self._slots, self._staging = [], None
+
+    def host_tensors(self) -> Mapping[str, torch.Tensor | QuantizedTensor]:
+        """As `BaseOffloader.host_tensors`; an 8-bit parameter's entry is a `QuantizedTensor`
+        (its values and scales), which a loader fills as stored or quantizes into."""
+        return self._host
 
     def _load(self, layer: OffloadedLayer, *, after: object | None) -> None:
         slot = self._slot_of[layer.index]
         src = self._arena.bytes(layer.start, layer.end)
-        dst = self._slots[slot][: layer.end - layer.start]
-        self._ticket[slot] = self._engine.submit(dst, src, after=after)
+        if layer.formats:  # 8 bits across the link, dequantized into the slot on arrival
+            dst = self._staging[: layer.end - layer.start]
+            then = functools.partial(self._unpack, layer, self._slots[slot])
+        else:
+            dst, then = self._slots[slot][: layer.end - layer.start], None
+        self._ticket[slot] = self._engine.submit(dst, src, after=after, then=then)
         self._owner[slot] = layer
 
     def _make_pre_hook(self, layer: OffloadedLayer):
@@ -175,15 +264,23 @@ class PrefetchOffloader(BaseOffloader):
         with torch.no_grad():
             for layer in self._layers if restore else ():
                 for position, key in enumerate(layer.keys):
-                    set_param_data(layer, position, self._arena[key].to(self.device, copy=True))
+                    host = self._host[key]
+                    if isinstance(host, QuantizedTensor):
+                        dtype = layer.params[position][1].dtype
+                        data = host.dequantized(dtype, self.device)
+                    else:
+                        data = host.to(self.device, copy=True)
+                    set_param_data(layer, position, data)
         self._engine.close()
         self._engine = None  # the offloader owns its engine; a later wrap makes a new one
         self._arena.close()
         self._arena = None
-        self._slots = []
+        self._slots, self._staging = [], None
+        self._host = {}
         self._layers = []
         self._owner = []
         self._ticket = []
+        self._slot_offsets.clear()
         self._slot_of.clear()
         self._next.clear()
 
@@ -193,13 +290,15 @@ class PrefetchOffloader(BaseOffloader):
                 backend=self.backend, resident_bytes=sum(param_bytes(m) for m in self._modules)
             )
         totals = self._engine.read_totals()
-        offloaded = self._arena.payload_bytes
+        offloaded = self._arena.payload_bytes  # as stored: 8-bit values and scales where so
+        wide = sum(layer.payload_bytes for layer in self._layers)
+        staging = self._staging.numel() if self._staging is not None else 0
         return OffloadStats(
             backend=self.backend,
             offloaded_layers=len(self._layers),
             offloaded_bytes=offloaded,
-            resident_bytes=sum(param_bytes(m) for m in self._modules) - offloaded,
-            buffer_bytes=sum(s.numel() for s in self._slots),
+            resident_bytes=sum(param_bytes(m) for m in self._modules) - wide,
+            buffer_bytes=sum(s.numel() for s in self._slots) + staging,
             host_bytes=self._arena.host_bytes,
             pinned_bytes=offloaded if self._arena.pinned else 0,
             pageable_bytes=0 if self._arena.pinned else offloaded,
@@ -207,5 +306,6 @@ class PrefetchOffloader(BaseOffloader):
             copied_bytes=totals.copied_bytes,
             copy_s=totals.copy_s,
             stall_s=totals.stall_s,
+            dequant_s=totals.dequant_s,
             sync_loads=self._sync_loads,
         )

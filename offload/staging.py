@@ -29,7 +29,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -66,6 +66,9 @@ class Staging(Protocol):
 
     def record(self) -> object:
         """A marker after every copy issued so far on the side stream."""
+
+    def run(self, work: Callable[[], None]) -> None:
+        """Issue `work` (device kernels) on the side stream, after the copies issued so far."""
 
     def compute_wait(self, marker: object) -> None:
         """Make the compute stream wait for `marker` (without blocking the host)."""
@@ -110,6 +113,10 @@ class CudaStaging:
         event = torch.cuda.Event()
         event.record(self.stream)
         return event
+
+    def run(self, work: Callable[[], None]) -> None:
+        with torch.cuda.stream(self.stream):
+            work()
 
     def compute_wait(self, marker: torch.cuda.Event) -> None:
         torch.cuda.current_stream(self.device).wait_event(marker)
@@ -183,18 +190,22 @@ class StagedCopyEngine(CopyEngine):
             job = self._jobs.get()
             if job is None:
                 return
-            dst, src, after, ticket = job
-            start = time.perf_counter()
+            dst, src, after, then, ticket = job
+            start = copied = time.perf_counter()
             try:
                 if broken is not None:
                     raise broken
                 self._stage(dst, src, after)
+                copied = time.perf_counter()
+                if then is not None:
+                    self.staging.run(then)
                 ticket.marker = self.staging.record()
             except BaseException as exc:
                 ticket.error = exc
             finally:
                 with self._lock:
-                    self.totals.copy_s += time.perf_counter() - start
+                    self.totals.copy_s += copied - start
+                    self.totals.dequant_s += time.perf_counter() - copied
                 ticket.issued.set()
 
     def _stage(self, dst: torch.Tensor, src: torch.Tensor, after: object | None) -> None:
@@ -214,14 +225,21 @@ class StagedCopyEngine(CopyEngine):
     def fence(self) -> object | None:
         return self.staging.fence()
 
-    def submit(self, dst: torch.Tensor, src: torch.Tensor, *, after: object | None) -> StagedTicket:
+    def submit(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        after: object | None,
+        then: Callable[[], None] | None = None,
+    ) -> StagedTicket:
         if not self._thread.is_alive():
             raise RuntimeError("the copy engine is closed")
         ticket = StagedTicket()
         with self._lock:
             self.totals.copies += 1
             self.totals.copied_bytes += src.nbytes
-        self._jobs.put((dst, src, after, ticket))
+        self._jobs.put((dst, src, after, then, ticket))
         self._last = ticket
         return ticket
 

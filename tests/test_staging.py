@@ -21,7 +21,8 @@ class LazyStream:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # copies (dst, chunk) and work (a callable), run in order
+        self._pending: list = []
         self._ran = 0
         self.fences: list[tuple[object, int]] = []  # (fence, copies issued before it)
         self.bound_on: threading.Thread | None = None
@@ -47,8 +48,11 @@ class LazyStream:
     def _run_to(self, marker: int) -> None:
         with self._lock:
             while self._ran < marker:
-                dst, chunk = self._pending[self._ran]
-                dst.copy_(chunk)
+                item = self._pending[self._ran]
+                if callable(item):
+                    item()
+                else:
+                    item[0].copy_(item[1])
                 self._ran += 1
 
     def wait_done(self, marker: int) -> None:
@@ -57,6 +61,10 @@ class LazyStream:
     def record(self) -> int:
         with self._lock:
             return len(self._pending)
+
+    def run(self, work) -> None:
+        with self._lock:
+            self._pending.append(work)
 
     def compute_wait(self, marker: int) -> None:
         self._run_to(marker)
@@ -176,4 +184,24 @@ def test_a_copy_thread_that_cannot_start_fails_every_wait_instead_of_hanging() -
     )
     with pytest.raises(RuntimeError, match="no such device"):
         engine.wait(ticket)
+    engine.close()
+
+
+def test_work_after_a_copy_runs_on_the_side_stream_after_its_chunks() -> None:
+    """`then` (the prefetch offloader's dequantization) sees every byte of its copy, and the
+    ticket completes only after it ran: the next copy into the buffer cannot overtake it."""
+    stream = LazyStream()
+    engine = StagedCopyEngine(stream, chunk_bytes=64, num_chunks=2)
+    seen: list[torch.Tensor] = []
+    dst = torch.zeros(1000, dtype=torch.uint8)
+    sources = [torch.full((1000,), i, dtype=torch.uint8) for i in (1, 2)]
+    tickets = [
+        engine.submit(dst, src, after=None, then=lambda: seen.append(dst.clone()))
+        for src in sources
+    ]
+    engine.wait(tickets[0])
+    assert len(seen) == 1 and torch.equal(seen[0], sources[0])
+    engine.wait(tickets[1])
+    assert len(seen) == 2 and torch.equal(seen[1], sources[1])
+    assert engine.read_totals().dequant_s >= 0
     engine.close()
