@@ -19,7 +19,7 @@ import yaml
 
 from offload.errors import ConfigError
 from offload.policy import PIN_ENV, parse_pin_mode
-from worker.spec import COMPUTE_DTYPES
+from worker.spec import COMPUTE_DTYPES, OFFLOAD_DTYPES
 
 # The node label that sets a node's pin policy (on | off | auto), e.g. in cluster.yaml.
 PIN_LABEL = "offload-pin-memory"
@@ -196,6 +196,11 @@ class JobConfig:
     nodes: str = ""
     prefetch_step: int = 1
     backend: str = "auto"
+    # How offloaded weights are kept in host memory and cross the link (worker.spec's
+    # OFFLOAD_DTYPES): "auto" as the checkpoint stores them (block FP8 in 8 bits), "none" at
+    # the model's width, "fp8" / "int8" every offloaded matrix in 8 bits, dequantized on the
+    # device after each copy (prefetch backend).
+    offload_dtype: str = "auto"
     # The dtype the model loads and computes in: "auto" (the checkpoint's: config.json's dtype,
     # else its tensors'), or float32 / bfloat16 / float16, converted while reading.
     dtype: str = "auto"
@@ -281,6 +286,16 @@ class JobConfig:
             )
         if self.backend not in ("auto", "prefetch", "uva"):
             raise ConfigError(f"backend={self.backend!r} must be auto, prefetch or uva")
+        if self.offload_dtype not in OFFLOAD_DTYPES:
+            raise ConfigError(
+                f"offload_dtype={self.offload_dtype!r} must be one of {', '.join(OFFLOAD_DTYPES)}"
+            )
+        if self.offload_dtype in ("fp8", "int8") and self.backend == "uva":
+            raise ConfigError(
+                f"offload_dtype={self.offload_dtype} keeps offloaded weights in 8 bits and "
+                "dequantizes them after each copy, which the uva backend (reading them in place) "
+                "cannot: use backend prefetch (--backend prefetch), or offload_dtype auto"
+            )
         if self.gpus and self.address is not None:
             raise ConfigError(
                 f"gpus={self.gpus} creates logical GPUs on an embedded Ray; it cannot be combined "
@@ -322,6 +337,7 @@ class JobConfig:
             max_seq_len=self.max_seq_len,
             micro_batches=self.micro_batches or 1,
             objective=self.objective,
+            offload_dtype=self.offload_dtype,
         )
 
 

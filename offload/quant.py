@@ -173,6 +173,9 @@ def dequantize_into(dst: torch.Tensor, src: QuantizedTensor) -> None:
     """dst = each value times its block's scale in float32, rounded once to dst's dtype."""
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"dequantize {list(src.shape)} into {list(dst.shape)}")
+    if not dst.is_contiguous():  # a strided part of a parameter: through a temporary
+        dst.copy_(src.dequantized(dst.dtype, dst.device))
+        return
     cols = src.shape[-1]
     q, scales, out = (
         _rows(src.q, cols),

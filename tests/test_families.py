@@ -20,6 +20,8 @@ from coordinator.runtime.group import stage_specs
 from coordinator.runtime.inputs import check_inputs
 from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 from coordinator.tools.reference import reference_logits
+from offload.errors import PlanError
+from offload.quant import QuantizedTensor
 from worker.layout import TESTED_FAMILIES
 from worker.spec import StageSpec
 from worker.worker import StageWorker
@@ -64,23 +66,34 @@ def family_shape(family: str, dtype: str = "float32", **changes) -> CheckpointSh
     )
 
 
-def offloading_plan(index: CheckpointIndex) -> Plan:
-    """The planner's split on three GPUs too small to hold the model resident together."""
+def offloading_plan(index: CheckpointIndex, offload_dtype: str = "auto") -> Plan:
+    """The planner's split on three GPUs too small to hold the model resident together (two
+    where three cannot offload: 8-bit layers need a staging buffer beside their slot, so
+    offloading one layer of a GPU saves nothing, and DeepSeek's dense first layer is a sixth of
+    its MoE layers)."""
     decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
-    # at least the largest layer and a little (DeepSeek's dense first layer is a sixth of its
-    # MoE layers: a third of the model can be smaller than one of them and its slot)
-    budget = max(index.total_bytes // NUM_GPUS - decoder // 4, decoder + decoder // 16)
-    gpus = tuple(GpuInfo(index=i, memory_bytes=budget) for i in range(NUM_GPUS))
-    node = NodeInfo(
-        node_id="node",
-        hostname="node",
-        gpus=gpus,
-        host_budget_bytes=10**9,
-        pinned_budget_bytes=10**9,
-    )
-    the_plan = plan(index.layers, ClusterSnapshot(nodes=(node,)), PlanOptions())
-    assert len(the_plan.stages) >= 2 and any(s.offloaded for s in the_plan.stages)
-    return the_plan
+    options = PlanOptions(offload_dtype=offload_dtype)
+    for num_gpus in (NUM_GPUS, 2):
+        # at least the largest layer and a little
+        budget = max(index.total_bytes // num_gpus - decoder // 4, decoder + decoder // 16)
+        for _ in range(32):
+            gpus = tuple(GpuInfo(index=i, memory_bytes=budget) for i in range(num_gpus))
+            node = NodeInfo(
+                node_id="node",
+                hostname="node",
+                gpus=gpus,
+                host_budget_bytes=10**9,
+                pinned_budget_bytes=10**9,
+            )
+            try:
+                the_plan = plan(index.layers, ClusterSnapshot(nodes=(node,)), options)
+            except PlanError:
+                budget += decoder // 16
+                continue
+            if len(the_plan.stages) >= 2 and any(s.offloaded for s in the_plan.stages):
+                return the_plan
+            break  # more memory would not offload either
+    raise AssertionError(f"no budget gives {index.family} a split that offloads")
 
 
 class Pipeline:
@@ -92,12 +105,14 @@ class Pipeline:
         groups: list[list[str]] | None = None,
         offloaded: tuple[str, ...] = (),
         unit: str = "layer",
+        offload_dtype: str = "auto",
     ) -> None:
-        """The planner's split, or `groups` of layers with `offloaded` ones offloaded (their
-        `unit`: all of them, or their experts or MLP)."""
+        """The planner's split (offloaded weights kept as `offload_dtype` says), or `groups` of
+        layers with `offloaded` ones offloaded (their `unit`: all of them, or their experts or
+        MLP)."""
         self.index = index
         if groups is None:
-            self.plan = offloading_plan(index)
+            self.plan = offloading_plan(index, offload_dtype)
             specs = stage_specs(JobConfig(checkpoint=str(index.root)), index, self.plan, {})
         else:
             specs = [
@@ -325,10 +340,11 @@ def test_what_the_model_keeps_in_float32_stays_in_float32(tmp_path) -> None:
 def test_block_fp8_checkpoints_load_as_transformers_reads_them(tmp_path, family: str) -> None:
     """A block-FP8 checkpoint as DeepSeek-V3 publishes it (`make-checkpoint --quantization
     fp8`: the linear weights in float8_e4m3fn, a float32 scale per block) loads through the
-    planner's 3 stages with layers offloaded, each weight dequantized while read as
-    transformers dequantizes it on a CPU: logits bitwise equal to transformers loading the same
-    files (bf16), plain and left-padded. The planner counts the weights as loaded (16 bits),
-    the bytes read as stored (8 bits and the scales)."""
+    planner's 3 stages with layers offloaded: resident weights dequantized while read as
+    transformers dequantizes them on a CPU, offloaded ones kept in host memory as stored (8
+    bits and the scales: at most 0.55x their 16-bit bytes) and dequantized into their device
+    slot after each copy: logits bitwise equal to transformers loading the same files (bf16),
+    plain and left-padded. The bytes read count as stored."""
     pytest.importorskip("accelerate")  # transformers' FP8 loader needs it
     shape = family_shape(family, "bfloat16", quantization="fp8")
     index = load_index(make_checkpoint(tmp_path / family, shape))
@@ -343,6 +359,19 @@ def test_block_fp8_checkpoints_load_as_transformers_reads_them(tmp_path, family:
     try:
         assert any(s.offloaded for s in pipeline.plan.stages)
         logits, padded = pipeline(ids), pipeline(ids, mask)
+        for worker in pipeline.workers:
+            if not worker.spec.offloaded:
+                continue
+            wide = sum(
+                layer.unit_bytes(worker.spec.offload_unit)
+                for layer in worker.spec.layers
+                if layer.name in worker.spec.offloaded
+            )
+            stats = worker.offloader.stats()
+            assert 0 < stats.offloaded_bytes <= 0.55 * wide
+            held = worker.offloader.host_tensors().values()
+            assert any(isinstance(h, QuantizedTensor) for h in held)
+            assert stats.copies and stats.dequant_s > 0
     finally:
         pipeline.close()
     assert torch.equal(logits, reference(index, ids))

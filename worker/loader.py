@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from offload.errors import CheckpointError
-from worker.spec import FileIdentity, TensorSlice
+from offload.quant import SCALE_DTYPE, QuantizedTensor, dequantize_into, quantize_into
+from worker.spec import FileIdentity, TensorSlice, file_format
 
 STAGING_BYTES = 64 * 2**20  # GPU loads go through this much host memory at a time
 
@@ -145,10 +146,14 @@ class TensorReader:
         """Fill `dst` (same dtype and shape as `tensor`) with the tensor's bytes from disk."""
         self.read_many([(tensor, dst)])
 
-    def read_many(self, items: Sequence[tuple[TensorSlice, torch.Tensor]]) -> None:
+    def read_many(
+        self, items: Sequence[tuple[TensorSlice, torch.Tensor | QuantizedTensor]]
+    ) -> None:
         """Fill each destination with its tensor's bytes; pieces of all of them in parallel.
         A destination of another dtype (the model's, when it differs from the file's), on a GPU,
-        or not contiguous (part of a fused parameter) is filled through the staging buffer."""
+        or not contiguous (part of a fused parameter) is filled through the staging buffer. An
+        8-bit destination (`QuantizedTensor`, an offloaded weight kept in 8 bits) takes a
+        block-FP8 tensor of its format as stored, and any other tensor quantized."""
         pieces: list[tuple[int, memoryview, int, str]] = []
         for tensor, dst in items:
             if tuple(dst.shape) != tensor.shape:
@@ -158,7 +163,9 @@ class TensorReader:
                 )
             where = f"{tensor.file}: tensor {tensor.name!r}"
             fd = self._fd(tensor.file)
-            if tensor.scale is not None:
+            if isinstance(dst, QuantizedTensor):
+                self._read_quantized(fd, tensor, dst, where)
+            elif tensor.scale is not None:
                 self._read_dequantized(fd, tensor, dst, where)
             elif (
                 dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == tensor.torch_dtype
@@ -188,14 +195,12 @@ class TensorReader:
         for first, source in self._staged_rows(fd, tensor, where):
             rows[first : first + len(source)].copy_(source)  # synchronous: the buffer is reused
 
-    def _read_dequantized(
-        self, fd: int, tensor: TensorSlice, dst: torch.Tensor, where: str
-    ) -> None:
-        """A block-FP8 weight, rows at a time through the staging buffer, each entry times its
-        block's scale in float32, then in `dst`'s dtype: transformers' own dequantization
-        (`Fp8Dequantize`), so the weights are bitwise the ones it loads."""
+    def _read_scales(self, tensor: TensorSlice, into: torch.Tensor | None = None) -> torch.Tensor:
+        """A block-FP8 weight's scales, as float32 (into `into` when given and the file's are
+        float32 too: straight from the file)."""
         scale = tensor.scale
-        scales = torch.empty(scale.shape, dtype=scale.torch_dtype)
+        direct = into is not None and scale.torch_dtype == SCALE_DTYPE and into.is_contiguous()
+        scales = into if direct else torch.empty(scale.shape, dtype=scale.torch_dtype)
         _pread_exact(
             self._fd(scale.file),
             memoryview(_as_bytes(scales).numpy()),
@@ -203,30 +208,59 @@ class TensorReader:
             f"{scale.file}: tensor {scale.name!r}",
         )
         self.stats.bytes_read += scale.nbytes
-        scales = scales.float()
-        rows, cols = tensor.shape
-        block_rows, block_cols = rows // scales.shape[0], cols // scales.shape[1]
-        for first, source in self._staged_rows(fd, tensor, where):
+        if into is not None and not direct:
+            into.copy_(scales)
+            return into
+        return scales.to(SCALE_DTYPE)
+
+    def _read_dequantized(
+        self, fd: int, tensor: TensorSlice, dst: torch.Tensor, where: str
+    ) -> None:
+        """A block-FP8 weight, rows at a time through the staging buffer, each entry times its
+        block's scale in float32, then in `dst`'s dtype (`offload.quant.dequantize_into`):
+        transformers' own dequantization (`Fp8Dequantize`), so the weights are bitwise the
+        ones it loads, and the ones an 8-bit offloaded copy of it becomes on the device."""
+        fmt = file_format(tensor)
+        scales = self._read_scales(tensor)
+        block_rows = fmt.block[0]
+        for first, source in self._staged_rows(fd, tensor, where, block_rows):
             count = len(source)
-            factors = scales[torch.arange(first, first + count) // block_rows]
-            factors = factors.repeat_interleave(block_cols, dim=1)
-            dst[first : first + count].copy_((source.float() * factors).to(dst.dtype))
+            part = scales[first // block_rows : (first + count) // block_rows]
+            dequantize_into(dst[first : first + count], QuantizedTensor(source, part, fmt))
+
+    def _read_quantized(
+        self, fd: int, tensor: TensorSlice, dst: QuantizedTensor, where: str
+    ) -> None:
+        """Into an 8-bit destination: a block-FP8 tensor of the same format byte for byte
+        (values and scales as the file has them), anything else read at the model's width
+        (FP8 dequantized) into a temporary of one tensor and quantized into `dst`."""
+        if file_format(tensor) == dst.fmt and dst.q.is_contiguous():
+            _pread_exact(fd, memoryview(_as_bytes(dst.q).numpy()), tensor.start, where)
+            self._read_scales(tensor, into=dst.scales)
+            return
+        wide = torch.empty(tensor.shape, dtype=tensor.target_torch_dtype)
+        if tensor.scale is not None:
+            self._read_dequantized(fd, tensor, wide, where)
+        else:
+            self._read_staged(fd, tensor, wide, where)
+        quantize_into(dst, wide)
 
     def _staged_rows(
-        self, fd: int, tensor: TensorSlice, where: str
+        self, fd: int, tensor: TensorSlice, where: str, multiple: int = 1
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """(first row, the rows read from there) of the tensor, in its own dtype, as many rows
-        at a time as the staging buffer holds; each view is overwritten by the next one."""
+        at a time as the staging buffer holds (a `multiple` of rows: whole blocks); each view
+        is overwritten by the next one."""
         shape = tensor.shape or (1,)
         row_bytes = tensor.nbytes // shape[0] if shape[0] else 0
         if not row_bytes:
             return
-        size = max(STAGING_BYTES, row_bytes)
+        size = max(STAGING_BYTES, row_bytes * multiple)
         if self._staging is None or self._staging.numel() < size:
             self._staging = torch.empty(
                 size, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
             )
-        per_piece = size // row_bytes
+        per_piece = size // row_bytes // multiple * multiple
         for first in range(0, shape[0], per_piece):
             count = min(per_piece, shape[0] - first)
             chunk = self._staging[: count * row_bytes]

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from offload.base import BaseOffloader
+from offload.quant import QuantizedTensor
 from worker.layout import ModelLayout
 from worker.spec import StageSpec, TensorSlice, apply_view
 
@@ -25,9 +26,12 @@ class Placement:
     modules: dict[str, nn.Module]
     offloader: BaseOffloader
     loaded: set[str] = field(default_factory=set)  # layers whose weights are in place
+    # offloaded parameters kept in 8 bits: layer -> name within it -> its block format
+    formats: dict[str, dict] = field(default_factory=dict)
 
-    def destination(self, layer_name: str, tensor: TensorSlice) -> torch.Tensor:
-        """The memory that holds checkpoint tensor `tensor` of layer `layer_name`."""
+    def destination(self, layer_name: str, tensor: TensorSlice) -> torch.Tensor | QuantizedTensor:
+        """The memory that holds checkpoint tensor `tensor` of layer `layer_name`: a tensor, or
+        the 8-bit values and scales of a parameter the offloader keeps in 8 bits."""
         local = self.layout.local_name(layer_name, tensor.target)
         module = self.modules[layer_name]
         path, _, leaf = local.rpartition(".")

@@ -20,6 +20,7 @@ from torch import nn
 from offload.base import OffloadStats
 from offload.host_store import decide_for_device
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV, PinDecision
+from offload.quant import QuantizedTensor
 from worker.snapshot import CopyCounters, StageSnapshot
 
 SNAPSHOT_HISTORY = 360  # periodic snapshots kept: an hour at 10 s
@@ -120,7 +121,11 @@ def storage_bytes(module: nn.Module, host: Mapping[str, torch.Tensor] | None = N
     """Bytes behind `module`'s materialised parameters, each storage counted once, but those
     behind `host` (an offloader's host tensors: UVA parameters on the CPU stand-in are views of
     its arena, which is host memory, not the simulated GPU's)."""
-    skip = {t.untyped_storage().data_ptr() for t in (host or {}).values()}
+    skip = {
+        t.untyped_storage().data_ptr()
+        for held in (host or {}).values()
+        for t in ((held.q, held.scales) if isinstance(held, QuantizedTensor) else (held,))
+    }
     storages = {}
     for param in module.parameters():
         if not param.is_meta:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from offload.quant import BlockFormat
 
 # safetensors dtype names -> torch dtypes.
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -135,6 +138,82 @@ OFFLOAD_UNITS: dict[str, str | None] = {
 }
 
 
+# How offloaded weights are kept in host memory and cross the link (`--offload-dtype`): "auto"
+# as the checkpoint stores them (block-FP8 weights in 8 bits, the rest at the model's width),
+# "none" all at the model's width (FP8 dequantized while read), "fp8" / "int8" every offloaded
+# matrix in 8 bits (an FP8 checkpoint's as stored; others quantized at load in groups of
+# QUANT_GROUP entries of a row). Dequantized on the device after each copy (prefetch backend).
+OFFLOAD_DTYPES: tuple[str, ...] = ("auto", "none", "fp8", "int8")
+QUANT_GROUP = 128
+_QUANT_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+def file_format(tensor: TensorSlice) -> BlockFormat | None:
+    """The block format a block-FP8 checkpoint stores `tensor` in (None: not quantized)."""
+    if tensor.scale is None:
+        return None
+    rows, cols = tensor.shape
+    scale_rows, scale_cols = tensor.scale.shape
+    return BlockFormat(tensor.torch_dtype, (rows // scale_rows, cols // scale_cols))
+
+
+def _view_fits(fmt: BlockFormat, tensor: TensorSlice) -> bool:
+    """Whether `tensor`'s part of its parameter (`tensor.view`) is whole blocks of `fmt`:
+    a narrow along one of the parameter's last two dims must start and end on a block edge
+    (the narrows come before the selects, as `weight_map` builds the views)."""
+    if not fmt.fits(tensor.shape):
+        return False
+    ndim = len(tensor.shape) + sum(op[0] == "select" for op in tensor.view)
+    for op in tensor.view:
+        if op[0] == "select":
+            if op[1] % ndim >= ndim - 2:
+                return False
+            ndim -= 1
+        else:
+            dim = op[1] % ndim
+            block = fmt.block[dim - ndim + 2] if dim >= ndim - 2 else 1
+            if op[2] % block or op[3] % block:
+                return False
+    return True
+
+
+def offload_format(tensor: TensorSlice, offload_dtype: str) -> BlockFormat | None:
+    """How checkpoint tensor `tensor` of an offloaded unit is kept in host memory under
+    `offload_dtype` (OFFLOAD_DTYPES): a block format, or None for the model's width."""
+    if offload_dtype not in OFFLOAD_DTYPES:
+        raise ValueError(
+            f"offload_dtype={offload_dtype!r} is not one of {', '.join(OFFLOAD_DTYPES)}"
+        )
+    if (
+        offload_dtype == "none"
+        or tensor.buffer
+        or len(tensor.shape) < 2
+        or not tensor.target_torch_dtype.is_floating_point
+    ):
+        return None
+    fmt = file_format(tensor)
+    if offload_dtype == "int8" or (offload_dtype == "fp8" and fmt is None):
+        cols = tensor.shape[-1]
+        group = QUANT_GROUP if cols % QUANT_GROUP == 0 else cols
+        fmt = BlockFormat(_QUANT_DTYPES[offload_dtype], (1, group))
+    return fmt if fmt is not None and _view_fits(fmt, tensor) else None
+
+
+def parameter_formats(tensors: Sequence[TensorSlice], offload_dtype: str) -> dict[str, BlockFormat]:
+    """The parameters (by target) that `tensors` fill whose every tensor takes the same block
+    format under `offload_dtype`: the ones an offloader keeps in 8 bits."""
+    found: dict[str, set] = {}
+    for tensor in tensors:
+        found.setdefault(tensor.target or tensor.name, set()).add(
+            offload_format(tensor, offload_dtype)
+        )
+    return {
+        target: next(iter(formats))
+        for target, formats in found.items()
+        if len(formats) == 1 and None not in formats
+    }
+
+
 def local_name(index: int, target: str) -> str:
     """A decoder layer's parameter name within the layer: `model.layers.3.mlp.up.weight` ->
     `mlp.up.weight` (the name the offloader's filter sees)."""
@@ -176,17 +255,34 @@ class LayerSpec:
         """Bytes read from the checkpoint for this layer (FP8 weights' scales too)."""
         return sum(t.nbytes + (t.scale.nbytes if t.scale else 0) for t in self.tensors)
 
-    def unit_bytes(self, unit: str) -> int:
-        """The bytes offloading this decoder layer by `unit` (OFFLOAD_UNITS) moves to host
-        memory; 0 where the unit matches nothing (or for the embedding and head)."""
+    def unit_tensors(self, unit: str) -> list[TensorSlice]:
+        """The tensors offloading this decoder layer by `unit` (OFFLOAD_UNITS) moves to host
+        memory; none for the embedding and head."""
         pattern = OFFLOAD_UNITS[unit]
         if self.kind != "decoder":
-            return 0
-        return sum(
-            t.loaded_bytes
+            return []
+        return [
+            t
             for t in self.tensors
             if not t.buffer
             and (pattern is None or re.search(pattern, local_name(self.index, t.target or t.name)))
+        ]
+
+    def unit_bytes(self, unit: str) -> int:
+        """The device bytes offloading this decoder layer by `unit` frees (at the model's
+        width); 0 where the unit matches nothing (or for the embedding and head)."""
+        return sum(t.loaded_bytes for t in self.unit_tensors(unit))
+
+    def stored_bytes(self, unit: str, offload_dtype: str = "none") -> int:
+        """The host bytes of this layer's `unit` offloaded under `offload_dtype`: what its
+        copy moves each step (8-bit values and scales where so, `parameter_formats`)."""
+        tensors = self.unit_tensors(unit)
+        formats = parameter_formats(tensors, offload_dtype)
+        return sum(
+            formats[t.target or t.name].stored_bytes(t.shape)
+            if (t.target or t.name) in formats
+            else t.loaded_bytes
+            for t in tensors
         )
 
 
@@ -206,6 +302,7 @@ class StageSpec:
     prefetch_step: int = 1
     backend: str = "auto"
     backend_reason: str = ""  # why the plan chose `backend` for this node (reported)
+    offload_dtype: str = "auto"  # how offloaded weights are kept (OFFLOAD_DTYPES)
     # The KV slot pool the plan reserved (max_batch x max_seq_len), allocated at load inside
     # the budget check; 0: allocated at the first generation step (no KV planned)
     kv_slots: int = 0

@@ -23,6 +23,7 @@ import torch
 from offload import OffloadConfig, create_offloader, probe_node
 from offload.base import OffloadStats
 from offload.errors import LaunchError
+from offload.factory import choose_backend
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV
 from offload.probe import DECISION_STEPS
 from worker.batched import BatchRunner, Draw, StepRows, pack_out
@@ -32,7 +33,7 @@ from worker.node import probe_here
 from worker.placement import Placement, materialize
 from worker.reporting import Snapshots, device_memory, pin_decision, pin_origin, storage_bytes
 from worker.snapshot import CopyCounters, StageSnapshot
-from worker.spec import OFFLOAD_UNITS, StageSpec, torch_dtype_named
+from worker.spec import OFFLOAD_UNITS, StageSpec, parameter_formats, torch_dtype_named
 from worker.stage import Stage
 from worker.wire import Packed, pack, unpack
 
@@ -140,7 +141,22 @@ class StageWorker:
         unknown = sorted(set(spec.offloaded) - set(names))
         if unknown:
             raise WorkerError(f"{self._where()}: offloaded layers {unknown} are not in this stage")
+        unit = OFFLOAD_UNITS[spec.offload_unit]
+        if spec.offloaded:
+            config = OffloadConfig(
+                backend=spec.backend,
+                layers=tuple(names.index(n) for n in spec.offloaded),
+                prefetch_step=spec.prefetch_step,
+                param_filter=unit,
+            )
+        else:
+            config = OffloadConfig(backend="none")
+        formats = self._offload_formats(stage, config)
         carried = previous.loaded & set(names) if previous is not None else set()
+        # a layer whose host form changes (8 bits on one side only) is read again: neither way
+        # round is exact (a resident FP8 layer holds its dequantized weights, an 8-bit one lost
+        # what quantizing dropped)
+        carried = {n for n in carried if previous.formats.get(n, {}) == formats.get(n, {})}
         kept_resident = {
             n for n in carried if n not in spec.offloaded and n not in previous.spec.offloaded
         }
@@ -153,7 +169,6 @@ class StageWorker:
             for name, module in previous.modules.items():
                 if name not in carried and name not in previous.spec.offloaded:
                     module.to("meta")
-        unit = OFFLOAD_UNITS[spec.offload_unit]
         for name, module in modules.items():
             if name in kept_resident:  # the old tensors themselves, no copy
                 module.load_state_dict(previous.modules[name].state_dict(), assign=True)
@@ -162,20 +177,22 @@ class StageWorker:
             elif unit is not None:  # the part outside the offload unit stays on the device
                 materialize(module, lambda param: not re.search(unit, param), self.device)
         stage.init_buffers(self.device)
-        if spec.offloaded:
-            config = OffloadConfig(
-                backend=spec.backend,
-                layers=tuple(names.index(n) for n in spec.offloaded),
-                prefetch_step=spec.prefetch_step,
-                param_filter=unit,
-            )
-        else:
-            config = OffloadConfig(backend="none")
-        offloader = create_offloader(config, device=self.device, probe=self.probe)
+        offloader = create_offloader(
+            config,
+            device=self.device,
+            probe=self.probe,
+            formats={
+                f"{names.index(name)}.{local}": fmt
+                for name, by_local in formats.items()
+                for local, fmt in by_local.items()
+            },
+        )
         if spec.offloaded and spec.backend_reason:  # the plan resolved "auto" for this node
             offloader.backend_reason = spec.backend_reason
         offloader.wrap_modules(list(modules.values()))
-        placement = Placement(spec, stage.layout, modules, offloader, loaded=set(carried))
+        placement = Placement(
+            spec, stage.layout, modules, offloader, loaded=set(carried), formats=formats
+        )
         with torch.no_grad():
             for name in sorted(carried - kept_resident):  # moved between device and host
                 for tensor in self._layer_specs[name].tensors:
@@ -186,6 +203,28 @@ class StageWorker:
         self._chunks = self._make_chunks([n for n in names if n not in carried])
         self._ready = False
         self._snapshots.restart()
+
+    def _offload_formats(self, stage: Stage, config: OffloadConfig) -> dict[str, dict]:
+        """The offloaded parameters kept in 8 bits (`worker.spec.parameter_formats` under the
+        job's offload dtype), by layer and name within it. The prefetch backend dequantizes
+        them after each copy; UVA computes on host memory as stored, so under "auto" an FP8
+        checkpoint's offloaded weights are dequantized while read there, and an explicit
+        fp8 or int8 is refused by the offloader."""
+        spec = self.spec
+        if not spec.offloaded:
+            return {}
+        backend, _ = choose_backend(config, self.device, self.probe)
+        if backend != "prefetch" and spec.offload_dtype in ("auto", "none"):
+            return {}
+        formats = {}
+        for name in spec.offloaded:
+            layer = self._layer_specs[name]
+            found = parameter_formats(layer.unit_tensors(spec.offload_unit), spec.offload_dtype)
+            if found:
+                formats[name] = {
+                    stage.layout.local_name(name, target): fmt for target, fmt in found.items()
+                }
+        return formats
 
     def _make_chunks(self, names: list[str]) -> list[list[str]]:
         chunks: list[list[str]] = []

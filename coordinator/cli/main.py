@@ -34,7 +34,7 @@ from coordinator.tools.make_checkpoint import (
     SLIDING_ARCHITECTURES,
 )
 from offload.errors import OffloadCoordinatorError
-from worker.spec import COMPUTE_DTYPES
+from worker.spec import COMPUTE_DTYPES, OFFLOAD_DTYPES
 
 EXIT_ERROR = 2
 EXIT_BUG = 1  # an exception that is not one of our kinds
@@ -110,6 +110,14 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prefetch-step", type=_prefetch_step, dest="prefetch_step")
     parser.add_argument("--backend", choices=("auto", "prefetch", "uva"))
+    parser.add_argument(
+        "--offload-dtype",
+        choices=OFFLOAD_DTYPES,
+        dest="offload_dtype",
+        help="how offloaded weights are kept in host memory and copied: auto (as the "
+        "checkpoint stores them: block FP8 in 8 bits), none (the model's dtype), fp8 or int8 "
+        "(8 bits, dequantized on the GPU after each copy: half the bytes per step)",
+    )
     parser.add_argument(
         "--dtype",
         choices=("auto", *COMPUTE_DTYPES),
@@ -199,6 +207,7 @@ _JOB_FLAGS = {
     "reserve_bytes": "--reserve",
     "prefetch_step": "--prefetch-step",
     "backend": "--backend",
+    "offload_dtype": "--offload-dtype",
     "dtype": "--dtype",
     "cpus_per_worker": "--cpus-per-worker",
     "snapshot_interval_s": "--snapshot-interval",

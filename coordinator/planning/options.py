@@ -8,6 +8,7 @@ from typing import Any
 
 from offload.config import MAX_PREFETCH_STEP  # the offloader's own bound, not a second copy
 from offload.errors import ConfigError
+from worker.spec import OFFLOAD_DTYPES
 
 OBJECTIVES = ("latency", "throughput")
 DEFAULT_STEP_OVERHEAD_S = 3e-3
@@ -53,6 +54,11 @@ class PlanOptions:
     # call, the hand-over to the next stage, sampling's bookkeeping): measured on this
     # project's runtime by bench/policy.py (bench/RESULTS.md, "Throughput planner").
     step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S
+    # How offloaded weights are kept in host memory and copied (worker.spec.OFFLOAD_DTYPES):
+    # "auto" as the checkpoint stores them, "none" at the model's width, "fp8" / "int8" every
+    # offloaded matrix in 8 bits; on the nodes whose backend dequantizes after each copy
+    # (prefetch), a copy moves those bytes.
+    offload_dtype: str = "auto"
 
     @property
     def rows_per_step(self) -> int:
@@ -88,6 +94,11 @@ class PlanOptions:
         ):
             raise ConfigError(
                 f"PlanOptions.step_overhead_s={overhead!r} must be a finite number of seconds >= 0"
+            )
+        if self.offload_dtype not in OFFLOAD_DTYPES:
+            raise ConfigError(
+                f"PlanOptions.offload_dtype={self.offload_dtype!r} must be one of "
+                f"{', '.join(OFFLOAD_DTYPES)}"
             )
         for name in ("compute_bytes_per_s", "default_link_bytes_per_s"):
             value = getattr(self, name)

@@ -65,8 +65,10 @@ class StagePlan:
     offload_unit: str = "layer"
     prefetch_step: int  # device slots when it offloads: options.prefetch_step, 0 for uva
     resident_bytes: int
-    slot_bytes: int  # min(prefetch_step, len(offloaded)) slots of the largest offloaded layer
-    offloaded_bytes: int
+    # min(prefetch_step, len(offloaded)) slots of the largest offloaded layer, and with 8-bit
+    # offloaded weights one staging buffer of the largest as stored (the copies land there)
+    slot_bytes: int
+    offloaded_bytes: int  # host bytes as stored (8 bits where so): what each step copies
     device_bytes: int  # resident + slots + reserve + KV cache
     pinned: bool  # the node's pin decision for the offloaded weights
     compute_s: float
@@ -84,6 +86,9 @@ class StagePlan:
     # "uva" (read in place); the node's, resolved from the job's backend and the node's probe.
     backend: str = "prefetch"
     backend_reason: str = ""
+    # The offloaded layers' bytes at the model's width (the device bytes offloading frees);
+    # offloaded_bytes / offloaded_wide_bytes < 1 where they are kept in 8 bits.
+    offloaded_wide_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -248,11 +253,18 @@ def plan(
             link_bytes_per_s=node.link_bytes_per_s or options.default_link_bytes_per_s,
             compute_bytes_per_s=node.compute_rate(options.rows_per_step)[0],
             slots=slot_count(node, options),
+            packed=packs_weights(node, options),
         )
         for node in cluster.nodes
     ]
     kv = [kv_bytes(layer, options) for layer in layers]
-    key = (tuple(limits), tuple(kv), options.reserve_bytes, options.compute_bytes_per_s)
+    key = (
+        tuple(limits),
+        tuple(kv),
+        options.reserve_bytes,
+        options.compute_bytes_per_s,
+        options.offload_dtype,
+    )
     if memo is None or key not in memo:
         check_largest_layer(layers, gpus, options)
         units = sub_layer_units(layers)
@@ -266,6 +278,10 @@ def plan(
             compute_sizes=[compute_bytes(layer) for layer in layers],
             units=list(units.values()),
             offload_sizes=[layer.unit_bytes("layer") for layer in layers],
+            stored_units=[
+                [layer.stored_bytes(name, options.offload_dtype) for layer in layers]
+                for name in [*units, "layer"]
+            ],
         )
         solved = (search, [*units, "layer"], *search.solve())
         if memo is not None:
@@ -278,6 +294,20 @@ def plan(
     found = min_cycle(search, options.micro_batches, _overhead_s(cluster, options), best)
     assert found is not None  # solve placed every layer
     return _build(layers, cluster, options, search, unit_names, found.placements, found.bound_s)
+
+
+def packs_weights(node, options: PlanOptions) -> bool:
+    """Whether `node`'s workers keep offloaded weights as stored under the job's offload dtype
+    (8 bits where so): the prefetch backend dequantizes them after each copy. UVA computes on
+    host memory as it is: there an FP8 checkpoint's weights are dequantized while read, and an
+    explicit fp8 or int8 is refused."""
+    if options.offload_dtype in ("fp8", "int8") and node.backend == "uva":
+        raise PlanError(
+            f"node {node.hostname or node.node_id[:8]} reads offloaded weights in place (UVA: "
+            f"{node.backend_reason or 'its backend'}), so they cannot be kept in "
+            f"{options.offload_dtype}: use --backend prefetch, or --offload-dtype auto"
+        )
+    return node.backend == "prefetch" and options.offload_dtype != "none"
 
 
 def compute_bytes(layer: LayerSpec) -> int:
@@ -339,13 +369,17 @@ def _build(
         node = cluster.nodes[p.node]
         gpu = node.gpus[p.gpu]
         step = slot_count(node, options)
-        unit, moved = search.offloaded_positions(p.start, p.end, gpu.memory_bytes, step)
+        packed = search.nodes[p.node].packed
+        unit, moved = search.offloaded_positions(p.start, p.end, gpu.memory_bytes, step, packed)
         weights = search.prefix[p.end] - search.prefix[p.start]
-        sizes = [search.units[unit].movable[j] for j in moved]
-        offloaded = sum(sizes)
-        slots = min(step, len(moved)) * max(sizes, default=0)
+        units = search.units[unit]
+        sizes = [units.movable[j] for j in moved]
+        wide = sum(sizes)
+        offloaded = sum(units.stored[j] for j in moved) if packed else wide
+        largest = max(sizes, default=0)
+        slots = min(step, len(moved)) * largest + (units.staging(largest, packed) if moved else 0)
         kv = search.kv_prefix[p.end] - search.kv_prefix[p.start]
-        device = weights - offloaded + slots + kv + options.reserve_bytes
+        device = weights - wide + slots + kv + options.reserve_bytes
         assert device <= gpu.memory_bytes, (p, device, gpu.memory_bytes)
         compute_s, transfer_s = search.stage_times(p)
         rate, source = node.compute_rate(options.rows_per_step)
@@ -359,9 +393,10 @@ def _build(
                 offloaded=tuple(layers[j].name for j in moved),
                 offload_unit=unit_names[unit] if moved else "layer",
                 prefetch_step=step,
-                resident_bytes=weights - offloaded,
+                resident_bytes=weights - wide,
                 slot_bytes=slots,
                 offloaded_bytes=offloaded,
+                offloaded_wide_bytes=wide,
                 device_bytes=device,
                 pinned=node.pin,
                 compute_s=compute_s,

@@ -50,6 +50,11 @@ class NodeLimits:
     # Weight bytes this node's GPUs compute through per second (None: the search's default):
     # nodes may differ, and a measured rate says how fast this node runs the model.
     compute_bytes_per_s: float | None = None
+    # Offloaded weights are kept as stored (8 bits where `Search`'s stored sizes say so) and
+    # dequantized into the slots after each copy (the prefetch backend): a copy moves the
+    # stored bytes, the host holds them, and the GPU holds one staging buffer of the largest
+    # offloaded layer as stored beside its slots. False: every offloaded byte at full width.
+    packed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +126,7 @@ def min_cover(
 
 
 def min_offload(
-    sizes: Sequence[int], deficit: int, prefetch_step: int
+    sizes: Sequence[int], deficit: int, prefetch_step: int, extra: dict[int, int] | None = None
 ) -> tuple[int, dict[int, int]] | None:
     """Fewest offloaded bytes (then fewest layers) from `sizes` that free `deficit` device bytes,
     as {size: how many}; None if impossible.
@@ -129,7 +134,9 @@ def min_offload(
     Offloading S frees sum(S) resident bytes but costs min(p, |S|) * max(S) slot bytes, so with
     deficit > 0 it needs |S| > p and sum(S) - p * max(S) >= deficit. We try each size x as the
     largest offloaded one: the rest, all of size <= x, must sum to >= deficit + (p - 1) * x.
-    With p = 0 (UVA: no slots) that is sum(S) >= deficit, the same search.
+    With p = 0 (UVA: no slots) that is sum(S) >= deficit, the same search. `extra[x]`: device
+    bytes an offload set whose largest layer is of size x needs besides its slots (the staging
+    buffer of 8-bit layers), so sum(S) >= deficit + p * x + extra[x].
     """
     if deficit <= 0:
         return 0, {}
@@ -139,7 +146,8 @@ def min_offload(
         if best is not None and deficit + prefetch_step * largest > best[0]:
             break  # sum(S) >= deficit + p * max(S): larger maxima only cost more
         pool = [*classes[:j], (largest, count - 1)]
-        got = min_cover(pool, deficit + (prefetch_step - 1) * largest)
+        staging = (extra or {}).get(largest, 0)
+        got = min_cover(pool, deficit + (prefetch_step - 1) * largest + staging)
         if got is None:
             continue
         rest, num, choice = got
@@ -151,22 +159,44 @@ def min_offload(
 
 @dataclass(slots=True)
 class _Unit:
-    """One way to offload a layer: the bytes it moves per position (0: not movable)."""
+    """One way to offload a layer: the device bytes it frees per position (0: not movable),
+    and the bytes it keeps in host memory and copies per step, as stored (8 bits where so)."""
 
     movable: list[int]
+    stored: list[int]
     num_movable: list[int]  # prefix counts of movable positions
     uniform: int | None  # the one movable size, if there is one
+    stored_of: dict[int, int]  # movable size -> the most stored bytes of a layer that size
     memo: dict
 
     @classmethod
-    def of(cls, movable: list[int]) -> _Unit:
+    def of(cls, movable: list[int], stored: list[int] | None = None) -> _Unit:
+        stored = list(movable) if stored is None else stored
         distinct = {s for s in movable if s > 0}
+        stored_of: dict[int, int] = {}
+        for size, kept in zip(movable, stored, strict=True):
+            if size > 0:
+                stored_of[size] = max(stored_of.get(size, 0), kept)
         return cls(
             movable,
+            stored,
             list(accumulate((s > 0 for s in movable), initial=0)),
             distinct.pop() if len(distinct) == 1 else None,
+            stored_of,
             {},
         )
+
+    def staging(self, size: int, packed: bool) -> int:
+        """Device bytes beside the slots when the largest offloaded layer is of `size`: one
+        staging buffer of it as stored, where it is stored narrower than it computes."""
+        kept = self.stored_of.get(size, size)
+        return kept if packed and kept != size else 0
+
+    def cost(self, choice: dict[int, int], packed: bool) -> int:
+        """Bytes copied per step (and held in host memory) by `choice` {size: how many}."""
+        if not packed:
+            return sum(size * num for size, num in choice.items())
+        return sum(self.stored_of[size] * num for size, num in choice.items())
 
 
 class Search:
@@ -184,6 +214,7 @@ class Search:
         compute_sizes: Sequence[int] | None = None,
         units: Sequence[Sequence[int]] = (),
         offload_sizes: Sequence[int] | None = None,
+        stored_units: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """`kv_sizes`: device bytes each layer needs besides its weights and never offloads
         (its reserved KV cache); they count against the GPU's memory wherever the layer is.
@@ -193,7 +224,10 @@ class Search:
         MLP, say: the rest of it stays resident, and its prefetch slot is that size). A GPU's
         range offloads by one unit: the one moving the fewest bytes (ties: the earlier unit);
         the whole layer (`offloadable`) is the last unit, moving `offload_sizes` (default:
-        `sizes`; less where a layer has buffers, which stay on the device)."""
+        `sizes`; less where a layer has buffers, which stay on the device). `stored_units`: per
+        unit (the whole layer last) the bytes each layer keeps in host memory when offloaded
+        so, where that differs from what it frees on the device (8-bit offloaded weights, on
+        the nodes whose `NodeLimits.packed`); default: the same."""
         self.num_layers = len(sizes)
         self.nodes = tuple(nodes)
         self.reserve_bytes = reserve_bytes
@@ -206,31 +240,43 @@ class Search:
         self.device_prefix = [w + k for w, k in zip(self.prefix, self.kv_prefix, strict=True)]
         moved = sizes if offload_sizes is None else offload_sizes
         whole = [s if ok and s > 0 else 0 for s, ok in zip(moved, offloadable, strict=True)]
+        movables = [
+            [max(0, b) if w else 0 for b, w in zip(unit, whole, strict=True)] for unit in units
+        ] + [whole]
+        stored = list(stored_units) if stored_units is not None else movables
+        if len(stored) != len(movables):
+            raise ValueError(f"{len(stored)} stored size lists for {len(movables)} units")
         self.units = [
-            _Unit.of([max(0, b) if w else 0 for b, w in zip(unit, whole, strict=True)])
-            for unit in units
-        ] + [_Unit.of(whole)]
+            _Unit.of(m, [k if b else 0 for k, b in zip(kept, m, strict=True)])
+            for m, kept in zip(movables, stored, strict=True)
+        ]
 
     # -- one range on one GPU ------------------------------------------------------------------
 
     def _unit_choice(
-        self, u: int, start: int, end: int, deficit: int, slots: int
+        self, u: int, start: int, end: int, deficit: int, slots: int, packed: bool
     ) -> tuple[int, dict[int, int]] | None:
+        """(bytes copied per step, {size: how many}) of the fewest bytes of unit `u` among
+        [start, end) that free `deficit` device bytes beside `slots` slots; None: too few."""
         unit = self.units[u]
-        if unit.uniform is not None:  # equal sizes: k * s - p * s >= deficit
-            num = slots + -(-deficit // unit.uniform)
+        if unit.uniform is not None:  # equal sizes: k * s - p * s - staging >= deficit
+            size = unit.uniform
+            num = slots + -(-(deficit + unit.staging(size, packed)) // size)
             if num > unit.num_movable[end] - unit.num_movable[start]:
                 return None
-            return num * unit.uniform, {unit.uniform: num}
-        key = (start, end, deficit, slots)
+            return unit.cost({size: num}, packed), {size: num}
+        key = (start, end, deficit, slots, packed)
         if key not in unit.memo:
-            unit.memo[key] = min_offload(unit.movable[start:end], deficit, slots)
+            extra = {size: unit.staging(size, packed) for size in unit.stored_of}
+            got = min_offload(unit.movable[start:end], deficit, slots, extra)
+            unit.memo[key] = None if got is None else (unit.cost(got[1], packed), got[1])
         return unit.memo[key]
 
     def _choice(
-        self, start: int, end: int, memory_bytes: int, slots: int
+        self, start: int, end: int, memory_bytes: int, slots: int, packed: bool = False
     ) -> tuple[int, dict[int, int], int] | None:
-        """(offloaded bytes, {size: how many}, unit) of the cheapest unit; None: none fits."""
+        """(bytes copied per step, {size: how many}, unit) of the cheapest unit; None: none
+        fits."""
         deficit = (
             self.device_prefix[end] - self.device_prefix[start] + self.reserve_bytes - memory_bytes
         )
@@ -238,24 +284,26 @@ class Search:
             return 0, {}, len(self.units) - 1
         best = None
         for u in range(len(self.units)):
-            got = self._unit_choice(u, start, end, deficit, slots)
+            got = self._unit_choice(u, start, end, deficit, slots, packed)
             if got is not None and (best is None or got[0] < best[0]):
                 best = (*got, u)
         return best
 
-    def offload_bytes(self, start: int, end: int, memory_bytes: int, slots: int) -> int | None:
-        """Minimal offloaded bytes for layers [start, end) on a GPU with `slots` prefetch slots
-        when it offloads; None if they cannot fit."""
-        choice = self._choice(start, end, memory_bytes, slots)
+    def offload_bytes(
+        self, start: int, end: int, memory_bytes: int, slots: int, packed: bool = False
+    ) -> int | None:
+        """Minimal bytes offloaded (as stored: what each step copies) for layers [start, end)
+        on a GPU with `slots` prefetch slots when it offloads; None if they cannot fit."""
+        choice = self._choice(start, end, memory_bytes, slots, packed)
         return None if choice is None else choice[0]
 
     def offloaded_positions(
-        self, start: int, end: int, memory_bytes: int, slots: int
+        self, start: int, end: int, memory_bytes: int, slots: int, packed: bool = False
     ) -> tuple[int, list[int]]:
         """Which unit (index into `units`, the last: whole layers) and which layers to offload:
         per size class, spread evenly through the range so that compute sits between the
         copies (e.g. every other layer when half are offloaded)."""
-        choice = self._choice(start, end, memory_bytes, slots)
+        choice = self._choice(start, end, memory_bytes, slots, packed)
         assert choice is not None, "offloaded_positions of an infeasible range"
         movable = self.units[choice[2]].movable
         chosen: list[int] = []
@@ -265,7 +313,13 @@ class Search:
         return choice[2], sorted(chosen)
 
     def _fits(
-        self, start: int, memory_bytes: int, weight_cap: int, offload_cap: int, slots: int
+        self,
+        start: int,
+        memory_bytes: int,
+        weight_cap: int,
+        offload_cap: int,
+        slots: int,
+        packed: bool = False,
     ) -> list[tuple[int, int]]:
         """(end, offloaded bytes) for the furthest end with nothing offloaded, then for each
         further end that still fits. Offloaded bytes never decrease with the end (step 1), so
@@ -290,13 +344,13 @@ class Search:
             cost = None
             for u, unit in enumerate(units):
                 size = unit.uniform
-                if size is not None:  # k * s - p * s >= deficit, see min_offload
-                    num = slots + (deficit + size - 1) // size
+                if size is not None:  # k * s - p * s - staging >= deficit, see min_offload
+                    num = slots + (deficit + unit.staging(size, packed) + size - 1) // size
                     if num > unit.num_movable[end + 1] - unit.num_movable[start]:
                         continue
-                    got = num * size
+                    got = num * (unit.stored_of[size] if packed else size)
                 else:
-                    choice = self._unit_choice(u, start, end + 1, deficit, slots)
+                    choice = self._unit_choice(u, start, end + 1, deficit, slots, packed)
                     if choice is None:
                         continue
                     got = choice[0]
@@ -317,7 +371,9 @@ class Search:
         ranges: list[tuple[int, int]] = []
         pos, used = start, 0
         for memory in node.gpu_memory_bytes:  # per-GPU greedy, host budget ignored
-            end, cost = self._fits(pos, memory, weight_cap, offload_cap, node.slots)[-1]
+            end, cost = self._fits(pos, memory, weight_cap, offload_cap, node.slots, node.packed)[
+                -1
+            ]
             ranges.append((pos, end))
             pos, used = end, used + cost
         if used <= node.offload_budget_bytes:
@@ -330,7 +386,7 @@ class Search:
             best: dict[int, tuple[int, int]] = {}  # end -> (host bytes, start)
             for begin, cost in front.items():
                 cap = min(offload_cap, node.offload_budget_bytes - cost)
-                fits = self._fits(begin, memory, weight_cap, cap, node.slots)
+                fits = self._fits(begin, memory, weight_cap, cap, node.slots, node.packed)
                 for end, extra in [(begin, 0), *fits]:
                     if end not in best or cost + extra < best[end][0]:  # (begin, 0): GPU unused
                         best[end] = (cost + extra, begin)
@@ -405,7 +461,9 @@ class Search:
 
     def stage_times(self, p: LayerRange) -> tuple[float, float]:
         node = self.nodes[p.node]
-        offloaded = self.offload_bytes(p.start, p.end, node.gpu_memory_bytes[p.gpu], node.slots)
+        offloaded = self.offload_bytes(
+            p.start, p.end, node.gpu_memory_bytes[p.gpu], node.slots, node.packed
+        )
         assert offloaded is not None
         work = self.work[p.end] - self.work[p.start]
         return work / self.rates[p.node], offloaded / node.link_bytes_per_s

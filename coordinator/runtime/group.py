@@ -76,6 +76,7 @@ def stage_specs(
             prefetch_step=s.prefetch_step,
             backend=s.backend,  # the node's: "auto" resolved by its probe
             backend_reason=s.backend_reason,
+            offload_dtype=the_plan.options.offload_dtype,
             kv_slots=config.max_batch if config.max_seq_len else 0,
             kv_seq_len=config.max_seq_len,
             reserve_bytes=the_plan.options.reserve_bytes,

@@ -1,0 +1,122 @@
+"""Offloaded weights in 8 bits through the whole stack (issue 26): the plan counts them as
+stored, the workers keep them so and dequantize them on the device after each copy, and the
+logits are transformers' own on the same files with those weights quantized (`--offload-dtype
+fp8 | int8`), or transformers' own outright for an FP8 checkpoint kept as published."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_families import VOCAB, Pipeline, family_shape, offloading_plan
+
+from coordinator.config import JobConfig
+from coordinator.planning.checkpoint import load_index
+from coordinator.planning.planner import PlanOptions, plan
+from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
+from coordinator.tools.make_checkpoint import make_checkpoint
+from offload.errors import ConfigError, PlanError
+from offload.quant import quantized
+from worker.spec import parameter_formats
+
+
+def offloaded_stages(the_plan):
+    stages = [s for s in the_plan.stages if s.offloaded]
+    assert stages
+    return stages
+
+
+def test_plan_counts_offloaded_weights_as_stored(tmp_path) -> None:
+    """An FP8 checkpoint's offloaded layers take <= 0.55x their 16-bit bytes in the plan (host
+    bytes, bytes per step), and their slots carry one staging buffer; "none" keeps them wide;
+    int8 on a bf16 checkpoint halves them too."""
+    fp8 = load_index(
+        make_checkpoint(tmp_path / "fp8", family_shape("llama", "bfloat16", quantization="fp8"))
+    )
+    auto = offloading_plan(fp8)
+    for stage in offloaded_stages(auto):
+        assert stage.offloaded_bytes <= 0.55 * stage.offloaded_wide_bytes
+        largest = max(
+            x.unit_bytes(stage.offload_unit) for x in fp8.layers if x.name in stage.offloaded
+        )
+        assert stage.slot_bytes > min(stage.prefetch_step, len(stage.offloaded)) * largest
+        assert stage.transfer_s == pytest.approx(
+            stage.offloaded_bytes / auto.options.default_link_bytes_per_s
+        )
+    wide = offloading_plan(fp8, "none")
+    for stage in offloaded_stages(wide):
+        assert stage.offloaded_bytes == stage.offloaded_wide_bytes
+    bf16 = load_index(make_checkpoint(tmp_path / "bf16", family_shape("llama", "bfloat16")))
+    for stage in offloaded_stages(offloading_plan(bf16, "auto")):
+        assert stage.offloaded_bytes == stage.offloaded_wide_bytes  # stored as they are
+    for stage in offloaded_stages(offloading_plan(bf16, "int8")):
+        assert stage.offloaded_bytes <= 0.6 * stage.offloaded_wide_bytes  # 32-wide rows: 4 B each
+
+
+def test_8bit_offloading_needs_the_prefetch_backend(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="uva"):
+        JobConfig(checkpoint=str(tmp_path), offload_dtype="int8", backend="uva")
+    with pytest.raises(ConfigError, match="offload_dtype='int4'"):
+        JobConfig(checkpoint=str(tmp_path), offload_dtype="int4")
+    index = load_index(make_checkpoint(tmp_path / "bf16", family_shape("llama", "bfloat16")))
+    node = NodeInfo(
+        node_id="gh200",
+        hostname="gh200",
+        gpus=(GpuInfo(index=0, memory_bytes=index.total_bytes // 2),),
+        host_budget_bytes=10**9,
+        pinned_budget_bytes=10**9,
+        backend="uva",
+    )
+    with pytest.raises(PlanError, match="cannot be kept in fp8"):
+        plan(index.layers, ClusterSnapshot(nodes=(node,)), PlanOptions(offload_dtype="fp8"))
+    # auto: an FP8 checkpoint's weights are simply dequantized while read on such a node
+    the_plan = plan(index.layers, ClusterSnapshot(nodes=(node,)), PlanOptions())
+    assert all(s.offloaded_bytes == s.offloaded_wide_bytes for s in the_plan.stages)
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("offload_dtype", ["fp8", "int8"])
+def test_8bit_offloaded_weights_match_transformers_with_them_quantized(
+    tmp_path, family: str, offload_dtype: str
+) -> None:
+    """A bf16 checkpoint through the planner's 3 stages with `offload_dtype`: the offloaded
+    matrices live in host memory in 8 bits (<= 0.6x their bytes at these 32-wide rows) and
+    are dequantized into the slots after each copy; the logits are bitwise those of
+    transformers loading the same files with exactly those matrices quantized and back."""
+    from transformers import AutoModelForCausalLM
+
+    index = load_index(make_checkpoint(tmp_path / family, family_shape(family, "bfloat16")))
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+    pipeline = Pipeline(index, offload_dtype=offload_dtype)
+    try:
+        logits = pipeline(ids)
+        reference = AutoModelForCausalLM.from_pretrained(str(index.root), dtype=torch.bfloat16)
+        changed = 0
+        for worker in pipeline.workers:
+            spec = worker.spec
+            if not spec.offloaded:
+                continue
+            stats = worker.offloader.stats()
+            assert stats.copies and stats.dequant_s > 0
+            assert stats.offloaded_bytes <= 0.6 * sum(
+                x.unit_bytes(spec.offload_unit) for x in spec.layers if x.name in spec.offloaded
+            )
+            for layer in spec.layers:
+                if layer.name not in spec.offloaded:
+                    continue
+                found = parameter_formats(layer.unit_tensors(spec.offload_unit), offload_dtype)
+                for target, fmt in found.items():
+                    param = reference.get_parameter(target)
+                    with torch.no_grad():
+                        param.copy_(quantized(param, fmt).dequantized(param.dtype))
+                    changed += 1
+    finally:
+        pipeline.close()
+    assert changed
+    with torch.no_grad():
+        expected = reference(ids).logits
+    assert torch.equal(logits, expected)
+    with torch.no_grad():  # and the quantization did change them: the test can fail
+        wide = AutoModelForCausalLM.from_pretrained(str(index.root), dtype=torch.bfloat16)(
+            ids
+        ).logits
+    assert not torch.equal(wide, expected)
