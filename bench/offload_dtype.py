@@ -1,0 +1,175 @@
+"""Offloaded weights in 8 bits (issue 26): bytes per generated token, host bytes, tokens/s and
+quality, against the same job with the offloaded weights at the model's width, in one run.
+
+The model is bench/batching.py's llama in bfloat16 (and the same model written as a block-FP8
+checkpoint, as DeepSeek publishes them), on one simulated GPU whose budget keeps 40% of the
+decoder bytes resident (`budget_for`), 8 concurrent greedy requests of 256 new tokens each:
+
+  bf16 none   the bf16 checkpoint, offloaded weights in bf16 (the baseline)
+  bf16 fp8    the same, `--offload-dtype fp8`: offloaded matrices in float8 e4m3, 1x128 groups
+  bf16 int8   the same, `--offload-dtype int8`
+  fp8 none    the FP8 checkpoint, offloaded weights dequantized while read (bf16 in host memory)
+  fp8 auto    the FP8 checkpoint, offloaded weights kept as published (8 bits and 128x128 scales)
+
+For each: the plan's offloaded bytes (host memory, as stored) and their bf16 width, the bytes
+copied host->device per generated token (the workers' copy counters over the generation), the
+time spent dequantizing, tokens/s, and against its baseline (bf16 none, or fp8 none) the
+greedy agreement (tokens equal to the baseline's until the first difference, over all 8
+requests) and the largest logit difference of one forward pass over the prompts.
+
+    .venv/bin/python bench/offload_dtype.py [--new-tokens 256] [--json F] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import ray
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.batching import THREADS, bench_shape, budget_for, prompts_for
+from bench.generate import machine
+from coordinator.config import JobConfig
+from coordinator.planning.checkpoint import load_index
+from coordinator.runtime.launch import launch
+from coordinator.tools.make_checkpoint import make_checkpoint
+
+N = 8
+PROMPT = 8
+TARGET = 0.55  # 8-bit offloaded bytes (host, per token) over the same job's at 16 bits
+RUNS = (("bf16", "none"), ("bf16", "fp8"), ("bf16", "int8"), ("fp8", "none"), ("fp8", "auto"))
+
+
+def copied(job) -> tuple[int, float]:
+    reports = job.telemetry()
+    return sum(r.stats.copied_bytes for r in reports), sum(r.stats.dequant_s for r in reports)
+
+
+def one_run(checkpoint: str, offload_dtype: str, budget: int, prompts, new: int) -> dict:
+    config = JobConfig(
+        checkpoint=checkpoint,
+        gpu_memory_bytes=budget,
+        max_batch=N,
+        max_seq_len=PROMPT + new,
+        offload_dtype=offload_dtype,
+        snapshot_interval_s=0,
+    )
+    with launch(config) as job, ThreadPoolExecutor(N) as pool:
+        stages = [s for s in job.plan.stages if s.offloaded]
+        with torch.no_grad():
+            logits = job.forward(torch.cat(prompts), logits_to_keep=1)[:, -1].float()
+        bytes_before, dequant_before = copied(job)
+        start = time.perf_counter()
+        outs = list(
+            pool.map(
+                lambda p: job.generate(p, max_new_tokens=new, do_sample=False, eos_token_id=None),
+                prompts,
+            )
+        )
+        wall_s = time.perf_counter() - start
+        bytes_after, dequant_after = copied(job)
+        tokens = N * new
+        return {
+            "offloaded_layers": sum(len(s.offloaded) for s in stages),
+            "offloaded_bytes": sum(s.offloaded_bytes for s in stages),
+            "offloaded_wide_bytes": sum(s.offloaded_wide_bytes for s in stages),
+            "bytes_per_token": (bytes_after - bytes_before) / tokens,
+            "dequant_s": dequant_after - dequant_before,
+            "tokens_per_s": tokens / wall_s,
+            "texts": [out[0, PROMPT:].tolist() for out in outs],
+            "logits": logits,
+        }
+
+
+def agreement(texts: list[list[int]], baseline: list[list[int]]) -> float:
+    """Tokens equal to the baseline's before each request's first difference, over all."""
+    same = 0
+    for ours, theirs in zip(texts, baseline, strict=True):
+        for a, b in zip(ours, theirs, strict=True):
+            if a != b:
+                break
+            same += 1
+    return same / sum(len(t) for t in baseline)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--quick", action="store_true", help="the tiny model (a smoke run)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    print(machine(), flush=True)
+    torch.set_num_threads(THREADS)
+    root = Path(tempfile.mkdtemp(prefix="bench-offload-dtype-"))
+    rows = []
+    try:
+        shape = dataclasses.replace(bench_shape(args.quick), dtype="bfloat16")
+        checkpoints = {
+            "bf16": str(make_checkpoint(root / "bf16", shape)),
+            "fp8": str(
+                make_checkpoint(root / "fp8", dataclasses.replace(shape, quantization="fp8"))
+            ),
+        }
+        index = load_index(checkpoints["bf16"])
+        budget = budget_for(index, 1, PROMPT + args.new_tokens)
+        prompts = prompts_for(N, PROMPT, index.config["vocab_size"], seed=3)
+        results = {}
+        for kind, dtype in RUNS:  # a Ray of its own each: a job's GPU is free at once
+            ray.init(
+                address="local",
+                num_cpus=2,
+                num_gpus=1,
+                include_dashboard=False,
+                log_to_driver=False,
+            )
+            try:
+                results[kind, dtype] = one_run(
+                    checkpoints[kind], dtype, budget, prompts, args.new_tokens
+                )
+            finally:
+                ray.shutdown()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    ok = True
+    for kind, dtype in RUNS:
+        row = results[kind, dtype]
+        base = results[kind, "none"]
+        out = {
+            "checkpoint": kind,
+            "offload_dtype": dtype,
+            **{k: v for k, v in row.items() if k not in ("texts", "logits")},
+            "host_ratio": row["offloaded_bytes"] / row["offloaded_wide_bytes"],
+            "bytes_ratio": row["bytes_per_token"] / base["bytes_per_token"],
+            "agreement": agreement(row["texts"], base["texts"]),
+            "max_logit_diff": float((row["logits"] - base["logits"]).abs().max()),
+        }
+        rows.append(out)
+        if dtype != "none" and not (out["host_ratio"] <= TARGET and out["bytes_ratio"] <= TARGET):
+            ok = False
+        print(
+            f"{kind} checkpoint, offload {dtype}: {out['offloaded_layers']} layers offloaded, "
+            f"{out['offloaded_bytes'] / 2**20:.1f} MiB in host memory "
+            f"({out['host_ratio']:.3f}x their bf16 bytes); "
+            f"{out['bytes_per_token'] / 2**20:.2f} MiB copied per token "
+            f"({out['bytes_ratio']:.3f}x {kind} none); dequantizing {out['dequant_s']:.2f} s; "
+            f"{out['tokens_per_s']:.1f} tokens/s; greedy agreement with {kind} none "
+            f"{out['agreement']:.3f}, largest logit difference {out['max_logit_diff']:.4f}",
+            flush=True,
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
