@@ -116,6 +116,42 @@ def test_prefetch_on_a_side_stream_matches_resident(
     assert torch.equal(run_stack(modules, x), reference)
 
 
+@pytest.mark.parametrize("pin", ["on", "off"])
+@pytest.mark.parametrize(("layers", "step"), [((0, 1, 2, 3, 4, 5), 2), ((1, 3, 4), 1)])
+def test_8bit_layers_are_dequantized_on_the_side_stream(
+    layers: tuple[int, ...], step: int, pin: str
+) -> None:
+    """Offloaded matrices kept in int8 in host memory, copied 8-bit into the staging buffer and
+    dequantized into their slots by kernels on the copy stream (or the staged engine's), a
+    sleep kernel in every layer: bitwise the same stack with those weights quantized and back,
+    resident, over many forwards."""
+    from offload.quant import BlockFormat, quantized
+
+    fmt = BlockFormat(torch.int8, (1, 128))
+    modules = sleepy_cuda_stack(7, HIDDEN, SLEEP_CYCLES)
+    with torch.no_grad():
+        for i in layers:  # the reference: the same weights quantized and back, resident
+            linear = modules[i][1]
+            linear.weight.copy_(quantized(linear.weight, fmt).dequantized(torch.float32, CUDA))
+    x = torch.randn(8, HIDDEN, device=CUDA)
+    reference = run_stack(modules, x)
+    offloader = PrefetchOffloader(
+        OffloadConfig(layers=layers, prefetch_step=step),
+        device=CUDA,
+        env={"OFFLOAD_PIN_MEMORY": pin},
+        formats={f"{i}.1.weight": fmt for i in layers},
+    )
+    offloader.wrap_modules(modules)
+    offloader.post_init()
+    for _ in range(20):
+        assert torch.equal(run_stack(modules, x), reference)
+    offloader.synchronize()
+    stats = offloader.stats()
+    assert stats.copies > 0 and stats.dequant_s > 0
+    offloader.detach()
+    assert torch.equal(run_stack(modules, x), reference)
+
+
 def test_uva_parameters_are_zero_copy_views_of_host_memory() -> None:
     modules = cuda_stack(4)
     x = torch.randn(8, 256, device=CUDA)

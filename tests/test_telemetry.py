@@ -59,7 +59,9 @@ def report(stage: int, host: str, *, offloaded: int, pinned: bool, rss: int) -> 
             copied_bytes=70,
             copy_s=0.5,
             stall_s=0.25,
+            dequant_s=0.125,
         ),
+        offload_format="int8 (1x128 blocks) x 7",
         since_last=CopyCounters(interval_s=10.0, copies=2, copied_bytes=20, copy_s=0.1),
         kv_cache_bytes=MIB,
         requests=1,
@@ -158,6 +160,7 @@ def test_a_snapshot_round_trips_to_json_with_the_keys_it_always_had() -> None:
         "probe_errors",
         "node_id",
         "offload_unit",
+        "offload_format",
     } == set(data)
     assert data["stats"] == snapshot.stats.to_dict() and data["pin"] == snapshot.pin.to_dict()
     assert data["since_last"]["copies"] == 2 and data["layers"] == ["layers.0"]
@@ -187,6 +190,8 @@ def test_rows_read_every_number_from_the_snapshot() -> None:
         copied_bytes=70,
         copy_s=0.5,
         stall_s=0.25,
+        dequant_s=0.125,
+        offload_format="int8 (1x128 blocks) x 7",
         kv_cache_bytes=MIB,
         requests=1,
         pin=True,
@@ -241,6 +246,8 @@ def test_status_json_keys_are_unchanged_and_a_lost_stage_is_listed() -> None:
         "pin_source",
         "pin_reason",
         "pin_origin",
+        "dequant_s",
+        "offload_format",
     ]
     assert list(data["nodes"][0]) == [
         "hostname",

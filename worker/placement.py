@@ -29,6 +29,15 @@ class Placement:
     # offloaded parameters kept in 8 bits: layer -> name within it -> its block format
     formats: dict[str, dict] = field(default_factory=dict)
 
+    def offload_format(self) -> str:
+        """How the offloaded weights are kept: "" all at the model's width, else their block
+        formats and how many weights take each, e.g. "fp8 (128x128 blocks) x 12"."""
+        counts: dict[str, int] = {}
+        for by_local in self.formats.values():
+            for fmt in by_local.values():
+                counts[str(fmt)] = counts.get(str(fmt), 0) + 1
+        return ", ".join(f"{name} x {n}" for name, n in sorted(counts.items()))
+
     def destination(self, layer_name: str, tensor: TensorSlice) -> torch.Tensor | QuantizedTensor:
         """The memory that holds checkpoint tensor `tensor` of layer `layer_name`: a tensor, or
         the 8-bit values and scales of a parameter the offloader keeps in 8 bits."""

@@ -56,6 +56,9 @@ class StageSnapshot:
     layers: tuple[str, ...]
     offloaded: tuple[str, ...] = ()
     offload_unit: str = "layer"  # what of each offloaded layer is in host memory (OFFLOAD_UNITS)
+    # how the offloaded weights are kept in host memory: "" at the model's width, else their
+    # 8-bit block formats, e.g. "fp8 (128x128 blocks)"
+    offload_format: str = ""
     backend: str = "none"  # how offloaded layers reach the device: prefetch, uva, none
     backend_reason: str = ""
     pin: PinDecision

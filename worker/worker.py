@@ -467,6 +467,7 @@ class StageWorker:
             layers=tuple(layer.name for layer in self.spec.layers),
             offloaded=tuple(self.spec.offloaded),
             offload_unit=self.spec.offload_unit,
+            offload_format=self._placement.offload_format() if self._placement else "",
             backend=offloader.backend if offloader is not None else "none",
             backend_reason=offloader.backend_reason if offloader is not None else "",
             pin=decision,

@@ -195,7 +195,8 @@ def stage_table(reports: Sequence[StageSnapshot]) -> str:
                 layer_range(r.layers),
                 format_bytes(r.stats.resident_bytes),
                 f"{format_bytes(r.stats.offloaded_bytes)} ({len(r.offloaded)}"
-                f"{'' if r.offload_unit == 'layer' else ' x ' + r.offload_unit})",
+                f"{'' if r.offload_unit == 'layer' else ' x ' + r.offload_unit})"
+                + (f", {r.offload_format}" if r.offload_format else ""),
                 r.backend,
                 "on" if r.pin.pin else "off",
                 f"{r.pin_origin}: {r.pin.source}: {r.pin.reason}",

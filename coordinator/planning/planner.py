@@ -208,6 +208,15 @@ class Plan:
                     f"{self.cycle_s / self.cycle_bound_s:.2f}x faster"
                 )
             notes.append(note)
+        stored = sum(s.offloaded_bytes for s in self.stages)
+        wide = sum(s.offloaded_wide_bytes for s in self.stages)
+        if wide and stored != wide:
+            notes.append(
+                f"offloaded weights in 8 bits (offload dtype {self.options.offload_dtype}), "
+                f"dequantized on the GPU after each copy: {format_bytes(stored)} in host memory "
+                f"and copied per step, {stored / wide:.2f}x their {format_bytes(wide)} at the "
+                "model's width; slots include one staging buffer for the copies"
+            )
         return "\n".join([title, *lines, *notes])
 
 

@@ -65,6 +65,9 @@ class GpuRow:
     pin_source: str
     pin_reason: str
     pin_origin: str
+    # added later (status --json keeps the keys before them in their order)
+    dequant_s: float  # dequantizing 8-bit offloaded weights after their copies
+    offload_format: str  # how they are kept in host memory ("" at the model's width)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -144,6 +147,8 @@ def gpu_rows(reports: Sequence[Report]) -> list[GpuRow]:
                 copied_bytes=stats.copied_bytes,
                 copy_s=stats.copy_s,
                 stall_s=stats.stall_s,
+                dequant_s=stats.dequant_s,
+                offload_format=r.offload_format,
                 kv_cache_bytes=r.kv_cache_bytes,
                 requests=r.requests,
                 pin=pin.pin,
@@ -232,7 +237,8 @@ def render(reports: Sequence[Report], events: list[dict] = ()) -> str:
                 f"{format_bytes(g.device_used_bytes)} / {format_bytes(g.device_total_bytes)}",
                 format_bytes(g.resident_bytes),
                 format_bytes(g.buffer_bytes),
-                f"{format_bytes(g.offloaded_bytes)} ({format_bytes(g.pinned_bytes)})",
+                f"{format_bytes(g.offloaded_bytes)} ({format_bytes(g.pinned_bytes)})"
+                + (f" {g.offload_format}" if g.offload_format else ""),
                 f"{format_bytes(g.kv_cache_bytes)} ({g.requests})",
                 str(g.copies),
                 f"{g.stall_s * 1e3:.1f} ms",
@@ -300,6 +306,11 @@ GPU_GAUGES = (
     ("kv_cache_bytes", "KV cache bytes of the requests in flight on the GPU", "kv_cache_bytes"),
     ("copies", "Host-to-device copies issued so far", "copies"),
     ("stall_seconds", "Seconds the compute side waited for copies so far", "stall_s"),
+    (
+        "dequant_seconds",
+        "Seconds spent dequantizing 8-bit offloaded weights after their copies so far",
+        "dequant_s",
+    ),
     ("pin_memory", "1 if the node pins offloaded weights", "pin"),
 )
 
