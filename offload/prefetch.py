@@ -12,12 +12,13 @@ wrap-around instead loads o_{(j+K) mod M}, which for M % K != 0 lands in a slot 
 layer has not run yet. Here a copy never targets a slot before the layer holding it has run.
 
 8-bit weights. A parameter given a `BlockFormat` (`formats`, by arena key) stays 8 bits in the
-arena and crosses the link so: its layer's span is copied into one device staging buffer, and on
-the copy side (side stream, copy thread) each parameter is then dequantized from it into its
-place in the layer's slot (`offload.quant.dequantize_into`), before the copy's ticket completes.
-Such a layer's slot is laid out at the model's width, not like its arena span. One staging
-buffer serves every slot: copies and their dequantization are FIFO on the copy side, so the
-next copy into it starts after the last dequantization has read it.
+arena and crosses the link so, in pieces of whole block rows (`BlockFormat.rows_per_piece`, at
+most `STAGING_BYTES`): each piece's values and scales are copied into one small device staging
+buffer, and on the copy side (side stream, copy thread) dequantized from there into their place
+in the layer's slot (`offload.quant.dequantize_into`); the layer's ticket is its last piece's.
+Such a layer's slot is laid out at the model's width, its other parameters copied straight in.
+One staging buffer serves every slot: copies and their dequantization are FIFO on the copy
+side, so a piece's copy starts after the previous piece's dequantization has read the buffer.
 
 Robustness. Each slot records which layer its latest copy brings (`_owner`). A layer whose slot
 holds something else when it is called (first forward without `post_init`, an aborted forward,
@@ -53,6 +54,7 @@ from offload.quant import (
     BlockFormat,
     QuantizedTensor,
     dequantize_into,
+    staging_offsets,
 )
 
 
@@ -84,7 +86,9 @@ class PrefetchOffloader(BaseOffloader):
         self._layers: list[OffloadedLayer] = []
         self._arena: HostArena | None = None
         self._slots: list[torch.Tensor] = []
-        self._staging: torch.Tensor | None = None  # 8-bit layers' spans land here first
+        self._staging: torch.Tensor | None = None  # 8-bit weights' pieces land here first
+        # 8-bit layers: the copies that bring each in (dst, src, work after it), in order
+        self._copies: dict[int, list[tuple[torch.Tensor, torch.Tensor, object]]] = {}
         self._host: dict[str, torch.Tensor | QuantizedTensor] = {}
         # layer index -> each parameter's byte offset in its slot
         self._slot_offsets: dict[int, list[int]] = {}
@@ -115,11 +119,17 @@ class PrefetchOffloader(BaseOffloader):
                 torch.empty(_aligned(max(sizes)), dtype=torch.uint8, device=self.device)
                 for _ in range(num_slots)
             ]
-            packed = [layer.end - layer.start for layer in layers if layer.formats]
-            if packed:
-                self._staging = torch.empty(
-                    _aligned(max(packed)), dtype=torch.uint8, device=self.device
-                )
+            staging = max(
+                (
+                    fmt.staging_bytes(tuple(param.shape))
+                    for layer in layers
+                    for key, (_, param) in zip(layer.keys, layer.params, strict=True)
+                    if (fmt := layer.formats.get(key)) is not None
+                ),
+                default=0,
+            )
+            if staging:
+                self._staging = torch.empty(staging, dtype=torch.uint8, device=self.device)
             if self._engine is None:  # from a pageable arena on CUDA: a pinned bounce buffer
                 self._engine = make_copy_engine(self.device, pinned_source=arena.pinned)
         except BaseException:
@@ -141,6 +151,8 @@ class PrefetchOffloader(BaseOffloader):
             successor = j + num_slots if j + num_slots < len(layers) else slot
             self._next[layer.index] = layers[successor]
             self._point_params_at_slot(layer, self._slots[slot])
+            if layer.formats:
+                self._copies[layer.index] = self._piecewise(layer, self._slots[slot])
             self._hooks.append(
                 layer.module.register_forward_pre_hook(self._make_pre_hook(layer), with_kwargs=True)
             )
@@ -177,26 +189,52 @@ class PrefetchOffloader(BaseOffloader):
             # freed (see set_param_data for parameters still on the meta device).
             set_param_data(layer, position, view)
 
-    def _unpack(self, layer: OffloadedLayer, slot: torch.Tensor) -> None:
-        """Layer `layer`'s span, just copied into the staging buffer, into its slot: each 8-bit
-        parameter dequantized, the others copied. Runs on the copy side, after the copy."""
-        staging = self._staging
-        for key, (_, param), view in zip(
-            layer.keys, layer.params, self._slot_views(layer, slot), strict=True
+    def _piecewise(self, layer: OffloadedLayer, slot: torch.Tensor) -> list:
+        """The copies that bring 8-bit layer `layer` into `slot`, in order: (dst, src, work
+        after it). A parameter at the model's width goes straight to its place; an 8-bit one
+        piece by piece (values, then scales, into the staging buffer), each piece dequantized
+        into its rows of the slot after its copy."""
+        arena, staging = self._arena, self._staging
+        copies = []
+        for key, (_, param), offset in zip(
+            layer.keys, layer.params, self._slot_offsets[layer.index], strict=True
         ):
-            offset = self._arena.offset(key) - layer.start
+            nbytes = param.numel() * param.element_size()
             fmt = layer.formats.get(key)
             if fmt is None:
-                nbytes = param.numel() * param.element_size()
-                view.copy_(staging[offset : offset + nbytes].view(param.dtype).view(param.shape))
+                start = arena.offset(key)
+                source = arena.bytes(start, start + nbytes)
+                copies.append((slot[offset : offset + nbytes], source, None))
                 continue
             shape = tuple(param.shape)
-            scale_shape = fmt.scale_shape(shape)
-            scale_offset = self._arena.offset(key + SCALE_KEY_SUFFIX) - layer.start
-            scale_bytes = SCALE_DTYPE.itemsize * int(torch.Size(scale_shape).numel())
-            q = staging[offset : offset + param.numel()].view(fmt.dtype).view(shape)
-            scales = staging[scale_offset : scale_offset + scale_bytes].view(SCALE_DTYPE)
-            dequantize_into(view, QuantizedTensor(q, scales.view(scale_shape), fmt))
+            cols = shape[-1]
+            rows = param.numel() // cols
+            dst = slot[offset : offset + nbytes].view(param.dtype).view(rows, cols)
+            values, scales = arena.offset(key), arena.offset(key + SCALE_KEY_SUFFIX)
+            scale_row = (cols // fmt.block[1]) * SCALE_DTYPE.itemsize  # per block row
+            step = fmt.rows_per_piece(shape)
+            at = staging_offsets(fmt, shape)
+            for first in range(0, rows, step):
+                count = min(step, rows - first)
+                q_bytes, s_bytes = count * cols, count // fmt.block[0] * scale_row
+                q_src = values + first * cols
+                s_src = scales + first // fmt.block[0] * scale_row
+                work = functools.partial(
+                    self._dequantize_piece, dst[first : first + count], fmt, at, s_bytes
+                )
+                copies.append((staging[:q_bytes], arena.bytes(q_src, q_src + q_bytes), None))
+                copies.append(
+                    (staging[at : at + s_bytes], arena.bytes(s_src, s_src + s_bytes), work)
+                )
+        return copies
+
+    def _dequantize_piece(self, dst: torch.Tensor, fmt: BlockFormat, at: int, s_bytes: int) -> None:
+        """Rows `dst` of a slot from the piece just copied into the staging buffer (values
+        first, scales from byte `at`): runs on the copy side after the copy (module doc)."""
+        rows, cols = dst.shape
+        q = self._staging[: rows * cols].view(fmt.dtype).view(rows, cols)
+        scales = self._staging[at : at + s_bytes].view(SCALE_DTYPE)
+        dequantize_into(dst, QuantizedTensor(q, scales.view(fmt.scale_shape((rows, cols))), fmt))
 
     def post_init(self) -> None:
         """Start copying the first K offloaded layers, so the first forward does not stall."""
@@ -226,13 +264,15 @@ class PrefetchOffloader(BaseOffloader):
 
     def _load(self, layer: OffloadedLayer, *, after: object | None) -> None:
         slot = self._slot_of[layer.index]
-        src = self._arena.bytes(layer.start, layer.end)
-        if layer.formats:  # 8 bits across the link, dequantized into the slot on arrival
-            dst = self._staging[: layer.end - layer.start]
-            then = functools.partial(self._unpack, layer, self._slots[slot])
-        else:
-            dst, then = self._slots[slot][: layer.end - layer.start], None
-        self._ticket[slot] = self._engine.submit(dst, src, after=after, then=then)
+        copies = self._copies.get(layer.index)
+        if copies is None:  # one copy of the layer's span, laid out as its slot
+            src = self._arena.bytes(layer.start, layer.end)
+            dst = self._slots[slot][: layer.end - layer.start]
+            self._ticket[slot] = self._engine.submit(dst, src, after=after)
+        else:  # piece by piece, 8-bit pieces dequantized on arrival; FIFO after the first
+            for dst, src, work in copies:
+                self._ticket[slot] = self._engine.submit(dst, src, after=after, then=work)
+                after = None
         self._owner[slot] = layer
 
     def _make_pre_hook(self, layer: OffloadedLayer):
@@ -276,6 +316,7 @@ class PrefetchOffloader(BaseOffloader):
         self._arena.close()
         self._arena = None
         self._slots, self._staging = [], None
+        self._copies.clear()
         self._host = {}
         self._layers = []
         self._owner = []

@@ -34,6 +34,12 @@ SCALE_DTYPE = torch.float32
 CHUNK_ELEMENTS = 4 * 2**20
 # A quantized weight's scales beside its values in a host arena: f"{key}{SCALE_KEY_SUFFIX}".
 SCALE_KEY_SUFFIX = "#scale"
+# An 8-bit weight crosses the link in pieces of whole block rows of at most this many bytes
+# (values and their scales), each dequantized into place on the device after its copy: the
+# device holds one such piece beside the slots, not a whole layer. 32 MiB take ~0.6 ms at PCIe
+# 5 speed, so the ~10 us a copy costs to issue is ~2% of it.
+STAGING_BYTES = 32 * 2**20
+STAGING_ALIGNMENT = 256  # each part of a piece in the staging buffer starts so aligned
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +70,20 @@ class BlockFormat:
         if not self.fits(shape):
             raise ValueError(f"a weight of shape {list(shape)} does not split into {self} blocks")
         return (*shape[:-2], shape[-2] // self.block[0], shape[-1] // self.block[1])
+
+    def rows_per_piece(self, shape: tuple[int, ...]) -> int:
+        """Rows (of the weight seen as (rows, cols)) that cross the link in one piece: whole
+        block rows, as many as fit STAGING_BYTES (one block row at least)."""
+        rows, cols = math.prod(shape[:-1]), shape[-1]
+        group = self.block[0] * cols + (cols // self.block[1]) * SCALE_DTYPE.itemsize
+        return min(rows, max(1, STAGING_BYTES // group) * self.block[0])
+
+    def staging_bytes(self, shape: tuple[int, ...]) -> int:
+        """Device bytes of the staging buffer one piece of a weight of `shape` needs: its
+        values, then its scales from `staging_offsets`, each aligned (`STAGING_ALIGNMENT`)."""
+        rows, cols = self.rows_per_piece(shape), shape[-1]
+        scales = rows // self.block[0] * (cols // self.block[1]) * SCALE_DTYPE.itemsize
+        return staging_offsets(self, shape) + _aligned(scales)
 
     def stored_bytes(self, shape: tuple[int, ...]) -> int:
         """Host bytes of a weight of `shape` in this format: values and scales."""
@@ -146,6 +166,15 @@ class QuantizedTensor:
 
     def __repr__(self) -> str:
         return f"QuantizedTensor({list(self.q.shape)}, {self.fmt})"
+
+
+def staging_offsets(fmt: BlockFormat, shape: tuple[int, ...]) -> int:
+    """Where a piece's scales start in the staging buffer: after its largest values."""
+    return _aligned(fmt.rows_per_piece(shape) * shape[-1])
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // STAGING_ALIGNMENT) * STAGING_ALIGNMENT
 
 
 def _rows(t: torch.Tensor, cols: int) -> torch.Tensor:

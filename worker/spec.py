@@ -273,6 +273,23 @@ class LayerSpec:
         width); 0 where the unit matches nothing (or for the embedding and head)."""
         return sum(t.loaded_bytes for t in self.unit_tensors(unit))
 
+    def staging_bytes(self, unit: str, offload_dtype: str = "none") -> int:
+        """Device bytes the staging buffer needs for this layer's `unit` offloaded under
+        `offload_dtype`: one piece of its largest 8-bit weight (`BlockFormat.staging_bytes`);
+        0 where nothing is kept in 8 bits."""
+        tensors = self.unit_tensors(unit)
+        formats = parameter_formats(tensors, offload_dtype)
+        rows: dict[str, int] = {}
+        for t in tensors:
+            target = t.target or t.name
+            if target in formats:
+                rows[target] = rows.get(target, 0) + math.prod(t.shape[:-1])
+        cols = {t.target or t.name: t.shape[-1] for t in tensors}
+        return max(
+            (formats[target].staging_bytes((n, cols[target])) for target, n in rows.items()),
+            default=0,
+        )
+
     def stored_bytes(self, unit: str, offload_dtype: str = "none") -> int:
         """The host bytes of this layer's `unit` offloaded under `offload_dtype`: what its
         copy moves each step (8-bit values and scales where so, `parameter_formats`)."""

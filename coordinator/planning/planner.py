@@ -66,7 +66,8 @@ class StagePlan:
     prefetch_step: int  # device slots when it offloads: options.prefetch_step, 0 for uva
     resident_bytes: int
     # min(prefetch_step, len(offloaded)) slots of the largest offloaded layer, and with 8-bit
-    # offloaded weights one staging buffer of the largest as stored (the copies land there)
+    # offloaded weights a staging buffer of one piece of their largest weight (copies land
+    # there, to be dequantized into the slots)
     slot_bytes: int
     offloaded_bytes: int  # host bytes as stored (8 bits where so): what each step copies
     device_bytes: int  # resident + slots + reserve + KV cache
@@ -289,6 +290,10 @@ def plan(
             offload_sizes=[layer.unit_bytes("layer") for layer in layers],
             stored_units=[
                 [layer.stored_bytes(name, options.offload_dtype) for layer in layers]
+                for name in [*units, "layer"]
+            ],
+            staging_units=[
+                [layer.staging_bytes(name, options.offload_dtype) for layer in layers]
                 for name in [*units, "layer"]
             ],
         )

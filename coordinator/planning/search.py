@@ -167,30 +167,39 @@ class _Unit:
     num_movable: list[int]  # prefix counts of movable positions
     uniform: int | None  # the one movable size, if there is one
     stored_of: dict[int, int]  # movable size -> the most stored bytes of a layer that size
+    staging_of: dict[int, int]  # movable size -> the most staging bytes of a layer that size
     memo: dict
 
     @classmethod
-    def of(cls, movable: list[int], stored: list[int] | None = None) -> _Unit:
+    def of(
+        cls, movable: list[int], stored: list[int] | None = None, staging: list[int] | None = None
+    ) -> _Unit:
         stored = list(movable) if stored is None else stored
+        staging = [0] * len(movable) if staging is None else staging
         distinct = {s for s in movable if s > 0}
         stored_of: dict[int, int] = {}
-        for size, kept in zip(movable, stored, strict=True):
+        staging_of: dict[int, int] = {}
+        for size, kept, piece in zip(movable, stored, staging, strict=True):
             if size > 0:
                 stored_of[size] = max(stored_of.get(size, 0), kept)
+                staging_of[size] = max(staging_of.get(size, 0), piece)
         return cls(
             movable,
             stored,
             list(accumulate((s > 0 for s in movable), initial=0)),
             distinct.pop() if len(distinct) == 1 else None,
             stored_of,
+            staging_of,
             {},
         )
 
     def staging(self, size: int, packed: bool) -> int:
-        """Device bytes beside the slots when the largest offloaded layer is of `size`: one
-        staging buffer of it as stored, where it is stored narrower than it computes."""
-        kept = self.stored_of.get(size, size)
-        return kept if packed and kept != size else 0
+        """Device bytes beside the slots for the staging buffer of 8-bit layers (one piece of
+        their largest weight) when the largest offloaded layer is of `size`: the most any
+        layer of the unit needs, so that it bounds the worker's buffer whichever layers go."""
+        if not packed or size not in self.staging_of:
+            return 0
+        return max(self.staging_of.values())
 
     def cost(self, choice: dict[int, int], packed: bool) -> int:
         """Bytes copied per step (and held in host memory) by `choice` {size: how many}."""
@@ -215,6 +224,7 @@ class Search:
         units: Sequence[Sequence[int]] = (),
         offload_sizes: Sequence[int] | None = None,
         stored_units: Sequence[Sequence[int]] | None = None,
+        staging_units: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """`kv_sizes`: device bytes each layer needs besides its weights and never offloads
         (its reserved KV cache); they count against the GPU's memory wherever the layer is.
@@ -227,7 +237,8 @@ class Search:
         `sizes`; less where a layer has buffers, which stay on the device). `stored_units`: per
         unit (the whole layer last) the bytes each layer keeps in host memory when offloaded
         so, where that differs from what it frees on the device (8-bit offloaded weights, on
-        the nodes whose `NodeLimits.packed`); default: the same."""
+        the nodes whose `NodeLimits.packed`); default: the same. `staging_units`: likewise the
+        device bytes of the staging buffer such a layer needs beside the slots (default 0)."""
         self.num_layers = len(sizes)
         self.nodes = tuple(nodes)
         self.reserve_bytes = reserve_bytes
@@ -244,11 +255,21 @@ class Search:
             [max(0, b) if w else 0 for b, w in zip(unit, whole, strict=True)] for unit in units
         ] + [whole]
         stored = list(stored_units) if stored_units is not None else movables
-        if len(stored) != len(movables):
-            raise ValueError(f"{len(stored)} stored size lists for {len(movables)} units")
+        staging = (
+            list(staging_units) if staging_units is not None else [[0] * len(sizes)] * len(movables)
+        )
+        if not len(stored) == len(staging) == len(movables):
+            raise ValueError(
+                f"{len(stored)} stored and {len(staging)} staging size lists for "
+                f"{len(movables)} units"
+            )
         self.units = [
-            _Unit.of(m, [k if b else 0 for k, b in zip(kept, m, strict=True)])
-            for m, kept in zip(movables, stored, strict=True)
+            _Unit.of(
+                m,
+                [k if b else 0 for k, b in zip(kept, m, strict=True)],
+                [p if b else 0 for p, b in zip(piece, m, strict=True)],
+            )
+            for m, kept, piece in zip(movables, stored, staging, strict=True)
         ]
 
     # -- one range on one GPU ------------------------------------------------------------------
