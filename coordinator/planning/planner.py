@@ -278,6 +278,11 @@ def plan(
     if memo is None or key not in memo:
         check_largest_layer(layers, gpus, options)
         units = sub_layer_units(layers)
+        # offloaded weights kept in 8 bits: asked for, or as a block-FP8 checkpoint stores them
+        eight_bit = options.offload_dtype in ("fp8", "int8") or (
+            options.offload_dtype == "auto"
+            and any(t.scale is not None for layer in layers for t in layer.tensors)
+        )
         search = Search(
             [layer.nbytes for layer in layers],
             [layer.kind == "decoder" for layer in layers],
@@ -291,11 +296,15 @@ def plan(
             stored_units=[
                 [layer.stored_bytes(name, options.offload_dtype) for layer in layers]
                 for name in [*units, "layer"]
-            ],
+            ]
+            if eight_bit
+            else None,
             staging_units=[
                 [layer.staging_bytes(name, options.offload_dtype) for layer in layers]
                 for name in [*units, "layer"]
-            ],
+            ]
+            if eight_bit
+            else None,
         )
         solved = (search, [*units, "layer"], *search.solve())
         if memo is not None:

@@ -168,6 +168,7 @@ class _Unit:
     uniform: int | None  # the one movable size, if there is one
     stored_of: dict[int, int]  # movable size -> the most stored bytes of a layer that size
     staging_of: dict[int, int]  # movable size -> the most staging bytes of a layer that size
+    staging_max: int  # the most any layer of the unit needs: what `staging` charges
     memo: dict
 
     @classmethod
@@ -190,6 +191,7 @@ class _Unit:
             distinct.pop() if len(distinct) == 1 else None,
             stored_of,
             staging_of,
+            max(staging_of.values(), default=0),
             {},
         )
 
@@ -197,9 +199,7 @@ class _Unit:
         """Device bytes beside the slots for the staging buffer of 8-bit layers (one piece of
         their largest weight) when the largest offloaded layer is of `size`: the most any
         layer of the unit needs, so that it bounds the worker's buffer whichever layers go."""
-        if not packed or size not in self.staging_of:
-            return 0
-        return max(self.staging_of.values())
+        return self.staging_max if packed and size in self.staging_of else 0
 
     def cost(self, choice: dict[int, int], packed: bool) -> int:
         """Bytes copied per step (and held in host memory) by `choice` {size: how many}."""
@@ -366,7 +366,8 @@ class Search:
             for u, unit in enumerate(units):
                 size = unit.uniform
                 if size is not None:  # k * s - p * s - staging >= deficit, see min_offload
-                    num = slots + (deficit + unit.staging(size, packed) + size - 1) // size
+                    extra = unit.staging_max if packed else 0  # size is the unit's one size
+                    num = slots + (deficit + extra + size - 1) // size
                     if num > unit.num_movable[end + 1] - unit.num_movable[start]:
                         continue
                     got = num * (unit.stored_of[size] if packed else size)
