@@ -17,6 +17,7 @@ import time
 import torch
 
 from offload.arena import HostArena, TensorSpec
+from offload.quant import BlockFormat, dequantize_into, quantized
 
 CUDA_PROBE_BYTES = 64 * 2**20
 # Smaller on the CPU: there the first touch of fresh pages costs far more than the copies
@@ -87,3 +88,33 @@ def measure_host_to_device(
     if best_s <= 0:
         raise RuntimeError(f"CUDA events timed a {num_bytes}-byte copy at {best_s} s")
     return num_bytes / best_s
+
+
+DEQUANT_PROBE_ENTRIES = 2**20  # one 1 Mi-entry weight: ~4 ms of float8 on a CPU thread
+
+
+def measure_dequantize(
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    entries: int = DEQUANT_PROBE_ENTRIES,
+    repeats: int = PROBE_REPEATS,
+) -> float:
+    """Bytes per second of bfloat16 weights made from 8-bit ones on `device` (the prefetch
+    offloader's dequantization after each copy, `offload.quant.dequantize_into`), for 8-bit
+    `dtype` (float8_e4m3fn or int8) in groups of 128 entries of a row."""
+    _check(entries, repeats)
+    fmt = BlockFormat(dtype, (1, 128))
+    cols = 4096
+    weight = quantized(torch.ones(max(1, entries // cols), cols, device=device), fmt)
+    out = torch.empty(weight.shape, dtype=torch.bfloat16, device=device)
+    best_s = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dequantize_into(out, weight)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best_s = min(best_s, time.perf_counter() - start)
+    return out.numel() * out.element_size() / best_s

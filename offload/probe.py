@@ -87,6 +87,9 @@ class NodeProbe:
     # pinned memory only on CUDA; without CUDA "pageable" is the CPU stand-in's memcpy rate.
     link_pinned_bytes_per_s: float | None = None
     link_pageable_bytes_per_s: float | None = None
+    # How fast the device makes bfloat16 weights from 8-bit ones (bytes made per second), per
+    # 8-bit format ("fp8", "int8"): what dequantizing offloaded weights after each copy costs.
+    dequant_bytes_per_s: tuple[tuple[str, float], ...] = ()
     # Without CUDA: the kind of GPU the CPU stands in for (see SIMULATED_GPU_ENV); None with CUDA.
     simulated_gpu: str | None = None
     # Without CUDA: NVIDIA GPUs the kernel driver lists all the same (CUDA failed to start).
@@ -220,6 +223,18 @@ def _probe_link(fields: dict, errors: list[str]) -> None:
             errors.append(f"link ({kind}, {device}): {type(exc).__name__}: {exc}")
 
 
+def _probe_dequantize(fields: dict, errors: list[str]) -> None:
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    rates = []
+    for name, dtype in (("fp8", torch.float8_e4m3fn), ("int8", torch.int8)):
+        try:
+            rates.append((name, link.measure_dequantize(device, dtype)))
+        except Exception as exc:
+            errors.append(f"dequantize ({name}, {device}): {type(exc).__name__}: {exc}")
+    fields["dequant_bytes_per_s"] = tuple(rates)
+
+
 ProbeStep = Callable[[dict, list], None]
 PROBE_STEPS: dict[str, ProbeStep] = {
     "cuda": _probe_cuda,
@@ -229,10 +244,14 @@ PROBE_STEPS: dict[str, ProbeStep] = {
     "memlock": _probe_memlock,
     "cpu_arch": _probe_arch,
     "link": _probe_link,
+    "dequantize": _probe_dequantize,
 }
-# What a process that only needs the pin decision probes: the link rate is for the planner, and
-# measuring it costs tens of milliseconds (and a device buffer on CUDA) per process.
-DECISION_STEPS: dict[str, ProbeStep] = {k: v for k, v in PROBE_STEPS.items() if k != "link"}
+# What a process that only needs the pin decision probes: the link and dequantization rates
+# are for the planner, and measuring them costs tens of milliseconds (and a device buffer on
+# CUDA) per process.
+DECISION_STEPS: dict[str, ProbeStep] = {
+    k: v for k, v in PROBE_STEPS.items() if k not in ("link", "dequantize")
+}
 
 
 def probe_node(steps: dict[str, ProbeStep] | None = None) -> NodeProbe:

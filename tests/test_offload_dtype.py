@@ -52,6 +52,31 @@ def test_plan_counts_offloaded_weights_as_stored(tmp_path) -> None:
         assert stage.offloaded_bytes <= 0.6 * stage.offloaded_wide_bytes  # 32-wide rows: 4 B each
 
 
+def test_plan_counts_the_measured_dequantization_in_each_stage_transfer(tmp_path) -> None:
+    index = load_index(make_checkpoint(tmp_path / "bf16", family_shape("llama", "bfloat16")))
+    base = offloading_plan(index, "int8")
+    stage = offloaded_stages(base)[0]
+    node = NodeInfo(
+        node_id="node",
+        hostname="node",
+        gpus=tuple(
+            GpuInfo(index=i, memory_bytes=s.device_bytes + 1) for i, s in enumerate(base.stages)
+        ),
+        host_budget_bytes=10**9,
+        pinned_budget_bytes=10**9,
+        dequant_bytes_per_s=(("fp8", 1e6), ("int8", 2e6)),
+    )
+    measured = plan(index.layers, ClusterSnapshot(nodes=(node,)), PlanOptions(offload_dtype="int8"))
+    stage = offloaded_stages(measured)[0]
+    assert stage.dequant_s == pytest.approx(stage.offloaded_wide_bytes / 2e6)
+    link = measured.options.default_link_bytes_per_s
+    assert stage.transfer_s == pytest.approx(stage.offloaded_bytes / link + stage.dequant_s)
+    assert stage.time_s == max(stage.compute_s, stage.transfer_s)
+    assert "dequantizing takes" in measured.summary()
+    wide = plan(index.layers, ClusterSnapshot(nodes=(node,)), PlanOptions(offload_dtype="none"))
+    assert all(s.dequant_s == 0 for s in wide.stages)
+
+
 def test_8bit_offloading_needs_the_prefetch_backend(tmp_path) -> None:
     with pytest.raises(ConfigError, match="uva"):
         JobConfig(checkpoint=str(tmp_path), offload_dtype="int8", backend="uva")
@@ -97,6 +122,10 @@ def test_8bit_offloaded_weights_match_transformers_with_them_quantized(
                 continue
             stats = worker.offloader.stats()
             assert stats.copies and stats.dequant_s > 0
+            # what quantizing lost, measured at load on the stage's own weights: e4m3 keeps 3
+            # mantissa bits (a few percent), int8 in groups of a row far less
+            error = worker.report().quantization_error
+            assert 0 < error < (0.05 if offload_dtype == "fp8" else 0.01)
             assert stats.offloaded_bytes <= 0.6 * sum(
                 x.unit_bytes(spec.offload_unit) for x in spec.layers if x.name in spec.offloaded
             )

@@ -96,6 +96,7 @@ def test_cuda_device_with_ats_attributes(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (90 << 30, props.total_memory))
     monkeypatch.setattr(link_mod, "measure_host_to_device", lambda device, *, pin: 4e11)
+    monkeypatch.setattr(link_mod, "measure_dequantize", lambda device, dtype: 2e12)
     monkeypatch.setattr(
         probe_mod,
         "_cuda_driver_attributes",
@@ -109,6 +110,14 @@ def test_cuda_device_with_ats_attributes(monkeypatch: pytest.MonkeyPatch) -> Non
     assert probe.any_coherent_unified_memory and probe.errors == ()
     assert probe.devices[0].free_memory_bytes == 90 << 30  # what the budget is taken from
     assert probe.link_bytes_per_s(pin=True) == probe.link_bytes_per_s(pin=False) == 4e11
+    assert probe.dequant_bytes_per_s == (("fp8", 2e12), ("int8", 2e12))
+
+
+def test_dequantize_rates_are_measured_on_the_cpu() -> None:
+    """The CPU stand-in measures what dequantizing costs it, per 8-bit format."""
+    probe = probe_node({"dequantize": probe_mod.PROBE_STEPS["dequantize"]})
+    rates = dict(probe.dequant_bytes_per_s)
+    assert set(rates) == {"fp8", "int8"} and all(r > 0 for r in rates.values())
 
 
 def test_cpu_copy_rate_is_measured() -> None:

@@ -62,6 +62,7 @@ def report(stage: int, host: str, *, offloaded: int, pinned: bool, rss: int) -> 
             dequant_s=0.125,
         ),
         offload_format="int8 (1x128 blocks) x 7",
+        quantization_error=0.004,
         since_last=CopyCounters(interval_s=10.0, copies=2, copied_bytes=20, copy_s=0.1),
         kv_cache_bytes=MIB,
         requests=1,
@@ -161,6 +162,7 @@ def test_a_snapshot_round_trips_to_json_with_the_keys_it_always_had() -> None:
         "node_id",
         "offload_unit",
         "offload_format",
+        "quantization_error",
     } == set(data)
     assert data["stats"] == snapshot.stats.to_dict() and data["pin"] == snapshot.pin.to_dict()
     assert data["since_last"]["copies"] == 2 and data["layers"] == ["layers.0"]
@@ -192,6 +194,7 @@ def test_rows_read_every_number_from_the_snapshot() -> None:
         stall_s=0.25,
         dequant_s=0.125,
         offload_format="int8 (1x128 blocks) x 7",
+        quantization_error=0.004,
         kv_cache_bytes=MIB,
         requests=1,
         pin=True,
@@ -248,6 +251,7 @@ def test_status_json_keys_are_unchanged_and_a_lost_stage_is_listed() -> None:
         "pin_origin",
         "dequant_s",
         "offload_format",
+        "quantization_error",
     ]
     assert list(data["nodes"][0]) == [
         "hostname",

@@ -31,6 +31,16 @@ class ReadStats:
     bytes_read: int = 0
     tensors: int = 0
     files: set[str] = field(default_factory=set)
+    # weights quantized at load (`--offload-dtype`): the sums of their squared entries and of
+    # their squared quantization errors, for the relative error `quantization_error` reports
+    quantized_sq: float = 0.0
+    error_sq: float = 0.0
+
+    @property
+    def quantization_error(self) -> float:
+        """Relative RMS error of the weights quantized at load: ||w - dq(q(w))|| / ||w||
+        over all of them (0.0: none was)."""
+        return (self.error_sq / self.quantized_sq) ** 0.5 if self.quantized_sq else 0.0
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -244,6 +254,11 @@ class TensorReader:
         else:
             self._read_staged(fd, tensor, wide, where)
         quantize_into(dst, wide)
+        # what quantizing lost, measured on the weight itself (the quality `status` shows)
+        back = dst.dequantized(torch.float32)
+        reference = wide.float()
+        self.stats.quantized_sq += float(reference.square().sum())
+        self.stats.error_sq += float((back - reference).square().sum())
 
     def _staged_rows(
         self, fd: int, tensor: TensorSlice, where: str, multiple: int = 1

@@ -59,6 +59,9 @@ class StageSnapshot:
     # how the offloaded weights are kept in host memory: "" at the model's width, else their
     # 8-bit block formats, e.g. "fp8 (128x128 blocks)"
     offload_format: str = ""
+    # relative RMS error of the weights quantized at load (--offload-dtype fp8 / int8): what
+    # keeping them in 8 bits changed, measured on this stage's own weights (0.0: none was)
+    quantization_error: float = 0.0
     backend: str = "none"  # how offloaded layers reach the device: prefetch, uva, none
     backend_reason: str = ""
     pin: PinDecision

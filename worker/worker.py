@@ -480,6 +480,7 @@ class StageWorker:
             host_peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             host_available_bytes=vm.available,
             bytes_read=self._reader.stats.bytes_read,
+            quantization_error=self._reader.stats.quantization_error,
             init_s=self.init_s,
             load_s=self._load_s,
             forward_s=self._forward_s,

@@ -196,7 +196,12 @@ def stage_table(reports: Sequence[StageSnapshot]) -> str:
                 format_bytes(r.stats.resident_bytes),
                 f"{format_bytes(r.stats.offloaded_bytes)} ({len(r.offloaded)}"
                 f"{'' if r.offload_unit == 'layer' else ' x ' + r.offload_unit})"
-                + (f", {r.offload_format}" if r.offload_format else ""),
+                + (f", {r.offload_format}" if r.offload_format else "")
+                + (
+                    f", quantization error {r.quantization_error:.2%} (relative RMS)"
+                    if r.quantization_error
+                    else ""
+                ),
                 r.backend,
                 "on" if r.pin.pin else "off",
                 f"{r.pin_origin}: {r.pin.source}: {r.pin.reason}",

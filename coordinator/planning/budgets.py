@@ -100,6 +100,7 @@ def node_info(
         pinned_budget_bytes=int(available * PIN_HEADROOM_FRACTION),
         pin=pin,
         link_bytes_per_s=probe.link_bytes_per_s(pin=pin),
+        dequant_bytes_per_s=probe.dequant_bytes_per_s,
         backend=backend,
         backend_reason=backend_reason,
         concurrent_stages=None

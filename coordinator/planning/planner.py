@@ -90,6 +90,10 @@ class StagePlan:
     # The offloaded layers' bytes at the model's width (the device bytes offloading frees);
     # offloaded_bytes / offloaded_wide_bytes < 1 where they are kept in 8 bits.
     offloaded_wide_bytes: int = 0
+    # Of transfer_s: dequantizing the 8-bit offloaded weights after their copies (on the copy
+    # stream, after the copies: the same queue), at the node's measured rate; 0.0 where none
+    # is 8-bit or the node did not measure it.
+    dequant_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -218,6 +222,13 @@ class Plan:
                 f"and copied per step, {stored / wide:.2f}x their {format_bytes(wide)} at the "
                 "model's width; slots include one staging buffer for the copies"
             )
+            dequant = sum(s.dequant_s for s in self.stages)
+            if dequant:
+                notes[-1] += (
+                    f"; dequantizing takes {format_seconds(dequant)} per step over the stages "
+                    "(measured rate), counted in their transfer times (the placement itself "
+                    "does not weigh it yet)"
+                )
         return "\n".join([title, *lines, *notes])
 
 
@@ -405,6 +416,13 @@ def _build(
         device = weights - wide + slots + kv + options.reserve_bytes
         assert device <= gpu.memory_bytes, (p, device, gpu.memory_bytes)
         compute_s, transfer_s = search.stage_times(p)
+        dequant_s = 0.0
+        if packed and offloaded != wide:
+            rates = dict(node.dequant_bytes_per_s)
+            kind = "int8" if options.offload_dtype == "int8" else "fp8"
+            if rates.get(kind):
+                dequant_s = wide / rates[kind]
+                transfer_s += dequant_s
         rate, source = node.compute_rate(options.rows_per_step)
         stages.append(
             StagePlan(
@@ -420,6 +438,7 @@ def _build(
                 slot_bytes=slots,
                 offloaded_bytes=offloaded,
                 offloaded_wide_bytes=wide,
+                dequant_s=dequant_s,
                 device_bytes=device,
                 pinned=node.pin,
                 compute_s=compute_s,
@@ -438,6 +457,8 @@ def _build(
         cycle_s([s.time_s for s in stages], options.micro_batches, overhead),
         _shared_cores_s(stages, cluster, options),
     )
+    if any(s.dequant_s for s in stages):
+        bound_s = None  # the search does not weigh dequantization: its bound is not one here
     return Plan(
         stages=tuple(stages),
         options=options,

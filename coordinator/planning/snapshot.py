@@ -31,6 +31,9 @@ class NodeInfo:
     pinned_budget_bytes: int = 0  # of which may be pinned (only counts when `pin` is True)
     pin: bool = False  # the node's pin decision for the offloaded weights
     link_bytes_per_s: float | None = None  # host-to-device bandwidth, when measured
+    # bfloat16 bytes its GPUs make per second from 8-bit weights, per format ("fp8", "int8"),
+    # when measured: what dequantizing offloaded weights after each copy costs there
+    dequant_bytes_per_s: tuple[tuple[str, float], ...] = ()
     # How fast this node's GPUs run the model: its probe's timing of the model's own decoder
     # layer (a `worker.compute_probe.ComputeProfile`: the plan takes the rate for its batch), or
     # a rate given outright (weight bytes per second); neither: the plan's default rate, and

@@ -68,6 +68,7 @@ class GpuRow:
     # added later (status --json keeps the keys before them in their order)
     dequant_s: float  # dequantizing 8-bit offloaded weights after their copies
     offload_format: str  # how they are kept in host memory ("" at the model's width)
+    quantization_error: float  # relative RMS error of the weights quantized at load
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -149,6 +150,7 @@ def gpu_rows(reports: Sequence[Report]) -> list[GpuRow]:
                 stall_s=stats.stall_s,
                 dequant_s=stats.dequant_s,
                 offload_format=r.offload_format,
+                quantization_error=r.quantization_error,
                 kv_cache_bytes=r.kv_cache_bytes,
                 requests=r.requests,
                 pin=pin.pin,
