@@ -21,7 +21,18 @@ time spent dequantizing, tokens/s, and against its baseline (bf16 none, or fp8 n
   over all 8 requests (a random-weight model's logits are nearly flat, so one flipped near-tie
   ends a request's run: a pessimistic number, and batching alone can flip one).
 
+Then, for bf16 none / int8 and fp8 none / auto, the same budget with `--max-batch auto
+--objective throughput`: the batch the planner chooses, its tokens/s (32 tokens per request)
+and what the plan predicted.
+
     .venv/bin/python bench/offload_dtype.py [--new-tokens 256] [--json F] [--quick]
+
+`--families`: instead, the quality of fp8 and int8 per tested family (every decoder matrix
+quantized, the worst case: every layer offloaded), in one process with transformers alone,
+whose logits with those matrices quantized and back our stages equal bitwise
+(tests/test_offload_dtype.py): a 4-layer bf16 checkpoint of hidden 256 per family, 4 prompts,
+64 greedy tokens; the weights' relative error, the teacher-forced agreement with the bf16
+model's tokens and the largest logit difference (against the logits' spread).
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ N = 8
 PROMPT = 8
 TARGET = 0.55  # 8-bit offloaded bytes (host, per token) over the same job's at 16 bits
 RUNS = (("bf16", "none"), ("bf16", "fp8"), ("bf16", "int8"), ("fp8", "none"), ("fp8", "auto"))
+AUTO_RUNS = (("bf16", "none"), ("bf16", "int8"), ("fp8", "none"), ("fp8", "auto"))
 
 
 def copied(job) -> tuple[int, float]:
@@ -98,6 +110,44 @@ def one_run(
         }
 
 
+AUTO_TOKENS = 32  # per request at the planner's batch: its rate, not its text
+
+
+def auto_batch_run(checkpoint: str, offload_dtype: str, budget: int, vocab: int) -> dict:
+    """The same budget with `--max-batch auto --objective throughput`: the batch the planner
+    chooses (the KV cache competes with the resident weights for the budget, so cheaper
+    offloaded bytes may buy a larger batch), run full with AUTO_TOKENS tokens per request."""
+    config = JobConfig(
+        checkpoint=checkpoint,
+        gpu_memory_bytes=budget,
+        max_batch=0,
+        max_seq_len=PROMPT + AUTO_TOKENS,
+        objective="throughput",
+        offload_dtype=offload_dtype,
+        snapshot_interval_s=0,
+    )
+    with launch(config) as job:
+        batch = job.plan.options.max_batch
+        prompts = prompts_for(batch, PROMPT, vocab, seed=11)
+        with ThreadPoolExecutor(batch) as pool:
+            start = time.perf_counter()
+            list(
+                pool.map(
+                    lambda p: job.generate(
+                        p, max_new_tokens=AUTO_TOKENS, do_sample=False, eos_token_id=None
+                    ),
+                    prompts,
+                )
+            )
+            wall_s = time.perf_counter() - start
+        return {
+            "batch": batch,
+            "offloaded_layers": sum(len(s.offloaded) for s in job.plan.stages),
+            "predicted_tokens_per_s": job.plan.tokens_per_s,
+            "tokens_per_s": batch * AUTO_TOKENS / wall_s,
+        }
+
+
 def agreement(texts: list[list[int]], baseline: list[list[int]]) -> float:
     """Tokens equal to the baseline's before each request's first difference, over all."""
     same = 0
@@ -109,15 +159,101 @@ def agreement(texts: list[list[int]], baseline: list[list[int]]) -> float:
     return same / sum(len(t) for t in baseline)
 
 
+def family_quality(root: Path, new: int = 64) -> list[dict]:
+    """fp8 and int8 against bf16 per tested family (see the module doc)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from coordinator.tools.make_checkpoint import CheckpointShape
+    from offload.quant import quantized
+    from worker.layout import TESTED_FAMILIES
+    from worker.spec import parameter_formats
+
+    rows = []
+    for family in TESTED_FAMILIES:
+        shape = CheckpointShape(
+            arch=family,
+            num_layers=4,
+            hidden_size=256,
+            num_heads=4,
+            num_kv_heads=4 if family in ("gpt2", "gpt_neox") else 2,
+            intermediate_size=512,
+            vocab_size=1024,
+            dtype="bfloat16",
+            max_positions=256,
+        )
+        try:
+            index = load_index(make_checkpoint(root / family, shape))
+        except Exception as exc:  # a family this shape cannot express: say so, go on
+            rows.append({"family": family, "skipped": f"{type(exc).__name__}: {exc}"[:200]})
+            continue
+        model = AutoModelForCausalLM.from_pretrained(str(index.root), dtype=torch.bfloat16).eval()
+        prompts = torch.cat(prompts_for(4, PROMPT, index.config["vocab_size"], seed=5))
+        with torch.no_grad():
+            out = model.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                max_new_tokens=new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            base = model(out).logits[:, PROMPT - 1 : -1].float()
+        for dtype in ("fp8", "int8"):
+            quant = copy.deepcopy(model)
+            error_sq = total_sq = 0.0
+            with torch.no_grad():
+                for layer in index.layers:
+                    for target, fmt in parameter_formats(
+                        layer.unit_tensors("layer"), dtype
+                    ).items():
+                        param = quant.get_parameter(target)
+                        back = quantized(param, fmt).dequantized(param.dtype)
+                        error_sq += float((back.float() - param.float()).square().sum())
+                        total_sq += float(param.float().square().sum())
+                        param.copy_(back)
+                logits = quant(out).logits[:, PROMPT - 1 : -1].float()
+            rows.append(
+                {
+                    "family": family,
+                    "offload_dtype": dtype,
+                    "weight_error": (error_sq / total_sq) ** 0.5,
+                    "forced_agreement": float(
+                        (logits.argmax(-1) == out[:, PROMPT:]).float().mean()
+                    ),
+                    "max_logit_diff": float((logits - base).abs().max()),
+                    "logit_scale": float(base.std()),
+                }
+            )
+            row = rows[-1]
+            print(
+                f"{family} {dtype}: weight error {row['weight_error']:.2%}, teacher-forced "
+                f"agreement {row['forced_agreement']:.3f}, largest logit difference "
+                f"{row['max_logit_diff']:.4f} (logits' std {row['logit_scale']:.3f})",
+                flush=True,
+            )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--quick", action="store_true", help="the tiny model (a smoke run)")
+    parser.add_argument("--families", action="store_true", help="quality per tested family")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     print(machine(), flush=True)
     torch.set_num_threads(THREADS)
     root = Path(tempfile.mkdtemp(prefix="bench-offload-dtype-"))
+    if args.families:
+        try:
+            rows = family_quality(root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return 0
     rows = []
     try:
         shape = dataclasses.replace(bench_shape(args.quick), dtype="bfloat16")
@@ -146,8 +282,32 @@ def main(argv: list[str] | None = None) -> int:
                 )
             finally:
                 ray.shutdown()
+        autos = {}
+        for kind, dtype in AUTO_RUNS:
+            ray.init(
+                address="local",
+                num_cpus=2,
+                num_gpus=1,
+                include_dashboard=False,
+                log_to_driver=False,
+            )
+            try:
+                autos[kind, dtype] = auto_batch_run(
+                    checkpoints[kind], dtype, budget, index.config["vocab_size"]
+                )
+            finally:
+                ray.shutdown()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    for (kind, dtype), auto in autos.items():
+        rows.append({"checkpoint": kind, "offload_dtype": dtype, "auto_batch": auto})
+        print(
+            f"{kind} checkpoint, offload {dtype}, --max-batch auto --objective throughput: "
+            f"batch {auto['batch']}, {auto['offloaded_layers']} layers offloaded, "
+            f"{auto['tokens_per_s']:.1f} tokens/s (plan predicted "
+            f"{auto['predicted_tokens_per_s']:.1f})",
+            flush=True,
+        )
     ok = True
     for kind, dtype in RUNS:
         row = results[kind, dtype]

@@ -226,8 +226,7 @@ class Plan:
             if dequant:
                 notes[-1] += (
                     f"; dequantizing takes {format_seconds(dequant)} per step over the stages "
-                    "(measured rate), counted in their transfer times (the placement itself "
-                    "does not weigh it yet)"
+                    "(at each node's measured rate), counted in their transfer times"
                 )
         return "\n".join([title, *lines, *notes])
 
@@ -275,6 +274,7 @@ def plan(
             compute_bytes_per_s=node.compute_rate(options.rows_per_step)[0],
             slots=slot_count(node, options),
             packed=packs_weights(node, options),
+            dequant_factor=dequant_factor(node, options),
         )
         for node in cluster.nodes
     ]
@@ -342,6 +342,15 @@ def packs_weights(node, options: PlanOptions) -> bool:
             f"{options.offload_dtype}: use --backend prefetch, or --offload-dtype auto"
         )
     return node.backend == "prefetch" and options.offload_dtype != "none"
+
+
+def dequant_factor(node, options: PlanOptions) -> float:
+    """Link bytes per full-width byte dequantized on `node` (its link rate over its measured
+    dequantization rate for the job's 8-bit format: fp8 unless int8 is asked for); 0.0 where
+    either rate is unknown."""
+    rate = dict(node.dequant_bytes_per_s).get("int8" if options.offload_dtype == "int8" else "fp8")
+    link = node.link_bytes_per_s or options.default_link_bytes_per_s
+    return link / rate if rate else 0.0
 
 
 def compute_bytes(layer: LayerSpec) -> int:
@@ -415,14 +424,10 @@ def _build(
         kv = search.kv_prefix[p.end] - search.kv_prefix[p.start]
         device = weights - wide + slots + kv + options.reserve_bytes
         assert device <= gpu.memory_bytes, (p, device, gpu.memory_bytes)
-        compute_s, transfer_s = search.stage_times(p)
-        dequant_s = 0.0
-        if packed and offloaded != wide:
-            rates = dict(node.dequant_bytes_per_s)
-            kind = "int8" if options.offload_dtype == "int8" else "fp8"
-            if rates.get(kind):
-                dequant_s = wide / rates[kind]
-                transfer_s += dequant_s
+        compute_s, transfer_s = search.stage_times(p)  # copies and their dequantization
+        limits = search.nodes[p.node]
+        eight_bit = sum(s for j, s in zip(moved, sizes, strict=True) if units.stored[j] != s)
+        dequant_s = eight_bit * limits.dequant_factor / limits.link_bytes_per_s if packed else 0.0
         rate, source = node.compute_rate(options.rows_per_step)
         stages.append(
             StagePlan(
@@ -457,8 +462,6 @@ def _build(
         cycle_s([s.time_s for s in stages], options.micro_batches, overhead),
         _shared_cores_s(stages, cluster, options),
     )
-    if any(s.dequant_s for s in stages):
-        bound_s = None  # the search does not weigh dequantization: its bound is not one here
     return Plan(
         stages=tuple(stages),
         options=options,

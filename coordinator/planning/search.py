@@ -55,6 +55,11 @@ class NodeLimits:
     # stored bytes, the host holds them, and the GPU holds one staging buffer of the largest
     # offloaded layer as stored beside its slots. False: every offloaded byte at full width.
     packed: bool = False
+    # Dequantizing them after each copy, in link time: seconds per full-width byte made from 8
+    # bits times the link rate (link rate / dequantization rate). A stage's transfer time is
+    # (stored bytes + this x full-width bytes of its 8-bit layers) / link rate; 0.0: free or
+    # not measured.
+    dequant_factor: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +212,15 @@ class _Unit:
             return sum(size * num for size, num in choice.items())
         return sum(self.stored_of[size] * num for size, num in choice.items())
 
+    def time_cost(self, choice: dict[int, int], packed: bool, factor: float) -> int:
+        """`choice`'s transfer in link bytes: what it copies, and dequantizing its 8-bit
+        layers at `factor` link bytes per full-width byte (`NodeLimits.dequant_factor`)."""
+        host = self.cost(choice, packed)
+        if not packed or not factor:
+            return host
+        wide = sum(size * num for size, num in choice.items() if self.stored_of[size] != size)
+        return host + math.ceil(wide * factor)
+
 
 class Search:
     """LayerRange of one model on one cluster for a given bottleneck T (see the module doc)."""
@@ -311,12 +325,21 @@ class Search:
         return best
 
     def offload_bytes(
-        self, start: int, end: int, memory_bytes: int, slots: int, packed: bool = False
+        self,
+        start: int,
+        end: int,
+        memory_bytes: int,
+        slots: int,
+        packed: bool = False,
+        factor: float = 0.0,
     ) -> int | None:
         """Minimal bytes offloaded (as stored: what each step copies) for layers [start, end)
-        on a GPU with `slots` prefetch slots when it offloads; None if they cannot fit."""
+        on a GPU with `slots` prefetch slots when it offloads, plus their dequantization in
+        link bytes (`factor`); None if they cannot fit."""
         choice = self._choice(start, end, memory_bytes, slots, packed)
-        return None if choice is None else choice[0]
+        if choice is None:
+            return None
+        return self.units[choice[2]].time_cost(choice[1], packed, factor)
 
     def offloaded_positions(
         self, start: int, end: int, memory_bytes: int, slots: int, packed: bool = False
@@ -341,10 +364,14 @@ class Search:
         offload_cap: int,
         slots: int,
         packed: bool = False,
+        factor: float = 0.0,
+        time_cap: int = 0,
     ) -> list[tuple[int, int]]:
         """(end, offloaded bytes) for the furthest end with nothing offloaded, then for each
         further end that still fits. Offloaded bytes never decrease with the end (step 1), so
-        the scan stops at the first misfit. The hot loop of the search: equal sizes inline."""
+        the scan stops at the first misfit. The hot loop of the search: equal sizes inline.
+        With a dequantization `factor`, the transfer in link bytes (`_Unit.time_cost`) must
+        also stay within `time_cap`."""
         work, base = self.work, self.work[start]
         device, device_base = self.device_prefix, self.device_prefix[start]
         room = memory_bytes - self.reserve_bytes
@@ -362,7 +389,7 @@ class Search:
         units = self.units
         while end < self.num_layers and work[end + 1] - base <= weight_cap:
             deficit = device[end + 1] - device_base - room
-            cost = None
+            cost = picked = None
             for u, unit in enumerate(units):
                 size = unit.uniform
                 if size is not None:  # k * s - p * s - staging >= deficit, see min_offload
@@ -371,14 +398,17 @@ class Search:
                     if num > unit.num_movable[end + 1] - unit.num_movable[start]:
                         continue
                     got = num * (unit.stored_of[size] if packed else size)
+                    chosen = (unit, {size: num})
                 else:
                     choice = self._unit_choice(u, start, end + 1, deficit, slots, packed)
                     if choice is None:
                         continue
-                    got = choice[0]
+                    got, chosen = choice[0], (unit, choice[1])
                 if cost is None or got < cost:
-                    cost = got
+                    cost, picked = got, chosen
             if cost is None or cost > offload_cap:
+                break
+            if factor and picked[0].time_cost(picked[1], packed, factor) > time_cap:
                 break
             end += 1
             fits.append((end, cost))
@@ -387,15 +417,16 @@ class Search:
     # -- one node ------------------------------------------------------------------------------
 
     def _node_reach(
-        self, node: NodeLimits, start: int, weight_cap: int, offload_cap: int
+        self, node: NodeLimits, start: int, weight_cap: int, offload_cap: int, time_cap: int = 0
     ) -> tuple[int, list[tuple[int, int]]]:
         """Furthest layer the node's GPUs can cover from `start`, and their ranges."""
         ranges: list[tuple[int, int]] = []
         pos, used = start, 0
+        factor = node.dequant_factor if node.packed else 0.0
         for memory in node.gpu_memory_bytes:  # per-GPU greedy, host budget ignored
-            end, cost = self._fits(pos, memory, weight_cap, offload_cap, node.slots, node.packed)[
-                -1
-            ]
+            end, cost = self._fits(
+                pos, memory, weight_cap, offload_cap, node.slots, node.packed, factor, time_cap
+            )[-1]
             ranges.append((pos, end))
             pos, used = end, used + cost
         if used <= node.offload_budget_bytes:
@@ -408,7 +439,9 @@ class Search:
             best: dict[int, tuple[int, int]] = {}  # end -> (host bytes, start)
             for begin, cost in front.items():
                 cap = min(offload_cap, node.offload_budget_bytes - cost)
-                fits = self._fits(begin, memory, weight_cap, cap, node.slots, node.packed)
+                fits = self._fits(
+                    begin, memory, weight_cap, cap, node.slots, node.packed, factor, time_cap
+                )
                 for end, extra in [(begin, 0), *fits]:
                     if end not in best or cost + extra < best[end][0]:  # (begin, 0): GPU unused
                         best[end] = (cost + extra, begin)
@@ -440,7 +473,8 @@ class Search:
         for n, node in enumerate(self.nodes):
             if pos == self.num_layers:
                 break
-            pos, ranges = self._node_reach(node, pos, weight_caps[n], offload_caps[n])
+            time_cap = byte_cap(t_s, node.link_bytes_per_s)
+            pos, ranges = self._node_reach(node, pos, weight_caps[n], offload_caps[n], time_cap)
             placements += [LayerRange(n, g, a, b) for g, (a, b) in enumerate(ranges) if b > a]
         return pos, placements
 
@@ -452,6 +486,10 @@ class Search:
         for node, cap in zip(self.nodes, offload_caps, strict=True):
             if cap < node.offload_budget_bytes:
                 times.append((cap + 1) / node.link_bytes_per_s)
+            elif node.packed and node.dequant_factor:  # the transfer cap alone still grows
+                time_cap = byte_cap(t_s, node.link_bytes_per_s)
+                if time_cap < _UNLIMITED:
+                    times.append((time_cap + 1) / node.link_bytes_per_s)
         return min(times)
 
     def solve(self) -> tuple[int, list[LayerRange]]:
@@ -484,7 +522,12 @@ class Search:
     def stage_times(self, p: LayerRange) -> tuple[float, float]:
         node = self.nodes[p.node]
         offloaded = self.offload_bytes(
-            p.start, p.end, node.gpu_memory_bytes[p.gpu], node.slots, node.packed
+            p.start,
+            p.end,
+            node.gpu_memory_bytes[p.gpu],
+            node.slots,
+            node.packed,
+            node.dequant_factor if node.packed else 0.0,
         )
         assert offloaded is not None
         work = self.work[p.end] - self.work[p.start]
