@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_families import VOCAB, Pipeline, family_shape, offloading_plan
+from test_families import VOCAB, Pipeline, family_shape, offloading_plan, split_spec
 
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import load_index
@@ -144,8 +144,48 @@ def test_8bit_offloaded_weights_match_transformers_with_them_quantized(
     with torch.no_grad():
         expected = reference(ids).logits
     assert torch.equal(logits, expected)
+    # `offloadctl run --check`'s reference names the same weights
+    from types import SimpleNamespace
+
+    from coordinator.cli.loads import quantized_weights
+    from coordinator.tools.reference import reference_logits
+
+    names = quantized_weights(SimpleNamespace(plan=pipeline.plan, index=index))
+    assert len(names) == changed
+    assert torch.equal(reference_logits(str(index.root), ids, quantized=names), expected)
     with torch.no_grad():  # and the quantization did change them: the test can fail
         wide = AutoModelForCausalLM.from_pretrained(str(index.root), dtype=torch.bfloat16)(
             ids
         ).logits
     assert not torch.equal(wide, expected)
+
+
+def test_a_replan_reads_again_a_layer_whose_host_form_changes(tmp_path) -> None:
+    """An FP8 checkpoint's worker re-planned: a layer that stays offloaded keeps its 8-bit
+    bytes (moved, not read), a layer going from 8-bit offloaded to resident, or back, is read
+    again from the file (neither conversion is exact); the logits stay transformers' own."""
+    pytest.importorskip("accelerate")  # transformers' FP8 loader needs it
+    from coordinator.tools.reference import reference_logits
+    from worker.worker import StageWorker
+
+    shape = family_shape("llama", "bfloat16", quantization="fp8")
+    index = load_index(make_checkpoint(tmp_path / "fp8", shape))
+    names = [[layer.name for layer in index.layers]]
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+    expected = reference_logits(str(index.root), ids, num_threads=1)
+    worker = StageWorker(
+        split_spec(index, 0, names, ("layers.1", "layers.3")), device="cpu", num_threads=1
+    )
+    try:
+        worker.load()
+        assert torch.equal(worker.forward(ids), expected)
+        chunks = worker.reconfigure(split_spec(index, 0, names, ("layers.2", "layers.3")))
+        read = {name for i in chunks for name in worker._chunks[i]}
+        assert read == {"layers.1", "layers.2"}  # layers.3 stays 8-bit: moved, not read
+        for i in chunks:
+            worker.load_chunk(i)
+        worker.finish_load()
+        assert "fp8" in worker.report().offload_format
+        assert torch.equal(worker.forward(ids), expected)
+    finally:
+        worker.close()

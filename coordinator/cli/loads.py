@@ -135,6 +135,30 @@ def _untested(family: str) -> str:
     )
 
 
+def quantized_weights(job) -> dict:
+    """The parameters (name -> block format) the job quantized at load (`--offload-dtype fp8
+    / int8` on its prefetching stages): what the reference must quantize too to compute with
+    the same weights. An FP8 checkpoint kept as published needs nothing: its 8-bit weights are
+    the file's, as transformers reads them."""
+    from worker.spec import file_format, parameter_formats
+
+    dtype = job.plan.options.offload_dtype
+    if dtype not in ("fp8", "int8"):
+        return {}
+    layers = {layer.name: layer for layer in job.index.layers}
+    out = {}
+    for stage in job.plan.stages:
+        if stage.backend != "prefetch":
+            continue
+        for name in stage.offloaded:
+            tensors = layers[name].unit_tensors(stage.offload_unit)
+            for target, fmt in parameter_formats(tensors, dtype).items():
+                sources = [t for t in tensors if (t.target or t.name) == target]
+                if any(file_format(t) != fmt for t in sources):  # not the file's own 8 bits
+                    out[target] = fmt
+    return out
+
+
 def _check(job, config: JobConfig, ids, logits) -> int:
     """Compare with transformers loading the same files in the same dtype, in one process with
     the workers' thread count: bitwise equal is expected (same code, same weights); in
@@ -143,14 +167,21 @@ def _check(job, config: JobConfig, ids, logits) -> int:
 
     from coordinator.tools.reference import reference_logits
 
+    quantized = quantized_weights(job)
     expected = reference_logits(
         config.checkpoint,
         ids,
         dtype=job.index.dtype,
         attn_implementation=config.attn_implementation,
         num_threads=config.cpus_per_worker,
+        quantized=quantized,
     )
     where = f"transformers in one process ({job.index.dtype})"
+    if quantized:
+        where += (
+            f", with the {len(quantized)} weights the job keeps in {config.offload_dtype} "
+            "quantized and back as its workers hold them"
+        )
     if torch.equal(logits, expected):
         print(f"check: logits are bitwise equal to {where}")
         return 0

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
 
+from offload.quant import BlockFormat
+from offload.quant import quantized as quantize
+
 
 @contextmanager
 def _reference_model(
-    checkpoint: str, dtype: str, num_threads: int | None, attn_implementation: str | None = None
+    checkpoint: str,
+    dtype: str,
+    num_threads: int | None,
+    attn_implementation: str | None = None,
+    quantized: Mapping[str, BlockFormat] | None = None,
 ) -> Iterator[torch.nn.Module]:
     """The plain Hugging Face model, loaded by `from_pretrained` in `dtype` ("auto": the
     checkpoint's, as our loader resolves it), run on `num_threads` threads (the workers'
-    count: a matmul split over another number of threads may sum in another order)."""
+    count: a matmul split over another number of threads may sum in another order). With
+    `quantized` (parameter name -> block format), those parameters are replaced by their
+    8-bit round trip: the weights a job with `--offload-dtype fp8 / int8` computes with."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -31,6 +40,9 @@ def _reference_model(
             checkpoint, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
         )
         with torch.no_grad():
+            for name, fmt in (quantized or {}).items():
+                param = model.get_parameter(name)
+                param.copy_(quantize(param, fmt).dequantized(param.dtype))
             yield model
     finally:
         torch.set_num_threads(previous)
@@ -46,9 +58,10 @@ def reference_logits(
     logits_to_keep: int = 0,
     attn_implementation: str | None = None,
     num_threads: int | None = None,
+    quantized: Mapping[str, BlockFormat] | None = None,
 ) -> torch.Tensor:
     """Logits of the plain Hugging Face model (see `_reference_model`)."""
-    with _reference_model(checkpoint, dtype, num_threads, attn_implementation) as model:
+    with _reference_model(checkpoint, dtype, num_threads, attn_implementation, quantized) as model:
         return model(
             input_ids,
             attention_mask=attention_mask,
