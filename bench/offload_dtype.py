@@ -200,6 +200,8 @@ def family_quality(root: Path, new: int = 64) -> list[dict]:
                 pad_token_id=0,
             )
             base = model(out).logits[:, PROMPT - 1 : -1].float()
+        # the floor: the bf16 model's own full forward against its incremental greedy tokens
+        floor = float((base.argmax(-1) == out[:, PROMPT:]).float().mean())
         for dtype in ("fp8", "int8"):
             quant = copy.deepcopy(model)
             error_sq = total_sq = 0.0
@@ -219,6 +221,7 @@ def family_quality(root: Path, new: int = 64) -> list[dict]:
                     "family": family,
                     "offload_dtype": dtype,
                     "weight_error": (error_sq / total_sq) ** 0.5,
+                    "floor_agreement": floor,
                     "forced_agreement": float(
                         (logits.argmax(-1) == out[:, PROMPT:]).float().mean()
                     ),
@@ -229,7 +232,8 @@ def family_quality(root: Path, new: int = 64) -> list[dict]:
             row = rows[-1]
             print(
                 f"{family} {dtype}: weight error {row['weight_error']:.2%}, teacher-forced "
-                f"agreement {row['forced_agreement']:.3f}, largest logit difference "
+                f"agreement {row['forced_agreement']:.3f} (bf16's own {floor:.3f}), largest "
+                "logit difference "
                 f"{row['max_logit_diff']:.4f} (logits' std {row['logit_scale']:.3f})",
                 flush=True,
             )
