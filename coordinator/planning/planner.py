@@ -221,6 +221,12 @@ class Plan:
                 f"dequantized on the GPU after each copy: {format_bytes(stored)} in host memory "
                 f"and copied per step, {stored / wide:.2f}x their {format_bytes(wide)} at the "
                 "model's width; slots include one staging buffer for the copies"
+                + (
+                    "; what quantizing changes is measured at load (status: each stage's "
+                    "quantization error) and per family in bench/RESULTS.md"
+                    if self.options.offload_dtype in ("fp8", "int8")
+                    else ""
+                )
             )
             dequant = sum(s.dequant_s for s in self.stages)
             if dequant:
