@@ -190,7 +190,14 @@ def test_run_check_mismatch_exits_1(monkeypatch, capsys, tmp_path) -> None:
                 "num_decoder_layers": 2,
             },
         )()
-        plan = type("Plan", (), {"summary": lambda self: "plan"})()
+        plan = type(
+            "Plan",
+            (),
+            {
+                "summary": lambda self: "plan",
+                "options": type("Options", (), {"offload_dtype": "auto"})(),
+            },
+        )()
         load_reports = ()
         workers = ()
         session = type("Session", (), {"owned": True})()
