@@ -44,7 +44,8 @@ class TensorSpec:
         return numel * torch.empty((), dtype=self.dtype).element_size()
 
 
-def _align(value: int, alignment: int) -> int:
+def align_up(value: int, alignment: int = ARENA_ALIGNMENT_BYTES) -> int:
+    """`value` rounded up to a multiple of `alignment` (the arena's, by default)."""
     return (value + alignment - 1) // alignment * alignment
 
 
@@ -78,7 +79,7 @@ class HostArena(Mapping[str, torch.Tensor]):
         for spec in specs:
             if spec.name in self._layout:
                 raise ValueError(f"tensor {spec.name!r} appears twice in the arena")
-            offset = _align(offset, alignment)
+            offset = align_up(offset, alignment)
             self._layout[spec.name] = (offset, spec)
             offset += spec.nbytes
         self.payload_bytes = sum(spec.nbytes for _, spec in self._layout.values())

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from offload.arena import ARENA_ALIGNMENT_BYTES, HostArena
+from offload.arena import HostArena, align_up
 from offload.base import BaseOffloader, OffloadStats, param_bytes, require_inference
 from offload.config import OffloadConfig
 from offload.copy_engine import CopyEngine, make_copy_engine
@@ -56,10 +56,6 @@ from offload.quant import (
     dequantize_into,
     staging_offsets,
 )
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ARENA_ALIGNMENT_BYTES) * ARENA_ALIGNMENT_BYTES
 
 
 class PrefetchOffloader(BaseOffloader):
@@ -116,7 +112,7 @@ class PrefetchOffloader(BaseOffloader):
             num_slots = min(max(self.config.prefetch_step, 1), len(layers))
             sizes = [self._lay_out_slot(layer, arena) for layer in layers]
             self._slots = [
-                torch.empty(_aligned(max(sizes)), dtype=torch.uint8, device=self.device)
+                torch.empty(align_up(max(sizes)), dtype=torch.uint8, device=self.device)
                 for _ in range(num_slots)
             ]
             staging = max(
@@ -168,7 +164,7 @@ class PrefetchOffloader(BaseOffloader):
         offsets, offset = [], 0
         for _, param in layer.params:
             offsets.append(offset)
-            offset = _aligned(offset + param.numel() * param.element_size())
+            offset = align_up(offset + param.numel() * param.element_size())
         self._slot_offsets[layer.index] = offsets
         return offset
 

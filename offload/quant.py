@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from offload.arena import align_up
+
 # The largest magnitude each 8-bit dtype holds: a block's scale maps its largest entry there.
 QMAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 FORMAT_NAMES: dict[torch.dtype, str] = {torch.float8_e4m3fn: "fp8", torch.int8: "int8"}
@@ -39,7 +41,6 @@ SCALE_KEY_SUFFIX = "#scale"
 # device holds one such piece beside the slots, not a whole layer. 32 MiB take ~0.6 ms at PCIe
 # 5 speed, so the ~10 us a copy costs to issue is ~2% of it.
 STAGING_BYTES = 32 * 2**20
-STAGING_ALIGNMENT = 256  # each part of a piece in the staging buffer starts so aligned
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,10 +81,10 @@ class BlockFormat:
 
     def staging_bytes(self, shape: tuple[int, ...]) -> int:
         """Device bytes of the staging buffer one piece of a weight of `shape` needs: its
-        values, then its scales from `staging_offsets`, each aligned (`STAGING_ALIGNMENT`)."""
+        values, then its scales from `staging_offsets`, each aligned as the arena aligns."""
         rows, cols = self.rows_per_piece(shape), shape[-1]
         scales = rows // self.block[0] * (cols // self.block[1]) * SCALE_DTYPE.itemsize
-        return staging_offsets(self, shape) + _aligned(scales)
+        return staging_offsets(self, shape) + align_up(scales)
 
     def stored_bytes(self, shape: tuple[int, ...]) -> int:
         """Host bytes of a weight of `shape` in this format: values and scales."""
@@ -170,11 +171,7 @@ class QuantizedTensor:
 
 def staging_offsets(fmt: BlockFormat, shape: tuple[int, ...]) -> int:
     """Where a piece's scales start in the staging buffer: after its largest values."""
-    return _aligned(fmt.rows_per_piece(shape) * shape[-1])
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // STAGING_ALIGNMENT) * STAGING_ALIGNMENT
+    return align_up(fmt.rows_per_piece(shape) * shape[-1])
 
 
 def _rows(t: torch.Tensor, cols: int) -> torch.Tensor:
