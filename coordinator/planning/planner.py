@@ -418,7 +418,8 @@ def _build(
         node = cluster.nodes[p.node]
         gpu = node.gpus[p.gpu]
         step = slot_count(node, options)
-        packed = search.nodes[p.node].packed
+        limits = search.nodes[p.node]
+        packed = limits.packed
         unit, moved = search.offloaded_positions(p.start, p.end, gpu.memory_bytes, step, packed)
         weights = search.prefix[p.end] - search.prefix[p.start]
         units = search.units[unit]
@@ -431,9 +432,8 @@ def _build(
         device = weights - wide + slots + kv + options.reserve_bytes
         assert device <= gpu.memory_bytes, (p, device, gpu.memory_bytes)
         compute_s, transfer_s = search.stage_times(p)  # copies and their dequantization
-        limits = search.nodes[p.node]
-        eight_bit = sum(s for j, s in zip(moved, sizes, strict=True) if units.stored[j] != s)
-        dequant_s = eight_bit * limits.dequant_factor / limits.link_bytes_per_s if packed else 0.0
+        dequantized = sum(s for j, s in zip(moved, sizes, strict=True) if units.stored[j] != s)
+        dequant_s = dequantized * limits.dequant_factor / limits.link_bytes_per_s if packed else 0.0
         rate, source = node.compute_rate(options.rows_per_step)
         stages.append(
             StagePlan(
