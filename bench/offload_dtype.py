@@ -38,12 +38,12 @@ model's tokens and the largest logit difference (against the logits' spread).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import shutil
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -52,7 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.batching import THREADS, bench_shape, budget_for, prompts_for
+from bench.batching import THREADS, bench_shape, budget_for, ours, prompts_for
 from bench.generate import machine
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import load_index
@@ -64,6 +64,16 @@ PROMPT = 8
 TARGET = 0.55  # 8-bit offloaded bytes (host, per token) over the same job's at 16 bits
 RUNS = (("bf16", "none"), ("bf16", "fp8"), ("bf16", "int8"), ("fp8", "none"), ("fp8", "auto"))
 AUTO_RUNS = (("bf16", "none"), ("bf16", "int8"), ("fp8", "none"), ("fp8", "auto"))
+
+
+@contextlib.contextmanager
+def own_ray():
+    """A fresh embedded Ray for one job: the GPU a finished job held is free at once."""
+    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def copied(job) -> tuple[int, float]:
@@ -85,14 +95,7 @@ def one_run(
     with launch(config) as job, ThreadPoolExecutor(N) as pool:
         stages = [s for s in job.plan.stages if s.offloaded]
         bytes_before, dequant_before = copied(job)
-        start = time.perf_counter()
-        outs = list(
-            pool.map(
-                lambda p: job.generate(p, max_new_tokens=new, do_sample=False, eos_token_id=None),
-                prompts,
-            )
-        )
-        wall_s = time.perf_counter() - start
+        rate, outs, _ = ours(job, pool, prompts, new)
         bytes_after, dequant_after = copied(job)
         tokens = N * new
         texts = [out[0, PROMPT:].tolist() for out in outs]
@@ -104,7 +107,7 @@ def one_run(
             "offloaded_wide_bytes": sum(s.offloaded_wide_bytes for s in stages),
             "bytes_per_token": (bytes_after - bytes_before) / tokens,
             "dequant_s": dequant_after - dequant_before,
-            "tokens_per_s": tokens / wall_s,
+            "tokens_per_s": rate,
             "texts": texts,
             "logits": logits,
         }
@@ -130,29 +133,20 @@ def auto_batch_run(checkpoint: str, offload_dtype: str, budget: int, vocab: int)
         batch = job.plan.options.max_batch
         prompts = prompts_for(batch, PROMPT, vocab, seed=11)
         with ThreadPoolExecutor(batch) as pool:
-            start = time.perf_counter()
-            list(
-                pool.map(
-                    lambda p: job.generate(
-                        p, max_new_tokens=AUTO_TOKENS, do_sample=False, eos_token_id=None
-                    ),
-                    prompts,
-                )
-            )
-            wall_s = time.perf_counter() - start
+            rate, _, _ = ours(job, pool, prompts, AUTO_TOKENS)
         return {
             "batch": batch,
             "offloaded_layers": sum(len(s.offloaded) for s in job.plan.stages),
             "predicted_tokens_per_s": job.plan.tokens_per_s,
-            "tokens_per_s": batch * AUTO_TOKENS / wall_s,
+            "tokens_per_s": rate,
         }
 
 
 def agreement(texts: list[list[int]], baseline: list[list[int]]) -> float:
     """Tokens equal to the baseline's before each request's first difference, over all."""
     same = 0
-    for ours, theirs in zip(texts, baseline, strict=True):
-        for a, b in zip(ours, theirs, strict=True):
+    for text, base in zip(texts, baseline, strict=True):
+        for a, b in zip(text, base, strict=True):
             if a != b:
                 break
             same += 1
@@ -271,36 +265,18 @@ def main(argv: list[str] | None = None) -> int:
         budget = budget_for(index, 1, PROMPT + args.new_tokens)
         prompts = prompts_for(N, PROMPT, index.config["vocab_size"], seed=3)
         results = {}
-        for kind, dtype in RUNS:  # a Ray of its own each: a job's GPU is free at once
-            ray.init(
-                address="local",
-                num_cpus=2,
-                num_gpus=1,
-                include_dashboard=False,
-                log_to_driver=False,
-            )
-            try:  # each kind's "none" runs first: the teacher of the others
-                teacher = results[kind, "none"]["texts"] if dtype != "none" else None
+        for kind, dtype in RUNS:  # each kind's "none" runs first: the teacher of the others
+            teacher = results[kind, "none"]["texts"] if dtype != "none" else None
+            with own_ray():
                 results[kind, dtype] = one_run(
                     checkpoints[kind], dtype, budget, prompts, args.new_tokens, teacher
                 )
-            finally:
-                ray.shutdown()
         autos = {}
         for kind, dtype in AUTO_RUNS:
-            ray.init(
-                address="local",
-                num_cpus=2,
-                num_gpus=1,
-                include_dashboard=False,
-                log_to_driver=False,
-            )
-            try:
+            with own_ray():
                 autos[kind, dtype] = auto_batch_run(
                     checkpoints[kind], dtype, budget, index.config["vocab_size"]
                 )
-            finally:
-                ray.shutdown()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     for (kind, dtype), auto in autos.items():
