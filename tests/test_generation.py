@@ -140,11 +140,12 @@ def generate_each(pipeline: Pipeline, prompt_ids: list[list[int]], new: int) -> 
         engine.close()
 
 
-def alone(index, prompt: list[int], new: int) -> list[int]:
+def alone(index, prompt: list[int], new: int, quantized=None) -> list[int]:
     out = reference_generate(
         str(index.root),
         torch.tensor([prompt]),
         num_threads=1,
+        quantized=quantized,
         max_new_tokens=new,
         do_sample=False,
         eos_token_id=None,
@@ -264,6 +265,37 @@ def test_requests_with_part_of_each_layer_offloaded_equal_transformers_alone(
         > 0
     )
     assert all(s.copies > 0 for s in stats)
+
+
+@pytest.mark.parametrize(
+    ("family", "offload_dtype"), [("llama", "fp8"), ("llama", "int8"), ("mixtral", "int8")]
+)
+def test_8bit_offloaded_requests_equal_transformers_alone_with_those_weights(
+    indexes, family: str, offload_dtype: str
+) -> None:
+    """`--offload-dtype fp8 / int8` over the planner's offloading stages: requests joining and
+    leaving, each equal to transformers alone on its prompt computing with exactly the weights
+    the workers keep in 8 bits (quantized and back, as `run --check` compares). For fp8 on
+    llama the quantization changes the text, so the test tells the two references apart."""
+    from types import SimpleNamespace
+
+    from coordinator.cli.loads import quantized_weights
+
+    index = indexes(family)
+    pipeline = Pipeline(index, offload_dtype=offload_dtype)
+    try:
+        ids = prompts(seed=4)
+        ours, _ = run_joining(pipeline, ids)
+        assert any(w.report().quantization_error > 0 for w in pipeline.workers)
+    finally:
+        pipeline.close()
+    quantized = quantized_weights(SimpleNamespace(plan=pipeline.plan, index=index))
+    assert quantized
+    for prompt, (_, new, _), tokens in zip(ids, REQUESTS, ours, strict=True):
+        assert tokens == alone(index, prompt, new, quantized), (family, offload_dtype)
+    if offload_dtype == "fp8" and family == "llama":
+        plain = [alone(index, p, new) for p, (_, new, _) in zip(ids, REQUESTS, strict=True)]
+        assert plain != ours
 
 
 @pytest.mark.parametrize(

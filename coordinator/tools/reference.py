@@ -77,9 +77,11 @@ def reference_generate(
     attention_mask: torch.Tensor | None = None,
     dtype: str = "auto",
     num_threads: int | None = None,
+    quantized: Mapping[str, BlockFormat] | None = None,
     **kwargs,
 ) -> torch.Tensor:
     """`generate`'s sequences from the plain Hugging Face model in one process (same dtype and
-    thread count as the workers), for the generation parity tests."""
-    with _reference_model(checkpoint, dtype, num_threads) as model:
+    thread count as the workers; `quantized` weights as in `_reference_model`), for the
+    generation parity tests."""
+    with _reference_model(checkpoint, dtype, num_threads, quantized=quantized) as model:
         return model.generate(input_ids, attention_mask=attention_mask, **kwargs)
