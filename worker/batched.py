@@ -62,6 +62,8 @@ class StepRows:
 
     def positions(self) -> torch.Tensor:
         """Position ids (rows, width): each real token its place in its sequence, padding 0."""
+        if self.width == 1 and all(c == 1 for c in self.counts):  # a decode step: one token each
+            return torch.tensor(self.starts).unsqueeze(1)
         return row_positions(torch.tensor(self.starts), torch.tensor(self.counts), self.width)
 
 
