@@ -19,7 +19,7 @@ import yaml
 
 from offload.errors import ConfigError
 from offload.policy import PIN_ENV, parse_pin_mode
-from worker.spec import COMPUTE_DTYPES, OFFLOAD_DTYPES
+from worker.spec import COMPUTE_DTYPES, DEFAULT_BLOCK_SIZE, OFFLOAD_DTYPES, blocks_for
 
 # The node label that sets a node's pin policy (on | off | auto), e.g. in cluster.yaml.
 PIN_LABEL = "offload-pin-memory"
@@ -176,6 +176,11 @@ class JobConfig:
     # planned weights (coordinator/planning/batch_size.py), resolved when the job is planned.
     max_batch: int = 1
     max_seq_len: int = 0
+    # The KV pool on each GPU, in tokens (positions of every running sequence, in blocks of
+    # worker.spec.DEFAULT_BLOCK_SIZE): 0, what max_batch sequences of max_seq_len take. It must
+    # hold one sequence of max_seq_len; sequences take blocks as they grow, so more than
+    # pool / max_seq_len of them run at once when they are shorter.
+    kv_cache_tokens: int = 0
     # Sequences that may wait for a KV slot (beyond: busy, HTTP 429); prompt tokens per prefill
     # step (a long prompt is prefilled in chunks, decodes of others between them); micro-batches
     # the running sequences are split into (0: one when any stage offloads, as each micro-batch
@@ -224,7 +229,14 @@ class JobConfig:
             _check_type(f.name, str(f.type), getattr(self, f.name))
         if not self.checkpoint:
             raise ConfigError("checkpoint: a checkpoint directory is required")
-        for name in ("gpus", "reserve_bytes", "max_seq_len", "max_queue", "micro_batches"):
+        for name in (
+            "gpus",
+            "reserve_bytes",
+            "max_seq_len",
+            "kv_cache_tokens",
+            "max_queue",
+            "micro_batches",
+        ):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
         if self.max_batch < 0:
@@ -234,6 +246,12 @@ class JobConfig:
             )
         if self.prefill_tokens < 1:
             raise ConfigError(f"prefill_tokens={self.prefill_tokens} must be >= 1")
+        if 0 < self.kv_cache_tokens < self.max_seq_len:
+            raise ConfigError(
+                f"kv_cache_tokens={self.kv_cache_tokens} cannot hold one sequence of "
+                f"max_seq_len={self.max_seq_len}: a request that long would wait forever; give "
+                "at least max_seq_len tokens (or 0: max_batch x max_seq_len)"
+            )
         if self.max_queue < self.max_batch:
             raise ConfigError(
                 f"max_queue={self.max_queue} must be >= max_batch={self.max_batch}: a request "
@@ -326,6 +344,14 @@ class JobConfig:
             out[node] = int(count)
         return out
 
+    def kv_blocks(self) -> int:
+        """Blocks of the KV pool on each GPU (0: no generation, max_seq_len 0)."""
+        if not self.max_seq_len:
+            return 0
+        if self.kv_cache_tokens:
+            return blocks_for(self.kv_cache_tokens)
+        return self.max_batch * blocks_for(self.max_seq_len)
+
     def plan_options(self):
         """The planner's options this job sets (the rest: the planner's defaults)."""
         from coordinator.planning.planner import PlanOptions  # planning imports this module
@@ -335,6 +361,7 @@ class JobConfig:
             prefetch_step=self.prefetch_step,
             max_batch=self.max_batch,
             max_seq_len=self.max_seq_len,
+            kv_tokens=self.kv_blocks() * DEFAULT_BLOCK_SIZE if self.kv_cache_tokens else 0,
             micro_batches=self.micro_batches or 1,
             objective=self.objective,
             offload_dtype=self.offload_dtype,

@@ -10,7 +10,7 @@ workers build them (`worker.stage.Stage`), for several splits, through a plain f
 left-padded one (as `job.forward` sends them), logits bitwise equal; then as the engine
 generates, through the workers' own `BatchRunner.step` (`worker.batched`: two prompts of
 different lengths as left-padded rows of one prefill step, then greedy decode steps, each stage
-in its slot pool, each row at its own positions with its own masks, no 2D attention mask), each
+in its KV pool, each row at its own positions with its own masks, no 2D attention mask), each
 row's logits within a float32
 tolerance of the whole model's on that prompt alone, same argmax (a padded batch sums in other
 shapes: never bitwise). That catches a family reading what batched steps do not give (ALiBi or
@@ -350,11 +350,11 @@ def _batched_steps(
     then its own prefill step, as the engine plans them, and the decodes run together."""
     width = max(len(prompt) for prompt in prompts)
     slots = tuple(reversed(range(len(prompts))))
-    rows = StepRows(
-        slots=slots,
-        starts=(0,) * len(prompts),
-        counts=tuple(len(prompt) for prompt in prompts),
-        width=width,
+    rows = StepRows.in_slots(
+        slots,
+        (0,) * len(prompts),
+        tuple(len(prompt) for prompt in prompts),
+        width,
         num_slots=len(prompts),
         max_seq_len=width + DECODE_STEPS + 1,
         owner=CHECK_OWNER,
@@ -372,10 +372,17 @@ def _batched_steps(
         yield torch.cat(
             [
                 step(
-                    replace(rows, slots=(slot,), starts=(0,), counts=(len(p),), width=len(p)),
+                    replace(
+                        rows,
+                        slots=(slot,),
+                        starts=(0,),
+                        counts=(len(p),),
+                        width=len(p),
+                        tables=(table,),
+                    ),
                     p[None],
                 )
-                for slot, p in zip(slots, prompts, strict=True)
+                for slot, p, table in zip(slots, prompts, rows.tables, strict=True)
             ]
         )
     else:

@@ -28,6 +28,10 @@ def layers(num_decoders: int = 4, decoder_bytes: int = 1000) -> list[LayerSpec]:
     return out
 
 
+# 4 decoder layers x 10 bytes per token x 32 positions (20 tokens in whole blocks of 16)
+PER_SEQUENCE = 4 * 10 * 32
+
+
 def cluster(*memory: int) -> ClusterSnapshot:
     gpus = tuple(GpuInfo(index=i, memory_bytes=m) for i, m in enumerate(memory))
     return ClusterSnapshot(
@@ -81,8 +85,10 @@ def test_the_largest_batch_beside_the_weights(memory) -> None:
 
 
 def test_all_resident_sizes_the_batch_from_the_free_memory() -> None:
-    # 5000 bytes of weights; 4 decoder layers x 10 bytes per token x 20 tokens = 800 per sequence
-    batch, _ = largest_batch(layers(), cluster(5000 + 7 * 800 + 5), PlanOptions(max_seq_len=20))
+    # 5000 bytes of weights, PER_SEQUENCE bytes of KV per sequence
+    batch, _ = largest_batch(
+        layers(), cluster(5000 + 7 * PER_SEQUENCE + 5), PlanOptions(max_seq_len=20)
+    )
     assert batch == 7
     assert largest_batch(layers(), cluster(10**9), PlanOptions(max_seq_len=20))[0] == AUTO_MAX_BATCH
 
@@ -101,7 +107,7 @@ def test_a_job_config_of_max_batch_0_is_planned_with_the_sized_batch() -> None:
 
     index = SimpleNamespace(layers=layers())
     config = JobConfig(checkpoint="x", max_batch=0, max_seq_len=20)
-    sized, the_plan = plan_job(config, index, cluster(5000 + 7 * 800 + 5))
+    sized, the_plan = plan_job(config, index, cluster(5000 + 7 * PER_SEQUENCE + 5))
     assert sized.max_batch == 7 == the_plan.options.max_batch
     given = JobConfig(checkpoint="x", max_batch=3, max_seq_len=20)
     assert plan_job(given, index, cluster(10**6))[0] is given
@@ -112,7 +118,7 @@ def test_the_predicted_throughput_curve() -> None:
     a batch whose KV cache does not fit is '-', and so is every larger one."""
     from coordinator.planning.throughput import best_plans, curve_text
 
-    specs, snap = layers(), cluster(5000 + 7 * 800 + 5, 5000)
+    specs, snap = layers(), cluster(5000 + 7 * PER_SEQUENCE + 5, 5000)
     options = PlanOptions(max_seq_len=20, compute_bytes_per_s=1000.0, step_overhead_s=0.0)
     curve = best_plans(specs, snap, options, batches=(1, 4, 1000, 2000), prune=False)
     assert sorted(curve) == [1, 4]

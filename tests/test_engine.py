@@ -16,7 +16,7 @@ from coordinator.engine.engine import UNIFORM_MAX_BURST, EngineClosedError
 from coordinator.engine.pipelines import InProcessHandle
 from coordinator.runtime.errors import WorkerLostError
 from offload.errors import BusyError, ConfigError, NeverFitsError
-from worker.batch_cache import SlotPool
+from worker.batch_cache import KvPool
 from worker.batched import NO_TOKEN, BatchRunner, ClaimedByAnotherError
 from worker.decode import Sampling
 
@@ -36,24 +36,24 @@ def expected(prompt: list[int], count: int) -> list[int]:
 
 
 class FakePipeline:
-    """Slots of token lists: a step writes each row's real tokens at its start, and a row that
-    chooses gets `next_token` of what its slot holds up to its end. A slot keeps everything
-    ever written to it (nothing is truncated), and every read is checked against the
-    sequence's own tokens: a row that reads another sequence's keys, or a stale position, fails
-    the test. Like a worker, it runs only the steps of the engine (and epoch) that claimed it.
+    """Blocks of tokens: a step writes each row's real tokens at their positions in the blocks
+    of its table, and a row that chooses gets `next_token` of what its blocks hold up to its
+    end. A block keeps everything ever written to it (nothing is cleared), and every read is
+    checked against the sequence's own tokens: a row that reads another sequence's keys (a
+    block two sequences hold, or one freed under it), or a stale position, fails the test. Like a worker, it runs only the steps of the engine (and epoch) that claimed it.
     Records every step; `fail` makes the next submits raise (a lost worker, or another
     error)."""
 
     max_burst = 8
 
     def __init__(self, num_stages: int = 1, *, recurrent: bool = False) -> None:
-        """`recurrent`: the model keeps a state per sequence, as a worker's slot pool keeps
+        """`recurrent`: the model keeps a state per sequence, as a worker's KV pool keeps
         it (`worker.batch_cache`): a padded row, or a step that does not start where its
         slot's last step ended (one ran whose tokens were dropped), is refused."""
         self.num_stages = num_stages
         self.recurrent = recurrent
-        self.pool: SlotPool | None = None
-        self.slots: dict[int, list[int]] = {}
+        self.pool: KvPool | None = None
+        self.blocks: dict[int, list[int | None]] = {}
         self.steps: list[tuple[bool, tuple[int, ...], tuple[int, ...], int]] = []
         self.fail: list[BaseException] = []
         self.recoveries = 0
@@ -97,14 +97,17 @@ class FakePipeline:
             for m, (rows, x, draw, sequences) in enumerate(current):
                 self._take_in(rows)
                 tokens = torch.full((len(rows.slots),), NO_TOKEN)
-                for r, (slot, start, count) in enumerate(
-                    zip(rows.slots, rows.starts, rows.counts, strict=True)
-                ):
-                    held = self.slots.setdefault(slot, [])
+                for r, (start, count) in enumerate(zip(rows.starts, rows.counts, strict=True)):
+                    table, size = rows.tables[r], rows.block_size
+                    assert len(table) * size >= start + count, "a row wrote past its blocks"
                     new = x[r, rows.width - count :].tolist()
-                    held.extend([None] * (start + count - len(held)))
-                    held[start : start + count] = new
-                    seen = held[: start + count]
+                    for p, token in enumerate(new, start):
+                        block = self.blocks.setdefault(table[p // size], [None] * size)
+                        block[p % size] = token
+                    seen = [
+                        self.blocks.get(table[p // size], [None] * size)[p % size]
+                        for p in range(start + count)
+                    ]
                     # as far as the engine knows the sequence (a burst's later steps feed the
                     # tokens this burst chose, which the engine reads after it)
                     own = sequences[r].tokens[: start + count]
@@ -121,14 +124,17 @@ class FakePipeline:
         if not self.recurrent:
             return
         if self.pool is None:
-            self.pool = SlotPool(
+            self.pool = KvPool(
                 [0],
+                num_blocks=rows.num_blocks,
+                block_size=rows.block_size,
                 num_slots=rows.num_slots,
-                max_seq_len=rows.max_seq_len,
                 device=torch.device("cpu"),
             )
             self.pool.states["recurrent", 0, 0] = torch.zeros(rows.num_slots, 1)
-        view = self.pool.view(list(rows.slots), list(rows.starts), list(rows.counts), rows.width)
+        view = self.pool.view(
+            list(rows.slots), list(rows.starts), list(rows.counts), rows.width, rows.tables
+        )
         view.get_recurrent_state(0)  # refuses padding
         view.commit()
 
@@ -142,7 +148,7 @@ class FakePipeline:
             raise exc
         self.recoveries += 1
         self.epoch += 1
-        self.slots.clear()  # the new worker holds no cache
+        self.blocks.clear()  # the new worker holds no cache
         self.pool = None  # nor any state
         self.runner.reset()  # nor any claim
 
@@ -421,8 +427,9 @@ def test_a_lost_worker_is_recovered_and_every_sequence_goes_on_exactly(make, rec
         if len(seen) == 5:
             pipeline.fail.append(WorkerLostError("worker died"))
 
-    a = submit(engine, [3, 4, 5], 12, on_token=on_token)
-    b = submit(engine, [6, 7], 9)
+    with engine._cond:  # both arrive in one turn: admitted together, in one first step
+        a = submit(engine, [3, 4, 5], 12, on_token=on_token)
+        b = submit(engine, [6, 7], 9)
     assert a.result(WAIT_S) == [expected([3, 4, 5], 12)]
     assert b.result(WAIT_S) == [expected([6, 7], 9)]
     assert pipeline.recoveries == 1 and engine.stats.restarts == 1
@@ -538,7 +545,7 @@ def test_a_step_planned_before_the_workers_changed_is_refused_and_dropped(make) 
         if len(pipeline.steps) == 4 and not replaced:
             replaced.append(True)
             pipeline.epoch += 1  # a recovery elsewhere: new workers, no cache, no claim
-            pipeline.slots.clear()
+            pipeline.blocks.clear()
             pipeline.runner.reset()
         return real_submit(steps)
 
@@ -650,3 +657,75 @@ def test_a_sequences_settings_reach_the_last_stage_once(make) -> None:
     third = submit(engine, [6, 7], 6, on_token=lose_a_worker)
     assert third.result(WAIT_S) == [expected([6, 7], 6)]
     assert pipeline.settings_sent == [0, 0, 0, 0]  # its first step, and again after recovery
+
+
+# KV in blocks (block_size 16 by default): admission by tokens, preemption when the pool runs out
+
+
+def test_short_sequences_run_beyond_what_max_seq_len_slots_would_hold(make) -> None:
+    """A pool of 12 blocks holds 3 sequences of max_seq_len 64, yet 8 short ones (1 block
+    each, 1% of the pool kept free) run at once: the batch is bounded by their tokens, not by
+    max_seq_len."""
+    engine, pipeline = make(num_slots=8, max_seq_len=64, num_blocks=12, prefill_tokens=64)
+    prompts = [[3 + i, 4 + i] for i in range(8)]
+    with engine._cond:  # all eight arrive in one turn
+        requests = [submit(engine, p, 6) for p in prompts]
+    for request, prompt in zip(requests, prompts, strict=True):
+        assert request.result(WAIT_S) == [expected(prompt, 6)]
+    assert max(len(slots) for _, slots, _, _ in pipeline.steps) == 8
+    assert engine.stats.preemptions == 0 and engine.scheduler.used_blocks == 0
+
+
+def test_a_sequence_grows_past_many_blocks_in_a_pool_of_exactly_one(make) -> None:
+    """A pool of exactly the blocks one sequence of max_seq_len takes: requests that long run
+    one after another (none refused, none stuck), each crossing every block boundary."""
+    engine, _ = make(num_slots=2, max_seq_len=64, num_blocks=4, burst_steps=8)
+    requests = [submit(engine, [5 + i, 6, 7], 61) for i in range(3)]
+    for i, request in enumerate(requests):
+        assert request.result(WAIT_S) == [expected([5 + i, 6, 7], 61)]
+    assert engine.scheduler.used_blocks == 0 and len(engine.scheduler.free_blocks) == 4
+
+
+def test_the_youngest_is_preempted_when_the_pool_runs_out_and_its_text_is_unchanged(make) -> None:
+    """Three sequences admitted with one block each grow until the pool (6 blocks) cannot give
+    each its third: the youngest is preempted (its blocks freed, back at the head of the
+    queue), fed again from its start later, and every text equals what it makes alone."""
+    engine, pipeline = make(num_slots=4, max_seq_len=64, num_blocks=6, burst_steps=4)
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+    with engine._cond:  # all three arrive in one turn
+        requests = [submit(engine, p, 40) for p in prompts]
+    for request, prompt in zip(requests, prompts, strict=True):
+        assert request.result(WAIT_S) == [expected(prompt, 40)]
+    assert engine.stats.preemptions >= 1
+    youngest = requests[2].sequences[0]
+    # the youngest fed its prompt and tokens so far again: a prefill from position 0 of more
+    # tokens than its prompt
+    refeeds = [
+        counts
+        for (prefill, _, counts, _), starts in zip(pipeline.steps, pipeline.starts, strict=True)
+        if prefill and starts == (0,) and counts[0] > len(prompts[2])
+    ]
+    assert refeeds, "the preempted sequence was never fed again from its start"
+    assert youngest.finish is Finish.LENGTH
+    text = engine.stats.prometheus("m")
+    assert f'vllm:num_preemptions_total{{model_name="m"}} {engine.stats.preemptions}' in text
+    assert 'vllm:kv_cache_usage_perc{model_name="m"} 0.0' in text  # all freed at the end
+
+
+def test_admission_waits_for_blocks_and_keeps_fifo_order(make) -> None:
+    """A long prompt at the head of the queue that the pool cannot take yet: the short one
+    behind it waits too (first come, first served), and both end right."""
+    engine, _ = make(num_slots=3, max_seq_len=64, num_blocks=5, prefill_tokens=64)
+    with engine._cond:  # all three arrive in one turn
+        first = submit(engine, list(range(3, 40)), 20)  # 37 tokens: 3 blocks
+        long = submit(engine, list(range(4, 50)), 5)  # 46 tokens: 3 blocks, 2 free (1 margin)
+        short = submit(engine, [7], 3)
+    assert first.result(WAIT_S) == [expected(list(range(3, 40)), 20)]
+    assert long.result(WAIT_S) == [expected(list(range(4, 50)), 5)]
+    assert short.result(WAIT_S) == [expected([7], 3)]
+    assert short.first_token_s >= long.first_token_s  # never ahead of the head
+
+
+def test_a_pool_that_cannot_hold_one_max_seq_len_sequence_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"3 blocks x 16 positions cannot hold one sequence"):
+        EngineConfig(num_slots=2, max_seq_len=64, num_blocks=3)

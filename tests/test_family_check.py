@@ -475,7 +475,7 @@ def test_llama4_nope_temperature_past_its_floor_scale_is_refused_never_approxima
     below floor_scale - 1 (the scale is then 1). A step reaching further is refused."""
     import transformers
 
-    from worker.batch_cache import SlotPool
+    from worker.batch_cache import KvPool, contiguous_tables
     from worker.layout import hf_config_from_dict
     from worker.stage import Stage
 
@@ -483,10 +483,10 @@ def test_llama4_nope_temperature_past_its_floor_scale_is_refused_never_approxima
     config = transformers.Llama4TextConfig(**TINY, **settings).to_dict()
     stage = Stage(hf_config_from_dict(config, dtype=torch.float32), ["embed", "layers.0"])
     assert stage.batched_positions == 5
-    pool = SlotPool([0], num_slots=2, max_seq_len=16, device=torch.device("cpu"))
+    pool = KvPool([0], num_blocks=2, block_size=16, num_slots=2, device=torch.device("cpu"))
     ids = torch.zeros((2, 1), dtype=torch.long)
     with pytest.raises(ValueError, match=r"reaches position 5, .* max_seq_len <= 5"):
-        stage(ids, cache=pool.view([0, 1], [2, 5], [1, 1], 1))
+        stage(ids, cache=pool.view([0, 1], [2, 5], [1, 1], 1, contiguous_tables([0, 1], 16, 16)))
 
 
 def test_a_config_the_shrink_breaks_is_checked_at_its_own_widths(checkpoints, monkeypatch) -> None:

@@ -20,6 +20,7 @@ from coordinator.runtime.errors import WorkerLostError
 from coordinator.tools.make_checkpoint import make_checkpoint
 from coordinator.tools.reference import reference_generate, reference_logits
 from worker.decode import Sampling
+from worker.spec import DEFAULT_BLOCK_SIZE, blocks_for
 from worker.worker import StageWorker
 
 FAMILIES = (
@@ -183,6 +184,30 @@ def test_joining_and_leaving_requests_equal_transformers_alone(
     spare = stats.cut * (len(engine.scheduler.groups) - 1)
     assert all(stats.steps <= r.forwards <= stats.steps + spare for r in reports)
     assert any(r.stats.copies > 0 for r in reports)  # layers were offloaded
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3_next"])
+def test_a_pool_of_one_sequence_preempts_and_every_text_equals_transformers_alone(
+    indexes, family: str
+) -> None:
+    """The joining requests in a KV pool of blocks of 4 positions that holds exactly one
+    sequence of max_seq_len (10 blocks), one step per call (so that requests join while the
+    others run): every sequence crosses many blocks, the pool runs out, the youngest is
+    preempted and fed again from its start (recurrent states too), and each text equals
+    transformers alone."""
+    index = indexes(family)
+    pipeline = Pipeline(index, *TWO_STAGES)
+    try:
+        ids = prompts(seed=5)
+        ours, engine = run_joining(
+            pipeline, ids, num_blocks=10, block_size=4, micro_batches=1, burst_steps=1
+        )
+    finally:
+        pipeline.close()
+    for prompt, (_, new, _), tokens in zip(ids, REQUESTS, ours, strict=True):
+        assert tokens == alone(index, prompt, new), family
+    assert engine.stats.preemptions >= 1
+    assert engine.scheduler.used_blocks == 0  # every block back in the pool
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "bamba"])
@@ -370,10 +395,10 @@ def test_seeded_sampling_is_the_same_whatever_else_is_in_the_batch(indexes) -> N
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_the_kv_slots_hold_only_the_stage_layers_within_the_plan(indexes, family: str) -> None:
-    """Each stage's KV pool: its own decoder layers only, slots x max_seq_len positions, never
-    more than the plan reserves for those layers (max_batch x max_seq_len; sliding layers too,
-    whose window is shorter than the sequences here)."""
+def test_the_kv_pool_holds_only_the_stage_layers_exactly_as_planned(indexes, family: str) -> None:
+    """Each stage's KV pool: its own decoder layers only, blocks for 3 sequences of
+    max_seq_len positions (whole blocks of 16), exactly what the plan reserves for those layers
+    (sliding layers too: a sequence's blocks hold every position)."""
     index = indexes(family)
     pipeline = Pipeline(index, *TWO_STAGES)
     try:
@@ -384,12 +409,12 @@ def test_the_kv_slots_hold_only_the_stage_layers_within_the_plan(indexes, family
         pipeline.close()
     config = index.config
     head_dim = config["hidden_size"] // config["num_attention_heads"]
-    per_layer = 2 * 3 * config["num_key_value_heads"] * MAX_SEQ_LEN * head_dim * 4  # k+v, fp32
+    positions = 3 * blocks_for(MAX_SEQ_LEN) * DEFAULT_BLOCK_SIZE
+    per_layer = 2 * config["num_key_value_heads"] * positions * head_dim * 4  # k+v, fp32
     assert pools == [per_layer * len(h) for h in held] and all(pools)
     by_name = {layer.name: layer for layer in index.layers}
     for pool, layers in zip(pools, held, strict=True):
-        reserved = sum(by_name[f"layers.{i}"].kv_bytes(3, MAX_SEQ_LEN) for i in layers)
-        assert pool <= reserved
+        assert pool == sum(by_name[f"layers.{i}"].kv_bytes(3, MAX_SEQ_LEN) for i in layers)
 
 
 def test_settings_come_from_generation_config(indexes, tmp_path) -> None:

@@ -236,14 +236,8 @@ def test_every_client_of_a_load_goes_through_its_one_engine(cluster, tmp_path) -
                 steps=model_steps(job.index),
             )
         # ...and a step that is not the load's engine's is refused, never run
-        rows = StepRows(
-            slots=(0,),
-            starts=(0,),
-            counts=(1,),
-            width=1,
-            num_slots=4,
-            max_seq_len=32,
-            owner=("intruder", 1),
+        rows = StepRows.in_slots(
+            (0,), (0,), (1,), 1, num_slots=4, max_seq_len=32, owner=("intruder", 1)
         )
         with pytest.raises(ray.exceptions.RayTaskError, match="two engines must never write"):
             ray.get(job.workers[0].actor.batch_step.remote(rows, torch.tensor([[3]])), timeout=60)

@@ -196,13 +196,9 @@ def instances(draw, max_gpus: int = 4):
         None if mlps is None else [(big + n) * draw(st.sampled_from(mlps)) // 4 for n in decoders],
     )
     kv_tokens = draw(st.sampled_from([0, 0, 1, 3]))  # KV cache of max_batch x kv_tokens
-    if kv_tokens:  # decoder layers get KV caches, some with a sliding window
+    if kv_tokens:  # decoder layers get KV caches
         layers = [
-            dataclasses.replace(
-                x,
-                kv_bytes_per_token=draw(st.integers(1, 3)),
-                kv_window=draw(st.sampled_from([None, None, 2])),
-            )
+            dataclasses.replace(x, kv_bytes_per_token=draw(st.integers(1, 3)))
             if x.kind == "decoder"
             else x
             for x in layers

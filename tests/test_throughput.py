@@ -103,8 +103,7 @@ def throughput_instances(draw):
     layers, snap, opts = draw(instances(max_gpus=3))
     kv = draw(st.integers(1, 3))
     layers = [
-        dataclasses.replace(x, kv_bytes_per_token=kv, kv_window=None) if x.kind == "decoder" else x
-        for x in layers
+        dataclasses.replace(x, kv_bytes_per_token=kv) if x.kind == "decoder" else x for x in layers
     ]
     nodes = tuple(
         dataclasses.replace(
@@ -177,15 +176,16 @@ def test_choice_matches_brute_force(instance, latency) -> None:
 
 
 def test_a_larger_batch_that_pushes_weights_off_can_lose() -> None:
-    """One GPU, 4 decoders of 100 bytes, KV of 1 byte per token and layer, 10 tokens: batch
-    4 (160 bytes of KV) still fits beside the weights, batch 8 pushes two layers to a slow
-    link, 16 does not fit. The choice stops where the copies cost more than the rows gain."""
+    """One GPU, 4 decoders of 100 bytes, KV of 1 byte per token and layer, 16 tokens (one
+    block): batch 4 (256 bytes of KV) still fits beside the weights, batch 8 (512) pushes two
+    layers to a slow link, 16 does not fit. The choice stops where the copies cost more than
+    the rows gain."""
     layers = [
         dataclasses.replace(x, kv_bytes_per_token=1) if x.kind == "decoder" else x
         for x in model([100] * 4)
     ]
-    snap = cluster({"gpus": [400 + 160 + 100], "host": 10_000, "link": 10.0, "compute": 100.0})
-    opts = PlanOptions(max_seq_len=10, step_overhead_s=0.5)
+    snap = cluster({"gpus": [200 + 100 + 512], "host": 10_000, "link": 10.0, "compute": 100.0})
+    opts = PlanOptions(max_seq_len=16, step_overhead_s=0.5)
     plans = best_plans(layers, snap, opts, batches=(1, 2, 4, 8, 16), prune=False)
     assert [s.offloaded_bytes for s in plans[4].stages] == [0]
     assert plans[8].stages[0].offloaded_bytes == 200 and 16 not in plans

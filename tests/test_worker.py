@@ -68,14 +68,15 @@ def test_budget_overrun_is_refused_with_numbers(index) -> None:
 
 
 def test_the_planned_kv_pool_is_allocated_at_load_inside_the_budget(index) -> None:
-    """The KV slots the plan reserved are allocated when the stage loads, exactly the bytes
-    the index reserves for them, and counted in the budget check: a budget that holds the
-    weights but not the KV fails the load with the numbers, never the first request."""
+    """The KV pool the plan reserved (blocks for a pool of tokens) is allocated when the stage
+    loads, exactly the bytes the index reserves for it, and counted in the budget check: a
+    budget that holds the weights but not the KV fails the load with the numbers, never the
+    first request."""
     import dataclasses
 
-    slots, seq_len = 3, 40
-    planned = sum(layer.kv_bytes(slots, seq_len) for layer in index.layers)
-    spec = dataclasses.replace(spec_for(index, offloaded=()), kv_slots=slots, kv_seq_len=seq_len)
+    slots, pool_tokens = 3, 80  # 5 blocks of 16
+    planned = sum(layer.pool_bytes(slots, pool_tokens) for layer in index.layers)
+    spec = dataclasses.replace(spec_for(index, offloaded=()), kv_slots=slots, kv_blocks=5)
     worker = StageWorker(spec, device="cpu")
     try:
         report = worker.load()
@@ -299,14 +300,8 @@ def test_the_last_stage_keeps_each_slots_settings_for_its_owner_only(index) -> N
         worker.claim(owner)
 
         def rows(start: int, count: int, owner=owner) -> StepRows:
-            return StepRows(
-                slots=(2,),
-                starts=(start,),
-                counts=(count,),
-                width=count,
-                num_slots=4,
-                max_seq_len=16,
-                owner=owner,
+            return StepRows.in_slots(
+                (2,), (start,), (count,), count, num_slots=4, max_seq_len=16, owner=owner
             )
 
         prompt = torch.tensor([[5, 6, 7]])

@@ -1,47 +1,53 @@
-"""A stage's KV cache for every sequence in flight: a fixed pool of slots, one per sequence.
+"""A stage's KV cache for every sequence in flight: a pool of fixed-size blocks shared by all
+of them, and a slot per running sequence for what does not grow with its length.
 
-Each decoder layer the stage holds gets a keys and a values store of shape (slots, kv_heads,
-max_seq_len, head_dim), each shaped as the model writes it (DeepSeek's multi-head latent
+Each decoder layer the stage holds gets a keys and a values store of shape (blocks,
+block_size, kv_heads, head_dim), each shaped as the model writes it (DeepSeek's multi-head latent
 attention writes its compressed latent as keys and its rotated key part as values, one head
-each), allocated at the layer's first write and kept: the bytes the plan reserved (`max_batch` x `max_seq_len`), never more, and no
-allocation per request or per step. A sequence owns one slot from its admission to its end;
-the engine hands a freed slot to the next sequence at once, and the stale keys in it are never
-read (the mask only lets a row see the positions it wrote).
+each), allocated at load by a first write and kept: the bytes the plan reserved (its pool of
+tokens), never more, and no allocation per request or per step. The engine gives a sequence
+blocks as it grows and frees them the step it ends; a step carries each row's block table
+(`StepRows.tables`: the blocks of positions 0.., in order), so a sequence takes the memory its
+tokens need, not `max_seq_len` of it (vLLM measured 60-80% of a slot-per-sequence cache wasted).
+A freed block's stale keys are never read: the mask only lets a row see the positions it wrote.
 
-Why slots and not pages (transformers' `continuous_batching` has a paged cache): with slots a
-step is the model's own forward over a batch (rows, width), each row writing its new keys at
-its own position, so the model's attention and kernels run unchanged; pages need a paged
-attention implementation and a flattened batch. The price is capacity: a slot holds
-`max_seq_len` positions whatever the sequence uses, so the plan's reserve bounds the batch by
-the longest sequence (bench/RESULTS.md, "Continuous batching", has the numbers).
-
-A step sees the pool through a `BatchView` (a transformers `Cache`): the step's rows (slots),
-where each row's new tokens start and how many there are. Rows are left-padded to the step's
-width; only the real tokens are written. The masks follow each row's own length; the model's
-code asks for them by kind (`create_causal_mask`, `create_sliding_window_causal_mask`,
-`create_chunked_causal_mask`) and `worker.stage` routes those calls here (`mask`). Any other
-mask function reaches `get_query_offset`, which refuses it. A model may ask the cache how many
-keys a step attends to (`get_mask_sizes`; Bloom builds its ALiBi biases from it): every row's
-keys sit at their own positions in its slot, so a bias linear in the key's position is right
-for each row (softmax ignores a constant per query).
+A step sees the pool through a `BatchView` (a transformers `Cache`): the step's rows, their
+slots and tables, where each row's new tokens start and how many there are. Rows are
+left-padded to the step's width; only the real tokens are written, each into its block and
+offset. A layer's attention gets each row's keys and values gathered from its blocks into
+(rows, kv_heads, positions, head_dim), position j of a row being position j of its sequence:
+the model's own attention and masks run unchanged (no paged kernel). The masks follow each
+row's own length; the model's code asks for them by kind (`create_causal_mask`,
+`create_sliding_window_causal_mask`, `create_chunked_causal_mask`) and `worker.stage` routes
+those calls here (`mask`). Any other mask function reaches `get_query_offset`, which refuses
+it. A model may ask the cache how many keys a step attends to (`get_mask_sizes`; Bloom builds
+its ALiBi biases from it): every row's keys sit at their own positions, so a bias linear in the
+key's position is right for each row (softmax ignores a constant per query).
 
 Layers with recurrent state (mamba mixers, gated delta-net and other linear attention, short
 convolutions: `qwen3_next`, `bamba`, `jamba`, `lfm2`...) keep per sequence a fixed-size state
-instead of keys and values: the model's own code asks the cache for its convolution and
-recurrent states (`get_conv_state`, `update_recurrent_state`, as transformers'
-`LinearAttentionLayer` answers them) and the pool keeps them per slot, shaped as the model writes
-them. A row whose sequence starts in this step (`start` 0) gets its slot's states cleared first
-(a freed slot's state is never read by the next sequence); when every row starts, the model sees
-no previous state, as transformers' own fresh cache gives. A recurrence cannot skip a padded
-position (a mamba state decays on a zero input, a convolution shifts it in), so a step through
-such a layer must have every row feed exactly `width` tokens: the engine plans such steps for
-these models (`Scheduler(uniform=True)`), and a padded one is refused here, never run.
+instead of keys and values, in its slot (`num_slots`: the sequences running at once): the
+model's own code asks the cache for its convolution and recurrent states (`get_conv_state`,
+`update_recurrent_state`, as transformers' `LinearAttentionLayer` answers them) and the pool
+keeps them per slot, shaped as the model writes them. A row whose sequence starts in this step
+(`start` 0) gets its slot's states cleared first (a freed slot's state is never read by the next
+sequence); when every row starts, the model sees no previous state, as transformers' own fresh
+cache gives. A recurrence cannot skip a padded position (a mamba state decays on a zero input, a
+convolution shifts it in), so a step through such a layer must have every row feed exactly
+`width` tokens: the engine plans such steps for these models (`Scheduler(uniform=True)`), and a
+padded one is refused here, never run.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers.cache_utils import Cache
+
+from worker.spec import DEFAULT_BLOCK_SIZE, blocks_for
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "BatchView", "KvPool", "blocks_for", "contiguous_tables"]
 
 # A mask function other than the two `worker.stage` routes here reached the cache: this family
 # builds its masks some other way, and a mask sized as one sequence would be silently wrong.
@@ -60,25 +66,46 @@ def row_positions(starts: torch.Tensor, counts: torch.Tensor, width: int) -> tor
     return (starts[:, None] + column - (width - counts[:, None])).clamp(min=0)
 
 
-class SlotPool:
-    """Keys and values of `num_slots` sequences of up to `max_seq_len` tokens, for the decoder
-    layers `held_layers` (model indices)."""
+def contiguous_tables(
+    slots: Sequence[int], max_seq_len: int, block_size: int
+) -> tuple[tuple[int, ...], ...]:
+    """Block tables that give each slot its own run of blocks for `max_seq_len` positions (slot
+    s: blocks s*n .. s*n + n-1): for callers that keep one sequence per slot and no block
+    bookkeeping (a probe, the family check, tests). Their pool needs `num_slots * n` blocks."""
+    n = blocks_for(max_seq_len, block_size)
+    return tuple(tuple(range(slot * n, slot * n + n)) for slot in slots)
+
+
+class KvPool:
+    """Keys and values in `num_blocks` blocks of `block_size` positions, for the decoder layers
+    `held_layers` (model indices), and the recurrent states of `num_slots` sequences."""
 
     def __init__(
-        self, held_layers: list[int], *, num_slots: int, max_seq_len: int, device: torch.device
+        self,
+        held_layers: list[int],
+        *,
+        num_blocks: int,
+        block_size: int,
+        num_slots: int,
+        device: torch.device,
     ) -> None:
-        if num_slots < 1 or max_seq_len < 1:
+        if num_blocks < 1 or block_size < 1 or num_slots < 1:
             raise ValueError(
-                f"a slot pool needs num_slots >= 1 and max_seq_len >= 1, got "
-                f"{num_slots} and {max_seq_len}"
+                f"a KV pool needs num_blocks, block_size and num_slots >= 1, got {num_blocks}, "
+                f"{block_size} and {num_slots}"
             )
         self.held = sorted(held_layers)
-        self.num_slots, self.max_seq_len, self.device = num_slots, max_seq_len, device
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_slots, self.device = num_slots, device
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         # (kind "conv" or "recurrent", layer, state index) -> (slots, *one sequence's state)
         self.states: dict[tuple[str, int, int], torch.Tensor] = {}
         self.state_at: dict[int, int] = {}  # slot -> how many tokens its states took in
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.num_blocks, self.block_size, self.num_slots
 
     def nbytes(self) -> int:
         stores = (*self.keys.values(), *self.values.values(), *self.states.values())
@@ -110,46 +137,78 @@ class SlotPool:
     def stores(
         self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's keys and values stores, allocated on first use, each shaped like what
-        the model writes (`keys`, `values`: rows, kv_heads, width, head_dim)."""
+        """The layer's keys and values stores (blocks, block_size, kv_heads, head_dim),
+        allocated on first use, each shaped like what the model writes (`keys`, `values`:
+        rows, kv_heads, width, head_dim)."""
         if layer_idx not in self.keys:
             if layer_idx not in self.held:
                 raise ValueError(f"layer {layer_idx} is not held by this stage ({self.held})")
             for store, like in ((self.keys, keys), (self.values, values)):
-                shape = (self.num_slots, like.shape[1], self.max_seq_len, like.shape[3])
+                shape = (self.num_blocks, self.block_size, like.shape[1], like.shape[3])
                 store[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=self.device)
         return self.keys[layer_idx], self.values[layer_idx]
 
-    def view(self, slots: list[int], starts: list[int], counts: list[int], width: int) -> BatchView:
-        return BatchView(self, slots, starts, counts, width)
+    def view(
+        self,
+        slots: list[int],
+        starts: list[int],
+        counts: list[int],
+        width: int,
+        tables: Sequence[Sequence[int]],
+    ) -> BatchView:
+        return BatchView(self, slots, starts, counts, width, tables)
 
 
 class BatchView(Cache):
-    """One step's rows of a `SlotPool`, as the `Cache` the model updates and reads."""
+    """One step's rows of a `KvPool`, as the `Cache` the model updates and reads."""
 
     def __init__(
-        self, pool: SlotPool, slots: list[int], starts: list[int], counts: list[int], width: int
+        self,
+        pool: KvPool,
+        slots: list[int],
+        starts: list[int],
+        counts: list[int],
+        width: int,
+        tables: Sequence[Sequence[int]],
     ) -> None:
         super().__init__(layers=[])
-        if not len(slots) == len(starts) == len(counts):
-            raise ValueError("slots, starts and counts must have one entry per row")
-        for slot, start, count in zip(slots, starts, counts, strict=True):
+        if not len(slots) == len(starts) == len(counts) == len(tables):
+            raise ValueError("slots, starts, counts and tables must have one entry per row")
+        size = pool.block_size
+        for slot, start, count, table in zip(slots, starts, counts, tables, strict=True):
             if not 0 <= slot < pool.num_slots:
                 raise ValueError(f"slot {slot} is outside the pool of {pool.num_slots}")
-            if not 1 <= count <= width or start < 0 or start + count > pool.max_seq_len:
+            if not 1 <= count <= width or start < 0 or start + count > len(table) * size:
                 raise ValueError(
-                    f"a row of {count} token(s) at {start} does not fit width "
-                    f"{width} and max_seq_len {pool.max_seq_len}"
+                    f"a row of {count} token(s) at {start} does not fit width {width} and its "
+                    f"{len(table)} block(s) of {size} positions"
+                )
+            if any(not 0 <= b < pool.num_blocks for b in table):
+                raise ValueError(
+                    f"slot {slot}'s block table {list(table)} names a block outside the pool "
+                    f"of {pool.num_blocks}"
                 )
         self.pool, self.width = pool, width
-        self.slots = torch.tensor(slots, device=pool.device)
-        self.starts = torch.tensor(starts, device=pool.device)
-        self.counts = torch.tensor(counts, device=pool.device)
+        device = pool.device
+        self.slots = torch.tensor(slots, device=device)
+        self.starts = torch.tensor(starts, device=device)
+        self.counts = torch.tensor(counts, device=device)
         self._rows = list(zip(slots, starts, counts, strict=True))
-        self.decode = width == 1  # every row one token: one vectorised write
+        # Where each real token goes: (row, column) of the step's input -> (block, offset),
+        # once per step for every layer.
+        rows, columns, blocks, offsets = [], [], [], []
+        for r, (start, count, table) in enumerate(zip(starts, counts, tables, strict=True)):
+            for p in range(start, start + count):
+                rows.append(r)
+                columns.append(width - count + p - start)
+                blocks.append(table[p // size])
+                offsets.append(p % size)
+        self._write = tuple(
+            torch.tensor(v, device=device) for v in (rows, columns, blocks, offsets)
+        )
         # Rows in consecutive slots (the engine hands out the lowest free slot and orders a
-        # step's rows by slot, so this is the common case): the stores are read through a
-        # view instead of a gather that copies every row's keys and values at every layer.
+        # step's rows by slot, so this is the common case): recurrent states are read through
+        # a view instead of a gather.
         first = slots[0]
         self._span = (
             slice(first, first + len(slots))
@@ -157,6 +216,12 @@ class BatchView(Cache):
             else None
         )
         self.kv_length = max(s + c for s, c in zip(starts, counts, strict=True))
+        # The blocks each row's attention reads, positions 0..kv_length-1 (a row shorter than
+        # that pads with its first block: positions it never wrote are masked)
+        n = blocks_for(self.kv_length, size)
+        self._read = torch.tensor(
+            [list(t[:n]) + [t[0]] * (n - min(n, len(t))) for t in tables], device=device
+        )
         # recurrent state: rows that start here (cleared), and the states handed to the model
         # as copies (rows not consecutive) that its in-place updates change: written back by
         # `commit` after the step
@@ -179,17 +244,15 @@ class BatchView(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.pool.stores(layer_idx, key_states, value_states)
-        if self.decode:
-            keys[self.slots, :, self.starts] = key_states[:, :, 0]
-            values[self.slots, :, self.starts] = value_states[:, :, 0]
-        else:
-            for row, (slot, start, count) in enumerate(self._rows):
-                keys[slot, :, start : start + count] = key_states[row, :, self.width - count :]
-                values[slot, :, start : start + count] = value_states[row, :, self.width - count :]
-        length = self.kv_length
-        if self._span is not None:
-            return keys[self._span, :, :length], values[self._span, :, :length]
-        return keys[self.slots, :, :length], values[self.slots, :, :length]
+        rows, columns, blocks, offsets = self._write
+        keys[blocks, offsets] = key_states[rows, :, columns]
+        values[blocks, offsets] = value_states[rows, :, columns]
+        return self._gather(keys), self._gather(values)
+
+    def _gather(self, store: torch.Tensor) -> torch.Tensor:
+        """Each row's positions 0..kv_length-1 from its blocks: (rows, heads, kv_length, dim)."""
+        rows = store[self._read].flatten(1, 2)  # (rows, blocks x block_size, heads, dim)
+        return rows[:, : self.kv_length].transpose(1, 2)
 
     # recurrent state (transformers' LinearAttentionLayer interface, per row from the slots)
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
@@ -272,7 +335,7 @@ class BatchView(Cache):
         if store is None:
             raise ValueError(
                 f"layer {key[1]}'s {key[0]} state was never written, yet a row continues its "
-                "sequence: the slot pool lost it (the stage changed); the sequence must be fed "
+                "sequence: the KV pool lost it (the stage changed); the sequence must be fed "
                 "again from its start"
             )
         if self._span is not None:

@@ -20,7 +20,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from offload.errors import LaunchError
-from worker.batch_cache import SlotPool, row_positions
+from worker.batch_cache import (
+    DEFAULT_BLOCK_SIZE,
+    KvPool,
+    blocks_for,
+    contiguous_tables,
+    row_positions,
+)
 from worker.decode import Logprobs, RowSettings, Sampling, logprobs_of, sample_rows
 from worker.wire import Packed, pack, unpack
 
@@ -43,17 +49,49 @@ class ClaimedByAnotherError(NotOwnerError):
 
 @dataclass(frozen=True, slots=True)
 class StepRows:
-    """The rows of one step: row r writes `counts[r]` new tokens into KV slot `slots[r]` from
-    position `starts[r]` on; the step's inputs are left-padded to `width`. The pool's size
-    rides along, so a worker sizes its pool from the engine that uses it."""
+    """The rows of one step: row r (the sequence in slot `slots[r]`) writes `counts[r]` new
+    tokens from position `starts[r]` on into the blocks of its table `tables[r]` (the blocks of
+    its positions 0.., in order: at least through the step's last position, a burst's too); the
+    step's inputs are left-padded to `width`. The pool's shape rides along, so a worker sizes
+    its pool from the engine that uses it."""
 
     slots: tuple[int, ...]
     starts: tuple[int, ...]
     counts: tuple[int, ...]
     width: int
     num_slots: int
-    max_seq_len: int
+    tables: tuple[tuple[int, ...], ...]
+    num_blocks: int
+    block_size: int = DEFAULT_BLOCK_SIZE
     owner: Owner = ("", 0)
+
+    @classmethod
+    def in_slots(
+        cls,
+        slots: Sequence[int],
+        starts: Sequence[int],
+        counts: Sequence[int],
+        width: int,
+        *,
+        num_slots: int,
+        max_seq_len: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        owner: Owner = ("", 0),
+    ) -> StepRows:
+        """Rows of callers that keep one sequence per slot and no block bookkeeping (a probe,
+        the family check, tests): slot s's sequence in its own run of blocks for
+        `max_seq_len` positions (`contiguous_tables`)."""
+        return cls(
+            slots=tuple(slots),
+            starts=tuple(starts),
+            counts=tuple(counts),
+            width=width,
+            num_slots=num_slots,
+            tables=contiguous_tables(slots, max_seq_len, block_size),
+            num_blocks=num_slots * blocks_for(max_seq_len, block_size),
+            block_size=block_size,
+            owner=owner,
+        )
 
     def advanced(self) -> StepRows:
         """The next decode step of the same rows: one token each, after what this step wrote."""
@@ -262,12 +300,12 @@ def prompt_logprobs(
 
 
 class BatchRunner:
-    """A stage's batched steps and the slot pool they write (created at the first step, sized
+    """A stage's batched steps and the KV pool they write (created at the first step, sized
     by it, and kept until the stage changes), owned by one engine at a time (`claim`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.pool: SlotPool | None = None
+        self.pool: KvPool | None = None
         self.owner: Owner | None = None  # who may step this pool now
         # the last stage: each slot's settings, as its owner sent them (Draw.settings), and the
         # last logits of a prompt chunk whose next chunk's first token is to be scored
@@ -326,15 +364,21 @@ class BatchRunner:
     def nbytes(self) -> int:
         return self.pool.nbytes() if self.pool is not None else 0
 
-    def allocate(self, stage, *, num_slots: int, max_seq_len: int, hidden_size: int, dtype) -> None:
-        """Allocate the slot pool now (at load, inside the budget check, not at the first
-        request): one step of one token in slot 0 through the stage, so each layer's stores
-        take the shapes its own attention gives. What it writes is never read: a row sees only
-        the positions it wrote itself."""
+    def allocate(
+        self, stage, *, num_blocks: int, block_size: int, num_slots: int, hidden_size: int, dtype
+    ) -> None:
+        """Allocate the KV pool now (at load, inside the budget check, not at the first
+        request): one step of one token in slot 0 and block 0 through the stage, so each
+        layer's stores take the shapes its own attention gives. What it writes is never read:
+        a row sees only the positions it wrote itself."""
         if not stage.decoder_indices:
             return
-        self.pool = SlotPool(
-            stage.decoder_indices, num_slots=num_slots, max_seq_len=max_seq_len, device=self.device
+        self.pool = KvPool(
+            stage.decoder_indices,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_slots=num_slots,
+            device=self.device,
         )
         if stage.is_first:
             x = torch.zeros((1, 1), dtype=torch.long)
@@ -345,7 +389,7 @@ class BatchRunner:
                 x.to(self.device),
                 position_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device),
                 logits_to_keep=1 if stage.is_last else 0,
-                cache=self.pool.view([0], [0], [1], 1),
+                cache=self.pool.view([0], [0], [1], 1, [[0]]),
             )
 
     def step(self, stage, rows: StepRows, x: torch.Tensor, draw: Draw | None) -> torch.Tensor:
@@ -357,14 +401,17 @@ class BatchRunner:
         held = stage.decoder_indices
         if held:
             pool = self.pool
-            if pool is None or (pool.num_slots, pool.max_seq_len) != (
-                rows.num_slots,
-                rows.max_seq_len,
-            ):
-                pool = self.pool = SlotPool(
-                    held, num_slots=rows.num_slots, max_seq_len=rows.max_seq_len, device=self.device
+            if pool is None or pool.shape != (rows.num_blocks, rows.block_size, rows.num_slots):
+                pool = self.pool = KvPool(
+                    held,
+                    num_blocks=rows.num_blocks,
+                    block_size=rows.block_size,
+                    num_slots=rows.num_slots,
+                    device=self.device,
                 )
-            view = pool.view(list(rows.slots), list(rows.starts), list(rows.counts), rows.width)
+            view = pool.view(
+                list(rows.slots), list(rows.starts), list(rows.counts), rows.width, rows.tables
+            )
         if x.shape[:2] != (len(rows.slots), rows.width):
             raise ValueError(
                 f"step input of shape {tuple(x.shape)} does not match "

@@ -1,10 +1,10 @@
 """How fast this node runs the model: decoder layers of the model's own class, random weights
 in the job's dtype, stepped exactly as a worker steps them (a `Stage` holding them, their KV in
-a slot pool, `BatchRunner.step`), timed as decode steps of 1 to 64 sequences over a short
+a KV pool of blocks, `BatchRunner.step`), timed as decode steps of 1 to 64 sequences over a short
 context. A stage of one layer and a stage of two, step by step in turn: the difference is what
 each further layer costs (the planner's compute rate: the weights a layer streams through per
 step / that time), the rest is what a stage's step costs whatever it holds (positions, masks,
-the slot view: the plan's per-step overhead). The planner then predicts a stage's time from
+the block gathers: the plan's per-step overhead). The planner then predicts a stage's time from
 what this device does with this model, not from an assumed rate.
 
 Quick (a few dozen steps of one layer) and cached per model shape, dtype, device and torch
@@ -156,11 +156,11 @@ def _measure(config: dict, dtype: str, device: torch.device) -> ComputeProfile:
     hidden = int(config["hidden_size"])
     per_layer, fixed = [], []
     for rows in ROWS:
-        prefill = StepRows(
-            slots=tuple(range(rows)),
-            starts=(0,) * rows,
-            counts=(CONTEXT,) * rows,
-            width=CONTEXT,
+        prefill = StepRows.in_slots(
+            range(rows),
+            (0,) * rows,
+            (CONTEXT,) * rows,
+            CONTEXT,
             num_slots=rows,
             max_seq_len=CONTEXT + STEPS,
             owner=PROBE_OWNER,

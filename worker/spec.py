@@ -229,21 +229,24 @@ class LayerSpec:
     kind: str  # "embed" | "decoder" | "head"
     index: int | None  # decoder layer index
     tensors: tuple[TensorSlice, ...]
-    # KV cache of a decoder layer: bytes per cached token of one sequence, and the sliding
-    # window it keeps at most (None: every token).
+    # KV cache of a decoder layer: bytes per cached token of one sequence
     kv_bytes_per_token: int = 0
-    kv_window: int | None = None
     # recurrent state of one sequence (convolution and SSM / linear-attention states: mamba
     # and hybrid layers), whatever its length
     state_bytes: int = 0
 
+    def pool_bytes(self, sequences: int, pool_tokens: int) -> int:
+        """This layer's part of a KV pool of `pool_tokens` positions (every sequence's, in
+        blocks: a sliding-window layer keeps them all too) with the recurrent states of
+        `sequences` sequences running at once."""
+        if pool_tokens <= 0:  # no generation (max_seq_len 0): no cache at all
+            return 0
+        return pool_tokens * self.kv_bytes_per_token + sequences * self.state_bytes
+
     def kv_bytes(self, sequences: int, tokens: int) -> int:
         """KV cache and recurrent state bytes for `sequences` sequences of up to `tokens`
-        tokens each."""
-        if tokens <= 0:  # no generation (max_seq_len 0): no cache at all
-            return 0
-        kept = tokens if self.kv_window is None else min(tokens, self.kv_window)
-        return sequences * (kept * self.kv_bytes_per_token + self.state_bytes)
+        tokens each, each in whole blocks."""
+        return self.pool_bytes(sequences, sequences * blocks_for(tokens) * DEFAULT_BLOCK_SIZE)
 
     @property
     def nbytes(self) -> int:
@@ -303,6 +306,16 @@ class LayerSpec:
         )
 
 
+# Positions per KV block (worker.batch_cache): vLLM's default. Smaller wastes less of a
+# sequence's last block; larger makes shorter block tables and fewer, larger gathers.
+DEFAULT_BLOCK_SIZE = 16
+
+
+def blocks_for(tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Blocks that hold `tokens` positions."""
+    return -(-tokens // block_size)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StageSpec:
     """Everything one worker needs: its layers, which of them are offloaded, and how."""
@@ -320,10 +333,12 @@ class StageSpec:
     backend: str = "auto"
     backend_reason: str = ""  # why the plan chose `backend` for this node (reported)
     offload_dtype: str = "auto"  # how offloaded weights are kept (OFFLOAD_DTYPES)
-    # The KV slot pool the plan reserved (max_batch x max_seq_len), allocated at load inside
-    # the budget check; 0: allocated at the first generation step (no KV planned)
+    # The KV pool the plan reserved, allocated at load inside the budget check: `kv_blocks`
+    # blocks of `kv_block_size` positions, and recurrent states for `kv_slots` sequences (the
+    # plan's max_batch); 0: allocated at the first generation step (no KV planned)
     kv_slots: int = 0
-    kv_seq_len: int = 0
+    kv_blocks: int = 0
+    kv_block_size: int = DEFAULT_BLOCK_SIZE
     # Device bytes the plan keeps free for a step's activations and workspace: on a real GPU,
     # checked free once the stage is loaded (coordinator/planning/reserve.py).
     reserve_bytes: int = 0

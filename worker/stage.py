@@ -210,7 +210,7 @@ class Stage(nn.Module):
     ) -> torch.Tensor:
         """Token ids (first stage) or hidden states in; hidden states, or logits from the last
         stage (of the last `logits_to_keep` positions; 0: all). With `cache` (a `BatchView` of
-        the stage's slot pool: generation), the keys and values of this stage's layers are
+        the stage's KV pool: generation), the keys and values of this stage's layers are
         written to it and attended to, each row at its own positions and with its own masks
         (the mask argument is then unused)."""
         limit = self.batched_positions

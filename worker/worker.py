@@ -278,11 +278,12 @@ class StageWorker:
         # first forward's latency) is that of the steady state.
         self.offloader.synchronize()
         spec = self.spec
-        if spec.kv_slots and spec.kv_seq_len:  # the planned KV pool, inside the check below
+        if spec.kv_slots and spec.kv_blocks:  # the planned KV pool, inside the check below
             self._batches.allocate(
                 self.stage,
+                num_blocks=spec.kv_blocks,
+                block_size=spec.kv_block_size,
                 num_slots=spec.kv_slots,
-                max_seq_len=spec.kv_seq_len,
                 hidden_size=self._hf_config.hidden_size,
                 dtype=torch_dtype_named(spec.dtype),
             )

@@ -37,6 +37,7 @@ from coordinator.engine.scheduler import Scheduler, Step
 from coordinator.engine.sequences import Finish, Request, Sequence
 from coordinator.engine.stats import EngineStats
 from offload.errors import BusyError, ConfigError, NeverFitsError
+from worker.batch_cache import DEFAULT_BLOCK_SIZE, blocks_for
 from worker.batched import NotOwnerError
 
 DEFAULT_MAX_QUEUE = 1024  # sequences waiting for a slot; beyond: BusyError (HTTP 429)
@@ -68,8 +69,12 @@ class EngineClosedError(ConfigError):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineConfig:
-    num_slots: int  # the plan's max_batch
+    num_slots: int  # the plan's max_batch: sequences running at once
     max_seq_len: int
+    # the KV pool: blocks of `block_size` positions (0: as many as num_slots sequences of
+    # max_seq_len take); it must hold one sequence of max_seq_len
+    num_blocks: int = 0
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_queue: int = DEFAULT_MAX_QUEUE
     prefill_tokens: int = DEFAULT_PREFILL_TOKENS
     burst_steps: int = 0  # decode steps per call when every micro-batch decodes; 0: the
@@ -84,10 +89,17 @@ class EngineConfig:
     whole_prompts: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_slots", "max_seq_len", "prefill_tokens"):
+        for name in ("num_slots", "max_seq_len", "prefill_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("micro_batches", "burst_steps"):
+        longest = blocks_for(self.max_seq_len, self.block_size)
+        if self.num_blocks and self.num_blocks < longest:
+            raise ConfigError(
+                f"a KV pool of {self.num_blocks} blocks x {self.block_size} positions cannot "
+                f"hold one sequence of max_seq_len={self.max_seq_len} ({longest} blocks): give "
+                "it more tokens, or lower max_seq_len"
+            )
+        for name in ("micro_batches", "burst_steps", "num_blocks"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
         if self.max_queue < self.num_slots:
@@ -132,8 +144,11 @@ class Engine:
             prefill_tokens=config.prefill_tokens,
             uniform=config.uniform_steps,
             whole_prompts=config.whole_prompts,
+            num_blocks=config.num_blocks,
+            block_size=config.block_size,
         )
         self.stats = EngineStats(num_slots=config.num_slots)
+        self.stats.num_blocks = self.scheduler.num_blocks
         # what could never fit: the same refusals (and words) as Job.check_request's
         self._budget = KvBudget(max_batch=config.num_slots, max_seq_len=config.max_seq_len)
         self._cond = threading.Condition()
@@ -267,8 +282,12 @@ class Engine:
         """Wake the clients of the requests that ended (each once), after the stats count
         them (a client that reads the stats as soon as its request is done sees it gone)."""
         done = self.scheduler.take_done()
-        self.stats.running = len(self.scheduler.running)
-        self.stats.waiting = len(self.scheduler.waiting)
+        scheduler = self.scheduler
+        self.stats.running = len(scheduler.running)
+        self.stats.waiting = len(scheduler.waiting)
+        self.stats.used_blocks = scheduler.used_blocks
+        self.stats.used_tokens = scheduler.used_tokens
+        self.stats.preemptions = scheduler.preemptions
         for request in done:
             for _ in request.sequences:
                 self.stats.finished()
@@ -335,10 +354,18 @@ class Engine:
         scheduler = self.scheduler
         if self._burst_steps() == 1 or self._cancelled:
             return False
-        if (scheduler.waiting or self._incoming) and scheduler.free_slots:
+        if self._could_admit():
             return False
         running = scheduler.running
         return bool(running) and all(s.pending == 1 for s in running if s.finish is None)
+
+    def _could_admit(self) -> bool:
+        """A sequence waits (or arrived) that a step boundary would admit: a slot and blocks
+        for it are free."""
+        scheduler = self.scheduler
+        if scheduler.waiting:
+            return scheduler.can_admit(scheduler.waiting[0])
+        return bool(self._incoming) and scheduler.can_admit()
 
     def _burst(self, steps: list[Step]) -> int:
         """Decode steps `steps` may run on the workers without the driver: several when they
@@ -352,7 +379,8 @@ class Engine:
         left = min(
             s.request.max_new_tokens - len(s.generated) for step in steps for s in step.sequences
         )
-        return max(1, min(self._burst_steps(), left))
+        # as many as the KV pool has blocks for: a burst never preempts
+        return scheduler.grow(steps, max(1, min(self._burst_steps(), left)))
 
     def _burst_steps(self) -> int:
         steps = self.config.burst_steps or self.pipeline.max_burst
@@ -403,10 +431,10 @@ class Engine:
         with self._cond:
             if self._cancelled:
                 return True
-            arrivals = bool(self._incoming or self.scheduler.waiting)
+            admits = self._could_admit()
         if any(s.finish is not None for step in steps for s in step.sequences):
             return True
-        return arrivals and bool(self.scheduler.free_slots)
+        return admits
 
     def _deliver(self, added: list[tuple[Sequence, int]]) -> None:
         now = time.perf_counter()

@@ -7,8 +7,17 @@ cancel, client gone, error, recovery, close) goes through `finish`: a sequence e
 slot is freed once (at once, or when the step of its micro-batch in flight comes back), and
 the requests whose sequences have all ended are handed out once by `take_done`.
 
-Sequences wait in one FIFO queue and take a KV slot as one frees (at most `num_slots` run at
-once, the plan's max_batch). Running sequences are split over `num_groups` micro-batches, each
+Sequences wait in one FIFO queue. The head is admitted when a slot is free (at most
+`num_slots` run at once: the plan's max_batch, vLLM's max_num_seqs) and the KV pool has blocks
+for every token it feeds first (its prompt; a preempted sequence's tokens so far) with a margin
+of 1% of the pool left for the running ones to grow into; it gets those blocks at once, and one
+more each time it crosses a block's end. A step that needs blocks the pool no longer has
+preempts the youngest running sequence (of a micro-batch with no step in flight): its blocks
+and slot are freed and it goes back to the head of the queue, to feed its prompt and its tokens
+so far again when it is admitted again (as after a recovery), so its text is unchanged. The
+oldest sequence is never preempted for a younger one, and the pool holds at least one sequence
+of `max_seq_len` tokens (checked when the scheduler is made, and by the plan), so every
+request ends. Running sequences are split over `num_groups` micro-batches, each
 owning a contiguous range of slots (so a step's rows are consecutive slots, and the workers
 read their keys and values through a view, never a gather); each micro-batch alternates two
 kinds of step when it has both to do:
@@ -35,13 +44,16 @@ transformers 5.23, where Qwen3-Next's and Bamba's agree to 1e-7) each prompt goe
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from coordinator.engine.sequences import Finish, Request, Sequence, Status
+from worker.batch_cache import DEFAULT_BLOCK_SIZE, blocks_for
 from worker.batched import NO_TOKEN, Chosen, Draw, StepRows
 
 
@@ -81,8 +93,24 @@ class Scheduler:
         prefill_tokens: int,
         uniform: bool = False,
         whole_prompts: bool = False,
+        num_blocks: int = 0,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
+        """`num_blocks` of `block_size` positions: the KV pool (0: one run of blocks for
+        `max_seq_len` positions per slot, as much as a slot per sequence would hold)."""
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
+        self.block_size = block_size
+        self.num_blocks = num_blocks or num_slots * blocks_for(max_seq_len, block_size)
+        longest = blocks_for(max_seq_len, block_size)
+        if self.num_blocks < longest:
+            raise ValueError(
+                f"a KV pool of {self.num_blocks} blocks of {block_size} positions cannot hold "
+                f"one sequence of max_seq_len={max_seq_len} ({longest} blocks): requests could "
+                "wait forever; give the pool at least that many tokens"
+            )
+        self.free_blocks: list[int] = list(range(self.num_blocks - 1, -1, -1))  # pop: lowest
+        self.preemptions = 0
+        self._admissions = itertools.count()
         self.prefill_tokens, self.uniform = prefill_tokens, uniform
         self.whole_prompts = whole_prompts
         self.waiting: deque[Sequence] = deque()
@@ -115,22 +143,124 @@ class Scheduler:
             seq.status = Status.WAITING
         self.waiting.extend(request.sequences)
 
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    @property
+    def used_tokens(self) -> int:
+        """Positions of the pool that hold a running sequence's keys and values."""
+        return sum(s.cached for s in self.running)
+
+    def _margin(self) -> int:
+        """Blocks admission leaves free for the running sequences to grow into: 1% of the
+        pool (vLLM's watermark), none when nothing runs."""
+        return max(1, self.num_blocks // 100) if any(g.sequences for g in self.groups) else 0
+
+    def can_admit(self, seq: Sequence | None = None) -> bool:
+        """A slot is free and the pool has blocks for `seq` (the head of the queue; None: a
+        sequence of one block) with the margin left."""
+        if not any(g.free for g in self.groups):
+            return False
+        need = blocks_for(len(seq.tokens), self.block_size) if seq is not None else 1
+        return need + self._margin() <= len(self.free_blocks)
+
     def admit(self) -> list[Sequence]:
-        """Move waiting sequences into free slots, first come first served, each into the
-        micro-batch with the fewest sequences that has a free slot; returns them."""
+        """Move waiting sequences into free slots while the pool has blocks for what they
+        feed first, first come first served (the head waits, and everyone behind it), each
+        into the micro-batch with the fewest sequences that has a free slot; returns them."""
         admitted = []
-        while self.waiting:
-            open_groups = [g for g in range(len(self.groups)) if self.groups[g].free]
-            if not open_groups:
-                break
+        while self.waiting and self.can_admit(self.waiting[0]):
             seq = self.waiting.popleft()
+            open_groups = [g for g in range(len(self.groups)) if self.groups[g].free]
             g = min(open_groups, key=lambda g: len(self.groups[g].sequences))
             group = self.groups[g]
             seq.slot, seq.group = heapq.heappop(group.free), g
             seq.status = Status.RUNNING
+            seq.admitted = next(self._admissions)
+            self._take_blocks(seq, len(seq.tokens))
             group.sequences.append(seq)
             admitted.append(seq)
         return admitted
+
+    def _take_blocks(self, seq: Sequence, tokens: int) -> None:
+        """Give `seq` blocks through position `tokens` - 1 (the caller checked they are free)."""
+        for _ in range(blocks_for(tokens, self.block_size) - len(seq.blocks)):
+            seq.blocks.append(self.free_blocks.pop())
+
+    def _blocks_needed(self, seq: Sequence, tokens: int) -> int:
+        return max(0, blocks_for(tokens, self.block_size) - len(seq.blocks))
+
+    def _free_blocks_of(self, seq: Sequence) -> None:
+        self.free_blocks.extend(reversed(seq.blocks))
+        seq.blocks = []
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's slot and blocks (no step of its micro-batch in flight) and
+        put it back at the head of the queue: it feeds its prompt and tokens so far again when
+        admitted again."""
+        group = self.groups[seq.group]
+        assert not group.in_flight, "a sequence preempted under a step in flight"
+        group.sequences.remove(seq)
+        heapq.heappush(group.free, seq.slot)
+        self._sent.pop(seq.slot, None)  # its settings go again with its next first step
+        self._free_blocks_of(seq)
+        seq.slot = seq.group = None
+        seq.status = Status.WAITING
+        seq.cached = 0
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _make_room(self, g: int, rows: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """Give each (sequence, tokens) of a step of micro-batch `g` its blocks through
+        position tokens - 1, preempting the youngest running sequences (of micro-batches with no
+        step in flight, this step's own included) while the pool is short; returns the rows
+        still in the step (empty: it waits for steps in flight to free blocks)."""
+        while True:
+            need = sum(self._blocks_needed(seq, tokens) for seq, tokens in rows)
+            if need <= len(self.free_blocks):
+                for seq, tokens in rows:
+                    self._take_blocks(seq, tokens)
+                return rows
+            live = [s for group in self.groups for s in group.sequences if s.finish is None]
+            oldest = min(live, key=lambda s: s.admitted)
+            candidates = [
+                s
+                for i, group in enumerate(self.groups)
+                if i == g or not group.in_flight
+                for s in group.sequences
+                if s.finish is None and s is not oldest
+            ]
+            if not candidates:  # the oldest is never preempted for a younger one
+                if any(group.in_flight for group in self.groups):
+                    return []  # their steps end, and free blocks or can be preempted
+                raise RuntimeError(
+                    f"the KV pool ({self.num_blocks} blocks) cannot hold its one running "
+                    f"sequence of {oldest.cached} tokens: it must hold one of max_seq_len"
+                )
+            victim = max(candidates, key=lambda s: s.admitted)
+            self._preempt(victim)
+            rows = [(seq, tokens) for seq, tokens in rows if seq is not victim]
+            if not rows:
+                return rows
+
+    def grow(self, steps: list[Step], count: int) -> int:
+        """Blocks for `count` decode steps of every row of `steps` (a burst), as many steps as
+        the free blocks allow without preempting (at least the one each step has); the rows'
+        tables are extended to match. Returns the steps the burst may run."""
+        sequences = [s for step in steps for s in step.sequences]
+        while count > 1:
+            need = sum(self._blocks_needed(s, s.cached + count) for s in sequences)
+            if need <= len(self.free_blocks):
+                break
+            count -= 1
+        for step in steps:
+            for seq in step.sequences:
+                self._take_blocks(seq, seq.cached + count)
+            step.rows = dataclasses.replace(
+                step.rows, tables=tuple(tuple(s.blocks) for s in step.sequences)
+            )
+        return count
 
     def finish(self, seq: Sequence, reason: Finish) -> None:
         """End `seq` (once: a sequence already ended keeps its first reason). A waiting one
@@ -167,6 +297,7 @@ class Scheduler:
         assert not group.in_flight, "a slot freed under a step in flight"
         group.sequences.remove(seq)
         heapq.heappush(group.free, seq.slot)
+        self._free_blocks_of(seq)
         seq.slot = seq.group = None
         seq.status = Status.FINISHED
 
@@ -182,6 +313,7 @@ class Scheduler:
                 if seq.finish is None:
                     requeue.append(seq)
                     group.sequences.remove(seq)
+                    self._free_blocks_of(seq)
                     seq.slot = seq.group = None
                     seq.status = Status.WAITING
                     seq.cached = 0
@@ -206,6 +338,8 @@ class Scheduler:
         elif decode:
             step = self._decode_step(g, decode)
         else:
+            return None
+        if step is None:  # the pool is short until steps in flight end
             return None
         # a decode left out of a prefill step goes first next time: prompts never starve it
         group.last_prefill = step.prefill and any(s not in step.sequences for s in decode)
@@ -249,10 +383,20 @@ class Scheduler:
         x = torch.tensor([[s.tokens[-1]] for s in chosen], dtype=torch.long)
         return self._step(g, chosen, x, [1] * len(chosen), [True] * len(chosen), prefill=False)
 
-    def _step(self, g, chosen, x, counts, samples, *, prefill: bool) -> Step:
+    def _step(self, g, chosen, x, counts, samples, *, prefill: bool) -> Step | None:
+        kept = {
+            id(seq)
+            for seq, _ in self._make_room(
+                g, [(seq, seq.cached + c) for seq, c in zip(chosen, counts, strict=True)]
+            )
+        }
+        if not kept:
+            return None  # no blocks now: steps in flight will free some
         # rows in slot order: a micro-batch's slots are one range, so its rows are often
-        # consecutive slots, which a worker reads through a view (worker.batch_cache)
-        order = sorted(range(len(chosen)), key=lambda r: chosen[r].slot)
+        # consecutive slots, whose recurrent states a worker reads through a view
+        order = sorted(
+            (r for r in range(len(chosen)) if id(chosen[r]) in kept), key=lambda r: chosen[r].slot
+        )
         chosen, x = [chosen[r] for r in order], x[order]
         counts, samples = [counts[r] for r in order], [samples[r] for r in order]
         rows = StepRows(
@@ -261,7 +405,9 @@ class Scheduler:
             counts=tuple(counts),
             width=x.shape[1],
             num_slots=self.num_slots,
-            max_seq_len=self.max_seq_len,
+            tables=tuple(tuple(s.blocks) for s in chosen),
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
             owner=self.owner,
         )
         # settings travel once per sequence: with its first step (the last stage scores the

@@ -16,9 +16,9 @@ from worker.decode import Logprobs, Sampling
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"  # in the queue, no KV slot
-    RUNNING = "running"  # in a KV slot and a micro-batch (prefilling or decoding)
-    FINISHED = "finished"  # ended, slot freed
+    WAITING = "waiting"  # in the queue (new, or preempted: fed again from its start)
+    RUNNING = "running"  # in a slot, with KV blocks, in a micro-batch (prefilling or decoding)
+    FINISHED = "finished"  # ended, slot and blocks freed
 
 
 class Finish(enum.Enum):
@@ -30,7 +30,8 @@ class Finish(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """One row: its prompt, what it generated, and where its keys and values are."""
+    """One row: its prompt, what it generated, and where its keys and values are (a slot for
+    its settings and recurrent states, blocks for its keys and values)."""
 
     request: Request
     row: int  # in its request
@@ -39,7 +40,9 @@ class Sequence:
     status: Status | None = None  # written by the scheduler only
     slot: int | None = None  # KV slot while running
     group: int | None = None  # micro-batch while running
-    cached: int = 0  # tokens whose keys and values are in the slot
+    cached: int = 0  # tokens whose keys and values are in its blocks
+    blocks: list[int] = field(default_factory=list)  # its KV blocks: positions 0.. in order
+    admitted: int = 0  # admission order while running: the youngest is preempted first
     seed: int | None = None  # when sampling: keys each draw with the token's position
     finish: Finish | None = None
     last_token_s: float | None = None  # for inter-token latency

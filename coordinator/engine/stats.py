@@ -105,6 +105,10 @@ class EngineStats:
     running: int = 0
     waiting: int = 0
     num_slots: int = 0
+    num_blocks: int = 0  # the KV pool
+    used_blocks: int = 0  # held by running sequences (a block partly filled counts whole)
+    used_tokens: int = 0  # positions those blocks hold
+    preemptions: int = 0  # running sequences sent back to the queue for want of blocks
     ttft_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     itl_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
@@ -138,6 +142,10 @@ class EngineStats:
             return 0.0
         return self.step_rows / self.steps / self.num_slots
 
+    def kv_usage(self) -> float:
+        """The share of the KV pool's blocks in use (vLLM's kv_cache_usage_perc: 1 = full)."""
+        return self.used_blocks / self.num_blocks if self.num_blocks else 0.0
+
     def snapshot(self) -> dict:
         with self._lock:
             ttft, itl = list(self.ttft_s), list(self.itl_s)
@@ -145,6 +153,11 @@ class EngineStats:
                 "requests_running": self.running,
                 "requests_waiting": self.waiting,
                 "kv_slots": self.num_slots,
+                "kv_blocks": self.num_blocks,
+                "kv_blocks_used": self.used_blocks,
+                "kv_tokens_used": self.used_tokens,
+                "kv_cache_usage": round(self.kv_usage(), 4),
+                "preemptions": self.preemptions,
                 "batch_occupancy": round(self.occupancy(), 4),
                 "mean_batch": round(self.step_rows / self.steps, 3) if self.steps else 0.0,
                 "requests": self.requests,
@@ -168,11 +181,8 @@ class EngineStats:
             for name, kind, value in (
                 ("vllm:num_requests_running", "gauge", self.running),
                 ("vllm:num_requests_waiting", "gauge", self.waiting),
-                (
-                    "vllm:kv_cache_usage_perc",
-                    "gauge",
-                    self.running / self.num_slots if self.num_slots else 0.0,
-                ),
+                ("vllm:kv_cache_usage_perc", "gauge", self.kv_usage()),
+                ("vllm:num_preemptions_total", "counter", self.preemptions),
                 ("offload:batch_occupancy", "gauge", self.occupancy()),
                 ("vllm:generation_tokens_total", "counter", self.generated),
                 ("vllm:request_success_total", "counter", self.ended),
@@ -214,7 +224,12 @@ class EngineMetrics:
         self.usage = Gauge(
             "vllm_kv_cache_usage_perc",
             tag_keys=keys,
-            description="Fraction of KV slots in use (1 = full)",
+            description="Fraction of the KV pool's blocks in use (1 = full)",
+        )
+        self.preemptions = Counter(
+            "vllm_num_preemptions",
+            tag_keys=keys,
+            description="Running sequences preempted for want of KV blocks",
         )
         self.occupancy = Gauge(
             "offload_batch_occupancy",
@@ -237,12 +252,16 @@ class EngineMetrics:
             description="Time between tokens of a sequence",
         )
         self._tokens_seen = 0
+        self._preemptions_seen = 0
 
     def export(self, stats: EngineStats) -> None:
         self.running.set(stats.running, tags=self.tags)
         self.waiting.set(stats.waiting, tags=self.tags)
-        self.usage.set(stats.running / stats.num_slots if stats.num_slots else 0.0, tags=self.tags)
+        self.usage.set(stats.kv_usage(), tags=self.tags)
         self.occupancy.set(stats.occupancy(), tags=self.tags)
+        if stats.preemptions > self._preemptions_seen:
+            self.preemptions.inc(stats.preemptions - self._preemptions_seen, tags=self.tags)
+            self._preemptions_seen = stats.preemptions
         if stats.generated > self._tokens_seen:
             self.tokens.inc(stats.generated - self._tokens_seen, tags=self.tags)
             self._tokens_seen = stats.generated

@@ -8,7 +8,7 @@ from typing import Any
 
 from offload.config import MAX_PREFETCH_STEP  # the offloader's own bound, not a second copy
 from offload.errors import ConfigError
-from worker.spec import OFFLOAD_DTYPES
+from worker.spec import DEFAULT_BLOCK_SIZE, OFFLOAD_DTYPES, blocks_for
 
 OBJECTIVES = ("latency", "throughput")
 DEFAULT_STEP_OVERHEAD_S = 3e-3
@@ -43,6 +43,8 @@ class PlanOptions:
     # max_seq_len tokens each (0: none; the job cannot generate).
     max_batch: int = 0
     max_seq_len: int = 0
+    # The KV pool's positions on each GPU (whole blocks); 0: max_batch x max_seq_len of them
+    kv_tokens: int = 0
     # The max_batch sequences are split into this many micro-batches, in flight at once: a
     # stage steps ceil(max_batch / micro_batches) rows at a time (its compute rate is read there).
     micro_batches: int = 1
@@ -61,6 +63,14 @@ class PlanOptions:
     offload_dtype: str = "auto"
 
     @property
+    def pool_tokens(self) -> int:
+        """The KV pool's positions on each GPU: `kv_tokens`, or room for max_batch sequences of
+        max_seq_len in whole blocks (0: no generation)."""
+        if not self.max_seq_len:
+            return 0
+        return self.kv_tokens or self.max_batch * blocks_for(self.max_seq_len) * DEFAULT_BLOCK_SIZE
+
+    @property
     def rows_per_step(self) -> int:
         """Rows of the largest micro-batch: what one stage step computes."""
         return max(1, -(-self.max_batch // self.micro_batches))
@@ -70,7 +80,7 @@ class PlanOptions:
             raise ConfigError(
                 f"PlanOptions.reserve_bytes={self.reserve_bytes!r} must be an int >= 0"
             )
-        for name in ("max_batch", "max_seq_len"):
+        for name in ("max_batch", "max_seq_len", "kv_tokens"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise ConfigError(f"PlanOptions.{name}={getattr(self, name)!r} must be an int >= 0")
         if not is_int(self.prefetch_step) or not 1 <= self.prefetch_step <= MAX_PREFETCH_STEP:

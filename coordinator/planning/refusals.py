@@ -42,7 +42,7 @@ def slot_count(node: NodeInfo, options: PlanOptions) -> int:
 
 
 def kv_bytes(layer: LayerSpec, options: PlanOptions) -> int:
-    return layer.kv_bytes(options.max_batch, options.max_seq_len)
+    return layer.pool_bytes(options.max_batch, options.pool_tokens)
 
 
 def check_largest_layer(

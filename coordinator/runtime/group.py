@@ -78,7 +78,7 @@ def stage_specs(
             backend_reason=s.backend_reason,
             offload_dtype=the_plan.options.offload_dtype,
             kv_slots=config.max_batch if config.max_seq_len else 0,
-            kv_seq_len=config.max_seq_len,
+            kv_blocks=config.kv_blocks(),
             reserve_bytes=the_plan.options.reserve_bytes,
             env=envs.get(s.node_id, ({}, {}))[0],
             env_origins=envs.get(s.node_id, ({}, {}))[1],
