@@ -177,10 +177,14 @@ class JobConfig:
     max_batch: int = 1
     max_seq_len: int = 0
     # The KV pool on each GPU, in tokens (positions of every running sequence, in blocks of
-    # worker.spec.DEFAULT_BLOCK_SIZE): 0, what max_batch sequences of max_seq_len take. It must
-    # hold one sequence of max_seq_len; sequences take blocks as they grow, so more than
-    # pool / max_seq_len of them run at once when they are shorter.
+    # worker.spec.DEFAULT_BLOCK_SIZE): 0 (auto), what the plan leaves beside the weights
+    # (coordinator/planning/batch_size.py), resolved when the job is planned. It must hold one
+    # sequence of max_seq_len; sequences take blocks as they grow, so more than
+    # pool / max_seq_len of them run at once when they are shorter. And the length a sequence
+    # is expected to reach (0: a quarter of max_seq_len), which auto max_batch and the
+    # throughput search size the pool by.
     kv_cache_tokens: int = 0
+    expected_seq_len: int = 0
     # Sequences that may wait for a KV slot (beyond: busy, HTTP 429); prompt tokens per prefill
     # step (a long prompt is prefilled in chunks, decodes of others between them); micro-batches
     # the running sequences are split into (0: one when any stage offloads, as each micro-batch
@@ -234,6 +238,7 @@ class JobConfig:
             "reserve_bytes",
             "max_seq_len",
             "kv_cache_tokens",
+            "expected_seq_len",
             "max_queue",
             "micro_batches",
         ):
@@ -246,6 +251,11 @@ class JobConfig:
             )
         if self.prefill_tokens < 1:
             raise ConfigError(f"prefill_tokens={self.prefill_tokens} must be >= 1")
+        if self.expected_seq_len > self.max_seq_len:
+            raise ConfigError(
+                f"expected_seq_len={self.expected_seq_len} exceeds max_seq_len="
+                f"{self.max_seq_len}: no sequence grows past max_seq_len (0: a quarter of it)"
+            )
         if 0 < self.kv_cache_tokens < self.max_seq_len:
             raise ConfigError(
                 f"kv_cache_tokens={self.kv_cache_tokens} cannot hold one sequence of "
@@ -362,6 +372,7 @@ class JobConfig:
             max_batch=self.max_batch,
             max_seq_len=self.max_seq_len,
             kv_tokens=self.kv_blocks() * DEFAULT_BLOCK_SIZE if self.kv_cache_tokens else 0,
+            expected_seq_len=self.expected_seq_len,
             micro_batches=self.micro_batches or 1,
             objective=self.objective,
             offload_dtype=self.offload_dtype,

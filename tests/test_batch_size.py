@@ -1,5 +1,7 @@
-"""max_batch sized from memory: the largest batch whose KV cache fits beside the planned weights
-(no more weights offloaded than for one sequence), checked against every batch size."""
+"""The KV pool sized from memory: the largest pool whose plan offloads no more weights than a
+pool of one max_seq_len sequence, checked against every pool size; max_batch auto is what it
+holds at the expected length; a max_batch whose sequences could not all be max_seq_len long at
+once is no longer refused."""
 
 from __future__ import annotations
 
@@ -8,17 +10,28 @@ import dataclasses
 import pytest
 from test_planner import layer
 
-from coordinator.planning.batch_size import AUTO_MAX_BATCH, largest_batch, offloaded_bytes, plan_job
+from coordinator.config import JobConfig
+from coordinator.planning.batch_size import (
+    AUTO_MAX_BATCH,
+    largest_pool,
+    offloaded_bytes,
+    plan_job,
+)
 from coordinator.planning.options import PlanOptions
 from coordinator.planning.planner import plan
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from offload.errors import PlanError
 from worker.spec import LayerSpec
 
+BLOCK = 16
+PER_TOKEN = 4 * 10  # 4 decoder layers x 10 bytes per token
+# a sequence of max_seq_len 20 takes 2 blocks: 32 positions
+PER_SEQUENCE = PER_TOKEN * 32
+
 
 def layers(num_decoders: int = 4, decoder_bytes: int = 1000) -> list[LayerSpec]:
     """Embedding and head of 500 bytes, decoders of `decoder_bytes` whose keys and values take
-    10 bytes per sequence and token."""
+    10 bytes per token."""
     out = [layer("embed", "embed", 500)]
     out += [
         dataclasses.replace(layer(f"layers.{i}", "decoder", decoder_bytes), kv_bytes_per_token=10)
@@ -26,10 +39,6 @@ def layers(num_decoders: int = 4, decoder_bytes: int = 1000) -> list[LayerSpec]:
     ]
     out.append(layer("head", "head", 500))
     return out
-
-
-# 4 decoder layers x 10 bytes per token x 32 positions (20 tokens in whole blocks of 16)
-PER_SEQUENCE = 4 * 10 * 32
 
 
 def cluster(*memory: int) -> ClusterSnapshot:
@@ -47,70 +56,99 @@ def cluster(*memory: int) -> ClusterSnapshot:
     )
 
 
-def brute_force(specs, snapshot, options) -> int:
-    floor = offloaded_bytes(
-        plan(specs, snapshot, PlanOptions(max_seq_len=options.max_seq_len, max_batch=1))
-    )
-    best = 1
-    for batch in range(1, AUTO_MAX_BATCH + 1):
+def brute_force(specs, snapshot, options, cap_blocks: int) -> int:
+    def planned(blocks):
+        return plan(specs, snapshot, dataclasses.replace(options, kv_tokens=blocks * BLOCK))
+
+    floor = offloaded_bytes(planned(2))
+    best = 2
+    for blocks in range(2, cap_blocks + 1):
         try:
-            candidate = plan(
-                specs, snapshot, PlanOptions(max_seq_len=options.max_seq_len, max_batch=batch)
-            )
+            candidate = planned(blocks)
         except PlanError:
             continue
         if offloaded_bytes(candidate) <= floor:
-            best = batch
-    return best
+            best = blocks
+    return best * BLOCK
 
 
 @pytest.mark.parametrize(
     "memory",
     [
-        (5000 + 40 * 20 * 4,),
-        (5000 + 7 * 20 * 4 + 5,),
+        (5000 + 40 * PER_SEQUENCE,),
+        (5000 + 7 * PER_SEQUENCE + 5,),
         (3500,),
         (2600, 2600),
         (1800, 4000),
         (9000, 9000),
     ],
 )
-def test_the_largest_batch_beside_the_weights(memory) -> None:
-    specs, options = layers(), PlanOptions(max_seq_len=20)
-    batch, sized = largest_batch(specs, cluster(*memory), options)
-    assert batch == brute_force(specs, cluster(*memory), options)
-    assert sized.options.max_batch == batch
-    floor = offloaded_bytes(plan(specs, cluster(*memory), PlanOptions(max_seq_len=20, max_batch=1)))
-    assert offloaded_bytes(sized) == floor
+def test_the_largest_pool_beside_the_weights(memory) -> None:
+    specs, options = layers(), PlanOptions(max_seq_len=20, max_batch=1)
+    cap = 48 * 32  # 48 sequences of max_seq_len
+    tokens, sized = largest_pool(specs, cluster(*memory), options, cap)
+    assert tokens == brute_force(specs, cluster(*memory), options, cap // BLOCK)
+    assert sized.options.pool_tokens == tokens
+    floor = plan(specs, cluster(*memory), dataclasses.replace(options, kv_tokens=32))
+    assert offloaded_bytes(sized) == offloaded_bytes(floor)
 
 
-def test_all_resident_sizes_the_batch_from_the_free_memory() -> None:
-    # 5000 bytes of weights, PER_SEQUENCE bytes of KV per sequence
-    batch, _ = largest_batch(
-        layers(), cluster(5000 + 7 * PER_SEQUENCE + 5), PlanOptions(max_seq_len=20)
-    )
-    assert batch == 7
-    assert largest_batch(layers(), cluster(10**9), PlanOptions(max_seq_len=20))[0] == AUTO_MAX_BATCH
+def test_all_resident_sizes_the_pool_from_the_free_memory() -> None:
+    """5000 bytes of weights; the free bytes / 40 per token, in whole blocks, up to the cap."""
+    options = PlanOptions(max_seq_len=20, max_batch=1)
+    free = 7 * PER_SEQUENCE + 5
+    tokens, _ = largest_pool(layers(), cluster(5000 + free), options, 10**6)
+    assert tokens == free // PER_TOKEN // BLOCK * BLOCK == 7 * 32
+    assert largest_pool(layers(), cluster(10**9), options, 96)[0] == 96
 
 
-def test_auto_needs_a_sequence_length_and_one_sequence_that_fits() -> None:
+def test_a_pool_needs_a_sequence_length_and_one_sequence_that_fits() -> None:
     with pytest.raises(PlanError, match="needs max_seq_len"):
-        largest_batch(layers(), cluster(10**6), PlanOptions())
+        largest_pool(layers(), cluster(10**6), PlanOptions(), 100)
     with pytest.raises(PlanError):
-        largest_batch(layers(), cluster(600), PlanOptions(max_seq_len=20))
+        largest_pool(layers(), cluster(600), PlanOptions(max_seq_len=20), 100)
 
 
-def test_a_job_config_of_max_batch_0_is_planned_with_the_sized_batch() -> None:
+def test_a_job_config_is_planned_with_its_pool_and_batch_resolved() -> None:
+    """Auto max_batch: the sequences the pool holds at the expected length (a quarter of
+    max_seq_len: 5, one block each); a given max_batch: a pool of at most each at max_seq_len, and no more
+    than the weights leave; a given pool is kept."""
     from types import SimpleNamespace
 
-    from coordinator.config import JobConfig
+    index = SimpleNamespace(layers=layers())
+    memory = cluster(5000 + 7 * PER_SEQUENCE + 5)
+    auto = JobConfig(checkpoint="x", max_batch=0, max_seq_len=20)
+    sized, the_plan = plan_job(auto, index, memory)
+    assert sized.kv_cache_tokens == 7 * 32 == the_plan.options.pool_tokens
+    assert sized.max_batch == 14 == the_plan.options.max_batch
+    assert sum(s.kv_bytes for s in the_plan.stages) == 7 * 32 * PER_TOKEN
+    sized, _ = plan_job(auto, index, cluster(10**9))  # room for everything: capped
+    assert (sized.max_batch, sized.kv_cache_tokens) == (AUTO_MAX_BATCH, AUTO_MAX_BATCH * 32)
+    given = JobConfig(checkpoint="x", max_batch=3, max_seq_len=20)
+    sized, the_plan = plan_job(given, index, cluster(10**6))
+    assert (sized.max_batch, sized.kv_cache_tokens) == (3, 3 * 32)
+    pool = JobConfig(checkpoint="x", max_batch=3, max_seq_len=20, kv_cache_tokens=40)
+    sized, the_plan = plan_job(pool, index, cluster(10**6))
+    assert sized.kv_cache_tokens == 48 == the_plan.options.pool_tokens  # whole blocks
+
+
+def test_a_batch_whose_sequences_could_not_all_be_max_seq_len_is_planned() -> None:
+    """Memory for 2 sequences of max_seq_len beside the weights and max_batch 8: planned (the
+    pool holds 2 such sequences, 4 of the expected length), where slots of max_seq_len per
+    sequence were refused; a pool that cannot hold one is refused with the numbers."""
+    from types import SimpleNamespace
 
     index = SimpleNamespace(layers=layers())
-    config = JobConfig(checkpoint="x", max_batch=0, max_seq_len=20)
-    sized, the_plan = plan_job(config, index, cluster(5000 + 7 * PER_SEQUENCE + 5))
-    assert sized.max_batch == 7 == the_plan.options.max_batch
-    given = JobConfig(checkpoint="x", max_batch=3, max_seq_len=20)
-    assert plan_job(given, index, cluster(10**6))[0] is given
+    memory = cluster(5000 + 2 * PER_SEQUENCE + 5)
+    sized, the_plan = plan_job(
+        JobConfig(checkpoint="x", max_batch=8, max_seq_len=20), index, memory
+    )
+    assert (sized.max_batch, sized.kv_cache_tokens) == (8, 2 * 32)
+    assert offloaded_bytes(the_plan) == 0
+    assert "KV pool of 64 tokens per GPU" in the_plan.summary()
+    assert "it holds 4 of the expected 5 tokens, 2 of max_seq_len" in the_plan.summary()
+    with pytest.raises(PlanError):
+        plan_job(JobConfig(checkpoint="x", max_batch=8, max_seq_len=20), index, cluster(600))
 
 
 def test_the_predicted_throughput_curve() -> None:

@@ -289,7 +289,16 @@ def test_plan_reserves_the_kv_cache_asked_for(checkpoint: str, capsys) -> None:
     # llama: 2 (keys, values) x 2 KV heads x head dim 8 x 4 bytes (fp32), per token and layer
     assert sum(s["kv_bytes"] for s in plan["stages"]) == 4 * 2 * 64 * 2 * 2 * 8 * 4
     assert main([*argv, "--max-batch", "2", "--max-seq-len", "64"]) == 0
-    assert "KV cache for 2 x 64 tokens" in capsys.readouterr().out
+    assert (
+        "KV pool of 128 tokens per GPU (32.00 KiB), for up to 2 sequences of up to 64 tokens: it "
+        "holds 8 of the expected 16 tokens, 2 of max_seq_len"
+    ) in capsys.readouterr().out
+    assert main([*argv, "--max-batch", "8", "--max-seq-len", "64", "--kv-cache-tokens", "200"]) == 0
+    assert "KV pool of 208 tokens per GPU" in capsys.readouterr().out  # whole blocks
+    assert main([*argv, "--max-seq-len", "64", "--kv-cache-tokens", "50"]) == EXIT_ERROR
+    assert "kv_cache_tokens=50 cannot hold one sequence of max_seq_len=64" in (
+        capsys.readouterr().err
+    )
     assert main([*argv, "--max-seq-len", "4096"]) == EXIT_ERROR
     assert (
         "error: max_seq_len=4096 exceeds the model's context of 2048 tokens "

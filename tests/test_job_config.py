@@ -142,6 +142,15 @@ def test_job_config_validates_fields() -> None:
     # a queue that cannot hold a whole batch would refuse, as busy, a request that fits
     with pytest.raises(ConfigError, match=r"max_queue=0 must be >= max_batch=4.*--max-queue"):
         JobConfig(checkpoint="a", max_batch=4, max_queue=0)
+    # a KV pool must hold one sequence of max_seq_len; no sequence is expected past it
+    with pytest.raises(ConfigError, match=r"kv_cache_tokens=100 cannot hold one sequence of "):
+        JobConfig(checkpoint="a", max_seq_len=128, kv_cache_tokens=100)
+    with pytest.raises(ConfigError, match=r"expected_seq_len=200 exceeds max_seq_len=128"):
+        JobConfig(checkpoint="a", max_seq_len=128, expected_seq_len=200)
+    with pytest.raises(ConfigError, match=r"kv_cache_tokens=-1 must be >= 0"):
+        JobConfig(checkpoint="a", max_seq_len=128, kv_cache_tokens=-1)
+    assert JobConfig(checkpoint="a", max_seq_len=128, kv_cache_tokens=130).kv_blocks() == 9
+    assert JobConfig(checkpoint="a", max_batch=3, max_seq_len=20).kv_blocks() == 6
 
 
 def test_node_env_precedence_override_over_label() -> None:

@@ -109,7 +109,7 @@ def _stage_times(layers, snap, opts, bounds, moved, per_stage):
     """The stage times of one placement (GPU k runs [bounds[k], bounds[k+1]), offloading the
     `per_stage[k]` unit of its `moved` layers), if it fits."""
     sizes = [x.nbytes for x in layers]
-    kv = [x.kv_bytes(opts.max_batch, opts.max_seq_len) for x in layers]  # never offloaded
+    kv = [x.pool_bytes(opts.max_batch, opts.pool_tokens) for x in layers]  # never offloaded
     gpus = [(n, node, g) for n, node in enumerate(snap.nodes) for g in node.gpus]
     host = [0] * len(snap.nodes)
     times = []
@@ -158,7 +158,7 @@ def check_invariants(result: Plan, layers: list[LayerSpec], snap: ClusterSnapsho
         assert s.offloaded_bytes == sum(off) and s.resident_bytes == weights - sum(off)
         assert (s.backend, s.prefetch_step) == (node.backend, slot_count(node, opts))
         assert s.slot_bytes == min(s.prefetch_step, len(off)) * max(off, default=0)
-        kv = sum(by_name[n].kv_bytes(opts.max_batch, opts.max_seq_len) for n in s.layers)
+        kv = sum(by_name[n].pool_bytes(opts.max_batch, opts.pool_tokens) for n in s.layers)
         assert s.kv_bytes == kv
         assert s.device_bytes == s.resident_bytes + s.slot_bytes + kv + opts.reserve_bytes
         assert s.device_bytes <= gpu.memory_bytes

@@ -302,3 +302,19 @@ def test_the_load_table_reads_the_snapshots() -> None:
     assert "backend" in table.splitlines()[0]
     assert {REPORTS[0].backend, REPORTS[1].backend} <= set(table.split())
     assert " - " in table  # no CUDA_VISIBLE_DEVICES
+
+
+def test_the_serving_line_shows_the_kv_blocks_used_and_free() -> None:
+    """`offloadctl status`'s serving line: the pool's blocks in use and free (the same blocks on
+    every GPU, each keeping its layers' part), the tokens they hold and the preemptions."""
+    import time
+
+    from coordinator.engine.stats import EngineStats
+    from coordinator.runtime.telemetry import serving_line
+
+    stats = EngineStats(num_slots=4, num_blocks=10, used_blocks=3, used_tokens=40, preemptions=2)
+    line = serving_line({**stats.snapshot(), "time": time.time()})
+    assert "0 running (at most 4)" in line
+    assert "KV blocks 3 used / 7 free of 10 on every GPU" in line and "40 tokens held" in line
+    assert "2 preemption(s)" in line
+    assert stats.snapshot()["kv_cache_usage"] == 0.3

@@ -129,9 +129,9 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
         "--max-batch",
         type=_batch,
         dest="max_batch",
-        help="sequences generating at once the KV cache is planned for; 'auto' "
+        help="sequences running at once (vLLM's max_num_seqs); 'auto' "
         "(the default with --objective throughput): the batch with the most "
-        "tokens/s, or for latency as many as fit beside the planned weights",
+        "tokens/s, or for latency as many as the KV pool holds at --expected-seq-len",
     )
     parser.add_argument(
         "--max-seq-len",
@@ -141,10 +141,25 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
         "(0: none, no generation)",
     )
     parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        dest="kv_cache_tokens",
+        help="the KV pool on each GPU, in tokens (blocks of 16), shared by every running "
+        "sequence as it grows (default: what the plan leaves beside the weights); it must hold "
+        "one sequence of --max-seq-len",
+    )
+    parser.add_argument(
+        "--expected-seq-len",
+        type=int,
+        dest="expected_seq_len",
+        help="the length a sequence is expected to reach (prompt + new; default a quarter of "
+        "--max-seq-len): what auto --max-batch and the throughput planner size the pool by",
+    )
+    parser.add_argument(
         "--max-queue",
         type=int,
         dest="max_queue",
-        help="sequences that may wait for a KV slot (default 1024); beyond, busy (HTTP 429)",
+        help="sequences that may wait to run (default 1024); beyond, busy (HTTP 429)",
     )
     parser.add_argument(
         "--prefill-tokens",
@@ -213,6 +228,8 @@ _JOB_FLAGS = {
     "snapshot_interval_s": "--snapshot-interval",
     "max_batch": "--max-batch",
     "max_seq_len": "--max-seq-len",
+    "kv_cache_tokens": "--kv-cache-tokens",
+    "expected_seq_len": "--expected-seq-len",
     "max_queue": "--max-queue",
     "prefill_tokens": "--prefill-tokens",
     "micro_batches": "--micro-batches",

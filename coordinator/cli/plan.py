@@ -77,7 +77,7 @@ def cmd_plan(args: argparse.Namespace, job_config) -> int:
         why = (
             "chosen for the most decode tokens/s"
             if config.objective == "throughput"
-            else "the largest batch whose KV cache fits beside the planned weights"
+            else "the sequences the KV pool holds at the expected length"
         )
         print(f"max_batch {sized.max_batch}, micro-batches {sized.micro_batches or 'auto'}: {why}")
     if config.max_seq_len:

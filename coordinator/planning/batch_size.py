@@ -1,12 +1,17 @@
-"""How many sequences a job can generate at once: the largest `max_batch` whose KV cache fits
-beside the planned weights.
+"""The KV pool and the batch a job runs: how many tokens of keys and values each GPU keeps
+beside its weights, and how many sequences run at once.
 
-"Beside the weights" means the batch takes only memory the weights leave free: the plan for
-that batch offloads no more weight bytes than the plan for a batch of one. A larger batch would
-pay for its KV cache by moving more weights to the host every step; whether that trade is worth
-it is a throughput question (`--objective throughput`, planning/throughput.py). Capped at
-AUTO_MAX_BATCH: past it, a step's activations and sampling grow while the offloaded bytes per
-token barely shrink (1/N). Pure, no Ray: `launch`, `offloadctl plan` and `serve` use it.
+The pool is what the weights leave free: the largest pool whose plan offloads no more weight
+bytes than a pool of one `max_seq_len` sequence (the least a job can generate with), up to room
+for every sequence at max_seq_len (more could never be used). A larger pool would pay for its
+tokens by moving more weights to the host every step; whether that trade is worth it is a
+throughput question (`--objective throughput`, planning/throughput.py, which sizes each batch's
+pool for its sequences at the expected length). `--kv-cache-tokens` sets the pool instead.
+Sequences take the pool's blocks as they grow, so `max_batch` (sequences at once, vLLM's
+max_num_seqs) may exceed pool / max_seq_len: auto, it is what the pool holds at the expected
+length (`--expected-seq-len`, default a quarter of max_seq_len), capped at AUTO_MAX_BATCH (past
+it, a step's activations and sampling grow while the offloaded bytes per token barely shrink).
+Pure, no Ray: `launch`, `offloadctl plan` and `serve` use it.
 """
 
 from __future__ import annotations
@@ -21,34 +26,36 @@ from coordinator.planning.planner import Plan
 from coordinator.planning.reserve import job_options
 from coordinator.planning.snapshot import ClusterSnapshot
 from offload.errors import PlanError
+from worker.spec import DEFAULT_BLOCK_SIZE, blocks_for
 
 
 def offloaded_bytes(the_plan: Plan) -> int:
     return sum(s.offloaded_bytes for s in the_plan.stages)
 
 
-def largest_batch(
-    layers: Sequence[LayerSpec],
-    cluster: ClusterSnapshot,
-    options: PlanOptions,
-    cap: int = AUTO_MAX_BATCH,
+def largest_pool(
+    layers: Sequence[LayerSpec], cluster: ClusterSnapshot, options: PlanOptions, cap_tokens: int
 ) -> tuple[int, Plan]:
-    """(max_batch, its plan): the largest batch up to `cap` whose plan offloads no more weight
-    bytes than a batch of one does. PlanError when not even one sequence fits."""
+    """(pool tokens, its plan): the largest pool in whole blocks, from one sequence of
+    max_seq_len up to `cap_tokens`, whose plan offloads no more weight bytes than the smallest
+    pool's. PlanError when not even one sequence of max_seq_len fits."""
     if options.max_seq_len < 1:
         raise PlanError(
-            "sizing max_batch from memory needs max_seq_len (tokens per sequence): "
-            "set --max-seq-len, or give --max-batch"
+            "sizing the KV pool needs max_seq_len (tokens per sequence): set --max-seq-len"
         )
-    if cap < 1:
-        raise PlanError(f"cap={cap} must be >= 1")
-    best = planner.plan(layers, cluster, dataclasses.replace(options, max_batch=1))
+    low = blocks_for(options.max_seq_len)
+    high = max(low, blocks_for(cap_tokens))
+
+    def planned(blocks: int) -> Plan:
+        tokens = blocks * DEFAULT_BLOCK_SIZE
+        return planner.plan(layers, cluster, dataclasses.replace(options, kv_tokens=tokens))
+
+    best = planned(low)
     floor = offloaded_bytes(best)
-    low, high = 1, cap  # the answer is in [low, high]; fewer bytes free per sequence as it grows
-    while low < high:
+    while low < high:  # the answer is in [low, high]; fewer bytes free as the pool grows
         mid = (low + high + 1) // 2
         try:
-            candidate = planner.plan(layers, cluster, dataclasses.replace(options, max_batch=mid))
+            candidate = planned(mid)
         except PlanError:
             high = mid - 1
             continue
@@ -56,30 +63,64 @@ def largest_batch(
             low, best = mid, candidate
         else:
             high = mid - 1
-    return low, best
+    return low * DEFAULT_BLOCK_SIZE, best
+
+
+def batch_for_pool(pool_tokens: int, options: PlanOptions, cap: int = AUTO_MAX_BATCH) -> int:
+    """Sequences a pool holds at the expected length, each in whole blocks: auto max_batch
+    (1..cap)."""
+    return max(1, min(cap, options.sequences_held(options.expected_len, pool_tokens)))
 
 
 def plan_job(config, index, snapshot: ClusterSnapshot):
     """(config, plan) of a job (`coordinator.config.JobConfig`) on `snapshot`, as `launch` and
-    `offloadctl plan` both plan. Objective throughput: max_batch (when 0, auto) and
-    micro_batches (when 0) are chosen for the most tokens/s (`coordinator.planning.throughput`)
-    and set in the config returned, so that a re-plan keeps them. Objective latency: max_batch
-    0 is the largest batch beside the weights."""
+    `offloadctl plan` both plan, with the KV pool (`kv_cache_tokens`) and max_batch resolved in
+    the config returned, so that a re-plan keeps them. Objective throughput: max_batch (when
+    0, auto) and micro_batches (when 0) are chosen for the most tokens/s
+    (`coordinator.planning.throughput`), each batch with a pool for its sequences at the
+    expected length. Objective latency: the pool is what the weights leave (or
+    `kv_cache_tokens`), and max_batch 0 is what it holds at the expected length."""
+    options = job_options(config, index, snapshot)
     if config.objective == "throughput":
         from coordinator.planning.throughput import choose
 
-        the_plan = choose(
-            index.layers, snapshot, job_options(config, index, snapshot), **_search_space(config)
-        )
+        the_plan = choose(index.layers, snapshot, options, **_search_space(config))
         chosen = the_plan.options
         return dataclasses.replace(
-            config, max_batch=chosen.max_batch, micro_batches=chosen.micro_batches
+            config,
+            max_batch=chosen.max_batch,
+            micro_batches=chosen.micro_batches,
+            kv_cache_tokens=chosen.pool_tokens,
         ), the_plan
-    if config.max_batch:
-        # through the module: tests replace the planner there
-        return config, planner.plan(index.layers, snapshot, job_options(config, index, snapshot))
-    batch, the_plan = largest_batch(index.layers, snapshot, job_options(config, index, snapshot))
-    return dataclasses.replace(config, max_batch=batch), the_plan
+    if not config.max_seq_len:  # no generation: no pool
+        if not config.max_batch:
+            raise PlanError(
+                "sizing max_batch from memory needs max_seq_len (tokens per sequence): "
+                "set --max-seq-len, or give --max-batch"
+            )
+        return config, planner.plan(index.layers, snapshot, options)
+    if config.kv_cache_tokens:
+        tokens = options.pool_tokens
+    else:  # what the weights leave, up to every sequence at max_seq_len
+        batch = config.max_batch or AUTO_MAX_BATCH
+        cap = batch * blocks_for(config.max_seq_len) * DEFAULT_BLOCK_SIZE
+        sized = dataclasses.replace(options, max_batch=config.max_batch or 1)
+        tokens, _ = largest_pool(index.layers, snapshot, sized, cap)
+    batch = config.max_batch or batch_for_pool(tokens, options)
+    while True:  # auto: fewer sequences when their recurrent states do not fit beside
+        try:
+            # through the module: tests replace the planner there
+            the_plan = planner.plan(
+                index.layers,
+                snapshot,
+                dataclasses.replace(options, max_batch=batch, kv_tokens=tokens),
+            )
+            break
+        except PlanError:
+            if config.max_batch or batch == 1:
+                raise
+            batch = max(1, batch // 2)
+    return dataclasses.replace(config, max_batch=batch, kv_cache_tokens=tokens), the_plan
 
 
 def plan_replicas(config, index, snapshot: ClusterSnapshot):

@@ -45,6 +45,11 @@ class PlanOptions:
     max_seq_len: int = 0
     # The KV pool's positions on each GPU (whole blocks); 0: max_batch x max_seq_len of them
     kv_tokens: int = 0
+    # The length a sequence is expected to reach (prompt + new; 0: a quarter of max_seq_len):
+    # what the throughput search sizes each batch's pool for, and what the plan says its pool
+    # holds. Sequences take blocks as they grow, so a pool holds more of them than of
+    # max_seq_len ones; past it, the youngest is preempted.
+    expected_seq_len: int = 0
     # The max_batch sequences are split into this many micro-batches, in flight at once: a
     # stage steps ceil(max_batch / micro_batches) rows at a time (its compute rate is read there).
     micro_batches: int = 1
@@ -71,6 +76,28 @@ class PlanOptions:
         return self.kv_tokens or self.max_batch * blocks_for(self.max_seq_len) * DEFAULT_BLOCK_SIZE
 
     @property
+    def expected_len(self) -> int:
+        """`expected_seq_len`, or a quarter of max_seq_len (at least 1)."""
+        return self.expected_seq_len or max(1, self.max_seq_len // 4)
+
+    def sequences_held(self, length: int, pool_tokens: int | None = None) -> int:
+        """Sequences of `length` tokens the pool (`pool_tokens`, or this plan's) holds at once,
+        each in whole blocks."""
+        pool = self.pool_tokens if pool_tokens is None else pool_tokens
+        return (pool // DEFAULT_BLOCK_SIZE) // blocks_for(max(1, length))
+
+    def pool_for(self, max_batch: int) -> int:
+        """The pool (whole blocks) the throughput search gives `max_batch` sequences: room for
+        each at the expected length, and always one sequence of max_seq_len (`kv_tokens` when
+        given)."""
+        if not self.max_seq_len:
+            return 0
+        if self.kv_tokens:
+            return self.kv_tokens
+        blocks = max(max_batch * blocks_for(self.expected_len), blocks_for(self.max_seq_len))
+        return blocks * DEFAULT_BLOCK_SIZE
+
+    @property
     def rows_per_step(self) -> int:
         """Rows of the largest micro-batch: what one stage step computes."""
         return max(1, -(-self.max_batch // self.micro_batches))
@@ -80,7 +107,7 @@ class PlanOptions:
             raise ConfigError(
                 f"PlanOptions.reserve_bytes={self.reserve_bytes!r} must be an int >= 0"
             )
-        for name in ("max_batch", "max_seq_len", "kv_tokens"):
+        for name in ("max_batch", "max_seq_len", "kv_tokens", "expected_seq_len"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise ConfigError(f"PlanOptions.{name}={getattr(self, name)!r} must be an int >= 0")
         if not is_int(self.prefetch_step) or not 1 <= self.prefetch_step <= MAX_PREFETCH_STEP:

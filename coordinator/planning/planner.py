@@ -82,7 +82,7 @@ class StagePlan:
     # and what it is (the probe's measurement, or why there is none).
     compute_bytes_per_s: float | None = None
     compute_source: str = ""
-    kv_bytes: int = 0  # KV cache reserved for max_batch x max_seq_len
+    kv_bytes: int = 0  # the KV pool of its layers (PlanOptions.pool_tokens positions)
     # How the offloaded layers reach the GPU: "prefetch" (copied into slots ahead of use) or
     # "uva" (read in place); the node's, resolved from the job's backend and the node's probe.
     backend: str = "prefetch"
@@ -122,6 +122,25 @@ class Plan:
     def tokens_per_s(self) -> float:
         """Predicted decode tokens/s with every KV slot in use: max_batch per cycle."""
         return self.options.max_batch / self.cycle_s if self.cycle_s > 0 else 0.0
+
+    def pool_text(self) -> str:
+        """The KV pool in words: its tokens and bytes per GPU, and how many sequences it holds."""
+        o = self.options
+        tokens = o.pool_tokens
+        if not tokens:
+            return "no KV pool (max_seq_len 0: no generation)"
+        per_gpu = [s.kv_bytes for s in self.stages]
+        nbytes = (
+            format_bytes(max(per_gpu))
+            if len(set(per_gpu)) <= 1
+            else f"{format_bytes(min(per_gpu))}-{format_bytes(max(per_gpu))}"
+        )
+        return (
+            f"KV pool of {tokens} tokens per GPU ({nbytes}), for up to {o.max_batch} sequences "
+            f"of up to {o.max_seq_len} tokens: it holds {o.sequences_held(o.expected_len)} of "
+            f"the expected {o.expected_len} tokens, {o.sequences_held(o.max_seq_len)} of "
+            "max_seq_len"
+        )
 
     def to_json(self) -> str:
         return json.dumps({"version": _JSON_VERSION, **dataclasses.asdict(self)}, indent=1)
@@ -189,7 +208,7 @@ class Plan:
             f"{format_bytes(self.total_bytes)} of weights, prefetch_step "
             f"{self.options.prefetch_step}, reserve {format_bytes(self.options.reserve_bytes)}"
             f"{f' ({self.options.reserve_source})' if self.options.reserve_source else ''}, "
-            f"KV cache for {self.options.max_batch} x {self.options.max_seq_len} tokens"
+            f"{self.pool_text()}"
         )
         if self.stages:
             s = self.stages[slowest]

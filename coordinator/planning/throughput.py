@@ -1,8 +1,9 @@
 """The throughput objective: the batch size, the number of micro-batches and the placement that
 give the most decode tokens/s, optionally within a per-token latency bound.
 
-For each batch size B in `BATCHES` (up to what fits: a larger batch's KV cache may push
-weights off the GPUs, or not fit at all) and each number of micro-batches k (rows per stage
+For each batch size B in `BATCHES` (up to what fits: a larger batch's KV pool may push
+weights off the GPUs, or not fit at all; the pool holds B sequences of the expected length,
+`PlanOptions.pool_for`, and always one of max_seq_len) and each number of micro-batches k (rows per stage
 step ceil(B / k); of the k with equal rows only the fewest matter, as more only lengthen the
 cycle), the placement with the shortest decode cycle (`coordinator.planning.cycle`): tokens/s
 = B / cycle, and the cycle is each sequence's time between two tokens, which
@@ -77,7 +78,9 @@ def best_plans(
     for batch in sorted(set(batches)):
         counts = [micro_batches] if micro_batches else micro_batch_counts(batch, num_gpus)
         for k in counts:
-            opts = dataclasses.replace(options, max_batch=batch, micro_batches=k)
+            opts = dataclasses.replace(
+                options, max_batch=batch, micro_batches=k, kv_tokens=options.pool_for(batch)
+            )
             if prune and _upper_bound(work, cluster, opts) <= top:
                 continue
             try:
@@ -130,7 +133,12 @@ def choose(
                 f"{fastest.options.max_batch}); raise the bound, or add GPUs or memory"
             )
     # Nothing fits: the smallest batch's own error says why, with the numbers.
-    planner.plan(layers, cluster, dataclasses.replace(options, max_batch=min(batches)))
+    smallest = min(batches)
+    planner.plan(
+        layers,
+        cluster,
+        dataclasses.replace(options, max_batch=smallest, kv_tokens=options.pool_for(smallest)),
+    )
     raise AssertionError("unreachable: the smallest batch was planned above")
 
 

@@ -101,6 +101,7 @@ def launch_replicas(
                 replicas=1,
                 max_batch=the_plan.options.max_batch,
                 micro_batches=the_plan.options.micro_batches,
+                kv_cache_tokens=the_plan.options.pool_tokens,
                 nodes=recovery.nodes_of(the_plan) if many else "",
             )
             futures.append(

@@ -281,9 +281,17 @@ def serving_line(stats: dict | None) -> str:
         return "-" if value is None else f"{value * 1e3:.0f} ms"
 
     age = time.time() - stats["time"] if "time" in stats else 0.0
+    blocks = stats.get("kv_blocks")
+    pool = (
+        f"KV blocks {stats['kv_blocks_used']} used / {blocks - stats['kv_blocks_used']} free of "
+        f"{blocks} on every GPU (each keeps its layers' part of each block; "
+        f"{stats['kv_tokens_used']} tokens held), {stats['preemptions']} preemption(s), "
+        if blocks
+        else ""
+    )
     return (
-        f"\nserving ({age:.0f} s ago): {stats['requests_running']} running, "
-        f"{stats['requests_waiting']} waiting, {stats['kv_slots']} KV slots, batch occupancy "
+        f"\nserving ({age:.0f} s ago): {stats['requests_running']} running (at most "
+        f"{stats['kv_slots']}), {stats['requests_waiting']} waiting, {pool}batch occupancy "
         f"{stats['batch_occupancy']:.0%} (mean batch {stats['mean_batch']}), "
         f"{stats['generation_tokens']} tokens generated, {stats['requests']} requests "
         f"({stats['rejected']} refused: queue full); time to first token p50 "
