@@ -668,11 +668,18 @@ def test_short_sequences_run_beyond_what_max_seq_len_slots_would_hold(make) -> N
     max_seq_len."""
     engine, pipeline = make(num_slots=8, max_seq_len=64, num_blocks=12, prefill_tokens=64)
     prompts = [[3 + i, 4 + i] for i in range(8)]
+    usage = []  # the pool's share of blocks in use, as the metrics show it mid-run
+
+    def seen(row, token) -> None:
+        usage.append(engine.stats.prometheus("m"))
+
     with engine._cond:  # all eight arrive in one turn
-        requests = [submit(engine, p, 6) for p in prompts]
+        requests = [submit(engine, p, 6, on_token=seen) for p in prompts]
     for request, prompt in zip(requests, prompts, strict=True):
         assert request.result(WAIT_S) == [expected(prompt, 6)]
     assert max(len(slots) for _, slots, _, _ in pipeline.steps) == 8
+    # 8 sequences of one block each in a pool of 12: 8/12 of it in use while they ran
+    assert any(f'vllm:kv_cache_usage_perc{{model_name="m"}} {8 / 12}' in u for u in usage)
     assert engine.stats.preemptions == 0 and engine.scheduler.used_blocks == 0
 
 
@@ -710,6 +717,8 @@ def test_the_youngest_is_preempted_when_the_pool_runs_out_and_its_text_is_unchan
     text = engine.stats.prometheus("m")
     assert f'vllm:num_preemptions_total{{model_name="m"}} {engine.stats.preemptions}' in text
     assert 'vllm:kv_cache_usage_perc{model_name="m"} 0.0' in text  # all freed at the end
+    assert 'offload:kv_cache_blocks{model_name="m"} 6' in text
+    assert 'offload:kv_cache_blocks_used{model_name="m"} 0' in text
 
 
 def test_admission_waits_for_blocks_and_keeps_fifo_order(make) -> None:

@@ -70,10 +70,11 @@ def test_two_replicas_or_one_deeper_pipeline() -> None:
     """Two GPUs that each hold the model with a batch of 4. Batches up to 4: two replicas
     make 8 sequences' tokens per cycle of one GPU, the two-stage pipeline 4 per two half
     cycles. Batches up to 32: the pipeline's GPUs hold half the weights each, so its KV cache
-    takes 30 sequences, a replica's only 5: now the deeper pipeline wins."""
-    layers = [dataclasses.replace(x, kv_bytes_per_token=1) for x in model([20] * 4)]
-    snap = cluster({"gpus": [100, 100], "host": 0, "compute": 100.0})
-    opts = PlanOptions(max_seq_len=1, step_overhead_s=0.0)
+    takes 30 sequences, a replica's only 5: now the deeper pipeline wins. (Each sequence takes
+    one block of 16 tokens: 64 bytes of KV over the 4 layers.)"""
+    layers = [dataclasses.replace(x, kv_bytes_per_token=1) for x in model([320] * 4)]
+    snap = cluster({"gpus": [1600, 1600], "host": 0, "compute": 1600.0})
+    opts = PlanOptions(max_seq_len=16, step_overhead_s=0.0)
     small = choose_replicas(layers, snap, opts, batches=(1, 2, 4))
     assert [len(p.stages) for p in small.plans] == [1, 1]
     assert small.tokens_per_s == 2 * 4 / 0.8

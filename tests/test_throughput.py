@@ -250,3 +250,19 @@ def test_simulated_gpus_share_their_node_cores() -> None:
     replicas = choose_replicas(layers, shared, opts, batches=(2,))
     assert len(replicas.plans) == 1 and replicas.tokens_per_s == 0.5
     assert choose_replicas(layers, real, opts, batches=(2,)).tokens_per_s == 1.0  # 2 x 2 / 4
+
+
+def test_a_given_pool_bounds_the_batch_to_what_it_holds_at_the_expected_length() -> None:
+    """With --kv-cache-tokens, the throughput search sizes no batch past what the pool holds
+    at the expected length (more would only be preempted): 64 tokens of max_seq_len 64 hold 4
+    sequences of the expected 16."""
+    layers = [
+        dataclasses.replace(x, kv_bytes_per_token=1) if x.kind == "decoder" else x
+        for x in model([100] * 4)
+    ]
+    snap = cluster({"gpus": [10_000], "host": 10_000, "link": 10.0, "compute": 100.0})
+    opts = PlanOptions(max_seq_len=64, kv_tokens=64, step_overhead_s=0.5)
+    plans = best_plans(layers, snap, opts, batches=(1, 2, 4, 8, 16), prune=False)
+    assert sorted(plans) == [1, 2, 4]
+    assert all(p.options.pool_tokens == 64 for p in plans.values())
+    assert choose(layers, snap, opts, batches=(1, 2, 4, 8, 16)).options.max_batch == 4

@@ -143,20 +143,24 @@ def _api_key(path: str | None) -> str | None:
     return os.environ.get("OFFLOAD_API_KEY") or None
 
 
+def _pool_words(config) -> str:
+    return (
+        f"KV pool of {config.kv_cache_tokens} tokens for up to {config.max_batch} sequences "
+        f"of up to {config.max_seq_len} tokens"
+    )
+
+
 def _serving_what(jobs: list, auto: bool) -> str:
     """The served loads in words: stages, KV cache, queue, and what the plan chose."""
     job = jobs[0]
     plan = job.plan
-    what = (
-        f"load {job.name!r}, {len(plan.stages)} stages, KV cache for {job.config.max_batch} "
-        f"x {job.config.max_seq_len} tokens"
-    )
+    what = f"load {job.name!r}, {len(plan.stages)} stages, {_pool_words(job.config)}"
     if len(jobs) > 1:
         total = sum(j.plan.tokens_per_s for j in jobs)
         what = (
             f"{len(jobs)} replicas (loads {', '.join(repr(j.name) for j in jobs)}), each "
-            f"{len(plan.stages)} stage(s) with a KV cache for {job.config.max_batch} x "
-            f"{job.config.max_seq_len} tokens; {total:.1f} tokens/s predicted in all"
+            f"{len(plan.stages)} stage(s) with a {_pool_words(job.config)}; {total:.1f} "
+            "tokens/s predicted in all"
         )
     elif auto and plan.options.objective == "throughput":
         what += (

@@ -353,7 +353,7 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
 
 def _kv_fields(kv: list[tuple[int, int | None, int]], index: int | None) -> dict:
     """A decoder layer's KV cache bytes per token, and its recurrent state's per sequence. No
-    window: the workers' KV slots keep every position of a sequence for every layer, sliding
+    window: the workers' KV blocks keep every position of a sequence for every layer, sliding
     ones included (worker/batch_cache.py), so the plan reserves that much, never less than they
     use."""
     if index is None:

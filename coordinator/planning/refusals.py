@@ -76,8 +76,8 @@ def check_largest_layer(
         )
         cache = (
             (
-                f" + {format_bytes(kv)} of KV cache for max_batch {options.max_batch} x "
-                f"max_seq_len {options.max_seq_len}"
+                f" + {format_bytes(kv)} of KV pool ({options.pool_tokens} tokens: max_batch "
+                f"{options.max_batch}, max_seq_len {options.max_seq_len})"
             )
             if kv
             else ""
@@ -88,7 +88,8 @@ def check_largest_layer(
             f"({format_bytes(weights)} of weights{cache} + reserve_bytes "
             f"{options.reserve_bytes}; {why}), but the largest GPU (node {node.node_id}, GPU "
             f"{gpu.index}) has {gpu.memory_bytes} bytes: raise --gpu-memory, lower --reserve "
-            "(reserve_bytes), --max-batch or --max-seq-len, or add larger GPUs"
+            "(reserve_bytes), --kv-cache-tokens, --max-batch or --max-seq-len, or add larger "
+            "GPUs"
         )
 
 
@@ -130,6 +131,6 @@ def _kv_needed(layers: Sequence[LayerSpec], options: PlanOptions) -> str:
     if not kv:
         return ""
     return (
-        f" and {kv} bytes of KV cache (max_batch {options.max_batch} x max_seq_len "
-        f"{options.max_seq_len}), which stays on the GPUs"
+        f" and {kv} bytes of KV pool ({options.pool_tokens} tokens: max_batch "
+        f"{options.max_batch}, max_seq_len {options.max_seq_len}), which stays on the GPUs"
     )

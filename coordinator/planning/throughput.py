@@ -75,6 +75,9 @@ def best_plans(
     memo: dict = {}  # one bottleneck search per distinct KV cache and rates
     work = sum(planner.compute_bytes(layer) for layer in layers)
     top = 0.0  # the best tokens/s so far, for the bound
+    if options.kv_tokens:  # a given pool: no more sequences than it holds at the expected length
+        held = options.sequences_held(options.expected_len)
+        batches = [b for b in batches if b <= held] or [min(batches)]
     for batch in sorted(set(batches)):
         counts = [micro_batches] if micro_batches else micro_batch_counts(batch, num_gpus)
         for k in counts:

@@ -474,8 +474,8 @@ class OpenAIServer:
 
     @app.get("/metrics")
     async def metrics(self, request: Request):
-        """Prometheus' text format, vLLM's metric names: sequences running and waiting, KV slot
-        usage, time to first token and inter-token latency histograms, tokens generated."""
+        """Prometheus' text format, vLLM's metric names: sequences running and waiting, KV pool
+        usage (the share of blocks in use) and preemptions, time to first token and inter-token latency histograms, tokens generated."""
         if not self._authorized(request):
             return _error(
                 401,
