@@ -150,6 +150,7 @@ def _check_type(key: str, hint: str, value: object) -> None:
         "str": isinstance(value, str),
         "int": isinstance(value, int) and not isinstance(value, bool),
         "float": isinstance(value, int | float) and not isinstance(value, bool),
+        "bool": isinstance(value, bool),
         "tuple[Override, ...]": isinstance(value, tuple)
         and all(isinstance(v, Override) for v in value),
     }.get(wanted, True)
@@ -185,6 +186,9 @@ class JobConfig:
     # throughput search size the pool by.
     kv_cache_tokens: int = 0
     expected_seq_len: int = 0
+    # A sequence reuses the full KV blocks of an earlier one whose tokens start the same (a
+    # system prompt, a chat history) instead of computing them again (off: always computed)
+    prefix_caching: bool = True
     # Sequences that may wait for a KV slot (beyond: busy, HTTP 429); prompt tokens per prefill
     # step (a long prompt is prefilled in chunks, decodes of others between them); micro-batches
     # the running sequences are split into (0: one when any stage offloads, as each micro-batch

@@ -690,7 +690,7 @@ def test_a_sequence_grows_past_many_blocks_in_a_pool_of_exactly_one(make) -> Non
     requests = [submit(engine, [5 + i, 6, 7], 61) for i in range(3)]
     for i, request in enumerate(requests):
         assert request.result(WAIT_S) == [expected([5 + i, 6, 7], 61)]
-    assert engine.scheduler.used_blocks == 0 and len(engine.scheduler.free_blocks) == 4
+    assert engine.scheduler.used_blocks == 0 and engine.scheduler.blocks.available == 4
 
 
 def test_the_youngest_is_preempted_when_the_pool_runs_out_and_its_text_is_unchanged(make) -> None:
@@ -738,3 +738,82 @@ def test_admission_waits_for_blocks_and_keeps_fifo_order(make) -> None:
 def test_a_pool_that_cannot_hold_one_max_seq_len_sequence_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"3 blocks x 16 positions cannot hold one sequence"):
         EngineConfig(num_slots=2, max_seq_len=64, num_blocks=3)
+
+
+# prefix caching: full blocks of an earlier sequence's tokens are reused, never recomputed
+
+
+def test_a_shared_prompt_prefix_reuses_the_full_blocks_and_every_text_is_right(make) -> None:
+    """A second request whose prompt starts with the first one's 40 tokens, sent once the
+    first has finished: it starts at position 32 (its 2 full blocks of the prefix reused: the
+    fake checks that every position it reads holds its own tokens), counts 32 hits of 45
+    queried tokens, and both texts are right. A prompt of exactly 2 full blocks reuses 1: its
+    last token is always fed, for its next token's logits."""
+    engine, pipeline = make(num_slots=2, max_seq_len=64, prefill_tokens=64)
+    prefix = list(range(3, 43))
+    first = submit(engine, [*prefix, 50, 51], 5)
+    assert first.result(WAIT_S) == [expected([*prefix, 50, 51], 5)]
+    steps_before = len(pipeline.steps)
+    second = submit(engine, [*prefix, 60, 61, 62, 63, 64], 5)
+    assert second.result(WAIT_S) == [expected([*prefix, 60, 61, 62, 63, 64], 5)]
+    assert pipeline.starts[steps_before] == (32,) and pipeline.steps[steps_before][2] == (13,)
+    assert (engine.stats.prefix_hits, engine.stats.prefix_queries) == (32, 42 + 45)
+    steps_before = len(pipeline.steps)
+    third = submit(engine, list(range(3, 35)), 3)  # 32 tokens: one block reused, 16 fed
+    assert third.result(WAIT_S) == [expected(list(range(3, 35)), 3)]
+    assert pipeline.starts[steps_before] == (16,) and pipeline.steps[steps_before][2] == (16,)
+    assert engine.stats.prefix_hits == 32 + 16
+    text = engine.stats.prometheus("m")
+    assert 'vllm:prefix_cache_hits_total{model_name="m"} 48' in text
+
+
+def test_running_sequences_share_blocks_and_a_restart_forgets_every_cached_prefix(make) -> None:
+    """Two sequences with one prefix run at once, sharing its blocks; a worker is lost: the new
+    worker holds no keys, so nothing cached before is reused after (a read of a cleared block
+    fails the fake), and every text is right."""
+    engine, pipeline = make(num_slots=2, max_seq_len=64, prefill_tokens=64, burst_steps=1)
+    prefix = list(range(3, 23))  # 20 tokens: one full block
+    tables, joined = [], []
+
+    def both_tables(row, token) -> None:  # the second's first token: the first still runs
+        if not tables:
+            tables.append((list(first.sequences[0].blocks), list(joined[0].sequences[0].blocks)))
+
+    def join(row, token) -> None:  # at the first's second token: its prefix block is named
+        if len(first.sequences[0].generated) == 2:
+            joined.append(submit(engine, [*prefix, 40], 6, on_token=both_tables))
+
+    first = submit(engine, [*prefix, 30], 40, on_token=join)
+    while not joined:
+        first.wait(0.01)
+    [second] = joined
+    assert second.result(WAIT_S) == [expected([*prefix, 40], 6)]
+    assert engine.stats.prefix_hits == 16
+    [(first_blocks, second_blocks)] = tables
+    assert first_blocks[0] == second_blocks[0] and first_blocks[1:] != second_blocks[1:2]
+    pipeline.fail.append(WorkerLostError("worker died"))
+    assert first.result(WAIT_S) == [expected([*prefix, 30], 40)]
+    hits = engine.stats.prefix_hits
+    third = submit(engine, [*prefix, 50], 4)
+    assert third.result(WAIT_S) == [expected([*prefix, 50], 4)]
+    assert pipeline.recoveries == 1
+    # after the restart, the first fed everything again and named its blocks anew: the third
+    # may reuse those (their keys were written by the new worker), never an older one
+    assert engine.stats.prefix_hits in (hits, hits + 16)
+
+
+def test_no_prefix_reuse_where_it_would_be_wrong(make) -> None:
+    """A request that scores its prompt needs every position's logits, and a model with
+    recurrent state cannot start past tokens its state did not take in: neither reuses."""
+    engine, _ = make(num_slots=2, max_seq_len=64, prefill_tokens=64)
+    prefix = list(range(3, 40))
+    assert submit(engine, prefix, 2).result(WAIT_S) == [expected(prefix, 2)]
+    scored = engine.submit(
+        [[*prefix, 7]], sampling=GREEDY, max_new_tokens=2, prompt_logprobs=1, on_logprobs=None
+    )
+    assert scored.result(WAIT_S) == [expected([*prefix, 7], 2)]
+    assert engine.stats.prefix_hits == 0
+    recurrent, _ = make(FakePipeline(recurrent=True), num_slots=2, uniform_steps=True)
+    for _ in range(2):
+        assert submit(recurrent, prefix, 2).result(WAIT_S) == [expected(prefix, 2)]
+    assert recurrent.stats.prefix_hits == recurrent.stats.prefix_queries == 0

@@ -210,6 +210,30 @@ def test_a_pool_of_one_sequence_preempts_and_every_text_equals_transformers_alon
     assert engine.scheduler.used_blocks == 0  # every block back in the pool
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_next"])
+def test_requests_sharing_a_prompt_prefix_reuse_its_blocks_and_equal_transformers(
+    indexes, family: str
+) -> None:
+    """The joining requests with one 9-token prefix (a system prompt), blocks of 4: each later
+    request reuses the prefix's full blocks the first one filled (never computed again), and
+    each text equals transformers alone. A model with recurrent state reuses nothing."""
+    index = indexes(family)
+    pipeline = Pipeline(index, *TWO_STAGES)
+    try:
+        tails = prompts(seed=6)
+        ids = [tails[0][:9] + tail for tail in tails]
+        ours, engine = run_joining(pipeline, ids, block_size=4)
+    finally:
+        pipeline.close()
+    for prompt, (_, new, _), tokens in zip(ids, REQUESTS, ours, strict=True):
+        assert tokens == alone(index, prompt, new), family
+    if index.recurrent:
+        assert engine.stats.prefix_hits == 0
+    else:  # the prefix's 2 full blocks, for a later request at least (some join before the
+        # first has filled them)
+        assert engine.stats.prefix_hits >= 8
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "bamba"])
 def test_a_replaced_worker_gets_each_recurrent_state_fed_again(indexes, family: str) -> None:
     """A worker is lost mid-generation and replaced by a fresh one (no slot pool, no state):

@@ -156,6 +156,14 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
         "--max-seq-len): what auto --max-batch and the throughput planner size the pool by",
     )
     parser.add_argument(
+        "--no-prefix-caching",
+        action="store_const",
+        const=False,
+        dest="prefix_caching",
+        help="compute every sequence's keys, even where an earlier sequence's tokens started "
+        "the same (default: reuse its full KV blocks)",
+    )
+    parser.add_argument(
         "--max-queue",
         type=int,
         dest="max_queue",
@@ -230,6 +238,7 @@ _JOB_FLAGS = {
     "max_seq_len": "--max-seq-len",
     "kv_cache_tokens": "--kv-cache-tokens",
     "expected_seq_len": "--expected-seq-len",
+    "prefix_caching": "--no-prefix-caching",
     "max_queue": "--max-queue",
     "prefill_tokens": "--prefill-tokens",
     "micro_batches": "--micro-batches",

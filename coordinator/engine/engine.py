@@ -75,6 +75,9 @@ class EngineConfig:
     # max_seq_len take); it must hold one sequence of max_seq_len
     num_blocks: int = 0
     block_size: int = DEFAULT_BLOCK_SIZE
+    # a sequence reuses the full KV blocks of an earlier one whose tokens start the same (off
+    # for models with recurrent state, whose state cannot skip tokens)
+    prefix_caching: bool = True
     max_queue: int = DEFAULT_MAX_QUEUE
     prefill_tokens: int = DEFAULT_PREFILL_TOKENS
     burst_steps: int = 0  # decode steps per call when every micro-batch decodes; 0: the
@@ -146,6 +149,7 @@ class Engine:
             whole_prompts=config.whole_prompts,
             num_blocks=config.num_blocks,
             block_size=config.block_size,
+            prefix_caching=config.prefix_caching,
         )
         self.stats = EngineStats(num_slots=config.num_slots)
         self.stats.num_blocks = self.scheduler.num_blocks
@@ -288,6 +292,8 @@ class Engine:
         self.stats.used_blocks = scheduler.used_blocks
         self.stats.used_tokens = scheduler.used_tokens
         self.stats.preemptions = scheduler.preemptions
+        self.stats.prefix_queries = scheduler.blocks.queries
+        self.stats.prefix_hits = scheduler.blocks.hits
         for request in done:
             for _ in request.sequences:
                 self.stats.finished()

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from coordinator.engine.blocks import BlockPool
 from coordinator.engine.sequences import Finish, Request, Sequence, Status
 from worker.batch_cache import DEFAULT_BLOCK_SIZE, blocks_for
 from worker.batched import NO_TOKEN, Chosen, Draw, StepRows
@@ -95,9 +96,13 @@ class Scheduler:
         whole_prompts: bool = False,
         num_blocks: int = 0,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        prefix_caching: bool = False,
     ) -> None:
         """`num_blocks` of `block_size` positions: the KV pool (0: one run of blocks for
-        `max_seq_len` positions per slot, as much as a slot per sequence would hold)."""
+        `max_seq_len` positions per slot, as much as a slot per sequence would hold).
+        `prefix_caching`: a sequence reuses the full blocks of an earlier one with the same
+        first tokens (`coordinator.engine.blocks`); never with `uniform` (a recurrent state
+        cannot start past tokens it did not take in)."""
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.block_size = block_size
         self.num_blocks = num_blocks or num_slots * blocks_for(max_seq_len, block_size)
@@ -108,7 +113,9 @@ class Scheduler:
                 f"one sequence of max_seq_len={max_seq_len} ({longest} blocks): requests could "
                 "wait forever; give the pool at least that many tokens"
             )
-        self.free_blocks: list[int] = list(range(self.num_blocks - 1, -1, -1))  # pop: lowest
+        self.blocks = BlockPool(
+            self.num_blocks, block_size, prefix_caching=prefix_caching and not uniform
+        )
         self.preemptions = 0
         self._admissions = itertools.count()
         self.prefill_tokens, self.uniform = prefill_tokens, uniform
@@ -145,7 +152,7 @@ class Scheduler:
 
     @property
     def used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        return self.blocks.used
 
     @property
     def used_tokens(self) -> int:
@@ -159,11 +166,23 @@ class Scheduler:
 
     def can_admit(self, seq: Sequence | None = None) -> bool:
         """A slot is free and the pool has blocks for `seq` (the head of the queue; None: a
-        sequence of one block) with the margin left."""
+        sequence of one block) with the margin left, the blocks it reuses counted."""
         if not any(g.free for g in self.groups):
             return False
-        need = blocks_for(len(seq.tokens), self.block_size) if seq is not None else 1
-        return need + self._margin() <= len(self.free_blocks)
+        if seq is None:
+            return 1 + self._margin() <= self.blocks.available
+        reused = self._reusable(seq)
+        need = blocks_for(len(seq.tokens), self.block_size) - len(reused)
+        return need + self.blocks.cost(reused) + self._margin() <= self.blocks.available
+
+    def _reusable(self, seq: Sequence) -> list[int]:
+        """The blocks of the prefix cache `seq` may start with: full blocks of its tokens,
+        leaving at least its last token to feed (its next token needs that position's logits);
+        none when it scores its prompt (every position's logits) or caching is off."""
+        if not self.blocks.prefix_caching or seq.request.prompt_logprobs is not None:
+            return []
+        full = (len(seq.tokens) - 1) // self.block_size
+        return self.blocks.lookup(self.blocks.names(seq.tokens, seq.block_names, full))
 
     def admit(self) -> list[Sequence]:
         """Move waiting sequences into free slots while the pool has blocks for what they
@@ -178,6 +197,12 @@ class Scheduler:
             seq.slot, seq.group = heapq.heappop(group.free), g
             seq.status = Status.RUNNING
             seq.admitted = next(self._admissions)
+            reused = self._reusable(seq)
+            if self.blocks.prefix_caching and seq.request.prompt_logprobs is None:
+                self.blocks.queries += len(seq.tokens)
+                self.blocks.hits += len(reused) * self.block_size
+            self.blocks.share(reused)
+            seq.blocks, seq.cached = list(reused), len(reused) * self.block_size
             self._take_blocks(seq, len(seq.tokens))
             group.sequences.append(seq)
             admitted.append(seq)
@@ -186,13 +211,13 @@ class Scheduler:
     def _take_blocks(self, seq: Sequence, tokens: int) -> None:
         """Give `seq` blocks through position `tokens` - 1 (the caller checked they are free)."""
         for _ in range(blocks_for(tokens, self.block_size) - len(seq.blocks)):
-            seq.blocks.append(self.free_blocks.pop())
+            seq.blocks.append(self.blocks.take())
 
     def _blocks_needed(self, seq: Sequence, tokens: int) -> int:
         return max(0, blocks_for(tokens, self.block_size) - len(seq.blocks))
 
     def _free_blocks_of(self, seq: Sequence) -> None:
-        self.free_blocks.extend(reversed(seq.blocks))
+        self.blocks.release(seq.blocks)
         seq.blocks = []
 
     def _preempt(self, seq: Sequence) -> None:
@@ -218,7 +243,7 @@ class Scheduler:
         still in the step (empty: it waits for steps in flight to free blocks)."""
         while True:
             need = sum(self._blocks_needed(seq, tokens) for seq, tokens in rows)
-            if need <= len(self.free_blocks):
+            if need <= self.blocks.available:
                 for seq, tokens in rows:
                     self._take_blocks(seq, tokens)
                 return rows
@@ -251,7 +276,7 @@ class Scheduler:
         sequences = [s for step in steps for s in step.sequences]
         while count > 1:
             need = sum(self._blocks_needed(s, s.cached + count) for s in sequences)
-            if need <= len(self.free_blocks):
+            if need <= self.blocks.available:
                 break
             count -= 1
         for step in steps:
@@ -319,6 +344,7 @@ class Scheduler:
                     seq.cached = 0
                 else:
                     self._release(seq)
+        self.blocks.clear()  # the workers hold no keys: no cached prefix is true any more
         self.reform(num_groups)
         self.waiting.extendleft(reversed(requeue))
         self._sent.clear()  # the workers are claimed again: they hold no settings
@@ -435,7 +461,9 @@ class Scheduler:
             fed = step.rows.counts[r] if index == 0 else 1
             if seq.finish is not None:
                 continue
+            before = seq.cached
             seq.cached += fed
+            self._name_full_blocks(seq, before)
             if r in prompt and not seq.generated:  # by position: a restart's again is the same
                 seq.prompt_chunks[prompt[r].start] = prompt[r]
             token = int(tokens[r])
@@ -450,6 +478,17 @@ class Scheduler:
             elif len(seq.generated) >= seq.request.max_new_tokens:
                 self.finish(seq, Finish.LENGTH)
         return added
+
+    def _name_full_blocks(self, seq: Sequence, before: int) -> None:
+        """The blocks `seq` filled since it held `before` tokens' keys: a later sequence with
+        the same first tokens may share them (prefix caching)."""
+        if not self.blocks.prefix_caching:
+            return
+        size = self.block_size
+        first, full = before // size, seq.cached // size
+        if full > first:
+            names = self.blocks.names(seq.tokens, seq.block_names, full)
+            self.blocks.name(seq.blocks[first:full], names[first:full])
 
     def complete(self, step: Step) -> None:
         """The step is over (or failed): its micro-batch may plan again, and the slots of its

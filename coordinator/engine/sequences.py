@@ -43,6 +43,7 @@ class Sequence:
     cached: int = 0  # tokens whose keys and values are in its blocks
     blocks: list[int] = field(default_factory=list)  # its KV blocks: positions 0.. in order
     admitted: int = 0  # admission order while running: the youngest is preempted first
+    block_names: list[bytes] = field(default_factory=list)  # its full blocks' (prefix caching)
     seed: int | None = None  # when sampling: keys each draw with the token's position
     finish: Finish | None = None
     last_token_s: float | None = None  # for inter-token latency

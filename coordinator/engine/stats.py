@@ -109,6 +109,8 @@ class EngineStats:
     used_blocks: int = 0  # held by running sequences (a block partly filled counts whole)
     used_tokens: int = 0  # positions those blocks hold
     preemptions: int = 0  # running sequences sent back to the queue for want of blocks
+    prefix_queries: int = 0  # tokens admitted sequences looked up in the prefix cache
+    prefix_hits: int = 0  # of them, found there: their keys were not computed again
     ttft_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     itl_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
@@ -158,6 +160,8 @@ class EngineStats:
                 "kv_tokens_used": self.used_tokens,
                 "kv_cache_usage": round(self.kv_usage(), 4),
                 "preemptions": self.preemptions,
+                "prefix_cache_queries": self.prefix_queries,
+                "prefix_cache_hits": self.prefix_hits,
                 "batch_occupancy": round(self.occupancy(), 4),
                 "mean_batch": round(self.step_rows / self.steps, 3) if self.steps else 0.0,
                 "requests": self.requests,
@@ -183,6 +187,8 @@ class EngineStats:
                 ("vllm:num_requests_waiting", "gauge", self.waiting),
                 ("vllm:kv_cache_usage_perc", "gauge", self.kv_usage()),
                 ("vllm:num_preemptions_total", "counter", self.preemptions),
+                ("vllm:prefix_cache_queries_total", "counter", self.prefix_queries),
+                ("vllm:prefix_cache_hits_total", "counter", self.prefix_hits),
                 ("offload:kv_cache_blocks", "gauge", self.num_blocks),
                 ("offload:kv_cache_blocks_used", "gauge", self.used_blocks),
                 ("offload:kv_cache_tokens_used", "gauge", self.used_tokens),
@@ -234,6 +240,16 @@ class EngineMetrics:
             tag_keys=keys,
             description="Running sequences preempted for want of KV blocks",
         )
+        self.prefix_queries = Counter(
+            "vllm_prefix_cache_queries",
+            tag_keys=keys,
+            description="Tokens admitted sequences looked up in the prefix cache",
+        )
+        self.prefix_hits = Counter(
+            "vllm_prefix_cache_hits",
+            tag_keys=keys,
+            description="Tokens found in the prefix cache (their keys not computed again)",
+        )
         self.occupancy = Gauge(
             "offload_batch_occupancy",
             tag_keys=keys,
@@ -255,16 +271,22 @@ class EngineMetrics:
             description="Time between tokens of a sequence",
         )
         self._tokens_seen = 0
-        self._preemptions_seen = 0
+        self._seen: dict = {}  # counter -> the value it was given up to
 
     def export(self, stats: EngineStats) -> None:
         self.running.set(stats.running, tags=self.tags)
         self.waiting.set(stats.waiting, tags=self.tags)
         self.usage.set(stats.kv_usage(), tags=self.tags)
         self.occupancy.set(stats.occupancy(), tags=self.tags)
-        if stats.preemptions > self._preemptions_seen:
-            self.preemptions.inc(stats.preemptions - self._preemptions_seen, tags=self.tags)
-            self._preemptions_seen = stats.preemptions
+        for counter, value in (
+            (self.preemptions, stats.preemptions),
+            (self.prefix_queries, stats.prefix_queries),
+            (self.prefix_hits, stats.prefix_hits),
+        ):
+            seen = self._seen.get(counter, 0)
+            if value > seen:
+                counter.inc(value - seen, tags=self.tags)
+                self._seen[counter] = value
         if stats.generated > self._tokens_seen:
             self.tokens.inc(stats.generated - self._tokens_seen, tags=self.tags)
             self._tokens_seen = stats.generated

@@ -58,6 +58,7 @@ def build_engine(
             num_slots=now.max_batch,
             max_seq_len=max(now.max_seq_len, 1),  # 0: every request is refused (KvBudget)
             num_blocks=now.kv_blocks(),
+            prefix_caching=now.prefix_caching,
             max_queue=now.max_queue,
             prefill_tokens=now.prefill_tokens,
             micro_batches=now.micro_batches,
