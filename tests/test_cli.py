@@ -516,13 +516,14 @@ def test_an_exception_that_is_not_ours_is_a_bug_with_its_traceback(
 
 
 def test_plan_shows_the_batch_it_sizes_from_memory(checkpoint, capsys) -> None:
-    """--max-batch auto: plan says how many sequences fit beside the weights, and planning with
-    that many gives the same placement; without --max-seq-len there is nothing to size by."""
+    """--max-batch auto: plan says how many sequences the KV pool beside the weights holds at
+    the expected length, and planning with that many gives the same placement and pool; without
+    --max-seq-len there is nothing to size by."""
     args = ["plan", "--checkpoint", checkpoint, "--gpus", "1", "--gpu-memory", "8MiB"]
     assert main([*args, "--max-seq-len", "64", "--max-batch", "auto"]) == 0
     out = capsys.readouterr().out
     batch = int(
-        re.search(r"max_batch (\d+), micro-batches auto: the largest batch whose KV", out).group(1)
+        re.search(r"max_batch (\d+), micro-batches auto: the sequences the KV pool", out).group(1)
     )
     assert 1 <= batch <= 64
     placed = []
