@@ -13,12 +13,21 @@ named and shared, and a sequence writes only past the tokens it reused, so no bl
 while another sequence reads it. When the workers lose their caches (a recovery, a new claim),
 every name goes (`clear`).
 
+Each slot (a running sequence's index) has a home region of the pool, `region` blocks from
+slot x region on: a sequence takes its home blocks in order while they are free, and a step
+whose rows all sit in theirs is read through a view of the workers' stores, as a slot per
+sequence would be, not gathered block by block (`worker.batch_cache.KvPool.region_blocks`).
+Blocks from elsewhere (the highest free first: the pool's tail past every region, then the
+ends of the last regions, which only long sequences reach) keep a sequence going past its
+region, and shared prefix blocks are wherever they were filled: those steps gather.
+
 Without Ray and threads: the scheduler calls it from the engine's one loop.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -31,10 +40,15 @@ def block_digest(previous: bytes, tokens: Sequence[int]) -> bytes:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, *, num_slots: int, prefix_caching: bool
+    ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.region = num_blocks // num_slots  # blocks of each slot's home region
         self.prefix_caching = prefix_caching
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop: the lowest first
+        self._free: set[int] = set(range(num_blocks))
+        self._highest: list[int] = [-b for b in range(num_blocks)]  # a max-heap, lazily pruned
+        heapq.heapify(self._highest)
         self._holders: dict[int, int] = {}  # block -> running sequences holding it
         self._name_of: dict[int, bytes] = {}
         self._by_name: dict[bytes, int] = {}
@@ -51,16 +65,35 @@ class BlockPool:
     def used(self) -> int:
         return self.num_blocks - self.available
 
-    def take(self) -> int:
-        """A block for new keys: a free one, else the least recently used named one (its name
+    def home(self, slot: int, index: int) -> int | None:
+        """Block `index` of slot `slot`'s home region (None: past its end)."""
+        return slot * self.region + index if index < self.region else None
+
+    def take(self, preferred: int | None = None) -> int:
+        """A block for new keys: `preferred` (a home block) when nobody holds it (a name it
+        had goes), else the highest free one, else the least recently used named one (its name
         goes). The caller checked `available`."""
-        if self._free:
-            block = self._free.pop()
+        if preferred is not None and preferred in self._free:
+            block = preferred
+            self._free.discard(block)
+        elif preferred is not None and preferred in self._evictable:
+            block = preferred
+            del self._evictable[block]
+            del self._by_name[self._name_of.pop(block)]
+        elif self._free:
+            while -self._highest[0] not in self._free:  # entries taken as someone's home
+                heapq.heappop(self._highest)
+            block = -heapq.heappop(self._highest)
+            self._free.discard(block)
         else:
             block, _ = self._evictable.popitem(last=False)
             del self._by_name[self._name_of.pop(block)]
         self._holders[block] = 1
         return block
+
+    def _set_free(self, block: int) -> None:
+        self._free.add(block)
+        heapq.heappush(self._highest, -block)
 
     def release(self, blocks: Sequence[int]) -> None:
         """A sequence lets its blocks go (it ended, or was preempted)."""
@@ -73,7 +106,7 @@ class BlockPool:
             if block in self._name_of:
                 self._evictable[block] = None
             else:
-                self._free.append(block)
+                self._set_free(block)
 
     def names(self, tokens: Sequence[int], known: list[bytes], full_blocks: int) -> list[bytes]:
         """The names of the first `full_blocks` blocks of `tokens`, extending `known` (the
@@ -122,7 +155,9 @@ class BlockPool:
         """The workers lost every block's contents: no name is true any more. Only with no
         block held."""
         assert not self._holders, "the prefix cache cleared under running sequences"
-        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._free = set(range(self.num_blocks))
+        self._highest = [-b for b in range(self.num_blocks)]
+        heapq.heapify(self._highest)
         self._name_of.clear()
         self._by_name.clear()
         self._evictable.clear()

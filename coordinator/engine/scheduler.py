@@ -114,7 +114,10 @@ class Scheduler:
                 "wait forever; give the pool at least that many tokens"
             )
         self.blocks = BlockPool(
-            self.num_blocks, block_size, prefix_caching=prefix_caching and not uniform
+            self.num_blocks,
+            block_size,
+            num_slots=num_slots,
+            prefix_caching=prefix_caching and not uniform,
         )
         self.preemptions = 0
         self._admissions = itertools.count()
@@ -211,7 +214,7 @@ class Scheduler:
     def _take_blocks(self, seq: Sequence, tokens: int) -> None:
         """Give `seq` blocks through position `tokens` - 1 (the caller checked they are free)."""
         for _ in range(blocks_for(tokens, self.block_size) - len(seq.blocks)):
-            seq.blocks.append(self.blocks.take())
+            seq.blocks.append(self.blocks.take(self.blocks.home(seq.slot, len(seq.blocks))))
 
     def _blocks_needed(self, seq: Sequence, tokens: int) -> int:
         return max(0, blocks_for(tokens, self.block_size) - len(seq.blocks))
