@@ -494,9 +494,16 @@ class Scheduler:
             self.blocks.name(seq.blocks[first:full], names[first:full])
 
     def complete(self, step: Step) -> None:
-        """The step is over (or failed): its micro-batch may plan again, and the slots of its
-        sequences that ended meanwhile are freed."""
+        """The step is over (or failed): its micro-batch may plan again, the slots and blocks
+        of its sequences that ended meanwhile are freed, and so are the blocks the others took
+        for steps of a burst that were cut (they hold only what those steps wrote, never
+        read: the next step writes there again)."""
         group = self.groups[step.group]
         group.in_flight = False
         for seq in [s for s in group.sequences if s.finish is not None]:
             self._release(seq)
+        for seq in group.sequences:
+            keep = blocks_for(len(seq.tokens), self.block_size)
+            if len(seq.blocks) > keep:
+                self.blocks.release(seq.blocks[keep:])
+                del seq.blocks[keep:]
