@@ -267,6 +267,7 @@ class MetricsSampler:
                 name, _, value = line.partition("{")
                 if name in self.NAMES:
                     sample[name] = float(value.rsplit(" ", 1)[1])
+            sample["t"] = time.perf_counter()
             self.samples.append(sample)
 
 
@@ -328,6 +329,7 @@ def blocks_against_slots(checkpoint: str, index, tmp: Path, quick: bool) -> dict
             "most_running": max(running, default=0),
             "fill_median": statistics.median(steady) if steady else None,
             "fill_samples": len(steady),
+            "samples": samples,
             "preemptions": max(
                 (s.get("vllm:num_preemptions_total", 0) for s in samples), default=0
             ),

@@ -415,6 +415,9 @@ class Engine:
                 step = steps[m]
                 added = self.scheduler.update(step, read[m], tokens)
                 read[m] += 1
+                # live through a burst: the blocks it took before it ran, the tokens as they come
+                self.stats.used_blocks = self.scheduler.used_blocks
+                self.stats.used_tokens = self.scheduler.used_tokens
                 self.stats.steps += 1  # a pass through every stage
                 self.stats.step_rows += len(step.sequences)
                 self._deliver(added)

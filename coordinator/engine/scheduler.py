@@ -275,8 +275,16 @@ class Scheduler:
     def grow(self, steps: list[Step], count: int) -> int:
         """Blocks for `count` decode steps of every row of `steps` (a burst), as many steps as
         the free blocks allow without preempting (at least the one each step has); the rows'
-        tables are extended to match. Returns the steps the burst may run."""
+        tables are extended to match. A burst takes its blocks before it runs, and holds them
+        empty until its steps fill them: when the pool is in demand (a sequence waits, or the
+        burst would take more than half of the blocks left), it runs only to the end of each
+        row's last block (or through one new block, where that is full), so that a row never
+        holds a block it has not begun to fill. Returns the steps the burst may run."""
         sequences = [s for step in steps for s in step.sequences]
+        size = self.block_size
+        ahead = sum(self._blocks_needed(s, s.cached + count) for s in sequences)
+        if self.waiting or ahead > self.blocks.available // 2:
+            count = min([count] + [len(s.blocks) * size - s.cached or size for s in sequences])
         while count > 1:
             need = sum(self._blocks_needed(s, s.cached + count) for s in sequences)
             if need <= self.blocks.available:
