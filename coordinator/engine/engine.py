@@ -2,10 +2,11 @@
 CLI, the server, through `coordinator.engine.host` from any process) submit requests to it and
 stream their tokens.
 
-One thread runs the loop: take new requests and cancellations, move waiting sequences into
-free KV slots (`Scheduler`), give every micro-batch that is not running a step its next step
-(`Scheduler.plan`), and apply whichever finishes first: each row's token goes to its request,
-a sequence that ends frees its slot for the next one at once. So every sequence in flight moves
+One thread runs the loop: take new requests and cancellations, admit waiting sequences while
+the KV pool has blocks for them (`Scheduler`), give every micro-batch that is not running a
+step its next step (`Scheduler.plan`: the youngest sequence is preempted when the pool runs
+out), and apply whichever finishes first: each row's token goes to its request, a sequence
+that ends frees its slot and blocks for the next one at once. So every sequence in flight moves
 one token per step of its micro-batch, and each offloaded layer is brought in once per step for
 all of them.
 

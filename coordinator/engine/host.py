@@ -6,7 +6,7 @@ appends to (a token, a request ended). `EngineClient` is what a client holds (`J
 it submits and cancels through the host and one thread of its own fetches the client's outbox
 (a bounded long poll) and calls the request's callbacks. So the engine's thread never runs a
 client's code (detokenising, an event loop's hand-off), and any number of processes can
-generate on one load at once: every one of them goes through the same queue and KV slots.
+generate on one load at once: every one of them goes through the same queue and KV pool.
 
 A client that stops asking for its tokens (its process died, say) for `CLIENT_LEASE_S` while
 it has requests in flight is gone: its requests are cancelled and their slots freed.

@@ -1,4 +1,4 @@
-"""Which sequences run in the next step, and in which KV slots: the engine's bookkeeping,
+"""Which sequences run in the next step, in which slots and KV blocks: the engine's bookkeeping,
 without Ray and without threads (the engine calls it from its one loop). The scheduler is the
 one writer of every sequence's status; the engine and the clients read it.
 
@@ -74,7 +74,7 @@ class Step:
 
 @dataclass
 class _Group:
-    slots: range  # the KV slots this micro-batch owns
+    slots: range  # the slots (running sequences' indices) this micro-batch owns
     free: list[int] = field(default_factory=list)  # a heap: the lowest free slot goes first
     sequences: list[Sequence] = field(default_factory=list)
     in_flight: bool = False

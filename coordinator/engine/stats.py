@@ -139,7 +139,7 @@ class EngineStats:
             self.ended += 1
 
     def occupancy(self) -> float:
-        """Mean sequences per step over the KV slots: how full the batches ran."""
+        """Mean sequences per step over max_batch: how full the batches ran."""
         if not self.steps or not self.num_slots:
             return 0.0
         return self.step_rows / self.steps / self.num_slots
@@ -253,7 +253,7 @@ class EngineMetrics:
         self.occupancy = Gauge(
             "offload_batch_occupancy",
             tag_keys=keys,
-            description="Mean sequences per step over the KV slots",
+            description="Mean sequences per step over max_batch",
         )
         self.tokens = Counter(
             "vllm_generation_tokens", tag_keys=keys, description="Tokens generated"

@@ -163,7 +163,7 @@ class Job:
         rows that end early are padded with `pad_token_id`. Left-pad batches and pass their
         `attention_mask`: each row is its own sequence.
 
-        The request joins the job's engine (`coordinator.engine`): its rows wait for KV slots
+        The request joins the job's engine (`coordinator.engine`): its rows wait for KV blocks
         in a FIFO queue, then move one token per step in a batch with every other sequence in
         flight. `on_token(row, token)` sees each token as it comes (from the engine's thread:
         keep it short); `cancelled()` true ends the request at the next step (its slots freed).

@@ -11,7 +11,7 @@ themselves: they ask the keeper, so two recoveries never race.
 The load's generation engine (`coordinator.engine`) runs here too, started with the keeper and
 living as long as it: every client of the load, from any process (`serve NAME`, `generate
 NAME`, `attach(name)`), submits to it and fetches its tokens from it (`EngineHost`), so they all
-share one queue and one set of KV slots. Its steps and the keeper's recoveries go through one
+share one queue and one KV pool. Its steps and the keeper's recoveries go through one
 gate: a recovery waits for the step being sent, and the engine claims the workers again (a new
 epoch) before its next step.
 
