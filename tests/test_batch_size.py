@@ -133,22 +133,22 @@ def test_a_job_config_is_planned_with_its_pool_and_batch_resolved() -> None:
 
 
 def test_a_batch_whose_sequences_could_not_all_be_max_seq_len_is_planned() -> None:
-    """Memory for 2 sequences of max_seq_len beside the weights and max_batch 8: planned (the
-    pool holds 2 such sequences, 4 of the expected length), where slots of max_seq_len per
-    sequence were refused; a pool that cannot hold one is refused with the numbers."""
+    """Memory for 2 sequences of max_seq_len beside the weights and max_batch 8: planned, the
+    weights making room for 8 sequences at the expected length (a pool of 8 blocks, 4 of
+    max_seq_len), where slots of max_seq_len per sequence were refused; a pool that cannot hold
+    one is refused with the numbers."""
     from types import SimpleNamespace
 
     index = SimpleNamespace(layers=layers())
     memory = cluster(5000 + 2 * PER_SEQUENCE + 5)
-    sized, the_plan = plan_job(
-        JobConfig(checkpoint="x", max_batch=8, max_seq_len=20), index, memory
-    )
-    assert (sized.max_batch, sized.kv_cache_tokens) == (8, 2 * 32)
-    assert offloaded_bytes(the_plan) == 0
-    assert "KV pool of 64 tokens per GPU" in the_plan.summary()
-    assert "it holds 4 of the expected 5 tokens, 2 of max_seq_len" in the_plan.summary()
+    config = JobConfig(checkpoint="x", max_batch=8, max_seq_len=20)
+    sized, the_plan = plan_job(config, index, memory)
+    assert (sized.max_batch, sized.kv_cache_tokens) == (8, 8 * BLOCK)
+    assert offloaded_bytes(the_plan) > 0  # weights offloaded to make room for the batch
+    assert "KV pool of 128 tokens per GPU" in the_plan.summary()
+    assert "it holds 8 of the expected 5 tokens, 4 of max_seq_len" in the_plan.summary()
     with pytest.raises(PlanError):
-        plan_job(JobConfig(checkpoint="x", max_batch=8, max_seq_len=20), index, cluster(600))
+        plan_job(config, index, cluster(600))
 
 
 def test_the_predicted_throughput_curve() -> None:

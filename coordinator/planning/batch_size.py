@@ -2,8 +2,10 @@
 beside its weights, and how many sequences run at once.
 
 The pool is what the weights leave free: the largest pool whose plan offloads no more weight
-bytes than a pool of one `max_seq_len` sequence (the least a job can generate with), up to room
-for every sequence at max_seq_len (more could never be used). A larger pool would pay for its
+bytes than the least pool the job asks for, up to room for every sequence at max_seq_len (more
+could never be used). The least pool: a given `--max-batch` of sequences at the expected length
+(the weights make room for the batch asked for), else one sequence of `max_seq_len` (the least a
+job can generate with). A larger pool would pay for its
 tokens by moving more weights to the host every step; whether that trade is worth it is a
 throughput question (`--objective throughput`, planning/throughput.py, which sizes each batch's
 pool for its sequences at the expected length). `--kv-cache-tokens` sets the pool instead.
@@ -34,16 +36,20 @@ def offloaded_bytes(the_plan: Plan) -> int:
 
 
 def largest_pool(
-    layers: Sequence[LayerSpec], cluster: ClusterSnapshot, options: PlanOptions, cap_tokens: int
+    layers: Sequence[LayerSpec],
+    cluster: ClusterSnapshot,
+    options: PlanOptions,
+    cap_tokens: int,
+    floor_tokens: int = 0,
 ) -> tuple[int, Plan]:
-    """(pool tokens, its plan): the largest pool in whole blocks, from one sequence of
-    max_seq_len up to `cap_tokens`, whose plan offloads no more weight bytes than the smallest
-    pool's. PlanError when not even one sequence of max_seq_len fits."""
+    """(pool tokens, its plan): the largest pool in whole blocks, from `floor_tokens` (at
+    least one sequence of max_seq_len) up to `cap_tokens`, whose plan offloads no more weight
+    bytes than the floor's. PlanError when not even the floor fits."""
     if options.max_seq_len < 1:
         raise PlanError(
             "sizing the KV pool needs max_seq_len (tokens per sequence): set --max-seq-len"
         )
-    low = blocks_for(options.max_seq_len)
+    low = max(blocks_for(options.max_seq_len), blocks_for(floor_tokens))
     high = max(low, blocks_for(cap_tokens))
 
     def planned(blocks: int) -> Plan:
@@ -78,8 +84,9 @@ def plan_job(config, index, snapshot: ClusterSnapshot):
     the config returned, so that a re-plan keeps them. Objective throughput: max_batch (when
     0, auto) and micro_batches (when 0) are chosen for the most tokens/s
     (`coordinator.planning.throughput`), each batch with a pool for its sequences at the
-    expected length. Objective latency: the pool is what the weights leave (or
-    `kv_cache_tokens`), and max_batch 0 is what it holds at the expected length."""
+    expected length. Objective latency: the pool is a given max_batch at the expected length
+    and what the weights leave beside it (or `kv_cache_tokens`), and max_batch 0 is what the
+    weights leave beside one max_seq_len sequence holds at the expected length."""
     options = job_options(config, index, snapshot)
     if config.objective == "throughput":
         from coordinator.planning.throughput import choose
@@ -101,11 +108,12 @@ def plan_job(config, index, snapshot: ClusterSnapshot):
         return config, planner.plan(index.layers, snapshot, options)
     if config.kv_cache_tokens:
         tokens = options.pool_tokens
-    else:  # what the weights leave, up to every sequence at max_seq_len
+    else:  # a given batch at the expected length, and what the weights leave beside it
         batch = config.max_batch or AUTO_MAX_BATCH
         cap = batch * blocks_for(config.max_seq_len) * DEFAULT_BLOCK_SIZE
+        floor = options.pool_for(config.max_batch) if config.max_batch else 0
         sized = dataclasses.replace(options, max_batch=config.max_batch or 1)
-        tokens, _ = largest_pool(index.layers, snapshot, sized, cap)
+        tokens, _ = largest_pool(index.layers, snapshot, sized, cap, floor)
     batch = config.max_batch or batch_for_pool(tokens, options)
     while True:  # auto: fewer sequences when their recurrent states do not fit beside
         try:
