@@ -46,13 +46,11 @@ class BlockPool:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.region = num_blocks // num_slots  # blocks of each slot's home region
         self.prefix_caching = prefix_caching
-        self._free: set[int] = set(range(num_blocks))
-        self._highest: list[int] = [-b for b in range(num_blocks)]  # a max-heap, lazily pruned
-        heapq.heapify(self._highest)
         self._holders: dict[int, int] = {}  # block -> running sequences holding it
         self._name_of: dict[int, bytes] = {}
         self._by_name: dict[bytes, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # named, held by none: LRU
+        self._all_free()
         self.queries = 0  # prompt tokens looked up in the prefix cache
         self.hits = 0  # of them, found there (not computed again)
 
@@ -77,19 +75,27 @@ class BlockPool:
             block = preferred
             self._free.discard(block)
         elif preferred is not None and preferred in self._evictable:
-            block = preferred
-            del self._evictable[block]
-            del self._by_name[self._name_of.pop(block)]
+            block = self._evict(preferred)
         elif self._free:
             while -self._highest[0] not in self._free:  # entries taken as someone's home
                 heapq.heappop(self._highest)
             block = -heapq.heappop(self._highest)
             self._free.discard(block)
         else:
-            block, _ = self._evictable.popitem(last=False)
-            del self._by_name[self._name_of.pop(block)]
+            block = self._evict(next(iter(self._evictable)))  # the least recently used
         self._holders[block] = 1
         return block
+
+    def _evict(self, block: int) -> int:
+        """A named block nobody holds, taken for new keys: its name goes."""
+        del self._evictable[block]
+        del self._by_name[self._name_of.pop(block)]
+        return block
+
+    def _all_free(self) -> None:
+        self._free: set[int] = set(range(self.num_blocks))
+        self._highest: list[int] = [-b for b in range(self.num_blocks)]  # a max-heap, lazily pruned
+        heapq.heapify(self._highest)
 
     def _set_free(self, block: int) -> None:
         self._free.add(block)
@@ -155,9 +161,7 @@ class BlockPool:
         """The workers lost every block's contents: no name is true any more. Only with no
         block held."""
         assert not self._holders, "the prefix cache cleared under running sequences"
-        self._free = set(range(self.num_blocks))
-        self._highest = [-b for b in range(self.num_blocks)]
-        heapq.heapify(self._highest)
+        self._all_free()
         self._name_of.clear()
         self._by_name.clear()
         self._evictable.clear()

@@ -290,8 +290,7 @@ class Engine:
         scheduler = self.scheduler
         self.stats.running = len(scheduler.running)
         self.stats.waiting = len(scheduler.waiting)
-        self.stats.used_blocks = scheduler.used_blocks
-        self.stats.used_tokens = scheduler.used_tokens
+        self._pool_stats()
         self.stats.preemptions = scheduler.preemptions
         self.stats.prefix_queries = scheduler.blocks.queries
         self.stats.prefix_hits = scheduler.blocks.hits
@@ -302,6 +301,12 @@ class Engine:
                 request.end()
             except Exception as exc:  # the client's callback: never the loop's end
                 request.error = request.error or exc
+
+    def _pool_stats(self) -> None:
+        """The KV pool's blocks in use (a burst's, taken before it ran, included) and the
+        tokens they hold."""
+        self.stats.used_blocks = self.scheduler.used_blocks
+        self.stats.used_tokens = self.scheduler.used_tokens
 
     def _restart(self) -> None:
         """The workers changed: what is in flight is dropped, the workers are claimed under a
@@ -416,9 +421,7 @@ class Engine:
                 step = steps[m]
                 added = self.scheduler.update(step, read[m], tokens)
                 read[m] += 1
-                # live through a burst: the blocks it took before it ran, the tokens as they come
-                self.stats.used_blocks = self.scheduler.used_blocks
-                self.stats.used_tokens = self.scheduler.used_tokens
+                self._pool_stats()  # live through a burst
                 self.stats.steps += 1  # a pass through every stage
                 self.stats.step_rows += len(step.sequences)
                 self._deliver(added)

@@ -106,13 +106,8 @@ class Scheduler:
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.block_size = block_size
         self.num_blocks = num_blocks or num_slots * blocks_for(max_seq_len, block_size)
-        longest = blocks_for(max_seq_len, block_size)
-        if self.num_blocks < longest:
-            raise ValueError(
-                f"a KV pool of {self.num_blocks} blocks of {block_size} positions cannot hold "
-                f"one sequence of max_seq_len={max_seq_len} ({longest} blocks): requests could "
-                "wait forever; give the pool at least that many tokens"
-            )
+        # EngineConfig refuses a pool smaller than that: requests could wait forever
+        assert self.num_blocks >= blocks_for(max_seq_len, block_size)
         self.blocks = BlockPool(
             self.num_blocks,
             block_size,
@@ -178,11 +173,16 @@ class Scheduler:
         need = blocks_for(len(seq.tokens), self.block_size) - len(reused)
         return need + self.blocks.cost(reused) + self._margin() <= self.blocks.available
 
+    def _looks_up(self, seq: Sequence) -> bool:
+        """`seq` may start with cached blocks: caching is on, and it does not score its prompt
+        (that needs every position's logits)."""
+        return self.blocks.prefix_caching and seq.request.prompt_logprobs is None
+
     def _reusable(self, seq: Sequence) -> list[int]:
         """The blocks of the prefix cache `seq` may start with: full blocks of its tokens,
         leaving at least its last token to feed (its next token needs that position's logits);
-        none when it scores its prompt (every position's logits) or caching is off."""
-        if not self.blocks.prefix_caching or seq.request.prompt_logprobs is not None:
+        none where it may not (`_looks_up`)."""
+        if not self._looks_up(seq):
             return []
         full = (len(seq.tokens) - 1) // self.block_size
         return self.blocks.lookup(self.blocks.names(seq.tokens, seq.block_names, full))
@@ -201,7 +201,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             seq.admitted = next(self._admissions)
             reused = self._reusable(seq)
-            if self.blocks.prefix_caching and seq.request.prompt_logprobs is None:
+            if self._looks_up(seq):
                 self.blocks.queries += len(seq.tokens)
                 self.blocks.hits += len(reused) * self.block_size
             self.blocks.share(reused)
@@ -227,13 +227,9 @@ class Scheduler:
         """Free a running sequence's slot and blocks (no step of its micro-batch in flight) and
         put it back at the head of the queue: it feeds its prompt and tokens so far again when
         admitted again."""
-        group = self.groups[seq.group]
-        assert not group.in_flight, "a sequence preempted under a step in flight"
-        group.sequences.remove(seq)
-        heapq.heappush(group.free, seq.slot)
+        assert not self.groups[seq.group].in_flight, "a sequence preempted under a step in flight"
         self._sent.pop(seq.slot, None)  # its settings go again with its next first step
-        self._free_blocks_of(seq)
-        seq.slot = seq.group = None
+        self._vacate(seq)
         seq.status = Status.WAITING
         seq.cached = 0
         self.waiting.appendleft(seq)
@@ -329,13 +325,17 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         """A running sequence leaves its micro-batch and frees its slot (no step of its
         micro-batch is in flight: the slot goes to the next sequence at once)."""
+        assert not self.groups[seq.group].in_flight, "a slot freed under a step in flight"
+        self._vacate(seq)
+        seq.status = Status.FINISHED
+
+    def _vacate(self, seq: Sequence) -> None:
+        """`seq` leaves its micro-batch: its slot and blocks are free."""
         group = self.groups[seq.group]
-        assert not group.in_flight, "a slot freed under a step in flight"
         group.sequences.remove(seq)
         heapq.heappush(group.free, seq.slot)
         self._free_blocks_of(seq)
         seq.slot = seq.group = None
-        seq.status = Status.FINISHED
 
     def restart(self, num_groups: int) -> None:
         """Every running sequence's keys and values are gone (workers replaced or re-planned):
@@ -348,9 +348,7 @@ class Scheduler:
             for seq in list(group.sequences):
                 if seq.finish is None:
                     requeue.append(seq)
-                    group.sequences.remove(seq)
-                    self._free_blocks_of(seq)
-                    seq.slot = seq.group = None
+                    self._vacate(seq)
                     seq.status = Status.WAITING
                     seq.cached = 0
                 else:

@@ -228,7 +228,7 @@ class EngineMetrics:
         self.waiting = Gauge(
             "vllm_num_requests_waiting",
             tag_keys=keys,
-            description="Sequences waiting for a KV slot",
+            description="Sequences waiting to run",
         )
         self.usage = Gauge(
             "vllm_kv_cache_usage_perc",
@@ -270,7 +270,6 @@ class EngineMetrics:
             tag_keys=keys,
             description="Time between tokens of a sequence",
         )
-        self._tokens_seen = 0
         self._seen: dict = {}  # counter -> the value it was given up to
 
     def export(self, stats: EngineStats) -> None:
@@ -279,6 +278,7 @@ class EngineMetrics:
         self.usage.set(stats.kv_usage(), tags=self.tags)
         self.occupancy.set(stats.occupancy(), tags=self.tags)
         for counter, value in (
+            (self.tokens, stats.generated),
             (self.preemptions, stats.preemptions),
             (self.prefix_queries, stats.prefix_queries),
             (self.prefix_hits, stats.prefix_hits),
@@ -287,9 +287,6 @@ class EngineMetrics:
             if value > seen:
                 counter.inc(value - seen, tags=self.tags)
                 self._seen[counter] = value
-        if stats.generated > self._tokens_seen:
-            self.tokens.inc(stats.generated - self._tokens_seen, tags=self.tags)
-            self._tokens_seen = stats.generated
         ttft, itl = stats.drain_samples()
         for value in ttft:
             self.ttft.observe(value, tags=self.tags)
