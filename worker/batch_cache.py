@@ -40,6 +40,7 @@ padded one is refused here, never run.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -183,7 +184,7 @@ class BatchView(Cache):
         super().__init__(layers=[])
         if not len(slots) == len(starts) == len(counts) == len(tables):
             raise ValueError("slots, starts, counts and tables must have one entry per row")
-        size = pool.block_size
+        size, num_blocks = pool.block_size, pool.num_blocks
         for slot, start, count, table in zip(slots, starts, counts, tables, strict=True):
             if not 0 <= slot < pool.num_slots:
                 raise ValueError(f"slot {slot} is outside the pool of {pool.num_slots}")
@@ -192,39 +193,51 @@ class BatchView(Cache):
                     f"a row of {count} token(s) at {start} does not fit width {width} and its "
                     f"{len(table)} block(s) of {size} positions"
                 )
-            if any(not 0 <= b < pool.num_blocks for b in table):
+            if min(table) < 0 or max(table) >= num_blocks:
                 raise ValueError(
                     f"slot {slot}'s block table {list(table)} names a block outside the pool "
-                    f"of {pool.num_blocks}"
+                    f"of {num_blocks}"
                 )
         self.pool, self.width = pool, width
         device = pool.device
-        self.slots = torch.tensor(slots, device=device)
-        self.starts = torch.tensor(starts, device=device)
-        self.counts = torch.tensor(counts, device=device)
+        self._slots, self._starts, self._counts = list(slots), list(starts), list(counts)
         self._rows = list(zip(slots, starts, counts, strict=True))
-        # Where each real token goes: (row, column) of the step's input -> (block, offset),
-        # once per step for every layer.
-        rows, columns, blocks, offsets = [], [], [], []
-        for r, (start, count, table) in enumerate(zip(starts, counts, tables, strict=True)):
-            for p in range(start, start + count):
-                rows.append(r)
-                columns.append(width - count + p - start)
-                blocks.append(table[p // size])
-                offsets.append(p % size)
-        self._write = tuple(
-            torch.tensor(v, device=device) for v in (rows, columns, blocks, offsets)
-        )
+        # a decode step: one new token per row, no padding
+        self.decode = width == 1
+        # Where each real token goes: its place in the flattened stores (block x block_size +
+        # offset), once per step for every layer; and, unless every row feeds one token (a
+        # decode step, whose sources are simply column 0), which (row, column) of the step's
+        # input it comes from.
+        if self.decode:
+            places = [
+                table[p // size] * size + p % size for p, table in zip(starts, tables, strict=True)
+            ]
+            self._sources = None
+        else:
+            places, rows, columns = [], [], []
+            for r, (start, count, table) in enumerate(zip(starts, counts, tables, strict=True)):
+                for p in range(start, start + count):
+                    places.append(table[p // size] * size + p % size)
+                    rows.append(r)
+                    columns.append(width - count + p - start)
+            self._sources = (
+                torch.tensor(rows, device=device),
+                torch.tensor(columns, device=device),
+            )
+        self._places = torch.tensor(places, device=device)
         # Rows in consecutive slots (the engine hands out the lowest free slot and orders a
         # step's rows by slot, so this is the common case): recurrent states, and keys in the
         # slots' home regions, are read through a view instead of a gather.
         first = slots[0]
         self._span = (
             slice(first, first + len(slots))
-            if slots == list(range(first, first + len(slots)))
+            if self._slots == list(range(first, first + len(slots)))
             else None
         )
         self.kv_length = max(s + c for s, c in zip(starts, counts, strict=True))
+        # every row's last position is the step's last: nothing for a mask to hide in a
+        # decode step
+        self.aligned = self.decode and all(s + 1 == self.kv_length for s in starts)
         # The blocks each row's attention reads, positions 0..kv_length-1 (a row shorter than
         # that pads with its first block: positions it never wrote are masked)
         n = blocks_for(self.kv_length, size)
@@ -262,13 +275,32 @@ class BatchView(Cache):
         self.uniform = all(c == width for c in counts)
         self._handed: dict[tuple[str, int, int], torch.Tensor] = {}
 
+    # The rows as tensors on the pool's device, made when a step needs them (a decode step of
+    # rows in consecutive slots in their home regions, without recurrent state, never does)
+    @functools.cached_property
+    def slots(self) -> torch.Tensor:
+        return torch.tensor(self._slots, device=self.pool.device)
+
+    @functools.cached_property
+    def starts(self) -> torch.Tensor:
+        return torch.tensor(self._starts, device=self.pool.device)
+
+    @functools.cached_property
+    def counts(self) -> torch.Tensor:
+        return torch.tensor(self._counts, device=self.pool.device)
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.pool.stores(layer_idx, key_states, value_states)
-        rows, columns, blocks, offsets = self._write
-        keys[blocks, offsets] = key_states[rows, :, columns]
-        values[blocks, offsets] = value_states[rows, :, columns]
+        for store, new in ((keys, key_states), (values, value_states)):
+            # (rows, heads, width, dim) -> one (heads, dim) entry per real token
+            new = (
+                new[:, :, 0]
+                if self._sources is None
+                else new[self._sources[0], :, self._sources[1]]
+            )
+            store.view(-1, *store.shape[2:]).index_copy_(0, self._places, new)
         return self._gather(keys), self._gather(values)
 
     def _gather(self, store: torch.Tensor) -> torch.Tensor:
@@ -334,13 +366,14 @@ class BatchView(Cache):
     def commit(self) -> None:
         """Write the states the model updated in place (copies of rows not consecutive) back
         to their slots. Called once the step's forward is done."""
+        if not self.pool.states:
+            return
         with torch.inference_mode():
             for key, rows in self._handed.items():
                 self.pool.states[key][self.slots] = rows
         self._handed.clear()
-        if self.pool.states:
-            for slot, start, count in self._rows:
-                self.pool.state_at[slot] = start + count
+        for slot, start, count in self._rows:
+            self.pool.state_at[slot] = start + count
 
     def _check_uniform(self, key: tuple[str, int, int]) -> None:
         if not self.uniform:
@@ -383,7 +416,7 @@ class BatchView(Cache):
         self._handed.pop(key, None)  # what the model wrote supersedes the copy handed out
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return int(self.starts.min())  # positions come from position_ids, never from here
+        return min(self._starts)  # positions come from position_ids, never from here
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return self.kv_length, 0  # keys at positions 0..kv_length-1 in every row's slot
@@ -402,24 +435,39 @@ class BatchView(Cache):
         dtype: torch.dtype,
         implementation: str,
         chunk: int | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """The 4D mask (rows, 1, width, kv_length) of this step: a real token sees its row's
         positions up to its own (with `sliding_window`, fewer than that many back; with
         `chunk`, none before its own chunk of that many positions); a padding query sees
         position 0 only (always written: it never yields NaN). Boolean for
-        sdpa, additive (0 / dtype min) for eager attention, as transformers builds them."""
-        keys = torch.arange(self.kv_length, device=self.pool.device)
-        queries = row_positions(self.starts, self.counts, self.width)[
-            :, :, None
-        ]  # (rows, width, 1)
+        sdpa, additive (0 / dtype min) for eager attention, as transformers builds them.
+
+        None for sdpa when it would hide nothing (a decode step whose rows are all as long as
+        the step, within the window and the chunk), as transformers leaves out a mask that
+        allows everything: sdpa then takes its unmasked kernel, grouped-query heads unrepeated."""
+        length = self.kv_length
+        if (
+            implementation == "sdpa"
+            and self.aligned
+            and (sliding_window is None or length <= sliding_window)
+            and (chunk is None or length <= chunk)
+        ):
+            return None
+        keys = torch.arange(length, device=self.pool.device)
+        if self.decode:  # (rows, 1, 1): each row's one query at its start
+            queries = self.starts[:, None, None]
+        else:  # (rows, width, 1)
+            queries = row_positions(self.starts, self.counts, self.width)[:, :, None]
         allowed = keys <= queries
         if sliding_window is not None:
             allowed &= keys > queries - sliding_window
         if chunk is not None:  # Llama 4's chunked layers: only the query's own chunk
             allowed &= keys // chunk == queries // chunk
-        column = torch.arange(self.width, device=self.pool.device)
-        padding = (column < self.width - self.counts[:, None])[:, :, None]
-        allowed = torch.where(padding, keys == 0, allowed)[:, None]
+        if not self.decode:
+            column = torch.arange(self.width, device=self.pool.device)
+            padding = (column < self.width - self.counts[:, None])[:, :, None]
+            allowed = torch.where(padding, keys == 0, allowed)
+        allowed = allowed[:, None]
         if implementation == "sdpa":
             return allowed
         additive = torch.zeros(allowed.shape, dtype=dtype, device=self.pool.device)

@@ -139,6 +139,11 @@ class SlotSettings:
                 f"{len(self.prompt_ids)}"
             )
 
+    def plain(self, position: int) -> bool:
+        """Its token at `position` is the argmax of the logits, with nothing else to return:
+        greedy, no token banned there, no log-probabilities."""
+        return not self.sampling.do_sample and self.logprobs is None and not self.banned(position)
+
     def banned(self, position: int) -> tuple[int, ...]:
         """The tokens this sequence may not choose at `position` (its end tokens while it has
         fewer than min_tokens new ones)."""
@@ -201,10 +206,9 @@ def choose_rows(
     greedy and sampled rows at once on the logits' device (`worker.decode.sample_rows`), a
     row's end tokens masked before its min_tokens, only the tokens copied back; with the
     log-probabilities of the rows that ask for them (`Chosen`), computed for those rows only."""
-    tokens = torch.full((logits.shape[0],), NO_TOKEN, dtype=torch.long)
     choosing = [r for r, take in enumerate(choose) if take]
     if not choosing:
-        return tokens
+        return torch.full((logits.shape[0],), NO_TOKEN, dtype=torch.long)
     try:
         chosen_settings = [settings[rows.slots[r]] for r in choosing]
     except KeyError as exc:
@@ -212,18 +216,21 @@ def choose_rows(
             f"slot {exc.args[0]} chooses a token but its settings never reached this stage"
         ) from None
     positions = [rows.starts[r] + rows.counts[r] for r in choosing]  # of the tokens chosen
+    every = len(choosing) == logits.shape[0]
+    if every and all(s.plain(p) for s, p in zip(chosen_settings, positions, strict=True)):
+        return torch.argmax(logits.to(torch.float32), dim=-1).cpu()  # sample_rows' greedy rows
     row_settings = RowSettings.of(
         [s.sampling for s in chosen_settings],
         [s.seed for s in chosen_settings],
         positions,
         [s.banned(p) for s, p in zip(chosen_settings, positions, strict=True)],
     )
-    every = len(choosing) == logits.shape[0]
     picked = logits if every else logits[choosing]
     chosen = sample_rows(picked, row_settings)
     if every:
         tokens = chosen
     else:
+        tokens = torch.full((logits.shape[0],), NO_TOKEN, dtype=torch.long)
         tokens[choosing] = chosen
     asking = [i for i, s in enumerate(chosen_settings) if s.logprobs is not None]
     if not asking:
