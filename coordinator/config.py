@@ -196,6 +196,9 @@ class JobConfig:
     max_queue: int = 1024
     prefill_tokens: int = 512
     micro_batches: int = 0
+    # An idle engine given a request waits this long for others to start in its first step
+    # (0: never waits): requests sent at once then decode in step.
+    batch_wait_s: float = 0.005
     # What the plan maximises: "latency" (the slowest stage, for one sequence's step) or
     # "throughput" (decode tokens/s: it also chooses max_batch when 0 and micro_batches when 0),
     # with each sequence's time between tokens at most max_token_latency_s (0: no bound).
@@ -305,6 +308,11 @@ class JobConfig:
         self.node_gpus()  # a malformed `nodes` fails here, naming it
         if self.objective not in ("latency", "throughput"):
             raise ConfigError(f"objective={self.objective!r} must be latency or throughput")
+        if not (math.isfinite(self.batch_wait_s) and 0 <= self.batch_wait_s <= 1):
+            raise ConfigError(
+                f"batch_wait_s={self.batch_wait_s} must be between 0 (no wait) and 1 second: "
+                "it delays the first token of a request that reaches an idle engine"
+            )
         if not (math.isfinite(self.max_token_latency_s) and self.max_token_latency_s >= 0):
             raise ConfigError(
                 f"max_token_latency_s={self.max_token_latency_s} must be a finite "

@@ -397,6 +397,50 @@ def test_requests_a_step_apart_share_their_prefill_with_the_decodes(make) -> Non
     ], kinds
 
 
+@pytest.mark.parametrize("wait_s", [0.0, WAIT_S])
+def test_an_idle_engine_waits_for_requests_sent_together_to_start_together(make, wait_s) -> None:
+    """Three requests reach an idle engine ~20 ms apart. With a window, the engine waits for
+    them and prefills all three in one step, and they decode in step (every step carries all
+    three); the window ends as soon as they fill the batch (not after WAIT_S). Without one,
+    the first starts alone."""
+    engine, pipeline = make(num_slots=3, burst_steps=1, batch_wait_s=wait_s)
+    prompts = [[3, 4], [5, 6], [7, 8]]
+    requests = []
+    for prompt in prompts:
+        requests.append(submit(engine, prompt, 4))
+        threading.Event().wait(0.02)
+    for request, prompt in zip(requests, prompts, strict=True):
+        assert request.result(WAIT_S / 3) == [expected(prompt, 4)]
+    first = pipeline.steps[0]
+    if wait_s:
+        assert [len(slots) for _, slots, _, _ in pipeline.steps] == [3, 3, 3, 3]
+    else:
+        assert first[0] and len(first[1]) == 1, pipeline.steps
+
+
+def test_the_window_ends_at_its_bound_and_a_busy_engine_never_waits(make) -> None:
+    """A lone request starts `batch_wait_s` after it came (not sooner, and it does start); one
+    arriving while it runs joins at the next step, without a window."""
+    engine, pipeline = make(num_slots=3, burst_steps=1, batch_wait_s=0.3)
+    joined = []
+
+    def join(row, token):
+        if not joined:
+            joined.append(submit(engine, [9, 8], 2))
+            joined.append(len(pipeline.steps))  # the steps run when it arrived
+
+    lone = submit(engine, [3, 4], 4, on_token=join)
+    assert lone.result(WAIT_S) == [expected([3, 4], 4)]
+    assert lone.first_token_s - lone.submitted_s >= 0.3
+    assert joined[0].result(WAIT_S) == [expected([9, 8], 2)]
+    assert pipeline.steps[joined[1]][0] and len(pipeline.steps[joined[1]][1]) == 2
+
+
+def test_batch_wait_must_be_a_number_of_seconds_from_0() -> None:
+    with pytest.raises(ConfigError, match=r"batch_wait_s=-0.1 must be >= 0"):
+        EngineConfig(num_slots=2, max_seq_len=8, batch_wait_s=-0.1)
+
+
 def test_micro_batches_split_the_running_sequences(make) -> None:
     """Two stages, two micro-batches of two; once all decode and nothing waits, both go in one
     burst the first stage drives (taking turns), not one driver call per step."""

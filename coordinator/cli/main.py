@@ -65,6 +65,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _wait_seconds(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and 0 <= value <= 1):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds in 0..1, got {text}")
+    return value
+
+
 def _prefetch_step(text: str) -> int:
     from offload.config import MAX_PREFETCH_STEP
 
@@ -177,6 +184,15 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
         "in chunks, the decodes of others between them",
     )
     parser.add_argument(
+        "--batch-wait",
+        type=_wait_seconds,
+        dest="batch_wait_s",
+        metavar="SECONDS",
+        help="an idle engine given a request waits this long for others to "
+        "start with it (default 0.005; 0: never): requests sent together "
+        "share their first step and decode in step",
+    )
+    parser.add_argument(
         "--micro-batches",
         type=int,
         dest="micro_batches",
@@ -241,6 +257,7 @@ _JOB_FLAGS = {
     "prefix_caching": "--no-prefix-caching",
     "max_queue": "--max-queue",
     "prefill_tokens": "--prefill-tokens",
+    "batch_wait_s": "--batch-wait",
     "micro_batches": "--micro-batches",
     "objective": "--objective",
     "max_token_latency_s": "--max-token-latency",

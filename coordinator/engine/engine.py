@@ -44,6 +44,10 @@ from worker.batched import NotOwnerError
 DEFAULT_MAX_QUEUE = 1024  # sequences waiting for a slot; beyond: BusyError (HTTP 429)
 DEFAULT_PREFILL_TOKENS = 512  # per prefill step (rows x width)
 IDLE_WAIT_S = 1.0
+# An idle engine given a request waits this long from its arrival for others to start with it
+# (EngineConfig.batch_wait_s): requests sent together (a client's concurrent calls reach it
+# over ~4 ms on a 2-core host) then share their first step, and decode in step.
+DEFAULT_BATCH_WAIT_S = 0.005
 # A model with recurrent state runs every burst out (a step that ran updated a state, even if
 # its tokens were dropped): short bursts, so a request waits at most this many decode steps.
 UNIFORM_MAX_BURST = 8
@@ -81,6 +85,7 @@ class EngineConfig:
     prefix_caching: bool = True
     max_queue: int = DEFAULT_MAX_QUEUE
     prefill_tokens: int = DEFAULT_PREFILL_TOKENS
+    batch_wait_s: float = DEFAULT_BATCH_WAIT_S  # an idle engine's wait for more requests
     burst_steps: int = 0  # decode steps per call when every micro-batch decodes; 0: the
     # pipeline's (Pipeline.max_burst: longer where a cut is cheap)
     micro_batches: int = 0  # 0: one per pipeline stage
@@ -103,7 +108,7 @@ class EngineConfig:
                 f"hold one sequence of max_seq_len={self.max_seq_len} ({longest} blocks): give "
                 "it more tokens, or lower max_seq_len"
             )
-        for name in ("micro_batches", "burst_steps", "num_blocks"):
+        for name in ("micro_batches", "burst_steps", "num_blocks", "batch_wait_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
         if self.max_queue < self.num_slots:
@@ -263,6 +268,7 @@ class Engine:
         with self._cond:
             if self._closed:
                 return False
+            self._gather()
             for request in self._incoming:
                 scheduler.enqueue(request)
                 self.stats.requests += 1
@@ -282,6 +288,31 @@ class Engine:
             self._wait_one()
         self._end_done()
         return True
+
+    def _gather(self) -> None:
+        """An idle engine (nothing running, waiting or in flight) that was just given requests
+        waits up to `batch_wait_s` from the first one's arrival for others, until they would
+        fill the batch: requests sent together then start in one prefill step instead of the
+        first alone and the rest one step later, so their rows stay in step (each later step
+        of a row a step ahead is a step of its own, and rows of unequal lengths need a mask).
+        A busy engine never waits: arrivals join at its next step. Holding `_cond`."""
+        scheduler = self.scheduler
+        if (
+            not self.config.batch_wait_s
+            or not self._incoming
+            or self._in_flight
+            or scheduler.running
+            or scheduler.waiting
+        ):
+            return
+        deadline = self._incoming[0].submitted_s + self.config.batch_wait_s
+        while not self._closed and not self._cancelled:
+            if sum(len(r.sequences) for r in self._incoming) >= self.config.num_slots:
+                return
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            self._cond.wait(left)
 
     def _end_done(self) -> None:
         """Wake the clients of the requests that ended (each once), after the stats count

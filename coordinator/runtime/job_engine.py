@@ -61,6 +61,7 @@ def build_engine(
             prefix_caching=now.prefix_caching,
             max_queue=now.max_queue,
             prefill_tokens=now.prefill_tokens,
+            batch_wait_s=now.batch_wait_s,
             micro_batches=now.micro_batches,
             step_timeout_s=now.forward_timeout_s,
             **steps,
