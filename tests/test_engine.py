@@ -281,13 +281,15 @@ def test_bursts_only_when_nothing_waits(make) -> None:
     engine, pipeline = make(num_slots=2, burst_steps=4)
     request = submit(engine, [3, 4], 11)
     assert request.result(WAIT_S) == [expected([3, 4], 11)]
-    counts = [count for prefill, _, _, count in pipeline.steps if not prefill]
-    assert counts == [4, 4, 2]  # 1 token from the prefill, then never past max_new_tokens
+    # the prompt's step goes on decoding in the same call (every row chooses: the whole
+    # prompt is fed), then decode bursts, never past max_new_tokens
+    counts = [(prefill, count) for prefill, _, _, count in pipeline.steps]
+    assert counts == [(True, 4), (False, 4), (False, 3)]
     # two stages, one micro-batch: bursts driven by the first stage through the others
     one, ring = make(FakePipeline(num_stages=2), num_slots=2, burst_steps=4, micro_batches=1)
     assert submit(one, [3, 4], 5).result(WAIT_S) == [expected([3, 4], 5)]
-    assert [count for prefill, _, _, count in ring.steps if not prefill] == [4]
-    # two micro-batches, one with a prefill to do: no burst (the driver keeps the turns)
+    assert [(prefill, count) for prefill, _, _, count in ring.steps] == [(True, 4), (False, 1)]
+    # two micro-batches, each a whole prompt to feed: one ring of both, prompts first
     two, pipelined = make(FakePipeline(num_stages=2), num_slots=2, burst_steps=4)
     pipelined.gate.clear()
     first, second = submit(two, [3, 4], 3), submit(two, [5, 6, 7], 3)
@@ -296,8 +298,19 @@ def test_bursts_only_when_nothing_waits(make) -> None:
         [expected([3, 4], 3)],
         [expected([5, 6, 7], 3)],
     ]
-    prefills = [i for i, step in enumerate(pipelined.steps) if step[0]]
-    assert all(pipelined.steps[i][3] == 1 for i in range(max(prefills) + 1))
+    assert pipelined.submits == [2], pipelined.steps
+    assert [(p, counts, count) for p, _, counts, count in pipelined.steps] == [
+        (True, (2,), 3),
+        (True, (3,), 3),
+    ]
+    # a prompt longer than prefill_tokens: its first chunk chooses nothing, so the driver
+    # takes the next step (the chunk's rows cannot go on decoding on the workers)
+    chunked, pipeline = make(num_slots=2, burst_steps=4, prefill_tokens=4)
+    assert submit(chunked, list(range(3, 9)), 3).result(WAIT_S) == [expected(list(range(3, 9)), 3)]
+    assert [(p, counts, count) for p, _, counts, count in pipeline.steps] == [
+        (True, (4,), 1),
+        (True, (2,), 3),
+    ]
 
 
 def test_a_burst_ends_at_the_step_a_request_arrives(make) -> None:
@@ -313,11 +326,11 @@ def test_a_burst_ends_at_the_step_a_request_arrives(make) -> None:
     first = submit(engine, [3, 4], 20, on_token=join_at_the_third)
     assert first.result(WAIT_S) == [expected([3, 4], 20)]
     assert joined[0].result(WAIT_S) == [expected([9, 8, 7], 4)]
-    # prefill (token 1), a burst of 8 cut after its second step (token 3), then the newcomer's
-    # prefill, which the first sequence's decode rides along: it resumes feeding token 3 at
-    # position 4 (2 prompt + 2 fed)
-    assert pipeline.steps[1][3] == 8
-    assert pipeline.steps[2][:3] == (True, (0, 1), (1, 3)) and pipeline.starts[2] == (4, 0)
+    # the prompt's step going on as a burst of 8, cut after its third step (token 3), then the
+    # newcomer's prefill, which the first sequence's decode rides along: it resumes feeding
+    # token 3 at position 4 (2 prompt + 2 fed)
+    assert pipeline.steps[0][0] and pipeline.steps[0][3] == 8
+    assert pipeline.steps[1][:3] == (True, (0, 1), (1, 3)) and pipeline.starts[1] == (4, 0)
 
 
 @pytest.mark.parametrize("whole_prompts", [False, True])
@@ -358,7 +371,7 @@ def test_a_model_with_recurrent_state_gets_no_padding_and_no_cut_burst(make, who
         [expected(list(range(3, 12)), 3)],
     ]
     assert engine.stats.cut == 0
-    assert pipeline.steps[1][3] == UNIFORM_MAX_BURST  # burst_steps 16, capped
+    assert pipeline.steps[0][3] == UNIFORM_MAX_BURST  # the prompt and 7 tokens; 16, capped
     prefills = [
         (counts, starts)
         for (p, _, counts, _), starts in zip(pipeline.steps, pipeline.starts, strict=True)
@@ -639,8 +652,10 @@ def test_bursts_go_on_while_every_slot_is_busy_and_requests_wait(make) -> None:
     pipeline.gate.set()
     assert first.result(WAIT_S) == [expected([3, 4], 9)]
     assert second.result(WAIT_S) == [expected([5], 3)]
-    counts = [count for prefill, slots, _, count in pipeline.steps if not prefill]
-    assert counts[:2] == [4, 4]  # 1 + 4 + 4 = 9 tokens of the first, in bursts
+    counts = [(prefill, slots, count) for prefill, slots, _, count in pipeline.steps]
+    # 4 + 4 + 1 = 9 tokens of the first (its prompt's step going on as a burst), then the second
+    # (a one-token prompt: a decode)
+    assert counts[:4] == [(True, (0,), 4), (False, (0,), 4), (False, (0,), 1), (False, (0,), 3)]
 
 
 def test_each_micro_batch_owns_a_contiguous_range_of_slots(make) -> None:

@@ -476,15 +476,16 @@ class BatchRunner:
         downstream: Sequence = (),
         timeout_s: float = 300.0,
     ) -> Iterator[tuple[int, torch.Tensor]]:
-        """Up to `count` decode steps of each micro-batch of `batches` (rows, input, draw), run
-        from this stage, the first. A step of micro-batch m goes through this stage, then on
+        """Up to `count` steps of each micro-batch of `batches` (rows, input, draw), run from
+        this stage, the first: the step given (a decode step, or a prefill), then decode steps
+        of its rows, its draw's settings taken by the first. A step of micro-batch m goes through this stage, then on
         through `downstream` (the later stages in order: Ray actor handles, or in-process
         workers), actor to actor; its last stage's tokens come straight back here as m's next
         input: no round trip to the driver per token. The micro-batches take turns here, so
         while the later stages work on m this stage computes m + 1: with as many micro-batches
         as stages, every stage is busy. Yields (m, tokens) per micro-batch step, in
-        order. One micro-batch and no downstream: a one-stage job's decode steps. Every row
-        must choose at every step (decode rows).
+        order. One micro-batch and no downstream: a one-stage job's steps. Every row must
+        choose at every step (a prefill's rows are fed their whole prompts).
 
         Left early (the driver cut it at a yield), the steps already sent on are waited for:
         every write this call makes is done before the stage takes its next call, and the
@@ -507,6 +508,7 @@ class BatchRunner:
                         rows[m], xs[m] = rows[m].advanced(), token_ids(tokens)[:, None]
                     if step < count:
                         pending[m] = self._send(stage, rows[m], xs[m], draws[m], downstream)
+                        draws[m] = replace(draws[m], settings=())  # taken by the first step
         finally:
             for sent in pending:
                 if sent is not None:

@@ -390,17 +390,19 @@ class Engine:
         if failed is not None:  # outside the gate: a recovery needs it alone
             self._step_failed(*failed, epoch)
 
-    def _could_burst(self) -> bool:
-        """Every running sequence decodes and nothing needs a step boundary (a sequence that
-        could take a free slot, a prompt chunk, a cancellation): the steps may run on the
-        workers alone."""
+    def _could_burst(self, planned: list[Step] = ()) -> bool:
+        """Every running sequence decodes (or is fed the rest of its prompt by a `planned`
+        step in which every row chooses its token) and nothing needs a step boundary (a
+        sequence that could take a free slot, a prompt chunk, a cancellation): the steps may
+        run on the workers alone."""
         scheduler = self.scheduler
         if self._burst_steps() == 1 or self._cancelled:
             return False
         if self._could_admit():
             return False
-        running = scheduler.running
-        return bool(running) and all(s.pending == 1 for s in running if s.finish is None)
+        fed_whole = {id(s) for step in planned if all(step.draw.choose) for s in step.sequences}
+        running = [s for s in scheduler.running if s.finish is None]
+        return bool(running) and all(s.pending == 1 or id(s) in fed_whole for s in running)
 
     def _could_admit(self) -> bool:
         """A sequence waits (or arrived) that a step boundary would admit: a slot and blocks
@@ -411,11 +413,13 @@ class Engine:
         return bool(self._incoming) and scheduler.can_admit()
 
     def _burst(self, steps: list[Step]) -> int:
-        """Decode steps `steps` may run on the workers without the driver: several when they
-        are every running micro-batch's and `_could_burst`; never past a sequence's
+        """Steps `steps` may run on the workers without the driver: several when they are
+        every running micro-batch's and `_could_burst`, each step's first the one planned (a
+        prefill whose rows all choose a token goes on decoding in the same call: one call
+        for a wave of requests' prompts and their tokens); never past a sequence's
         max_new_tokens."""
         scheduler = self.scheduler
-        if any(step.prefill for step in steps) or not self._could_burst():
+        if not self._could_burst(steps):
             return 1
         if len(steps) != sum(1 for g in scheduler.groups if g.sequences):
             return 1  # a micro-batch has a step in flight: keep to the driver's turns
@@ -456,7 +460,7 @@ class Engine:
                 self.stats.steps += 1  # a pass through every stage
                 self.stats.step_rows += len(step.sequences)
                 self._deliver(added)
-                if sum(read) < expected and self._wanted_at_a_boundary(steps):
+                if sum(read) < expected and self._wanted_at_a_boundary(steps, read):
                     handle.stop()  # a burst: end it here; the workers stop at their next step
                     self.stats.cut += 1
                     break
@@ -466,17 +470,23 @@ class Engine:
         for step in steps:
             self.scheduler.complete(step)
 
-    def _wanted_at_a_boundary(self, steps: list[Step]) -> bool:
+    def _wanted_at_a_boundary(self, steps: list[Step], read: list[int]) -> bool:
         """The next step boundary should come now: a request was cancelled, a sequence of the
-        burst ended (its row would be computed for nothing; its slot may go to one waiting),
-        or a request arrived while a slot is free for it."""
+        burst ended while its micro-batch has steps left in the burst (its row would be
+        computed for nothing; the others' steps are never cut for a micro-batch that is done),
+        or a request arrived while a slot is free for it (`read`: each step's results read)."""
         if self.config.uniform_steps:
             return False  # never cut: a step run and dropped would still advance a state
         with self._cond:
             if self._cancelled:
                 return True
             admits = self._could_admit()
-        if any(s.finish is not None for step in steps for s in step.sequences):
+        if any(
+            s.finish is not None
+            for step, done in zip(steps, read, strict=True)
+            if done < step.count
+            for s in step.sequences
+        ):
             return True
         return admits
 

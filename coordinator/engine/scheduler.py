@@ -269,26 +269,33 @@ class Scheduler:
                 return rows
 
     def grow(self, steps: list[Step], count: int) -> int:
-        """Blocks for `count` decode steps of every row of `steps` (a burst), as many steps as
-        the free blocks allow without preempting (at least the one each step has); the rows'
-        tables are extended to match. A burst takes its blocks before it runs, and holds them
-        empty until its steps fill them: when the pool is in demand (a sequence waits, or the
-        burst would take more than half of the blocks left), it runs only to the end of each
-        row's last block (or through one new block, where that is full), so that a row never
-        holds a block it has not begun to fill. Returns the steps the burst may run."""
-        sequences = [s for step in steps for s in step.sequences]
+        """Blocks for `count` steps of every row of `steps` (a burst: the planned step, then
+        decode steps), as many steps as the free blocks allow without preempting (at least the
+        one each step has); the rows' tables are extended to match. A burst takes its blocks
+        before it runs, and holds them empty until its steps fill them: when the pool is in
+        demand (a sequence waits, or the burst would take more than half of the blocks left),
+        it runs only to the end of each row's last block (or through one new block, where that
+        is full), so that a row never holds a block it has not begun to fill. Returns the
+        steps the burst may run."""
+        # each row holds base + n tokens' keys after n steps: its first step feeds what it was
+        # planned with (a prompt, or one token), every later one a token
+        rows = [
+            (seq, seq.cached + fed - 1)
+            for step in steps
+            for seq, fed in zip(step.sequences, step.rows.counts, strict=True)
+        ]
         size = self.block_size
-        ahead = sum(self._blocks_needed(s, s.cached + count) for s in sequences)
+        ahead = sum(self._blocks_needed(s, base + count) for s, base in rows)
         if self.waiting or ahead > self.blocks.available // 2:
-            count = min([count] + [len(s.blocks) * size - s.cached or size for s in sequences])
+            count = min([count] + [len(s.blocks) * size - base or size for s, base in rows])
         while count > 1:
-            need = sum(self._blocks_needed(s, s.cached + count) for s in sequences)
+            need = sum(self._blocks_needed(s, base + count) for s, base in rows)
             if need <= self.blocks.available:
                 break
             count -= 1
+        for seq, base in rows:
+            self._take_blocks(seq, base + count)
         for step in steps:
-            for seq in step.sequences:
-                self._take_blocks(seq, seq.cached + count)
             step.rows = dataclasses.replace(
                 step.rows, tables=tuple(tuple(s.blocks) for s in step.sequences)
             )
