@@ -167,6 +167,9 @@ def test_bad_flag_values_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> 
         with pytest.raises(SystemExit):
             main(argv)
         assert "must be in 1..64, got" in capsys.readouterr().err  # the flag, before any work
+    with pytest.raises(SystemExit):
+        main(["plan", "--checkpoint", "x", "--batch-wait", "5"])  # seconds, not ms
+    assert "must be a number of seconds in 0..1, got 5" in capsys.readouterr().err
 
 
 def test_run_check_mismatch_exits_1(monkeypatch, capsys, tmp_path) -> None:

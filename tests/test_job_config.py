@@ -150,6 +150,11 @@ def test_job_config_validates_fields() -> None:
     with pytest.raises(ConfigError, match=r"kv_cache_tokens=-1 must be >= 0"):
         JobConfig(checkpoint="a", max_seq_len=128, kv_cache_tokens=-1)
     assert JobConfig(checkpoint="a", max_seq_len=128, kv_cache_tokens=130).kv_blocks() == 9
+    # the batch window delays a lone request's first token: bounded, and 0 turns it off
+    for bad in (-0.001, 2.0, float("nan")):
+        with pytest.raises(ConfigError, match=r"batch_wait_s=.* must be between 0 .* and 1"):
+            JobConfig(checkpoint="a", batch_wait_s=bad)
+    assert JobConfig(checkpoint="a", batch_wait_s=0).batch_wait_s == 0
     assert JobConfig(checkpoint="a", max_batch=3, max_seq_len=20).kv_blocks() == 6
 
 

@@ -614,7 +614,11 @@ def test_micro_batches_on_every_stage_burst_actor_to_actor(embedded_ray, checkpo
     checkpoint = checkpoints["qwen2"]
     index = load_index(checkpoint)
     config = JobConfig(
-        checkpoint=checkpoint, gpu_memory_bytes=index.total_bytes, max_batch=6, max_seq_len=24
+        checkpoint=checkpoint,
+        gpu_memory_bytes=index.total_bytes,
+        max_batch=6,
+        max_seq_len=24,
+        batch_wait_s=0.02,  # the 6 concurrent requests start together: one prefill
     )
     g = torch.Generator().manual_seed(12)
     prompts = [torch.randint(3, 128, (1, 3 + i), generator=g) for i in range(6)]
@@ -627,6 +631,7 @@ def test_micro_batches_on_every_stage_burst_actor_to_actor(embedded_ray, checkpo
     with launch(config) as job, ThreadPoolExecutor(6) as pool:
         assert len(job.plan.stages) == NUM_GPUS and not any(s.offloaded for s in job.plan.stages)
         assert len(job.engine().local.scheduler.groups) == NUM_GPUS
+        assert job.engine().local.config.batch_wait_s == 0.02
         outs = list(
             pool.map(
                 lambda p: job.generate(p, max_new_tokens=12, do_sample=False, eos_token_id=None),
