@@ -63,6 +63,8 @@ _UNROUTED = (
 def row_positions(starts: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
     """Position ids (rows, width) of rows left-padded to `width`: each real token its place in
     its sequence (row r's `counts[r]` tokens from `starts[r]` on), padding 0."""
+    if width == 1:  # one token a row (a decode step): at its start
+        return starts[:, None]
     column = torch.arange(width, device=starts.device)
     return (starts[:, None] + column - (width - counts[:, None])).clamp(min=0)
 
@@ -201,30 +203,28 @@ class BatchView(Cache):
         self.pool, self.width = pool, width
         device = pool.device
         self._slots, self._starts, self._counts = list(slots), list(starts), list(counts)
-        self._rows = list(zip(slots, starts, counts, strict=True))
         # a decode step: one new token per row, no padding
         self.decode = width == 1
         # Where each real token goes: its place in the flattened stores (block x block_size +
         # offset), once per step for every layer; and, unless every row feeds one token (a
         # decode step, whose sources are simply column 0), which (row, column) of the step's
         # input it comes from.
-        if self.decode:
-            places = [
-                table[p // size] * size + p % size for p, table in zip(starts, tables, strict=True)
-            ]
-            self._sources = None
-        else:
-            places, rows, columns = [], [], []
-            for r, (start, count, table) in enumerate(zip(starts, counts, tables, strict=True)):
-                for p in range(start, start + count):
-                    places.append(table[p // size] * size + p % size)
-                    rows.append(r)
-                    columns.append(width - count + p - start)
-            self._sources = (
-                torch.tensor(rows, device=device),
-                torch.tensor(columns, device=device),
+        self._places = torch.tensor(
+            [
+                table[p // size] * size + p % size
+                for start, count, table in zip(starts, counts, tables, strict=True)
+                for p in range(start, start + count)
+            ],
+            device=device,
+        )
+        self._sources = (
+            None
+            if self.decode
+            else (
+                torch.tensor([r for r, c in enumerate(counts) for _ in range(c)], device=device),
+                torch.tensor([width - c + i for c in counts for i in range(c)], device=device),
             )
-        self._places = torch.tensor(places, device=device)
+        )
         # Rows in consecutive slots (the engine hands out the lowest free slot and orders a
         # step's rows by slot, so this is the common case): recurrent states, and keys in the
         # slots' home regions, are read through a view instead of a gather.
@@ -372,7 +372,7 @@ class BatchView(Cache):
             for key, rows in self._handed.items():
                 self.pool.states[key][self.slots] = rows
         self._handed.clear()
-        for slot, start, count in self._rows:
+        for slot, start, count in zip(self._slots, self._starts, self._counts, strict=True):
             self.pool.state_at[slot] = start + count
 
     def _check_uniform(self, key: tuple[str, int, int]) -> None:
@@ -454,10 +454,9 @@ class BatchView(Cache):
         ):
             return None
         keys = torch.arange(length, device=self.pool.device)
-        if self.decode:  # (rows, 1, 1): each row's one query at its start
-            queries = self.starts[:, None, None]
-        else:  # (rows, width, 1)
-            queries = row_positions(self.starts, self.counts, self.width)[:, :, None]
+        queries = row_positions(self.starts, self.counts, self.width)[
+            :, :, None
+        ]  # (rows, width, 1)
         allowed = keys <= queries
         if sliding_window is not None:
             allowed &= keys > queries - sliding_window

@@ -100,8 +100,6 @@ class StepRows:
 
     def positions(self) -> torch.Tensor:
         """Position ids (rows, width): each real token its place in its sequence, padding 0."""
-        if self.width == 1 and all(c == 1 for c in self.counts):  # a decode step: one token each
-            return torch.tensor(self.starts).unsqueeze(1)
         return row_positions(torch.tensor(self.starts), torch.tensor(self.counts), self.width)
 
 
@@ -478,10 +476,10 @@ class BatchRunner:
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """Up to `count` steps of each micro-batch of `batches` (rows, input, draw), run from
         this stage, the first: the step given (a decode step, or a prefill), then decode steps
-        of its rows, its draw's settings taken by the first. A step of micro-batch m goes through this stage, then on
-        through `downstream` (the later stages in order: Ray actor handles, or in-process
-        workers), actor to actor; its last stage's tokens come straight back here as m's next
-        input: no round trip to the driver per token. The micro-batches take turns here, so
+        of its rows, its draw's settings taken by the first. A step of micro-batch m goes
+        through this stage, then on through `downstream` (the later stages in order: Ray actor
+        handles, or in-process workers), actor to actor; its last stage's tokens come straight
+        back here as m's next input: no round trip to the driver per token. The micro-batches take turns here, so
         while the later stages work on m this stage computes m + 1: with as many micro-batches
         as stages, every stage is busy. Yields (m, tokens) per micro-batch step, in
         order. One micro-batch and no downstream: a one-stage job's steps. Every row must
