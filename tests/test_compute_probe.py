@@ -46,6 +46,29 @@ def test_a_decoder_layer_is_timed_and_cached(index, tmp_path, monkeypatch) -> No
     assert len(list(tmp_path.rglob("*.json"))) == 1
 
 
+def test_probes_of_one_host_at_once_measure_it_once(index, tmp_path, monkeypatch) -> None:
+    """Three probes of one host (its Ray nodes) asking at once: one measures, holding the
+    shape's lock; the others wait for it and read what it wrote (the same profile)."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setenv(compute_probe.CACHE_ENV, str(tmp_path))
+    real = compute_probe._measure
+    measuring: list[int] = []
+
+    def slow_measure(*args):
+        measuring.append(threading.get_ident())
+        time.sleep(0.5)  # the others arrive meanwhile
+        return real(*args)
+
+    monkeypatch.setattr(compute_probe, "_measure", slow_measure)
+    with ThreadPoolExecutor(3) as pool:
+        profiles = list(pool.map(lambda _: measure(index.config, "float32", threads=1), range(3)))
+    assert len(measuring) == 1, measuring
+    assert profiles[0] is not None and profiles.count(profiles[0]) == 3
+
+
 def test_the_step_time_between_and_beyond_the_measured_sizes() -> None:
     profile = ComputeProfile(
         family="llama",

@@ -14,12 +14,15 @@ node measures a model once.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import itertools
 import json
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -122,25 +125,52 @@ def _cached(
     config: dict, dtype: str, device: torch.device, use_cache: bool, cached_only: bool
 ) -> ComputeProfile | None:
     path = _cache_path(config, dtype, device)
-    if use_cache and path.is_file():
-        try:
-            data = json.loads(path.read_text())
-            tuples = {name: tuple(data[name]) for name in ("rows", "layer_s", "fixed_s")}
-            return ComputeProfile(**{**data, **tuples})
-        except (OSError, ValueError, TypeError, KeyError):
-            pass  # measured again below, and the cache rewritten
-    if cached_only:
-        return None
-    profile = _measure(config, dtype, device)
-    if use_cache:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(asdict(profile)))
-            tmp.replace(path)
-        except OSError:
-            pass  # a read-only home: measured each time, still right
+    if not use_cache:
+        return None if cached_only else _measure(config, dtype, device)
+    profile = _read(path)
+    if profile is not None or cached_only:
+        return profile
+    # Processes probing one host at once (its Ray nodes, simulated GPUs on a laptop or CI) measure
+    # it once: the first holds the shape's lock while it measures, the others then read what it
+    # wrote. Also, measurements that shared the CPU would each have timed the host too slow. An
+    # flock ends with its process, so a probe that dies measuring never blocks the next.
+    with _measuring(path):
+        profile = _read(path)
+        if profile is None:
+            profile = _measure(config, dtype, device)
+            try:
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(asdict(profile)))
+                tmp.replace(path)
+            except OSError:
+                pass  # a read-only home: measured each time, still right
     return profile
+
+
+def _read(path: Path) -> ComputeProfile | None:
+    """The profile cached at `path`; None where there is none or it does not parse (it is
+    measured again and rewritten)."""
+    try:
+        data = json.loads(path.read_text())
+        tuples = {name: tuple(data[name]) for name in ("rows", "layer_s", "fixed_s")}
+        return ComputeProfile(**{**data, **tuples})
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+@contextlib.contextmanager
+def _measuring(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path`'s shape while it is measured (none where the cache directory
+    cannot be written: each process measures, as before)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 (held across the yield)
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _measure(config: dict, dtype: str, device: torch.device) -> ComputeProfile:
