@@ -19,7 +19,7 @@ import torch
 from test_families import VOCAB, Pipeline, family_shape, reference
 from test_generation import MAX_SEQ_LEN, alone, generate_each
 
-import worker.batch_cache
+import worker.batch_view
 import worker.batched
 import worker.stage
 from coordinator import family_check
@@ -247,7 +247,7 @@ def test_a_wrong_batched_path_is_refused_naming_the_step(checkpoints, monkeypatc
     """A family whose split is bitwise right through the per-request cache can still generate
     wrong tokens in batches: the check also runs the engine's batched steps (two prompts,
     left-padded, then decode steps), against each prompt alone, and names the step and row."""
-    positions, mask = worker.batched.StepRows.positions, worker.batch_cache.BatchView.mask
+    positions, mask = worker.batched.StepRows.positions, worker.batch_view.BatchView.mask
 
     def one_too_far_when_decoding(self) -> torch.Tensor:
         return positions(self) + (self.width == 1)
@@ -267,7 +267,7 @@ def test_a_wrong_batched_path_is_refused_naming_the_step(checkpoints, monkeypatc
 
     with monkeypatch.context() as patch:  # Falcon's rotary positions: a mask that leaks
         patch.setattr(family_check, "_verdicts", {})
-        patch.setattr(worker.batch_cache.BatchView, "mask", shows_unwritten_keys)
+        patch.setattr(worker.batch_view.BatchView, "mask", shows_unwritten_keys)
         message = _one_line_refusal(checkpoints("falcon").config, "falcon", BATCHED_DIFFERS)
     assert "(prefill, row 1 (its 4-token prompt): logits differ by up to " in message
 

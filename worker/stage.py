@@ -28,7 +28,7 @@ import textwrap
 import torch
 from torch import nn
 
-from worker.batch_cache import BatchView
+from worker.batch_view import BatchView
 from worker.layout import EMBED, HEAD, build_meta_model, find_layout
 
 

@@ -28,7 +28,6 @@ from coordinator.runtime.errors import LaunchError, WorkerLostError
 from coordinator.runtime.record import NAMESPACE, remove_group
 from worker.snapshot import StageSnapshot
 from worker.spec import StageSpec
-from worker.worker import StageWorker
 
 NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it: a bundle's node selector
 PING_TIMEOUT_S = 30.0  # one bound for the pings of all stages at once
@@ -143,6 +142,10 @@ class WorkerGroup:
     def _start(
         self, specs: Sequence[StageSpec], stages: Sequence[StagePlan], slots: Sequence[Slot]
     ) -> list[WorkerHandle]:
+        # Imported when workers start: a load's keeper (which runs its engine) needs the
+        # worker's code, and the model's transformers modules with it, only to replace one.
+        from worker.worker import StageWorker
+
         remote_cls = ray.remote(StageWorker)
         names = self.names(len(specs)) if self.names is not None else [None] * len(specs)
         handles: list[WorkerHandle] = []
