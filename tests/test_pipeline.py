@@ -336,7 +336,7 @@ def test_a_signal_mid_load_stops_the_command_and_releases_everything(
 
     sender = threading.Thread(target=send, daemon=True)
     sender.start()
-    budget = budget_forcing_offload(checkpoints["llama"])
+    budget = load_index(checkpoints["llama"]).total_bytes  # one GPU holds it: one worker
     argv = [
         "load",
         "--checkpoint",
@@ -668,7 +668,9 @@ def test_offloadctl_generate_streams_the_greedy_text(
     new = out[0, ids.shape[1] :].tolist()
     if tokenizer.eos_token_id in new:
         new = new[: new.index(tokenizer.eos_token_id)]
-    budget = budget_forcing_offload(checkpoint) + 64 * 1024  # room for the request's KV cache
+    # one GPU holds the model and the request's KV cache: one worker (the stages' generation
+    # is test_generate_through_ray's; this is the command's text in and out)
+    budget = load_index(checkpoint).total_bytes + 64 * 1024
     assert (
         main(
             [
@@ -704,6 +706,7 @@ def test_replicas_each_on_their_own_gpu_and_a_lost_worker_stays_in_its_replica(
     transformers' greedy tokens, their loading told as one progress; a worker lost in one
     replica is replaced there, and the others never notice. A launch whose second name is
     taken, or whose second replica fails while the first loads, leaves nothing of its own."""
+    import dataclasses
     from concurrent.futures import ThreadPoolExecutor
 
     import coordinator.runtime.launch as launching
@@ -793,7 +796,8 @@ def test_replicas_each_on_their_own_gpu_and_a_lost_worker_stays_in_its_replica(
     launching._start = second_fails
     try:
         with pytest.raises(LaunchError, match="fail-1: failed on purpose"):
-            launch_replicas(config, "fail")
+            # two replicas on two of the GPUs: one loading while the other fails
+            launch_replicas(dataclasses.replace(config, replicas=2, nodes=f"{node}=2"), "fail")
     finally:
         launching._start = real_start
     assert settles_to(before), holdings()  # no load, record or placement group of any replica
