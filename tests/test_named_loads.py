@@ -163,7 +163,8 @@ def test_every_client_of_a_load_goes_through_its_one_engine(cluster, tmp_path) -
     config = JobConfig(
         checkpoint=str(checkpoint),
         address=cluster.address,
-        gpu_memory_bytes=load_index(checkpoint).total_bytes,  # one GPU holds it all
+        gpu_memory_bytes=load_index(checkpoint).total_bytes,  # one GPU holds it all...
+        nodes=f"{ray.get_runtime_context().get_node_id()}=1",  # ...and it gets one: one worker
         max_batch=4,
         max_seq_len=32,
     )
