@@ -139,6 +139,7 @@ def test_worker_failure_releases_every_actor(embedded_ray, checkpoints) -> None:
         checkpoint=checkpoints["llama"],
         gpu_memory_bytes=10**8,
         attn_implementation="no-such-attention",
+        nodes=f"{ray.get_runtime_context().get_node_id()}=2",  # two workers, both fail
     )
     with pytest.raises(LaunchError, match="no-such-attention"):
         launch(config)
@@ -284,9 +285,12 @@ def test_a_worker_killed_while_loading_is_replaced_and_never_reads_a_rewritten_c
 
 def held_load_config(tmp_path) -> str:
     """A job file whose workers hold their load at the first chunk until a file appears that
-    no one creates (worker.loader.HOLD_ENV): a load that is certainly under way."""
+    no one creates (worker.loader.HOLD_ENV): a load that is certainly under way. On one GPU of
+    this node (`nodes`): one worker process, where the planner would spread the model over all
+    three."""
     job = tmp_path / "held.yaml"
     job.write_text(
+        f"nodes: '{ray.get_runtime_context().get_node_id()}=1'\n"
         f"overrides:\n  - match: {{hostname: '*'}}\n"
         f"    env: {{{HOLD_ENV}: '{tmp_path / 'never'}'}}\n"
     )
@@ -336,7 +340,7 @@ def test_a_signal_mid_load_stops_the_command_and_releases_everything(
 
     sender = threading.Thread(target=send, daemon=True)
     sender.start()
-    budget = load_index(checkpoints["llama"]).total_bytes  # one GPU holds it: one worker
+    budget = load_index(checkpoints["llama"]).total_bytes  # one GPU holds it
     argv = [
         "load",
         "--checkpoint",
@@ -359,18 +363,18 @@ def test_a_signal_mid_load_stops_the_command_and_releases_everything(
 def job(embedded_ray, checkpoints):
     """The llama job of `llama_case`, from the first to the last test of a class, on GPUs that
     stand in for GH200-class ones: the job sets OFFLOAD_SIMULATED_GPU=coherent on every node, so
-    backend `auto` takes uva there as on that hardware. KV cache for one sequence of 16."""
+    backend `auto` takes uva there as on that hardware. KV cache for three sequences of 16."""
     import dataclasses
 
     from coordinator.config import NodeMatch, Override
 
     _, config, _, _ = llama_case(checkpoints, seed=0)
-    kv_total = sum(x.kv_bytes(1, 16) for x in load_index(config.checkpoint).layers)
+    kv_total = sum(x.kv_bytes(3, 16) for x in load_index(config.checkpoint).layers)
     coherent = Override(match=NodeMatch(), env={"OFFLOAD_SIMULATED_GPU": "coherent"})
     config = dataclasses.replace(
         config,
         overrides=(coherent,),
-        max_batch=1,
+        max_batch=3,
         max_seq_len=16,
         gpu_memory_bytes=config.gpu_memory_bytes + kv_total // 2,
     )
@@ -470,58 +474,36 @@ class TestOneRunningJob:
         events = {"replaced workers": float(len(job.events))}
         assert scrape_gauges("offload_recovery_events", events, METRICS_PORT, tag="event") == events
 
-    def test_a_watched_job_recovers_before_the_next_forward(self, job, checkpoints) -> None:
-        _, _, ids, expected = llama_case(checkpoints, seed=5)
+    def test_generate_equals_transformers_and_survives_lost_workers(self, job, checkpoints) -> None:
+        """Generation through the Ray pipeline (bf16 llama, stages offloading): each row of a
+        left-padded batch gets the greedy tokens transformers' `generate` gives its prompt
+        alone; killing a worker mid-request recovers the job and the request goes on from the
+        tokens made so far; several requests at once share the steps, and all of them survive a
+        lost worker. On this class's job (uva): a launch of its own cost ~30 CPU-s of worker
+        processes."""
+        from coordinator.tools.reference import reference_generate
+
+        checkpoint = checkpoints["llama"]
+        index = load_index(checkpoint)
+        max_batch, max_seq_len = job.config.max_batch, job.config.max_seq_len
         events_before = len(job.events)
-        job.watch(0.3)
-        ray.kill(job.workers[2].actor, no_restart=True)
-        deadline = time.monotonic() + 60
-        while len(job.events) == events_before:  # no forward runs: the watcher notices
-            assert time.monotonic() < deadline, "the watcher did not recover the lost stage"
-            time.sleep(0.2)
-        events = [(e["event"], e["stages"]) for e in job.events[events_before:]]
-        assert events == [("replaced workers", [2])]
-        assert torch.equal(job.forward(ids), expected)
-        assert len(job.events) == events_before + 1  # the forward found every stage alive
+        ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(9))
+        mask = torch.ones_like(ids)
+        ids[0, :2], mask[0, :2] = 0, 0
 
+        def alone(row: torch.Tensor, row_mask: torch.Tensor, new: int) -> list[int]:
+            prompt = row[row_mask.bool()][None]
+            out = reference_generate(
+                checkpoint,
+                prompt,
+                num_threads=1,
+                max_new_tokens=new,
+                do_sample=False,
+                eos_token_id=None,
+            )
+            return out[0, prompt.shape[1] :].tolist()
 
-def test_generate_through_ray_equals_transformers_and_survives_a_lost_worker(
-    embedded_ray, checkpoints
-) -> None:
-    """Generation through the Ray pipeline (bf16 llama, stages offloading): each row of a
-    left-padded batch gets the greedy tokens transformers' `generate` gives its prompt alone;
-    killing a worker mid-request recovers the job and the request goes on from the tokens made
-    so far; several requests at once share the steps, and all of them survive a lost worker."""
-    from coordinator.tools.reference import reference_generate
-
-    checkpoint = checkpoints["llama"]
-    index = load_index(checkpoint)
-    max_batch, max_seq_len = 3, 16  # planned KV cache: 3 sequences of up to 16 tokens
-    kv_total = sum(x.kv_bytes(max_batch, max_seq_len) for x in index.layers)
-    config = JobConfig(
-        checkpoint=checkpoint,
-        max_batch=max_batch,
-        max_seq_len=max_seq_len,
-        gpu_memory_bytes=budget_forcing_offload(checkpoint) + kv_total // 2,
-    )
-    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(9))
-    mask = torch.ones_like(ids)
-    ids[0, :2], mask[0, :2] = 0, 0
-
-    def alone(row: torch.Tensor, row_mask: torch.Tensor, new: int) -> list[int]:
-        prompt = row[row_mask.bool()][None]
-        out = reference_generate(
-            checkpoint,
-            prompt,
-            num_threads=1,
-            max_new_tokens=new,
-            do_sample=False,
-            eos_token_id=None,
-        )
-        return out[0, prompt.shape[1] :].tolist()
-
-    expected = [alone(ids[r], mask[r], 10) for r in range(2)]
-    with launch(config) as job:
+        expected = [alone(ids[r], mask[r], 10) for r in range(2)]
         # the pool holds the 3 sequences at the expected length (one block each, which is
         # max_seq_len here), the weights offloaded to make room: planned, not found
         pool = job.config.kv_cache_tokens
@@ -561,7 +543,7 @@ def test_generate_through_ray_equals_transformers_and_survives_a_lost_worker(
             eos_token_id=None,
             on_token=kill_after_three,
         )
-        assert [e["event"] for e in job.events] == ["replaced workers"]
+        assert [e["event"] for e in job.events[events_before:]] == ["replaced workers"]
         assert out[:, 6:].tolist() == expected
         assert [[t for r, t in streamed if r == row] for row in range(2)] == expected
         # Mid-request, the stages with decoder layers held KV slots of their own layers only.
@@ -597,9 +579,22 @@ def test_generate_through_ray_equals_transformers_and_survives_a_lost_worker(
         with ThreadPoolExecutor(3) as pool:
             outs = list(pool.map(lambda r: request(r, kill_once), rows[:3]))
         assert outs == expected_rows
-        assert [e["event"] for e in job.events] == ["replaced workers"] * 2
+        assert [e["event"] for e in job.events[events_before:]] == ["replaced workers"] * 2
         assert len(job.engine().local.scheduler.free_slots) == max_batch  # every slot back
-    wait_gpus_free(NUM_GPUS)
+
+    def test_a_watched_job_recovers_before_the_next_forward(self, job, checkpoints) -> None:
+        _, _, ids, expected = llama_case(checkpoints, seed=5)
+        events_before = len(job.events)
+        job.watch(0.3)
+        ray.kill(job.workers[2].actor, no_restart=True)
+        deadline = time.monotonic() + 60
+        while len(job.events) == events_before:  # no forward runs: the watcher notices
+            assert time.monotonic() < deadline, "the watcher did not recover the lost stage"
+            time.sleep(0.2)
+        events = [(e["event"], e["stages"]) for e in job.events[events_before:]]
+        assert events == [("replaced workers", [2])]
+        assert torch.equal(job.forward(ids), expected)
+        assert len(job.events) == events_before + 1  # the forward found every stage alive
 
 
 def test_micro_batches_on_every_stage_burst_actor_to_actor(embedded_ray, checkpoints) -> None:
@@ -668,13 +663,18 @@ def test_offloadctl_generate_streams_the_greedy_text(
     new = out[0, ids.shape[1] :].tolist()
     if tokenizer.eos_token_id in new:
         new = new[: new.index(tokenizer.eos_token_id)]
-    # one GPU holds the model and the request's KV cache: one worker (the stages' generation
-    # is test_generate_through_ray's; this is the command's text in and out)
+    # one GPU holds the model and the request's KV cache, and the job file gives it one GPU:
+    # one worker process (the stages' generation is test_generate_through_ray's; this is the
+    # command's text in and out)
     budget = load_index(checkpoint).total_bytes + 64 * 1024
+    one_gpu = tmp_path / "one-gpu.yaml"
+    one_gpu.write_text(f"nodes: '{ray.get_runtime_context().get_node_id()}=1'\n")
     assert (
         main(
             [
                 "generate",
+                "--config",
+                str(one_gpu),
                 "--checkpoint",
                 checkpoint,
                 "--gpu-memory",
