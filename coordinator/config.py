@@ -19,7 +19,7 @@ import yaml
 
 from offload.errors import ConfigError
 from offload.policy import PIN_ENV, parse_pin_mode
-from worker.spec import COMPUTE_DTYPES, DEFAULT_BLOCK_SIZE, OFFLOAD_DTYPES, blocks_for
+from worker.names import COMPUTE_DTYPE_NAMES, DEFAULT_BLOCK_SIZE, OFFLOAD_DTYPES, blocks_for
 
 # The node label that sets a node's pin policy (on | off | auto), e.g. in cluster.yaml.
 PIN_LABEL = "offload-pin-memory"
@@ -293,8 +293,10 @@ class JobConfig:
             raise ConfigError(f"prefetch_step={self.prefetch_step} must be in 1..64")
         if self.cpus_per_worker < 1:
             raise ConfigError(f"cpus_per_worker={self.cpus_per_worker} must be >= 1")
-        if self.dtype not in ("auto", *COMPUTE_DTYPES):
-            raise ConfigError(f"dtype={self.dtype!r} must be auto, {', '.join(COMPUTE_DTYPES)}")
+        if self.dtype not in ("auto", *COMPUTE_DTYPE_NAMES):
+            raise ConfigError(
+                f"dtype={self.dtype!r} must be auto, {', '.join(COMPUTE_DTYPE_NAMES)}"
+            )
         if self.replicas < 0:
             raise ConfigError(
                 f"replicas={self.replicas} must be >= 1, or 0 (auto: as many as "

@@ -5,26 +5,29 @@ when the policy says so), and the prefetch / UVA / no-op offloaders. See `create
 the entry point.
 """
 
-from offload.arena import HostArena, TensorSpec
-from offload.base import BaseOffloader, NoopOffloader, OffloadStats
-from offload.config import OffloadConfig
-from offload.errors import (
-    OffloadCoordinatorError,
-    OffloadError,
-    OffloadUnavailableError,
-    PinningUnavailableError,
-)
-from offload.factory import create_offloader
-from offload.policy import (
-    PIN_ENV,
-    VLLM_DISABLE_PIN_ENV,
-    PinDecision,
-    decide_pinning,
-)
-from offload.probe import DeviceInfo, NodeProbe, probe_node
-
-# The backends load on first use (PEP 562), as the factory does.
+# Every name loads on first use (PEP 562): `offload.errors` and `offload.policy` are imported by
+# driver commands that never touch a tensor (`offloadctl list`, a load's record), and importing
+# this package must not cost them torch's import. The backends load the same way, as the factory
+# does.
 _LAZY = {
+    "HostArena": "offload.arena",
+    "TensorSpec": "offload.arena",
+    "BaseOffloader": "offload.base",
+    "NoopOffloader": "offload.base",
+    "OffloadStats": "offload.base",
+    "OffloadConfig": "offload.config",
+    "OffloadCoordinatorError": "offload.errors",
+    "OffloadError": "offload.errors",
+    "OffloadUnavailableError": "offload.errors",
+    "PinningUnavailableError": "offload.errors",
+    "create_offloader": "offload.factory",
+    "PIN_ENV": "offload.policy",
+    "VLLM_DISABLE_PIN_ENV": "offload.policy",
+    "PinDecision": "offload.policy",
+    "decide_pinning": "offload.policy",
+    "DeviceInfo": "offload.probe",
+    "NodeProbe": "offload.probe",
+    "probe_node": "offload.probe",
     "PrefetchOffloader": "offload.prefetch",
     "UVAOffloader": "offload.uva",
 }

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from offload.errors import ConfigError, PinningUnavailableError
-from offload.probe import NodeProbe
+
+if TYPE_CHECKING:  # a probe is only read here: the driver validates pin settings without torch
+    from offload.probe import NodeProbe
 
 PIN_ENV = "OFFLOAD_PIN_MEMORY"
 VLLM_DISABLE_PIN_ENV = "VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY"

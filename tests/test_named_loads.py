@@ -4,6 +4,8 @@ unload attach to them by name from later commands; unload releases every GPU."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import ray
@@ -17,6 +19,14 @@ from coordinator.runtime import registry
 from coordinator.tools.make_checkpoint import make_checkpoint
 
 METRICS_PORT = free_ports(1)[0]
+
+
+LIST_CODE = (
+    "import sys\n"
+    "from coordinator.cli import main\n"
+    "assert main(['list', '--address', sys.argv[1]]) == 0\n"
+    "print(*(f'{m}={m in sys.modules}' for m in ('torch', 'transformers')))\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +98,16 @@ def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:
     )
     assert "already exists" in capsys.readouterr().err
 
-    assert main(["list", *address]) == 0
-    assert capsys.readouterr().out.split() == ["m1"]
+    # `list` in a process of its own, as a user runs it: it imports neither torch nor the
+    # workers' code (what made it cost 5 s of CPU), only Ray and the records.
+    listed = subprocess.run(
+        [sys.executable, "-c", LIST_CODE, cluster.address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    assert listed.stdout.split() == ["m1", "torch=False", "transformers=False"]
 
     assert main(["run", "m1", "--check", *address]) == 0
     out = capsys.readouterr().out
@@ -364,8 +382,6 @@ def test_a_loader_killed_mid_load_leaves_nothing(cluster, tmp_path) -> None:
     record sees its loader gone and unloads what the load made (workers, placement group, the
     record itself), so no GPU stays held by a load nobody finishes."""
     import os
-    import subprocess
-    import sys
     import time
     from pathlib import Path
 

@@ -29,32 +29,8 @@ import torch
 from torch import nn
 
 from offload.errors import CheckpointError
+from worker.names import TESTED_FAMILIES
 
-# Families checked against transformers in CI (tests/test_families.py). Others that pass the
-# checks below load too, untested: `offloadctl` says so.
-TESTED_FAMILIES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "gemma",
-    "gemma2",
-    "gemma3_text",
-    "phi3",
-    "olmo2",
-    "granite",
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "gpt_oss",
-    "qwen3_next",
-    "bamba",
-    "jamba",
-    "gpt2",
-    "gpt_neox",
-)
 EMBED, HEAD = "embed", "head"
 _DECODER = re.compile(r"^layers\.(\d+)$")
 

@@ -14,6 +14,12 @@ from dataclasses import dataclass, field
 import torch
 
 from offload.quant import BlockFormat
+from worker.names import (
+    COMPUTE_DTYPE_NAMES,
+    DEFAULT_BLOCK_SIZE,
+    OFFLOAD_DTYPES,
+    blocks_for,
+)
 
 # safetensors dtype names -> torch dtypes.
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -34,9 +40,7 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 
 # The dtypes a model may load and compute in (`--dtype`), by their torch names.
 COMPUTE_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
+    name: getattr(torch, name) for name in COMPUTE_DTYPE_NAMES
 }
 
 
@@ -138,12 +142,8 @@ OFFLOAD_UNITS: dict[str, str | None] = {
 }
 
 
-# How offloaded weights are kept in host memory and cross the link (`--offload-dtype`): "auto"
-# as the checkpoint stores them (block-FP8 weights in 8 bits, the rest at the model's width),
-# "none" all at the model's width (FP8 dequantized while read), "fp8" / "int8" every offloaded
-# matrix in 8 bits (an FP8 checkpoint's as stored; others quantized at load in groups of
-# QUANT_GROUP entries of a row). Dequantized on the device after each copy (prefetch backend).
-OFFLOAD_DTYPES: tuple[str, ...] = ("auto", "none", "fp8", "int8")
+# OFFLOAD_DTYPES (worker.names): how offloaded weights are kept; fp8 and int8 quantize in
+# groups of QUANT_GROUP entries of a row.
 QUANT_GROUP = 128
 _QUANT_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
@@ -304,16 +304,6 @@ class LayerSpec:
             else t.loaded_bytes
             for t in tensors
         )
-
-
-# Positions per KV block (worker.batch_cache): vLLM's default. Smaller wastes less of a
-# sequence's last block; larger makes shorter block tables and fewer, larger gathers.
-DEFAULT_BLOCK_SIZE = 16
-
-
-def blocks_for(tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-    """Blocks that hold `tokens` positions."""
-    return -(-tokens // block_size)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -260,13 +260,12 @@ def _report_memory(job, args: argparse.Namespace) -> None:
 
 
 def cmd_named(args: argparse.Namespace) -> int:
-    import json
-
-    from coordinator.runtime import registry, telemetry
-    from coordinator.runtime.launch import attach
-    from coordinator.runtime.session import connect
-
     if args.command == "status":
+        import json
+
+        from coordinator.runtime import telemetry
+        from coordinator.runtime.launch import attach
+
         with attach(args.name, address=args.address) as job:
             reports, events = job.telemetry(), job.events
             serving = job.serving_stats()
@@ -279,6 +278,11 @@ def cmd_named(args: argparse.Namespace) -> int:
             telemetry.plot(reports, args.plot)
             print(f"memory plot written to {args.plot}", file=sys.stderr)
         return 0
+    # `list` and `unload` only read and remove records and actors: no worker code, no torch
+    # (tests/test_cli.py checks it), so that they answer in a second.
+    from coordinator.runtime import registry
+    from coordinator.runtime.session import connect
+
     session = connect(JobConfig(checkpoint="-", address=args.address or "auto"))
     try:
         if args.command == "list":

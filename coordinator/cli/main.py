@@ -34,7 +34,7 @@ from coordinator.tools.make_checkpoint import (
     SLIDING_ARCHITECTURES,
 )
 from offload.errors import OffloadCoordinatorError
-from worker.spec import COMPUTE_DTYPES, OFFLOAD_DTYPES
+from worker.names import COMPUTE_DTYPE_NAMES, OFFLOAD_DTYPES
 
 EXIT_ERROR = 2
 EXIT_BUG = 1  # an exception that is not one of our kinds
@@ -127,7 +127,7 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype",
-        choices=("auto", *COMPUTE_DTYPES),
+        choices=("auto", *COMPUTE_DTYPE_NAMES),
         help="dtype to load and compute in (default auto: the checkpoint's); "
         "converted while reading",
     )

@@ -28,7 +28,7 @@ from coordinator.planning.planner import Plan
 from coordinator.planning.reserve import job_options
 from coordinator.planning.snapshot import ClusterSnapshot
 from offload.errors import PlanError
-from worker.spec import DEFAULT_BLOCK_SIZE, blocks_for
+from worker.names import DEFAULT_BLOCK_SIZE, blocks_for
 
 
 def offloaded_bytes(the_plan: Plan) -> int:

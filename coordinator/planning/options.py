@@ -8,7 +8,7 @@ from typing import Any
 
 from offload.config import MAX_PREFETCH_STEP  # the offloader's own bound, not a second copy
 from offload.errors import ConfigError
-from worker.spec import DEFAULT_BLOCK_SIZE, OFFLOAD_DTYPES, blocks_for
+from worker.names import DEFAULT_BLOCK_SIZE, OFFLOAD_DTYPES, blocks_for
 
 OBJECTIVES = ("latency", "throughput")
 DEFAULT_STEP_OVERHEAD_S = 3e-3

@@ -4,9 +4,12 @@ built from Ray's view of the cluster by the runtime (probing.py) or by hand in t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from offload.errors import ConfigError
-from worker.compute_probe import ComputeProfile
+
+if TYPE_CHECKING:  # only carried here: a snapshot is built and read without torch
+    from worker.compute_probe import ComputeProfile
 
 NODE_BACKENDS = ("prefetch", "uva")
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import TYPE_CHECKING
 
 import ray
 
 from coordinator.config import JobConfig, job_config_from_dict
-from coordinator.runtime.group import Slot, WorkerGroup, WorkerHandle
 from coordinator.runtime.record import (
     NAMESPACE,
     RECORD_PREFIX,
@@ -34,6 +34,10 @@ from offload.errors import ConfigError, NotFoundError
 
 ATTACH_TIMEOUT_S = 60.0
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
+
+
+if TYPE_CHECKING:  # `group_of` imports it: `offloadctl list` and `unload` need no worker code
+    from coordinator.runtime.group import WorkerGroup
 
 
 class LoadNotFoundError(NotFoundError):
@@ -134,7 +138,7 @@ def group_of(record: dict, index) -> WorkerGroup:
     """The named load's WorkerGroup as its record describes it: its workers (None for one that
     is gone) in their bundles, and every placement group of the load."""
     from coordinator.planning.planner import Plan
-    from coordinator.runtime.group import stage_specs
+    from coordinator.runtime.group import Slot, WorkerGroup, WorkerHandle, stage_specs
 
     config = config_of(record)
     the_plan = Plan.from_json(record["plan"])

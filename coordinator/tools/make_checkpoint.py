@@ -32,7 +32,7 @@ from typing import Any
 
 from coordinator.tools import tiny_tokenizer
 from offload.errors import ConfigError
-from worker.layout import TESTED_FAMILIES
+from worker.names import TESTED_FAMILIES
 
 ARCHITECTURES = TESTED_FAMILIES  # every family the parity tests check
 MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention

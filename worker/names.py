@@ -1,0 +1,52 @@
+"""The values a job's config chooses from, without torch: the model's dtype names, how offloaded
+weights are kept, the KV block size, the families CI checks. `coordinator.config` validates a job against them, and the
+driver's commands that only look at loads (`offloadctl list`, `unload`) import it: they must not
+pay torch's import (2-3 s of CPU) to print a name. `worker.spec` maps the names to torch."""
+
+from __future__ import annotations
+
+# The dtypes a model may load and compute in (`--dtype`), by their torch names.
+COMPUTE_DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+# How offloaded weights are kept in host memory and cross the link (`--offload-dtype`): "auto"
+# as the checkpoint stores them (block-FP8 weights in 8 bits, the rest at the model's width),
+# "none" all at the model's width (FP8 dequantized while read), "fp8" / "int8" every offloaded
+# matrix in 8 bits (an FP8 checkpoint's as stored; others quantized at load in groups of
+# QUANT_GROUP entries of a row). Dequantized on the device after each copy (prefetch backend).
+OFFLOAD_DTYPES: tuple[str, ...] = ("auto", "none", "fp8", "int8")
+
+# Positions per KV block (worker.batch_cache): vLLM's default. Smaller wastes less of a
+# sequence's last block; larger makes shorter block tables and fewer, larger gathers.
+DEFAULT_BLOCK_SIZE = 16
+
+
+def blocks_for(tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Blocks that hold `tokens` positions."""
+    return -(-tokens // block_size)
+
+
+# Families checked against transformers in CI (tests/test_families.py). Others that pass the
+# checks below load too, untested: `offloadctl` says so.
+TESTED_FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "olmo2",
+    "granite",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "gpt_oss",
+    "qwen3_next",
+    "bamba",
+    "jamba",
+    "gpt2",
+    "gpt_neox",
+)
