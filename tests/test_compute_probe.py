@@ -46,6 +46,37 @@ def test_a_decoder_layer_is_timed_and_cached(index, tmp_path, monkeypatch) -> No
     assert len(list(tmp_path.rglob("*.json"))) == 1
 
 
+def test_one_layer_shape_is_measured_once_whatever_the_depth_or_vocabulary(
+    index, tmp_path, monkeypatch
+) -> None:
+    """The stages the probe times hold layers 0 and 1: a deeper model or another vocabulary
+    reads the same profile; another layer width, or a per-layer list that changes with the
+    depth, is measured."""
+    monkeypatch.setenv(compute_probe.CACHE_ENV, str(tmp_path))
+    measured: list[dict] = []
+    real = compute_probe._measure
+
+    def counting(config, *args):
+        measured.append(config)
+        return real(config, *args)
+
+    monkeypatch.setattr(compute_probe, "_measure", counting)
+    base = measure(index.config, "float32", threads=1)
+    deeper = {**index.config, "num_hidden_layers": 6, "vocab_size": 4096, "eos_token_id": 7}
+    assert measure(deeper, "float32", threads=1) == base
+    assert len(measured) == 1
+    wider = {**index.config, "intermediate_size": 2 * index.config["intermediate_size"]}
+    assert measure(wider, "float32", threads=1).layer_bytes > base.layer_bytes
+    typed = {
+        **index.config,
+        "num_hidden_layers": 3,
+        "layer_types": ["full_attention"] * 3,
+    }
+    measure(typed, "float32", threads=1)
+    assert len(measured) == 3 and measured[-1] is typed  # not read from the 2-layer entry
+    assert len(list(tmp_path.rglob("*.json"))) == 3
+
+
 def test_probes_of_one_host_at_once_measure_it_once(index, tmp_path, monkeypatch) -> None:
     """Three probes of one host (its Ray nodes) asking at once: one measures, holding the
     shape's lock; the others wait for it and read what it wrote (the same profile)."""

@@ -7,9 +7,10 @@ step / that time), the rest is what a stage's step costs whatever it holds (posi
 the block gathers: the plan's per-step overhead). The planner then predicts a stage's time from
 what this device does with this model, not from an assumed rate.
 
-Quick (a few dozen steps of one layer) and cached per model shape, dtype, device and torch
-version on the node's disk (`OFFLOAD_COMPUTE_CACHE`, default ~/.cache/offload-coordinator), so a
-node measures a model once.
+Quick (a few dozen steps of one layer) and cached per layer shape (the config without what the
+layers never read, such as the vocabulary, or the depth), dtype, device and torch version on the
+node's disk (`OFFLOAD_COMPUTE_CACHE`, default ~/.cache/offload-coordinator), so a node measures
+a model's layer once, whatever its depth.
 """
 
 from __future__ import annotations
@@ -87,9 +88,41 @@ def _device_name(device: torch.device) -> str:
     return f"cpu ({torch.get_num_threads()} thread(s))"
 
 
+# config.json entries a stage of decoder layers 0 and 1 never reads: the embedding and head's,
+# the tokenizer's, provenance. Two checkpoints that differ only there (or in depth, see
+# `_layer_key`) share one measurement.
+_NOT_THE_LAYERS = frozenset(
+    {
+        "vocab_size",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "architectures",
+        "transformers_version",
+        "_name_or_path",
+        "torch_dtype",
+        "dtype",
+    }
+)
+
+
+def _layer_key(config: dict) -> dict:
+    """What the measurement depends on: `config` without `_NOT_THE_LAYERS`, and its depth as
+    the probe builds it (layers 0 and 1: any depth >= 2 measures the same stages). A config
+    with a per-layer list (`layer_types`, ...: as long as the depth) keeps its depth, since
+    its first entries are not all that a list of another length may change."""
+    key = {k: v for k, v in config.items() if k not in _NOT_THE_LAYERS}
+    depth = key.get("num_hidden_layers")
+    per_layer = any(isinstance(v, list) and len(v) == depth for v in key.values())
+    if isinstance(depth, int) and depth >= 2 and not per_layer:
+        key["num_hidden_layers"] = 2
+    return key
+
+
 def _cache_path(config: dict, dtype: str, device: torch.device) -> Path:
     key = json.dumps(
-        [config, dtype, _device_name(device), torch.__version__, ROWS, CONTEXT],
+        [_layer_key(config), dtype, _device_name(device), torch.__version__, ROWS, CONTEXT],
         sort_keys=True,
         default=repr,
     )
