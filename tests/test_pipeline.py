@@ -244,7 +244,15 @@ def test_a_worker_killed_while_loading_is_replaced_and_never_reads_a_rewritten_c
 
     root = shutil.copytree(checkpoints["llama"], tmp_path / "llama")
     checkpoint = str(root)
-    config = JobConfig(checkpoint=checkpoint, gpu_memory_bytes=budget_forcing_offload(checkpoint))
+    # Two GPUs of this node, neither able to hold the model: two stages, a kill in the second
+    # (the planner would spread it over all three, one more worker process to start).
+    index = load_index(checkpoint)
+    decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
+    config = JobConfig(
+        checkpoint=checkpoint,
+        gpu_memory_bytes=index.total_bytes // 2 + decoder,
+        nodes=f"{ray.get_runtime_context().get_node_id()}=2",
+    )
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(4))
     expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
     killed = []
@@ -259,9 +267,9 @@ def test_a_worker_killed_while_loading_is_replaced_and_never_reads_a_rewritten_c
     other = make_checkpoint(tmp_path / "other", dataclasses.replace(SHAPES["llama"], seed=1))
     try:
         with launch(config, progress=kill_stage_1, name="dying") as job:
+            assert len(job.plan.stages) == 2
             assert [(e["event"], e["stages"]) for e in job.events] == [("replaced workers", [1])]
             reports = job.telemetry()
-            index = load_index(checkpoint)
             for report, stage in zip(reports, job.plan.stages, strict=True):
                 share = sum(x.file_bytes for x in index.layers if x.name in stage.layers)
                 assert report.bytes_read == share  # nothing read twice, by anyone
