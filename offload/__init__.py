@@ -37,7 +37,9 @@ def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # found: later lookups never come here again
+        return value
     raise AttributeError(f"module 'offload' has no attribute {name!r}")
 
 
