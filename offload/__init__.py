@@ -43,25 +43,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'offload' has no attribute {name!r}")
 
 
-__all__ = [
-    "PIN_ENV",
-    "VLLM_DISABLE_PIN_ENV",
-    "BaseOffloader",
-    "DeviceInfo",
-    "HostArena",
-    "NodeProbe",
-    "NoopOffloader",
-    "OffloadConfig",
-    "OffloadCoordinatorError",
-    "OffloadError",
-    "OffloadStats",
-    "OffloadUnavailableError",
-    "PinDecision",
-    "PinningUnavailableError",
-    "PrefetchOffloader",
-    "TensorSpec",
-    "UVAOffloader",
-    "create_offloader",
-    "decide_pinning",
-    "probe_node",
-]
+__all__ = sorted(_LAZY)  # every name the package exports, each loaded on first use

@@ -1,7 +1,8 @@
 """The values a job's config chooses from, without torch: the model's dtype names, how offloaded
-weights are kept, the KV block size, the families CI checks. `coordinator.config` validates a job against them, and the
-driver's commands that only look at loads (`offloadctl list`, `unload`) import it: they must not
-pay torch's import (2-3 s of CPU) to print a name. `worker.spec` maps the names to torch."""
+weights are kept, the KV block size, the families CI checks. `coordinator.config` validates a
+job against them, and the driver's commands that only look at loads (`offloadctl list`,
+`unload`) import it: they must not pay torch's import (2-3 s of CPU) to print a name.
+`worker.spec` maps the names to torch; `worker.layout` checks the families."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ def blocks_for(tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     return -(-tokens // block_size)
 
 
-# Families checked against transformers in CI (tests/test_families.py). Others that pass the
-# checks below load too, untested: `offloadctl` says so.
+# Families checked against transformers in CI (tests/test_families.py). Others that pass
+# worker.layout's checks load too, untested: `offloadctl` says so.
 TESTED_FAMILIES = (
     "llama",
     "mistral",

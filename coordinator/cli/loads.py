@@ -279,7 +279,7 @@ def cmd_named(args: argparse.Namespace) -> int:
             print(f"memory plot written to {args.plot}", file=sys.stderr)
         return 0
     # `list` and `unload` only read and remove records and actors: no worker code, no torch
-    # (tests/test_cli.py checks it), so that they answer in a second.
+    # (test_named_loads runs `list` in a process of its own and checks it).
     from coordinator.runtime import registry
     from coordinator.runtime.session import connect
 

@@ -32,12 +32,11 @@ from coordinator.runtime.record import (
 )
 from offload.errors import ConfigError, NotFoundError
 
-ATTACH_TIMEOUT_S = 60.0
-HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
-
-
 if TYPE_CHECKING:  # `group_of` imports it: `offloadctl list` and `unload` need no worker code
     from coordinator.runtime.group import WorkerGroup
+
+ATTACH_TIMEOUT_S = 60.0
+HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
 
 
 class LoadNotFoundError(NotFoundError):
