@@ -7,6 +7,10 @@ with launch(JobConfig(checkpoint="ckpt/", gpus=3, gpu_memory_bytes=6 << 20)) as 
     logits = job.forward(input_ids)
 """
 
+from worker.startup import quiet_imports
+
+quiet_imports()  # first thing in a keeper, probe or replica process: see worker.startup
+
 # Loaded on first use (PEP 562), so `offloadctl plan` and `import coordinator.config` do not
 # pay for importing Ray.
 _LAZY = {

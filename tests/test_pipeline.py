@@ -842,3 +842,20 @@ def test_a_burst_whose_stage_hangs_ends_at_its_bound(embedded_ray) -> None:
         assert time.monotonic() - start < 30
     finally:
         ray.kill(stuck)
+
+
+def test_a_ray_worker_of_ours_imports_with_the_gc_held_off_then_settles(embedded_ray) -> None:
+    """worker.startup's test of a Ray worker process (the raylet's default_worker.py and its
+    RAY_RAYLET_PID) holds in a real one: a fresh process (its own runtime_env) raises the
+    thresholds when it imports `coordinator` (as a keeper or a probe does) and settles back."""
+    import gc_state
+    from ray import cloudpickle
+
+    from worker.startup import DEFAULT_THRESHOLDS, IMPORT_THRESHOLDS
+
+    cloudpickle.register_pickle_by_value(gc_state)  # tests/ is not on the workers' path
+
+    fresh = {"env_vars": {"OFFLOAD_TEST_FRESH_PROCESS": str(time.monotonic_ns())}}
+    task = ray.remote(num_cpus=0)(gc_state.thresholds_around).options(runtime_env=fresh)
+    imported, settled = ray.get(task.remote("coordinator"), timeout=120)
+    assert (tuple(imported), tuple(settled)) == (IMPORT_THRESHOLDS, DEFAULT_THRESHOLDS)

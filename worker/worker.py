@@ -35,6 +35,7 @@ from worker.reporting import Snapshots, device_memory, pin_decision, pin_origin,
 from worker.snapshot import CopyCounters, StageSnapshot
 from worker.spec import OFFLOAD_UNITS, StageSpec, parameter_formats, torch_dtype_named
 from worker.stage import Stage
+from worker.startup import settle
 from worker.wire import Packed, pack, unpack
 
 LOAD_CHUNK_BYTES = 64 * 2**20  # progress granularity
@@ -73,6 +74,7 @@ class StageWorker:
         model_class_for(self._hf_config)
         self.init_s = time.perf_counter() - start
         self.stage: Stage | None = None
+        settle()  # imports done: the GC's own thresholds again (worker.startup)
         self._placement: Placement | None = None  # the stage's modules, offloader, loaded layers
         # Read with as many threads as the worker has CPUs (Ray's num_cpus for the actor).
         self._reader = TensorReader(

@@ -44,6 +44,7 @@ from coordinator.runtime.gate import Gate
 from coordinator.runtime.group import WorkerGroup, worker_failure
 from coordinator.runtime.job_engine import build_engine
 from coordinator.runtime.record import NAMESPACE, keeper_name
+from worker.startup import settle
 
 NODE_LOSS_LIMIT = 3
 NODE_LOSS_WINDOW_S = 600.0
@@ -93,6 +94,7 @@ class LoadKeeper:
             threading.Thread(
                 target=self._lease_loop, args=(lease_s,), daemon=True, name="offload-lease"
             ).start()
+        settle()  # imports done: the GC's own thresholds again (worker.startup)
 
     # the lease of a load that its holder's process keeps alive (serve)
     def renew(self) -> None:

@@ -16,6 +16,7 @@ from coordinator.config import JobConfig, node_env
 from coordinator.planning.budgets import node_info
 from coordinator.planning.snapshot import ClusterSnapshot, NodeInfo
 from coordinator.runtime.errors import LaunchError, WorkerLostError
+from worker.startup import settle
 
 PROBE_TIMEOUT_S = 120.0  # one probe task per node; includes starting a Ray worker process
 
@@ -23,7 +24,10 @@ PROBE_TIMEOUT_S = 120.0  # one probe task per node; includes starting a Ray work
 def _probe(planned_bytes: int = 0, model: tuple[dict, str, int] | None = None) -> dict:
     from worker.node import probe_here
 
-    return probe_here(planned_bytes, model=model)
+    try:
+        return probe_here(planned_bytes, model=model)
+    finally:
+        settle()  # the probe's imports done: the GC's own thresholds (worker.startup)
 
 
 def _probe_unless_cuda(
@@ -34,6 +38,7 @@ def _probe_unless_cuda(
     import torch
 
     if torch.cuda.is_available():
+        settle()  # its imports done (worker.startup)
         return None
     return _probe(planned_bytes, model)
 

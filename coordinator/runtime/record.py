@@ -18,6 +18,8 @@ import time
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
+from worker.startup import settle
+
 NAMESPACE = "offload-coordinator"  # named loads' actors and placement groups
 RECORD_PREFIX = "load:"
 LOADER_CHECK_S = 2.0  # a loading record checks this often that its loader still runs
@@ -124,6 +126,7 @@ class LoadRecord:
         self.record = record
         if record.get("owner_job"):
             threading.Thread(target=self._watch_loader, daemon=True, name="loader").start()
+        settle()  # imports done: the GC's own thresholds again (worker.startup)
 
     def _watch_loader(self) -> None:
         while self.record.get("state") == "loading":

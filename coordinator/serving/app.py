@@ -51,6 +51,7 @@ from offload.errors import (
     OffloadCoordinatorError,
     OffloadError,
 )
+from worker.startup import settle
 
 app = FastAPI()
 logger = logging.getLogger(__name__)
@@ -394,6 +395,7 @@ class OpenAIServer:
         self.api_key = api_key
         self.created = int(time.time())
         self._dead_since: float | None = None  # when /health first saw a worker gone
+        settle()  # imports done: the GC's own thresholds again (worker.startup)
 
     def _authorized(self, request: Request) -> bool:
         if self.api_key is None:
