@@ -58,6 +58,7 @@ bench: $(STAMP)
 	$(PY) bench/engine.py
 	$(PY) bench/shared_load.py
 	$(PY) bench/sampling.py
+	$(PY) bench/startup.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache .hypothesis
