@@ -72,3 +72,11 @@ def test_every_other_process_keeps_its_thresholds(tmp_path, script_name, raylet)
 def test_thresholds_someone_set_are_left_alone(tmp_path) -> None:
     mine = (1000, 5, 5)
     assert thresholds(tmp_path, "default_worker.py", "worker", True, preset=mine) == (mine, mine)
+
+
+def test_a_ray_worker_that_already_imported_torch_is_left_alone(tmp_path) -> None:
+    """A process running other work (a user's task that imports us late): not ours to tune."""
+    assert thresholds(tmp_path, "default_worker.py", "torch, worker", raylet=True) == (
+        DEFAULT_THRESHOLDS,
+        DEFAULT_THRESHOLDS,
+    )

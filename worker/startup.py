@@ -1,19 +1,19 @@
 """How our Ray worker processes start: their imports run with the cyclic GC mostly held off.
 
 A stage worker, a keeper or a probe task imports torch and transformers when Ray hands it its
-first task (6-9 CPU-seconds on a 2-core CI machine). Measured there with `gc.callbacks`, 13% of
-that import is the cyclic GC: about 1,000 collections walking a module heap that only grows and
-never holds garbage. With the first generation's threshold raised while a process imports,
-13 collections remain and the GC's share falls to 5% (~0.8 CPU-s less per process; the test
-suite starts about a hundred such processes). Once the process is built, `settle()` puts
-Python's thresholds back, so what it runs afterwards (decode steps, re-plans that drop layers)
-is collected as in any process. Nothing is frozen: a stage's layers, dropped by a re-plan, are
-freed as before.
+first task (5-9 CPU-seconds on the 2-core CI machine). Measured there with `gc.callbacks`
+(`bench/startup.py`), 13% of that import is the cyclic GC: about 940 collections over a module
+heap that only grows and holds no garbage. With the first generation's threshold raised while
+a process imports, 13 collections remain and the GC's share falls to 4% (~0.9 CPU-s less per
+process, 0.84x; the test suite starts about a hundred such processes). Once the process is
+built, `settle()` puts Python's thresholds back, so what it runs afterwards (decode steps,
+re-plans that drop layers) is collected as in any process. Nothing is frozen: a stage's
+layers, dropped by a re-plan, are freed as before.
 
 Only Ray's worker processes change their thresholds (the raylet's `default_worker.py`, with
-the RAY_RAYLET_PID it sets): importing this package in a driver, a user's process or a Ray
-job's entrypoint (a child of a Ray worker) changes nothing there.
-This module imports neither torch nor Ray: it runs before them.
+the RAY_RAYLET_PID it sets), and only before torch is imported: a driver, a user's process, a
+Ray job's entrypoint (a child of a Ray worker) or a worker already running other work keep
+theirs. This module imports neither torch nor Ray: it runs before them.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ def in_ray_worker() -> bool:
 
 
 def quiet_imports() -> None:
-    """Raise the GC thresholds for this Ray worker process's imports; nothing elsewhere, and
+    """Raise the GC thresholds for this Ray worker process's imports, when torch is still to
+    come (a process that already runs other work is left as it is); nothing elsewhere, and
     nothing where someone already set thresholds of their own."""
-    if in_ray_worker() and gc.get_threshold() == DEFAULT_THRESHOLDS:
+    if in_ray_worker() and "torch" not in sys.modules and gc.get_threshold() == DEFAULT_THRESHOLDS:
         gc.set_threshold(*IMPORT_THRESHOLDS)
 
 
