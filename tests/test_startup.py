@@ -80,3 +80,29 @@ def test_a_ray_worker_that_already_imported_torch_is_left_alone(tmp_path) -> Non
         DEFAULT_THRESHOLDS,
         DEFAULT_THRESHOLDS,
     )
+
+
+def test_offloadctl_imports_quietly_and_settles_when_it_ends(tmp_path) -> None:
+    """The command's own process (its imports come after main starts), whatever its end."""
+    script = tmp_path / "offloadctl"
+    script.write_text(
+        "import gc, importlib, json\n"
+        "cli = importlib.import_module('coordinator.cli.main')\n"
+        "seen = []\n"
+        "def command(argv):\n"
+        "    seen.append(gc.get_threshold())\n"
+        "    raise KeyError('a command that fails')\n"
+        "cli._main = command\n"
+        "try:\n"
+        "    cli.main([])\n"
+        "except KeyError:\n"
+        "    pass\n"
+        "print(json.dumps([seen[0], gc.get_threshold()]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    during, after = json.loads(out.stdout)
+    assert (tuple(during), tuple(after)) == (IMPORT_THRESHOLDS, DEFAULT_THRESHOLDS)

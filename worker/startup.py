@@ -11,9 +11,9 @@ re-plans that drop layers) is collected as in any process. Nothing is frozen: a 
 layers, dropped by a re-plan, are freed as before.
 
 Only Ray's worker processes change their thresholds (the raylet's `default_worker.py`, with
-the RAY_RAYLET_PID it sets), and only before torch is imported: a driver, a user's process, a
-Ray job's entrypoint (a child of a Ray worker) or a worker already running other work keep
-theirs. This module imports neither torch nor Ray: it runs before them.
+the RAY_RAYLET_PID it sets), and `offloadctl` until it connects to Ray or ends, each only
+before torch is imported: a user's process, a Ray job's entrypoint that is not ours (a child of
+a Ray worker) or a worker already running other work keep theirs. This module imports neither torch nor Ray: it runs before them.
 """
 
 from __future__ import annotations
@@ -33,11 +33,13 @@ def in_ray_worker() -> bool:
     return started_as == "default_worker.py" and "RAY_RAYLET_PID" in os.environ
 
 
-def quiet_imports() -> None:
-    """Raise the GC thresholds for this Ray worker process's imports, when torch is still to
+def quiet_imports(*, command: bool = False) -> None:
+    """Raise the GC thresholds for this Ray worker process's imports (`command`: or for one of
+    our commands, `offloadctl`, whose process is ours from its start), when torch is still to
     come (a process that already runs other work is left as it is); nothing elsewhere, and
     nothing where someone already set thresholds of their own."""
-    if in_ray_worker() and "torch" not in sys.modules and gc.get_threshold() == DEFAULT_THRESHOLDS:
+    ours = command or in_ray_worker()
+    if ours and "torch" not in sys.modules and gc.get_threshold() == DEFAULT_THRESHOLDS:
         gc.set_threshold(*IMPORT_THRESHOLDS)
 
 

@@ -35,6 +35,7 @@ from coordinator.tools.make_checkpoint import (
 )
 from offload.errors import OffloadCoordinatorError
 from worker.names import COMPUTE_DTYPE_NAMES, OFFLOAD_DTYPES
+from worker.startup import quiet_imports, settle
 
 EXIT_ERROR = 2
 EXIT_BUG = 1  # an exception that is not one of our kinds
@@ -498,6 +499,14 @@ def _fail(message: str, code: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_imports(command=True)  # the command's imports; Ray's connect (or the end) settles
+    try:
+        return _main(argv)
+    finally:
+        settle()
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     expected: tuple[type[Exception], ...] = (
         OffloadCoordinatorError,

@@ -16,6 +16,7 @@ import ray
 
 from coordinator.config import ConfigError, JobConfig
 from coordinator.runtime.errors import ClusterUnreachableError
+from worker.startup import settle
 
 CONNECT_TIMEOUT_S = 30.0  # a TCP connect to the head before ray.init, which retries for minutes
 STOP_TIMEOUT_S = 15.0  # an embedded Ray's processes, after ray.shutdown asked them to stop
@@ -111,6 +112,7 @@ def connect(config: JobConfig) -> RaySession:
     process's own SIGINT and SIGTERM handlers survive ray.init, which installs a SIGTERM
     handler of its own that ends the process at once (the CLI's handlers release workers and
     placement groups first)."""
+    settle()  # a command's imports are done when it connects (worker.startup)
     with keeping_handlers():
         return _connect(config)
 
