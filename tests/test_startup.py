@@ -31,9 +31,14 @@ def thresholds(
     tmp_path: Path, script_name: str, package: str, raylet: bool, preset: tuple = ()
 ) -> tuple[tuple, tuple]:
     """(thresholds once `package` is imported, thresholds after settle()) in a new process."""
-    script = tmp_path / script_name
     preset_line = f"gc.set_threshold(*{preset})" if preset else ""
-    script.write_text(SCRIPT.format(package=package, preset=preset_line))
+    code = SCRIPT.format(package=package, preset=preset_line)
+    return run_script(tmp_path / script_name, code, raylet)
+
+
+def run_script(script: Path, code: str, raylet: bool) -> tuple[tuple, tuple]:
+    """The two thresholds `code` prints (a JSON pair), run as `script` in a new interpreter."""
+    script.write_text(code)
     env = {k: v for k, v in os.environ.items() if k != "RAY_RAYLET_PID"}
     env["PYTHONPATH"] = str(ROOT)
     if raylet:
@@ -42,8 +47,8 @@ def thresholds(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
-    imported, settled = json.loads(out.stdout)
-    return tuple(imported), tuple(settled)
+    first, second = json.loads(out.stdout)
+    return tuple(first), tuple(second)
 
 
 @pytest.mark.parametrize("package", ["worker", "coordinator"])
@@ -84,8 +89,7 @@ def test_a_ray_worker_that_already_imported_torch_is_left_alone(tmp_path) -> Non
 
 def test_offloadctl_imports_quietly_and_settles_when_it_ends(tmp_path) -> None:
     """The command's own process (its imports come after main starts), whatever its end."""
-    script = tmp_path / "offloadctl"
-    script.write_text(
+    code = (
         "import gc, importlib, json\n"
         "cli = importlib.import_module('coordinator.cli.main')\n"
         "seen = []\n"
@@ -99,10 +103,7 @@ def test_offloadctl_imports_quietly_and_settles_when_it_ends(tmp_path) -> None:
         "    pass\n"
         "print(json.dumps([seen[0], gc.get_threshold()]))\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60
+    assert run_script(tmp_path / "offloadctl", code, raylet=False) == (
+        IMPORT_THRESHOLDS,
+        DEFAULT_THRESHOLDS,
     )
-    assert out.returncode == 0, out.stderr
-    during, after = json.loads(out.stdout)
-    assert (tuple(during), tuple(after)) == (IMPORT_THRESHOLDS, DEFAULT_THRESHOLDS)
