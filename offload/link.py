@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import ctypes
 import time
+from typing import TYPE_CHECKING
 
-import torch
-
-from offload.arena import HostArena, TensorSpec
-from offload.quant import BlockFormat, dequantize_into, quantized
+# torch loads where a measurement needs it: the CPU copy needs none, and a probe on a node without
+# GPUs must start as light as a process that never touches a tensor (`offload.probe`).
+if TYPE_CHECKING:
+    import torch
 
 CUDA_PROBE_BYTES = 64 * 2**20
 # Smaller on the CPU: there the first touch of fresh pages costs far more than the copies
@@ -41,12 +42,12 @@ def measure_cpu_copy(num_bytes: int = CPU_PROBE_BYTES, repeats: int = PROBE_REPE
     `ThreadCopyEngine`'s copy)."""
     _check(num_bytes, repeats)
     # Written, so really backed: untouched pages all map the one zero page, which stays cached.
-    src = torch.ones(num_bytes, dtype=torch.uint8)
-    dst = torch.empty(num_bytes, dtype=torch.uint8)
+    src = (ctypes.c_ubyte * num_bytes).from_buffer(bytearray(b"\x01") * num_bytes)
+    dst = (ctypes.c_ubyte * num_bytes)()  # zeroed by ctypes, so backed as well
     best_s = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), num_bytes)
+        ctypes.memmove(dst, src, num_bytes)
         best_s = min(best_s, time.perf_counter() - start)
     return num_bytes / best_s
 
@@ -60,6 +61,10 @@ def measure_host_to_device(
 ) -> float:
     """Bytes per second of host-to-device copies into the CUDA `device` from a pinned
     (`pin=True`) or pageable host buffer. Raises on any CUDA failure (the probe records it)."""
+    import torch
+
+    from offload.arena import HostArena, TensorSpec
+
     _check(num_bytes, repeats)
     if device.type != "cuda":
         raise ValueError(f"device={device} is not a CUDA device; use measure_cpu_copy()")
@@ -103,6 +108,10 @@ def measure_dequantize(
     """Bytes per second of bfloat16 weights made from 8-bit ones on `device` (the prefetch
     offloader's dequantization after each copy, `offload.quant.dequantize_into`), for 8-bit
     `dtype` (float8_e4m3fn or int8) in groups of 128 entries of a row."""
+    import torch
+
+    from offload.quant import BlockFormat, dequantize_into, quantized
+
     _check(entries, repeats)
     fmt = BlockFormat(dtype, (1, 128))
     cols = 4096

@@ -4,23 +4,59 @@
 measures the host-to-device copy rate (`offload.link`). Every step runs on its own: a step that
 fails records why in `NodeProbe.errors` and leaves its fields at their "unknown" value, so a
 broken driver or a missing /proc never crashes the caller.
+
+On a node with no GPU device at all (no NVIDIA, WSL or AMD device file: a laptop, CI, a CPU
+node), the probe never imports torch: CUDA cannot start there, the CPU copy is a plain memmove,
+and the dequantize rates (which need torch) are read from what the node measured before
+(`offload.node_cache`). A probe process then costs what any process of ours costs to start,
+not torch's import on top.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import glob
 import os
 import platform
 import resource
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import psutil
-import torch
 
-from offload import link
+from offload import link, node_cache
 from offload.errors import ConfigError
+
+# The device files a GPU that torch.cuda can use shows on Linux: NVIDIA's driver (also Jetson's
+# nvhost and nvmap), WSL's GPU paravirtualisation, AMD's ROCm. With none of them, and torch not
+# imported, CUDA is unavailable without asking torch.
+GPU_DEVICE_GLOBS = (
+    "/dev/nvidia*",
+    "/proc/driver/nvidia/gpus/*",
+    "/dev/nvhost-*",
+    "/dev/nvmap",
+    "/dev/dxg",
+    "/dev/kfd",
+)
+
+
+def gpu_device_files() -> list[str]:
+    """The GPU device files present on this node (`GPU_DEVICE_GLOBS`)."""
+    return [path for pattern in GPU_DEVICE_GLOBS for path in glob.glob(pattern)]
+
+
+def cuda_available() -> bool:
+    """`torch.cuda.is_available()`, answered without importing torch where it can only be
+    False: torch not yet imported, on Linux, with no GPU device file (`GPU_DEVICE_GLOBS`).
+    Like torch's, it creates no CUDA context."""
+    if "torch" not in sys.modules and sys.platform == "linux" and not gpu_device_files():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
 
 # CUdevice_attribute values from cuda.h (stable across CUDA 10..13).
 _CU_ATTR_PAGEABLE_MEMORY_ACCESS = 88
@@ -152,11 +188,13 @@ def _nvidia_gpus_present() -> int:
 
 
 def _probe_cuda(fields: dict, errors: list[str]) -> None:
-    available = torch.cuda.is_available()
+    available = cuda_available()
     fields["cuda_available"] = available
     if not available:
         fields["nvidia_gpus_present"] = _nvidia_gpus_present()
         return
+    import torch
+
     devices = []
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
@@ -211,9 +249,11 @@ def _probe_arch(fields: dict, errors: list[str]) -> None:
 
 
 def _probe_link(fields: dict, errors: list[str]) -> None:
-    if not torch.cuda.is_available():
+    if not cuda_available():
         fields["link_pageable_bytes_per_s"] = link.measure_cpu_copy()
         return
+    import torch
+
     device = torch.device("cuda", torch.cuda.current_device())
     for name, pin in (("link_pinned_bytes_per_s", True), ("link_pageable_bytes_per_s", False)):
         try:  # each on its own: a node that cannot pin still copies from pageable memory
@@ -223,16 +263,56 @@ def _probe_link(fields: dict, errors: list[str]) -> None:
             errors.append(f"link ({kind}, {device}): {type(exc).__name__}: {exc}")
 
 
+DEQUANT_FORMATS = ("fp8", "int8")
+
+
 def _probe_dequantize(fields: dict, errors: list[str]) -> None:
+    if "torch" in sys.modules or cuda_available():
+        fields["dequant_bytes_per_s"] = _measure_dequantize(errors)
+        return
+    # A process that has not imported torch, on a node without GPUs: the CPU's rates as this
+    # node measured them before, for this torch build and thread count; measured and kept
+    # when there are none (only a complete measurement is kept).
+    path = node_cache.cache_file("dequantize", _cpu_dequantize_key())
+    with node_cache.measuring(path):
+        cached = node_cache.read(path) or {}
+        if set(cached) == set(DEQUANT_FORMATS):
+            fields["dequant_bytes_per_s"] = tuple((f, float(cached[f])) for f in DEQUANT_FORMATS)
+            return
+        failed = len(errors)
+        rates = _measure_dequantize(errors)
+        if len(errors) == failed:
+            node_cache.write(path, dict(rates))
+    fields["dequant_bytes_per_s"] = rates
+
+
+def _cpu_dequantize_key() -> list:
+    """What the CPU's dequantize rates depend on, all known without importing torch: the torch
+    build, the CPU, and the environment that sets torch's thread count."""
+    threads = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    return [node_cache.torch_version(), platform.machine(), _cpu_model(), os.cpu_count(), threads]
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if "model name" in line), "")
+    except OSError:
+        return platform.processor()
+
+
+def _measure_dequantize(errors: list[str]) -> tuple[tuple[str, float], ...]:
+    import torch
+
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rates = []
-    for name, dtype in (("fp8", torch.float8_e4m3fn), ("int8", torch.int8)):
+    for name, dtype in zip(DEQUANT_FORMATS, (torch.float8_e4m3fn, torch.int8), strict=True):
         try:
             rates.append((name, link.measure_dequantize(device, dtype)))
         except Exception as exc:
             errors.append(f"dequantize ({name}, {device}): {type(exc).__name__}: {exc}")
-    fields["dequant_bytes_per_s"] = tuple(rates)
+    return tuple(rates)
 
 
 ProbeStep = Callable[[dict, list], None]

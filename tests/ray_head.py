@@ -20,6 +20,10 @@ import psutil
 
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
+# The head of a test's `ray.cluster_utils.Cluster`: no dashboard (nothing asks it) and no
+# autoscaler monitor (the tests add and remove the nodes themselves; it polls the GCS for as
+# long as the cluster lives).
+HEAD_ARGS = {"include_dashboard": False, "no_monitor": True}
 
 
 def free_ports(n: int) -> list[int]:

@@ -10,6 +10,7 @@ from coordinator.config import JobConfig
 from coordinator.planning.budgets import node_info
 from coordinator.planning.checkpoint import load_index
 from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from offload import node_cache
 from worker import compute_probe
 from worker.compute_probe import ComputeProfile, measure
 from worker.node import probe_here
@@ -34,7 +35,7 @@ def index(tmp_path_factory):
 
 
 def test_a_decoder_layer_is_timed_and_cached(index, tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv(compute_probe.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(node_cache.CACHE_ENV, str(tmp_path))
     profile = measure(index.config, "float32", threads=1)
     assert profile.rows == compute_probe.ROWS and profile.family == "llama"
     assert all(t > 0 for t in profile.layer_s)
@@ -52,7 +53,7 @@ def test_one_layer_shape_is_measured_once_whatever_the_depth_or_vocabulary(
     """The stages the probe times hold layers 0 and 1: a deeper model or another vocabulary
     reads the same profile; another layer width, or a per-layer list that changes with the
     depth, is measured."""
-    monkeypatch.setenv(compute_probe.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(node_cache.CACHE_ENV, str(tmp_path))
     measured: list[dict] = []
     real = compute_probe._measure
 
@@ -84,7 +85,7 @@ def test_probes_of_one_host_at_once_measure_it_once(index, tmp_path, monkeypatch
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    monkeypatch.setenv(compute_probe.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(node_cache.CACHE_ENV, str(tmp_path))
     real = compute_probe._measure
     measuring: list[int] = []
 
@@ -170,7 +171,7 @@ def test_offloadctl_plan_uses_and_shows_the_measured_rate(index, capsys) -> None
 def test_a_worker_answers_from_the_cache_only(index, tmp_path, monkeypatch) -> None:
     """A live worker answering for its node (a re-plan) never allocates a layer beside its
     stage: it gives what the node measured before, or says nothing was."""
-    monkeypatch.setenv(compute_probe.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(node_cache.CACHE_ENV, str(tmp_path))
     model = (index.config, "float32", 1)
     assert probe_here(model=model, cached_only=True)["compute"].startswith("not measured")
     measured = probe_here(model=model)["compute"]

@@ -10,6 +10,7 @@ import ray
 import torch
 from helpers import assert_probe_decided_pin, tiny_shape
 from ray.cluster_utils import Cluster
+from ray_head import HEAD_ARGS
 
 from coordinator.config import JobConfig, NodeMatch, Override
 from coordinator.planning.checkpoint import load_index
@@ -28,7 +29,7 @@ def cluster():
                stand in for a GH200-class one: OFFLOAD_SIMULATED_GPU=coherent)."""
     c = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False},
+        head_node_args={"num_cpus": 1, "num_gpus": 0, **HEAD_ARGS},
     )
     try:
         c.add_node(num_cpus=1, num_gpus=1, labels={"pool": "plain"})

@@ -11,7 +11,7 @@ import pytest
 import ray
 from helpers import scrape_gauges, tiny_shape, wait_gpus_free
 from ray.cluster_utils import Cluster
-from ray_head import free_ports
+from ray_head import HEAD_ARGS, free_ports
 
 from coordinator.cli import EXIT_ERROR, main
 from coordinator.planning.checkpoint import load_index
@@ -34,7 +34,7 @@ def cluster():
     c = Cluster(
         initialize_head=True,
         head_node_args={
-            "include_dashboard": False,  # the nodes' agents still export the metrics
+            **HEAD_ARGS,  # the nodes' agents still export the metrics
             "num_cpus": 4,
             "num_gpus": 3,
             "metrics_export_port": METRICS_PORT,

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import pickle
 import platform
 import resource
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
 import pytest
 import torch
+from helpers import tiny_shape
 
 import offload.link as link_mod
 import offload.probe as probe_mod
+from coordinator.tools.make_checkpoint import make_checkpoint
 from offload import probe_node
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_probe_of_this_machine() -> None:
@@ -172,3 +181,74 @@ def test_host_to_device_rates_on_cuda() -> None:
     pageable = link_mod.measure_host_to_device(device, pin=False, num_bytes=16 * 2**20)
     assert math.isfinite(pinned) and math.isfinite(pageable) and pinned > 0 and pageable > 0
     assert torch.cuda.memory_allocated(device) == allocated  # the device buffer is freed
+
+
+# A Ray probe task's process, run as a new interpreter: probes its node for a model (as the
+# runtime's probe task does, `worker.node.probe_unless_cuda`) and says whether torch was
+# imported. argv: the model's config.json, and optionally a glob standing for a GPU device.
+PROBE_TASK = """
+import json, sys
+import offload.probe
+if len(sys.argv) > 2:
+    offload.probe.GPU_DEVICE_GLOBS = (sys.argv[2],)
+from worker.node import probe_unless_cuda
+config = json.load(open(sys.argv[1]))
+result = probe_unless_cuda(0, (config, "float32", 1))
+probe = result["probe"]
+print(json.dumps({
+    "torch": "torch" in sys.modules,
+    "dequant": dict(probe.dequant_bytes_per_s),
+    "link": probe.link_pageable_bytes_per_s,
+    "compute": repr(result["compute"]),
+    "pin": result["pin"],
+    "errors": probe.errors,
+}))
+"""
+
+
+@pytest.mark.skipif(
+    bool(probe_mod.gpu_device_files()), reason="GPU device files here: the probe asks torch"
+)
+def test_a_probe_without_gpus_reads_what_its_node_measured_without_importing_torch(
+    tmp_path: Path,
+) -> None:
+    """The first probe of a node without GPU device files measures the dequantize rates and the
+    model's layer (torch imported); every later one reads them and never imports torch. A
+    cache that lost a format is measured again, and a GPU device file sends the probe to
+    torch."""
+    config = make_checkpoint(tmp_path / "ckpt", tiny_shape(2)) / "config.json"
+    env = {**os.environ, "OFFLOAD_COMPUTE_CACHE": str(tmp_path / "cache")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+
+    def probe(*args: str) -> dict:
+        out = subprocess.run(
+            [sys.executable, "-c", PROBE_TASK, str(config), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout)
+
+    first = probe()
+    assert first["torch"] and first["errors"] == []
+    assert set(first["dequant"]) == {"fp8", "int8"} and first["compute"].startswith("Compute")
+    second = probe()
+    assert not second["torch"], "a probe with its node's measurements cached imported torch"
+    assert second["link"] > 0  # measured again: a memmove needs no torch
+    assert (second["dequant"], second["compute"], second["pin"], second["errors"]) == (
+        first["dequant"],
+        first["compute"],
+        first["pin"],
+        [],
+    )
+    (cached,) = (tmp_path / "cache" / "dequantize").glob("*.json")
+    cached.write_text(json.dumps({"fp8": 1.0}))  # a format lost: measured again, rewritten
+    third = probe()
+    assert third["torch"] and set(third["dequant"]) == {"fp8", "int8"}
+    assert third["dequant"]["fp8"] != 1.0 and set(json.loads(cached.read_text())) == {"fp8", "int8"}
+    device = tmp_path / "nvidia0"
+    device.touch()
+    with_device = probe(str(device))  # torch is asked, and answers as it does here
+    assert with_device["torch"] and with_device["compute"] == first["compute"]

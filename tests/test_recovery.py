@@ -14,6 +14,7 @@ import ray
 import torch
 from helpers import tiny_shape, wait_gpus_free
 from ray.cluster_utils import Cluster
+from ray_head import HEAD_ARGS
 
 from coordinator.cli import main
 from coordinator.config import JobConfig
@@ -34,7 +35,7 @@ SHAPE = tiny_shape(6, max_shard_bytes=200_000)
 def cluster():
     c = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False},
+        head_node_args={"num_cpus": 1, "num_gpus": 0, **HEAD_ARGS},
     )
     nodes = [c.add_node(num_cpus=2, num_gpus=1) for _ in range(3)]
     try:

@@ -9,30 +9,28 @@ what this device does with this model, not from an assumed rate.
 
 Quick (a few dozen steps of one layer) and cached per layer shape (the config without what the
 layers never read, such as the vocabulary, or the depth), dtype, device and torch version on the
-node's disk (`OFFLOAD_COMPUTE_CACHE`, default ~/.cache/offload-coordinator), so a node measures
-a model's layer once, whatever its depth.
+node's disk (`offload.node_cache`), so a node measures a model's layer once, whatever its depth.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import itertools
-import json
-import os
 import statistics
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from offload import node_cache
+
+# torch loads only to measure: a probe that finds the node's profile cached (a node without
+# GPUs, probed again) reads it without torch's import.
+if TYPE_CHECKING:
+    import torch
 
 ROWS = (1, 4, 16, 64)  # sequences per decode step
 CONTEXT = 64  # tokens each sequence has cached
 STEPS = 13  # timed decode steps per size and stage (the first is a warm-up)
-CACHE_ENV = "OFFLOAD_COMPUTE_CACHE"
 PROBE_OWNER = ("compute-probe", 0)  # the probe's own stages: it is their only engine
 
 
@@ -83,9 +81,15 @@ def _between(rows: tuple[int, ...], values: tuple[float, ...], at: int) -> float
 
 
 def _device_name(device: torch.device) -> str:
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({torch.get_num_threads()} thread(s))"
+    return _cpu_name(torch.get_num_threads())
+
+
+def _cpu_name(threads: int) -> str:
+    return f"cpu ({threads} thread(s))"
 
 
 # config.json entries a stage of decoder layers 0 and 1 never reads: the embedding and head's,
@@ -120,15 +124,9 @@ def _layer_key(config: dict) -> dict:
     return key
 
 
-def _cache_path(config: dict, dtype: str, device: torch.device) -> Path:
-    key = json.dumps(
-        [_layer_key(config), dtype, _device_name(device), torch.__version__, ROWS, CONTEXT],
-        sort_keys=True,
-        default=repr,
-    )
-    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
-    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "offload-coordinator")
-    return root / "compute" / f"{digest}.json"
+def _cache_path(config: dict, dtype: str, device_name: str) -> Path:
+    key = [_layer_key(config), dtype, device_name, node_cache.torch_version(), ROWS, CONTEXT]
+    return node_cache.cache_file("compute", key)
 
 
 def measure(
@@ -144,6 +142,13 @@ def measure(
     (the workers' count; None: this process's), from the cache when this node measured it
     before. `cached_only`: None rather than measuring (a worker answering for its node must
     not allocate a layer beside its stage)."""
+    if use_cache and str(device) == "cpu" and threads is not None:
+        # the CPU's name is its thread count: read without importing torch
+        profile = _read(_cache_path(config, dtype, _cpu_name(threads)))
+        if profile is not None or cached_only:
+            return profile
+    import torch
+
     device = torch.device(device)
     previous = torch.get_num_threads()
     if threads is not None:
@@ -157,56 +162,36 @@ def measure(
 def _cached(
     config: dict, dtype: str, device: torch.device, use_cache: bool, cached_only: bool
 ) -> ComputeProfile | None:
-    path = _cache_path(config, dtype, device)
+    path = _cache_path(config, dtype, _device_name(device))
     if not use_cache:
         return None if cached_only else _measure(config, dtype, device)
     profile = _read(path)
     if profile is not None or cached_only:
         return profile
-    # Processes probing one host at once (its Ray nodes, simulated GPUs on a laptop or CI) measure
-    # it once: the first holds the shape's lock while it measures, the others then read what it
-    # wrote. Also, measurements that shared the CPU would each have timed the host too slow. An
-    # flock ends with its process, so a probe that dies measuring never blocks the next.
-    with _measuring(path):
+    # Processes probing one host at once measure it once: the first holds the shape's lock
+    # while it measures, the others then read what it wrote (`node_cache.measuring`).
+    with node_cache.measuring(path):
         profile = _read(path)
         if profile is None:
             profile = _measure(config, dtype, device)
-            try:
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(asdict(profile)))
-                tmp.replace(path)
-            except OSError:
-                pass  # a read-only home: measured each time, still right
+            node_cache.write(path, asdict(profile))
     return profile
 
 
 def _read(path: Path) -> ComputeProfile | None:
     """The profile cached at `path`; None where there is none or it does not parse (it is
     measured again and rewritten)."""
+    data = node_cache.read(path)
     try:
-        data = json.loads(path.read_text())
         tuples = {name: tuple(data[name]) for name in ("rows", "layer_s", "fixed_s")}
         return ComputeProfile(**{**data, **tuples})
-    except (OSError, ValueError, TypeError, KeyError):
+    except (TypeError, KeyError):
         return None
 
 
-@contextlib.contextmanager
-def _measuring(path: Path) -> Iterator[None]:
-    """An exclusive lock on `path`'s shape while it is measured (none where the cache directory
-    cannot be written: each process measures, as before)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 (held across the yield)
-    except OSError:
-        yield
-        return
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
 def _measure(config: dict, dtype: str, device: torch.device) -> ComputeProfile:
+    import torch
+
     from worker.batched import StepRows
     from worker.spec import torch_dtype_named
 
@@ -260,6 +245,8 @@ def _measure(config: dict, dtype: str, device: torch.device) -> ComputeProfile:
 def _stage(config: dict, torch_dtype, device: torch.device, num_layers: int, generator):
     """A stage of the model's first `num_layers` decoder layers with random weights, and the
     runner that steps it."""
+    import torch
+
     from worker.batched import BatchRunner
     from worker.layout import hf_config_from_dict
     from worker.stage import Stage
@@ -281,4 +268,6 @@ def _stage(config: dict, torch_dtype, device: torch.device, num_layers: int, gen
 
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)

@@ -1,8 +1,10 @@
 """What a node says about itself: its probe and the pin decision its environment leads to.
 
-Run by the runtime's probe task on every GPU node before planning, and by a live worker when
-the driver re-plans (that saves starting a process per node: the worker runs on the node, with
-the job's environment for it)."""
+Run by the runtime's probe task on every GPU node before planning (`probe_task`,
+`probe_unless_cuda`), and by a live worker when the driver re-plans (that saves starting a
+process per node: the worker runs on the node, with the job's environment for it). On a node
+without GPUs the probe task never imports torch once the node has measured its model
+(`offload.probe`, `worker.compute_probe`): it starts as light as any process of ours."""
 
 from __future__ import annotations
 
@@ -12,7 +14,29 @@ import socket
 
 from offload import decide_pinning, probe_node
 from offload.errors import ConfigError
-from offload.probe import simulated_gpu_kind
+from offload.probe import cuda_available, simulated_gpu_kind
+from worker.startup import settle
+
+
+def probe_task(planned_bytes: int = 0, model: tuple[dict, str, int] | None = None) -> dict:
+    """The probe as a Ray task runs it: `probe_here`, then the GC's own thresholds back
+    (`worker.startup`: the process's imports are done)."""
+    try:
+        return probe_here(planned_bytes, model=model)
+    finally:
+        settle()
+
+
+def probe_unless_cuda(
+    planned_bytes: int = 0, model: tuple[dict, str, int] | None = None
+) -> dict | None:
+    """The probe, in a process that stays for the next one; None, without touching a device,
+    where CUDA has devices (`offload.probe.cuda_available` creates no context, and imports no
+    torch on a node without GPU device files)."""
+    if cuda_available():
+        settle()
+        return None
+    return probe_task(planned_bytes, model)
 
 
 def probe_here(

@@ -16,31 +16,9 @@ from coordinator.config import JobConfig, node_env
 from coordinator.planning.budgets import node_info
 from coordinator.planning.snapshot import ClusterSnapshot, NodeInfo
 from coordinator.runtime.errors import LaunchError, WorkerLostError
-from worker.startup import settle
+from worker.node import probe_task, probe_unless_cuda
 
 PROBE_TIMEOUT_S = 120.0  # one probe task per node; includes starting a Ray worker process
-
-
-def _probe(planned_bytes: int = 0, model: tuple[dict, str, int] | None = None) -> dict:
-    from worker.node import probe_here
-
-    try:
-        return probe_here(planned_bytes, model=model)
-    finally:
-        settle()  # the probe's imports done: the GC's own thresholds (worker.startup)
-
-
-def _probe_unless_cuda(
-    planned_bytes: int = 0, model: tuple[dict, str, int] | None = None
-) -> dict | None:
-    """The probe, in a process that stays for the next one; None, without touching a device,
-    where CUDA has devices (`torch.cuda.is_available` counts them and creates no context)."""
-    import torch
-
-    if torch.cuda.is_available():
-        settle()  # its imports done (worker.startup)
-        return None
-    return _probe(planned_bytes, model)
 
 
 # The task holds the GPUs it measures (num_gpus, set per node): with none, Ray leaves every GPU
@@ -48,12 +26,12 @@ def _probe_unless_cuda(
 # other loads hold. Where the node has CUDA devices, the probe runs with max_calls=1: a process
 # that touched CUDA exits after, so no idle worker keeps a context (hundreds of MiB) on GPUs
 # that loads then plan on.
-_probe_task = ray.remote(num_cpus=0, max_calls=1)(_probe)
+_probe_task = ray.remote(num_cpus=0, max_calls=1)(probe_task)
 # Every node is asked first by a task whose process Ray keeps for the job's next probe there:
 # a node without CUDA (simulated GPUs: a laptop, CI) is probed in one process for every launch
-# and re-plan of the job (a process with torch imported: ~3 s of CPU to start), and a node with
-# CUDA answers None at once and is probed by `_probe_task`.
-_probe_task_reused = ray.remote(num_cpus=0)(_probe_unless_cuda)
+# and re-plan of the job (without torch's import once the node measured the model: see
+# `worker.node`), and a node with CUDA answers None at once and is probed by `_probe_task`.
+_probe_task_reused = ray.remote(num_cpus=0)(probe_unless_cuda)
 _CUDA_NODES: set[str] = set()  # node ids where CUDA has devices: `_probe_task` at once
 
 
