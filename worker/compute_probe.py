@@ -142,40 +142,46 @@ def measure(
     (the workers' count; None: this process's), from the cache when this node measured it
     before. `cached_only`: None rather than measuring (a worker answering for its node must
     not allocate a layer beside its stage)."""
-    if use_cache and str(device) == "cpu" and threads is not None:
-        # the CPU's name is its thread count: read without importing torch
-        profile = _read(_cache_path(config, dtype, _cpu_name(threads)))
-        if profile is not None or cached_only:
-            return profile
+    if not use_cache:
+        return None if cached_only else _timed(config, dtype, device, threads)
+    path = _cache_path(config, dtype, _name_of(device, threads))
+    profile = _read(path)
+    if profile is not None or cached_only:
+        return profile
+    # Processes probing one host at once (its Ray nodes, simulated GPUs on a laptop or CI)
+    # measure a shape once: the first holds the shape's lock while it measures, the others wait
+    # and then read what it wrote (on a CPU without importing torch). Also, measurements that
+    # shared the CPU would each have timed the host too slow.
+    with node_cache.measuring(path):
+        profile = _read(path)
+        if profile is None:
+            profile = _timed(config, dtype, device, threads)
+            node_cache.write(path, asdict(profile))
+    return profile
+
+
+def _name_of(device: str | torch.device, threads: int | None) -> str:
+    """The device's name in the cache's key: a CPU's is its thread count, known without
+    importing torch when `threads` is given."""
+    if str(device) == "cpu" and threads is not None:
+        return _cpu_name(threads)
     import torch
 
-    device = torch.device(device)
+    return _device_name(torch.device(device))
+
+
+def _timed(
+    config: dict, dtype: str, device: str | torch.device, threads: int | None
+) -> ComputeProfile:
+    import torch
+
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _cached(config, dtype, device, use_cache, cached_only)
+        return _measure(config, dtype, torch.device(device))
     finally:
         torch.set_num_threads(previous)
-
-
-def _cached(
-    config: dict, dtype: str, device: torch.device, use_cache: bool, cached_only: bool
-) -> ComputeProfile | None:
-    path = _cache_path(config, dtype, _device_name(device))
-    if not use_cache:
-        return None if cached_only else _measure(config, dtype, device)
-    profile = _read(path)
-    if profile is not None or cached_only:
-        return profile
-    # Processes probing one host at once measure it once: the first holds the shape's lock
-    # while it measures, the others then read what it wrote (`node_cache.measuring`).
-    with node_cache.measuring(path):
-        profile = _read(path)
-        if profile is None:
-            profile = _measure(config, dtype, device)
-            node_cache.write(path, asdict(profile))
-    return profile
 
 
 def _read(path: Path) -> ComputeProfile | None:
