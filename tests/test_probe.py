@@ -214,8 +214,8 @@ def test_a_probe_without_gpus_reads_what_its_node_measured_without_importing_tor
 ) -> None:
     """The first probes of a node without GPU device files (two at once, as a laptop's
     simulated nodes are probed) measure the dequantize rates and the model's layer once each:
-    the other waits and reads. Every later probe reads them and never imports torch. A cache that lost a format is measured again, and a GPU device file
-    sends the probe to torch."""
+    the other waits and reads. Every later probe reads them and never imports torch; a GPU
+    device file sends the probe to torch."""
     config = make_checkpoint(tmp_path / "ckpt", tiny_shape(2)) / "config.json"
     env = {**os.environ, "OFFLOAD_COMPUTE_CACHE": str(tmp_path / "cache")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
