@@ -28,6 +28,13 @@ if "OFFLOAD_COMPUTE_CACHE" not in os.environ:
     os.environ["OFFLOAD_COMPUTE_CACHE"] = tempfile.mkdtemp(prefix="offload-compute-")
     atexit.register(shutil.rmtree, os.environ["OFFLOAD_COMPUTE_CACHE"], ignore_errors=True)
 
+# One intra-op thread in the pytest processes: `make test` runs two of them beside Ray's workers,
+# so a second thread has no core of its own, and OpenMP's threads spin between ops. Three test
+# modules (generation, prefetch, families) in one process on a quiet 2-core machine: 121-127
+# CPU-s with one thread against 135-152 with torch's default two. Comparisons whose two sides
+# may differ in threads (a worker and the reference) set theirs explicitly, as before.
+torch.set_num_threads(1)
+
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
