@@ -26,6 +26,33 @@ STOP_TIMEOUT_S = 30.0
 HEAD_ARGS = {"include_dashboard": False, "no_monitor": True}
 
 
+@contextmanager
+def metrics_head(*, num_gpus: int, metrics_port: int):
+    """A `Cluster` of one head with `num_gpus` logical GPUs (4 CPUs, `HEAD_ARGS`) that exports
+    metrics on `metrics_port` every 0.5 s, this process connected to it: yields the Cluster,
+    then disconnects and stops it. Not `ray.init(address="local")`, which cannot leave out the
+    autoscaler's monitor."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={
+            **HEAD_ARGS,  # no dashboard: the node's agent still exports the metrics
+            "num_cpus": 4,
+            "num_gpus": num_gpus,
+            "metrics_export_port": metrics_port,
+            "_system_config": {"metrics_report_interval_ms": 500},
+        },
+    )
+    try:
+        ray.init(address=c.address, log_to_driver=False)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
 def free_ports(n: int) -> list[int]:
     """n distinct free TCP ports on loopback (free when asked; bound right after)."""
     sockets = [socket.socket() for _ in range(n)]

@@ -10,8 +10,7 @@ import sys
 import pytest
 import ray
 from helpers import scrape_gauges, tiny_shape, wait_gpus_free
-from ray.cluster_utils import Cluster
-from ray_head import HEAD_ARGS, free_ports
+from ray_head import free_ports, metrics_head
 
 from coordinator.cli import EXIT_ERROR, main
 from coordinator.planning.checkpoint import load_index
@@ -31,22 +30,8 @@ LIST_CODE = (
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={
-            **HEAD_ARGS,  # the nodes' agents still export the metrics
-            "num_cpus": 4,
-            "num_gpus": 3,
-            "metrics_export_port": METRICS_PORT,
-            "_system_config": {"metrics_report_interval_ms": 500},
-        },
-    )
-    try:
-        ray.init(address=c.address, log_to_driver=False)
+    with metrics_head(num_gpus=3, metrics_port=METRICS_PORT) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:

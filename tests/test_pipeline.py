@@ -15,8 +15,7 @@ import pytest
 import ray
 import torch
 from helpers import assert_probe_decided_pin, kill_actor, scrape_gauges, tiny_shape, wait_gpus_free
-from ray.cluster_utils import Cluster
-from ray_head import HEAD_ARGS, free_ports
+from ray_head import free_ports, metrics_head
 
 from coordinator.config import ConfigError, JobConfig
 from coordinator.planning.checkpoint import load_index
@@ -42,24 +41,9 @@ SHAPES = {
 @pytest.fixture(scope="module")
 def embedded_ray():
     """One Ray of this process for the module, a new one (never one another process on this
-    machine runs): jobs on it leave it running (they did not start it). A `Cluster` head
-    rather than `ray.init(address="local")`, which cannot leave out the autoscaler's monitor."""
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={
-            **HEAD_ARGS,
-            "num_cpus": 4,
-            "num_gpus": NUM_GPUS,
-            "metrics_export_port": METRICS_PORT,
-            "_system_config": {"metrics_report_interval_ms": 500},
-        },
-    )
-    try:
-        ray.init(address=c.address, log_to_driver=False)
+    machine runs): jobs on it leave it running (they did not start it)."""
+    with metrics_head(num_gpus=NUM_GPUS, metrics_port=METRICS_PORT):
         yield
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 @pytest.fixture(scope="module")
