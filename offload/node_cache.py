@@ -67,8 +67,8 @@ def write(path: Path, data: dict) -> None:
 @contextlib.contextmanager
 def measuring(path: Path) -> Iterator[None]:
     """An exclusive lock on `path`'s measurement while one process takes it: processes probing
-    one host at once (its Ray nodes, simulated GPUs on a laptop or CI) measure it once, and
-    never while another measurement shares the CPU. None where the directory cannot be written.
+    one host at once (its Ray nodes, simulated GPUs on a laptop or CI) take it once, never two
+    of them side by side timing each other. None where the directory cannot be written.
     An flock ends with its process, so a probe that dies measuring never blocks the next."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,8 @@ layers, dropped by a re-plan, are freed as before.
 Only Ray's worker processes change their thresholds (the raylet's `default_worker.py`, with
 the RAY_RAYLET_PID it sets), and `offloadctl` until it connects to Ray or ends, each only
 before torch is imported: a user's process, a Ray job's entrypoint that is not ours (a child of
-a Ray worker) or a worker already running other work keep theirs. This module imports neither torch nor Ray: it runs before them.
+a Ray worker) or a worker already running other work keep theirs. This module imports neither
+torch nor Ray: it runs before them.
 """
 
 from __future__ import annotations
