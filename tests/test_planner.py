@@ -93,6 +93,12 @@ def feasible_stage_times(layers: list[LayerSpec], snap: ClusterSnapshot, opts: P
     gpus = [(n, node, g) for n, node in enumerate(snap.nodes) for g in node.gpus]
     # each stage offloads its layers whole or, where the layers have one, their MLP
     units = ["layer", "mlp"] if any(layers[i].unit_bytes("mlp") for i in decoders) else ["layer"]
+    # What does not depend on the placement, computed once (a layer's sizes are properties
+    # computed from its tensors: read in every placement, they were most of the time here).
+    sizes = [x.nbytes for x in layers]
+    unit_sizes = {unit: [x.unit_bytes(unit) for x in layers] for unit in units}
+    kv = [x.pool_bytes(opts.max_batch, opts.pool_tokens) for x in layers]  # never offloaded
+    work = [0 if x.kind == "embed" else size for x, size in zip(layers, sizes, strict=True)]
     for cuts in itertools.combinations_with_replacement(range(len(layers) + 1), len(gpus) - 1):
         bounds = (0, *cuts, len(layers))
         for mask in range(1 << len(decoders)):
@@ -102,15 +108,15 @@ def feasible_stage_times(layers: list[LayerSpec], snap: ClusterSnapshot, opts: P
                 per_stage = dict.fromkeys(range(len(gpus)), "layer") | dict(
                     zip(moving, chosen, strict=True)
                 )
-                yield from _stage_times(layers, snap, opts, bounds, moved, per_stage)
+                placement = (bounds, moved, per_stage)
+                yield from _stage_times(snap, opts, gpus, sizes, unit_sizes, kv, work, *placement)
 
 
-def _stage_times(layers, snap, opts, bounds, moved, per_stage):
+def _stage_times(snap, opts, gpus, sizes, unit_sizes, kv, work, bounds, moved, per_stage):
     """The stage times of one placement (GPU k runs [bounds[k], bounds[k+1]), offloading the
-    `per_stage[k]` unit of its `moved` layers), if it fits."""
-    sizes = [x.nbytes for x in layers]
-    kv = [x.pool_bytes(opts.max_batch, opts.pool_tokens) for x in layers]  # never offloaded
-    gpus = [(n, node, g) for n, node in enumerate(snap.nodes) for g in node.gpus]
+    `per_stage[k]` unit of its `moved` layers), if it fits. `sizes`, `unit_sizes[unit]`, `kv`
+    and `work` are each layer's bytes, offloaded bytes per unit, KV pool bytes and bytes of
+    compute (none for the embedding: a lookup)."""
     host = [0] * len(snap.nodes)
     times = []
     for k, (n, node, gpu) in enumerate(gpus):
@@ -118,7 +124,7 @@ def _stage_times(layers, snap, opts, bounds, moved, per_stage):
         if not stage:
             continue
         weights = sum(sizes[i] for i in stage)
-        off = [layers[i].unit_bytes(per_stage[k]) for i in stage if i in moved]
+        off = [unit_sizes[per_stage[k]][i] for i in stage if i in moved]
         slots = min(slot_count(node, opts), len(off)) * max(off, default=0)
         cache = sum(kv[i] for i in stage)
         if weights - sum(off) + slots + cache + opts.reserve_bytes > gpu.memory_bytes:
@@ -126,8 +132,7 @@ def _stage_times(layers, snap, opts, bounds, moved, per_stage):
         host[n] += sum(off)
         link = node.link_bytes_per_s or opts.default_link_bytes_per_s
         rate = node.compute_bytes_per_s or opts.compute_bytes_per_s
-        work = sum(sizes[i] for i in stage if layers[i].kind != "embed")  # a lookup
-        times.append(max(work / rate, sum(off) / link))
+        times.append(max(sum(work[i] for i in stage) / rate, sum(off) / link))
     if all(h <= node.offload_budget_bytes for h, node in zip(host, snap.nodes, strict=True)):
         yield times
 
