@@ -14,7 +14,7 @@ import torch
 from offload.base import BaseOffloader, NoopOffloader
 from offload.config import OffloadConfig
 from offload.errors import OffloadError
-from offload.probe import NodeProbe, probe_node
+from offload.probe import DECISION_STEPS, NodeProbe, probe_node
 from offload.quant import BlockFormat
 
 
@@ -51,7 +51,9 @@ def create_offloader(
     formats: Mapping[str, BlockFormat] | None = None,
 ) -> BaseOffloader:
     """Build the offloader `config` asks for on `device`. `env` defaults to os.environ and
-    `probe` to a fresh `probe_node()`; pass both to decide for a node other than this process.
+    `probe` to a fresh probe of what the decisions read (`DECISION_STEPS`: not the link and
+    dequantization rates, which are the planner's and cost ~0.2 s to measure); pass both to
+    decide for a node other than this process.
     `formats`: offloaded parameters (by arena key) kept in 8 bits, dequantized on the device
     after their copy: the prefetch backend only (UVA computes on host memory as it is stored).
     The chosen backend and why are in `offloader.backend_reason`."""
@@ -61,7 +63,7 @@ def create_offloader(
         offloader: BaseOffloader = NoopOffloader()
         offloader.backend_reason = "backend=none requested: nothing is offloaded"
         return offloader
-    probe = probe if probe is not None else probe_node()
+    probe = probe if probe is not None else probe_node(DECISION_STEPS)
     backend, reason = choose_backend(config, device, probe)
     if formats and backend != "prefetch":
         raise OffloadError(

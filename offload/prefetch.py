@@ -47,7 +47,7 @@ from offload.host_store import (
     select_offloaded,
     set_param_data,
 )
-from offload.probe import NodeProbe, probe_node
+from offload.probe import DECISION_STEPS, NodeProbe, probe_node
 from offload.quant import (
     SCALE_DTYPE,
     SCALE_KEY_SUFFIX,
@@ -103,7 +103,7 @@ class PrefetchOffloader(BaseOffloader):
     def _wrap(self, modules: list[nn.Module]) -> None:
         layers = select_offloaded(modules, self.config)
         planned = sum(layer.payload_bytes for layer in layers)
-        probe = self._probe if self._probe is not None else probe_node()
+        probe = self._probe if self._probe is not None else probe_node(DECISION_STEPS)
         self.pin_decision = decide_for_device(self._env, probe, planned, self.device)
         # Everything that can fail (host and device allocation) happens before any module is
         # touched, so a failure leaves the modules exactly as they were.

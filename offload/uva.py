@@ -40,7 +40,7 @@ from offload.host_store import (
     set_param_data,
 )
 from offload.policy import PinDecision
-from offload.probe import NodeProbe, probe_node
+from offload.probe import DECISION_STEPS, NodeProbe, probe_node
 
 # The first torch release whose `as_tensor(obj, device=cuda:N)` trusts the explicit index of a
 # CUDA-array-interface object (pytorch commit dae7710) rather than asking cudaPointerGetAttributes,
@@ -178,7 +178,7 @@ class UVAOffloader(BaseOffloader):
     def _wrap(self, modules: list[nn.Module]) -> None:
         layers = select_offloaded(modules, self.config)
         planned = sum(layer.payload_bytes for layer in layers)
-        probe = self._probe if self._probe is not None else probe_node()
+        probe = self._probe if self._probe is not None else probe_node(DECISION_STEPS)
         decision = decide_for_device(self._env, probe, planned, self.device)
         on_host = self.device.type == "cpu"  # the compute reads host memory already
         if not on_host:

@@ -77,3 +77,31 @@ def test_none_offloads_nothing_and_says_so() -> None:
         0,
     )
     offloader.detach()
+
+
+@pytest.mark.parametrize("simulated", ["discrete", "coherent"])  # prefetch, uva
+def test_an_offloader_without_a_probe_measures_no_rates(monkeypatch, simulated: str) -> None:
+    """Without a probe the offloaders probe what their decisions read, and never the link or
+    dequantization rates (the planner's: ~0.2 s per offloader when they were measured here)."""
+    from offload import link
+
+    measured = []
+
+    def record(name):
+        return lambda *args, **kwargs: measured.append(name)
+
+    monkeypatch.setattr(link, "measure_cpu_copy", record("copy"))
+    monkeypatch.setattr(link, "measure_dequantize", record("dequantize"))
+    monkeypatch.setenv("OFFLOAD_SIMULATED_GPU", simulated)
+    modules = block_stack(3)
+    x = torch.randn(2, 16)
+    reference = run_stack(modules, x)
+    offloader = create_offloader(OffloadConfig(layers=(0, 2)), device="cpu")
+    assert offloader.backend == {"discrete": "prefetch", "coherent": "uva"}[simulated]
+    offloader.wrap_modules(modules)
+    try:
+        assert torch.equal(run_stack(modules, x), reference)
+        assert offloader.pin_decision is not None
+    finally:
+        offloader.detach()
+    assert measured == []
