@@ -216,6 +216,29 @@ def test_decoder_order_is_numeric_past_ten_layers(tmp_path: Path) -> None:
     assert [layer.index for layer in index.layers[1:-1]] == list(range(12))
 
 
+def test_a_checkpoint_rewritten_in_place_is_indexed_as_it_is_now(tmp_path: Path) -> None:
+    """load_index keeps the meta model of a config per process; a checkpoint rewritten under the
+    same path (another config, or the same config with other weights) is indexed from its
+    files as they are now, and one config is built once."""
+    from coordinator.planning import checkpoint
+
+    small = dict(TINY, num_layers=2)
+    root = make_checkpoint(tmp_path / "ckpt", CheckpointShape(**small))
+    first = load_index(root)
+    built = checkpoint._meta_model.cache_info().misses
+    make_checkpoint(root, CheckpointShape(**dict(small, num_layers=3)), force=True)
+    deeper = load_index(root)
+    assert [x.name for x in deeper.layers] == ["embed", "layers.0", "layers.1", "layers.2", "head"]
+    assert [x.name for x in first.layers] == ["embed", "layers.0", "layers.1", "head"]
+    assert checkpoint._meta_model.cache_info().misses == built + 1  # a new config: built
+    make_checkpoint(root, CheckpointShape(**dict(small, num_layers=3, seed=5)), force=True)
+    again = load_index(root)
+    assert checkpoint._meta_model.cache_info().misses == built + 1  # the same config: kept
+    assert again.identities != deeper.identities  # the new files' identities
+    assert again.layers == deeper.layers  # the same shapes, offsets and KV sizes
+    check_against_safetensors(again, 3, tied=False)
+
+
 def test_read_header_matches_safetensors(qwen_dir: Path) -> None:
     slices = read_header(qwen_dir / SINGLE_FILE)
     truth = independent_tensors(qwen_dir)

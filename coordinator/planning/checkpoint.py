@@ -11,6 +11,7 @@ the tensor data. What cannot run is refused here, before any worker starts. Pick
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -252,18 +253,31 @@ def checkpoint_dtype(config: dict, tensors: dict[str, TensorSlice], requested: s
     return by_dtype.most_common(1)[0][0] if by_dtype else "float32"
 
 
+# A process indexes the same few configs again and again (the driver at each launch and attach,
+# the reference, the tests: ~400 times in three test modules). Built from config.json and the
+# dtype alone, the meta model (no storage, only read here: by find_layout, map_tensors) and the
+# KV facts its layers measure are kept per process: they were ~27 and ~16 ms of each ~70 ms index.
+# The tensors, their files and identities are read each time, so a rewritten file is seen.
+@functools.lru_cache(maxsize=8)
+def _meta_model(described: str, dtype: str):
+    from worker.layout import build_meta_model, hf_config_from_dict
+    from worker.spec import torch_dtype_named
+
+    config = json.loads(described)
+    return build_meta_model(hf_config_from_dict(config, dtype=torch_dtype_named(dtype)))
+
+
+@functools.lru_cache(maxsize=8)
+def _kv_per_layer(described: str, dtype: str) -> tuple[tuple[int, int | None, int], ...]:
+    from worker.layout import kv_per_layer
+
+    return tuple(kv_per_layer(_meta_model(described, dtype)))
+
+
 def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointIndex:
     """Index a checkpoint directory for a model computing in `dtype` ("auto": the checkpoint's).
     Raises CheckpointError naming the file and tensor, before any worker starts."""
-    from worker.layout import (
-        UnsupportedModelError,
-        build_meta_model,
-        check_supported,
-        find_layout,
-        hf_config_from_dict,
-        kv_per_layer,
-    )
-    from worker.spec import torch_dtype_named
+    from worker.layout import UnsupportedModelError, check_supported, find_layout
 
     root = Path(root)
     if not root.is_dir():
@@ -298,9 +312,9 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
         check_supported(config)
     except UnsupportedModelError as exc:
         raise CheckpointError(str(exc)) from None
+    described = json.dumps(config, sort_keys=True)  # the cache's key: what the model is built from
     try:
-        hf_config = hf_config_from_dict(config, dtype=torch_dtype_named(compute_dtype))
-        model = build_meta_model(hf_config)
+        model = _meta_model(described, compute_dtype)
     except Exception as exc:  # transformers rejects the config (with its own error types)
         lines = str(exc).strip().splitlines()
         detail = " ".join(line.strip() for line in lines[:3])[:500]
@@ -323,7 +337,7 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
                 f"blocks {layout.layers_path}.N, head {list(layout.head_paths)})"
             )
         by_layer[layer].append(tensor)
-    kv = kv_per_layer(model)
+    kv = _kv_per_layer(described, compute_dtype)
     layers = tuple(
         LayerSpec(
             name=name,
@@ -351,7 +365,7 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
     return replace(index, chunks_continue=continues_chunks(config))
 
 
-def _kv_fields(kv: list[tuple[int, int | None, int]], index: int | None) -> dict:
+def _kv_fields(kv: tuple[tuple[int, int | None, int], ...], index: int | None) -> dict:
     """A decoder layer's KV cache bytes per token, and its recurrent state's per sequence. No
     window: the workers' KV blocks keep every position of a sequence for every layer, sliding
     ones included (worker/batch_cache.py), so the plan reserves that much, never less than they
