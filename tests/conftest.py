@@ -16,6 +16,8 @@ import pytest
 import torch
 from hypothesis import settings
 
+from coordinator.tools import reference
+
 # Ray starts its workers at nice 15: beside anything else at nice 0 on a 2-core machine (another
 # suite, a pip install, `make test-busy`'s hogs) they got ~3% of a core, and every Ray test
 # crawled towards its timeouts. Every Ray the tests start (in-process, Cluster nodes, private
@@ -34,6 +36,11 @@ if "OFFLOAD_COMPUTE_CACHE" not in os.environ:
 # CPU-s with one thread against 135-152 with torch's default two. Comparisons whose two sides
 # may differ in threads (a worker and the reference) set theirs explicitly, as before.
 torch.set_num_threads(1)
+
+# The parity tests load the same few small checkpoints with `from_pretrained` hundreds of times
+# (~0.1 s each): the reference keeps the last few it loaded, loading again a checkpoint whose
+# files changed (coordinator.tools.reference.keep).
+reference.keep(4)
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))

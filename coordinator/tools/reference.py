@@ -2,13 +2,55 @@
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
 from offload.quant import BlockFormat
 from offload.quant import quantized as quantize
+
+# Models `from_pretrained` loaded, kept for the next call on the same files (`keep`); none by
+# default: a process checking one large model must not hold it after its check.
+_kept: OrderedDict[tuple, torch.nn.Module] = OrderedDict()
+_keep_count = 0
+
+
+def keep(count: int) -> int:
+    """Keep up to `count` loaded reference models for later calls on the same files, dtype and
+    attention (the tests call the reference hundreds of times on a few small checkpoints, each
+    load ~0.1 s); 0 (the default) keeps none. A file rewritten since (size or modification
+    time) is loaded again; models with 8-bit round-tripped weights are never kept. Returns the
+    count before."""
+    global _keep_count
+    previous, _keep_count = _keep_count, count
+    while len(_kept) > count:
+        _kept.popitem(last=False)
+    return previous
+
+
+def _key(checkpoint: str, dtype: str, attn_implementation: str | None) -> tuple | None:
+    if not _keep_count:
+        return None
+    root = Path(checkpoint).resolve()
+    files = tuple(
+        (entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
+        for entry in sorted(os.scandir(root), key=lambda e: e.name)
+        if entry.is_file()
+    )
+    return (str(root), files, dtype, attn_implementation)
+
+
+def _keep(key: tuple | None, model: torch.nn.Module) -> None:
+    if key is None:
+        return
+    _kept[key] = model
+    _kept.move_to_end(key)
+    while len(_kept) > _keep_count:
+        _kept.popitem(last=False)
 
 
 @contextmanager
@@ -36,9 +78,13 @@ def _reference_model(
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            checkpoint, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
-        )
+        key = None if quantized else _key(checkpoint, dtype, attn_implementation)
+        model = _kept.get(key) if key is not None else None
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(
+                checkpoint, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
+            )
+            _keep(key, model)
         with torch.no_grad():
             for name, fmt in (quantized or {}).items():
                 param = model.get_parameter(name)
