@@ -27,15 +27,21 @@ def keep(count: int) -> int:
     count before."""
     global _keep_count
     previous, _keep_count = _keep_count, count
-    while len(_kept) > count:
-        _kept.popitem(last=False)
+    _trim()
     return previous
 
 
+def _trim() -> None:
+    while len(_kept) > _keep_count:
+        _kept.popitem(last=False)  # the least recently used
+
+
 def _key(checkpoint: str, dtype: str, attn_implementation: str | None) -> tuple | None:
-    if not _keep_count:
-        return None
+    """What a kept model is found by; None when nothing is kept (or not a directory: loaded,
+    and refused, by `from_pretrained` as always)."""
     root = Path(checkpoint).resolve()
+    if not _keep_count or not root.is_dir():
+        return None
     files = tuple(
         (entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
         for entry in sorted(os.scandir(root), key=lambda e: e.name)
@@ -44,13 +50,17 @@ def _key(checkpoint: str, dtype: str, attn_implementation: str | None) -> tuple 
     return (str(root), files, dtype, attn_implementation)
 
 
+def _kept_model(key: tuple | None) -> torch.nn.Module | None:
+    model = _kept.get(key) if key is not None else None
+    if model is not None:
+        _kept.move_to_end(key)  # the most recently used
+    return model
+
+
 def _keep(key: tuple | None, model: torch.nn.Module) -> None:
-    if key is None:
-        return
-    _kept[key] = model
-    _kept.move_to_end(key)
-    while len(_kept) > _keep_count:
-        _kept.popitem(last=False)
+    if key is not None:
+        _kept[key] = model
+        _trim()
 
 
 @contextmanager
@@ -79,7 +89,7 @@ def _reference_model(
         torch.set_num_threads(num_threads)
     try:
         key = None if quantized else _key(checkpoint, dtype, attn_implementation)
-        model = _kept.get(key) if key is not None else None
+        model = _kept_model(key)
         if model is None:
             model = AutoModelForCausalLM.from_pretrained(
                 checkpoint, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
