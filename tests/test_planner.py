@@ -108,8 +108,9 @@ def feasible_stage_times(layers: list[LayerSpec], snap: ClusterSnapshot, opts: P
                 per_stage = dict.fromkeys(range(len(gpus)), "layer") | dict(
                     zip(moving, chosen, strict=True)
                 )
-                placement = (bounds, moved, per_stage)
-                yield from _stage_times(snap, opts, gpus, sizes, unit_sizes, kv, work, *placement)
+                yield from _stage_times(
+                    snap, opts, gpus, sizes, unit_sizes, kv, work, bounds, moved, per_stage
+                )
 
 
 def _stage_times(snap, opts, gpus, sizes, unit_sizes, kv, work, bounds, moved, per_stage):
