@@ -17,7 +17,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from worker.decode import RowSettings, Sampling, sample_rows
+from worker.decode import RowSettings, sample_rows
+from worker.steps import Sampling
 
 ROWS, VOCAB, REPEATS = 64, 32000, 5
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from coordinator.small_config import NUM_LAYERS, VOCAB, shrink_config
-from worker.batched import BatchRunner, StepRows
+from worker.batched import BatchRunner
 from worker.layout import (
     TESTED_FAMILIES,
     UnsupportedModelError,
@@ -43,6 +43,7 @@ from worker.layout import (
     model_class_for,
 )
 from worker.stage import Stage
+from worker.steps import StepRows
 
 SEED = 0
 BATCH, PROMPT, PAD, DECODE_STEPS = 2, 7, 2, 2

@@ -14,7 +14,7 @@ _LAZY = {
     "TensorSpec": "offload.arena",
     "BaseOffloader": "offload.base",
     "NoopOffloader": "offload.base",
-    "OffloadStats": "offload.base",
+    "OffloadStats": "offload.stats",
     "OffloadConfig": "offload.config",
     "OffloadCoordinatorError": "offload.errors",
     "OffloadError": "offload.errors",

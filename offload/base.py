@@ -8,10 +8,8 @@ on the device and removes every hook.
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -19,30 +17,10 @@ from torch import nn
 from offload.arena import HostArena
 from offload.errors import OffloadError
 from offload.policy import PinDecision
+from offload.stats import OffloadStats
 
 # Set on each wrapped module so a second offloader (or the same one twice) refuses it.
 _MARK = "_offload_coordinator_owner"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OffloadStats:
-    backend: str
-    offloaded_layers: int = 0
-    offloaded_bytes: int = 0  # weight bytes living in host memory, as stored (8 bits where so)
-    resident_bytes: int = 0  # weight bytes of wrapped modules that stay on the device
-    buffer_bytes: int = 0  # device bytes of prefetch slots
-    host_bytes: int = 0  # host bytes allocated for the offloaded weights (arena + page slack)
-    pinned_bytes: int = 0
-    pageable_bytes: int = 0
-    copies: int = 0  # host-to-device copies issued
-    copied_bytes: int = 0
-    copy_s: float = 0.0  # time the copy engine spent copying
-    stall_s: float = 0.0  # time the compute side waited for a copy
-    dequant_s: float = 0.0  # time spent dequantizing 8-bit weights after their copies
-    sync_loads: int = 0  # copies issued on demand because no prefetch was in flight
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def param_bytes(module: nn.Module) -> int:

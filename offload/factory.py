@@ -14,6 +14,7 @@ import torch
 from offload.base import BaseOffloader, NoopOffloader
 from offload.config import OffloadConfig
 from offload.errors import OffloadError
+from offload.policy import resolve_backend
 from offload.probe import DECISION_STEPS, NodeProbe, probe_node
 from offload.quant import BlockFormat
 
@@ -23,23 +24,6 @@ def choose_backend(
 ) -> tuple[str, str]:
     """(backend, reason) for `config.backend`, resolving "auto"."""
     return resolve_backend(config.backend, probe, device_type=torch.device(device).type)
-
-
-def resolve_backend(requested: str, probe: NodeProbe, *, device_type: str) -> tuple[str, str]:
-    """(backend, reason) for a requested backend on a node with `probe`, for a worker computing
-    on a `device_type` ("cuda", or "cpu" where the CPU stands in for the GPU). A pure function,
-    so the planner resolves "auto" per node exactly as that node's workers will."""
-    if requested != "auto":
-        return requested, f"backend={requested} requested"
-    if probe.any_coherent_unified_memory:
-        what = "the GPU" if device_type == "cuda" else "the simulated coherent GPU"
-        return "uva", (
-            f"auto: {what} reads host memory through its page tables (coherent unified "
-            "memory), so zero-copy access beats copying weights in"
-        )
-    if device_type == "cuda":
-        return "prefetch", "auto: discrete GPU, weights are copied in ahead of use on a side stream"
-    return "prefetch", "auto: CPU device, weights are copied in ahead of use on a copy thread"
 
 
 def create_offloader(

@@ -165,3 +165,20 @@ def decide_pinning(
         reason="discrete CUDA GPU with host memory headroom: pinned copies are fastest",
         source="probe",
     )
+
+
+def resolve_backend(requested: str, probe: NodeProbe, *, device_type: str) -> tuple[str, str]:
+    """(backend, reason) for a requested backend on a node with `probe`, for a worker computing
+    on a `device_type` ("cuda", or "cpu" where the CPU stands in for the GPU). A pure function,
+    so the planner resolves "auto" per node exactly as that node's workers will."""
+    if requested != "auto":
+        return requested, f"backend={requested} requested"
+    if probe.any_coherent_unified_memory:
+        what = "the GPU" if device_type == "cuda" else "the simulated coherent GPU"
+        return "uva", (
+            f"auto: {what} reads host memory through its page tables (coherent unified "
+            "memory), so zero-copy access beats copying weights in"
+        )
+    if device_type == "cuda":
+        return "prefetch", "auto: discrete GPU, weights are copied in ahead of use on a side stream"
+    return "prefetch", "auto: CPU device, weights are copied in ahead of use on a copy thread"

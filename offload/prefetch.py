@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from offload.arena import HostArena, align_up
-from offload.base import BaseOffloader, OffloadStats, param_bytes, require_inference
+from offload.base import BaseOffloader, param_bytes, require_inference
 from offload.config import OffloadConfig
 from offload.copy_engine import CopyEngine, make_copy_engine
 from offload.host_store import (
@@ -56,6 +56,7 @@ from offload.quant import (
     dequantize_into,
     staging_offsets,
 )
+from offload.stats import OffloadStats
 
 
 class PrefetchOffloader(BaseOffloader):

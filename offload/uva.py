@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from offload.arena import HostArena
-from offload.base import BaseOffloader, OffloadStats, param_bytes, require_inference
+from offload.base import BaseOffloader, param_bytes, require_inference
 from offload.config import OffloadConfig
 from offload.errors import OffloadUnavailableError
 from offload.host_store import (
@@ -41,6 +41,7 @@ from offload.host_store import (
 )
 from offload.policy import PinDecision
 from offload.probe import DECISION_STEPS, NodeProbe, probe_node
+from offload.stats import OffloadStats
 
 # The first torch release whose `as_tensor(obj, device=cuda:N)` trusts the explicit index of a
 # CUDA-array-interface object (pytorch commit dae7710) rather than asking cudaPointerGetAttributes,

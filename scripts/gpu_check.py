@@ -205,7 +205,7 @@ def section_env(s: Section) -> None:
     import torch
 
     from offload import decide_pinning, probe_node
-    from offload.factory import resolve_backend
+    from offload.policy import resolve_backend
     from offload.uva import torch_views_unregistered_memory
 
     s.data["python"] = platform.python_version()
@@ -724,7 +724,7 @@ def section_batched(s: Section) -> None:
 
     from coordinator.engine import Engine, EngineConfig
     from coordinator.engine.pipelines import LocalPipeline
-    from worker.decode import Sampling
+    from worker.steps import Sampling
     from worker.worker import StageWorker
 
     if s.cuda:  # float32 means float32: no TF32 in either side's matmuls

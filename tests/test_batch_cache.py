@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.batch_cache import KvPool, contiguous_tables
+from worker.batch_cache import KvPool
+from worker.steps import contiguous_tables
 
 HEADS, DIM, MAX_LEN = 2, 4, 12
 BLOCK = 4  # positions per block: a sequence of MAX_LEN takes 3

@@ -35,7 +35,7 @@ from coordinator.planning.checkpoint import (
     read_header,
 )
 from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
-from worker.spec import SAFETENSORS_DTYPES, TensorSlice
+from worker.spec import SAFETENSORS_NAMES, TensorSlice
 
 TINY = dict(hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64, vocab_size=128)
 LLAMA_LAYERS = 3
@@ -155,7 +155,7 @@ def check_against_safetensors(index: CheckpointIndex, num_layers: int, tied: boo
             file, tensor = truth[t.name]
             assert t.file == file
             assert t.shape == tuple(tensor.shape), t.name
-            assert SAFETENSORS_DTYPES[t.dtype] == tensor.dtype, t.name
+            assert SAFETENSORS_NAMES[t.dtype] == str(tensor.dtype).removeprefix("torch."), t.name
             assert t.torch_dtype == tensor.dtype
             assert t.nbytes == tensor.numel() * tensor.element_size()
             assert raw[file][t.start : t.end] == tensor_bytes(tensor), t.name

@@ -17,8 +17,8 @@ from coordinator.engine.pipelines import InProcessHandle
 from coordinator.runtime.errors import WorkerLostError
 from offload.errors import BusyError, ConfigError, NeverFitsError
 from worker.batch_cache import KvPool
-from worker.batched import NO_TOKEN, BatchRunner, ClaimedByAnotherError
-from worker.decode import Sampling
+from worker.batched import BatchRunner
+from worker.steps import NO_TOKEN, ClaimedByAnotherError, Sampling
 
 GREEDY = Sampling()
 WAIT_S = 30.0

@@ -247,13 +247,13 @@ def test_a_wrong_batched_path_is_refused_naming_the_step(checkpoints, monkeypatc
     """A family whose split is bitwise right through the per-request cache can still generate
     wrong tokens in batches: the check also runs the engine's batched steps (two prompts,
     left-padded, then decode steps), against each prompt alone, and names the step and row."""
-    positions, mask = worker.batched.StepRows.positions, worker.batch_view.BatchView.mask
+    positions, mask = worker.batched.positions, worker.batch_view.BatchView.mask
 
-    def one_too_far_when_decoding(self) -> torch.Tensor:
-        return positions(self) + (self.width == 1)
+    def one_too_far_when_decoding(rows) -> torch.Tensor:
+        return positions(rows) + (rows.width == 1)
 
     with monkeypatch.context() as patch:  # OPT's learned positions are absolute: it shows
-        patch.setattr(worker.batched.StepRows, "positions", one_too_far_when_decoding)
+        patch.setattr(worker.batched, "positions", one_too_far_when_decoding)
         message = _one_line_refusal(checkpoints("opt").config, "opt", BATCHED_DIFFERS)
     assert "(decode step 1, row 0 (its 7-token prompt): logits differ by up to " in message
     assert message.endswith("; stages embed+layers.0 | layers.1 | head)")
@@ -475,9 +475,10 @@ def test_llama4_nope_temperature_past_its_floor_scale_is_refused_never_approxima
     below floor_scale - 1 (the scale is then 1). A step reaching further is refused."""
     import transformers
 
-    from worker.batch_cache import KvPool, contiguous_tables
+    from worker.batch_cache import KvPool
     from worker.layout import hf_config_from_dict
     from worker.stage import Stage
+    from worker.steps import contiguous_tables
 
     settings = dict(CASES["llama4_text"][1], floor_scale=6)
     config = transformers.Llama4TextConfig(**TINY, **settings).to_dict()

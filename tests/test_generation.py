@@ -19,8 +19,8 @@ from coordinator.planning.checkpoint import load_index
 from coordinator.runtime.errors import WorkerLostError
 from coordinator.tools.make_checkpoint import make_checkpoint
 from coordinator.tools.reference import reference_generate, reference_logits
-from worker.decode import Sampling
 from worker.spec import DEFAULT_BLOCK_SIZE, blocks_for
+from worker.steps import Sampling
 from worker.worker import StageWorker
 
 FAMILIES = (

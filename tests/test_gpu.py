@@ -319,7 +319,7 @@ def test_batched_generation_on_cuda_equals_transformers_alone(tmp_path, backend:
     from coordinator.engine.pipelines import LocalPipeline
     from coordinator.planning.checkpoint import load_index
     from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
-    from worker.decode import Sampling
+    from worker.steps import Sampling
     from worker.worker import StageWorker
 
     index = load_index(

@@ -47,6 +47,13 @@ def _top_level(modules: set[str]) -> set[str]:
         # this module only (torch and transformers cost ~0.2 GiB and ~2 s of CPU per load),
         # but for the stdlib-only start of our Ray processes (worker.startup, allowed below).
         ("coordinator.runtime.record", {"torch", "transformers", "offload", "worker"}),
+        # A named load's keeper, its engine (the steps' values, `worker.steps`) and the server
+        # in every Serve replica: they run for as long as the load, without torch (~180 MiB
+        # and ~2 s of CPU less each).
+        (
+            "coordinator.runtime.keeper, coordinator.serving.app, coordinator.engine.host",
+            {"torch", "transformers"},
+        ),
         # The probe task's module: on a node without GPUs a probe starts without torch (it
         # imports torch only to measure what its node has not measured before).
         ("worker.node", {"torch", "transformers", "ray", "coordinator"}),

@@ -157,7 +157,7 @@ def test_every_client_of_a_load_goes_through_its_one_engine(cluster, tmp_path) -
     from coordinator.runtime.job_engine import build_engine
     from coordinator.runtime.launch import attach, launch
     from coordinator.tools.reference import reference_generate
-    from worker.batched import ClaimedByAnotherError, StepRows
+    from worker.steps import ClaimedByAnotherError, StepRows
 
     checkpoint = make_checkpoint(
         tmp_path / "ckpt",
@@ -231,6 +231,12 @@ def test_every_client_of_a_load_goes_through_its_one_engine(cluster, tmp_path) -
         assert [outs[i] for i in range(6)] == expected
         stats = handles[0].serving_stats()
         assert stats["requests"] == 6 and stats["requests_running"] == 0
+        # the engine ran those six in the keeper, a process that never imported torch (nor
+        # transformers): its steps go out and its tokens come back as numpy arrays
+        heavy = handles[0].keeper.__ray_call__.remote(
+            lambda keeper: [m for m in ("torch", "transformers") if m in sys.modules]
+        )
+        assert ray.get(heavy, timeout=60) == []
 
         # no second writer: another engine cannot claim the workers...
         job = handles[0]

@@ -19,11 +19,11 @@ from transformers.generation.logits_process import (
 
 from worker.decode import (
     RowSettings,
-    Sampling,
     row_probabilities,
     sample_rows,
     uniform,
 )
+from worker.steps import Sampling
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 GREEDY = Sampling()

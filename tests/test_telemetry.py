@@ -20,8 +20,8 @@ from coordinator.runtime.telemetry import (
     render,
     summary,
 )
-from offload.base import OffloadStats
 from offload.policy import PinDecision
+from offload.stats import OffloadStats
 from worker.snapshot import CopyCounters, StageSnapshot
 
 MIB = 2**20

@@ -290,8 +290,7 @@ def test_the_last_stage_keeps_each_slots_settings_for_its_owner_only(index) -> N
     """A slot's sampling settings arrive once (with its sequence's first choosing step) and
     stay for later steps; a step choosing in a slot whose settings never came is refused, and
     a new claim (another epoch) forgets them all."""
-    from worker.batched import Draw, SlotSettings, StepRows
-    from worker.decode import Sampling
+    from worker.steps import Draw, Sampling, SlotSettings, StepRows
 
     worker = StageWorker(spec_for(index, offloaded=()), device="cpu")
     try:

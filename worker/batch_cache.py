@@ -37,7 +37,7 @@ from worker.spec import DEFAULT_BLOCK_SIZE, blocks_for
 if TYPE_CHECKING:
     from worker.batch_view import BatchView
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "KvPool", "blocks_for", "contiguous_tables", "row_positions"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "KvPool", "blocks_for", "row_positions"]
 
 
 def row_positions(starts: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
@@ -47,16 +47,6 @@ def row_positions(starts: torch.Tensor, counts: torch.Tensor, width: int) -> tor
         return starts[:, None]
     column = torch.arange(width, device=starts.device)
     return (starts[:, None] + column - (width - counts[:, None])).clamp(min=0)
-
-
-def contiguous_tables(
-    slots: Sequence[int], max_seq_len: int, block_size: int
-) -> tuple[tuple[int, ...], ...]:
-    """Block tables that give each slot its own run of blocks for `max_seq_len` positions (slot
-    s: blocks s*n .. s*n + n-1): for callers that keep one sequence per slot and no block
-    bookkeeping (a probe, the family check, tests). Their pool needs `num_slots * n` blocks."""
-    n = blocks_for(max_seq_len, block_size)
-    return tuple(tuple(range(slot * n, slot * n + n)) for slot in slots)
 
 
 class KvPool:

@@ -15,170 +15,26 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
-from offload.errors import LaunchError
-from worker.batch_cache import (
-    DEFAULT_BLOCK_SIZE,
-    KvPool,
-    blocks_for,
-    contiguous_tables,
-    row_positions,
+from worker.batch_cache import KvPool, row_positions
+from worker.decode import RowSettings, logprobs_of, sample_rows
+from worker.steps import (
+    NO_TOKEN,
+    Chosen,
+    ClaimedByAnotherError,
+    Draw,
+    Logprobs,
+    NotOwnerError,
+    Owner,
+    SlotSettings,
+    StepRows,
+    send_through,
+    unpack_out,
 )
-from worker.decode import Logprobs, RowSettings, Sampling, logprobs_of, sample_rows
-from worker.wire import Packed, pack, unpack
-
-NO_TOKEN = -1  # a row that did not choose this step (its prompt goes on in the next chunk)
-Owner = tuple[str, int]  # (engine id, epoch of its claim)
-
-
-class NotOwnerError(LaunchError):
-    """A step from an engine that does not own this worker's KV pool now, or from an older
-    epoch of the one that does: refused, never run (it would read keys it did not write).
-    `other_engine` tells which: another engine claimed the pool (a second writer, refused for
-    good), or nobody holds it since the worker changed (its engine claims it again)."""
-
-    other_engine = False
-
-
-class ClaimedByAnotherError(NotOwnerError):
-    other_engine = True
-
-
-@dataclass(frozen=True, slots=True)
-class StepRows:
-    """The rows of one step: row r (the sequence in slot `slots[r]`) writes `counts[r]` new
-    tokens from position `starts[r]` on into the blocks of its table `tables[r]` (the blocks of
-    its positions 0.., in order: at least through the step's last position, a burst's too); the
-    step's inputs are left-padded to `width`. The pool's shape rides along, so a worker sizes
-    its pool from the engine that uses it."""
-
-    slots: tuple[int, ...]
-    starts: tuple[int, ...]
-    counts: tuple[int, ...]
-    width: int
-    num_slots: int
-    tables: tuple[tuple[int, ...], ...]
-    num_blocks: int
-    block_size: int = DEFAULT_BLOCK_SIZE
-    owner: Owner = ("", 0)
-
-    @classmethod
-    def in_slots(
-        cls,
-        slots: Sequence[int],
-        starts: Sequence[int],
-        counts: Sequence[int],
-        width: int,
-        *,
-        num_slots: int,
-        max_seq_len: int,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        owner: Owner = ("", 0),
-    ) -> StepRows:
-        """Rows of callers that keep one sequence per slot and no block bookkeeping (a probe,
-        the family check, tests): slot s's sequence in its own run of blocks for
-        `max_seq_len` positions (`contiguous_tables`)."""
-        return cls(
-            slots=tuple(slots),
-            starts=tuple(starts),
-            counts=tuple(counts),
-            width=width,
-            num_slots=num_slots,
-            tables=contiguous_tables(slots, max_seq_len, block_size),
-            num_blocks=num_slots * blocks_for(max_seq_len, block_size),
-            block_size=block_size,
-            owner=owner,
-        )
-
-    def advanced(self) -> StepRows:
-        """The next decode step of the same rows: one token each, after what this step wrote."""
-        starts = tuple(s + c for s, c in zip(self.starts, self.counts, strict=True))
-        return replace(self, starts=starts, counts=(1,) * len(self.slots), width=1)
-
-    def positions(self) -> torch.Tensor:
-        """Position ids (rows, width): each real token its place in its sequence, padding 0."""
-        return row_positions(torch.tensor(self.starts), torch.tensor(self.counts), self.width)
-
-
-@dataclass(frozen=True, slots=True)
-class SlotSettings:
-    """How the sequence in a slot chooses its tokens, and what the last stage returns beside
-    them: sent once per sequence, with its first step (`Draw`), kept by the last stage.
-
-    `end_ids` cannot be chosen before the sequence has `min_tokens` new tokens (vLLM's
-    min_tokens, transformers' min_new_tokens: their logits are -inf until then), counted from
-    `prompt_length`. `logprobs`: with every chosen token, its log-probability and those of the
-    `logprobs` most likely tokens (None: nothing). `prompt_logprobs`: the same for every
-    prompt position after the first (`prompt_ids`, which the last stage otherwise never
-    sees) as the prompt goes through."""
-
-    sampling: Sampling
-    seed: int | None = None
-    end_ids: tuple[int, ...] = ()
-    prompt_length: int = 0
-    min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    prompt_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be None or >= 0, got {value}")
-        if self.prompt_logprobs is not None and len(self.prompt_ids) != self.prompt_length:
-            raise ValueError(
-                f"prompt_logprobs needs the {self.prompt_length} prompt ids, got "
-                f"{len(self.prompt_ids)}"
-            )
-
-    def plain(self, position: int) -> bool:
-        """Its token at `position` is the argmax of the logits, with nothing else to return:
-        greedy, no token banned there, no log-probabilities."""
-        return not self.sampling.do_sample and self.logprobs is None and not self.banned(position)
-
-    def banned(self, position: int) -> tuple[int, ...]:
-        """The tokens this sequence may not choose at `position` (its end tokens while it has
-        fewer than min_tokens new ones)."""
-        if position < self.prompt_length + self.min_tokens:
-            return self.end_ids
-        return ()
-
-
-@dataclass(frozen=True, slots=True)
-class Draw:
-    """Which rows of a step choose their next token on the last stage (a prompt chunk that
-    does not end its prompt chooses nothing), and the settings (`SlotSettings`) of the slots
-    whose sequence is new there: the last stage keeps each slot's settings from then on
-    (`BatchRunner`), so a step sends them once per sequence, not once per step. A sampled
-    row's draw is keyed by its seed and the position of the token it chooses
-    (`worker.decode.uniform`): a row draws the same token whatever else is in the batch,
-    whichever worker runs it."""
-
-    choose: tuple[bool, ...]
-    settings: tuple[tuple[int, SlotSettings], ...] = ()  # (slot, its sequence's settings)
-
-
-@dataclass(frozen=True, slots=True)
-class Chosen:
-    """What the last stage returns when a row of the step asked for log-probabilities: the
-    tokens (as without), and per row (index in the step) the `Logprobs` of its chosen token
-    (`chosen`) and of the prompt positions its chunk fed (`prompt`)."""
-
-    tokens: object  # torch.Tensor (rows,), or packed for Ray (`worker.wire`)
-    chosen: dict[int, Logprobs]
-    prompt: dict[int, Logprobs]
-
-    def packed(self) -> Chosen:
-        return Chosen(pack(self.tokens), self.chosen, self.prompt)
-
-    def unpacked(self) -> Chosen:
-        return Chosen(unpack(self.tokens), self.chosen, self.prompt)
+from worker.wire import Packed, unpack
 
 
 def token_ids(out) -> torch.Tensor:
@@ -186,14 +42,9 @@ def token_ids(out) -> torch.Tensor:
     return unpack(out.tokens if isinstance(out, Chosen) else out)
 
 
-def pack_out(out):
-    """A last stage's answer as it crosses Ray."""
-    return out.packed() if isinstance(out, Chosen) else pack(out)
-
-
-def unpack_out(out):
-    """A last stage's answer from Ray: a tensor, or `Chosen` with its tokens a tensor."""
-    return out.unpacked() if isinstance(out, Chosen) else unpack(out)
+def positions(rows: StepRows) -> torch.Tensor:
+    """Position ids (rows, width): each real token its place in its sequence, padding 0."""
+    return row_positions(torch.tensor(rows.starts), torch.tensor(rows.counts), rows.width)
 
 
 def choose_rows(
@@ -450,7 +301,7 @@ class BatchRunner:
         with torch.inference_mode():
             out = stage(
                 x.to(self.device),
-                position_ids=rows.positions().to(self.device),
+                position_ids=positions(rows).to(self.device),
                 logits_to_keep=1 if stage.is_last and not scoring else 0,
                 cache=view,
             )
@@ -519,23 +370,6 @@ class BatchRunner:
         if not downstream:
             return self.step(stage, rows, x, draw)
         return send_through(downstream, rows, self.step(stage, rows, x, None), draw)
-
-
-def send_through(workers: Sequence, rows: StepRows, x, draw: Draw | None):
-    """One step through `workers` in order (Ray actor handles, or in-process `StageWorker`s),
-    each stage's `batch_step` given the previous one's output, the last one `draw`: the one
-    way a step runs through stages (the engine's pipelines, a burst's ring). Tensors are
-    packed (`worker.wire`) only where they cross Ray. Returns the last stage's answer: an
-    object ref through Ray (the activations went actor to actor), or the tokens in process."""
-    out = x
-    for i, worker in enumerate(workers):
-        last_draw = draw if i == len(workers) - 1 else None
-        call = getattr(worker.batch_step, "remote", None)
-        if call is None:
-            out = worker.batch_step(rows, out, last_draw, wire=False)
-        else:
-            out = call(rows, pack(out) if isinstance(out, torch.Tensor) else out, last_draw)
-    return out
 
 
 def _collect(sent, timeout_s: float):

@@ -198,8 +198,8 @@ def _read(path: Path) -> ComputeProfile | None:
 def _measure(config: dict, dtype: str, device: torch.device) -> ComputeProfile:
     import torch
 
-    from worker.batched import StepRows
     from worker.spec import torch_dtype_named
+    from worker.steps import StepRows
 
     torch_dtype = torch_dtype_named(dtype)
     generator = torch.Generator(device=device).manual_seed(0)

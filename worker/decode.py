@@ -12,17 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    """Greedy unless `do_sample`; then temperature, top-k (0 or None: off) and top-p (1: off)
-    applied in generate's order before drawing."""
-
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float = 1.0
-
+from worker.steps import Sampling
 
 # --- Vectorised, counter-based sampling -------------------------------------------------------
 #
@@ -303,36 +293,6 @@ def sample_rows(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:
 
 
 # --- Log-probabilities ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Logprobs:
-    """The model's log-probabilities at consecutive positions of one sequence, from `start` on:
-    of the token at each position, and of the `k` most likely tokens there (most likely
-    first). Those of its raw distribution, the log-softmax of its float32 logits before any
-    temperature, top-k, top-p or masking (vLLM's default `logprobs_mode`, raw_logprobs), so
-    they are the same whatever the request's sampling settings."""
-
-    start: int
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    top_ids: tuple[tuple[int, ...], ...]
-    top_logprobs: tuple[tuple[float, ...], ...]
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-    def __add__(self, other: Logprobs) -> Logprobs:
-        """The positions of `self` and then those of `other` (which must follow them)."""
-        if other.start != self.start + len(self):
-            raise ValueError(f"positions from {other.start} do not follow {self.start}+{len(self)}")
-        return Logprobs(
-            start=self.start,
-            token_ids=self.token_ids + other.token_ids,
-            logprobs=self.logprobs + other.logprobs,
-            top_ids=self.top_ids + other.top_ids,
-            top_logprobs=self.top_logprobs + other.top_logprobs,
-        )
 
 
 def logprobs_of(logits: torch.Tensor, targets: torch.Tensor, tops: Sequence[int]) -> tuple:

@@ -21,7 +21,7 @@ import torch
 
 from offload.errors import CheckpointError
 from offload.quant import SCALE_DTYPE, QuantizedTensor, dequantize_into, quantize_into
-from worker.spec import FileIdentity, TensorSlice, file_format
+from worker.spec import MAX_HEADER_BYTES, FileIdentity, TensorSlice, file_format
 
 STAGING_BYTES = 64 * 2**20  # GPU loads go through this much host memory at a time
 
@@ -48,8 +48,6 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 PIECE_BYTES = 8 * 2**20  # unit of parallel reads: big enough for one syscall to pay off
-# safetensors itself refuses headers above 100 MB; a larger one is corrupt or hostile.
-MAX_HEADER_BYTES = 100_000_000
 
 
 class CheckpointChangedError(CheckpointError):

@@ -17,10 +17,10 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from offload.base import OffloadStats
 from offload.host_store import decide_for_device
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV, PinDecision
 from offload.quant import QuantizedTensor
+from offload.stats import OffloadStats
 from worker.snapshot import CopyCounters, StageSnapshot
 
 SNAPSHOT_HISTORY = 360  # periodic snapshots kept: an hour at 10 s

@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from offload.base import OffloadStats
 from offload.policy import PinDecision
+from offload.stats import OffloadStats
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -10,50 +10,78 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from offload.quant import BlockFormat
 from worker.names import (
-    COMPUTE_DTYPE_NAMES,
     DEFAULT_BLOCK_SIZE,
     OFFLOAD_DTYPES,
     blocks_for,
 )
 
-# safetensors dtype names -> torch dtypes.
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+if TYPE_CHECKING:
+    import torch
 
+    from offload.quant import BlockFormat
 
-# The dtypes a model may load and compute in (`--dtype`), by their torch names.
-COMPUTE_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name) for name in COMPUTE_DTYPE_NAMES
+# safetensors dtype names -> torch's names of the same dtypes, and each dtype's size in bytes:
+# plain values, so that an index and the specs built from it (the planner's, a named load's
+# keeper's) never import torch. `torch_dtype_named` gives the torch dtype where one is needed.
+SAFETENSORS_NAMES: dict[str, str] = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
 }
+DTYPE_BYTES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+FLOATING_DTYPES = frozenset(
+    ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+)
 
 
 def dtype_size(dtype: str) -> int:
-    return torch.empty((), dtype=SAFETENSORS_DTYPES[dtype]).element_size()
+    """Bytes per element of safetensors dtype `dtype` ("BF16": 2)."""
+    return DTYPE_BYTES[SAFETENSORS_NAMES[dtype]]
 
 
 def torch_dtype_named(name: str) -> torch.dtype:
     """`torch.bfloat16` for "bfloat16": the names torch and transformers' configs use."""
+    import torch
+
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"{name!r} is not a torch dtype")
     return dtype
+
+
+def _itemsize(name: str) -> int:
+    return DTYPE_BYTES[name] if name in DTYPE_BYTES else torch_dtype_named(name).itemsize
+
+
+def _floating(name: str) -> bool:
+    if name in DTYPE_BYTES:
+        return name in FLOATING_DTYPES
+    return torch_dtype_named(name).is_floating_point
 
 
 # A view of a model parameter that one checkpoint tensor fills: ("select", dim, index) or
@@ -102,11 +130,16 @@ class TensorSlice:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return SAFETENSORS_DTYPES[self.dtype]
+        return torch_dtype_named(SAFETENSORS_NAMES[self.dtype])
+
+    @property
+    def target_name(self) -> str:
+        """The torch name of the dtype the model keeps it in."""
+        return self.target_dtype or SAFETENSORS_NAMES[self.dtype]
 
     @property
     def target_torch_dtype(self) -> torch.dtype:
-        return torch_dtype_named(self.target_dtype) if self.target_dtype else self.torch_dtype
+        return torch_dtype_named(self.target_name)
 
     @property
     def numel(self) -> int:
@@ -115,7 +148,11 @@ class TensorSlice:
     @property
     def loaded_bytes(self) -> int:
         """Bytes in memory once loaded, in the model's dtype."""
-        return self.numel * self.target_torch_dtype.itemsize
+        return self.numel * _itemsize(self.target_name)
+
+
+# safetensors itself refuses headers above 100 MB; a larger one is corrupt or hostile.
+MAX_HEADER_BYTES = 100_000_000
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -145,13 +182,15 @@ OFFLOAD_UNITS: dict[str, str | None] = {
 # OFFLOAD_DTYPES (worker.names): how offloaded weights are kept; fp8 and int8 quantize in
 # groups of QUANT_GROUP entries of a row.
 QUANT_GROUP = 128
-_QUANT_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+_QUANT_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
 
 
 def file_format(tensor: TensorSlice) -> BlockFormat | None:
     """The block format a block-FP8 checkpoint stores `tensor` in (None: not quantized)."""
     if tensor.scale is None:
         return None
+    from offload.quant import BlockFormat  # torch: only a quantized checkpoint's tensors
+
     rows, cols = tensor.shape
     scale_rows, scale_cols = tensor.scale.shape
     return BlockFormat(tensor.torch_dtype, (rows // scale_rows, cols // scale_cols))
@@ -188,14 +227,16 @@ def offload_format(tensor: TensorSlice, offload_dtype: str) -> BlockFormat | Non
         offload_dtype == "none"
         or tensor.buffer
         or len(tensor.shape) < 2
-        or not tensor.target_torch_dtype.is_floating_point
+        or not _floating(tensor.target_name)
     ):
         return None
     fmt = file_format(tensor)
     if offload_dtype == "int8" or (offload_dtype == "fp8" and fmt is None):
         cols = tensor.shape[-1]
         group = QUANT_GROUP if cols % QUANT_GROUP == 0 else cols
-        fmt = BlockFormat(_QUANT_DTYPES[offload_dtype], (1, group))
+        from offload.quant import BlockFormat  # torch: only where weights are kept in 8 bits
+
+        fmt = BlockFormat(torch_dtype_named(_QUANT_DTYPES[offload_dtype]), (1, group))
     return fmt if fmt is not None and _view_fits(fmt, tensor) else None
 
 

@@ -12,25 +12,28 @@ size and are viewed back, bit for bit.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+import sys
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-import torch
 
-# Same-size integer views for the dtypes numpy cannot hold.
-_BITS_AS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_NUMPY_DTYPES = {
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.float16,
-    torch.float32,
-    torch.float64,
-    torch.complex64,
-    torch.complex128,
+if TYPE_CHECKING:
+    import torch
+
+# numpy's dtypes by the torch names of the same dtypes; the others travel as integer views.
+_NUMPY_NAMES = {
+    "bool": np.bool_,
+    "uint8": np.uint8,
+    "int8": np.int8,
+    "int16": np.int16,
+    "int32": np.int32,
+    "int64": np.int64,
+    "float16": np.float16,
+    "float32": np.float32,
+    "float64": np.float64,
+    "complex64": np.complex64,
+    "complex128": np.complex128,
 }
 
 
@@ -41,24 +44,58 @@ class Packed(NamedTuple):
     dtype: str
 
 
-def pack(tensor: torch.Tensor | None) -> Packed | None:
-    """`tensor` (any device) as a contiguous CPU numpy array; None stays None."""
-    if tensor is None:
+def pack(value: torch.Tensor | np.ndarray | None) -> Packed | None:
+    """`value` (a tensor on any device, or a numpy array of a dtype torch has) as a contiguous
+    CPU numpy array; None stays None. A numpy array packs without importing torch: the engine
+    of a named load builds its steps' inputs so, in a process that never imports torch."""
+    if value is None:
         return None
-    tensor = tensor.detach().cpu().contiguous()
+    if isinstance(value, np.ndarray):
+        name = next((n for n, t in _NUMPY_NAMES.items() if value.dtype == t), None)
+        if name is None:
+            raise TypeError(f"numpy dtype {value.dtype} has no torch dtype of the same name")
+        return Packed(np.ascontiguousarray(value), name)
+    tensor = value.detach().cpu().contiguous()
     name = str(tensor.dtype).removeprefix("torch.")
-    if tensor.dtype not in _NUMPY_DTYPES:
-        tensor = tensor.view(_BITS_AS[tensor.element_size()])
+    if name not in _NUMPY_NAMES:
+        tensor = tensor.view(_bits_as()[tensor.element_size()])
     return Packed(tensor.numpy(), name)
 
 
-def unpack(packed: Packed | torch.Tensor | None) -> torch.Tensor | None:
+def unpack(packed: Packed | torch.Tensor | np.ndarray | None) -> torch.Tensor | None:
     """The tensor `pack` was given (on the CPU, writable: arrays Ray hands back from its object
     store are read-only, and are copied). A torch tensor or None is returned as it is, so that
-    in-process callers can pass tensors."""
+    in-process callers can pass tensors; a numpy array becomes the tensor of its values."""
+    import torch
+
     if packed is None or isinstance(packed, torch.Tensor):
         return packed
+    if isinstance(packed, np.ndarray):
+        packed = pack(packed)
     array = packed.array if packed.array.flags.writeable else packed.array.copy()
     tensor = torch.from_numpy(array)
     dtype = getattr(torch, packed.dtype)
     return tensor if tensor.dtype == dtype else tensor.view(dtype)
+
+
+def values(packed: Packed | torch.Tensor | np.ndarray | None) -> np.ndarray | torch.Tensor | None:
+    """What the engine reads of a stage's answer without torch: a packed array of a dtype
+    numpy has, as that array; anything else as it is (a tensor of an in-process stage)."""
+    if isinstance(packed, Packed) and packed.dtype in _NUMPY_NAMES:
+        return packed.array
+    return packed
+
+
+def packable(value) -> bool:
+    """Whether `value` is what `pack` packs: a numpy array, or a torch tensor (which exists only
+    where torch is imported: asking costs no import)."""
+    torch = sys.modules.get("torch")
+    return isinstance(value, np.ndarray) or (torch is not None and isinstance(value, torch.Tensor))
+
+
+@functools.cache
+def _bits_as() -> dict:
+    """Same-size integer dtypes, to view the dtypes numpy cannot hold (bfloat16, float8)."""
+    import torch
+
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -1,5 +1,5 @@
-"""The per-GPU worker: a plain class, made a Ray actor by the worker group (`ray.remote(StageWorker)`),
-so tests can also drive it in-process.
+"""The per-GPU worker: a plain class, run as a Ray actor inside `worker.actor.StageActor` (whose
+module imports no torch), so tests can also drive it in-process.
 
 Lifecycle: `prepare()` builds the stage on the meta device, gives resident layers real memory
 and wraps the offloaded ones (their weights get arena space, no data yet); `load_chunk(i)` reads
@@ -21,12 +21,12 @@ import psutil
 import torch
 
 from offload import OffloadConfig, create_offloader, probe_node
-from offload.base import OffloadStats
 from offload.errors import LaunchError
 from offload.factory import choose_backend
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV
 from offload.probe import DECISION_STEPS
-from worker.batched import BatchRunner, Draw, StepRows, pack_out
+from offload.stats import OffloadStats
+from worker.batched import BatchRunner
 from worker.layout import hf_config_from_dict, model_class_for
 from worker.loader import TensorReader, hold_if_asked
 from worker.node import probe_here
@@ -36,6 +36,7 @@ from worker.snapshot import CopyCounters, StageSnapshot
 from worker.spec import OFFLOAD_UNITS, StageSpec, parameter_formats, torch_dtype_named
 from worker.stage import Stage
 from worker.startup import settle
+from worker.steps import Draw, StepRows, pack_out
 from worker.wire import Packed, pack, unpack
 
 LOAD_CHUNK_BYTES = 64 * 2**20  # progress granularity

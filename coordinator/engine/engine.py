@@ -12,7 +12,7 @@ all of them.
 
 The engine owns its workers' KV pools: at start it claims every worker with its id, and every
 step carries (engine id, epoch); a worker refuses a step of anyone else, or of an older epoch
-(`worker.batched.NotOwnerError`), so two engines can never write one pool, and a step planned
+(`worker.steps.NotOwnerError`), so two engines can never write one pool, and a step planned
 before the workers changed can never read a pool that no longer holds its keys.
 
 A step that fails because a worker was lost or changed: the job recovers (`recover`), the
@@ -38,8 +38,8 @@ from coordinator.engine.scheduler import Scheduler, Step
 from coordinator.engine.sequences import Finish, Request, Sequence
 from coordinator.engine.stats import EngineStats
 from offload.errors import BusyError, ConfigError, NeverFitsError
-from worker.batch_cache import DEFAULT_BLOCK_SIZE, blocks_for
-from worker.batched import NotOwnerError
+from worker.names import DEFAULT_BLOCK_SIZE, blocks_for
+from worker.steps import NotOwnerError
 
 DEFAULT_MAX_QUEUE = 1024  # sequences waiting for a slot; beyond: BusyError (HTTP 429)
 DEFAULT_PREFILL_TOKENS = 512  # per prefill step (rows x width)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from coordinator.planning.context import beyond_context
 from offload.errors import ConfigError, NeverFitsError
-from worker.decode import Sampling
+from worker.steps import Sampling
 
 FROM_CHECKPOINT = object()  # "the checkpoint's value": distinct from None ("no such token")
 DEFAULT_MAX_NEW_TOKENS = 20  # transformers' default (max_length 20 on top of the prompt)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from coordinator.engine.engine import Engine
 from coordinator.engine.sequences import Finish, Request
 from offload.errors import LaunchError
-from worker.decode import Logprobs
+from worker.steps import Logprobs
 
 POLL_WAIT_S = 1.0  # how long one fetch of a client's outbox waits for something to come
 CLIENT_LEASE_S = 30.0  # a client with requests in flight that has not fetched for this long is gone

@@ -8,13 +8,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Protocol
 
-import torch
-
 from coordinator.engine.scheduler import Step
-from worker.batched import Chosen, send_through, unpack_out
+from worker.steps import answer_values, send_through
 
-# (which of the submitted steps, each row's token: with log-probabilities when a row asked)
-Tokens = tuple[int, torch.Tensor | Chosen]
+# (which of the submitted steps, each row's token: with log-probabilities when a row asked),
+# the tokens a numpy array from Ray, a tensor from an in-process stage
+Tokens = tuple[int, object]
 
 
 class Handle(Protocol):
@@ -47,8 +46,9 @@ class Pipeline(Protocol):
 
 
 def tokens_of(m: int, out) -> Tokens:
-    """Step `m`'s tokens, from a tensor or `Chosen`, or from what crossed Ray (packed)."""
-    return m, unpack_out(out)
+    """Step `m`'s tokens, from a tensor or `Chosen`, or from what crossed Ray (packed: read as
+    numpy arrays, so that the engine never needs torch)."""
+    return m, answer_values(out)
 
 
 class InProcessHandle:

@@ -21,7 +21,7 @@ import ray
 from coordinator.engine.pipelines import Tokens, tokens_of
 from coordinator.engine.scheduler import Step
 from coordinator.runtime.errors import WorkerLostError
-from worker.batched import NotOwnerError, send_through
+from worker.steps import NotOwnerError, send_through
 from worker.wire import pack
 
 # Below this many bytes a tensor goes inside the call itself: a decode step's inputs are a few

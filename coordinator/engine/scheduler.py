@@ -50,12 +50,12 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from coordinator.engine.blocks import BlockPool
 from coordinator.engine.sequences import Finish, Request, Sequence, Status
-from worker.batch_cache import DEFAULT_BLOCK_SIZE, blocks_for
-from worker.batched import NO_TOKEN, Chosen, Draw, StepRows
+from worker.names import DEFAULT_BLOCK_SIZE, blocks_for
+from worker.steps import NO_TOKEN, Chosen, Draw, StepRows
 
 
 @dataclass(eq=False)
@@ -66,7 +66,7 @@ class Step:
     group: int
     sequences: list[Sequence]
     rows: StepRows
-    x: torch.Tensor
+    x: np.ndarray  # token ids (rows, width), int64: packed for Ray without torch
     draw: Draw
     prefill: bool
     count: int = 1
@@ -412,17 +412,17 @@ class Scheduler:
         room = self.prefill_tokens // width - len(chosen)
         if not self.uniform or width == 1:
             chosen += decode[: max(0, room)]
-        x = torch.zeros((len(chosen), width), dtype=torch.long)
+        x = np.zeros((len(chosen), width), dtype=np.int64)
         counts = []
         for r, seq in enumerate(chosen):
             count = min(seq.pending, width)
-            x[r, width - count :] = torch.tensor(seq.tokens[seq.cached : seq.cached + count])
+            x[r, width - count :] = seq.tokens[seq.cached : seq.cached + count]
             counts.append(count)
         samples = [c == s.pending for s, c in zip(chosen, counts, strict=True)]
         return self._step(g, chosen, x, counts, samples, prefill=True)
 
     def _decode_step(self, g: int, chosen: list[Sequence]) -> Step:
-        x = torch.tensor([[s.tokens[-1]] for s in chosen], dtype=torch.long)
+        x = np.array([[s.tokens[-1]] for s in chosen], dtype=np.int64)
         return self._step(g, chosen, x, [1] * len(chosen), [True] * len(chosen), prefill=False)
 
     def _step(self, g, chosen, x, counts, samples, *, prefill: bool) -> Step | None:
@@ -461,9 +461,7 @@ class Scheduler:
         self.groups[g].in_flight = True
         return Step(group=g, sequences=chosen, rows=rows, x=x, draw=draw, prefill=prefill)
 
-    def update(
-        self, step: Step, index: int, tokens: torch.Tensor | Chosen
-    ) -> list[tuple[Sequence, int]]:
+    def update(self, step: Step, index: int, tokens: Chosen | object) -> list[tuple[Sequence, int]]:
         """The tokens of step `index` (0 first; a burst has several) of `step`: each row's
         cache grew by what it fed, its token is added (an ended row's ignored), with its
         log-probabilities and its prompt chunk's when they came (`Chosen`). Returns the

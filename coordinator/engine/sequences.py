@@ -11,8 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from worker.batched import SlotSettings
-from worker.decode import Logprobs, Sampling
+from worker.steps import Logprobs, Sampling, SlotSettings
 
 
 class Status(enum.Enum):

@@ -12,8 +12,7 @@ from typing import Any
 from coordinator.config import ConfigError, JobConfig
 from coordinator.planning.formats import format_bytes
 from coordinator.planning.snapshot import GpuInfo, NodeInfo
-from offload.factory import resolve_backend
-from offload.policy import PIN_HEADROOM_FRACTION
+from offload.policy import PIN_HEADROOM_FRACTION, resolve_backend
 from offload.probe import NodeProbe
 
 # Default share of a node's available host memory the job may fill with offloaded weights.

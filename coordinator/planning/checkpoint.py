@@ -20,12 +20,11 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from coordinator.planning.weight_map import WeightMapError, map_tensors
 from offload.errors import CheckpointError
-from worker.loader import MAX_HEADER_BYTES, identify
+from worker.names import COMPUTE_DTYPE_NAMES
 from worker.spec import (
-    COMPUTE_DTYPES,
-    SAFETENSORS_DTYPES,
+    MAX_HEADER_BYTES,
+    SAFETENSORS_NAMES,
     FileIdentity,
     LayerSpec,
     TensorSlice,
@@ -138,9 +137,9 @@ def _tensor_slice(
     if not isinstance(meta, dict) or not {"dtype", "shape", "data_offsets"} <= meta.keys():
         raise CheckpointError(f"{where}: corrupt header entry {meta!r}")
     dtype, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
-    if dtype not in SAFETENSORS_DTYPES:
+    if dtype not in SAFETENSORS_NAMES:
         raise CheckpointError(
-            f"{where}: unsupported dtype {dtype!r} (supported: {', '.join(SAFETENSORS_DTYPES)})"
+            f"{where}: unsupported dtype {dtype!r} (supported: {', '.join(SAFETENSORS_NAMES)})"
         )
     if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
         raise CheckpointError(f"{where}: invalid shape {shape!r}")
@@ -226,6 +225,8 @@ def _tensor_files(root: Path) -> dict[str, str]:
 
 
 def _identity(path: Path) -> FileIdentity:
+    from worker.loader import identify  # torch: an index's users (a keeper) never build one
+
     fd = os.open(path, os.O_RDONLY)
     try:
         return identify(fd, path.name)
@@ -237,18 +238,18 @@ def checkpoint_dtype(config: dict, tensors: dict[str, TensorSlice], requested: s
     """The dtype the model loads and computes in: `requested` unless "auto", else config.json's
     `dtype` (`torch_dtype` in older files), else the floating dtype holding most bytes."""
     if requested != "auto":
-        if requested not in COMPUTE_DTYPES:
+        if requested not in COMPUTE_DTYPE_NAMES:
             raise CheckpointError(
-                f"dtype={requested!r} is not one of auto, {', '.join(COMPUTE_DTYPES)}"
+                f"dtype={requested!r} is not one of auto, {', '.join(COMPUTE_DTYPE_NAMES)}"
             )
         return requested
     named = config.get("dtype") or config.get("torch_dtype")
-    if isinstance(named, str) and named in COMPUTE_DTYPES:
+    if isinstance(named, str) and named in COMPUTE_DTYPE_NAMES:
         return named
     by_dtype: Counter[str] = Counter()
     for tensor in tensors.values():
-        torch_name = str(tensor.torch_dtype).removeprefix("torch.")
-        if torch_name in COMPUTE_DTYPES:
+        torch_name = SAFETENSORS_NAMES[tensor.dtype]
+        if torch_name in COMPUTE_DTYPE_NAMES:
             by_dtype[torch_name] += tensor.nbytes
     return by_dtype.most_common(1)[0][0] if by_dtype else "float32"
 
@@ -322,6 +323,8 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
             f"config.json: transformers cannot build {config.get('model_type')!r} from it: "
             f"{type(exc).__name__}: {detail}"
         ) from None
+    from coordinator.planning.weight_map import WeightMapError, map_tensors  # torch
+
     try:
         layout = find_layout(model)
         placed, ignored = map_tensors(model, tensors)

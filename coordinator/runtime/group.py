@@ -26,6 +26,7 @@ from coordinator.planning.checkpoint import CheckpointIndex
 from coordinator.planning.planner import Plan, StagePlan
 from coordinator.runtime.errors import LaunchError, WorkerLostError
 from coordinator.runtime.record import NAMESPACE, remove_group
+from worker.actor import StageActor
 from worker.snapshot import StageSnapshot
 from worker.spec import StageSpec
 
@@ -142,11 +143,7 @@ class WorkerGroup:
     def _start(
         self, specs: Sequence[StageSpec], stages: Sequence[StagePlan], slots: Sequence[Slot]
     ) -> list[WorkerHandle]:
-        # Imported when workers start: a load's keeper (which runs its engine) needs the
-        # worker's code, and the model's transformers modules with it, only to replace one.
-        from worker.worker import StageWorker
-
-        remote_cls = ray.remote(StageWorker)
+        remote_cls = ray.remote(StageActor)
         names = self.names(len(specs)) if self.names is not None else [None] * len(specs)
         handles: list[WorkerHandle] = []
         try:

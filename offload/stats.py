@@ -1,0 +1,29 @@
+"""What an offloader reports: its backend, the bytes it keeps where, and what its copies cost.
+Plain values without torch: the worker's snapshots carry them to the driver and to a named
+load's keeper, processes that never import torch for them."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadStats:
+    backend: str
+    offloaded_layers: int = 0
+    offloaded_bytes: int = 0  # weight bytes living in host memory, as stored (8 bits where so)
+    resident_bytes: int = 0  # weight bytes of wrapped modules that stay on the device
+    buffer_bytes: int = 0  # device bytes of prefetch slots
+    host_bytes: int = 0  # host bytes allocated for the offloaded weights (arena + page slack)
+    pinned_bytes: int = 0
+    pageable_bytes: int = 0
+    copies: int = 0  # host-to-device copies issued
+    copied_bytes: int = 0
+    copy_s: float = 0.0  # time the copy engine spent copying
+    stall_s: float = 0.0  # time the compute side waited for a copy
+    dequant_s: float = 0.0  # time spent dequantizing 8-bit weights after their copies
+    sync_loads: int = 0  # copies issued on demand because no prefetch was in flight
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,248 @@
+"""What a generation step carries between the engine and the stages, as plain values that
+import no torch: which rows and slots (`StepRows`), how each new sequence chooses its tokens
+(`SlotSettings`, `Sampling`), which rows choose (`Draw`), and what the last stage answers
+(`Chosen`, `Logprobs`, tokens). The engine of a named load runs in its keeper, a process that
+lives as long as the load: built from these alone it never imports torch (~2 CPU-s and ~180 MiB
+less per load). `worker.batched` runs the steps; `worker.wire` moves their arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from offload.errors import LaunchError
+from worker.names import DEFAULT_BLOCK_SIZE, blocks_for
+from worker.wire import pack, packable, unpack, values
+
+NO_TOKEN = -1  # a row that did not choose this step (its prompt goes on in the next chunk)
+Owner = tuple[str, int]  # (engine id, epoch of its claim)
+
+
+class NotOwnerError(LaunchError):
+    """A step from an engine that does not own this worker's KV pool now, or from an older
+    epoch of the one that does: refused, never run (it would read keys it did not write).
+    `other_engine` tells which: another engine claimed the pool (a second writer, refused for
+    good), or nobody holds it since the worker changed (its engine claims it again)."""
+
+    other_engine = False
+
+
+class ClaimedByAnotherError(NotOwnerError):
+    other_engine = True
+
+
+@dataclass(frozen=True, slots=True)
+class StepRows:
+    """The rows of one step: row r (the sequence in slot `slots[r]`) writes `counts[r]` new
+    tokens from position `starts[r]` on into the blocks of its table `tables[r]` (the blocks of
+    its positions 0.., in order: at least through the step's last position, a burst's too); the
+    step's inputs are left-padded to `width`. The pool's shape rides along, so a worker sizes
+    its pool from the engine that uses it."""
+
+    slots: tuple[int, ...]
+    starts: tuple[int, ...]
+    counts: tuple[int, ...]
+    width: int
+    num_slots: int
+    tables: tuple[tuple[int, ...], ...]
+    num_blocks: int
+    block_size: int = DEFAULT_BLOCK_SIZE
+    owner: Owner = ("", 0)
+
+    @classmethod
+    def in_slots(
+        cls,
+        slots: Sequence[int],
+        starts: Sequence[int],
+        counts: Sequence[int],
+        width: int,
+        *,
+        num_slots: int,
+        max_seq_len: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        owner: Owner = ("", 0),
+    ) -> StepRows:
+        """Rows of callers that keep one sequence per slot and no block bookkeeping (a probe,
+        the family check, tests): slot s's sequence in its own run of blocks for
+        `max_seq_len` positions (`contiguous_tables`)."""
+        return cls(
+            slots=tuple(slots),
+            starts=tuple(starts),
+            counts=tuple(counts),
+            width=width,
+            num_slots=num_slots,
+            tables=contiguous_tables(slots, max_seq_len, block_size),
+            num_blocks=num_slots * blocks_for(max_seq_len, block_size),
+            block_size=block_size,
+            owner=owner,
+        )
+
+    def advanced(self) -> StepRows:
+        """The next decode step of the same rows: one token each, after what this step wrote."""
+        starts = tuple(s + c for s, c in zip(self.starts, self.counts, strict=True))
+        return replace(self, starts=starts, counts=(1,) * len(self.slots), width=1)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotSettings:
+    """How the sequence in a slot chooses its tokens, and what the last stage returns beside
+    them: sent once per sequence, with its first step (`Draw`), kept by the last stage.
+
+    `end_ids` cannot be chosen before the sequence has `min_tokens` new tokens (vLLM's
+    min_tokens, transformers' min_new_tokens: their logits are -inf until then), counted from
+    `prompt_length`. `logprobs`: with every chosen token, its log-probability and those of the
+    `logprobs` most likely tokens (None: nothing). `prompt_logprobs`: the same for every
+    prompt position after the first (`prompt_ids`, which the last stage otherwise never
+    sees) as the prompt goes through."""
+
+    sampling: Sampling
+    seed: int | None = None
+    end_ids: tuple[int, ...] = ()
+    prompt_length: int = 0
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be None or >= 0, got {value}")
+        if self.prompt_logprobs is not None and len(self.prompt_ids) != self.prompt_length:
+            raise ValueError(
+                f"prompt_logprobs needs the {self.prompt_length} prompt ids, got "
+                f"{len(self.prompt_ids)}"
+            )
+
+    def plain(self, position: int) -> bool:
+        """Its token at `position` is the argmax of the logits, with nothing else to return:
+        greedy, no token banned there, no log-probabilities."""
+        return not self.sampling.do_sample and self.logprobs is None and not self.banned(position)
+
+    def banned(self, position: int) -> tuple[int, ...]:
+        """The tokens this sequence may not choose at `position` (its end tokens while it has
+        fewer than min_tokens new ones)."""
+        if position < self.prompt_length + self.min_tokens:
+            return self.end_ids
+        return ()
+
+
+@dataclass(frozen=True, slots=True)
+class Draw:
+    """Which rows of a step choose their next token on the last stage (a prompt chunk that
+    does not end its prompt chooses nothing), and the settings (`SlotSettings`) of the slots
+    whose sequence is new there: the last stage keeps each slot's settings from then on
+    (`BatchRunner`), so a step sends them once per sequence, not once per step. A sampled
+    row's draw is keyed by its seed and the position of the token it chooses
+    (`worker.decode.uniform`): a row draws the same token whatever else is in the batch,
+    whichever worker runs it."""
+
+    choose: tuple[bool, ...]
+    settings: tuple[tuple[int, SlotSettings], ...] = ()  # (slot, its sequence's settings)
+
+
+@dataclass(frozen=True, slots=True)
+class Chosen:
+    """What the last stage returns when a row of the step asked for log-probabilities: the
+    tokens (as without), and per row (index in the step) the `Logprobs` of its chosen token
+    (`chosen`) and of the prompt positions its chunk fed (`prompt`)."""
+
+    tokens: object  # torch.Tensor (rows,), or packed for Ray (`worker.wire`)
+    chosen: dict[int, Logprobs]
+    prompt: dict[int, Logprobs]
+
+    def packed(self) -> Chosen:
+        return Chosen(pack(self.tokens), self.chosen, self.prompt)
+
+    def unpacked(self) -> Chosen:
+        return Chosen(unpack(self.tokens), self.chosen, self.prompt)
+
+
+def pack_out(out):
+    """A last stage's answer as it crosses Ray."""
+    return out.packed() if isinstance(out, Chosen) else pack(out)
+
+
+def unpack_out(out):
+    """A last stage's answer from Ray: a tensor, or `Chosen` with its tokens a tensor."""
+    return out.unpacked() if isinstance(out, Chosen) else unpack(out)
+
+
+def answer_values(out):
+    """A last stage's answer as the engine reads it, without torch: its tokens a numpy array
+    (`wire.values`), or `Chosen` with them so; an in-process stage's tensors as they are."""
+    if isinstance(out, Chosen):
+        return Chosen(values(out.tokens), out.chosen, out.prompt)
+    return values(out)
+
+
+def contiguous_tables(
+    slots: Sequence[int], max_seq_len: int, block_size: int
+) -> tuple[tuple[int, ...], ...]:
+    """Block tables that give each slot its own run of blocks for `max_seq_len` positions (slot
+    s: blocks s*n .. s*n + n-1): for callers that keep one sequence per slot and no block
+    bookkeeping (a probe, the family check, tests). Their pool needs `num_slots * n` blocks."""
+    n = blocks_for(max_seq_len, block_size)
+    return tuple(tuple(range(slot * n, slot * n + n)) for slot in slots)
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Greedy unless `do_sample`; then temperature, top-k (0 or None: off) and top-p (1: off)
+    applied in generate's order before drawing."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Logprobs:
+    """The model's log-probabilities at consecutive positions of one sequence, from `start` on:
+    of the token at each position, and of the `k` most likely tokens there (most likely
+    first). Those of its raw distribution, the log-softmax of its float32 logits before any
+    temperature, top-k, top-p or masking (vLLM's default `logprobs_mode`, raw_logprobs), so
+    they are the same whatever the request's sampling settings."""
+
+    start: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    top_ids: tuple[tuple[int, ...], ...]
+    top_logprobs: tuple[tuple[float, ...], ...]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __add__(self, other: Logprobs) -> Logprobs:
+        """The positions of `self` and then those of `other` (which must follow them)."""
+        if other.start != self.start + len(self):
+            raise ValueError(f"positions from {other.start} do not follow {self.start}+{len(self)}")
+        return Logprobs(
+            start=self.start,
+            token_ids=self.token_ids + other.token_ids,
+            logprobs=self.logprobs + other.logprobs,
+            top_ids=self.top_ids + other.top_ids,
+            top_logprobs=self.top_logprobs + other.top_logprobs,
+        )
+
+
+def send_through(workers: Sequence, rows: StepRows, x, draw: Draw | None):
+    """One step through `workers` in order (Ray actor handles, or in-process `StageWorker`s),
+    each stage's `batch_step` given the previous one's output, the last one `draw`: the one
+    way a step runs through stages (the engine's pipelines, a burst's ring). Tensors are
+    packed (`worker.wire`) only where they cross Ray. Returns the last stage's answer: an
+    object ref through Ray (the activations went actor to actor), or the tokens in process."""
+    out = x
+    for i, worker in enumerate(workers):
+        last_draw = draw if i == len(workers) - 1 else None
+        call = getattr(worker.batch_step, "remote", None)
+        if call is None:
+            out = worker.batch_step(rows, out, last_draw, wire=False)
+        else:
+            out = call(rows, pack(out) if packable(out) else out, last_draw)
+    return out
