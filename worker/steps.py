@@ -2,8 +2,8 @@
 import no torch: which rows and slots (`StepRows`), how each new sequence chooses its tokens
 (`SlotSettings`, `Sampling`), which rows choose (`Draw`), and what the last stage answers
 (`Chosen`, `Logprobs`, tokens). The engine of a named load runs in its keeper, a process that
-lives as long as the load: built from these alone it never imports torch (~2 CPU-s and ~180 MiB
-less per load). `worker.batched` runs the steps; `worker.wire` moves their arrays.
+lives as long as the load: built from these alone it never imports torch (measured: 144 against
+346 MiB and ~1 against 2.5-4 CPU-s per keeper). `worker.batched` runs the steps; `worker.wire` moves their arrays.
 """
 
 from __future__ import annotations
@@ -151,7 +151,9 @@ class Chosen:
     tokens (as without), and per row (index in the step) the `Logprobs` of its chosen token
     (`chosen`) and of the prompt positions its chunk fed (`prompt`)."""
 
-    tokens: object  # torch.Tensor (rows,), or packed for Ray (`worker.wire`)
+    # torch.Tensor (rows,), packed for Ray (`worker.wire`), or a numpy array as the engine reads
+    # it (`answer_values`)
+    tokens: object
     chosen: dict[int, Logprobs]
     prompt: dict[int, Logprobs]
 
