@@ -756,3 +756,15 @@ def test_dtype_auto_is_the_checkpoints(tmp_path: Path) -> None:
     assert load_index(root).dtype == "bfloat16"
     with pytest.raises(CheckpointError, match="dtype='int8' is not one of auto, float32"):
         load_index(root, dtype="int8")
+
+
+def test_the_dtype_tables_agree_with_torch() -> None:
+    """worker.spec names dtypes and their sizes without torch (an index never imports it):
+    every name is torch's, with torch's size and floating-point kind."""
+    from worker.spec import DTYPE_BYTES, FLOATING_DTYPES, dtype_size
+
+    assert set(SAFETENSORS_NAMES.values()) <= set(DTYPE_BYTES)
+    for name, size in DTYPE_BYTES.items():
+        dtype = getattr(torch, name)
+        assert dtype.itemsize == size and dtype.is_floating_point == (name in FLOATING_DTYPES)
+    assert dtype_size("BF16") == 2 and dtype_size("F8_E4M3") == 1

@@ -49,3 +49,18 @@ def test_none_and_tensors_pass_through() -> None:
     tensor = torch.zeros(2)
     assert pack(None) is None and unpack(None) is None
     assert unpack(tensor) is tensor  # in-process callers hand tensors straight to `step`
+
+
+@pytest.mark.parametrize("dtype", ["int64", "float32", "bool", "float16"])
+def test_numpy_arrays_pack_as_the_torch_dtype_of_their_name(dtype: str) -> None:
+    """The engine packs its steps' inputs as numpy arrays (it never imports torch): they come
+    back as the tensor of the same values and dtype; a dtype torch lacks is refused by name."""
+    import numpy as np
+
+    array = np.arange(6).reshape(2, 3).astype(dtype)[:, ::2]  # not contiguous
+    packed = pack(array)
+    assert packed.dtype == dtype and packed.array.flags.c_contiguous
+    back = unpack(pickle.loads(pickle.dumps(packed, protocol=5)))
+    assert back.dtype == getattr(torch, dtype) and back.tolist() == array.tolist()
+    with pytest.raises(TypeError, match="numpy dtype <U1"):
+        pack(np.array(["a"]))

@@ -51,8 +51,8 @@ def pack(value: torch.Tensor | np.ndarray | None) -> Packed | None:
     if value is None:
         return None
     if isinstance(value, np.ndarray):
-        name = next((n for n, t in _NUMPY_NAMES.items() if value.dtype == t), None)
-        if name is None:
+        name = value.dtype.name  # numpy's names of these dtypes are torch's
+        if name not in _NUMPY_NAMES:
             raise TypeError(f"numpy dtype {value.dtype} has no torch dtype of the same name")
         return Packed(np.ascontiguousarray(value), name)
     tensor = value.detach().cpu().contiguous()
