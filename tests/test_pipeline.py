@@ -475,10 +475,10 @@ class TestOneRunningJob:
 
     def test_generate_equals_transformers_and_survives_lost_workers(self, job, checkpoints) -> None:
         """Generation through the Ray pipeline (bf16 llama, stages offloading): each row of a
-        left-padded batch gets the greedy tokens transformers' `generate` gives its prompt
-        alone; killing a worker mid-request recovers the job and the request goes on from the
-        tokens made so far; several requests at once share the steps, and all of them survive a
-        lost worker. On this class's job (uva): a launch of its own cost ~30 CPU-s of worker
+        left-padded batch gets the greedy tokens transformers' `generate` gives for the same
+        padded rows (in bf16 the padding may change a rounding; see `alone`); killing a worker
+        mid-request recovers the job and the request goes on from the tokens made so far;
+        several requests at once share the steps, and all of them survive a lost worker. On this class's job (uva): a launch of its own cost ~30 CPU-s of worker
         processes."""
         from coordinator.tools.reference import reference_generate
 
