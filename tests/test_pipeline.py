@@ -476,10 +476,10 @@ class TestOneRunningJob:
     def test_generate_equals_transformers_and_survives_lost_workers(self, job, checkpoints) -> None:
         """Generation through the Ray pipeline (bf16 llama, stages offloading): each row of a
         left-padded batch gets the greedy tokens transformers' `generate` gives for the same
-        padded rows (in bf16 the padding may change a rounding; see `alone`); killing a worker
-        mid-request recovers the job and the request goes on from the tokens made so far;
-        several requests at once share the steps, and all of them survive a lost worker. On this class's job (uva): a launch of its own cost ~30 CPU-s of worker
-        processes."""
+        padded rows (in bf16 the padding may change a rounding; see `greedy_of`); killing a
+        worker mid-request recovers the job and the request goes on from the tokens made so
+        far; several requests at once share the steps, and all of them survive a lost worker.
+        On this class's job (uva): a launch of its own cost ~30 CPU-s of worker processes."""
         from coordinator.tools.reference import reference_generate
 
         checkpoint = checkpoints["llama"]
@@ -490,7 +490,7 @@ class TestOneRunningJob:
         mask = torch.ones_like(ids)
         ids[0, :2], mask[0, :2] = 0, 0
 
-        def alone(rows: torch.Tensor, rows_mask: torch.Tensor, new: int) -> list[list[int]]:
+        def greedy_of(rows: torch.Tensor, rows_mask: torch.Tensor, new: int) -> list[list[int]]:
             """transformers' greedy tokens for exactly these rows, their padding included: in
             bf16 a left-padded row may round differently from its prompt without the padding
             (seen on an AVX2 host without AVX-512: token 10 of row 0), and the job was given the
@@ -507,7 +507,7 @@ class TestOneRunningJob:
             )
             return out[:, rows.shape[1] :].tolist()
 
-        expected = alone(ids, mask, 10)
+        expected = greedy_of(ids, mask, 10)
         # the pool holds the 3 sequences at the expected length (one block each, which is
         # max_seq_len here), the weights offloaded to make room: planned, not found
         pool = job.config.kv_cache_tokens
@@ -557,11 +557,11 @@ class TestOneRunningJob:
             assert (report.kv_cache_bytes > 0) == holds_decoders
             assert report.kv_cache_bytes <= stage.kv_bytes
         # Three requests at once share the steps (micro-batches, one per stage): each gets
-        # what it gets alone.
+        # what transformers gives that request's rows alone.
         from concurrent.futures import ThreadPoolExecutor
 
         rows = [(ids[i : i + 1, 2 * i :], mask[i : i + 1, 2 * i :]) for i in range(2)] * 2
-        expected_rows = [alone(r, m, 6)[0] for r, m in rows[:3]]
+        expected_rows = [greedy_of(r, m, 6)[0] for r, m in rows[:3]]
 
         def request(row, on_token=None) -> list[int]:
             out = job.generate(

@@ -3,8 +3,8 @@ import no torch: which rows and slots (`StepRows`), how each new sequence choose
 (`SlotSettings`, `Sampling`), which rows choose (`Draw`), and what the last stage answers
 (`Chosen`, `Logprobs`, tokens). The engine of a named load runs in its keeper, a process that
 lives as long as the load: built from these alone it never imports torch (measured: 144 against
-346 MiB and ~1 against 2.5-4 CPU-s per keeper). `worker.batched` runs the steps; `worker.wire` moves their arrays.
-"""
+346 MiB and ~1 against 2.5-4 CPU-s per keeper). `worker.batched` runs the steps; `worker.wire`
+moves their arrays."""
 
 from __future__ import annotations
 
