@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -190,3 +192,17 @@ def assert_probe_decided_pin(device: str, pin: dict) -> None:
     # still rule pinning out, and only the plain "probe" source means pin.
     assert pin["source"].startswith("probe") and pin["source"] != "probe.cuda", pin
     assert pin["pin"] == (pin["source"] == "probe"), pin
+
+
+def stage_table_rows(out: str) -> list[tuple[str, dict]]:
+    """(device, {"pin", "source"}) of each row of offloadctl's per-stage table, whose columns
+    are: stage host gpu device layers resident offloaded backend pin, then "origin: source:
+    reason"."""
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.endswith("decided by"))
+    rows = []
+    for line in itertools.takewhile(lambda line: line[:1].isdigit(), lines[header + 1 :]):
+        cells, decided = line.rsplit("  ", 1)
+        _origin, source, _reason = decided.split(": ", 2)
+        rows.append((cells.split()[3], {"pin": cells.split()[-1] == "on", "source": source}))
+    return rows

@@ -9,7 +9,13 @@ import sys
 
 import pytest
 import ray
-from helpers import scrape_gauges, tiny_shape, wait_gpus_free
+from helpers import (
+    assert_probe_decided_pin,
+    scrape_gauges,
+    stage_table_rows,
+    tiny_shape,
+    wait_gpus_free,
+)
 from ray_head import free_ports, metrics_head
 
 from coordinator.cli import EXIT_ERROR, main
@@ -35,9 +41,12 @@ def cluster():
 
 
 def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:
+    """A qwen2 whose embedding is tied to its head (one tensor, read by the first stage and
+    the last), over three GPUs that offload: `load` reports each stage's pin decision, draws
+    and writes the memory, and `run --check` is bitwise equal to transformers."""
     checkpoint = make_checkpoint(
         tmp_path / "ckpt",
-        tiny_shape(6),
+        tiny_shape(6, arch="qwen2", tie_embeddings=True),
     )
     index = load_index(checkpoint)
     decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
@@ -57,12 +66,24 @@ def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:
                 "0.5",
                 "--max-seq-len",
                 "24",
+                "--plot",
+                str(tmp_path / "memory.png"),
+                "--memory-json",
+                str(tmp_path / "memory.json"),
                 *address,
             ]
         )
         == 0
     )
-    assert "stays on the cluster" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "stays on the cluster" in out
+    rows = stage_table_rows(out)  # the per-stage table with each decision
+    assert len(rows) == 3
+    for device, pin in rows:
+        assert_probe_decided_pin(device, pin)
+    assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
+    memory = json.loads((tmp_path / "memory.json").read_text())
+    assert len(memory["gpus"]) == 3 and memory["nodes"][0]["workers_rss_bytes"] > 0
     assert ray.available_resources().get("GPU", 0) == 0  # the workers are still there
     assert list(registry.named_groups("m1")) == ["load:m1:pg-0"]  # their GPUs, reserved as one
 
@@ -96,7 +117,8 @@ def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:
 
     assert main(["run", "m1", "--check", *address]) == 0
     out = capsys.readouterr().out
-    assert "attached to load 'm1'" in out and "bitwise equal" in out
+    assert "attached to load 'm1'" in out
+    assert "check: logits are bitwise equal to transformers in one process" in out
     assert ray.available_resources().get("GPU", 0) == 0  # run detached, did not release
 
     # Text from the named load, from another command: its tokenizer, its planned KV cache.

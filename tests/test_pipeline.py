@@ -3,8 +3,6 @@ logits bitwise equal to transformers in one process; failures release everything
 
 from __future__ import annotations
 
-import itertools
-import json
 import os
 import signal
 import sys
@@ -63,8 +61,9 @@ def budget_forcing_offload(checkpoint: str) -> int:
 
 
 def test_pipeline_matches_transformers(embedded_ray, checkpoints) -> None:
-    """The sharded bf16 llama in process; the tied-embedding qwen2 goes through the same
-    stages in `test_offloadctl_run_check`, checked bitwise by the command itself."""
+    """The sharded bf16 llama in process; a tied-embedding qwen2 goes through offloading
+    stages in test_named_loads (`load` then `run --check`, checked bitwise by the command)
+    and, resident, in `test_micro_batches_on_every_stage_burst_actor_to_actor`."""
     checkpoint = checkpoints["llama"]
     config = JobConfig(checkpoint=checkpoint, gpu_memory_bytes=budget_forcing_offload(checkpoint))
     seen: list[tuple[int, int]] = []
@@ -158,53 +157,6 @@ def test_infeasible_plan_starts_nothing(embedded_ray, checkpoints, monkeypatch) 
         wait_gpus_free(NUM_GPUS)  # the probe's GPUs: Ray's view of them lags its end
     assert len(answered) == 3 and len(set(answered)) == 1, answered
     wait_gpus_free(NUM_GPUS)
-
-
-def test_offloadctl_run_check(embedded_ray, checkpoints, capsys, tmp_path) -> None:
-    """qwen2, its embedding tied to its head (one tensor, on the first and the last stage)."""
-    from coordinator.cli import main
-
-    budget = budget_forcing_offload(checkpoints["qwen2"])
-    plot = tmp_path / "memory.png"
-    argv = [
-        "run",
-        "--checkpoint",
-        checkpoints["qwen2"],
-        "--gpu-memory",
-        str(budget),
-        "--seq-len",
-        "7",
-        "--check",
-        "--plot",
-        str(plot),
-        "--memory-json",
-        str(tmp_path / "memory.json"),
-    ]
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "check: logits are bitwise equal" in out
-    assert plot.read_bytes()[:4] == b"\x89PNG"
-    memory = json.loads((tmp_path / "memory.json").read_text())
-    assert len(memory["gpus"]) == 3 and memory["nodes"][0]["workers_rss_bytes"] > 0
-    rows = stage_table_rows(out)  # the per-stage table with each decision
-    assert len(rows) >= 3
-    for device, pin in rows:
-        assert_probe_decided_pin(device, pin)
-    wait_gpus_free(NUM_GPUS)
-
-
-def stage_table_rows(out: str) -> list[tuple[str, dict]]:
-    """(device, {"pin", "source"}) of each row of offloadctl's per-stage table, whose columns
-    are: stage host gpu device layers resident offloaded backend pin, then "origin: source:
-    reason"."""
-    lines = out.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.endswith("decided by"))
-    rows = []
-    for line in itertools.takewhile(lambda line: line[:1].isdigit(), lines[header + 1 :]):
-        cells, decided = line.rsplit("  ", 1)
-        _origin, source, _reason = decided.split(": ", 2)
-        rows.append((cells.split()[3], {"pin": cells.split()[-1] == "on", "source": source}))
-    return rows
 
 
 def llama_case(checkpoints, seed: int) -> tuple[str, JobConfig, torch.Tensor, torch.Tensor]:
