@@ -41,12 +41,13 @@ def cluster():
 
 
 def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:
-    """A qwen2 whose embedding is tied to its head (one tensor, read by the first stage and
-    the last), over three GPUs that offload: `load` reports each stage's pin decision, draws
-    and writes the memory, and `run --check` is bitwise equal to transformers."""
+    """A bf16 qwen2 whose embedding is tied to its head (one tensor, read by the first stage
+    and the last), over three GPUs that prefetch offloaded layers: `load` reports each stage's
+    pin decision, draws and writes the memory, and `run --check` (a warm-up, then the pass it
+    checks: twice through the prefetch schedule) is bitwise equal to transformers."""
     checkpoint = make_checkpoint(
         tmp_path / "ckpt",
-        tiny_shape(6, arch="qwen2", tie_embeddings=True),
+        tiny_shape(6, arch="qwen2", tie_embeddings=True, dtype="bfloat16"),
     )
     index = load_index(checkpoint)
     decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
@@ -144,6 +145,8 @@ def test_load_run_status_list_unload(cluster, tmp_path, capsys) -> None:
     offloaded = {str(g["stage"]): float(g["offloaded_bytes"]) for g in status["gpus"]}
     assert scrape_gauges("offload_offloaded_weight_bytes", offloaded, METRICS_PORT) == offloaded
     copies = {str(g["stage"]): float(g["copies"]) for g in status["gpus"]}
+    assert sum(copies.values()) > 0
+    assert {g["backend"] for g in status["gpus"] if g["offloaded_bytes"]} == {"prefetch"}
     assert scrape_gauges("offload_copies", copies, METRICS_PORT) == copies
     up = {str(g["stage"]): 1.0 for g in status["gpus"]}
     assert scrape_gauges("offload_stage_up", up, METRICS_PORT) == up

@@ -60,70 +60,6 @@ def budget_forcing_offload(checkpoint: str) -> int:
     return budget
 
 
-def test_pipeline_matches_transformers(embedded_ray, checkpoints) -> None:
-    """The sharded bf16 llama in process; a tied-embedding qwen2 goes through offloading
-    stages in test_named_loads (`load` then `run --check`, checked bitwise by the command)
-    and, resident, in `test_micro_batches_on_every_stage_burst_actor_to_actor`."""
-    checkpoint = checkpoints["llama"]
-    config = JobConfig(checkpoint=checkpoint, gpu_memory_bytes=budget_forcing_offload(checkpoint))
-    seen: list[tuple[int, int]] = []
-    with launch(config, progress=lambda done, total: seen.append((done, total))) as job:
-        assert len(job.plan.stages) >= 3
-        assert any(stage.offloaded for stage in job.plan.stages)
-        ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
-        logits = job.forward(ids)
-        again = job.forward(ids)  # a second pass through the prefetch schedule
-        mask = torch.ones_like(ids)
-        mask[1, :4] = 0  # row 1 left-padded
-        last = job.forward(ids, mask, logits_to_keep=1)
-        reports = job.export_metrics()
-        expected_gauges = {str(r.stage): float(r.stats.offloaded_bytes) for r in reports}
-        scraped = scrape_gauges("offload_offloaded_weight_bytes", expected_gauges, METRICS_PORT)
-        # Periodic export picks up what changes: the copies of one more forward.
-        job.export_metrics_every(0.3)
-        job.forward(ids)
-        copies = {str(r.stage): float(r.stats.copies) for r in job.telemetry()}
-        assert scrape_gauges("offload_copies", copies, METRICS_PORT) == copies
-        # Bad input is refused in the driver, by name, and leaves the job usable.
-        with pytest.raises(ValueError, match="out of the vocabulary"):
-            job.forward(torch.tensor([[1, 500]]))
-        with pytest.raises(ValueError, match=r"attention_mask rows \[0\] have no tokens"):
-            job.forward(ids[:1], torch.zeros_like(ids[:1]))
-        assert torch.equal(job.forward(ids), logits)
-    with pytest.raises(RuntimeError, match="closed"):
-        job.forward(ids)
-    expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
-    # Same ops, same weights, same dtype, one thread on both sides: bitwise equal.
-    assert logits.dtype == getattr(torch, load_index(checkpoint).dtype)
-    assert torch.equal(logits, expected) and torch.equal(again, expected)
-    positions = check_inputs(ids, mask, 1, 128)[2]
-    expected_last = reference_logits(
-        checkpoint,
-        ids,
-        attention_mask=mask,
-        position_ids=positions,
-        logits_to_keep=1,
-        num_threads=config.cpus_per_worker,
-    )
-    assert last.shape == (2, 1, 128) and torch.equal(last, expected_last)
-    assert seen[-1][0] == seen[-1][1] == load_index(checkpoint).file_bytes
-    # Prometheus sees what the workers reported, per stage.
-    assert scraped == expected_gauges
-    for report, stage in zip(reports, job.plan.stages, strict=True):
-        share = sum(
-            layer.file_bytes
-            for layer in load_index(checkpoint).layers
-            if layer.name in stage.layers
-        )
-        assert report.bytes_read == share  # each worker read exactly its own tensors
-        assert report.offloaded == stage.offloaded
-        if stage.offloaded:
-            assert report.stats.offloaded_bytes > 0 and report.stats.copies > 0
-        assert report.device_used_bytes <= config.gpu_memory_bytes
-        assert_probe_decided_pin(report.device, report.pin.to_dict())
-    wait_gpus_free(NUM_GPUS)
-
-
 def test_worker_failure_releases_every_actor(embedded_ray, checkpoints) -> None:
     config = JobConfig(
         checkpoint=checkpoints["llama"],
@@ -329,8 +265,12 @@ def job(embedded_ray, checkpoints):
         max_seq_len=16,
         gpu_memory_bytes=config.gpu_memory_bytes + kv_total // 2,
     )
-    with launch(config) as job:
+    seen: list[tuple[int, int]] = []
+    with launch(config, progress=lambda done, total: seen.append((done, total))) as job:
+        job.progress_seen = seen  # for the first test
         yield job
+    with pytest.raises(RuntimeError, match="closed"):
+        job.forward(torch.tensor([[1, 2]]))
     wait_gpus_free(NUM_GPUS)
 
 
@@ -339,6 +279,61 @@ class TestOneRunningJob:
     launch: workers take ~12 s to start here, most of it importing torch and transformers.
     The job holds every GPU until the last of these tests ends; the watched one is last (its
     watcher runs until the job closes)."""
+
+    def test_the_main_job_matches_transformers(self, job, checkpoints) -> None:
+        """The sharded bf16 llama over >= 3 stages that offload, loaded with progress, logits
+        bitwise equal to transformers in one process (twice, and left-padded with one kept
+        position), bad input refused by name, Prometheus seeing what each worker reported,
+        each worker having read exactly its own tensors. The prefetch backend's run of the
+        same checks: test_named_loads (a bf16 qwen2's `load` then `run --check`)."""
+        checkpoint = checkpoints["llama"]
+        config = job.config
+        assert len(job.plan.stages) >= 3
+        assert any(stage.offloaded for stage in job.plan.stages)
+        ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
+        logits = job.forward(ids)
+        again = job.forward(ids)
+        mask = torch.ones_like(ids)
+        mask[1, :4] = 0  # row 1 left-padded
+        last = job.forward(ids, mask, logits_to_keep=1)
+        reports = job.export_metrics()
+        expected_gauges = {str(r.stage): float(r.stats.offloaded_bytes) for r in reports}
+        scraped = scrape_gauges("offload_offloaded_weight_bytes", expected_gauges, METRICS_PORT)
+        # From here on, periodic export (the class's later tests see it pick up what changes)
+        job.export_metrics_every(0.3)
+        # Bad input is refused in the driver, by name, and leaves the job usable.
+        with pytest.raises(ValueError, match="out of the vocabulary"):
+            job.forward(torch.tensor([[1, 500]]))
+        with pytest.raises(ValueError, match=r"attention_mask rows \[0\] have no tokens"):
+            job.forward(ids[:1], torch.zeros_like(ids[:1]))
+        assert torch.equal(job.forward(ids), logits)
+        expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
+        # Same ops, same weights, same dtype, one thread on both sides: bitwise equal.
+        assert logits.dtype == getattr(torch, load_index(checkpoint).dtype) == torch.bfloat16
+        assert torch.equal(logits, expected) and torch.equal(again, expected)
+        positions = check_inputs(ids, mask, 1, 128)[2]
+        expected_last = reference_logits(
+            checkpoint,
+            ids,
+            attention_mask=mask,
+            position_ids=positions,
+            logits_to_keep=1,
+            num_threads=config.cpus_per_worker,
+        )
+        assert last.shape == (2, 1, 128) and torch.equal(last, expected_last)
+        seen = job.progress_seen
+        assert seen[-1][0] == seen[-1][1] == load_index(checkpoint).file_bytes
+        assert scraped == expected_gauges  # per stage, what the workers reported
+        for report, stage in zip(reports, job.plan.stages, strict=True):
+            share = sum(
+                layer.file_bytes
+                for layer in load_index(checkpoint).layers
+                if layer.name in stage.layers
+            )
+            assert report.bytes_read == share  # each worker read exactly its own tensors
+            assert report.offloaded == stage.offloaded
+            assert report.device_used_bytes <= config.gpu_memory_bytes
+            assert_probe_decided_pin(report.device, report.pin.to_dict())
 
     @pytest.mark.skipif(torch.cuda.is_available(), reason="the simulated probe yields to CUDA")
     def test_auto_on_coherent_nodes_is_uva_end_to_end(self, job, checkpoints) -> None:
@@ -421,7 +416,7 @@ class TestOneRunningJob:
         assert after[1].bytes_read == share  # the replacement read its own stage only
         assert job.dead_stages() == []
         assert "replaced workers" in telemetry.render(list(after.values()), job.events)
-        job.export_metrics()
+        # no export call: the periodic one (first test) publishes the count it changed
         events = {"replaced workers": float(len(job.events))}
         assert scrape_gauges("offload_recovery_events", events, METRICS_PORT, tag="event") == events
 
