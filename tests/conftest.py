@@ -68,7 +68,6 @@ LONGEST_FIRST = (
     "test_shared_cluster.py",
     "test_named_loads.py",
     "test_serving.py",
-    "test_multinode.py",
     "test_gpu_check.py",
     "test_signals.py",
 )

@@ -1,8 +1,13 @@
-"""Lost nodes, on a Ray Cluster of three one-GPU nodes (`Cluster.remove_node`): the job re-plans
+"""Lost nodes, on a Ray Cluster of one-GPU nodes (`Cluster.remove_node`): the job re-plans
 on the GPUs left, surviving workers keep what they hold and read only the layers that moved,
 logits stay equal to transformers; when what is left cannot hold the model, a PlanError with
 the numbers, and the load can still be inspected; once a node joins, the next forward recovers;
-unload releases everything."""
+unload releases everything.
+
+The cluster's four nodes differ in labels and environment, for the first test: each worker's
+pin decision comes from the level the precedence says (job override > node label > node
+environment > probe). One cluster for both concerns: a second one cost ~30 CPU-s of Ray
+processes (five raylets and their agents, a GCS, probes) on a 2-core machine."""
 
 from __future__ import annotations
 
@@ -12,12 +17,12 @@ import time
 import pytest
 import ray
 import torch
-from helpers import tiny_shape, wait_gpus_free
+from helpers import assert_probe_decided_pin, tiny_shape, wait_gpus_free
 from ray.cluster_utils import Cluster
 from ray_head import HEAD_ARGS
 
 from coordinator.cli import main
-from coordinator.config import JobConfig
+from coordinator.config import JobConfig, NodeMatch, Override
 from coordinator.planning.checkpoint import load_index
 from coordinator.planning.planner import PlanError, PlanOptions, plan
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
@@ -33,17 +38,50 @@ SHAPE = tiny_shape(6, max_shard_bytes=200_000)
 
 @pytest.fixture(scope="module")
 def cluster():
+    """A CPU head (the driver's node) and four one-GPU nodes:
+    plain    - nothing set: the probe decides;
+    env-off  - OFFLOAD_PIN_MEMORY=off in the node's own environment;
+    labelled - the offload-pin-memory=off label, over OFFLOAD_PIN_MEMORY=auto in its environment;
+    override - the same label and environment, and the first test's job overrides both (and
+               makes its GPU stand in for a GH200-class one: OFFLOAD_SIMULATED_GPU=coherent).
+    On the CPU none of these settings changes what a recovery does (nothing is pinned there);
+    the recovery tests set the number of nodes they need (`gpu_nodes`)."""
     c = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "num_gpus": 0, **HEAD_ARGS},
     )
-    nodes = [c.add_node(num_cpus=2, num_gpus=1) for _ in range(3)]
     try:
+        c.add_node(num_cpus=2, num_gpus=1, labels={"pool": "plain"})
+        c.add_node(
+            num_cpus=2,
+            num_gpus=1,
+            labels={"pool": "env-off"},
+            env_vars={"OFFLOAD_PIN_MEMORY": "off"},
+        )
+        for pool in ("labelled", "override"):
+            c.add_node(
+                num_cpus=2,
+                num_gpus=1,
+                labels={"pool": pool, "offload-pin-memory": "off"},
+                env_vars={"OFFLOAD_PIN_MEMORY": "auto"},
+            )
         ray.init(address=c.address, log_to_driver=False)
-        yield c, {node.node_id: node for node in nodes}
+        yield c
     finally:
         ray.shutdown()
         c.shutdown()
+
+
+def gpu_nodes(c: Cluster, count: int) -> dict:
+    """Exactly `count` alive one-GPU nodes (earlier tests removed and added some): nodes added,
+    or the last ones removed. Their Cluster nodes, by node id."""
+    alive = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU"))
+    for _ in range(count - len(alive)):
+        alive.append(c.add_node(num_cpus=2, num_gpus=1).node_id)
+    by_id = {node.node_id: node for node in c.list_all_nodes()}
+    while len(alive) > count:
+        c.remove_node(by_id[alive.pop()])
+    return {node_id: by_id[node_id] for node_id in alive}
 
 
 def budgets(index, backend: str = "prefetch") -> tuple[int, int]:
@@ -82,6 +120,77 @@ def wait_events(name: str, count: int, timeout_s: float = 90.0) -> list[dict]:
     return events
 
 
+def test_pin_decisions_follow_precedence_and_output_matches(cluster, tmp_path) -> None:
+    checkpoint = str(
+        make_checkpoint(
+            tmp_path / "ckpt",
+            tiny_shape(6, max_shard_bytes=200_000),
+        )
+    )
+    index = load_index(checkpoint)
+    decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
+    config = JobConfig(
+        checkpoint=checkpoint,
+        address=cluster.address,
+        # Room for two decoder layers per GPU, and host memory for one offloaded layer per
+        # node: the six layers need all four GPUs.
+        gpu_memory_bytes=2 * decoder + 4096,
+        host_memory_bytes=decoder,
+        # "0" rather than "off": the decision's reason shows whose setting won.
+        overrides=(
+            Override(
+                match=NodeMatch(labels={"pool": "override"}),
+                env={"OFFLOAD_PIN_MEMORY": "0", "OFFLOAD_SIMULATED_GPU": "coherent"},
+            ),
+        ),
+    )
+    with launch(config) as job:
+        stages = job.plan.stages
+        assert len(stages) == 4
+        ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(2))
+        logits = job.forward(ids)
+        reports = {r.stage: r for r in job.telemetry()}
+        labels = {n["NodeID"]: n["Labels"] for n in ray.nodes()}
+        by_pool = {labels[s.node_id]["pool"]: reports[s.stage] for s in job.plan.stages}
+    assert set(by_pool) == {"plain", "env-off", "labelled", "override"}
+    plain, env_off, override = by_pool["plain"], by_pool["env-off"], by_pool["override"]
+    labelled = by_pool["labelled"]
+    assert (labelled.pin.source, labelled.pin_origin) == (
+        "OFFLOAD_PIN_MEMORY",
+        "node label",
+    )
+    assert labelled.pin.reason.startswith("OFFLOAD_PIN_MEMORY=off")
+    assert plain.pin_origin == "probe"
+    assert_probe_decided_pin(plain.device, plain.pin.to_dict())  # "cpu", or on a GPU host "cuda"
+    assert (env_off.pin.source, env_off.pin_origin) == (
+        "OFFLOAD_PIN_MEMORY",
+        "node environment",
+    )
+    assert env_off.pin.reason.startswith("OFFLOAD_PIN_MEMORY=off")
+    assert (override.pin.source, override.pin_origin) == (
+        "OFFLOAD_PIN_MEMORY",
+        "job override",
+    )
+    assert override.pin.reason.startswith("OFFLOAD_PIN_MEMORY=0")
+    # backend auto per node: uva where the probe says coherent memory, prefetch elsewhere; the
+    # plan gives the uva stage no prefetch slots (the uva job itself: test_pipeline).
+    backends = {
+        pool: s.backend for s in stages for pool, r in by_pool.items() if r.stage == s.stage
+    }
+    if override.device == "cpu":  # with CUDA present the simulated kind is ignored
+        assert backends == {
+            "plain": "prefetch",
+            "env-off": "prefetch",
+            "labelled": "prefetch",
+            "override": "uva",
+        }
+        assert [s.slot_bytes for s in stages if s.backend == "uva"] == [0]
+        [uva] = [s for s in stages if s.backend == "uva"]
+        assert "simulated coherent GPU" in uva.backend_reason
+    assert not any(r.pin.pin for pool, r in by_pool.items() if pool != "plain")
+    assert torch.equal(logits, reference_logits(checkpoint, ids, num_threads=1))
+
+
 def test_a_named_load_heals_itself_and_leaves_out_a_node_that_keeps_failing(
     cluster, tmp_path
 ) -> None:
@@ -92,7 +201,8 @@ def test_a_named_load_heals_itself_and_leaves_out_a_node_that_keeps_failing(
     from coordinator.runtime.keeper import NODE_LOSS_LIMIT
     from coordinator.runtime.launch import attach
 
-    c, _ = cluster
+    c = cluster
+    gpu_nodes(c, 3)
     checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
     index = load_index(checkpoint)
     gpu, host = budgets(index)
@@ -145,7 +255,8 @@ def keeper_gone(name: str) -> bool:
 def test_lost_nodes_replan_fail_with_numbers_then_recover(cluster, tmp_path, capsys) -> None:
     """With backend uva (the other test's load re-plans with prefetch): a re-plan moves layers
     between the device and the arena the UVA parameters are views of."""
-    c, nodes = cluster
+    c = cluster
+    nodes = gpu_nodes(c, 3)
     checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
     index = load_index(checkpoint)
     gpu, host = budgets(index, "uva")
@@ -279,11 +390,8 @@ def test_a_replica_that_loses_its_node_moves_to_a_free_gpu(cluster, tmp_path) ->
     from coordinator.runtime.launch import launch_replicas
     from coordinator.tools.reference import reference_generate
 
-    c, _ = cluster
-    alive = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) >= 1]
-    for _ in range(4 - len(alive)):  # earlier tests removed some and added one
-        c.add_node(num_cpus=2, num_gpus=1)
-    nodes = {node.node_id: node for node in c.list_all_nodes()}
+    c = cluster
+    nodes = gpu_nodes(c, 4)
     checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
     index = load_index(checkpoint)
     config = JobConfig(
@@ -336,20 +444,15 @@ def test_a_replan_never_takes_another_loads_gpu_and_waits_on_its_old_plan(
     from coordinator.runtime import recovery
     from coordinator.runtime.group import NODE_ID_LABEL
 
-    c, _ = cluster
-    alive = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) >= 1]
-    for _ in range(3 - len(alive)):
-        c.add_node(num_cpus=2, num_gpus=1)
-    while len(alive) > 3:  # earlier tests added some
-        c.remove_node(next(n for n in c.list_all_nodes() if n.node_id == alive.pop()["NodeID"]))
-    nodes = {node.node_id: node for node in c.list_all_nodes()}
-    gpu_nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU"))
+    c = cluster
+    nodes = gpu_nodes(c, 3)
+    free = sorted(nodes)
     checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
     index = load_index(checkpoint)
     gpu, host = budgets(index)
     # another load's GPU: its placement group, as `load` reserves it
     bystander = placement_group(
-        [{"GPU": 1}], bundle_label_selector=[{NODE_ID_LABEL: gpu_nodes[0]}], name="load:by:pg-0"
+        [{"GPU": 1}], bundle_label_selector=[{NODE_ID_LABEL: free[0]}], name="load:by:pg-0"
     )
     ray.get(bystander.ready(), timeout=60)
     config = JobConfig(
@@ -363,7 +466,7 @@ def test_a_replan_never_takes_another_loads_gpu_and_waits_on_its_old_plan(
     expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
     job = launch(config)
     try:
-        assert {s.node_id for s in job.plan.stages} == set(gpu_nodes[1:])  # the free two
+        assert {s.node_id for s in job.plan.stages} == set(free[1:])  # the free two
         assert torch.equal(job.forward(ids), expected)
         c.remove_node(nodes[job.workers[1].node_id])
         with pytest.raises(PlanError, match=r"the 1 GPU\(s\) left cannot hold the model"):
