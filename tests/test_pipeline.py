@@ -284,8 +284,8 @@ class TestOneRunningJob:
         """The sharded bf16 llama over >= 3 stages that offload, loaded with progress, logits
         bitwise equal to transformers in one process (twice, and left-padded with one kept
         position), bad input refused by name, Prometheus seeing what each worker reported,
-        each worker having read exactly its own tensors. The prefetch backend's run of the
-        same checks: test_named_loads (a bf16 qwen2's `load` then `run --check`)."""
+        each worker having read exactly its own tensors. This job runs uva; the prefetch
+        backend end to end, bitwise in bf16: test_named_loads (`load`, then `run --check`)."""
         checkpoint = checkpoints["llama"]
         config = job.config
         assert len(job.plan.stages) >= 3
