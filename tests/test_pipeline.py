@@ -247,7 +247,7 @@ def test_a_signal_mid_load_stops_the_command_and_releases_everything(
 
 
 @pytest.fixture(scope="class")
-def job(embedded_ray, checkpoints):
+def job(request, embedded_ray, checkpoints):
     """The llama job of `llama_case`, from the first to the last test of a class, on GPUs that
     stand in for GH200-class ones: the job sets OFFLOAD_SIMULATED_GPU=coherent on every node, so
     backend `auto` takes uva there as on that hardware. KV cache for three sequences of 16."""
@@ -265,9 +265,9 @@ def job(embedded_ray, checkpoints):
         max_seq_len=16,
         gpu_memory_bytes=config.gpu_memory_bytes + kv_total // 2,
     )
-    seen: list[tuple[int, int]] = []
-    with launch(config, progress=lambda done, total: seen.append((done, total))) as job:
-        job.progress_seen = seen  # for the first test
+    request.cls.load_progress = []  # (done, total) as the launch reported them
+    with launch(config, progress=lambda *told: request.cls.load_progress.append(told)) as job:
+        job.export_metrics_every(0.3)  # what a test changes reaches the gauges by itself
         yield job
     with pytest.raises(RuntimeError, match="closed"):
         job.forward(torch.tensor([[1, 2]]))
@@ -299,8 +299,6 @@ class TestOneRunningJob:
         reports = job.export_metrics()
         expected_gauges = {str(r.stage): float(r.stats.offloaded_bytes) for r in reports}
         scraped = scrape_gauges("offload_offloaded_weight_bytes", expected_gauges, METRICS_PORT)
-        # From here on, periodic export (the class's later tests see it pick up what changes)
-        job.export_metrics_every(0.3)
         # Bad input is refused in the driver, by name, and leaves the job usable.
         with pytest.raises(ValueError, match="out of the vocabulary"):
             job.forward(torch.tensor([[1, 500]]))
@@ -321,15 +319,11 @@ class TestOneRunningJob:
             num_threads=config.cpus_per_worker,
         )
         assert last.shape == (2, 1, 128) and torch.equal(last, expected_last)
-        seen = job.progress_seen
-        assert seen[-1][0] == seen[-1][1] == load_index(checkpoint).file_bytes
+        index = load_index(checkpoint)
+        assert self.load_progress[-1] == (index.file_bytes, index.file_bytes)
         assert scraped == expected_gauges  # per stage, what the workers reported
         for report, stage in zip(reports, job.plan.stages, strict=True):
-            share = sum(
-                layer.file_bytes
-                for layer in load_index(checkpoint).layers
-                if layer.name in stage.layers
-            )
+            share = sum(layer.file_bytes for layer in index.layers if layer.name in stage.layers)
             assert report.bytes_read == share  # each worker read exactly its own tensors
             assert report.offloaded == stage.offloaded
             assert report.device_used_bytes <= config.gpu_memory_bytes
@@ -416,7 +410,7 @@ class TestOneRunningJob:
         assert after[1].bytes_read == share  # the replacement read its own stage only
         assert job.dead_stages() == []
         assert "replaced workers" in telemetry.render(list(after.values()), job.events)
-        # no export call: the periodic one (first test) publishes the count it changed
+        # no export call: the fixture's periodic one publishes the count this test changed
         events = {"replaced workers": float(len(job.events))}
         assert scrape_gauges("offload_recovery_events", events, METRICS_PORT, tag="event") == events
 
