@@ -46,7 +46,9 @@ def cluster():
     override - the same label and environment, and the first test's job overrides both (and
                makes its GPU stand in for a GH200-class one: OFFLOAD_SIMULATED_GPU=coherent).
     On the CPU none of these settings changes what a recovery does (nothing is pinned there);
-    the recovery tests set the number of nodes they need (`gpu_nodes`)."""
+    the recovery tests set the number of nodes they need (`gpu_nodes`), in an order that
+    removes more nodes than it adds (4, 4, 3, 3, 3): a node added costs ~2 s and ~4 CPU-s
+    (a raylet and its two agents, sampled)."""
     c = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "num_gpus": 0, **HEAD_ARGS},
@@ -192,6 +194,54 @@ def test_pin_decisions_follow_precedence_and_output_matches(cluster, tmp_path) -
     assert torch.equal(logits, reference_logits(checkpoint, ids, num_threads=1))
 
 
+def test_a_replica_that_loses_its_node_moves_to_a_free_gpu(cluster, tmp_path) -> None:
+    """Two replicas of one GPU each on a cluster of four one-GPU nodes: the node of replica 0
+    leaves, and it re-plans onto a GPU no load holds (never the other replica's), takes that
+    GPU as its own (`nodes`, kept in its record) and generates as before; replica 1 never
+    notices."""
+    from coordinator.runtime import registry
+    from coordinator.runtime.launch import launch_replicas
+    from coordinator.tools.reference import reference_generate
+
+    c = cluster
+    nodes = gpu_nodes(c, 4)
+    checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
+    index = load_index(checkpoint)
+    config = JobConfig(
+        checkpoint=checkpoint,
+        address=c.address,
+        objective="throughput",
+        replicas=2,
+        max_batch=1,
+        max_seq_len=16,
+        gpu_memory_bytes=index.total_bytes * 2,
+    )
+    ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(2))
+    expected = reference_generate(
+        checkpoint, ids, num_threads=1, max_new_tokens=6, do_sample=False, eos_token_id=None
+    )
+    jobs = launch_replicas(config, "twin")
+    try:
+        # one micro-batch of one sequence: each replica runs on one of its two GPUs
+        assert [len(j.plan.stages) for j in jobs] == [1, 1]
+        first, second = (j.plan.stages[0].node_id for j in jobs)
+        assert [j.config.nodes for j in jobs] == [f"{first}=1", f"{second}=1"]
+        c.remove_node(nodes[first])
+        out = jobs[0].generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
+        assert torch.equal(out, expected)
+        jobs[0].refresh()  # its keeper re-planned it, for the engine there: its state now
+        moved = jobs[0].plan.stages[0].node_id
+        assert moved not in (first, second) and jobs[0].events[-1]["event"] == "re-planned"
+        record = registry.load_record("twin-0")[1]
+        assert registry.config_of(record).nodes == f"{moved}=1"  # its GPU now, for the next loss
+        out = jobs[1].generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
+        assert torch.equal(out, expected) and jobs[1].events == []
+    finally:
+        for job in reversed(jobs):
+            registry.forget(job.name)
+            job.close()
+
+
 def test_a_named_load_heals_itself_and_leaves_out_a_node_that_keeps_failing(
     cluster, tmp_path
 ) -> None:
@@ -251,6 +301,83 @@ def keeper_gone(name: str) -> bool:
             return False
         time.sleep(0.2)
     return True
+
+
+def test_a_replan_never_takes_another_loads_gpu_and_waits_on_its_old_plan(
+    cluster, tmp_path, monkeypatch
+) -> None:
+    """Three one-GPU nodes, another load's placement group on one of them, this job on the
+    other two. Its node leaves: the re-plan counts only free GPUs and its own, so one GPU,
+    which cannot hold the model: a PlanError, and the other load is untouched (before, it planned onto that load's
+    GPU and then waited on it). A node joins, and another process takes its GPU between the
+    plan and the reservation: the reservation times out, its placement group is removed, and
+    the survivor is unchanged; once that GPU is free, the next forward recovers, its logits
+    those of transformers."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from coordinator.runtime import recovery
+    from coordinator.runtime.group import NODE_ID_LABEL
+
+    c = cluster
+    nodes = gpu_nodes(c, 3)
+    free = sorted(nodes)
+    checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
+    index = load_index(checkpoint)
+    gpu, host = budgets(index)
+    # another load's GPU: its placement group, as `load` reserves it
+    bystander = placement_group(
+        [{"GPU": 1}], bundle_label_selector=[{NODE_ID_LABEL: free[0]}], name="load:by:pg-0"
+    )
+    ray.get(bystander.ready(), timeout=60)
+    config = JobConfig(
+        checkpoint=checkpoint,
+        address=c.address,
+        gpu_memory_bytes=gpu,
+        host_memory_bytes=host,
+        placement_timeout_s=3,
+    )
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(4))
+    expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
+    job = launch(config)
+    try:
+        assert {s.node_id for s in job.plan.stages} == set(free[1:])  # the free two
+        assert torch.equal(job.forward(ids), expected)
+        c.remove_node(nodes[job.workers[1].node_id])
+        with pytest.raises(PlanError, match=r"the 1 GPU\(s\) left cannot hold the model"):
+            job.forward(ids)
+        assert ray.util.placement_group_table(bystander)["state"] == "CREATED"  # untouched
+
+        new = c.add_node(num_cpus=2, num_gpus=1)
+        blocker = []
+        real_decide = recovery.decide
+
+        def decide_then_lose_the_gpu(*args, **kwargs):
+            decision = real_decide(*args, **kwargs)
+            assert any(s.node_id == new.node_id for s in decision.plan.stages)
+            blocker.append(placement_group([{"GPU": 1}], strategy="STRICT_PACK"))
+            ray.get(blocker[0].ready(), timeout=60)
+            return decision
+
+        monkeypatch.setattr(recovery, "decide", decide_then_lose_the_gpu)
+        survivor = job.workers[0]
+        groups = list(job.group.placement_groups)
+        with pytest.raises(LaunchError, match="did not reserve 1 GPU"):
+            job.forward(ids)
+        assert job.workers[0] is survivor
+        assert job.plan.stages[0].layers == tuple(x.name for x in survivor.spec.layers)
+        assert ray.get(survivor.actor.ping.remote(), timeout=30) is not None  # still running
+        assert job.group.placement_groups == groups  # the timed-out group is not kept...
+        pending = [e for e in ray.util.placement_group_table().values() if e["state"] == "PENDING"]
+        assert pending == []  # ...and not left waiting for a GPU
+        monkeypatch.setattr(recovery, "decide", real_decide)
+        remove_placement_group(blocker[0])
+        wait_gpus_free(1)  # the removal is asynchronous
+        assert torch.equal(job.forward(ids), expected)
+        assert job.events[-1]["event"] == "re-planned"
+        assert {s.node_id for s in job.plan.stages} == {survivor.node_id, new.node_id}
+    finally:
+        job.close()
+        remove_placement_group(bystander)
 
 
 def test_lost_nodes_replan_fail_with_numbers_then_recover(cluster, tmp_path, capsys) -> None:
@@ -380,128 +507,3 @@ def test_a_repeated_failure_is_counted_not_listed_again() -> None:
         ("re-plan failed", 3),
         ("re-plan failed", None),
     ]
-
-
-def test_a_replica_that_loses_its_node_moves_to_a_free_gpu(cluster, tmp_path) -> None:
-    """Two replicas of one GPU each on a cluster of four one-GPU nodes: the node of replica 0
-    leaves, and it re-plans onto a GPU no load holds (never the other replica's), takes that
-    GPU as its own (`nodes`, kept in its record) and generates as before; replica 1 never
-    notices."""
-    from coordinator.runtime import registry
-    from coordinator.runtime.launch import launch_replicas
-    from coordinator.tools.reference import reference_generate
-
-    c = cluster
-    nodes = gpu_nodes(c, 4)
-    checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
-    index = load_index(checkpoint)
-    config = JobConfig(
-        checkpoint=checkpoint,
-        address=c.address,
-        objective="throughput",
-        replicas=2,
-        max_batch=1,
-        max_seq_len=16,
-        gpu_memory_bytes=index.total_bytes * 2,
-    )
-    ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(2))
-    expected = reference_generate(
-        checkpoint, ids, num_threads=1, max_new_tokens=6, do_sample=False, eos_token_id=None
-    )
-    jobs = launch_replicas(config, "twin")
-    try:
-        # one micro-batch of one sequence: each replica runs on one of its two GPUs
-        assert [len(j.plan.stages) for j in jobs] == [1, 1]
-        first, second = (j.plan.stages[0].node_id for j in jobs)
-        assert [j.config.nodes for j in jobs] == [f"{first}=1", f"{second}=1"]
-        c.remove_node(nodes[first])
-        out = jobs[0].generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
-        assert torch.equal(out, expected)
-        jobs[0].refresh()  # its keeper re-planned it, for the engine there: its state now
-        moved = jobs[0].plan.stages[0].node_id
-        assert moved not in (first, second) and jobs[0].events[-1]["event"] == "re-planned"
-        record = registry.load_record("twin-0")[1]
-        assert registry.config_of(record).nodes == f"{moved}=1"  # its GPU now, for the next loss
-        out = jobs[1].generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
-        assert torch.equal(out, expected) and jobs[1].events == []
-    finally:
-        for job in reversed(jobs):
-            registry.forget(job.name)
-            job.close()
-
-
-def test_a_replan_never_takes_another_loads_gpu_and_waits_on_its_old_plan(
-    cluster, tmp_path, monkeypatch
-) -> None:
-    """Three one-GPU nodes, another load's placement group on one of them, this job on the
-    other two. Its node leaves: the re-plan counts only free GPUs and its own, so one GPU,
-    which cannot hold the model: a PlanError, and the other load is untouched (before, it planned onto that load's
-    GPU and then waited on it). A node joins, and another process takes its GPU between the
-    plan and the reservation: the reservation times out, its placement group is removed, and
-    the survivor is unchanged; once that GPU is free, the next forward recovers, its logits
-    those of transformers."""
-    from ray.util.placement_group import placement_group, remove_placement_group
-
-    from coordinator.runtime import recovery
-    from coordinator.runtime.group import NODE_ID_LABEL
-
-    c = cluster
-    nodes = gpu_nodes(c, 3)
-    free = sorted(nodes)
-    checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
-    index = load_index(checkpoint)
-    gpu, host = budgets(index)
-    # another load's GPU: its placement group, as `load` reserves it
-    bystander = placement_group(
-        [{"GPU": 1}], bundle_label_selector=[{NODE_ID_LABEL: free[0]}], name="load:by:pg-0"
-    )
-    ray.get(bystander.ready(), timeout=60)
-    config = JobConfig(
-        checkpoint=checkpoint,
-        address=c.address,
-        gpu_memory_bytes=gpu,
-        host_memory_bytes=host,
-        placement_timeout_s=3,
-    )
-    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(4))
-    expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
-    job = launch(config)
-    try:
-        assert {s.node_id for s in job.plan.stages} == set(free[1:])  # the free two
-        assert torch.equal(job.forward(ids), expected)
-        c.remove_node(nodes[job.workers[1].node_id])
-        with pytest.raises(PlanError, match=r"the 1 GPU\(s\) left cannot hold the model"):
-            job.forward(ids)
-        assert ray.util.placement_group_table(bystander)["state"] == "CREATED"  # untouched
-
-        new = c.add_node(num_cpus=2, num_gpus=1)
-        blocker = []
-        real_decide = recovery.decide
-
-        def decide_then_lose_the_gpu(*args, **kwargs):
-            decision = real_decide(*args, **kwargs)
-            assert any(s.node_id == new.node_id for s in decision.plan.stages)
-            blocker.append(placement_group([{"GPU": 1}], strategy="STRICT_PACK"))
-            ray.get(blocker[0].ready(), timeout=60)
-            return decision
-
-        monkeypatch.setattr(recovery, "decide", decide_then_lose_the_gpu)
-        survivor = job.workers[0]
-        groups = list(job.group.placement_groups)
-        with pytest.raises(LaunchError, match="did not reserve 1 GPU"):
-            job.forward(ids)
-        assert job.workers[0] is survivor
-        assert job.plan.stages[0].layers == tuple(x.name for x in survivor.spec.layers)
-        assert ray.get(survivor.actor.ping.remote(), timeout=30) is not None  # still running
-        assert job.group.placement_groups == groups  # the timed-out group is not kept...
-        pending = [e for e in ray.util.placement_group_table().values() if e["state"] == "PENDING"]
-        assert pending == []  # ...and not left waiting for a GPU
-        monkeypatch.setattr(recovery, "decide", real_decide)
-        remove_placement_group(blocker[0])
-        wait_gpus_free(1)  # the removal is asynchronous
-        assert torch.equal(job.forward(ids), expected)
-        assert job.events[-1]["event"] == "re-planned"
-        assert {s.node_id for s in job.plan.stages} == {survivor.node_id, new.node_id}
-    finally:
-        job.close()
-        remove_placement_group(bystander)
