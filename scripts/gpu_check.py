@@ -5,6 +5,7 @@ virtual environment, nothing installed. From the repository root:
 
     python3 scripts/gpu_check.py --out out/gpu              # the GPU check, under 9 minutes
     python3 scripts/gpu_check.py --dry-run --out /tmp/gpu   # every section on the CPU, tiny
+    python3 scripts/gpu_check.py --dry-run --one-process    # the same, quicker: one process
 
 Sections (each in its own process, so a crash or a hang costs that section only, under its own
 time limit, the limits capped so that the whole run ends within TOTAL_BUDGET_S):
@@ -889,6 +890,28 @@ def _launch(name: str, out: Path, device_name: str, dry: bool, limit_s: float) -
     return record
 
 
+def _run_here(name: str, out: Path, device_name: str, dry: bool) -> dict:
+    """`--one-process`: the section in this process, after the ones before it (torch and
+    transformers imported once: a dry run costs a third of the CPU of one process per
+    section), with neither a time limit nor isolation. Its output goes to its log as
+    `_launch`'s does."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("OFFLOAD_COMPUTE_CACHE", str(out / "compute-cache"))
+    (out / f"{name}.json").unlink(missing_ok=True)
+    start = time.perf_counter()
+    with (
+        open(out / f"{name}.log", "w") as log,
+        contextlib.redirect_stdout(log),
+        contextlib.redirect_stderr(log),
+    ):
+        run_section(name, out, device_name, dry)
+    record = json.loads((out / f"{name}.json").read_text())
+    record["data"]["seconds"] = round(time.perf_counter() - start, 1)
+    record["limit_s"] = "none"
+    return record
+
+
 def summarize(records: list[dict], *, device: str, dry: bool, total_s: float) -> str:
     env = next((r["data"] for r in records if r["name"] == "env"), {})
     lines = [
@@ -961,6 +984,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", help="cuda or cpu (default: cuda, or cpu for --dry-run)")
     parser.add_argument("--sections", help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--results-md", type=Path, help="also write the summary into this file")
+    parser.add_argument(
+        "--one-process",
+        action="store_true",
+        help="run the sections one after another in this process: no time limits, no "
+        "isolation (a quicker dry run)",
+    )
     parser.add_argument("--section", help=argparse.SUPPRESS)  # one section, in its own process
     args = parser.parse_args(argv)
     device = args.device or ("cpu" if args.dry_run else "cuda")
@@ -1000,8 +1029,12 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
             continue
-        print(f"== {name} (limit {limit:.0f} s)", flush=True)
-        records.append(_launch(name, args.out, device, args.dry_run, limit))
+        if args.one_process:
+            print(f"== {name}", flush=True)
+            records.append(_run_here(name, args.out, device, args.dry_run))
+        else:
+            print(f"== {name} (limit {limit:.0f} s)", flush=True)
+            records.append(_launch(name, args.out, device, args.dry_run, limit))
         r = records[-1]
         print(
             f"== {name}: {r['status']} {r.get('error', '')} ({r['data'].get('seconds')} s)",

@@ -1,5 +1,7 @@
-"""The GPU check's dry run: every section of scripts/gpu_check.py on the CPU with tiny sizes,
-each in its own process as on the GPU machine, so the script cannot rot between lent GPUs."""
+"""The GPU check's dry run: every section of scripts/gpu_check.py on the CPU with tiny sizes, so
+the script cannot rot between lent GPUs. The sections run in one process (`--one-process`: 8
+against 27 CPU-s for one process each, sampled); the launch of a section in its own process, as
+on the GPU machine, is tested on its own (passing, and killed at its time limit)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ def test_the_dry_run_runs_every_section_and_writes_the_summary(tmp_path: Path) -
             sys.executable,
             "scripts/gpu_check.py",
             "--dry-run",
+            "--one-process",
             "--out",
             str(tmp_path / "out"),
             "--results-md",
@@ -54,6 +57,13 @@ def test_the_dry_run_runs_every_section_and_writes_the_summary(tmp_path: Path) -
     assert all(f"| {name} |" in summary for name in sections)
     text = results_md.read_text()
     assert text.startswith("# Benchmark results") and summary.strip() in text
+
+
+def test_a_section_runs_in_its_own_process_and_saves_its_record(tmp_path: Path) -> None:
+    record = gpu_check()._launch("offloaders", tmp_path, "cpu", True, limit_s=120)
+    assert record["status"] == "pass" and record["limit_s"] == 120, record
+    assert record["checks"] and all(check["ok"] for check in record["checks"]), record
+    assert "== offloaders: pass" in (tmp_path / "offloaders.log").read_text()
 
 
 def test_a_section_past_its_limit_is_killed_and_reported(tmp_path: Path) -> None:
