@@ -648,12 +648,12 @@ def test_offloadctl_generate_streams_the_greedy_text(
 def test_replicas_each_on_their_own_gpu_and_a_lost_worker_stays_in_its_replica(
     embedded_ray, checkpoints
 ) -> None:
-    """Three replicas (throughput), one GPU each, loaded at once: three named loads, each
-    planned on its own GPU (`nodes`) with the plan the replica search made, each generating
+    """Two replicas (throughput), one GPU each, loaded at once: two named loads, each planned
+    on its own GPU (`nodes`) with the plan the replica search made, each generating
     transformers' greedy tokens, their loading told as one progress; a worker lost in one
-    replica is replaced there, and the others never notice. A launch whose second name is
-    taken, or whose second replica fails while the first loads, leaves nothing of its own."""
-    import dataclasses
+    replica is replaced there, and the other never notices (a third replica added a worker, a
+    keeper and a record, ~9 CPU-s, and nothing to check). A launch whose second name is taken,
+    or whose second replica fails while the first loads, leaves nothing of its own."""
     from concurrent.futures import ThreadPoolExecutor
 
     import coordinator.runtime.launch as launching
@@ -668,7 +668,8 @@ def test_replicas_each_on_their_own_gpu_and_a_lost_worker_stays_in_its_replica(
         max_batch=2,
         max_seq_len=16,
         objective="throughput",
-        replicas=NUM_GPUS,
+        replicas=2,
+        nodes=f"{ray.get_runtime_context().get_node_id()}=2",  # two GPUs of this node
         gpu_memory_bytes=index.total_bytes * 2,
     )
     ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(4))
@@ -678,14 +679,14 @@ def test_replicas_each_on_their_own_gpu_and_a_lost_worker_stays_in_its_replica(
     told: list[tuple[int, int]] = []
     jobs = launch_replicas(config, "rep", progress=lambda done, total: told.append((done, total)))
     try:
-        assert [j.name for j in jobs] == ["rep-0", "rep-1", "rep-2"]
-        # one bar for the three: its total never changes, and it ends full
+        assert [j.name for j in jobs] == ["rep-0", "rep-1"]
+        # one bar for the two: its total never changes, and it ends full
         assert len({total for _, total in told}) == 1 and told[-1][0] == told[-1][1] > 0, told
         assert [done for done, _ in told] == sorted(done for done, _ in told), told
         node = ray.get_runtime_context().get_node_id()
         assert {j.config.nodes for j in jobs} == {f"{node}=1"} and len(
             {s.gpu_index for j in jobs for s in j.plan.stages}
-        ) == NUM_GPUS
+        ) == 2
         assert all(j.plan.options.objective == "throughput" for j in jobs)
 
         def run(i: int) -> torch.Tensor:
@@ -696,12 +697,12 @@ def test_replicas_each_on_their_own_gpu_and_a_lost_worker_stays_in_its_replica(
                 kill_actor(jobs[0].workers[0].actor)
             return jobs[i].generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)
 
-        with ThreadPoolExecutor(NUM_GPUS) as pool:
-            outs = list(pool.map(run, range(NUM_GPUS)))
+        with ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(run, range(2)))
         assert all(torch.equal(out, expected) for out in outs)
         # each load's engine runs in its keeper, which recovered it: its record has the events
         events = [registry.load_record(j.name)[1]["events"] for j in jobs]
-        assert [[e["event"] for e in load] for load in events] == [["replaced workers"], [], []]
+        assert [[e["event"] for e in load] for load in events] == [["replaced workers"], []]
     finally:
         for job in reversed(jobs):
             registry.forget(job.name)
@@ -741,7 +742,7 @@ def test_replicas_each_on_their_own_gpu_and_a_lost_worker_stays_in_its_replica(
     try:
         with pytest.raises(LaunchError, match="fail-1: failed on purpose"):
             # two replicas on two of the GPUs: one loading while the other fails
-            launch_replicas(dataclasses.replace(config, replicas=2, nodes=f"{node}=2"), "fail")
+            launch_replicas(config, "fail")
     finally:
         launching._start = real_start
     assert settles_to(before), holdings()  # no load, record or placement group of any replica
