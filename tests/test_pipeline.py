@@ -663,13 +663,14 @@ def test_replicas_each_on_their_own_gpu_and_a_lost_worker_stays_in_its_replica(
 
     checkpoint = checkpoints["llama"]
     index = load_index(checkpoint)
+    node = ray.get_runtime_context().get_node_id()
     config = JobConfig(
         checkpoint=checkpoint,
         max_batch=2,
         max_seq_len=16,
         objective="throughput",
         replicas=2,
-        nodes=f"{ray.get_runtime_context().get_node_id()}=2",  # two GPUs of this node
+        nodes=f"{node}=2",  # two GPUs of this node
         gpu_memory_bytes=index.total_bytes * 2,
     )
     ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(4))
@@ -683,7 +684,6 @@ def test_replicas_each_on_their_own_gpu_and_a_lost_worker_stays_in_its_replica(
         # one bar for the two: its total never changes, and it ends full
         assert len({total for _, total in told}) == 1 and told[-1][0] == told[-1][1] > 0, told
         assert [done for done, _ in told] == sorted(done for done, _ in told), told
-        node = ray.get_runtime_context().get_node_id()
         assert {j.config.nodes for j in jobs} == {f"{node}=1"} and len(
             {s.gpu_index for j in jobs for s in j.plan.stages}
         ) == 2
