@@ -129,3 +129,35 @@ def release_what_the_test_left():
             f"left behind, now released: named loads {loads}, placement groups {groups}",
             stacklevel=1,
         )
+
+
+@pytest.fixture(autouse=True, scope="session")
+def nodes_measured_what_the_tests_launch():
+    """The tests' simulated nodes find each model they launch measured (`worker.compute_probe`),
+    as a machine finds the models it ran before: the launches in this process measure the
+    model's decoder layer here (this process imported torch and the model's code at collection)
+    before their nodes' probes run, so the probes read it from the node's cache. Measured by the
+    probe task itself, each first launch of a model shape cost a Ray worker torch's and the
+    model's imports (~4.7 CPU-s, six times in a sampled suite). The measuring itself in a probe
+    process stays tested: `test_probe` (a probe with an empty cache, in a process of its own)
+    and `test_compute_probe` (the timing, the cache and its lock). Only where Ray's launch code
+    was collected (a Ray test module): no import of Ray for it."""
+    if "coordinator.runtime.launch" not in sys.modules or torch.cuda.is_available():
+        yield  # with CUDA the probes measure the GPU, which this process does not use
+        return
+    from coordinator.runtime import launch, recovery
+    from worker.compute_probe import measure
+
+    real = launch.model_of
+
+    def model_of(index, config):
+        model = real(index, config)
+        config_json, dtype, threads = model
+        with contextlib.suppress(Exception):  # a model the probe cannot build: it says so
+            measure(config_json, dtype, "cpu", threads=threads)
+        return model
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launch, "model_of", model_of)
+        patch.setattr(recovery, "model_of", model_of)
+        yield
