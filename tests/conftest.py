@@ -145,7 +145,9 @@ def nodes_measured_what_the_tests_launch():
     if "coordinator.runtime.launch" not in sys.modules or torch.cuda.is_available():
         yield  # with CUDA the probes measure the GPU, which this process does not use
         return
-    from coordinator.runtime import launch, recovery
+    # `launch` only: a re-plan in this process (coordinator.runtime.recovery) is of a model
+    # that its launch here measured already.
+    from coordinator.runtime import launch
     from worker.compute_probe import measure
 
     real = launch.model_of
@@ -159,5 +161,4 @@ def nodes_measured_what_the_tests_launch():
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(launch, "model_of", model_of)
-        patch.setattr(recovery, "model_of", model_of)
         yield
