@@ -26,6 +26,9 @@ time limit, the limits capped so that the whole run ends within TOTAL_BUDGET_S):
                     each, bf16): logits of transformers on the same device
   batched           the engine's batched steps in process (LocalPipeline, two stages, three
                     prompts at once): each prompt's greedy tokens those of transformers alone
+  engine_speed      what a step costs beyond its compute: 8 concurrent requests on one stage
+                    (resident; 60% offloaded) against transformers' batch of 8, the engine's
+                    own time per step and per token
   pytest_gpu        tests/test_gpu.py, where pytest and hypothesis are installed
 
 Writes DIR/summary.md (the table for bench/RESULTS.md), DIR/results.json, and per section
@@ -781,6 +784,150 @@ def section_batched(s: Section) -> None:
             )
 
 
+def _batch_run(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, list]:
+    """transformers' greedy `generate` on one batch of the (equally long) prompts: tokens/s and
+    each row's new tokens."""
+    import torch
+
+    batch = torch.tensor(prompts, device=model.device)
+    _synchronize(model.device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            batch,
+            attention_mask=torch.ones_like(batch),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+        )
+    _synchronize(model.device)
+    rate = len(prompts) * new_tokens / (time.perf_counter() - start)
+    return rate, [row[len(prompts[0]) :].tolist() for row in out]
+
+
+def _engine_run(engine, worker, prompts: list[list[int]], new_tokens: int):
+    """The prompts as concurrent greedy requests: tokens/s, each one's tokens, the engine's
+    steps, and the seconds of the run outside the stage's timed forward."""
+    from worker.steps import Sampling
+
+    steps, forward_s = engine.stats.steps, worker.report().forward_s
+    start = time.perf_counter()
+    requests = [engine.submit([p], sampling=Sampling(), max_new_tokens=new_tokens) for p in prompts]
+    outs = [r.result(300)[0] for r in requests]
+    wall = time.perf_counter() - start
+    outside = wall - (worker.report().forward_s - forward_s)
+    return len(prompts) * new_tokens / wall, outs, engine.stats.steps - steps, outside
+
+
+def _synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def section_engine_speed(s: Section) -> None:
+    """What a step costs beyond its compute on this device (issue 22's target, bench/engine.py
+    on Ray and the CPU): 8 concurrent requests on one in-process stage against transformers'
+    `generate` on one batch of the same 8 prompts, interleaved repeats, the median ratio. The
+    engine's own time per step is the run's wall time per step less the stage's timed forward
+    (model and token choice). float32 without TF32: every greedy text must be transformers'."""
+    import torch
+
+    from coordinator.engine import Engine, EngineConfig
+    from coordinator.engine.pipelines import LocalPipeline
+    from coordinator.planning.checkpoint import load_index
+    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+    from worker.spec import StageSpec
+    from worker.worker import StageWorker
+
+    if s.cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    n, prompt_len = 8, 8
+    new_tokens, repeats = (8, 1) if s.dry else (64, 3)
+    tiny = dict(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, vocab_size=4096)
+    cases = {"tiny": (CheckpointShape(intermediate_size=352, **tiny), 0.0)}
+    if not s.dry:  # bench/batching.py's 106 MiB llama, ~60% of its decoder bytes offloaded
+        cases["bench"] = (
+            CheckpointShape(
+                num_layers=8,
+                hidden_size=512,
+                num_heads=8,
+                num_kv_heads=4,
+                intermediate_size=1408,
+                vocab_size=4096,
+                max_shard_bytes=64 * 2**20,
+            ),
+            0.6,
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        for case, (shape, offload_share) in cases.items():
+            index = load_index(make_checkpoint(Path(tmp) / case, shape))
+            g = torch.Generator().manual_seed(3)
+            prompts = [
+                torch.randint(3, shape.vocab_size, (prompt_len,), generator=g).tolist()
+                for _ in range(n)
+            ]
+            model = _reference_model(index, torch.float32, s.device)
+            layers = [layer.name for layer in index.layers if layer.name.startswith("layers.")]
+            offloaded = tuple(layers[: round(offload_share * len(layers))])
+            spec = StageSpec(
+                stage=0,
+                num_stages=1,
+                checkpoint_dir=str(index.root),
+                config=index.config,
+                dtype=index.dtype,
+                layers=index.layers,
+                offloaded=offloaded,
+                backend="prefetch",
+            )
+            worker = StageWorker(spec, device=str(s.device), num_threads=torch.get_num_threads())
+            engine = None
+            try:
+                worker.load()
+                engine = Engine(
+                    LocalPipeline([worker]),
+                    EngineConfig(num_slots=n, max_seq_len=160, micro_batches=1),
+                )
+
+                _engine_run(engine, worker, prompts, new_tokens)  # warm-up: kernels, buffers
+                _batch_run(model, prompts, new_tokens)
+                ratios, rows, mismatches = [], [], 0
+                for _ in range(repeats):
+                    rate, outs, steps, engine_s = _engine_run(engine, worker, prompts, new_tokens)
+                    hf_rate, expected = _batch_run(model, prompts, new_tokens)
+                    ratios.append(rate / hf_rate)
+                    rows.append((rate, hf_rate, steps, engine_s))
+                    mismatches += sum(o != e for o, e in zip(outs, expected, strict=True))
+            finally:
+                if engine is not None:
+                    engine.close()
+                worker.close()
+                del model
+            median = statistics.median
+            steps = median(r[2] for r in rows)
+            engine_step_ms = 1e3 * median(r[3] / r[2] for r in rows)
+            s.data[case] = {
+                "offloaded_layers": len(offloaded),
+                "ours_tokens_per_s": round(median(r[0] for r in rows)),
+                "hf_tokens_per_s": round(median(r[1] for r in rows)),
+                "ratio": round(median(ratios), 3),
+                "ratios": [round(r, 3) for r in ratios],
+                "steps": steps,
+                "wall_per_step_ms": round(
+                    1e3 * median(n * new_tokens / r[0] / r[2] for r in rows), 3
+                ),
+                "engine_per_step_ms": round(engine_step_ms, 3),
+                "engine_per_token_ms": round(engine_step_ms * steps / (n * new_tokens), 4),
+            }
+            s.check(
+                f"{case}: {n} concurrent requests = transformers' batch, greedy, every repeat",
+                mismatches == 0,
+                f"{mismatches} of {n * repeats} texts differ" if mismatches else "",
+            )
+
+
 def section_pytest_gpu(s: Section) -> None:
     if s.dry:
         raise Skip("dry run: the suite runs tests/test_gpu.py itself (skipped without CUDA)")
@@ -819,6 +966,7 @@ SECTIONS: dict[str, tuple[Callable[[Section], None], float]] = {
     "prefetch_timing": (section_prefetch_timing, 75),
     "stage": (section_stage, 75),
     "batched": (section_batched, 90),
+    "engine_speed": (section_engine_speed, 120),
     "pytest_gpu": (section_pytest_gpu, 240),
 }
 
