@@ -228,7 +228,9 @@ def quantize_into(dst: QuantizedTensor, src: torch.Tensor) -> None:
         chunk = weights[first:end].to(device=q.device, dtype=torch.float32)
         blocks = chunk.view((end - first) // block_rows, block_rows, cols // block_cols, block_cols)
         amax = blocks.abs().amax(dim=(1, 3))
-        scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+        # divided by a tensor: CUDA divides by a host scalar as a product with its reciprocal
+        # (a bit off IEEE division), and a weight must quantize alike wherever it is
+        scale = torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.ones_like(amax))
         scales[first // block_rows : end // block_rows].copy_(scale)
         scaled = chunk / _factors(scale, 0, end - first, fmt.block)
         if fmt.dtype == torch.int8:

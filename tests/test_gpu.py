@@ -116,6 +116,26 @@ def test_prefetch_on_a_side_stream_matches_resident(
     assert torch.equal(run_stack(modules, x), reference)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "block"), [(torch.int8, (1, 128)), (torch.float8_e4m3fn, (128, 128))]
+)
+def test_a_weight_quantizes_bitwise_alike_on_cuda_and_on_the_cpu(dtype, block) -> None:
+    """CUDA divides by a host scalar as a product with its reciprocal, one bit off IEEE
+    division: the same weight quantized on the GPU and on the CPU (where a loader quantizes
+    into host memory) gives the same values and scales, so a reference built on either side
+    equals what the offloader keeps."""
+    from offload.quant import BlockFormat, quantized
+
+    fmt = BlockFormat(dtype, block)
+    weight = torch.randn(512, 1024, generator=torch.Generator().manual_seed(5)) * 0.05
+    on_cpu, on_cuda = quantized(weight, fmt), quantized(weight.to(CUDA), fmt)
+    assert torch.equal(on_cuda.scales.cpu(), on_cpu.scales)
+    assert torch.equal(on_cuda.q.cpu().view(torch.uint8), on_cpu.q.view(torch.uint8))
+    assert torch.equal(
+        on_cuda.dequantized(torch.bfloat16, CUDA).cpu(), on_cpu.dequantized(torch.bfloat16)
+    )
+
+
 @pytest.mark.parametrize("pin", ["on", "off"])
 @pytest.mark.parametrize(("layers", "step"), [((0, 1, 2, 3, 4, 5), 2), ((1, 3, 4), 1)])
 def test_8bit_layers_are_dequantized_on_the_side_stream(
