@@ -831,7 +831,10 @@ def section_engine_speed(s: Section) -> None:
     on Ray and the CPU): 8 concurrent requests on one in-process stage against transformers'
     `generate` on one batch of the same 8 prompts, interleaved repeats, the median ratio. The
     engine's own time per step is the run's wall time per step less the stage's timed forward
-    (model and token choice). float32 without TF32: every greedy text must be transformers'."""
+    (model and token choice). float32 without TF32: every greedy text must be transformers'.
+    On a GPU also a ~0.7B bfloat16 llama, all resident, where a step is more than kernel
+    launches; in bf16 a batch's rounding may differ from transformers' (its texts are counted,
+    not checked)."""
     import torch
 
     from coordinator.engine import Engine, EngineConfig
@@ -861,6 +864,20 @@ def section_engine_speed(s: Section) -> None:
             ),
             0.6,
         )
+    if s.cuda:
+        cases["0.7b-bf16"] = (
+            CheckpointShape(
+                num_layers=12,
+                hidden_size=2048,
+                num_heads=16,
+                num_kv_heads=8,
+                intermediate_size=5632,
+                vocab_size=32000,
+                dtype="bfloat16",
+                max_shard_bytes=512 * 2**20,
+            ),
+            0.0,
+        )
     with tempfile.TemporaryDirectory() as tmp:
         for case, (shape, offload_share) in cases.items():
             index = load_index(make_checkpoint(Path(tmp) / case, shape))
@@ -869,7 +886,7 @@ def section_engine_speed(s: Section) -> None:
                 torch.randint(3, shape.vocab_size, (prompt_len,), generator=g).tolist()
                 for _ in range(n)
             ]
-            model = _reference_model(index, torch.float32, s.device)
+            model = _reference_model(index, getattr(torch, shape.dtype), s.device)
             layers = [layer.name for layer in index.layers if layer.name.startswith("layers.")]
             offloaded = tuple(layers[: round(offload_share * len(layers))])
             spec = StageSpec(
@@ -921,11 +938,13 @@ def section_engine_speed(s: Section) -> None:
                 "engine_per_step_ms": round(engine_step_ms, 3),
                 "engine_per_token_ms": round(engine_step_ms * steps / (n * new_tokens), 4),
             }
-            s.check(
-                f"{case}: {n} concurrent requests = transformers' batch, greedy, every repeat",
-                mismatches == 0,
-                f"{mismatches} of {n * repeats} texts differ" if mismatches else "",
-            )
+            s.data[case]["texts_equal"] = f"{n * repeats - mismatches}/{n * repeats}"
+            if shape.dtype == "float32":
+                s.check(
+                    f"{case}: {n} concurrent requests = transformers' batch, greedy, every repeat",
+                    mismatches == 0,
+                    f"{mismatches} of {n * repeats} texts differ" if mismatches else "",
+                )
 
 
 def section_pytest_gpu(s: Section) -> None:
