@@ -790,7 +790,7 @@ def _batch_run(model, prompts: list[list[int]], new_tokens: int) -> tuple[float,
     import torch
 
     batch = torch.tensor(prompts, device=model.device)
-    _synchronize(model.device)
+    _sync(model.device)
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
@@ -800,7 +800,7 @@ def _batch_run(model, prompts: list[list[int]], new_tokens: int) -> tuple[float,
             do_sample=False,
             eos_token_id=None,
         )
-    _synchronize(model.device)
+    _sync(model.device)
     rate = len(prompts) * new_tokens / (time.perf_counter() - start)
     return rate, [row[len(prompts[0]) :].tolist() for row in out]
 
@@ -817,13 +817,6 @@ def _engine_run(engine, worker, prompts: list[list[int]], new_tokens: int):
     wall = time.perf_counter() - start
     outside = wall - (worker.report().forward_s - forward_s)
     return len(prompts) * new_tokens / wall, outs, engine.stats.steps - steps, outside
-
-
-def _synchronize(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def section_engine_speed(s: Section) -> None:
@@ -937,8 +930,8 @@ def section_engine_speed(s: Section) -> None:
                 ),
                 "engine_per_step_ms": round(engine_step_ms, 3),
                 "engine_per_token_ms": round(engine_step_ms * steps / (n * new_tokens), 4),
+                "texts_equal": f"{n * repeats - mismatches}/{n * repeats}",
             }
-            s.data[case]["texts_equal"] = f"{n * repeats - mismatches}/{n * repeats}"
             if shape.dtype == "float32":
                 s.check(
                     f"{case}: {n} concurrent requests = transformers' batch, greedy, every repeat",
