@@ -38,7 +38,6 @@ mismatch is printed and the script exits 1. About 2 minutes on 2 cores (--quick:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import shutil
@@ -55,13 +54,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.generate import machine, stamping_streamer
+from bench.generate import machine
+from bench.workload import MIB, bench_shape, greedy_batch, prompts_for, stamping_streamer
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import load_index
 from coordinator.runtime.launch import launch
-from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.tools.make_checkpoint import make_checkpoint
 
-MIB = 2**20
 THREADS = 1  # per worker (JobConfig's cpus_per_worker default) and for transformers
 MAX_BATCH = 16
 RESIDENT_SHARE = 0.4  # of the decoder bytes each GPU's budget keeps resident
@@ -70,37 +69,6 @@ STALL_CHUNKS = (256, 4096)  # prefill_tokens: in chunks, and the whole prompt in
 TARGET_RATIO_AT_8 = 0.8
 TARGET_BYTES = 1.25
 TARGET_BATCH1 = 1.15
-
-
-def bench_shape(quick: bool) -> CheckpointShape:
-    """The benchmarks' model: a 106 MiB float32 llama, or a tiny one for --quick runs."""
-    shape = CheckpointShape(
-        arch="llama",
-        num_layers=8,
-        hidden_size=512,
-        num_heads=8,
-        num_kv_heads=4,
-        intermediate_size=1408,
-        vocab_size=4096,
-        max_positions=2048,
-        max_shard_bytes=64 * MIB,
-    )
-    if quick:
-        shape = dataclasses.replace(
-            shape,
-            num_layers=4,
-            hidden_size=64,
-            num_heads=4,
-            num_kv_heads=2,
-            intermediate_size=128,
-            vocab_size=512,
-        )
-    return shape
-
-
-def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (1, length), generator=g) for _ in range(n)]
 
 
 def copied_bytes(job) -> int:
@@ -124,20 +92,11 @@ def ours(job, pool, prompts: list[torch.Tensor], new: int) -> tuple[float, list,
 
 
 def theirs(model, prompts: list[torch.Tensor], new: int) -> tuple[float, torch.Tensor, list[float]]:
-    batch = torch.cat(prompts).to(model.device)
     streamer = stamping_streamer() if len(prompts) == 1 else None
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            batch,
-            attention_mask=torch.ones_like(batch),
-            max_new_tokens=new,
-            do_sample=False,
-            eos_token_id=None,
-            streamer=streamer,
-        )
-    rate = len(prompts) * new / (time.perf_counter() - start)
-    return rate, out, streamer.stamps[1:] if streamer else []
+    _, seconds, out = greedy_batch(
+        model, torch.cat(prompts).to(model.device), new, streamer=streamer
+    )
+    return len(prompts) * new / seconds, out, streamer.stamps[1:] if streamer else []
 
 
 def per_token(stamps: list[float]) -> float:

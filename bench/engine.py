@@ -32,8 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.batching import MAX_BATCH, THREADS, bench_shape, budget_for, ours, prompts_for, theirs
+from bench.batching import MAX_BATCH, THREADS, budget_for, ours, theirs
 from bench.generate import machine
+from bench.workload import bench_shape, prompts_for
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import load_index
 from coordinator.runtime.launch import launch

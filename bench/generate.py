@@ -61,6 +61,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.workload import greedy_batch, stamping_streamer
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import CheckpointIndex, load_index
 from coordinator.runtime.launch import launch
@@ -123,36 +124,9 @@ def machine() -> str:
     )
 
 
-def stamping_streamer():
-    """A `generate` streamer that timestamps what it is given: the prompt first, then each
-    step's new tokens (`.stamps[1:]`: one per new token)."""
-    from transformers.generation.streamers import BaseStreamer
-
-    class Stamps(BaseStreamer):
-        def __init__(self) -> None:
-            self.stamps: list[float] = []
-
-        def put(self, value) -> None:
-            self.stamps.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
-
-    return Stamps()
-
-
 def theirs(model, ids: torch.Tensor, new_tokens: int) -> tuple[dict, torch.Tensor]:
     streamer = stamping_streamer()
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            streamer=streamer,
-        )
+    start, _, out = greedy_batch(model, ids, new_tokens, streamer=streamer)
     stamps = streamer.stamps[1:]
     assert len(stamps) == new_tokens, (len(stamps), new_tokens)
     return timing(start, stamps), out

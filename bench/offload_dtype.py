@@ -52,8 +52,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.batching import THREADS, bench_shape, budget_for, ours, prompts_for
+from bench.batching import THREADS, budget_for, ours
 from bench.generate import machine
+from bench.workload import bench_shape, prompts_for
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import load_index
 from coordinator.runtime.launch import launch

@@ -1,7 +1,7 @@
 """Throughput planner benchmark: does the plan predict what it delivers, and is its batch the
 best one?
 
-The benchmarks' 106 MiB float32 llama (bench/batching.py's `bench_shape`), max_seq_len 128
+The benchmarks' 106 MiB float32 llama (bench/workload.py's `bench_shape`), max_seq_len 128
 (a sequence's KV cache: 2 MiB over the 8 layers, so a larger batch pushes weights off a GPU).
 Per scenario (1 stage, 2 stages: a fresh embedded Ray with that many logical GPUs, the device
 being the CPU, and a per-GPU budget that holds the weights at batch 1 but not beside the KV
@@ -43,8 +43,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.batching import bench_shape, prompts_for
 from bench.generate import machine
+from bench.workload import bench_shape, prompts_for
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import load_index
 from coordinator.planning.options import DEFAULT_OPTIONS

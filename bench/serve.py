@@ -55,7 +55,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.batching import RESIDENT_SHARE, bench_shape, budget_for
+from bench.batching import RESIDENT_SHARE, budget_for
+from bench.workload import bench_shape
 from coordinator.planning.checkpoint import load_index
 from coordinator.tools.make_checkpoint import make_checkpoint
 from worker.spec import DEFAULT_BLOCK_SIZE as BLOCK_SIZE

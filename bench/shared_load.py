@@ -32,9 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.batching import bench_shape
 from bench.generate import machine
 from bench.serve import free_port, level
+from bench.workload import bench_shape
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import load_index
 from coordinator.runtime import registry

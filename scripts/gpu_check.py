@@ -789,20 +789,11 @@ def _batch_run(model, prompts: list[list[int]], new_tokens: int) -> tuple[float,
     each row's new tokens."""
     import torch
 
+    from bench.workload import greedy_batch
+
     batch = torch.tensor(prompts, device=model.device)
-    _sync(model.device)
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            batch,
-            attention_mask=torch.ones_like(batch),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-        )
-    _sync(model.device)
-    rate = len(prompts) * new_tokens / (time.perf_counter() - start)
-    return rate, [row[len(prompts[0]) :].tolist() for row in out]
+    _, seconds, out = greedy_batch(model, batch, new_tokens, sync=lambda: _sync(model.device))
+    return len(prompts) * new_tokens / seconds, [row[len(prompts[0]) :].tolist() for row in out]
 
 
 def _engine_run(engine, worker, prompts: list[list[int]], new_tokens: int):
@@ -830,6 +821,7 @@ def section_engine_speed(s: Section) -> None:
     not checked)."""
     import torch
 
+    from bench.workload import bench_shape
     from coordinator.engine import Engine, EngineConfig
     from coordinator.engine.pipelines import LocalPipeline
     from coordinator.planning.checkpoint import load_index
@@ -844,19 +836,8 @@ def section_engine_speed(s: Section) -> None:
     new_tokens, repeats = (8, 1) if s.dry else (64, 3)
     tiny = dict(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, vocab_size=4096)
     cases = {"tiny": (CheckpointShape(intermediate_size=352, **tiny), 0.0)}
-    if not s.dry:  # bench/batching.py's 106 MiB llama, ~60% of its decoder bytes offloaded
-        cases["bench"] = (
-            CheckpointShape(
-                num_layers=8,
-                hidden_size=512,
-                num_heads=8,
-                num_kv_heads=4,
-                intermediate_size=1408,
-                vocab_size=4096,
-                max_shard_bytes=64 * 2**20,
-            ),
-            0.6,
-        )
+    if not s.dry:  # the benchmarks' 106 MiB llama, ~60% of its decoder bytes offloaded
+        cases["bench"] = (bench_shape(quick=False), 0.6)
     if s.cuda:
         cases["0.7b-bf16"] = (
             CheckpointShape(
