@@ -18,7 +18,6 @@ must equal transformers' on its prompt alone (exit 1 otherwise).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 import statistics
@@ -34,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.batching import MAX_BATCH, THREADS, budget_for, ours, theirs
 from bench.generate import machine
-from bench.workload import bench_shape, prompts_for
+from bench.workload import bench_shape, prompts_for, tiny_engine_shape
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import load_index
 from coordinator.runtime.launch import launch
@@ -47,18 +46,7 @@ TARGETS = {"tiny": 0.85, "bench": 0.9}
 
 
 def shape_of(case: str):
-    shape = bench_shape(quick=False)
-    if case == "tiny":
-        shape = dataclasses.replace(
-            shape,
-            num_layers=4,
-            hidden_size=128,
-            num_heads=4,
-            num_kv_heads=2,
-            intermediate_size=352,
-            vocab_size=4096,
-        )
-    return shape
+    return tiny_engine_shape() if case == "tiny" else bench_shape(quick=False)
 
 
 def engine_time(job, before: tuple[int, float], wall_s: float) -> dict:

@@ -42,6 +42,20 @@ def bench_shape(quick: bool) -> CheckpointShape:
     return shape
 
 
+def tiny_engine_shape() -> CheckpointShape:
+    """Issue 22's tiny llama (4 layers, hidden 128), where an engine step is almost all
+    overhead: bench/engine.py's "tiny" case and the GPU check's."""
+    return dataclasses.replace(
+        bench_shape(quick=False),
+        num_layers=4,
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=352,
+        vocab_size=4096,
+    )
+
+
 def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[torch.Tensor]:
     """n random prompts of `length` tokens (1 x length each), none of the first 3 ids."""
     g = torch.Generator().manual_seed(seed)

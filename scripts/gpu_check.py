@@ -821,7 +821,7 @@ def section_engine_speed(s: Section) -> None:
     not checked)."""
     import torch
 
-    from bench.workload import bench_shape
+    from bench.workload import bench_shape, tiny_engine_shape
     from coordinator.engine import Engine, EngineConfig
     from coordinator.engine.pipelines import LocalPipeline
     from coordinator.planning.checkpoint import load_index
@@ -834,8 +834,7 @@ def section_engine_speed(s: Section) -> None:
         torch.backends.cudnn.allow_tf32 = False
     n, prompt_len = 8, 8
     new_tokens, repeats = (8, 1) if s.dry else (64, 3)
-    tiny = dict(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, vocab_size=4096)
-    cases = {"tiny": (CheckpointShape(intermediate_size=352, **tiny), 0.0)}
+    cases = {"tiny": (tiny_engine_shape(), 0.0)}
     if not s.dry:  # the benchmarks' 106 MiB llama, ~60% of its decoder bytes offloaded
         cases["bench"] = (bench_shape(quick=False), 0.6)
     if s.cuda:
