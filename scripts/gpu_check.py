@@ -29,6 +29,8 @@ time limit, the limits capped so that the whole run ends within TOTAL_BUDGET_S):
   engine_speed      what a step costs beyond its compute: 8 concurrent requests on one stage
                     (resident; 60% offloaded) against transformers' batch of 8, the engine's
                     own time per step and per token
+  step_profile      where a decode step's time goes at ~0.7B bf16, ours against transformers':
+                    wall and device time per step, the kernels, under torch's profiler
   pytest_gpu        tests/test_gpu.py, where pytest and hypothesis are installed
 
 Writes DIR/summary.md (the table for bench/RESULTS.md), DIR/results.json, and per section
@@ -810,6 +812,75 @@ def _engine_run(engine, worker, prompts: list[list[int]], new_tokens: int):
     return len(prompts) * new_tokens / wall, outs, engine.stats.steps - steps, outside
 
 
+def _big_shape():
+    """A ~0.7B bfloat16 llama (12 layers, hidden 2048): on a GPU a step is more than kernel
+    launches."""
+    from coordinator.tools.make_checkpoint import CheckpointShape
+
+    return CheckpointShape(
+        num_layers=12,
+        hidden_size=2048,
+        num_heads=16,
+        num_kv_heads=8,
+        intermediate_size=5632,
+        vocab_size=32000,
+        dtype="bfloat16",
+        max_shard_bytes=512 * 2**20,
+    )
+
+
+@contextlib.contextmanager
+def _one_stage_engine(
+    s: Section, shape, offload_share: float, n: int, prompt_len: int, *, burst_steps: int = 0
+):
+    """A checkpoint of `shape` in a temporary folder, `n` random prompts of `prompt_len` tokens,
+    transformers' model of it on the device, and one in-process stage (the first
+    `offload_share` of its decoder layers offloaded, prefetch) behind an engine of `n` slots
+    (`burst_steps`: EngineConfig's): yields (prompts, model, worker, engine, offloaded layer names); closes all of it."""
+    import torch
+
+    from coordinator.engine import Engine, EngineConfig
+    from coordinator.engine.pipelines import LocalPipeline
+    from coordinator.planning.checkpoint import load_index
+    from coordinator.tools.make_checkpoint import make_checkpoint
+    from worker.spec import StageSpec
+    from worker.worker import StageWorker
+
+    tmp = tempfile.TemporaryDirectory()
+    index = load_index(make_checkpoint(Path(tmp.name) / "model", shape))
+    g = torch.Generator().manual_seed(3)
+    prompts = [
+        torch.randint(3, shape.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(n)
+    ]
+    model = _reference_model(index, getattr(torch, shape.dtype), s.device)
+    layers = [layer.name for layer in index.layers if layer.name.startswith("layers.")]
+    offloaded = tuple(layers[: round(offload_share * len(layers))])
+    spec = StageSpec(
+        stage=0,
+        num_stages=1,
+        checkpoint_dir=str(index.root),
+        config=index.config,
+        dtype=index.dtype,
+        layers=index.layers,
+        offloaded=offloaded,
+        backend="prefetch",
+    )
+    worker = StageWorker(spec, device=str(s.device), num_threads=torch.get_num_threads())
+    engine = None
+    try:
+        worker.load()
+        engine = Engine(
+            LocalPipeline([worker]),
+            EngineConfig(num_slots=n, max_seq_len=160, micro_batches=1, burst_steps=burst_steps),
+        )
+        yield prompts, model, worker, engine, offloaded
+    finally:
+        if engine is not None:
+            engine.close()
+        worker.close()
+        tmp.cleanup()
+
+
 def section_engine_speed(s: Section) -> None:
     """What a step costs beyond its compute on this device (issue 22's target, bench/engine.py
     on Ray and the CPU): 8 concurrent requests on one in-process stage against transformers'
@@ -822,12 +893,6 @@ def section_engine_speed(s: Section) -> None:
     import torch
 
     from bench.workload import bench_shape, tiny_engine_shape
-    from coordinator.engine import Engine, EngineConfig
-    from coordinator.engine.pipelines import LocalPipeline
-    from coordinator.planning.checkpoint import load_index
-    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
-    from worker.spec import StageSpec
-    from worker.worker import StageWorker
 
     if s.cuda:
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -838,86 +903,151 @@ def section_engine_speed(s: Section) -> None:
     if not s.dry:  # the benchmarks' 106 MiB llama, ~60% of its decoder bytes offloaded
         cases["bench"] = (bench_shape(quick=False), 0.6)
     if s.cuda:
-        cases["0.7b-bf16"] = (
-            CheckpointShape(
-                num_layers=12,
-                hidden_size=2048,
-                num_heads=16,
-                num_kv_heads=8,
-                intermediate_size=5632,
-                vocab_size=32000,
-                dtype="bfloat16",
-                max_shard_bytes=512 * 2**20,
-            ),
-            0.0,
-        )
-    with tempfile.TemporaryDirectory() as tmp:
-        for case, (shape, offload_share) in cases.items():
-            index = load_index(make_checkpoint(Path(tmp) / case, shape))
-            g = torch.Generator().manual_seed(3)
-            prompts = [
-                torch.randint(3, shape.vocab_size, (prompt_len,), generator=g).tolist()
-                for _ in range(n)
-            ]
-            model = _reference_model(index, getattr(torch, shape.dtype), s.device)
-            layers = [layer.name for layer in index.layers if layer.name.startswith("layers.")]
-            offloaded = tuple(layers[: round(offload_share * len(layers))])
-            spec = StageSpec(
-                stage=0,
-                num_stages=1,
-                checkpoint_dir=str(index.root),
-                config=index.config,
-                dtype=index.dtype,
-                layers=index.layers,
-                offloaded=offloaded,
-                backend="prefetch",
+        cases["0.7b-bf16"] = (_big_shape(), 0.0)
+    for case, (shape, offload_share) in cases.items():
+        with _one_stage_engine(s, shape, offload_share, n, prompt_len) as (
+            prompts,
+            model,
+            worker,
+            engine,
+            offloaded,
+        ):
+            _engine_run(engine, worker, prompts, new_tokens)  # warm-up: kernels, buffers
+            _batch_run(model, prompts, new_tokens)
+            ratios, rows, mismatches = [], [], 0
+            for _ in range(repeats):
+                rate, outs, steps, engine_s = _engine_run(engine, worker, prompts, new_tokens)
+                hf_rate, expected = _batch_run(model, prompts, new_tokens)
+                ratios.append(rate / hf_rate)
+                rows.append((rate, hf_rate, steps, engine_s))
+                mismatches += sum(o != e for o, e in zip(outs, expected, strict=True))
+        median = statistics.median
+        steps = median(r[2] for r in rows)
+        engine_step_ms = 1e3 * median(r[3] / r[2] for r in rows)
+        s.data[case] = {
+            "offloaded_layers": len(offloaded),
+            "ours_tokens_per_s": round(median(r[0] for r in rows)),
+            "hf_tokens_per_s": round(median(r[1] for r in rows)),
+            "ratio": round(median(ratios), 3),
+            "ratios": [round(r, 3) for r in ratios],
+            "steps": steps,
+            "wall_per_step_ms": round(1e3 * median(n * new_tokens / r[0] / r[2] for r in rows), 3),
+            "engine_per_step_ms": round(engine_step_ms, 3),
+            "engine_per_token_ms": round(engine_step_ms * steps / (n * new_tokens), 4),
+            "texts_equal": f"{n * repeats - mismatches}/{n * repeats}",
+        }
+        if shape.dtype == "float32":
+            s.check(
+                f"{case}: {n} concurrent requests = transformers' batch, greedy, every repeat",
+                mismatches == 0,
+                f"{mismatches} of {n * repeats} texts differ" if mismatches else "",
             )
-            worker = StageWorker(spec, device=str(s.device), num_threads=torch.get_num_threads())
-            engine = None
-            try:
-                worker.load()
-                engine = Engine(
-                    LocalPipeline([worker]),
-                    EngineConfig(num_slots=n, max_seq_len=160, micro_batches=1),
-                )
 
-                _engine_run(engine, worker, prompts, new_tokens)  # warm-up: kernels, buffers
-                _batch_run(model, prompts, new_tokens)
-                ratios, rows, mismatches = [], [], 0
-                for _ in range(repeats):
-                    rate, outs, steps, engine_s = _engine_run(engine, worker, prompts, new_tokens)
-                    hf_rate, expected = _batch_run(model, prompts, new_tokens)
-                    ratios.append(rate / hf_rate)
-                    rows.append((rate, hf_rate, steps, engine_s))
-                    mismatches += sum(o != e for o, e in zip(outs, expected, strict=True))
-            finally:
-                if engine is not None:
-                    engine.close()
-                worker.close()
-                del model
-            median = statistics.median
-            steps = median(r[2] for r in rows)
-            engine_step_ms = 1e3 * median(r[3] / r[2] for r in rows)
-            s.data[case] = {
-                "offloaded_layers": len(offloaded),
-                "ours_tokens_per_s": round(median(r[0] for r in rows)),
-                "hf_tokens_per_s": round(median(r[1] for r in rows)),
-                "ratio": round(median(ratios), 3),
-                "ratios": [round(r, 3) for r in ratios],
+
+def _profiled(prof) -> tuple[list, list]:
+    """From a finished profiler: the device's kernels and copies, and the host's operators, each
+    as (name, self seconds, count), longest first (no kernels on a CPU)."""
+    import torch
+
+    kernels, ops = [], []
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            self_us = getattr(e, "self_device_time_total", None)
+            if self_us is None:
+                self_us = e.self_cuda_time_total
+            kernels.append((e.key, self_us / 1e6, e.count))
+        else:
+            ops.append((e.key, e.self_cpu_time_total / 1e6, e.count))
+    return sorted(kernels, key=lambda k: -k[1]), sorted(ops, key=lambda k: -k[1])
+
+
+def section_step_profile(s: Section) -> None:
+    """Where a decode step's time goes, ours against transformers', at ~0.7B bf16 on a GPU (the
+    tiny llama on a CPU dry run). Ours: 8 concurrent requests through one in-process stage,
+    one step per engine turn (no bursts), each decode step's `batch_step` call recorded; those
+    calls are then run again in this thread (the profiler sees this thread's operators only,
+    and a step written again writes the same keys and values). Theirs: `generate` on one batch
+    of the same 8 prompts (its prefill included, one step in 32). Each under torch's profiler
+    after a warm-up. Per step: wall time,
+    the device's busy time (its kernels and copies), kernel launches, and the kernels and host
+    operators that take the most time (all of them in step_profile.txt). A step whose device
+    time is far below its wall time is bound by the host (launches, Python), not the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.workload import tiny_engine_shape
+
+    n, prompt_len, new_tokens = 8, 8, (8 if s.dry else 32)
+    shape = tiny_engine_shape() if s.dry else _big_shape()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.cuda else [])
+    lines = []
+    with _one_stage_engine(s, shape, 0.0, n, prompt_len, burst_steps=1) as (
+        prompts,
+        model,
+        worker,
+        engine,
+        _,
+    ):
+        recorded = []
+        batch_step = worker.batch_step
+
+        def recording(rows, x, draw=None, wire=True):
+            if rows.width == 1:
+                recorded.append((rows, x, draw))
+            return batch_step(rows, x, draw, wire=wire)
+
+        worker.batch_step = recording
+        _engine_run(engine, worker, prompts, new_tokens)  # warm-up: kernels, buffers
+        _batch_run(model, prompts, new_tokens)
+        recorded.clear()
+        _, ours, engine_steps, outside = _engine_run(engine, worker, prompts, new_tokens)
+        worker.batch_step = batch_step
+        s.data["engine_without_bursts"] = {
+            "steps": engine_steps,
+            "outside_stage_per_step_ms": round(1e3 * outside / engine_steps, 3),
+        }
+        runs = {}
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for rows, x, draw in recorded:
+                worker.batch_step(rows, x, draw, wire=False)
+            _sync(s.device)
+            runs["ours"] = (prof, time.perf_counter() - start, len(recorded))
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            _, theirs = _batch_run(model, prompts, new_tokens)
+            runs["transformers"] = (prof, time.perf_counter() - start, new_tokens)
+        for side, (prof, wall, steps) in runs.items():
+            kernels, ops = _profiled(prof)
+            s.data[side] = {
                 "steps": steps,
-                "wall_per_step_ms": round(
-                    1e3 * median(n * new_tokens / r[0] / r[2] for r in rows), 3
-                ),
-                "engine_per_step_ms": round(engine_step_ms, 3),
-                "engine_per_token_ms": round(engine_step_ms * steps / (n * new_tokens), 4),
-                "texts_equal": f"{n * repeats - mismatches}/{n * repeats}",
+                "wall_per_step_ms": round(1e3 * wall / steps, 3),
+                "device_per_step_ms": round(1e3 * sum(k[1] for k in kernels) / steps, 3),
+                "kernels_per_step": round(sum(k[2] for k in kernels) / steps, 1),
+                "top_kernels_ms_per_step": {
+                    name[:60]: round(1e3 * sec / steps, 3) for name, sec, _ in kernels[:6]
+                },
+                "top_host_ops_ms_per_step": {
+                    name[:40]: round(1e3 * sec / steps, 3) for name, sec, _ in ops[:6]
+                },
             }
-            if shape.dtype == "float32":
-                s.check(
-                    f"{case}: {n} concurrent requests = transformers' batch, greedy, every repeat",
-                    mismatches == 0,
-                    f"{mismatches} of {n * repeats} texts differ" if mismatches else "",
-                )
+            lines.append(f"== {side}: {steps} steps, {wall:.3f} s")
+            for what, rows in (("device kernels", kernels), ("host operators", ops)):
+                lines.append(f"-- {what} (self time)")
+                lines += [
+                    f"{1e3 * sec / steps:9.3f} ms/step {count / steps:7.1f}/step  {name}"
+                    for name, sec, count in rows[:25]
+                ]
+            lines.append("")
+        same = sum(o == t for o, t in zip(ours, theirs, strict=True))
+        s.data["texts_equal"] = f"{same}/{n}"
+    (s.out / "step_profile.txt").write_text("\n".join(lines))
+    s.check(
+        "both sides profiled, with the device's kernels where there is one",
+        len(recorded) >= new_tokens - 2
+        and all(s.data[side]["wall_per_step_ms"] > 0 for side in runs)
+        and (not s.cuda or all(s.data[side]["device_per_step_ms"] > 0 for side in runs)),
+        f"{len(recorded)} decode steps recorded",
+    )
 
 
 def section_pytest_gpu(s: Section) -> None:
@@ -959,6 +1089,7 @@ SECTIONS: dict[str, tuple[Callable[[Section], None], float]] = {
     "stage": (section_stage, 75),
     "batched": (section_batched, 90),
     "engine_speed": (section_engine_speed, 120),
+    "step_profile": (section_step_profile, 90),
     "pytest_gpu": (section_pytest_gpu, 240),
 }
 
