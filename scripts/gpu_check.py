@@ -31,6 +31,8 @@ time limit, the limits capped so that the whole run ends within TOTAL_BUDGET_S):
                     own time per step and per token
   step_profile      where a decode step's time goes at ~0.7B bf16, ours against transformers':
                     wall and device time per step, the kernels, under torch's profiler
+  attention_graphs  a fresh engine's first pass over its shapes against a warm one, with
+                    cuDNN's attention (a graph built per shape) on and off
   pytest_gpu        tests/test_gpu.py, where pytest and hypothesis are installed
 
 Writes DIR/summary.md (the table for bench/RESULTS.md), DIR/results.json, and per section
@@ -968,7 +970,8 @@ def section_step_profile(s: Section) -> None:
     calls are then run again in this thread (the profiler sees this thread's operators only,
     and a step written again writes the same keys and values). Theirs: `generate` on one batch
     of the same 8 prompts (its prefill included, one step in 32). Each under torch's profiler
-    after a warm-up. Per step: wall time,
+    after a warm-up. Also the engine's rate on its first pass over the steps' shapes against
+    a warm pass (cuDNN's attention, which a stage turns off, built a graph per new shape). Per step: wall time,
     the device's busy time (its kernels and copies), kernel launches, and the kernels and host
     operators that take the most time (all of them in step_profile.txt). A step whose device
     time is far below its wall time is bound by the host (launches, Python), not the GPU."""
@@ -996,14 +999,17 @@ def section_step_profile(s: Section) -> None:
             return batch_step(rows, x, draw, wire=wire)
 
         worker.batch_step = recording
-        _engine_run(engine, worker, prompts, new_tokens)  # warm-up: kernels, buffers
+        # the first pass over each step's shapes, then warm: what kernels built per shape cost
+        first, *_ = _engine_run(engine, worker, prompts, new_tokens)
         _batch_run(model, prompts, new_tokens)
         recorded.clear()
-        _, ours, engine_steps, outside = _engine_run(engine, worker, prompts, new_tokens)
+        warm, ours, engine_steps, outside = _engine_run(engine, worker, prompts, new_tokens)
         worker.batch_step = batch_step
         s.data["engine_without_bursts"] = {
             "steps": engine_steps,
             "outside_stage_per_step_ms": round(1e3 * outside / engine_steps, 3),
+            "first_pass_tokens_per_s": round(first),
+            "warm_tokens_per_s": round(warm),
         }
         runs = {}
         with profile(activities=activities) as prof:
@@ -1050,6 +1056,44 @@ def section_step_profile(s: Section) -> None:
     )
 
 
+def section_attention_graphs(s: Section) -> None:
+    """Why a CUDA stage turns cuDNN's attention off (`worker.stage.
+    avoid_per_shape_attention_graphs`), measured again on this machine's torch: a fresh
+    engine's first pass over its steps' shapes (8 requests x 48 tokens at ~0.7B bf16; the
+    tiny llama in bf16 on a dry run), then a warm pass, with cuDNN's attention on and off.
+    cuDNN builds a graph for every new shape and caches it per thread; if a later torch makes
+    that cheap, `on` catches up with `off` on the first pass and the switch can go."""
+    from dataclasses import replace
+
+    import torch
+
+    from bench.workload import tiny_engine_shape
+
+    n, prompt_len, new_tokens = 8, 8, (8 if s.dry else 48)
+    shape = replace(tiny_engine_shape(), dtype="bfloat16") if s.dry else _big_shape()
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        for label, cudnn in (
+            ("cudnn off", False),
+            ("cudnn on", True),
+        ):  # on gets the warmer process
+            with _one_stage_engine(s, shape, 0.0, n, prompt_len) as (p, _, worker, engine, _):
+                torch.backends.cuda.enable_cudnn_sdp(cudnn)  # after the stage's worker set it
+                first, *_ = _engine_run(engine, worker, p, new_tokens)
+                warm, *_ = _engine_run(engine, worker, p, new_tokens)
+                s.data[label] = {
+                    "first_pass_tokens_per_s": round(first),
+                    "warm_tokens_per_s": round(warm),
+                    "first_over_warm": round(first / warm, 3),
+                }
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
+    s.check(
+        "both ways measured",
+        all(s.data[k]["warm_tokens_per_s"] > 0 for k in ("cudnn on", "cudnn off")),
+    )
+
+
 def section_pytest_gpu(s: Section) -> None:
     if s.dry:
         raise Skip("dry run: the suite runs tests/test_gpu.py itself (skipped without CUDA)")
@@ -1090,6 +1134,7 @@ SECTIONS: dict[str, tuple[Callable[[Section], None], float]] = {
     "batched": (section_batched, 90),
     "engine_speed": (section_engine_speed, 120),
     "step_profile": (section_step_profile, 90),
+    "attention_graphs": (section_attention_graphs, 120),
     "pytest_gpu": (section_pytest_gpu, 240),
 }
 

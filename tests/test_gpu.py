@@ -383,3 +383,76 @@ def test_batched_generation_on_cuda_equals_transformers_alone(tmp_path, backend:
                 eos_token_id=None,
             )
         assert tokens == out[0, len(prompt) :].tolist()
+
+
+def test_a_cuda_stage_runs_attention_without_cudnn_graphs(tmp_path) -> None:
+    """cuDNN's SDPA builds a graph for every new shape (~17 ms each on an H200, cached per
+    thread), and a serving stage meets a new shape at almost every step. A CUDA stage's worker
+    turns it off: bf16 forwards of three lengths run SDPA, never cuDNN's attention, and match
+    transformers' logits on the same GPU (whose attention then takes the same kernels)."""
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM
+
+    from coordinator.planning.checkpoint import load_index
+    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+    from worker.spec import StageSpec
+    from worker.worker import StageWorker
+
+    def attention_ops(run) -> list[str]:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run()
+        return [e.key for e in prof.key_averages() if "attention" in e.key]
+
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    worker = None
+    try:
+        q, k, v = (torch.randn(2, 4, 7, 128, device=CUDA, dtype=torch.bfloat16) for _ in range(3))
+        control = attention_ops(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        if not any("cudnn" in op for op in control):
+            pytest.skip(f"this torch does not choose cuDNN's attention here ({control})")
+        index = load_index(
+            make_checkpoint(
+                tmp_path / "llama",
+                CheckpointShape(
+                    num_layers=2,
+                    hidden_size=512,
+                    num_heads=4,
+                    num_kv_heads=2,
+                    intermediate_size=1024,
+                    vocab_size=512,
+                    dtype="bfloat16",
+                ),
+            )
+        )
+        spec = StageSpec(
+            stage=0,
+            num_stages=1,
+            checkpoint_dir=str(index.root),
+            config=index.config,
+            dtype=index.dtype,
+            layers=index.layers,
+            offloaded=(),
+        )
+        worker = StageWorker(spec, device="cuda")
+        worker.load()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        g = torch.Generator().manual_seed(0)
+        batches = [torch.randint(0, 512, (2, n), generator=g) for n in (5, 6, 9)]
+        outs = []
+        ops = attention_ops(lambda: outs.extend(worker.forward(ids) for ids in batches))
+        assert any("scaled_dot_product" in op for op in ops), ops
+        assert not any("cudnn" in op for op in ops), ops
+        model = AutoModelForCausalLM.from_pretrained(
+            index.root, dtype=torch.bfloat16, device_map="cuda"
+        )
+        for ids, out in zip(batches, outs, strict=True):
+            with torch.no_grad():
+                expected = model(ids.to(CUDA)).logits.cpu()
+            tolerance = 2 * torch.finfo(torch.bfloat16).eps * float(expected.float().abs().max())
+            assert float((out.float() - expected.float()).abs().max()) <= tolerance
+    finally:
+        if worker is not None:
+            worker.close()
+        torch.backends.cuda.enable_cudnn_sdp(was)

@@ -313,3 +313,22 @@ def test_the_last_stage_keeps_each_slots_settings_for_its_owner_only(index) -> N
             worker.batch_step(rows(0, 3, ("engine-a", 2)), prompt, Draw((True,)))
     finally:
         worker.close()
+
+
+def test_only_a_cuda_stage_turns_cudnn_attention_off(index) -> None:
+    """cuDNN's attention builds a graph per new input shape (bench/RESULTS.md, GPU check): a
+    stage on a CUDA device turns it off for its process, a CPU stage leaves torch as it was.
+    The GPU test checks that a CUDA stage's steps then run without it."""
+    from worker.stage import avoid_per_shape_attention_graphs
+
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        worker = StageWorker(spec_for(index, offloaded=()), device="cpu")
+        worker.close()
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        assert avoid_per_shape_attention_graphs(torch.device("cuda"))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert not avoid_per_shape_attention_graphs(torch.device("cuda"))  # already off
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)

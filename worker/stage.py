@@ -241,6 +241,25 @@ class Stage(nn.Module):
             self._incoming = None
 
 
+def avoid_per_shape_attention_graphs(device: torch.device) -> bool:
+    """On a CUDA device, turn off cuDNN's attention for this process (torch's SDPA then takes
+    its flash or memory-efficient kernel); returns whether it was on.
+
+    cuDNN's SDPA (the first choice of torch 2.11 for bf16 on Hopper) builds a graph for every
+    new shape of its inputs (rows, heads, positions), ~17 ms each on an H200, and caches it per
+    thread. A serving stage meets a new shape at almost every step: rows join and leave, every
+    sequence grows by one position, prefills come in every length. Measured on the H200 (0.7B
+    bf16 llama, 8 requests x 48 tokens, bench/RESULTS.md): the engine's first pass over those
+    lengths ran at 100 tokens/s with cuDNN and 592 without it, warm 551-665 and 643-648. The
+    flash kernel builds nothing per shape. Process-wide, because the flag is torch's and a
+    worker's process is its stage's; a stage driven in-process changes its caller's torch too
+    (stated in the README)."""
+    if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return True
+
+
 def _route_masks(base_class: type) -> None:
     """Let the model's own code ask a `BatchView` for its masks: the module defining
     `base_class` calls `create_causal_mask` / `create_sliding_window_causal_mask` /

@@ -34,7 +34,7 @@ from worker.placement import Placement, materialize
 from worker.reporting import Snapshots, device_memory, pin_decision, pin_origin, storage_bytes
 from worker.snapshot import CopyCounters, StageSnapshot
 from worker.spec import OFFLOAD_UNITS, StageSpec, parameter_formats, torch_dtype_named
-from worker.stage import Stage
+from worker.stage import Stage, avoid_per_shape_attention_graphs
 from worker.startup import settle
 from worker.steps import Draw, StepRows, pack_out
 from worker.wire import Packed, pack, unpack
@@ -63,6 +63,7 @@ class StageWorker:
             torch.set_num_threads(num_threads)
         self.gpu_memory_bytes = gpu_memory_bytes
         self.attn_implementation = attn_implementation
+        avoid_per_shape_attention_graphs(self.device)
         self.probe = probe_node(DECISION_STEPS)  # the node's rates come from probe_here()
         # Import the model's transformers modules now, with the process start, so `load_s`
         # measures loading (building the stage and reading its bytes) and nothing else.
