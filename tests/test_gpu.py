@@ -456,3 +456,37 @@ def test_a_cuda_stage_runs_attention_without_cudnn_graphs(tmp_path) -> None:
         if worker is not None:
             worker.close()
         torch.backends.cuda.enable_cudnn_sdp(was)
+
+
+def test_the_compute_probe_times_attention_as_a_stage_runs_it(tmp_path) -> None:
+    """The planner's compute probe times decode steps of growing length: with cuDNN's attention
+    each would include a graph build. On CUDA it turns cuDNN's attention off as a stage does,
+    and its steps run without it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from coordinator.planning.checkpoint import load_index
+    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+    from worker.compute_probe import measure
+
+    shape = CheckpointShape(
+        num_layers=2,
+        hidden_size=512,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=1024,
+        vocab_size=512,
+        dtype="bfloat16",
+    )
+    config = load_index(make_checkpoint(tmp_path / "llama", shape)).config
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            found = measure(config, "bfloat16", "cuda", use_cache=False)
+        ops = [e.key for e in prof.key_averages() if "attention" in e.key]
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert any("scaled_dot_product" in op for op in ops), ops
+        assert not any("cudnn" in op for op in ops), ops
+        assert all(t > 0 for t in found.layer_s), found
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)

@@ -199,8 +199,12 @@ def _measure(config: dict, dtype: str, device: torch.device) -> ComputeProfile:
     import torch
 
     from worker.spec import torch_dtype_named
+    from worker.stage import avoid_per_shape_attention_graphs
     from worker.steps import StepRows
 
+    # attention as a worker runs it: with cuDNN's, each timed step (a new number of positions)
+    # would include building its graph
+    avoid_per_shape_attention_graphs(device)
     torch_dtype = torch_dtype_named(dtype)
     generator = torch.Generator(device=device).manual_seed(0)
     two = int(config.get("num_hidden_layers", 1)) >= 2
