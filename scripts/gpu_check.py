@@ -33,6 +33,8 @@ time limit, the limits capped so that the whole run ends within TOTAL_BUDGET_S):
                     wall and device time per step, the kernels, under torch's profiler
   attention_graphs  a fresh engine's first pass over its shapes against a warm one, with
                     cuDNN's attention (a graph built per shape) on and off
+  planner_rate      the planner's compute probe on this device against the engine's steps at
+                    4 and 16 concurrent requests
   pytest_gpu        tests/test_gpu.py, where pytest and hypothesis are installed
 
 Writes DIR/summary.md (the table for bench/RESULTS.md), DIR/results.json, and per section
@@ -1094,6 +1096,46 @@ def section_attention_graphs(s: Section) -> None:
     )
 
 
+def section_planner_rate(s: Section) -> None:
+    """The planner's compute probe on this device (`worker.compute_probe.measure`, not cached)
+    against the steps the engine then runs: a ~0.7B bf16 llama (the tiny llama in bf16 on a dry
+    run), one resident stage, 4 and 16 concurrent greedy requests, warm. The prediction is the
+    probe's stage step plus its layers (what the plan uses: no head, no token choice, no
+    engine); the measured step is all of it, so a ratio a little under 1 is expected. On the
+    CPU here the planner was within 18% (bench/RESULTS.md); this is its first check on a GPU."""
+    from dataclasses import replace
+
+    from bench.workload import tiny_engine_shape
+    from worker.compute_probe import measure
+
+    shape = replace(tiny_engine_shape(), dtype="bfloat16") if s.dry else _big_shape()
+    sizes, new_tokens = (4, 16), (8 if s.dry else 32)
+    with _one_stage_engine(s, shape, 0.0, max(sizes), 8) as (prompts, _, worker, engine, _):
+        profile = measure(worker.spec.config, shape.dtype, s.device, use_cache=False)
+        s.data["compute_profile"] = {
+            "rows": list(profile.rows),
+            "layer_ms": [round(1e3 * t, 3) for t in profile.layer_s],
+            "fixed_ms": [round(1e3 * t, 3) for t in profile.fixed_s],
+        }
+        for rows in sizes:
+            _engine_run(engine, worker, prompts[:rows], new_tokens)  # warm-up
+            rate, _, steps, _ = _engine_run(engine, worker, prompts[:rows], new_tokens)
+            step_ms = 1e3 * rows * new_tokens / rate / steps
+            predicted_ms = 1e3 * (
+                profile.fixed_step_s(rows) + shape.num_layers * profile.step_s(rows)
+            )
+            s.data[f"{rows} rows"] = {
+                "predicted_step_ms": round(predicted_ms, 3),
+                "measured_step_ms": round(step_ms, 3),
+                "predicted_over_measured": round(predicted_ms / step_ms, 3),
+            }
+    s.check(
+        "probe and engine measured at every size",
+        all(s.data[f"{rows} rows"]["measured_step_ms"] > 0 for rows in sizes)
+        and all(t > 0 for t in profile.layer_s),
+    )
+
+
 def section_pytest_gpu(s: Section) -> None:
     if s.dry:
         raise Skip("dry run: the suite runs tests/test_gpu.py itself (skipped without CUDA)")
@@ -1135,6 +1177,7 @@ SECTIONS: dict[str, tuple[Callable[[Section], None], float]] = {
     "engine_speed": (section_engine_speed, 120),
     "step_profile": (section_step_profile, 90),
     "attention_graphs": (section_attention_graphs, 120),
+    "planner_rate": (section_planner_rate, 90),
     "pytest_gpu": (section_pytest_gpu, 240),
 }
 
