@@ -385,19 +385,11 @@ def test_batched_generation_on_cuda_equals_transformers_alone(tmp_path, backend:
         assert tokens == out[0, len(prompt) :].tolist()
 
 
-def test_a_cuda_stage_runs_attention_without_cudnn_graphs(tmp_path) -> None:
-    """cuDNN's SDPA builds a graph for every new shape (~17 ms each on an H200, cached per
-    thread), and a serving stage meets a new shape at almost every step. A CUDA stage's worker
-    turns it off: bf16 forwards of three lengths run SDPA, never cuDNN's attention, and match
-    transformers' logits on the same GPU (whose attention then takes the same kernels)."""
-    import torch.nn.functional as F
+@pytest.fixture
+def cudnn_attention_on():
+    """cuDNN's attention on, as in a fresh process (whatever an earlier stage set), and the flag
+    as it was afterwards; yields a function listing the attention operators a call runs."""
     from torch.profiler import ProfilerActivity, profile
-    from transformers import AutoModelForCausalLM
-
-    from coordinator.planning.checkpoint import load_index
-    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
-    from worker.spec import StageSpec
-    from worker.worker import StageWorker
 
     def attention_ops(run) -> list[str]:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -406,67 +398,16 @@ def test_a_cuda_stage_runs_attention_without_cudnn_graphs(tmp_path) -> None:
 
     was = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(True)
-    worker = None
     try:
-        q, k, v = (torch.randn(2, 4, 7, 128, device=CUDA, dtype=torch.bfloat16) for _ in range(3))
-        control = attention_ops(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        if not any("cudnn" in op for op in control):
-            pytest.skip(f"this torch does not choose cuDNN's attention here ({control})")
-        index = load_index(
-            make_checkpoint(
-                tmp_path / "llama",
-                CheckpointShape(
-                    num_layers=2,
-                    hidden_size=512,
-                    num_heads=4,
-                    num_kv_heads=2,
-                    intermediate_size=1024,
-                    vocab_size=512,
-                    dtype="bfloat16",
-                ),
-            )
-        )
-        spec = StageSpec(
-            stage=0,
-            num_stages=1,
-            checkpoint_dir=str(index.root),
-            config=index.config,
-            dtype=index.dtype,
-            layers=index.layers,
-            offloaded=(),
-        )
-        worker = StageWorker(spec, device="cuda")
-        worker.load()
-        assert not torch.backends.cuda.cudnn_sdp_enabled()
-        g = torch.Generator().manual_seed(0)
-        batches = [torch.randint(0, 512, (2, n), generator=g) for n in (5, 6, 9)]
-        outs = []
-        ops = attention_ops(lambda: outs.extend(worker.forward(ids) for ids in batches))
-        assert any("scaled_dot_product" in op for op in ops), ops
-        assert not any("cudnn" in op for op in ops), ops
-        model = AutoModelForCausalLM.from_pretrained(
-            index.root, dtype=torch.bfloat16, device_map="cuda"
-        )
-        for ids, out in zip(batches, outs, strict=True):
-            with torch.no_grad():
-                expected = model(ids.to(CUDA)).logits.cpu()
-            tolerance = 2 * torch.finfo(torch.bfloat16).eps * float(expected.float().abs().max())
-            assert float((out.float() - expected.float()).abs().max()) <= tolerance
+        yield attention_ops
     finally:
-        if worker is not None:
-            worker.close()
         torch.backends.cuda.enable_cudnn_sdp(was)
 
 
-def test_the_compute_probe_times_attention_as_a_stage_runs_it(tmp_path) -> None:
-    """The planner's compute probe times decode steps of growing length: with cuDNN's attention
-    each would include a graph build. On CUDA it turns cuDNN's attention off as a stage does,
-    and its steps run without it."""
-    from torch.profiler import ProfilerActivity, profile
-
+def bf16_llama(tmp_path):
+    """The index of a 2-layer bf16 llama whose heads (128 wide) cuDNN's attention takes."""
     from coordinator.planning.checkpoint import load_index
     from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
-    from worker.compute_probe import measure
 
     shape = CheckpointShape(
         num_layers=2,
@@ -477,16 +418,69 @@ def test_the_compute_probe_times_attention_as_a_stage_runs_it(tmp_path) -> None:
         vocab_size=512,
         dtype="bfloat16",
     )
-    config = load_index(make_checkpoint(tmp_path / "llama", shape)).config
-    was = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(True)
+    return load_index(make_checkpoint(tmp_path / "llama", shape))
+
+
+def test_a_cuda_stage_runs_attention_without_cudnn_graphs(tmp_path, cudnn_attention_on) -> None:
+    """cuDNN's SDPA builds a graph for every new shape (~17 ms each on an H200, cached per
+    thread), and a serving stage meets a new shape at almost every step. A CUDA stage's worker
+    turns it off: bf16 forwards of three lengths run SDPA, never cuDNN's attention, and match
+    transformers' logits on the same GPU (whose attention then takes the same kernels)."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from worker.spec import StageSpec
+    from worker.worker import StageWorker
+
+    attention_ops = cudnn_attention_on
+    q, k, v = (torch.randn(2, 4, 7, 128, device=CUDA, dtype=torch.bfloat16) for _ in range(3))
+    control = attention_ops(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    if not any("cudnn" in op for op in control):
+        pytest.skip(f"this torch does not choose cuDNN's attention here ({control})")
+    index = bf16_llama(tmp_path)
+    spec = StageSpec(
+        stage=0,
+        num_stages=1,
+        checkpoint_dir=str(index.root),
+        config=index.config,
+        dtype=index.dtype,
+        layers=index.layers,
+        offloaded=(),
+    )
+    worker = StageWorker(spec, device="cuda")
     try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            found = measure(config, "bfloat16", "cuda", use_cache=False)
-        ops = [e.key for e in prof.key_averages() if "attention" in e.key]
+        worker.load()
         assert not torch.backends.cuda.cudnn_sdp_enabled()
-        assert any("scaled_dot_product" in op for op in ops), ops
-        assert not any("cudnn" in op for op in ops), ops
-        assert all(t > 0 for t in found.layer_s), found
+        g = torch.Generator().manual_seed(0)
+        batches = [torch.randint(0, 512, (2, n), generator=g) for n in (5, 6, 9)]
+        outs = []
+        ops = attention_ops(lambda: outs.extend(worker.forward(ids) for ids in batches))
     finally:
-        torch.backends.cuda.enable_cudnn_sdp(was)
+        worker.close()
+    assert any("scaled_dot_product" in op for op in ops), ops
+    assert not any("cudnn" in op for op in ops), ops
+    model = AutoModelForCausalLM.from_pretrained(
+        index.root, dtype=torch.bfloat16, device_map="cuda"
+    )
+    for ids, out in zip(batches, outs, strict=True):
+        with torch.no_grad():
+            expected = model(ids.to(CUDA)).logits.cpu()
+        tolerance = 2 * torch.finfo(torch.bfloat16).eps * float(expected.float().abs().max())
+        assert float((out.float() - expected.float()).abs().max()) <= tolerance
+
+
+def test_the_compute_probe_times_attention_as_a_stage_runs_it(tmp_path, cudnn_attention_on) -> None:
+    """The planner's compute probe times decode steps of growing length: with cuDNN's attention
+    each would include a graph build. On CUDA it turns cuDNN's attention off as a stage does,
+    and its steps run without it."""
+    from worker.compute_probe import measure
+
+    config = bf16_llama(tmp_path).config
+    found = []
+    ops = cudnn_attention_on(
+        lambda: found.append(measure(config, "bfloat16", "cuda", use_cache=False))
+    )
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    assert any("scaled_dot_product" in op for op in ops), ops
+    assert not any("cudnn" in op for op in ops), ops
+    assert all(t > 0 for t in found[0].layer_s), found
