@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.batching import THREADS, budget_for, ours
 from bench.generate import machine
-from bench.workload import bench_shape, prompts_for
+from bench.workload import bench_shape, greedy_batch, prompts_for
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import load_index
 from coordinator.runtime.launch import launch
@@ -185,15 +185,8 @@ def family_quality(root: Path, new: int = 64) -> list[dict]:
             continue
         model = AutoModelForCausalLM.from_pretrained(str(index.root), dtype=torch.bfloat16).eval()
         prompts = torch.cat(prompts_for(4, PROMPT, index.config["vocab_size"], seed=5))
+        _, _, out = greedy_batch(model, prompts, new)
         with torch.no_grad():
-            out = model.generate(
-                prompts,
-                attention_mask=torch.ones_like(prompts),
-                max_new_tokens=new,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
             base = model(out).logits[:, PROMPT - 1 : -1].float()
         # the floor: the bf16 model's own full forward against its incremental greedy tokens
         floor = float((base.argmax(-1) == out[:, PROMPT:]).float().mean())
