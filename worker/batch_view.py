@@ -109,7 +109,7 @@ class BatchView(Cache):
         n = blocks_for(self.kv_length, size)
         # Every row in its slot's home region (`KvPool.region_blocks`), and the positions up to
         # kv_length inside it: the rows are read through a view of the stores (consecutive
-        # slots) or one copy per row, not a gather of each block
+        # slots) or one copy of each row's first kv_length positions, not a gather of each block
         region = pool.region_blocks
         home = n <= region and all(
             list(t) == list(range(slot * region, slot * region + len(t)))
@@ -176,9 +176,10 @@ class BatchView(Cache):
             regions = store[: pool.num_slots * pool.region_blocks].view(
                 pool.num_slots, pool.region_blocks * pool.block_size, *store.shape[2:]
             )
-            rows = regions[self._home]
-        else:
-            rows = store[self._read].flatten(1, 2)  # (rows, blocks x block_size, heads, dim)
+            # narrowed to the step's keys before the rows are picked: slots not consecutive
+            # copy rows x kv_length positions, not every row's whole region (max_seq_len)
+            return regions[:, : self.kv_length][self._home].transpose(1, 2)
+        rows = store[self._read].flatten(1, 2)  # (rows, blocks x block_size, heads, dim)
         return rows[:, : self.kv_length].transpose(1, 2)
 
     # recurrent state (transformers' LinearAttentionLayer interface, per row from the slots)

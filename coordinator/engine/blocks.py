@@ -19,7 +19,12 @@ whose rows all sit in theirs is read through a view of the workers' stores, as a
 sequence would be, not gathered block by block (`worker.batch_cache.KvPool.region_blocks`).
 Blocks from elsewhere (the highest free first: the pool's tail past every region, then the
 ends of the last regions, which only long sequences reach) keep a sequence going past its
-region, and shared prefix blocks are wherever they were filled: those steps gather.
+region, and shared prefix blocks are wherever they were filled: those steps gather. A home
+block that holds a cached prefix nobody runs is not free: it is taken for new keys only when
+no free block is left anywhere, and then only as the least recently used named block, as any
+other. A hit saves computing a block at every layer; a gather costs a copy of the step's keys.
+So with prefix caching, a sequence whose home blocks still hold an ended sequence's prefix
+takes free blocks elsewhere, and its steps gather, until that prefix is evicted or reused.
 
 Without Ray and threads: the scheduler calls it from the engine's one loop.
 """
@@ -68,18 +73,19 @@ class BlockPool:
         return slot * self.region + index if index < self.region else None
 
     def take(self, preferred: int | None = None) -> int:
-        """A block for new keys: `preferred` (a home block) when nobody holds it (a name it
-        had goes), else the highest free one, else the least recently used named one (its name
-        goes). The caller checked `available`."""
+        """A block for new keys: `preferred` (a home block) when it is free, else the highest
+        free one, else the least recently used named one nobody holds (its name goes). A named
+        block is never taken while a free one is left, even as someone's home: that would
+        throw away a cached prefix for a view's sake. The caller checked `available`."""
         if preferred is not None and preferred in self._free:
             block = preferred
-            self._free.discard(block)
-        elif preferred is not None and preferred in self._evictable:
-            block = self._evict(preferred)
+            self._free.discard(block)  # its heap entry goes stale: skipped, or valid once freed
         elif self._free:
-            while -self._highest[0] not in self._free:  # entries taken as someone's home
-                heapq.heappop(self._highest)
-            block = -heapq.heappop(self._highest)
+            while True:
+                block = -heapq.heappop(self._highest)
+                self._queued.discard(block)
+                if block in self._free:  # else taken as someone's home since it was pushed
+                    break
             self._free.discard(block)
         else:
             block = self._evict(next(iter(self._evictable)))  # the least recently used
@@ -94,12 +100,19 @@ class BlockPool:
 
     def _all_free(self) -> None:
         self._free: set[int] = set(range(self.num_blocks))
-        self._highest: list[int] = [-b for b in range(self.num_blocks)]  # a max-heap, lazily pruned
+        # The free blocks as a max-heap, lazily pruned: a home block taken leaves its entry
+        # behind (stale until popped). `_queued` holds the blocks with an entry, so freeing a
+        # block whose stale entry is still there pushes nothing: at most one entry per block,
+        # where a push per release grew it by one per take-and-release cycle of a home block.
+        self._highest: list[int] = [-b for b in range(self.num_blocks)]
         heapq.heapify(self._highest)
+        self._queued: set[int] = set(range(self.num_blocks))
 
     def _set_free(self, block: int) -> None:
         self._free.add(block)
-        heapq.heappush(self._highest, -block)
+        if block not in self._queued:
+            self._queued.add(block)
+            heapq.heappush(self._highest, -block)
 
     def release(self, blocks: Sequence[int]) -> None:
         """A sequence lets its blocks go (it ended, or was preempted)."""

@@ -50,10 +50,36 @@ class Sequence:
     # (the chunks' as they come, by first position, until its first token: then joined)
     logprobs: list[Logprobs] = field(default_factory=list)
     prompt_chunks: dict[int, Logprobs] = field(default_factory=dict)
+    # `tokens`, kept: the prompt and generated lists it was made of, and the prompt's length
+    _tokens: list[int] = field(default_factory=list, init=False, repr=False)
+    _tokens_of: tuple[list[int], int, list[int]] | None = field(
+        default=None, init=False, repr=False
+    )
 
     @property
     def tokens(self) -> list[int]:
-        return self.prompt + self.generated
+        """Its prompt then what it generated, as one list to read, never to change. The
+        scheduler reads it for every row of every step (the last token, the count, a chunk),
+        so it is kept and only extended by what `generated` gained since the last read, not
+        built again (that cost O(length) per row per step). `generated` only grows, in place
+        (the scheduler's update; a client's copy, `coordinator.engine.host`); a prompt or
+        generated list replaced, or one whose length went back, makes it again."""
+        prompt, generated = self.prompt, self.generated
+        made = self._tokens_of
+        known = len(self._tokens) - len(prompt)  # of `generated`, already in it
+        if (
+            made is None
+            or made[0] is not prompt
+            or made[1] != len(prompt)
+            or made[2] is not generated
+            or not 0 <= known <= len(generated)
+        ):
+            self._tokens = [*prompt, *generated]
+            self._tokens_of = (prompt, len(prompt), generated)
+        elif known < len(generated):
+            # a slice assignment, not an append: two readers at once write the same tail
+            self._tokens[len(prompt) + known :] = generated[known:]
+        return self._tokens
 
     @property
     def pending(self) -> int:
