@@ -48,59 +48,129 @@ def positions(rows: StepRows) -> torch.Tensor:
 
 
 def choose_rows(
-    logits: torch.Tensor, rows: StepRows, choose: Sequence[bool], settings: dict
+    logits: torch.Tensor,
+    rows: StepRows,
+    choose: Sequence[bool],
+    settings: dict,
+    refused: dict | None = None,
 ) -> torch.Tensor | Chosen:
     """Each row's next token (CPU, NO_TOKEN where the row does not choose) from its last
     position's logits (rows, vocab), each with its slot's `settings` (slot -> SlotSettings):
     greedy and sampled rows at once on the logits' device (`worker.decode.sample_rows`), a
     row's end tokens masked before its min_tokens, only the tokens copied back; with the
-    log-probabilities of the rows that ask for them (`Chosen`), computed for those rows only."""
+    log-probabilities of the rows that ask for them (`Chosen`), computed for those rows only.
+
+    A row's failure is that row's alone (`Chosen.failed`): its slot's settings were refused
+    (`refused`: slot -> why), its logits hold a NaN, or its draw left the vocabulary. Should
+    choosing the rows together raise, each row is chosen on its own to find the ones at
+    fault (a row's token depends on nothing but its own logits and settings, so the others'
+    tokens are the same either way)."""
+    refused = refused or {}
     choosing = [r for r, take in enumerate(choose) if take]
     if not choosing:
         return torch.full((logits.shape[0],), NO_TOKEN, dtype=torch.long)
+    failed = {r: refused[rows.slots[r]] for r in choosing if rows.slots[r] in refused}
+    able = [r for r in choosing if r not in failed]
+    for r in able:
+        if rows.slots[r] not in settings:
+            raise ValueError(
+                f"slot {rows.slots[r]} chooses a token but its settings never reached this stage"
+            )
     try:
-        chosen_settings = [settings[rows.slots[r]] for r in choosing]
-    except KeyError as exc:
-        raise ValueError(
-            f"slot {exc.args[0]} chooses a token but its settings never reached this stage"
-        ) from None
+        tokens, scored = _choose(logits, rows, able, settings)
+    except Exception:
+        tokens = torch.full((logits.shape[0],), NO_TOKEN, dtype=torch.long)
+        scored = {}
+        for r in able:
+            try:
+                one, one_scored = _choose(logits, rows, [r], settings)
+            except Exception as exc:
+                failed[r] = f"choosing its token failed: {type(exc).__name__}: {exc}"
+                continue
+            tokens[r] = one[r]
+            scored.update(one_scored)
+    vocab = logits.shape[-1]
+    for r in able:
+        if r in failed:
+            continue
+        token = int(tokens[r])
+        if token == _NOT_A_NUMBER:
+            failed[r] = "its logits are not numbers (NaN): the model cannot go on for it"
+        elif not 0 <= token < vocab:
+            failed[r] = f"its draw gave token {token}, outside the vocabulary of {vocab}"
+    for r in failed:  # a placeholder a burst may feed on: the engine never hands it out
+        tokens[r] = 0
+        scored.pop(r, None)
+    if not failed and not scored:
+        return tokens
+    return Chosen(tokens, scored, {}, failed)
+
+
+_NOT_A_NUMBER = -2  # a row whose logits hold a NaN (argmax would pick the NaN's index)
+
+
+def _choose(
+    logits: torch.Tensor, rows: StepRows, choosing: list[int], settings: dict
+) -> tuple[torch.Tensor, dict[int, Logprobs]]:
+    """The tokens of rows `choosing` (CPU (rows,), NO_TOKEN elsewhere, _NOT_A_NUMBER where a
+    row's logits hold a NaN) and the `Logprobs` of those that ask."""
+    if not choosing:
+        return torch.full((logits.shape[0],), NO_TOKEN, dtype=torch.long), {}
+    chosen_settings = [settings[rows.slots[r]] for r in choosing]
     positions = [rows.starts[r] + rows.counts[r] for r in choosing]  # of the tokens chosen
     every = len(choosing) == logits.shape[0]
-    if every and all(s.plain(p) for s, p in zip(chosen_settings, positions, strict=True)):
-        return torch.argmax(logits.to(torch.float32), dim=-1).cpu()  # sample_rows' greedy rows
-    row_settings = RowSettings.of(
-        [s.sampling for s in chosen_settings],
-        [s.seed for s in chosen_settings],
-        positions,
-        [s.banned(p) for s, p in zip(chosen_settings, positions, strict=True)],
-    )
     picked = logits if every else logits[choosing]
-    chosen = sample_rows(picked, row_settings)
+    nan = torch.isnan(picked).any(dim=-1)
+    if all(s.plain(p) for s, p in zip(chosen_settings, positions, strict=True)):
+        # sample_rows' greedy rows, and the NaN rows marked, in one copy to the host
+        marked = torch.argmax(picked.to(torch.float32), dim=-1).masked_fill(nan, _NOT_A_NUMBER)
+        chosen = marked.cpu()
+    else:
+        row_settings = RowSettings.of(
+            [s.sampling for s in chosen_settings],
+            [s.seed for s in chosen_settings],
+            positions,
+            [s.banned(p) for s, p in zip(chosen_settings, positions, strict=True)],
+        )
+        chosen = sample_rows(picked, row_settings).masked_fill(nan.cpu(), _NOT_A_NUMBER)
     if every:
         tokens = chosen
     else:
         tokens = torch.full((logits.shape[0],), NO_TOKEN, dtype=torch.long)
         tokens[choosing] = chosen
-    asking = [i for i, s in enumerate(chosen_settings) if s.logprobs is not None]
+    asking = [
+        i
+        for i, s in enumerate(chosen_settings)
+        if s.logprobs is not None and int(chosen[i]) != _NOT_A_NUMBER
+    ]
     if not asking:
-        return tokens
+        return tokens, {}
     values, top_ids, top_values = logprobs_of(
         picked[asking], chosen[asking], [chosen_settings[i].logprobs for i in asking]
     )
-    return Chosen(
-        tokens,
-        {
-            choosing[i]: Logprobs(
-                start=positions[i],
-                token_ids=(int(chosen[i]),),
-                logprobs=(values[j],),
-                top_ids=(top_ids[j],),
-                top_logprobs=(top_values[j],),
-            )
-            for j, i in enumerate(asking)
-        },
-        {},
-    )
+    return tokens, {
+        choosing[i]: Logprobs(
+            start=positions[i],
+            token_ids=(int(chosen[i]),),
+            logprobs=(values[j],),
+            top_ids=(top_ids[j],),
+            top_logprobs=(top_values[j],),
+        )
+        for j, i in enumerate(asking)
+    }
+
+
+def refusal(settings: SlotSettings) -> str | None:
+    """Why the last stage cannot choose tokens with `settings` (None: it can). The engine
+    checks every request where it enters (`coordinator.engine.requests`), so this only
+    catches a caller that did not: the row then fails alone, never the step."""
+    try:
+        RowSettings.of(
+            [settings.sampling], [settings.seed], [settings.prompt_length], [settings.end_ids]
+        )
+    except (TypeError, ValueError, OverflowError) as exc:
+        return f"its settings were refused: {exc}"
+    return None
 
 
 def prompt_logprobs(
@@ -166,6 +236,7 @@ class BatchRunner:
         # the last stage: each slot's settings, as its owner sent them (Draw.settings), and the
         # last logits of a prompt chunk whose next chunk's first token is to be scored
         self.slot_settings: dict[int, SlotSettings] = {}
+        self.refused: dict[int, str] = {}  # slot -> why its settings cannot be used
         self.prompt_tails: dict[int, torch.Tensor] = {}
         self.last_rows = 0  # sequences in the last step, for reports
         self.last_step_s = 0.0  # this stage's own time in its last step (not the others')
@@ -175,6 +246,7 @@ class BatchRunner:
         the pool until an engine claims it again."""
         self.pool, self.owner, self.last_rows = None, None, 0
         self.slot_settings.clear()
+        self.refused.clear()
         self.prompt_tails.clear()
 
     def claim(self, owner: Owner, *, take: bool = False) -> None:
@@ -188,6 +260,7 @@ class BatchRunner:
             )
         if owner != self.owner:  # a new claim sends every sequence's settings again
             self.slot_settings.clear()
+            self.refused.clear()
             self.prompt_tails.clear()
         self.owner = owner
 
@@ -290,8 +363,14 @@ class BatchRunner:
             if len(draw.choose) != len(rows.slots):
                 raise ValueError("the last stage needs a Draw with one entry per row")
             for slot, settings in draw.settings:  # sequences new to their slots
-                self.slot_settings[slot] = settings
                 self.prompt_tails.pop(slot, None)
+                why = refusal(settings)
+                if why is None:
+                    self.slot_settings[slot] = settings
+                    self.refused.pop(slot, None)
+                else:  # that row fails alone (`choose_rows`), at each of its steps
+                    self.slot_settings.pop(slot, None)
+                    self.refused[slot] = why
             scoring = any(
                 (s := self.slot_settings.get(slot)) is not None
                 and s.prompt_logprobs is not None
@@ -309,12 +388,12 @@ class BatchRunner:
                 return out.cpu()
             if draw is None:  # the last position's logits (rows, vocab): the family check's
                 return out[:, -1].cpu()
-            chosen = choose_rows(out[:, -1], rows, draw.choose, self.slot_settings)
+            chosen = choose_rows(out[:, -1], rows, draw.choose, self.slot_settings, self.refused)
             if not scoring:
                 return chosen
             prompt = prompt_logprobs(out, rows, self.slot_settings, self.prompt_tails)
             if isinstance(chosen, Chosen):
-                return Chosen(chosen.tokens, chosen.chosen, prompt)
+                return replace(chosen, prompt=prompt)
             return Chosen(chosen, {}, prompt)
 
     def ring(

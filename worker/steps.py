@@ -9,7 +9,7 @@ moves their arrays."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from offload.errors import LaunchError
 from worker.names import DEFAULT_BLOCK_SIZE, blocks_for
@@ -147,21 +147,30 @@ class Draw:
 
 @dataclass(frozen=True, slots=True)
 class Chosen:
-    """What the last stage returns when a row of the step asked for log-probabilities: the
-    tokens (as without), and per row (index in the step) the `Logprobs` of its chosen token
-    (`chosen`) and of the prompt positions its chunk fed (`prompt`)."""
+    """What the last stage returns when a row of the step asked for log-probabilities, or
+    could not choose: the tokens (as without), per row (index in the step) the `Logprobs` of
+    its chosen token (`chosen`) and of the prompt positions its chunk fed (`prompt`), and the
+    rows that failed (`failed`: row -> why; their token is a placeholder, 0, that a burst may
+    feed on but the engine never hands out: it ends that row's request with the reason, and
+    the other rows go on)."""
 
     # torch.Tensor (rows,), packed for Ray (`worker.wire`), or a numpy array as the engine reads
     # it (`answer_values`)
     tokens: object
     chosen: dict[int, Logprobs]
     prompt: dict[int, Logprobs]
+    failed: dict[int, str] = field(default_factory=dict)
 
     def packed(self) -> Chosen:
-        return Chosen(pack(self.tokens), self.chosen, self.prompt)
+        return replace(self, tokens=pack(self.tokens))
 
     def unpacked(self) -> Chosen:
-        return Chosen(unpack(self.tokens), self.chosen, self.prompt)
+        return replace(self, tokens=unpack(self.tokens))
+
+
+class RowFailedError(RuntimeError):
+    """A row of a step that the last stage could not choose a token for (settings it cannot
+    take, logits that are not numbers): the request of that row ends with it, alone."""
 
 
 def pack_out(out):
@@ -178,7 +187,7 @@ def answer_values(out):
     """A last stage's answer as the engine reads it, without torch: its tokens a numpy array
     (`wire.values`), or `Chosen` with them so; an in-process stage's tensors as they are."""
     if isinstance(out, Chosen):
-        return Chosen(values(out.tokens), out.chosen, out.prompt)
+        return replace(out, tokens=values(out.tokens))
     return values(out)
 
 

@@ -34,10 +34,11 @@ from dataclasses import dataclass
 
 from coordinator.engine.generation import KvBudget
 from coordinator.engine.pipelines import Handle, Pipeline
+from coordinator.engine.requests import check_request
 from coordinator.engine.scheduler import Scheduler, Step
 from coordinator.engine.sequences import Finish, Request, Sequence
 from coordinator.engine.stats import EngineStats
-from offload.errors import BusyError, ConfigError, NeverFitsError
+from offload.errors import BusyError, ConfigError
 from worker.names import DEFAULT_BLOCK_SIZE, blocks_for
 from worker.steps import NotOwnerError
 
@@ -96,6 +97,7 @@ class EngineConfig:
     # each prompt in one step: the model's code does not continue its recurrence over a
     # second chunk (Jamba)
     whole_prompts: bool = False
+    vocab_size: int = 0  # a prompt's ids must be below it (0: unknown, only >= 0 checked)
 
     def __post_init__(self) -> None:
         for name in ("num_slots", "max_seq_len", "prefill_tokens", "block_size"):
@@ -187,27 +189,41 @@ class Engine:
         on_finish: Callable[[], None] | None = None,
         **scoring,
     ) -> Request:
-        """Queue one request of `len(prompts)` sequences; returns at once. Raises
-        QueueFullError when the queue cannot take them now, NeverFitsError when they could
-        never run here. `scoring` (`Request`'s): min_new_tokens (no end token before),
+        """Queue one request of `len(prompts)` sequences; returns at once. Every value is
+        checked first (`coordinator.engine.requests`): RequestError (a ConfigError) names a
+        bad one, and nothing of it reaches a worker. Raises QueueFullError when the queue
+        cannot take them now, NeverFitsError when they could never run here. `scoring` (`Request`'s): min_new_tokens (no end token before),
         logprobs and prompt_logprobs (how many top ones; None: none) and on_logprobs(row,
         Logprobs), called before on_token with the token's, and before the first token with
         the prompt's."""
-        if not prompts or not all(prompts):
-            raise NeverFitsError("a prompt is empty: each sequence needs at least one token")
+        checked = check_request(
+            prompts,
+            sampling=sampling,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=eos_token_ids,
+            seed=seed,
+            min_new_tokens=scoring.pop("min_new_tokens", 0),
+            logprobs=scoring.pop("logprobs", None),
+            prompt_logprobs=scoring.pop("prompt_logprobs", None),
+            vocab_size=self.config.vocab_size,
+        )
+        prompts, max_new_tokens, seed = checked.prompts, checked.max_new_tokens, checked.seed
         # more sequences than slots never fit (and max_queue >= num_slots: never more than
         # the queue holds), nor longer than a slot
         self._budget.check(len(prompts), max(len(p) for p in prompts) + max_new_tokens)
         request = Request.of(
             prompts,
-            sampling=sampling,
+            sampling=checked.sampling,
             max_new_tokens=max_new_tokens,
-            eos_token_ids=eos_token_ids,
+            eos_token_ids=checked.eos_token_ids,
             on_token=on_token,
             on_finish=on_finish,
+            min_new_tokens=checked.min_new_tokens,
+            logprobs=checked.logprobs,
+            prompt_logprobs=checked.prompt_logprobs,
             **scoring,
         )
-        if sampling.do_sample:  # the key of every draw of a row (worker.decode.uniform)
+        if checked.sampling.do_sample:  # the key of every draw of a row (worker.decode.uniform)
             for seq in request.sequences:
                 seq.seed = seed + seq.row if seed is not None else secrets.randbits(63)
         if max_new_tokens == 0:
@@ -542,9 +558,7 @@ class Engine:
             self.scheduler.unplan(step)  # what it carried may not have arrived
 
     def _fail_request(self, request: Request, exc: BaseException) -> None:
-        if request.error is None:
-            request.error = exc
-        self.scheduler.finish_request(request, Finish.ERROR)
+        self.scheduler.fail_request(request, exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cond:

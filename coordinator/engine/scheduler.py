@@ -55,7 +55,7 @@ import numpy as np
 from coordinator.engine.blocks import BlockPool
 from coordinator.engine.sequences import Finish, Request, Sequence, Status
 from worker.names import DEFAULT_BLOCK_SIZE, blocks_for
-from worker.steps import NO_TOKEN, Chosen, Draw, StepRows
+from worker.steps import NO_TOKEN, Chosen, Draw, RowFailedError, StepRows
 
 
 @dataclass(eq=False)
@@ -324,6 +324,12 @@ class Scheduler:
         for seq in request.sequences:
             self.finish(seq, reason)
 
+    def fail_request(self, request: Request, error: BaseException) -> None:
+        """End `request` with `error` (its first error is kept)."""
+        if request.error is None:
+            request.error = error
+        self.finish_request(request, Finish.ERROR)
+
     def take_done(self) -> list[Request]:
         """The requests that ended since the last call, each once."""
         done, self._done = self._done, []
@@ -467,9 +473,10 @@ class Scheduler:
         log-probabilities and its prompt chunk's when they came (`Chosen`). Returns the
         (sequence, token) pairs added; a sequence that ends here is finished (its slot freed
         when the step completes)."""
-        chosen = prompt = {}
+        chosen = prompt = failed = {}
         if isinstance(tokens, Chosen):
-            chosen, prompt, tokens = tokens.chosen, tokens.prompt, tokens.tokens
+            chosen, prompt, failed = tokens.chosen, tokens.prompt, tokens.failed
+            tokens = tokens.tokens
         added = []
         for r, seq in enumerate(step.sequences):
             fed = step.rows.counts[r] if index == 0 else 1
@@ -482,6 +489,10 @@ class Scheduler:
                 seq.prompt_chunks[prompt[r].start] = prompt[r]
             token = int(tokens[r])
             if token == NO_TOKEN:
+                continue
+            if r in failed:  # that row's request ends with why; the step's others go on
+                why = failed[r]
+                self.fail_request(seq.request, RowFailedError(f"sequence {seq.row}: {why}"))
                 continue
             if r in chosen:
                 seq.logprobs.append(chosen[r])

@@ -46,11 +46,12 @@ def build_engine(
     gate,
     name: str,
     steps: dict[str, bool],
+    vocab_size: int = 0,
     take_over: bool = False,
 ) -> Engine:
     """The engine of a load whose current workers, config and plan these return (they change
     with recoveries), claiming the workers at once. `steps`: the step rules its model needs
-    (`model_steps`)."""
+    (`model_steps`); `vocab_size`: a prompt's ids must be below it (the checkpoint's)."""
     now = config()
     return Engine(
         RayPipeline(workers, lambda: config().forward_timeout_s),
@@ -64,6 +65,7 @@ def build_engine(
             batch_wait_s=now.batch_wait_s,
             micro_batches=now.micro_batches,
             step_timeout_s=now.forward_timeout_s,
+            vocab_size=vocab_size,
             **steps,
         ),
         recover=recover,
@@ -121,6 +123,7 @@ class JobEngine:
                         gate=job.passes,
                         name="job",
                         steps=model_steps(job.index),
+                        vocab_size=job.index.config.get("vocab_size") or 0,
                     )
                     self._host = EngineHost(engine)
                     host = self._host

@@ -245,6 +245,7 @@ class LoadKeeper:
                         gate=self.gate.inside,
                         name=f"load-{self.name}",
                         steps=model_steps(self.index),
+                        vocab_size=self.index.config.get("vocab_size") or 0,
                         # the load's one engine (its keeper is a named actor): a restarted
                         # keeper's takes the workers over from the dead one's
                         take_over=True,

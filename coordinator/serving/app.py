@@ -39,13 +39,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 
+from coordinator.engine.requests import RequestError, check_request
 from coordinator.runtime.group import gone_parts
 from coordinator.runtime.record import driver_alive
 from coordinator.serving.bridge import HttpFront, HttpRequest, run_asgi
 from coordinator.serving.runs import Run
 from offload.errors import (
     BusyError,
-    ConfigError,
     LaunchError,
     NotFoundError,
     OffloadCoordinatorError,
@@ -171,12 +171,20 @@ def check_fields(body: dict, endpoint: str) -> None:
             )
 
 
-class BadRequest(ConfigError):
+class BadRequest(RequestError):
     """A request field the server cannot take: a 400 naming the field (`param`)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+
+def api_names(chat: bool) -> dict[str, str]:
+    """The engine's names of a request's values (`check_request`) as this API calls them."""
+    return {
+        "prompts": "messages" if chat else "prompt",
+        "max_new_tokens": "max_completion_tokens" if chat else "max_tokens",
+        "min_new_tokens": "min_tokens",
+        "eos_token_ids": "stop_token_ids",
+        "logprobs": "top_logprobs" if chat else "logprobs",
+        "prompt_logprobs": "logprobs",
+    }
 
 
 # The project's error kinds -> HTTP status and OpenAI error type, first match wins (the kinds
@@ -484,10 +492,11 @@ class OpenAIServer:
                 "missing or wrong API key (Authorization: Bearer <key>)",
                 "authentication_error",
             )
-        return PlainTextResponse(
-            self.job.engine().prometheus(self.model_name),
-            media_type="text/plain; version=0.0.4",
-        )
+        try:
+            text = await asyncio.to_thread(self.job.engine().prometheus, self.model_name)
+        except OffloadCoordinatorError as exc:  # the engine cannot answer: say why, by kind
+            return _error_for(exc)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -527,12 +536,27 @@ class OpenAIServer:
             )
         try:
             parsed = self._parse(body, chat)
-            self.job.check_request(  # a 400 now
+            echo_logprobs = parsed.logprobs if parsed.echo is not None else None
+            settings = self.job.check_request(  # a 400 now
                 parsed.ids.shape[1],
                 parsed.n,
                 logprobs=parsed.logprobs,
-                prompt_logprobs=parsed.logprobs if parsed.echo is not None else None,
+                prompt_logprobs=echo_logprobs,
                 **parsed.options,
+            )
+            # the engine's own check of what it will run (the checkpoint's settings merged in):
+            # a value no worker can take is this request's 400, never its batch's failure
+            check_request(
+                parsed.ids.tolist(),
+                sampling=settings.sampling,
+                max_new_tokens=settings.max_new_tokens,
+                eos_token_ids=settings.eos_token_ids,
+                seed=settings.seed,
+                min_new_tokens=settings.min_new_tokens,
+                logprobs=parsed.logprobs,
+                prompt_logprobs=echo_logprobs,
+                vocab_size=self.job.index.config.get("vocab_size") or 0,
+                names=api_names(chat),
             )
         except OffloadCoordinatorError as exc:  # no chat template, past the context or the KV plan
             return _error_for(exc)
@@ -552,7 +576,7 @@ class OpenAIServer:
         )
         if parsed.stream:
             try:
-                run.start()  # a full queue is a 429 here, before the stream's 200
+                await run.start()  # a full queue is a 429 here, before the stream's 200
             except OffloadCoordinatorError as exc:
                 return _error_for(exc)
             if not await run.started(request):  # no byte until the request runs

@@ -2,10 +2,13 @@
 (choices), each row's text as it comes, and the log-probabilities the request asked for."""
 
 import asyncio
+import functools
+import logging
 from dataclasses import dataclass, field
 
 from fastapi import Request
 
+logger = logging.getLogger(__name__)
 _NOTHING = object()
 DISCONNECT_POLL_S = 1.0  # a streamed request waiting in the queue checks its client this often
 FLOOR_LOGPROB = -9999.0  # what -inf becomes in JSON (vLLM's value: JSON has no infinity)
@@ -95,22 +98,27 @@ class Run:
         self._queue: asyncio.Queue | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def start(self) -> None:
-        """Queue the request (raises what the engine refuses: a full queue is a BusyError)."""
+    async def start(self) -> None:
+        """Queue the request (raises what the engine refuses: a full queue is a BusyError).
+        The submit is a call to the load's engine (through Ray for a named load): it runs on
+        a thread, so the event loop serves the replica's other streams meanwhile."""
         self._loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue()
         wants_scores = self.options["logprobs"] is not None
         wants_scores |= self.options["prompt_logprobs"] is not None
-        self._request = self.job.submit(
-            self.ids.repeat(len(self.choices), 1),  # n rows, each its own seed (seed + row)
-            on_token=self._on_token,
-            on_finish=lambda: self._put(None),
-            on_logprobs=self._on_logprobs if wants_scores else None,
-            **self.options,
+        self._request = await asyncio.to_thread(
+            functools.partial(
+                self.job.submit,
+                self.ids.repeat(len(self.choices), 1),  # n rows, each its own seed (seed + row)
+                on_token=self._on_token,
+                on_finish=lambda: self._put(None),
+                on_logprobs=self._on_logprobs if wants_scores else None,
+                **self.options,
+            )
         )
 
     async def finish(self) -> None:
-        self.start()
+        await self.start()
         try:
             async for _ in self.deltas():
                 pass
@@ -155,8 +163,18 @@ class Run:
             yield delta
 
     def cancel(self) -> None:
-        if self._request is not None and not self._request.done():
-            self.job.engine().cancel(self._request)
+        """End the request at the engine's next step. A call to the engine: from the event
+        loop it is handed to a thread (the loop never waits on Ray), from the engine client's
+        fetch thread it is made there."""
+        request = self._request
+        if request is None or request.done():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on the event loop
+            _cancel(self.job, request)
+            return
+        loop.run_in_executor(None, _cancel, self.job, request)  # never raises: not awaited
 
     def _put(self, item) -> None:
         self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
@@ -240,6 +258,13 @@ class Run:
         prompt = int(self.ids.shape[1])
         new = sum(c.new_tokens for c in self.choices) if new_tokens is None else new_tokens
         return {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}
+
+
+def _cancel(job, request) -> None:
+    try:
+        job.engine().cancel(request)
+    except Exception as exc:  # the engine is gone: nothing of the request is left to free
+        logger.warning("cancel not delivered: %s", exc)
 
 
 def _finite(value: float) -> float:

@@ -12,7 +12,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 class TokenizerError(CheckpointError):
-    """No usable tokenizer or chat template; the message says what to do instead."""
+    """No usable tokenizer or chat template, or messages the template cannot render; the
+    message says what to do instead (`param`: the request field at fault, if any)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def load_tokenizer(root: str | Path):
@@ -50,9 +55,18 @@ def prompt_ids(
                 "this checkpoint's tokenizer has no chat template: send a plain prompt "
                 "(/v1/completions, offloadctl generate without --chat)"
             )
-        text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+        from jinja2 import TemplateError
+
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        # The template's own refusal (raise_exception: "roles must alternate", say), or its
+        # code meeting values it cannot take: the messages' fault, a 400 naming them.
+        except (TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
+            raise TokenizerError(
+                f"the chat template cannot render these messages: {exc}", param="messages"
+            ) from None
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer(prompt)["input_ids"]

@@ -1,0 +1,290 @@
+"""One client can never harm another (issue 53): every request value is checked where it enters
+(`coordinator.engine.requests.check_request`, shared by `Engine.submit` and the HTTP front), so
+a bad one is refused naming its field and never reaches a worker; and a row the last stage
+cannot choose a token for fails that row's request alone, the step's other rows going on with
+the text transformers gives them (same files, same dtype, one process)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_families import VOCAB, Pipeline, family_shape
+
+from coordinator.engine import Engine, EngineConfig
+from coordinator.engine.pipelines import LocalPipeline
+from coordinator.engine.requests import SAMPLING_EPS, RequestError, check_request
+from coordinator.planning.checkpoint import load_index
+from coordinator.tools.make_checkpoint import make_checkpoint
+from coordinator.tools.reference import reference_generate
+from offload.errors import ConfigError
+from worker.batched import choose_rows, refusal
+from worker.steps import Chosen, Draw, RowFailedError, Sampling, SlotSettings, StepRows
+
+WAIT_S = 120.0
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A bf16 llama that `make_checkpoint` writes with transformers' `save_pretrained`, in one
+    in-process stage."""
+    root = tmp_path_factory.mktemp("harm") / "ckpt"
+    index = load_index(make_checkpoint(root, family_shape("llama", "bfloat16")))
+    pipeline = Pipeline(index, [["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]])
+    yield pipeline
+    pipeline.close()
+
+
+def greedy_alone(pipeline: Pipeline, prompt: list[int], new: int = NEW) -> list[int]:
+    out = reference_generate(
+        str(pipeline.index.root),
+        torch.tensor([prompt]),
+        num_threads=1,
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=None,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def engine_of(pipeline: Pipeline, pipeline_kind=LocalPipeline, **config) -> Engine:
+    return Engine(
+        pipeline_kind(pipeline.workers),
+        EngineConfig(num_slots=3, max_seq_len=40, vocab_size=VOCAB, **config),
+    )
+
+
+# --- one validation, where a request enters ---------------------------------------------------
+
+
+def test_check_request_converts_int_likes_and_names_every_bad_value() -> None:
+    checked = check_request(
+        [np.array([5, 6, 7], dtype=np.int64), [torch.tensor(3), np.int32(4)]],
+        sampling=Sampling(do_sample=True, temperature=np.float64(0.7), top_k=np.int64(5)),
+        max_new_tokens=np.int64(4),
+        eos_token_ids=[np.int64(2), VOCAB + 10],  # past the vocabulary: can never be chosen
+        seed=np.uint64(7),
+        logprobs=np.int16(2),
+        vocab_size=VOCAB,
+    )
+    assert checked.prompts == [[5, 6, 7], [3, 4]]
+    assert all(type(t) is int for p in checked.prompts for t in p)
+    assert checked.sampling == Sampling(do_sample=True, temperature=0.7, top_k=5, top_p=1.0)
+    assert (checked.max_new_tokens, checked.eos_token_ids, checked.seed) == (4, (2,), 7)
+    assert checked.logprobs == 2 and type(checked.logprobs) is int
+
+    def refused(field: str, **changes) -> RequestError:
+        values = dict(
+            sampling=Sampling(), max_new_tokens=4, vocab_size=VOCAB, names={"prompts": "prompt"}
+        )
+        prompts = changes.pop("prompts", [[1, 2]])
+        values.update(changes)
+        with pytest.raises(RequestError) as caught:
+            check_request(prompts, **values)
+        assert caught.value.param == field, caught.value
+        assert isinstance(caught.value, ConfigError)  # a 400, exit code 2
+        return caught.value
+
+    for bad in (float("inf"), float("nan"), -0.5, "hot", True):
+        refused("temperature", sampling=Sampling(do_sample=True, temperature=bad))
+    assert "finite" in str(refused("top_p", sampling=Sampling(top_p=float("nan"))))
+    refused("top_p", sampling=Sampling(top_p=0.0))
+    refused("top_k", sampling=Sampling(top_k=-1))
+    refused("top_k", sampling=Sampling(top_k=2.5))
+    assert "out of the vocabulary" in str(refused("prompt", prompts=[[1, VOCAB]]))
+    refused("prompt", prompts=[[1, -1]])
+    refused("prompt", prompts=[[1.0, 2.0]])  # floats are not token ids
+    refused("prompt", prompts=[[True]])
+    refused("prompt", prompts=[[]])
+    refused("prompt", prompts=[])
+    refused("prompt", prompts="hello")
+    refused("logprobs", logprobs=-1)
+    refused("logprobs", logprobs=VOCAB + 1)
+    refused("prompt_logprobs", prompt_logprobs=-3)
+    refused("max_new_tokens", max_new_tokens=-1)
+    refused("max_new_tokens", max_new_tokens=float("inf"))
+    refused("min_new_tokens", min_new_tokens=-2)
+    refused("seed", seed=2**70)
+    refused("seed", seed=1.5)
+    refused("eos_token_ids", eos_token_ids=[-4])
+    # the API's own names, where it calls them otherwise
+    error = refused("max_tokens", max_new_tokens=-1, names={"max_new_tokens": "max_tokens"})
+    assert "max_tokens=-1" in str(error)
+
+
+def test_a_temperature_below_vllms_epsilon_is_greedy() -> None:
+    for tiny in (1e-300, SAMPLING_EPS / 2, 0.0):
+        checked = check_request(
+            [[1]], sampling=Sampling(do_sample=True, temperature=tiny), max_new_tokens=1
+        )
+        assert not checked.sampling.do_sample, tiny
+    kept = check_request(
+        [[1]], sampling=Sampling(do_sample=True, temperature=SAMPLING_EPS), max_new_tokens=1
+    )
+    assert kept.sampling.do_sample and kept.sampling.temperature == SAMPLING_EPS
+
+
+def test_bad_values_never_reach_the_engine_and_its_load_answers_on(llama) -> None:
+    """The issue's Python client: a numpy prompt, logprobs=-1, temperature 1e-300 or inf.
+    None of them stops the engine: the bad ones are refused at submit, the odd ones run (a
+    numpy prompt as its ints, 1e-300 greedily), and an innocent request beside them gets
+    transformers' text."""
+    prompt = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 65, 69, 73, 77, 81]
+    expected = greedy_alone(llama, prompt)
+    engine = engine_of(llama)
+    try:
+        with pytest.raises(RequestError, match="logprobs"):
+            engine.submit([prompt], sampling=Sampling(), max_new_tokens=NEW, logprobs=-1)
+        with pytest.raises(RequestError, match="temperature"):
+            engine.submit(
+                [prompt],
+                sampling=Sampling(do_sample=True, temperature=float("inf")),
+                max_new_tokens=NEW,
+            )
+        with pytest.raises(RequestError, match="token id"):
+            engine.submit([[1, VOCAB + 3]], sampling=Sampling(), max_new_tokens=NEW)
+        innocent = engine.submit([prompt], sampling=Sampling(), max_new_tokens=NEW)
+        as_numpy = engine.submit(
+            [np.array(prompt, dtype=np.int64)], sampling=Sampling(), max_new_tokens=NEW
+        )
+        tiny = engine.submit(
+            [prompt],
+            sampling=Sampling(do_sample=True, temperature=1e-300),
+            max_new_tokens=NEW,
+            seed=3,
+        )
+        assert innocent.result(WAIT_S) == [expected]
+        assert as_numpy.result(WAIT_S) == [expected]
+        assert tiny.result(WAIT_S) == [expected]
+        again = engine.submit([prompt], sampling=Sampling(), max_new_tokens=NEW)
+        assert again.result(WAIT_S) == [expected]
+    finally:
+        engine.close()
+
+
+# --- a row's failure is that request's failure only -------------------------------------------
+
+
+def test_a_row_the_last_stage_cannot_choose_fails_alone() -> None:
+    """choose_rows: a slot whose settings were refused, a row of NaN logits, and a row whose
+    draw raises fail by themselves; the others get the tokens they get alone."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    logits[2, 7] = float("nan")
+    rows = StepRows.in_slots([0, 1, 2, 3], [0] * 4, [1] * 4, 1, num_slots=4, max_seq_len=8)
+    plain = SlotSettings(sampling=Sampling(), prompt_length=1)
+    sampled = SlotSettings(
+        sampling=Sampling(do_sample=True, temperature=0.8), seed=5, prompt_length=1
+    )
+    settings = {0: plain, 1: sampled, 2: plain, 3: plain}
+    refused = {3: "its settings were refused: temperature must be finite"}
+    out = choose_rows(logits, rows, [True] * 4, settings, refused)
+    assert isinstance(out, Chosen)
+    assert sorted(out.failed) == [2, 3]
+    assert "NaN" in out.failed[2] and "finite" in out.failed[3]
+    alone0 = choose_rows(
+        logits[:1],
+        StepRows.in_slots([0], [0], [1], 1, num_slots=4, max_seq_len=8),
+        [True],
+        settings,
+    )
+    alone1 = choose_rows(
+        logits[1:2],
+        StepRows.in_slots([1], [0], [1], 1, num_slots=4, max_seq_len=8),
+        [True],
+        settings,
+    )
+    assert int(out.tokens[0]) == int(alone0[0]) == int(torch.argmax(logits[0]))
+    assert int(out.tokens[1]) == int(alone1[0])
+    assert int(out.tokens[2]) == int(out.tokens[3]) == 0  # placeholders a burst may feed on
+
+
+def test_a_draw_that_raises_is_pinned_on_its_row(monkeypatch) -> None:
+    """Choosing the rows together raises (a row the vectorised draw cannot take): each row is
+    chosen alone, and only the one that raises alone fails."""
+    import worker.batched as batched
+
+    real = batched.sample_rows
+
+    def picky(logits, settings):
+        if 0.25 in settings.temperature:
+            raise RuntimeError("a draw this row cannot take")
+        return real(logits, settings)
+
+    monkeypatch.setattr(batched, "sample_rows", picky)
+    torch.manual_seed(1)
+    logits = torch.randn(3, 40)
+    rows = StepRows.in_slots([0, 1, 2], [0] * 3, [1] * 3, 1, num_slots=3, max_seq_len=8)
+
+    def one(temperature: float) -> SlotSettings:
+        return SlotSettings(
+            sampling=Sampling(do_sample=True, temperature=temperature), seed=9, prompt_length=1
+        )
+
+    settings = {0: one(0.5), 1: one(0.25), 2: one(0.9)}
+    out = choose_rows(logits, rows, [True] * 3, settings)
+    assert isinstance(out, Chosen) and list(out.failed) == [1]
+    assert "a draw this row cannot take" in out.failed[1]
+    for r in (0, 2):
+        alone = choose_rows(
+            logits[r : r + 1],
+            StepRows.in_slots([r], [0], [1], 1, num_slots=3, max_seq_len=8),
+            [True],
+            settings,
+        )
+        assert int(out.tokens[r]) == int(alone[0])
+
+
+def test_refusal_names_what_a_worker_cannot_take() -> None:
+    assert refusal(SlotSettings(sampling=Sampling())) is None
+    bad = SlotSettings(sampling=Sampling(do_sample=True, temperature=float("inf")), seed=1)
+    assert "temperature" in refusal(bad)
+    assert "seed" in refusal(SlotSettings(sampling=Sampling(do_sample=True)))
+
+
+class SlippingThrough(LocalPipeline):
+    """Settings that got past the engine's check (say a client of an older engine): the
+    sequences of prompts starting with `marker` reach the last stage with temperature inf."""
+
+    marker = 90
+
+    def submit(self, steps):
+        for step in steps:
+            bad = {s.slot for s in step.sequences if s.prompt[0] == self.marker}
+            settings = tuple(
+                (
+                    slot,
+                    SlotSettings(
+                        sampling=Sampling(do_sample=True, temperature=float("inf")), seed=1
+                    ),
+                )
+                if slot in bad
+                else (slot, s)
+                for slot, s in step.draw.settings
+            )
+            step.draw = Draw(step.draw.choose, settings)
+        return super().submit(steps)
+
+
+@pytest.mark.parametrize("burst", [1, 0], ids=["step-by-step", "bursts"])
+def test_a_bad_row_fails_its_request_and_the_batch_goes_on(llama, burst) -> None:
+    innocents = [[3, 8, 12, 40, 41], [7, 7, 2, 19, 30, 31, 5]]
+    expected = [greedy_alone(llama, p) for p in innocents]
+    engine = engine_of(llama, SlippingThrough, burst_steps=burst, batch_wait_s=0.2)
+    try:
+        first = engine.submit([innocents[0]], sampling=Sampling(), max_new_tokens=NEW)
+        bad = engine.submit(
+            [[SlippingThrough.marker, 4, 5]], sampling=Sampling(), max_new_tokens=NEW
+        )
+        second = engine.submit([innocents[1]], sampling=Sampling(), max_new_tokens=NEW)
+        assert first.result(WAIT_S) == [expected[0]]
+        assert second.result(WAIT_S) == [expected[1]]
+        assert bad.wait(WAIT_S)
+        with pytest.raises(RowFailedError, match="sequence 0: its settings were refused"):
+            bad.result()
+        assert engine.stats.snapshot()["requests_running"] == 0
+        after = engine.submit([innocents[1]], sampling=Sampling(), max_new_tokens=NEW)
+        assert after.result(WAIT_S) == [expected[1]]
+    finally:
+        engine.close()
