@@ -6,15 +6,21 @@ the text transformers gives them (same files, same dtype, one process)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
 from test_families import VOCAB, Pipeline, family_shape
 
 from coordinator.engine import Engine, EngineConfig
+from coordinator.engine.engine import EngineStoppedError
+from coordinator.engine.host import ENGINE_RESTART_LIMIT, EngineClient, EngineHost, _Client
 from coordinator.engine.pipelines import LocalPipeline
 from coordinator.engine.requests import SAMPLING_EPS, RequestError, check_request
 from coordinator.planning.checkpoint import load_index
+from coordinator.runtime.telemetry import serving_line
 from coordinator.tools.make_checkpoint import make_checkpoint
 from coordinator.tools.reference import reference_generate
 from offload.errors import ConfigError
@@ -288,3 +294,127 @@ def test_a_bad_row_fails_its_request_and_the_batch_goes_on(llama, burst) -> None
         assert after.result(WAIT_S) == [expected[1]]
     finally:
         engine.close()
+
+
+# --- a dead engine is never silent ------------------------------------------------------------
+
+
+def hosted(pipeline: Pipeline, rebuild_gate: threading.Event | None = None, **host_options):
+    """An `EngineHost` over `pipeline`'s in-process workers, whose new engines (after one
+    stops) wait for `rebuild_gate`, and a client of it."""
+
+    def build(stats=None, take_over=False) -> Engine:
+        return Engine(
+            LocalPipeline(pipeline.workers),
+            EngineConfig(num_slots=3, max_seq_len=40, vocab_size=VOCAB),
+            take_over=take_over,
+            stats=stats,
+        )
+
+    def rebuild(stats) -> Engine:
+        assert rebuild_gate is None or rebuild_gate.wait(WAIT_S)
+        return build(stats, take_over=True)
+
+    host = EngineHost(build(), rebuild=rebuild, restart_delay_s=0.05, **host_options)
+    client = EngineClient(lambda method, *a, **kw: getattr(host, method)(*a, **kw), host=host)
+    return host, client
+
+
+def break_loop(engine: Engine, message: str) -> None:
+    """A bug in the engine's loop: its next plan of a step raises."""
+
+    def broken(group: int):
+        raise RuntimeError(message)
+
+    engine.scheduler.plan = broken
+
+
+def until(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_a_dead_engine_fails_every_request_at_once_and_a_new_one_serves(llama) -> None:
+    prompt = [4, 8, 15, 16, 23, 42]
+    expected = greedy_alone(llama, prompt)
+    gate = threading.Event()
+    host, client = hosted(llama, gate)
+    try:
+        first = host.engine
+        break_loop(first, "a bug in the step loop")
+        pending = client.submit([prompt], sampling=Sampling(), max_new_tokens=NEW)
+        assert pending.wait(WAIT_S)  # ended with the engine, not left waiting
+        with pytest.raises(EngineStoppedError, match="a bug in the step loop"):
+            pending.result()
+        # until a new engine runs: every submit fails at once, health and the stats say why
+        with pytest.raises(EngineStoppedError, match="a bug in the step loop"):
+            client.submit([prompt], sampling=Sampling(), max_new_tokens=NEW)
+        assert "a bug in the step loop" in host.health()
+        stats = host.stats()
+        assert stats["engine_state"] == "restarting" and stats["engine_failures"] == 1
+        assert 'offload:engine_failures_total{model_name="m"} 1' in host.prometheus("m")
+        assert 'offload:engine_serving{model_name="m"} 0' in host.prometheus("m")
+        assert "loop stopped 1 time(s)" in serving_line(stats)
+        gate.set()
+        until(lambda: host.engine is not first and host.health() is None, "no new engine")
+        again = client.submit([prompt], sampling=Sampling(), max_new_tokens=NEW)
+        assert again.result(WAIT_S) == [expected]
+        stats = host.stats()
+        assert (stats["engine_state"], stats["engine_restarts"]) == ("serving", 1)
+        assert 'offload:engine_serving{model_name="m"} 1' in host.prometheus("m")
+    finally:
+        gate.set()
+        host.close()
+
+
+def test_a_load_whose_engines_keep_stopping_is_failed_and_says_so(llama) -> None:
+    failed: list[str] = []
+    host, client = hosted(llama, on_failed=failed.append)
+    try:
+        for n in range(ENGINE_RESTART_LIMIT):
+            engine = host.engine
+            break_loop(engine, f"bug number {n}")
+            request = client.submit([[5, 6, 7]], sampling=Sampling(), max_new_tokens=2)
+            assert request.wait(WAIT_S)
+            assert isinstance(request.error, EngineStoppedError)
+            if n + 1 < ENGINE_RESTART_LIMIT:
+                until(lambda e=engine: host.engine is not e, "no new engine")
+        until(lambda: host.stats()["engine_state"] == "failed", "not failed")
+        assert failed and f"bug number {ENGINE_RESTART_LIMIT - 1}" in failed[0]
+        assert "failed" in host.health()
+        with pytest.raises(EngineStoppedError):
+            client.submit([[5, 6, 7]], sampling=Sampling(), max_new_tokens=2)
+        assert "cannot serve" in serving_line(host.stats())
+    finally:
+        host.close()
+
+
+def test_a_gone_clients_outbox_is_dropped_and_tokens_wake_only_their_client(llama) -> None:
+    host, client = hosted(llama, lease_s=0.4)
+    try:
+        # a client that submits and never fetches (its process died): its request is
+        # cancelled, and once it has ended its outbox goes
+        host.submit("ghost", 1, [[9, 10, 11]], sampling=Sampling(), max_new_tokens=30)
+        until(lambda: "ghost" not in host._clients, "the gone client's outbox stayed")
+        # a client waiting for its tokens is not woken by another client's
+        wakes = []
+
+        class Counting(threading.Condition):
+            def notify(self, n: int = 1) -> None:
+                wakes.append(n)
+                super().notify(n)
+
+            notify_all = notify
+
+        with host._lock:
+            box = host._clients["idle"] = _Client(Counting(host._lock))
+            box.open.add(99)  # it waits on a request of its own
+        idle = threading.Thread(target=host.fetch, args=("idle", 5.0), daemon=True)
+        idle.start()
+        request = client.submit([[9, 10, 11]], sampling=Sampling(), max_new_tokens=NEW)
+        assert len(request.result(WAIT_S)[0]) == NEW
+        assert wakes == []
+    finally:
+        host.close()

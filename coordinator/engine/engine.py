@@ -25,6 +25,7 @@ with the error. Every wait is bounded (`step_timeout_s`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import threading
 import time
@@ -38,10 +39,11 @@ from coordinator.engine.requests import check_request
 from coordinator.engine.scheduler import Scheduler, Step
 from coordinator.engine.sequences import Finish, Request, Sequence
 from coordinator.engine.stats import EngineStats
-from offload.errors import BusyError, ConfigError
+from offload.errors import BusyError, ConfigError, LaunchError
 from worker.names import DEFAULT_BLOCK_SIZE, blocks_for
 from worker.steps import NotOwnerError
 
+logger = logging.getLogger(__name__)
 DEFAULT_MAX_QUEUE = 1024  # sequences waiting for a slot; beyond: BusyError (HTTP 429)
 DEFAULT_PREFILL_TOKENS = 512  # per prefill step (rows x width)
 IDLE_WAIT_S = 1.0
@@ -71,6 +73,11 @@ class QueueFullError(BusyError):
 
 class EngineClosedError(ConfigError):
     """The job was closed: no request runs any more."""
+
+
+class EngineStoppedError(LaunchError):
+    """The engine's loop ended on an error: every request it held, and every submit until a
+    new engine runs the load (its host starts one), fails with this at once (HTTP 503)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -136,6 +143,7 @@ class Engine:
         micro_batches: Callable[[], int] | None = None,
         name: str = "engine",
         take_over: bool = False,
+        stats: EngineStats | None = None,
     ) -> None:
         """`recover(exc, epoch)`: after a step sent in workers' `epoch` failed with `exc`,
         replace lost workers, or raise (nothing was lost: the step itself failed). `gate()`: a
@@ -143,7 +151,8 @@ class Engine:
         when they are replaced, by `recover` or anyone else). `micro_batches()`: how many
         micro-batches the current plan wants (asked at start and after every change).
         `take_over`: claim workers another engine holds (that engine is being replaced);
-        otherwise such workers refuse this engine and it does not start."""
+        otherwise such workers refuse this engine and it does not start. `stats`: those of
+        the engine this one replaces, counted on (its host's restart after a failure)."""
         self.pipeline, self.config = pipeline, config
         self._recover, self._gate = recover, gate
         self._micro_batches = micro_batches or (lambda: config.micro_batches or pipeline.num_stages)
@@ -159,7 +168,8 @@ class Engine:
             block_size=config.block_size,
             prefix_caching=config.prefix_caching,
         )
-        self.stats = EngineStats(num_slots=config.num_slots)
+        self.stats = stats or EngineStats(num_slots=config.num_slots)
+        self.stats.num_slots = config.num_slots
         self.stats.num_blocks = self.scheduler.num_blocks
         # what could never fit: the same refusals (and words) as Job.check_request's
         self._budget = KvBudget(max_batch=config.num_slots, max_seq_len=config.max_seq_len)
@@ -167,6 +177,9 @@ class Engine:
         self._incoming: list[Request] = []
         self._cancelled: list[Request] = []
         self._closed = False
+        # why the loop ended on an error (None: it runs, or was closed), and who hears it once
+        self.failure: EngineStoppedError | None = None
+        self.on_stopped: Callable[[EngineStoppedError], None] | None = None
         # handle -> its steps and the workers' epoch it was sent in (a restart drops them all)
         self._in_flight: dict[Handle, tuple[list[Step], int]] = {}
         self._claim = 0  # how many times this engine claimed the workers (a step's epoch)
@@ -233,7 +246,7 @@ class Engine:
             return request
         with self._cond:
             if self._closed:
-                raise EngineClosedError("the job is closed")
+                raise self.failure or EngineClosedError("the job is closed")
             waiting = len(self.scheduler.waiting) + sum(len(r.sequences) for r in self._incoming)
             if waiting + len(prompts) > self.config.max_queue:
                 self.stats.rejected += 1
@@ -275,9 +288,34 @@ class Engine:
             while self._turn():
                 pass
         except BaseException as exc:  # a bug here must not leave clients waiting forever
-            self._fail_all(exc)
-            raise
+            self._stop(exc)
+            return
         self._fail_all(EngineClosedError("the job was closed before the request finished"))
+
+    def _stop(self, exc: BaseException) -> None:
+        """The loop ended on `exc`: the engine takes no more requests, every one it holds
+        ends now with an `EngineStoppedError` that says why, its workers are nobody's, and
+        `on_stopped` hears it (the host starts a new engine). Never silent: the traceback goes
+        to the log."""
+        logger.error("engine %s stopped", self.id, exc_info=exc)
+        stopped = EngineStoppedError(
+            f"the load's engine stopped on an error ({type(exc).__name__}: {exc}); its "
+            "requests ended with it, and a new engine is started for the load: retry shortly"
+        )
+        with self._cond:
+            self.failure = stopped
+            self._closed = True
+            self._cond.notify_all()
+        try:
+            self._fail_all(stopped)
+        except BaseException as again:  # the bookkeeping itself is broken: end them directly
+            logger.error("engine %s: ending its requests failed", self.id, exc_info=again)
+            self._end_directly(stopped)
+        with contextlib.suppress(Exception):  # best effort: the next engine takes them anyway
+            self.pipeline.release(self.owner)
+        callback = self.on_stopped
+        if callback is not None:
+            callback(stopped)
 
     def _turn(self) -> bool:
         scheduler = self.scheduler
@@ -569,6 +607,27 @@ class Engine:
         for request in {id(s.request): s.request for s in sequences}.values():
             self._fail_request(request, exc)
         self._end_done()
+
+    def _end_directly(self, error: BaseException) -> None:
+        """End every request this engine knows of that has not ended, without the scheduler
+        (its state is not to be trusted once updating it raised)."""
+        with self._cond:
+            requests = list(self._incoming)
+            self._incoming.clear()
+        scheduler = self.scheduler
+        sequences = list(scheduler.waiting) + [s for g in scheduler.groups for s in g.sequences]
+        sequences += [
+            s for steps, _ in self._in_flight.values() for st in steps for s in st.sequences
+        ]
+        requests += [s.request for s in sequences]
+        for request in {id(r): r for r in requests}.values():
+            if request.done():
+                continue
+            request.error = request.error or error
+            for seq in request.sequences:
+                seq.finish = seq.finish or Finish.ERROR
+            with contextlib.suppress(Exception):  # a client's callback: the others still end
+                request.end()
 
 
 def _workers_changed(exc: BaseException) -> bool:

@@ -111,6 +111,13 @@ class EngineStats:
     preemptions: int = 0  # running sequences sent back to the queue for want of blocks
     prefix_queries: int = 0  # tokens admitted sequences looked up in the prefix cache
     prefix_hits: int = 0  # of them, found there: their keys were not computed again
+    # the load's engine itself (its host's): loops that ended on an error, new engines started
+    # after one, and now "serving", "restarting" (a new engine is being started) or "failed"
+    # (no more restarts: the load cannot serve), with why the last one stopped
+    engine_failures: int = 0
+    engine_restarts: int = 0
+    engine_state: str = "serving"
+    engine_stopped: str = ""
     ttft_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     itl_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
@@ -170,6 +177,10 @@ class EngineStats:
                 "calls": self.calls,
                 "generation_tokens": self.generated,
                 "restarts": self.restarts,
+                "engine_state": self.engine_state,
+                "engine_failures": self.engine_failures,
+                "engine_restarts": self.engine_restarts,
+                "engine_stopped": self.engine_stopped,
                 "ttft_p50_s": percentile(ttft, 50),
                 "ttft_p99_s": percentile(ttft, 99),
                 "itl_p50_s": percentile(itl, 50),
@@ -195,6 +206,9 @@ class EngineStats:
                 ("offload:batch_occupancy", "gauge", self.occupancy()),
                 ("vllm:generation_tokens_total", "counter", self.generated),
                 ("vllm:request_success_total", "counter", self.ended),
+                ("offload:engine_failures_total", "counter", self.engine_failures),
+                ("offload:engine_restarts_total", "counter", self.engine_restarts),
+                ("offload:engine_serving", "gauge", int(self.engine_state == "serving")),
             ):
                 lines += [f"# TYPE {name} {kind}", f"{name}{{{labels}}} {value}"]
             for name, histogram in (

@@ -48,10 +48,12 @@ def build_engine(
     steps: dict[str, bool],
     vocab_size: int = 0,
     take_over: bool = False,
+    stats=None,
 ) -> Engine:
     """The engine of a load whose current workers, config and plan these return (they change
     with recoveries), claiming the workers at once. `steps`: the step rules its model needs
-    (`model_steps`); `vocab_size`: a prompt's ids must be below it (the checkpoint's)."""
+    (`model_steps`); `vocab_size`: a prompt's ids must be below it (the checkpoint's);
+    `stats`: those of the engine this one replaces (`EngineHost`'s restart)."""
     now = config()
     return Engine(
         RayPipeline(workers, lambda: config().forward_timeout_s),
@@ -73,6 +75,7 @@ def build_engine(
         micro_batches=lambda: micro_batches(config(), plan()),
         name=name,
         take_over=take_over,
+        stats=stats,
     )
 
 
@@ -115,20 +118,28 @@ class JobEngine:
                 if job.name is not None:
                     self._client = self._remote(job)
                 else:
-                    engine = build_engine(
-                        lambda: job.workers,
-                        lambda: job.config,
-                        lambda: job.plan,
-                        recover=job.recover_after,
-                        gate=job.passes,
-                        name="job",
-                        steps=model_steps(job.index),
-                        vocab_size=job.index.config.get("vocab_size") or 0,
+
+                    def build(stats=None, take_over=False) -> Engine:
+                        return build_engine(
+                            lambda: job.workers,
+                            lambda: job.config,
+                            lambda: job.plan,
+                            recover=job.recover_after,
+                            gate=job.passes,
+                            name="job",
+                            steps=model_steps(job.index),
+                            vocab_size=job.index.config.get("vocab_size") or 0,
+                            take_over=take_over,
+                            stats=stats,
+                        )
+
+                    # a new engine after one stopped takes its workers over from it
+                    self._host = EngineHost(
+                        build(), rebuild=lambda stats: build(stats, take_over=True)
                     )
-                    self._host = EngineHost(engine)
                     host = self._host
                     self._client = EngineClient(
-                        lambda method, *a, **kw: getattr(host, method)(*a, **kw), local=engine
+                        lambda method, *a, **kw: getattr(host, method)(*a, **kw), host=host
                     )
                     if job.config.snapshot_interval_s > 0:
                         job.loops.every("engine", job.config.snapshot_interval_s, self.publish)

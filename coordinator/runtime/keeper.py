@@ -237,21 +237,39 @@ class LoadKeeper:
         with self._engine_lock:
             if self._host is None:
                 self._host = EngineHost(
-                    build_engine(
-                        lambda: self.group.handles,
-                        lambda: self.group.config,
-                        lambda: self.group.plan,
-                        recover=self._recover_after,
-                        gate=self.gate.inside,
-                        name=f"load-{self.name}",
-                        steps=model_steps(self.index),
-                        vocab_size=self.index.config.get("vocab_size") or 0,
-                        # the load's one engine (its keeper is a named actor): a restarted
-                        # keeper's takes the workers over from the dead one's
-                        take_over=True,
-                    )
+                    self._build_engine(), rebuild=self._build_engine, on_failed=self._engine_failed
                 )
             return self._host
+
+    def _build_engine(self, stats=None):
+        return build_engine(
+            lambda: self.group.handles,
+            lambda: self.group.config,
+            lambda: self.group.plan,
+            recover=self._recover_after,
+            gate=self.gate.inside,
+            name=f"load-{self.name}",
+            steps=model_steps(self.index),
+            vocab_size=self.index.config.get("vocab_size") or 0,
+            # the load's one engine (its keeper is a named actor): a restarted keeper's, or a
+            # new one after this one's loop stopped, takes the workers over
+            take_over=True,
+            stats=stats,
+        )
+
+    def _engine_failed(self, why: str) -> None:
+        """The load's engine stopped too often: the load is failed, its record says so."""
+        _, record = registry.load_record(self.name)
+        events = list(record["events"])
+        recovery.add_event(events, {"event": "engine failed", "reason": why})
+        registry.update(self.name, self.group, events)
+
+    def health(self) -> str | None:
+        """None while the load's engine serves; else why not."""
+        try:
+            return self.host().health()
+        except Exception as exc:  # no engine could start (a worker lost, say)
+            return f"the load's engine is not running: {exc}"
 
     def submit(self, client: str, rid: int, prompts: list[list[int]], **settings) -> None:
         self.host().submit(client, rid, prompts, **settings)

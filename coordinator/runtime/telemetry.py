@@ -281,6 +281,16 @@ def serving_line(stats: dict | None) -> str:
         return "-" if value is None else f"{value * 1e3:.0f} ms"
 
     age = time.time() - stats["time"] if "time" in stats else 0.0
+    engine = ""
+    if stats.get("engine_failures"):
+        state = stats.get("engine_state", "serving")
+        engine = (
+            f"\nengine: {state}; its loop stopped {stats['engine_failures']} time(s) on an "
+            f"error, {stats.get('engine_restarts', 0)} new engine(s) started; last: "
+            f"{stats.get('engine_stopped', '')}"
+        )
+        if state == "failed":
+            engine += "\nthis load cannot serve: unload it and load it again"
     blocks = stats.get("kv_blocks")
     pool = (
         f"KV blocks {stats['kv_blocks_used']} used / {blocks - stats['kv_blocks_used']} free of "
@@ -296,7 +306,7 @@ def serving_line(stats: dict | None) -> str:
         f"{stats['generation_tokens']} tokens generated, {stats['requests']} requests "
         f"({stats['rejected']} refused: queue full); time to first token p50 "
         f"{ms('ttft_p50_s')} p99 {ms('ttft_p99_s')}, inter-token p50 {ms('itl_p50_s')} "
-        f"p99 {ms('itl_p99_s')}"
+        f"p99 {ms('itl_p99_s')}{engine}"
     )
 
 

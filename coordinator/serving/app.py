@@ -437,8 +437,9 @@ class OpenAIServer:
     @app.get("/health")
     async def health(self):
         """200 while the load can serve; 503 with the reason once its keeper (its engine) is
-        gone, or a worker has been gone past RECOVERY_GRACE_S (the keeper recovers lost workers
-        meanwhile). No key needed, as vLLM's: a router's probe."""
+        gone, its engine stopped (until a new one runs) or failed, or a worker has been gone
+        past RECOVERY_GRACE_S (the keeper recovers lost workers meanwhile). No key needed, as
+        vLLM's: a router's probe."""
         problem = await asyncio.to_thread(self._liveness)
         if problem is not None:
             return _error(503, problem, "service_unavailable")
@@ -453,6 +454,12 @@ class OpenAIServer:
             parts = self._parts()
         except OffloadCoordinatorError as exc:  # the load is gone (unloaded), say
             return f"the load {self.load_name!r}: {exc}"
+        try:  # the engine's loop stopped: its requests failed, a new one is starting
+            engine = self.job.engine().health()
+        except OffloadCoordinatorError as exc:  # its keeper does not answer
+            engine = str(exc)
+        if engine is not None:
+            return engine
         dead = gone_parts(parts, HEALTH_PING_S)
         if not dead:
             self._dead_since = None
