@@ -796,3 +796,82 @@ def test_a_ray_worker_of_ours_imports_with_the_gc_held_off_then_settles(embedded
     task = ray.remote(num_cpus=0)(gc_state.thresholds_around).options(runtime_env=fresh)
     imported, settled = ray.get(task.remote("coordinator"), timeout=120)
     assert (tuple(imported), tuple(settled)) == (IMPORT_THRESHOLDS, DEFAULT_THRESHOLDS)
+
+
+@ray.remote(num_cpus=0)
+class _Stage:
+    """A stand-in stage: answers pings, hangs in `hang`, or passes on what it is given."""
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def hang(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return 1
+
+    def after(self, upstream: int) -> int:
+        return upstream
+
+
+def test_kill_hung_kills_the_hung_stage_not_the_one_waiting_on_it(embedded_ray) -> None:
+    """Stage 1 hangs; stage 2's call waits on its output, so stage 2 does not answer a ping
+    either (its calls run in order): only stage 1 is killed, and stage 2 answers once its
+    wait fails with it."""
+    from types import SimpleNamespace
+
+    from coordinator.runtime.group import WorkerGroup
+
+    stages = [_Stage.remote() for _ in range(3)]
+    try:
+        pids = ray.get([s.ping.remote() for s in stages], timeout=120)
+        stages[2].after.remote(stages[1].hang.remote(600))
+        group = SimpleNamespace(
+            handles=[
+                SimpleNamespace(actor=a, spec=SimpleNamespace(stage=i))
+                for i, a in enumerate(stages)
+            ]
+        )
+        assert WorkerGroup.kill_hung(group, timeout_s=3.0) == [1]
+        assert ray.get(stages[0].ping.remote(), timeout=60) == pids[0]
+        assert ray.get(stages[2].ping.remote(), timeout=60) == pids[2]
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(stages[1].ping.remote(), timeout=60)
+    finally:
+        for stage in stages:
+            ray.kill(stage)
+
+
+def test_a_hung_worker_is_replaced_and_its_request_goes_on(
+    embedded_ray, checkpoints, tmp_path
+) -> None:
+    """A worker that hangs mid-generation (worker.loader.HANG_ENV names its process): the step
+    times out at forward_timeout_s, the worker that does not answer is killed and replaced as
+    a lost one, and the request goes on to transformers' greedy tokens."""
+    from coordinator.config import NodeMatch, Override
+    from coordinator.tools.reference import reference_generate
+    from worker.loader import HANG_ENV
+
+    checkpoint = checkpoints["llama"]
+    hang_file = tmp_path / "hang-pid"
+    config = JobConfig(
+        checkpoint=checkpoint,
+        gpu_memory_bytes=10**8,
+        nodes=f"{ray.get_runtime_context().get_node_id()}=1",
+        overrides=(Override(match=NodeMatch(), env={HANG_ENV: str(hang_file)}),),
+        max_batch=2,
+        max_seq_len=16,
+        forward_timeout_s=15.0,
+    )
+    ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(4))
+    expected = reference_generate(
+        checkpoint, ids, num_threads=1, max_new_tokens=6, do_sample=False, eos_token_id=None
+    )
+    with launch(config) as job:
+        pid = ray.get(job.workers[0].actor.ping.remote(), timeout=60)
+        hang_file.write_text(str(pid))
+        out = job.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
+        assert torch.equal(out, expected)
+        assert [e["event"] for e in job.events] == ["replaced workers"]
+        assert ray.get(job.workers[0].actor.ping.remote(), timeout=60) != pid
+        assert job.engine().local.stats.restarts == 1
+    wait_gpus_free(NUM_GPUS)

@@ -6,20 +6,23 @@ the text transformers gives them (same files, same dtype, one process)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
 import numpy as np
 import pytest
 import torch
+from test_engine import GREEDY, FakePipeline, expected
 from test_families import VOCAB, Pipeline, family_shape
 
 from coordinator.engine import Engine, EngineConfig
 from coordinator.engine.engine import EngineStoppedError
 from coordinator.engine.host import ENGINE_RESTART_LIMIT, EngineClient, EngineHost, _Client
-from coordinator.engine.pipelines import LocalPipeline
+from coordinator.engine.pipelines import LocalPipeline, StepTimeoutError
 from coordinator.engine.requests import SAMPLING_EPS, RequestError, check_request
 from coordinator.planning.checkpoint import load_index
+from coordinator.runtime.errors import WorkerLostError
 from coordinator.runtime.telemetry import serving_line
 from coordinator.tools.make_checkpoint import make_checkpoint
 from coordinator.tools.reference import reference_generate
@@ -418,3 +421,44 @@ def test_a_gone_clients_outbox_is_dropped_and_tokens_wake_only_their_client(llam
         assert wakes == []
     finally:
         host.close()
+
+
+# --- a hung worker is a lost worker -----------------------------------------------------------
+
+
+def test_a_step_that_times_out_is_recovered_as_a_lost_worker_and_goes_on() -> None:
+    """The engine's wait for a step ends at step_timeout_s: the recovery is asked to replace
+    the hung stage (the load's `kill_hung`, then as for a lost worker), and every request in
+    flight goes on from its tokens so far, with the tokens an uninterrupted run gives."""
+    pipeline = FakePipeline()
+    timeouts: list[BaseException] = []
+    waits = []
+
+    def wait(handles, timeout_s):
+        waits.append(timeout_s)
+        return [] if len(pipeline.steps) == 3 and not timeouts else list(handles)
+
+    def recover(exc, epoch):
+        if isinstance(exc, StepTimeoutError):  # the recovery killed the hung worker: lost
+            timeouts.append(exc)
+            exc = WorkerLostError("the hung worker was killed")
+        FakePipeline.recover(pipeline, exc, epoch)
+
+    pipeline.wait = wait
+    engine = Engine(
+        pipeline,
+        EngineConfig(num_slots=2, max_seq_len=64, step_timeout_s=0.25, burst_steps=1),
+        recover=recover,
+        gate=lambda: contextlib.nullcontext(pipeline.epoch),
+    )
+    try:
+        a = engine.submit([[3, 4, 5]], sampling=GREEDY, max_new_tokens=8)
+        b = engine.submit([[6, 7]], sampling=GREEDY, max_new_tokens=8)
+        assert a.result(WAIT_S) == [expected([3, 4, 5], 8)]
+        assert b.result(WAIT_S) == [expected([6, 7], 8)]
+        assert len(timeouts) == 1 and "did not finish within 0 s" in str(timeouts[0])
+        assert isinstance(timeouts[0], TimeoutError)
+        assert pipeline.recoveries == 1 and engine.stats.restarts == 1
+        assert set(waits) == {0.25}
+    finally:
+        engine.close()

@@ -114,6 +114,25 @@ def hold_if_asked() -> None:
         time.sleep(0.05)
 
 
+# Tests only: a file path; a worker whose process id that file holds blocks each generation
+# step while it does (at most HANG_MAX_S): a hung worker, which the engine must find and replace.
+HANG_ENV = "OFFLOAD_TEST_HANG_STEP"
+HANG_MAX_S = 300.0
+
+
+def hang_if_asked() -> None:
+    path = os.environ.get(HANG_ENV)
+    deadline = time.monotonic() + HANG_MAX_S
+    while path and time.monotonic() < deadline:
+        try:
+            with open(path) as f:
+                if f.read().strip() != str(os.getpid()):
+                    return
+        except OSError:
+            return
+        time.sleep(0.05)
+
+
 class TensorReader:
     """Reads tensor bytes of one checkpoint directory into given tensors.
 

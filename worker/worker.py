@@ -14,6 +14,7 @@ import platform
 import re
 import resource
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -28,7 +29,7 @@ from offload.probe import DECISION_STEPS
 from offload.stats import OffloadStats
 from worker.batched import BatchRunner
 from worker.layout import hf_config_from_dict, model_class_for
-from worker.loader import TensorReader, hold_if_asked
+from worker.loader import TensorReader, hang_if_asked, hold_if_asked
 from worker.node import probe_here
 from worker.placement import Placement, materialize
 from worker.reporting import Snapshots, device_memory, pin_decision, pin_origin, storage_bytes
@@ -393,6 +394,7 @@ class StageWorker:
         in its own KV slot; hidden states out, or from the last stage each row's next token.
         `wire`: packed for Ray (`worker.wire`); a caller in this process takes the tensor."""
         self._require_ready()
+        hang_if_asked()  # tests only: OFFLOAD_TEST_HANG_STEP
         out = self._batches.step(self.stage, rows, unpack(x), draw)
         self._count_forward()
         return pack_out(out) if wire else out
@@ -405,6 +407,7 @@ class StageWorker:
         timeout_s: float = 300.0,
         yield_every_s: float = 0.0,
         wire: bool = True,
+        stop: threading.Event | None = None,
     ):
         """Up to `count` decode steps of each micro-batch of `batches` driven from here, the
         first stage (`BatchRunner.ring`): each step goes through this stage and then the
@@ -415,12 +418,15 @@ class StageWorker:
         next. Called through Ray as a streaming generator, where each item costs ~0.35 ms (on a
         model whose step takes 2 ms, one item a step was a sixth of the step): `RING_YIELD_S`
         (12 ms) there; in process, 0 (every step at once, so that a cut burst computes nothing
-        more)."""
+        more). `stop`, in process only: the driver's cut (`BatchRunner.ring`): no step more is
+        sent, those under way are still yielded."""
         self._require_ready()
+        hang_if_asked()  # tests only: OFFLOAD_TEST_HANG_STEP
         batches = [(rows, unpack(x), draw) for rows, x, draw in batches]
         ready: list[tuple[int, Packed]] = []
         last = 0.0
-        for m, tokens in self._batches.ring(self.stage, batches, count, downstream, timeout_s):
+        steps = self._batches.ring(self.stage, batches, count, downstream, timeout_s, stop)
+        for m, tokens in steps:
             self._count_forward()  # this stage's own part of the step
             ready.append((m, pack_out(tokens) if wire else tokens))
             if time.perf_counter() - last >= yield_every_s:

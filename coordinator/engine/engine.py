@@ -18,8 +18,11 @@ before the workers changed can never read a pool that no longer holds its keys.
 A step that fails because a worker was lost or changed: the job recovers (`recover`), the
 engine claims the workers again under a new epoch, and every running sequence feeds its prompt
 and its tokens so far again, so it goes on with the text an uninterrupted run gives; what the
-old epoch's steps still return is dropped. A step that fails otherwise ends the requests in it
-with the error. Every wait is bounded (`step_timeout_s`).
+old epoch's steps still return is dropped. A step that does not come back within
+`step_timeout_s` is a hung worker: the same recovery finds the stage that does not answer and
+replaces it. A step that fails otherwise ends the requests in it with the error. A row the
+last stage cannot choose a token for ends its own request only (`Chosen.failed`). Every wait is
+bounded (`step_timeout_s`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator.engine.generation import KvBudget
-from coordinator.engine.pipelines import Handle, Pipeline
+from coordinator.engine.pipelines import Handle, Pipeline, StepTimeoutError
 from coordinator.engine.requests import check_request
 from coordinator.engine.scheduler import Scheduler, Step
 from coordinator.engine.sequences import Finish, Request, Sequence
@@ -489,14 +492,15 @@ class Engine:
 
     def _wait_one(self) -> None:
         ready = self.pipeline.wait(list(self._in_flight), self.config.step_timeout_s)
-        if not ready:
-            timeout = TimeoutError(
+        if not ready:  # a hung stage: found and replaced as a lost one (`_step_failed`)
+            timeout = StepTimeoutError(
                 f"a generation step did not finish within {self.config.step_timeout_s:.0f} s "
                 "(forward_timeout_s)"
             )
-            for handle, (steps, _) in list(self._in_flight.items()):
-                del self._in_flight[handle]
-                self._fail_steps(steps, timeout)
+            in_flight = list(self._in_flight.values())
+            self._in_flight.clear()
+            steps = [step for batch, _ in in_flight for step in batch]
+            self._step_failed(steps, timeout, min(epoch for _, epoch in in_flight))
             return
         for handle in ready:
             if handle in self._in_flight:  # else dropped by a restart meanwhile
@@ -632,7 +636,10 @@ class Engine:
 
 def _workers_changed(exc: BaseException) -> bool:
     """A step failed because a worker was lost, or refused it as not claimed by this engine
-    under this epoch (the worker was replaced or re-planned meanwhile)."""
+    under this epoch (the worker was replaced or re-planned meanwhile), or did not come back
+    within its bound (a hung worker: the recovery replaces the stage that does not answer)."""
+    if isinstance(exc, StepTimeoutError):
+        return True
     # imported here, at a failure: the engine's module loads without Ray (in-process pipelines)
     import ray
 

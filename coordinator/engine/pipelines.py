@@ -5,11 +5,19 @@ the engine handles it can wait on while other micro-batches' steps run."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Protocol
 
 from coordinator.engine.scheduler import Step
+from offload.errors import LaunchError
 from worker.steps import answer_values, send_through
+
+
+class StepTimeoutError(LaunchError, TimeoutError):
+    """A step (or a burst's next step) did not come back within its bound: a stage is hung.
+    The engine recovers as for a lost worker: the stage that does not answer is replaced."""
+
 
 # (which of the submitted steps, each row's token: with log-probabilities when a row asked),
 # the tokens a numpy array from Ray, a tensor from an in-process stage
@@ -21,9 +29,13 @@ class Handle(Protocol):
         """The steps' tokens as they come (a burst yields one per micro-batch per step)."""
 
     def stop(self) -> None:
-        """End a burst early for the engine: what the workers make after the last step read
-        is never applied (the next step of these rows starts where that one ended), and every
-        write of the burst lands before the engine's next call."""
+        """Cut a burst: the workers start no step they need not (in process, and on one
+        stage, none). `results` then goes on with the steps that ran anyway (in process, those
+        of the other micro-batches already under way; on several stages, every step left,
+        which the first stage's ring runs out) and ends; the engine applies them (to the rows
+        still running) rather than have them computed again. A step that ran and is not
+        yielded is never applied: the next step of its rows starts where the last one applied
+        ended. Every write of the burst lands before the engine's next call."""
 
 
 class Pipeline(Protocol):
@@ -52,10 +64,13 @@ def tokens_of(m: int, out) -> Tokens:
 
 
 class InProcessHandle:
-    """A step run in this thread: a burst's steps run as they are read (`stop` ends it)."""
+    """A step run in this thread: a burst's steps run as they are read. `stop` sets `cut`
+    (the ring then sends no step more and yields those under way), or without one closes a
+    generator (nothing more is read); a list's steps all ran, and are all read."""
 
-    def __init__(self, outputs) -> None:
+    def __init__(self, outputs, cut: threading.Event | None = None) -> None:
         self.outputs = outputs  # a list, or a generator of a burst's (m, tokens)
+        self.cut = cut
 
     def results(self, timeout_s: float) -> Iterator[Tokens]:
         for item in self.outputs:  # a burst yields lists of steps (StageWorker.batch_ring)
@@ -63,14 +78,16 @@ class InProcessHandle:
                 yield tokens_of(m, out)
 
     def stop(self) -> None:
-        if not isinstance(self.outputs, list):
+        if self.cut is not None:
+            self.cut.set()
+        elif not isinstance(self.outputs, list):
             self.outputs.close()
 
 
 class LocalPipeline:
     """In-process `StageWorker`s, stepped one after another in the calling thread."""
 
-    max_burst = 64  # a burst in this thread ends at once when cut
+    max_burst = 64  # a burst in this thread ends when cut (only the steps under way run)
 
     def __init__(self, workers: list) -> None:
         self.workers = workers
@@ -87,11 +104,11 @@ class LocalPipeline:
     def submit(self, steps: list[Step]) -> InProcessHandle:
         if len(steps) > 1 or steps[0].count > 1:  # the first stage drives them
             batches = [(step.rows, step.x, step.draw) for step in steps]
-            return InProcessHandle(
-                self.workers[0].batch_ring(
-                    batches, steps[0].count, tuple(self.workers[1:]), wire=False
-                )
+            cut = threading.Event()
+            ring = self.workers[0].batch_ring(
+                batches, steps[0].count, tuple(self.workers[1:]), wire=False, stop=cut
             )
+            return InProcessHandle(ring, cut)
         [step] = steps
         return InProcessHandle([(0, send_through(self.workers, step.rows, step.x, step.draw))])
 

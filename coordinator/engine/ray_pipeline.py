@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import ray
 
-from coordinator.engine.pipelines import Tokens, tokens_of
+from coordinator.engine.pipelines import StepTimeoutError, Tokens, tokens_of
 from coordinator.engine.scheduler import Step
 from coordinator.runtime.errors import WorkerLostError
 from worker.steps import NotOwnerError, send_through
@@ -61,15 +61,15 @@ class BurstHandle:
     def __init__(self, stream, *, through: bool) -> None:
         self.waitable = stream
         self._through = through  # the first stage sends its steps on to others
-        self._timeout_s = 60.0  # results' bound, for stop
+        self._cancelled = False
 
     def results(self, timeout_s: float) -> Iterator[Tokens]:
-        stream, self._timeout_s = self.waitable, timeout_s
-        while True:
+        stream = self.waitable
+        while not self._cancelled:  # after a cancel, only the item being read is applied
             # bounded: a stuck stage must not hold the engine's only thread
             ready, _ = ray.wait([stream], num_returns=1, timeout=timeout_s)
             if not ready:
-                raise TimeoutError(
+                raise StepTimeoutError(
                     f"a burst's next step did not come within {timeout_s:.0f} s (forward_timeout_s)"
                 )
             try:
@@ -80,23 +80,23 @@ class BurstHandle:
                 yield tokens_of(m, out)
 
     def stop(self) -> None:
-        """End the burst here for the engine; what it makes after the last step read is
-        never applied. One stage: cancel the streaming call (Ray stops a generator task at its
-        next yield; it has streamed, so the actor has it: cancelling a call the actor has not
-        received can leave a hole in the order of this driver's calls, ray-project/ray#65785),
-        and its later steps still run in that call, before any later call to it. Several
-        stages: read and drop its remaining steps (fewer than its count) so that every write
-        it makes, on every stage, lands before the engine's next call. Not a cancel there: it
-        can interrupt the first stage while it submits a step to the next one, leaving a hole
-        in that stage's sequence of calls from it, which the next stage waits out (30 s)
-        before failing every call queued behind it."""
+        """Cut the burst. One stage: cancel the streaming call (Ray stops a generator task at
+        its next yield; it has streamed, so the actor has it: cancelling a call the actor has
+        not received can leave a hole in the order of this driver's calls,
+        ray-project/ray#65785); its steps still run in that call, before any later call to
+        it, and `results` ends with the item it is reading (after a cancel, Ray raises
+        TaskCancelledError for the next item, even one yielded before: measured on Ray
+        2.60), so the steps the call ran after it are never applied. Several stages: nothing to
+        stop. Not a cancel there: it can interrupt the first stage while it submits a step to
+        the next one, leaving a hole in that stage's sequence of calls from it, which the next
+        stage waits out (30 s) before failing every call queued behind it. The ring runs its
+        remaining steps (fewer than its count) out on every stage, and `results` goes on
+        yielding them: the engine applies them to the rows still running instead of having
+        them computed again, and every write the burst makes lands before its next call."""
         if not self._through:
+            self._cancelled = True
             with contextlib.suppress(Exception):
                 ray.cancel(self.waitable)
-            return
-        with contextlib.suppress(Exception):  # a failure shows at the next step, bounded
-            for _ in self.results(self._timeout_s):
-                pass
 
 
 class RayPipeline:
@@ -113,7 +113,8 @@ class RayPipeline:
     def max_burst(self) -> int:
         """One stage: a cut burst is cancelled at once, so bursts may be long (the driver's
         turn between two bursts costs ~5 ms: 0.6 ms a step in bursts of 8 on a 2 ms step).
-        Several: a cut burst runs its remaining steps out, so they stay short."""
+        Several: a cut burst runs its remaining steps out (applied, not lost, but a request
+        that arrives waits for them), so they stay short."""
         return 64 if self.num_stages == 1 else 8
 
     def claim(self, owner: tuple[str, int], *, take: bool) -> None:

@@ -32,6 +32,9 @@ from worker.spec import StageSpec
 
 NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it: a bundle's node selector
 PING_TIMEOUT_S = 30.0  # one bound for the pings of all stages at once
+# After a step timed out: a worker that does not answer a ping within this is hung (an idle
+# one answers in milliseconds; every step of the engine has ended or was given up by then)
+HUNG_PING_S = 10.0
 RECONFIGURE_TIMEOUT_S = 120.0  # a survivor moves its layers in memory: no disk reads
 
 
@@ -195,6 +198,25 @@ class WorkerGroup:
         every stage at once under one bound. A worker busy past PING_TIMEOUT_S is not dead."""
         return sorted(gone_parts(dict(enumerate(h.actor for h in self.handles)), PING_TIMEOUT_S))
 
+    def kill_hung(self, timeout_s: float = HUNG_PING_S) -> list[int]:
+        """After a step timed out: kill the stages whose worker is alive but does not answer
+        a ping within `timeout_s` (hung), so that recovery replaces them as lost ones; returns
+        them. A stage's calls run in order, so a stage after a hung one may be silent only
+        because its step waits on the hung one's output: the first silent stage is killed,
+        then the later silent ones are asked again (their wait failed with it), and so on."""
+        killed: list[int] = []
+        suspects = list(range(len(self.handles)))
+        while suspects:
+            parts = {s: self.handles[s].actor for s in suspects}
+            silent = sorted(silent_parts(parts, timeout_s))
+            if not silent:
+                break
+            first = silent[0]
+            kill([self.handles[first]])
+            killed.append(first)
+            suspects = silent[1:]
+        return killed
+
     # changes
     def replace(self, stages: list[int]) -> None:
         """New workers for `stages`, each in its predecessor's bundle (same node, same spec)."""
@@ -287,6 +309,16 @@ def gone_parts(parts: dict, timeout_s: float) -> list:
                 except ray.exceptions.RayActorError:
                     dead.append(what)
     return dead
+
+
+def silent_parts(parts: dict, timeout_s: float) -> list:
+    """Which of `parts` (key -> actor handle) are alive but do not answer a ping within
+    `timeout_s` (busy, or hung); the gone ones are not among them."""
+    refs = {what: actor.ping.remote() for what, actor in parts.items() if actor is not None}
+    if not refs:
+        return []
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    return [what for what, ref in refs.items() if ref not in ready]
 
 
 def kill(handles: Sequence[WorkerHandle]) -> None:

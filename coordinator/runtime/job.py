@@ -23,6 +23,7 @@ import torch
 from coordinator.config import JobConfig
 from coordinator.engine import Request, generation
 from coordinator.engine.host import EngineClient
+from coordinator.engine.pipelines import StepTimeoutError
 from coordinator.engine.ray_pipeline import by_value_or_ref
 from coordinator.planning.checkpoint import CheckpointIndex
 from coordinator.planning.context import beyond_context
@@ -304,12 +305,15 @@ class Job:
                 self._gate.epoch += 1
             return dead
 
-    def _recover_since(self, epoch: int) -> bool:
+    def _recover_since(self, epoch: int, *, hung: bool = False) -> bool:
         """For a pass that failed in `epoch`: recover, unless another thread changed the
-        workers since (then the pass just runs again). True when the workers changed."""
+        workers since (then the pass just runs again). True when the workers changed.
+        `hung`: the pass timed out; the workers that do not answer are killed first."""
         with self._gate.alone():
             if self._gate.epoch != epoch:
                 return True
+            if hung:
+                self.group.kill_hung()
             dead = self._recover_now()
             if dead:
                 self._gate.epoch += 1
@@ -318,8 +322,9 @@ class Job:
     def recover_after(self, exc: Exception, epoch: int) -> None:
         """After a pass of `epoch` failed with `exc`: recover the job, or raise `exc` (a Ray
         error as the clear error naming the stage) when every worker is alive: then the pass
-        itself failed."""
-        if not self._recover_since(epoch):
+        itself failed. A pass that timed out (`StepTimeoutError`): a hung worker is a lost
+        one."""
+        if not self._recover_since(epoch, hung=isinstance(exc, StepTimeoutError)):
             if isinstance(exc, ray.exceptions.RayError):
                 raise worker_failure(exc, self.workers) from None
             raise exc

@@ -38,6 +38,7 @@ import ray
 
 from coordinator.engine.engine import model_steps
 from coordinator.engine.host import EngineHost
+from coordinator.engine.pipelines import StepTimeoutError
 from coordinator.planning.checkpoint import CheckpointIndex
 from coordinator.runtime import recovery, registry
 from coordinator.runtime.gate import Gate
@@ -129,10 +130,13 @@ class LoadKeeper:
 
     def _recover_after(self, exc: BaseException, epoch: int) -> None:
         """The engine's step sent in `epoch` failed with `exc`: recover (unless the workers
-        changed since), or raise the clear error of a step that failed by itself."""
+        changed since), or raise the clear error of a step that failed by itself. A step that
+        timed out: the workers that do not answer are killed first (hung), then replaced."""
         with self.gate.alone():
             if self.gate.epoch != epoch:
                 return
+            if isinstance(exc, StepTimeoutError):  # a hung worker is a lost one
+                self.group.kill_hung()
             if self._recover():
                 self.gate.epoch += 1
                 return
