@@ -6,6 +6,7 @@ the text transformers gives them (same files, same dtype, one process)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -462,3 +463,59 @@ def test_a_step_that_times_out_is_recovered_as_a_lost_worker_and_goes_on() -> No
         assert set(waits) == {0.25}
     finally:
         engine.close()
+
+
+# --- the server's event loop never waits on Ray -----------------------------------------------
+
+
+def test_a_slow_engine_call_never_stalls_the_replicas_event_loop() -> None:
+    """A request's submit and cancel are calls to the load's engine (through Ray for a named
+    load): they run off the event loop, which serves the replica's other streams meanwhile.
+    Each call here returns only once the loop has run a coroutine while it was in flight: were
+    the loop blocked by the call, it would never return (its bounded wait would fail)."""
+    from types import SimpleNamespace
+
+    from coordinator.engine.sequences import Request
+    from coordinator.serving.runs import Run
+
+    loop_ran = threading.Event()
+    calls: list[str] = []
+
+    class Engine_:
+        def cancel(self, request) -> None:
+            calls.append("cancel" if loop_ran.wait(WAIT_S) else "cancel blocked the loop")
+
+    class Job:
+        index = None
+
+        def submit(self, ids, **options) -> Request:
+            calls.append("submit" if loop_ran.wait(WAIT_S) else "submit blocked the loop")
+            return Request.of(ids.tolist(), sampling=Sampling(), max_new_tokens=2)
+
+        def engine(self):
+            return Engine_()
+
+    async def main() -> None:
+        async def other_stream() -> None:
+            while True:
+                await asyncio.sleep(0.01)
+                loop_ran.set()
+
+        other = asyncio.create_task(other_stream())
+        run = Run(
+            Job(),
+            SimpleNamespace(),
+            torch.tensor([[1, 2]]),
+            {"eos_token_id": [0], "max_new_tokens": 2},
+        )
+        await run.start()
+        loop_ran.clear()
+        run.cancel()  # returns at once: the call goes on on a thread
+        for _ in range(int(WAIT_S / 0.01)):
+            if len(calls) == 2:
+                break
+            await asyncio.sleep(0.01)
+        other.cancel()
+
+    asyncio.run(main())
+    assert calls == ["submit", "cancel"]
