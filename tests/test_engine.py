@@ -40,18 +40,25 @@ class FakePipeline:
     of its table, and a row that chooses gets `next_token` of what its blocks hold up to its
     end. A block keeps everything ever written to it (nothing is cleared), and every read is
     checked against the sequence's own tokens: a row that reads another sequence's keys (a
-    block two sequences hold, or one freed under it), or a stale position, fails the test. Like a worker, it runs only the steps of the engine (and epoch) that claimed it.
+    block two sequences hold, or one freed under it), or a stale position, fails the test.
+    Like a worker, it runs only the steps of the engine (and epoch) that claimed it, and
+    keeps each slot's block table from what the steps carry (`BatchRunner.block_tables`).
     Records every step; `fail` makes the next submits raise (a lost worker, or another
-    error)."""
+    error). A burst's steps all run when it is submitted."""
 
     max_burst = 8
 
-    def __init__(self, num_stages: int = 1, *, recurrent: bool = False) -> None:
+    def __init__(
+        self, num_stages: int = 1, *, recurrent: bool = False, drains: bool = False
+    ) -> None:
         """`recurrent`: the model keeps a state per sequence, as a worker's KV pool keeps
         it (`worker.batch_cache`): a padded row, or a step that does not start where its
-        slot's last step ended (one ran whose tokens were dropped), is refused."""
+        slot's last step ended (one ran whose tokens were dropped), is refused. A cut burst's
+        steps that ran are never read (as a cancelled one-stage Ray burst's), or with
+        `drains` all read (as a ring on several stages runs them out)."""
         self.num_stages = num_stages
         self.recurrent = recurrent
+        self.drains = drains
         self.pool: KvPool | None = None
         self.blocks: dict[int, list[int | None]] = {}
         self.steps: list[tuple[bool, tuple[int, ...], tuple[int, ...], int]] = []
@@ -95,10 +102,11 @@ class FakePipeline:
         outputs = []
         for _ in range(steps[0].count):
             for m, (rows, x, draw, sequences) in enumerate(current):
-                self._take_in(rows)
+                tables = self.runner.block_tables(rows)
+                self._take_in(rows, tables)
                 tokens = torch.full((len(rows.slots),), NO_TOKEN)
                 for r, (start, count) in enumerate(zip(rows.starts, rows.counts, strict=True)):
-                    table, size = rows.tables[r], rows.block_size
+                    table, size = tables[r], rows.block_size
                     assert len(table) * size >= start + count, "a row wrote past its blocks"
                     new = x[r, rows.width - count :].tolist()
                     for p, token in enumerate(new, start):
@@ -117,9 +125,9 @@ class FakePipeline:
                         tokens[r] = next_token(seen)
                 outputs.append((m, tokens))
                 current[m][:2] = rows.advanced(), tokens[:, None]
-        return InProcessHandle(outputs)
+        return InProcessHandle(outputs if self.drains else iter_over(outputs))
 
-    def _take_in(self, rows) -> None:
+    def _take_in(self, rows, tables) -> None:
         """A recurrent model's step through the workers' own checks on a one-layer state."""
         if not self.recurrent:
             return
@@ -133,7 +141,7 @@ class FakePipeline:
             )
             self.pool.states["recurrent", 0, 0] = torch.zeros(rows.num_slots, 1)
         view = self.pool.view(
-            list(rows.slots), list(rows.starts), list(rows.counts), rows.width, rows.tables
+            list(rows.slots), list(rows.starts), list(rows.counts), rows.width, tables
         )
         view.get_recurrent_state(0)  # refuses padding
         view.commit()
@@ -151,6 +159,11 @@ class FakePipeline:
         self.blocks.clear()  # the new worker holds no cache
         self.pool = None  # nor any state
         self.runner.reset()  # nor any claim
+
+
+def iter_over(outputs):
+    """The steps that ran, read one by one: `stop` (closing it) leaves the rest unread."""
+    yield from outputs
 
 
 @pytest.fixture

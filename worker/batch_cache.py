@@ -6,9 +6,11 @@ block_size, kv_heads, head_dim), each shaped as the model writes it (DeepSeek's 
 attention writes its compressed latent as keys and its rotated key part as values, one head
 each), allocated at load by a first write and kept: the bytes the plan reserved (its pool of
 tokens), never more, and no allocation per request or per step. The engine gives a sequence
-blocks as it grows and frees them the step it ends; a step carries each row's block table
-(`StepRows.tables`: the blocks of positions 0.., in order), so a sequence takes the memory its
-tokens need, not `max_seq_len` of it (vLLM measured 60-80% of a slot-per-sequence cache wasted).
+blocks as it grows and frees them the step it ends; each row of a step reads and writes the
+blocks of its block table (the blocks of positions 0.., in order: the stage keeps each slot's,
+and a step carries what changed in it, `StepRows.table_from`), so a sequence takes the memory
+its tokens need, not `max_seq_len` of it (vLLM measured 60-80% of a slot-per-sequence cache
+wasted).
 A freed block's stale keys are never read: the mask only lets a row see the positions it wrote.
 
 Layers with recurrent state (mamba mixers, gated delta-net and other linear attention, short

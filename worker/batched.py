@@ -3,16 +3,19 @@ row at its own positions in its own KV slot (`worker.batch_cache`), and on the l
 choice of each row's next token under that row's own settings.
 
 What crosses Ray per step is small and plain: `StepRows` (which slots, where each row's new
-tokens start, how many, and the engine and epoch the step belongs to), the activations, and
-for the last stage a `Draw` (per row: greedy or sampled, temperature, top-k, top-p, and a
-seed); back come the tokens. The worker keeps nothing of a request but its keys and values: a
-sampled token is keyed by the row's seed and its position, so a replaced worker, or a different
-batch, never changes what a seeded request draws.
+tokens start, how many, the blocks its table gained, and the engine and epoch the step belongs
+to), the activations, and for the last stage a `Draw` (which rows choose, and the settings of
+sequences new to their slots); back come the tokens. The worker keeps per slot what does not
+change from step to step (the block table, the last stage's settings) besides the keys and
+values, all forgotten with a new claim: a sampled token is keyed by the row's seed and its
+position, so a replaced worker, or a different batch, never changes what a seeded request
+draws.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -227,7 +230,8 @@ def prompt_logprobs(
 
 class BatchRunner:
     """A stage's batched steps and the KV pool they write (created at the first step, sized
-    by it, and kept until the stage changes), owned by one engine at a time (`claim`)."""
+    by it, and kept until the stage changes), owned by one engine at a time (`claim`), and
+    what its steps keep per slot (block tables; on the last stage, settings)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -238,6 +242,9 @@ class BatchRunner:
         self.slot_settings: dict[int, SlotSettings] = {}
         self.refused: dict[int, str] = {}  # slot -> why its settings cannot be used
         self.prompt_tails: dict[int, torch.Tensor] = {}
+        # every stage: each slot's block table as its owner's steps built it (`block_tables`),
+        # slot -> (the table's id, None for a whole table sent alone; its blocks)
+        self.tables: dict[int, tuple[int | None, list[int]]] = {}
         self.last_rows = 0  # sequences in the last step, for reports
         self.last_step_s = 0.0  # this stage's own time in its last step (not the others')
 
@@ -248,6 +255,7 @@ class BatchRunner:
         self.slot_settings.clear()
         self.refused.clear()
         self.prompt_tails.clear()
+        self.tables.clear()
 
     def claim(self, owner: Owner, *, take: bool = False) -> None:
         """Make `owner` the one engine (and epoch) whose steps this pool runs. An engine
@@ -258,10 +266,11 @@ class BatchRunner:
                 f"engine {owner[0]} cannot claim this stage: engine {self.owner[0]} owns its KV "
                 "pool (one engine per load: submit through it, e.g. attach(name))"
             )
-        if owner != self.owner:  # a new claim sends every sequence's settings again
+        if owner != self.owner:  # a new claim sends every sequence's settings and table again
             self.slot_settings.clear()
             self.refused.clear()
             self.prompt_tails.clear()
+            self.tables.clear()
         self.owner = owner
 
     def release(self, owner: Owner) -> None:
@@ -289,6 +298,46 @@ class BatchRunner:
             f"{self.owner[0]} owns: refused (two engines must never write one pool; every "
             "client of a load submits through the load's engine)"
         )
+
+    def block_tables(self, rows: StepRows) -> list[list[int]]:
+        """Each row's whole block table for this step, its slot's kept table updated by what
+        the step carries (`StepRows.table_from`): cut to the blocks the engine counts on (a
+        burst cut short gave its last ones back) and extended by the new ones; a row with a
+        whole table replaces its slot's. Raises, before anything is read, when the slot's
+        table is not the one the step extends (another sequence's, none since a new claim, or
+        shorter: a step the engine counted on never reached this stage)."""
+        if not rows.table_from:
+            tables = [list(table) for table in rows.tables]
+            for slot, table in zip(rows.slots, tables, strict=True):
+                self.tables[slot] = (None, table)
+            return tables
+        tables = []
+        for slot, kept, tail, table_id in zip(
+            rows.slots, rows.table_from, rows.tables, rows.table_ids, strict=True
+        ):
+            if not kept:
+                table = list(tail)
+                self.tables[slot] = (table_id, table)
+            else:
+                held = self.tables.get(slot)
+                if held is None or held[0] != table_id or len(held[1]) < kept:
+                    if held is None:
+                        what = "no table there"
+                    elif held[0] != table_id:
+                        what = "another sequence's table there"
+                    else:
+                        what = f"{len(held[1])} block(s) of it"
+                    raise ValueError(
+                        f"slot {slot}: the step extends its sequence's block table after "
+                        f"{kept} block(s), but this stage holds {what}: a step the engine "
+                        "counted on did not reach it; refused (its keys would be read from "
+                        "blocks the engine does not mean)"
+                    )
+                table = held[1]
+                del table[kept:]
+                table.extend(tail)
+            tables.append(table)
+        return tables
 
     def nbytes(self) -> int:
         return self.pool.nbytes() if self.pool is not None else 0
@@ -326,6 +375,7 @@ class BatchRunner:
         each row's chosen token (rows,) (`Chosen` when a row asked for log-probabilities), or
         without a `draw` the last position's logits (rows, vocab)."""
         self.check_owner(rows)
+        tables = self.block_tables(rows)  # every stage keeps them, whether it holds layers
         view = None
         held = stage.decoder_indices
         if held:
@@ -339,7 +389,7 @@ class BatchRunner:
                     device=self.device,
                 )
             view = pool.view(
-                list(rows.slots), list(rows.starts), list(rows.counts), rows.width, rows.tables
+                list(rows.slots), list(rows.starts), list(rows.counts), rows.width, tables
             )
         if x.shape[:2] != (len(rows.slots), rows.width):
             raise ValueError(
@@ -403,21 +453,27 @@ class BatchRunner:
         count: int,
         downstream: Sequence = (),
         timeout_s: float = 300.0,
+        stop: threading.Event | None = None,
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """Up to `count` steps of each micro-batch of `batches` (rows, input, draw), run from
         this stage, the first: the step given (a decode step, or a prefill), then decode steps
         of its rows, its draw's settings taken by the first. A step of micro-batch m goes
         through this stage, then on through `downstream` (the later stages in order: Ray actor
         handles, or in-process workers), actor to actor; its last stage's tokens come straight
-        back here as m's next input: no round trip to the driver per token. The micro-batches take turns here, so
-        while the later stages work on m this stage computes m + 1: with as many micro-batches
-        as stages, every stage is busy. Yields (m, tokens) per micro-batch step, in
-        order. One micro-batch and no downstream: a one-stage job's steps. Every row must
-        choose at every step (a prefill's rows are fed their whole prompts).
+        back here as m's next input: no round trip to the driver per token. The micro-batches
+        take turns here, so while the later stages work on m this stage computes m + 1: with
+        as many micro-batches as stages, every stage is busy. Yields (m, tokens) per
+        micro-batch step, in order. One micro-batch and no downstream: a one-stage job's
+        steps. Every row must choose at every step (a prefill's rows are fed their whole
+        prompts).
 
-        Left early (the driver cut it at a yield), the steps already sent on are waited for:
-        every write this call makes is done before the stage takes its next call, and the
-        later stages' next calls depend on that one."""
+        `stop` (in process: the driver sets it at a yield to cut the burst) sends no step
+        more, and yields the steps already sent (each of the other micro-batches has one under
+        way): they ran, or run, on every stage, so the driver applies them instead of having
+        them computed again. Left early (the driver closed it at a yield, or Ray cancelled
+        it), the steps already sent on are waited for: every write this call makes is done
+        before the stage takes its next call, and the later stages' next calls depend on that
+        one."""
         for rows, _, _ in batches:  # refused before any step runs
             self.check_owner(rows)
         if not all(take for _, _, draw in batches for take in draw.choose):
@@ -429,14 +485,16 @@ class BatchRunner:
         try:
             for step in range(count + 1):
                 for m in range(len(batches)):
-                    if step:
+                    if pending[m] is not None:
                         tokens = _collect(pending[m], timeout_s)
                         pending[m] = None
                         yield m, tokens
                         rows[m], xs[m] = rows[m].advanced(), token_ids(tokens)[:, None]
-                    if step < count:
+                    if step < count and (stop is None or not stop.is_set()):
                         pending[m] = self._send(stage, rows[m], xs[m], draws[m], downstream)
                         draws[m] = replace(draws[m], settings=())  # taken by the first step
+                if all(sent is None for sent in pending):
+                    break  # stopped: every step sent was yielded
         finally:
             for sent in pending:
                 if sent is not None:

@@ -35,10 +35,20 @@ class ClaimedByAnotherError(NotOwnerError):
 @dataclass(frozen=True, slots=True)
 class StepRows:
     """The rows of one step: row r (the sequence in slot `slots[r]`) writes `counts[r]` new
-    tokens from position `starts[r]` on into the blocks of its table `tables[r]` (the blocks of
-    its positions 0.., in order: at least through the step's last position, a burst's too); the
+    tokens from position `starts[r]` on into the blocks of its block table (the blocks of its
+    positions 0.., in order: at least through the step's last position, a burst's too); the
     step's inputs are left-padded to `width`. The pool's shape rides along, so a worker sizes
-    its pool from the engine that uses it."""
+    its pool from the engine that uses it.
+
+    Each stage keeps every slot's table (`BatchRunner.block_tables`), so a step carries only
+    what changed: row r's table is the first `table_from[r]` blocks of the one its slot holds,
+    then `tables[r]` (its whole table when `table_from[r]` is 0: a sequence new to its slot,
+    or one whose table the stages may not hold). `table_ids[r]` names the table (the engine's
+    id of the sequence's admission): a stage that holds another one for the slot, or fewer
+    than `table_from[r]` blocks of it, refuses the step rather than read keys it does not
+    know. A decode step of a long sequence then carries its new block when it crosses one,
+    not its whole table. Without `table_from` (callers with no block bookkeeping:
+    `in_slots`), every row's `tables[r]` is its whole table, every step."""
 
     slots: tuple[int, ...]
     starts: tuple[int, ...]
@@ -49,6 +59,15 @@ class StepRows:
     num_blocks: int
     block_size: int = DEFAULT_BLOCK_SIZE
     owner: Owner = ("", 0)
+    table_from: tuple[int, ...] = ()
+    table_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        rows = len(self.slots)
+        if not len(self.starts) == len(self.counts) == len(self.tables) == rows:
+            raise ValueError("slots, starts, counts and tables must have one entry per row")
+        if self.table_from and not len(self.table_from) == len(self.table_ids) == rows:
+            raise ValueError("table_from and table_ids must have one entry per row")
 
     @classmethod
     def in_slots(
@@ -65,7 +84,7 @@ class StepRows:
     ) -> StepRows:
         """Rows of callers that keep one sequence per slot and no block bookkeeping (a probe,
         the family check, tests): slot s's sequence in its own run of blocks for
-        `max_seq_len` positions (`contiguous_tables`)."""
+        `max_seq_len` positions (`contiguous_tables`), whole in every step."""
         return cls(
             slots=tuple(slots),
             starts=tuple(starts),
@@ -79,9 +98,21 @@ class StepRows:
         )
 
     def advanced(self) -> StepRows:
-        """The next decode step of the same rows: one token each, after what this step wrote."""
+        """The next decode step of the same rows: one token each, after what this step wrote,
+        in the tables this step left (nothing more to carry, but whole tables)."""
         starts = tuple(s + c for s, c in zip(self.starts, self.counts, strict=True))
-        return replace(self, starts=starts, counts=(1,) * len(self.slots), width=1)
+        if not self.table_from:
+            return replace(self, starts=starts, counts=(1,) * len(self.slots), width=1)
+        return replace(
+            self,
+            starts=starts,
+            counts=(1,) * len(self.slots),
+            width=1,
+            tables=((),) * len(self.slots),
+            table_from=tuple(
+                n + len(tail) for n, tail in zip(self.table_from, self.tables, strict=True)
+            ),
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -507,26 +507,46 @@ class Engine:
                 self._run(handle, *self._in_flight.pop(handle))
 
     def _run(self, handle: Handle, steps: list[Step], epoch: int) -> None:
+        """Apply the steps' tokens as they come, each after the cancellations seen so far (a
+        cancelled row gets no token more). A burst is cut (`Handle.stop`) when a step
+        boundary is wanted; the steps that ran anyway still come (a cut ring on several
+        stages runs its remaining steps out on every stage) and are applied the same way: to
+        the rows still running, none computed again, no token past a row's end."""
         read = [0] * len(steps)  # results read, per step
         expected = sum(step.count for step in steps)
+        cut = False
         try:
             for m, tokens in handle.results(self.config.step_timeout_s):
                 step = steps[m]
+                self._end_cancelled()
                 added = self.scheduler.update(step, read[m], tokens)
                 read[m] += 1
                 self._pool_stats()  # live through a burst
                 self.stats.steps += 1  # a pass through every stage
                 self.stats.step_rows += len(step.sequences)
                 self._deliver(added)
-                if sum(read) < expected and self._wanted_at_a_boundary(steps, read):
-                    handle.stop()  # a burst: end it here; the workers stop at their next step
+                if not cut and sum(read) < expected and self._wanted_at_a_boundary(steps, read):
+                    handle.stop()  # a burst: the workers start no step they need not
                     self.stats.cut += 1
-                    break
+                    cut = True
         except Exception as exc:
             self._step_failed(steps, exc, epoch)
             return
         for step in steps:
             self.scheduler.complete(step)
+
+    def _end_cancelled(self) -> None:
+        """End the requests cancelled since the loop last looked (`Finish.ABORT`): a step
+        applied after this gives them no token. One the loop has not queued yet is left to
+        the next turn, which queues it first (ended before, queuing would revive it)."""
+        if not self._cancelled:  # read without the lock: a cancel just missed goes next time
+            return
+        with self._cond:
+            incoming = {id(request) for request in self._incoming}
+            cancelled = [r for r in self._cancelled if id(r) not in incoming]
+            self._cancelled[:] = [r for r in self._cancelled if id(r) in incoming]
+        for request in cancelled:
+            self.scheduler.finish_request(request, Finish.ABORT)
 
     def _wanted_at_a_boundary(self, steps: list[Step], read: list[int]) -> bool:
         """The next step boundary should come now: a request was cancelled, a sequence of the

@@ -11,16 +11,19 @@ Sequences wait in one FIFO queue. The head is admitted when a slot is free (at m
 `num_slots` run at once: the plan's max_batch, vLLM's max_num_seqs) and the KV pool has blocks
 for every token it feeds first (its prompt; a preempted sequence's tokens so far) with a margin
 of 1% of the pool left for the running ones to grow into; it gets those blocks at once, and one
-more each time it crosses a block's end. A step that needs blocks the pool no longer has
-preempts the youngest running sequence (of a micro-batch with no step in flight): its blocks
-and slot are freed and it goes back to the head of the queue, to feed its prompt and its tokens
-so far again when it is admitted again (as after a recovery), so its text is unchanged. The
-oldest sequence is never preempted for a younger one, and the pool holds at least one sequence
-of `max_seq_len` tokens (checked when the scheduler is made, and by the plan), so every
-request ends. Running sequences are split over `num_groups` micro-batches, each
-owning a contiguous range of slots (so a step's rows are consecutive slots, and the workers
-read their keys and values through a view, never a gather); each micro-batch alternates two
-kinds of step when it has both to do:
+more each time it crosses a block's end. The stages keep each slot's block table: a sequence's
+first step in its slot carries the whole table (its cached prefix's blocks first), every later
+one only the blocks it gained, and where the engine gave back blocks the stages hold (a burst
+cut before its steps ran), how many of them stay (`StepRows.table_from`). A step that needs
+blocks the pool no longer has preempts the youngest running sequence (of a micro-batch with no
+step in flight): its blocks and slot are freed and it goes back to the head of the queue, to
+feed its prompt and its tokens so far again when it is admitted again (as after a recovery),
+so its text is unchanged. The oldest sequence is never preempted for a younger one, and the
+pool holds at least one sequence of `max_seq_len` tokens (checked when the scheduler is made,
+and by the plan), so every request ends. Running sequences are split over `num_groups`
+micro-batches, each owning a contiguous range of slots (so a step's rows are consecutive
+slots, and the workers read their keys and values through a view, never a gather); each
+micro-batch alternates two kinds of step when it has both to do:
 
 - a **decode** step: every sequence of the micro-batch that has one token to feed (its last
   one chosen) feeds it, so each offloaded layer is brought in once for all of them;
@@ -123,6 +126,8 @@ class Scheduler:
         self._done: list[Request] = []  # requests whose last sequence ended, not yet taken
         self.owner: tuple[str, int] = ("", 0)  # the engine's claim, stamped on every step
         self._sent: dict[int, Sequence] = {}  # slot -> whose settings the last stage holds
+        # slot -> whose block table the stages hold, and how many of its blocks (`_tables`)
+        self._held: dict[int, tuple[Sequence, int]] = {}
         self.reform(num_groups)
 
     def reform(self, num_groups: int) -> None:
@@ -271,12 +276,12 @@ class Scheduler:
     def grow(self, steps: list[Step], count: int) -> int:
         """Blocks for `count` steps of every row of `steps` (a burst: the planned step, then
         decode steps), as many steps as the free blocks allow without preempting (at least the
-        one each step has); the rows' tables are extended to match. A burst takes its blocks
-        before it runs, and holds them empty until its steps fill them: when the pool is in
-        demand (a sequence waits, or the burst would take more than half of the blocks left),
-        it runs only to the end of each row's last block (or through one new block, where that
-        is full), so that a row never holds a block it has not begun to fill. Returns the
-        steps the burst may run."""
+        one each step has); the blocks taken ride with each step's rows (`StepRows.tables`).
+        A burst takes its blocks before it runs, and holds them empty until its steps fill
+        them: when the pool is in demand (a sequence waits, or the burst would take more than
+        half of the blocks left), it runs only to the end of each row's last block (or through
+        one new block, where that is full), so that a row never holds a block it has not begun
+        to fill. Returns the steps the burst may run."""
         # each row holds base + n tokens' keys after n steps: its first step feeds what it was
         # planned with (a prompt, or one token), every later one a token
         rows = [
@@ -295,9 +300,9 @@ class Scheduler:
             count -= 1
         for seq, base in rows:
             self._take_blocks(seq, base + count)
-        for step in steps:
+        for step in steps:  # the blocks taken ride with the burst's first step
             step.rows = dataclasses.replace(
-                step.rows, tables=tuple(tuple(s.blocks) for s in step.sequences)
+                step.rows, tables=self._tables(step.sequences, step.rows.table_from)
             )
         return count
 
@@ -344,6 +349,7 @@ class Scheduler:
 
     def _vacate(self, seq: Sequence) -> None:
         """`seq` leaves its micro-batch: its slot and blocks are free."""
+        self._held.pop(seq.slot, None)  # the slot's next sequence sends its whole table
         group = self.groups[seq.group]
         group.sequences.remove(seq)
         heapq.heappush(group.free, seq.slot)
@@ -370,6 +376,7 @@ class Scheduler:
         self.reform(num_groups)
         self.waiting.extendleft(reversed(requeue))
         self._sent.clear()  # the workers are claimed again: they hold no settings
+        self._held.clear()  # nor tables
 
     # steps
     def idle_groups(self) -> list[int]:
@@ -395,9 +402,12 @@ class Scheduler:
 
     def unplan(self, step: Step) -> None:
         """A planned step that was never sent (or failed): its micro-batch may plan again, and
-        the settings it carried are sent again with the next."""
+        the settings and tables it carried are sent again (whole) with the next."""
         for slot, _ in step.draw.settings:
             self._sent.pop(slot, None)
+        for seq in step.sequences:  # it may have reached some stages and not others
+            if seq.slot is not None:
+                self._held.pop(seq.slot, None)
         self.complete(step)
 
     def _prefill_step(self, g: int, candidates: list[Sequence], decode: list[Sequence]) -> Step:
@@ -447,16 +457,19 @@ class Scheduler:
         )
         chosen, x = [chosen[r] for r in order], x[order]
         counts, samples = [counts[r] for r in order], [samples[r] for r in order]
+        table_from = tuple(self._held_blocks(s) for s in chosen)
         rows = StepRows(
             slots=tuple(s.slot for s in chosen),
             starts=tuple(s.cached for s in chosen),
             counts=tuple(counts),
             width=x.shape[1],
             num_slots=self.num_slots,
-            tables=tuple(tuple(s.blocks) for s in chosen),
+            tables=self._tables(chosen, table_from),
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             owner=self.owner,
+            table_from=table_from,
+            table_ids=tuple(s.admitted for s in chosen),
         )
         # settings travel once per sequence: with its first step (the last stage scores the
         # prompt's chunks as they come when asked)
@@ -466,6 +479,23 @@ class Scheduler:
         draw = Draw(tuple(samples), tuple((s.slot, s.settings()) for s in new))
         self.groups[g].in_flight = True
         return Step(group=g, sequences=chosen, rows=rows, x=x, draw=draw, prefill=prefill)
+
+    def _held_blocks(self, seq: Sequence) -> int:
+        """How many blocks of `seq`'s table the stages hold for its slot, as its steps sent
+        them (0: none, or another sequence's: its next step sends the whole table)."""
+        held = self._held.get(seq.slot)
+        return held[1] if held is not None and held[0] is seq else 0
+
+    def _tables(self, sequences: list[Sequence], table_from: tuple[int, ...]) -> tuple:
+        """What a step carries of each sequence's table (`StepRows.table_from`): its blocks
+        after the first `table_from[r]`, which the stages hold; the stages hold them all
+        once the step has run (its failure forgets them: `unplan`)."""
+        tails = []
+        for seq, kept in zip(sequences, table_from, strict=True):
+            assert kept <= len(seq.blocks), "the stages hold blocks the sequence gave back"
+            tails.append(tuple(seq.blocks[kept:]))
+            self._held[seq.slot] = (seq, len(seq.blocks))
+        return tuple(tails)
 
     def update(self, step: Step, index: int, tokens: Chosen | object) -> list[tuple[Sequence, int]]:
         """The tokens of step `index` (0 first; a burst has several) of `step`: each row's
@@ -518,8 +548,10 @@ class Scheduler:
     def complete(self, step: Step) -> None:
         """The step is over (or failed): its micro-batch may plan again, the slots and blocks
         of its sequences that ended meanwhile are freed, and so are the blocks the others took
-        for steps of a burst that were cut (they hold only what those steps wrote, never
-        read: the next step writes there again)."""
+        for steps of a burst that were cut before they ran, or whose tokens were never read
+        (they hold only what those steps wrote, never read: the next step writes there
+        again). The stages still hold those blocks in the sequence's table: its next step
+        tells them to drop them (`StepRows.table_from`)."""
         group = self.groups[step.group]
         group.in_flight = False
         for seq in [s for s in group.sequences if s.finish is not None]:
@@ -529,3 +561,6 @@ class Scheduler:
             if len(seq.blocks) > keep:
                 self.blocks.release(seq.blocks[keep:])
                 del seq.blocks[keep:]
+                held = self._held.get(seq.slot)
+                if held is not None and held[0] is seq and held[1] > keep:
+                    self._held[seq.slot] = (seq, keep)
