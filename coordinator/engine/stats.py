@@ -99,7 +99,8 @@ class EngineStats:
     calls: int = 0  # submits to the pipeline: a burst is one call for several steps
     step_rows: int = 0  # sequences over all steps: step_rows / steps is the mean batch
     restarts: int = 0  # caches rebuilt after workers were replaced
-    cut: int = 0  # bursts ended early (a request arrived or was cancelled)
+    cut: int = 0  # bursts cut for a step boundary (an arrival, a cancel, an end): on one stage
+    # its later steps are cancelled, on several they run out and are applied
     generated: int = 0  # tokens
     ended: int = 0  # sequences
     running: int = 0
