@@ -104,6 +104,8 @@ def test_check_request_converts_int_likes_and_names_every_bad_value() -> None:
     refused("top_k", sampling=Sampling(top_k=2.5))
     assert "out of the vocabulary" in str(refused("prompt", prompts=[[1, VOCAB]]))
     refused("prompt", prompts=[[1, -1]])
+    with pytest.raises(RequestError, match="out of the vocabulary"):  # none known: 64 bits
+        check_request([[2**64]], sampling=Sampling(), max_new_tokens=1)
     refused("prompt", prompts=[[1.0, 2.0]])  # floats are not token ids
     refused("prompt", prompts=[[True]])
     refused("prompt", prompts=[[]])

@@ -129,7 +129,9 @@ def _prompts(prompts, vocab: int, field: str) -> list[list[int]]:
                 f"{field}[{row}] must be a list of token ids, got {type(prompt).__name__}", field
             )
         where = f"{field}[{row}]"
-        ids = [_int(t, where, 0, vocab or None, what="token id", param=field) for t in prompt]
+        # a vocabulary not known: ids within 64 bits still (the prefix cache hashes them so)
+        high = vocab or 2**63
+        ids = [_int(t, where, 0, high, what="token id", param=field) for t in prompt]
         if not ids:
             raise RequestError(f"{field}[{row}] is empty: a prompt needs a token", field)
         out.append(ids)
