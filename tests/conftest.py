@@ -77,6 +77,7 @@ LONGEST_FIRST = (
     "test_serving.py",
     "test_gpu_check.py",
     "test_signals.py",
+    "test_fuzz_serving.py",
 )
 
 

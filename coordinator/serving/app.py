@@ -27,6 +27,8 @@ import asyncio
 import hmac
 import json
 import logging
+import math
+import reprlib
 import socket
 import sys
 import threading
@@ -148,8 +150,36 @@ FIELDS: dict[str, tuple[tuple[str, ...], object]] = {
     "verbosity": ((CHAT,), ()),
     "web_search_options": ((CHAT,), ()),
 }
+# The types of the fields of no effect (OpenAI's schemas): accepted, but not of any type.
+NO_EFFECT_KINDS: dict[str, tuple[type, ...]] = {
+    "user": (str,),
+    "safety_identifier": (str,),
+    "prompt_cache_key": (str,),
+    "metadata": (dict,),
+    "parallel_tool_calls": (bool,),
+}
+assert set(NO_EFFECT_KINDS) == {n for n, (_, how) in FIELDS.items() if how == NO_EFFECT}
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 CONTENT_PARTS = ("text",)  # chat content part types taken: this server's models read text
+# An integer field beyond 64 bits is out of range whatever it counts (a seed is used mod 2**64
+# by the workers): refused here, it never reaches arithmetic whose result Python cannot print
+# (past 4,300 digits) or a float it cannot become.
+INT_RANGE = (-(2**63), 2**64)
+# Request values in error messages: short (a 50,000-character prompt is not repeated back),
+# and nested values only a few levels deep (a 900-level list would exhaust repr's recursion).
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 3, 80, 80, 80
+
+
+def shown(value) -> str:
+    """`value` as an error message quotes it: its repr, cut short."""
+    return _SHOWN.repr(value)
+
+
+def _is_off(value, off) -> bool:
+    """`value` is the "off" value `off`: equal, and a bool only where `off` is one (Python's
+    True == 1 would take `true` for a penalty of 1)."""
+    return isinstance(value, bool) == isinstance(off, bool) and value == off
 
 
 def check_fields(body: dict, endpoint: str) -> None:
@@ -159,16 +189,57 @@ def check_fields(body: dict, endpoint: str) -> None:
         endpoints, how = FIELDS.get(name, ((), None))
         if endpoint not in endpoints:
             raise BadRequest(
-                f"unknown field '{name}' for /v1/{'chat/' if endpoint == CHAT else ''}"
+                f"unknown field {shown(name)} for /v1/{'chat/' if endpoint == CHAT else ''}"
                 "completions: this server refuses fields it does not know rather than "
                 "ignore them",
                 param=name,
             )
-        if isinstance(how, tuple) and value is not None and value not in how:
+        if (
+            isinstance(how, tuple)
+            and value is not None
+            and not any(_is_off(value, off) for off in how)
+        ):
             off = f"leave it out, or {' or '.join(map(repr, how))}" if how else "leave it out"
             raise BadRequest(
-                f"'{name}'={value!r} is not supported by this server ({off})", param=name
+                f"'{name}'={shown(value)} is not supported by this server ({off})", param=name
             )
+
+
+def check_text(body: dict) -> None:
+    """Refuse (a 400 naming it) a string of the body, or a key, that is not Unicode text: a
+    lone surrogate (JSON's "\\ud800"), which Python's `json` reads but no tokenizer, template
+    or UTF-8 response can take. Walked without recursion: JSON nests up to ~1,000 levels."""
+    todo: list[tuple[str, object]] = [("", body)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            if not _is_text(value):
+                where = path or "body"
+                raise BadRequest(
+                    f"'{where}' is not valid Unicode text (a lone surrogate, \\ud800-\\udfff)",
+                    param=where,
+                )
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                name = key if _is_text(key) else key.encode("utf-8", "backslashreplace").decode()
+                where = f"{path}.{name}" if path else name
+                if name is not key:
+                    raise BadRequest(
+                        f"the field name '{where}' is not valid Unicode text (a lone "
+                        "surrogate, \\ud800-\\udfff)",
+                        param=where,
+                    )
+                todo.append((where, item))
+        elif isinstance(value, list):
+            todo.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class BadRequest(RequestError):
@@ -226,18 +297,28 @@ def _error_for(exc: BaseException) -> JSONResponse:
     return _error(status, str(exc), kind, getattr(exc, "param", None))
 
 
-def _field(body: dict, name: str, kinds: tuple[type, ...], default=None, check=None):
+def _field(body: dict, name: str, kinds: tuple[type, ...], default=None, check=None, param=None):
+    """`body[name]` (`default` when absent or null) if of one of `kinds` and in range
+    (`check`); else a 400 naming it (`param`, default `name`). A number must be finite, an
+    integer within 64 bits (INT_RANGE)."""
+    param = param or name
     value = body.get(name, default)
     if value is None:
         return default
     if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
         raise BadRequest(
-            f"'{name}' must be {' or '.join(k.__name__ for k in kinds)}, got "
+            f"'{param}' must be {' or '.join(k.__name__ for k in kinds)}, got "
             f"{type(value).__name__}",
-            param=name,
+            param=param,
         )
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        low, high = INT_RANGE
+        if isinstance(value, float) and not math.isfinite(value):
+            raise BadRequest(f"'{param}'={value!r} must be a finite number", param=param)
+        if isinstance(value, int) and not low <= value < high:
+            raise BadRequest(f"'{param}'={shown(value)} is out of range", param=param)
     if check is not None and not check(value):
-        raise BadRequest(f"'{name}'={value!r} is out of range", param=name)
+        raise BadRequest(f"'{param}'={shown(value)} is out of range", param=param)
     return value
 
 
@@ -531,12 +612,16 @@ class OpenAIServer:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             return _error(400, "the request body is not JSON")
+        except RecursionError:  # json's parser nests as deep as Python's recursion limit
+            return _error(400, "the request body is nested too deeply to read")
+        except ValueError as exc:  # an integer past Python's limit of 4,300 digits
+            return _error(400, f"the request body has a number too long to read: {exc}")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         if body.get("model", self.model_name) != self.model_name:
             return _error(
                 404,
-                f"the model {body['model']!r} does not exist here: this server "
+                f"the model {shown(body['model'])} does not exist here: this server "
                 f"serves {self.model_name!r} (GET /v1/models)",
                 "NotFoundError",
                 "model",
@@ -625,7 +710,10 @@ class OpenAIServer:
         from coordinator.engine.generation import sampling_options
         from coordinator.serving.text import end_ids, prompt_ids
 
+        check_text(body)
         check_fields(body, CHAT if chat else COMPLETIONS)
+        for name, kinds in NO_EFFECT_KINDS.items():
+            _field(body, name, kinds)
         n = _field(body, "n", (int,), 1, lambda v: v >= 1)
         best_of = _field(body, "best_of", (int,), n)
         if best_of != n:
@@ -652,10 +740,12 @@ class OpenAIServer:
             ids = prompt_ids(self.tokenizer, messages=messages, add_generation_prompt=opened)
         else:
             ids = self._prompt(body.get("prompt"), prompt_ids)
-        limit = (
-            "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-        )
-        max_tokens = _field(body, limit, (int,), 16, lambda v: v >= 1)
+        # chat's max_completion_tokens wins over max_tokens (vLLM's); both are checked
+        max_tokens = _field(body, "max_tokens", (int,), 16, lambda v: v >= 1)
+        limit = "max_tokens"
+        if chat and body.get("max_completion_tokens") is not None:
+            limit = "max_completion_tokens"
+            max_tokens = _field(body, limit, (int,), 16, lambda v: v >= 1)
         min_tokens = _field(body, "min_tokens", (int,), 0, lambda v: v >= 0)
         if min_tokens > max_tokens:
             raise BadRequest(
@@ -684,8 +774,16 @@ class OpenAIServer:
                     f"unknown field 'stream_options.{name}' (known: {', '.join(STREAM_OPTIONS)})",
                     param=f"stream_options.{name}",
                 )
-        usage = _field(stream_options, "include_usage", (bool,), False)
-        continuous = _field(stream_options, "continuous_usage_stats", (bool,), False)
+        usage = _field(
+            stream_options, "include_usage", (bool,), False, param="stream_options.include_usage"
+        )
+        continuous = _field(
+            stream_options,
+            "continuous_usage_stats",
+            (bool,),
+            False,
+            param="stream_options.continuous_usage_stats",
+        )
         if continuous and not usage:  # vLLM would drop it: refused rather than ignored
             raise BadRequest(
                 "'stream_options.continuous_usage_stats' needs 'include_usage': true",
