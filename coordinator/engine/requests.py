@@ -186,6 +186,10 @@ def _float(value, field: str) -> float:
         number = float(value)
     except (TypeError, ValueError):
         raise RequestError(f"{field}={value!r} must be a number", field) from None
+    except OverflowError:  # an int past float's range
+        raise RequestError(
+            f"{field} must be a finite number, got an int of that size", field
+        ) from None
     if not math.isfinite(number):
         raise RequestError(f"{field}={value!r} must be a finite number", field)
     return number
