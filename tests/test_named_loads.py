@@ -178,7 +178,6 @@ def test_every_client_of_a_load_goes_through_its_one_engine(cluster, tmp_path) -
     import torch
 
     from coordinator.config import JobConfig
-    from coordinator.engine.engine import model_steps
     from coordinator.runtime.job_engine import build_engine
     from coordinator.runtime.launch import attach, launch
     from coordinator.tools.reference import reference_generate
@@ -273,7 +272,7 @@ def test_every_client_of_a_load_goes_through_its_one_engine(cluster, tmp_path) -
                 recover=job.recover_after,
                 gate=job.passes,
                 name="intruder",
-                steps=model_steps(job.index),
+                index=job.index,
             )
         # ...and a step that is not the load's engine's is refused, never run
         rows = StepRows.in_slots(

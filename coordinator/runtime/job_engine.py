@@ -22,6 +22,7 @@ from coordinator.engine import Engine, EngineConfig
 from coordinator.engine.engine import model_steps
 from coordinator.engine.host import CALL_TIMEOUT_S, EngineClient, EngineHost
 from coordinator.engine.ray_pipeline import RayPipeline
+from coordinator.planning.checkpoint import CheckpointIndex
 from coordinator.planning.planner import Plan
 from offload.errors import LaunchError
 
@@ -45,15 +46,14 @@ def build_engine(
     recover: Callable[[BaseException, int], None],
     gate,
     name: str,
-    steps: dict[str, bool],
-    vocab_size: int = 0,
+    index: CheckpointIndex,
     take_over: bool = False,
     stats=None,
 ) -> Engine:
     """The engine of a load whose current workers, config and plan these return (they change
-    with recoveries), claiming the workers at once. `steps`: the step rules its model needs
-    (`model_steps`); `vocab_size`: a prompt's ids must be below it (the checkpoint's);
-    `stats`: those of the engine this one replaces (`EngineHost`'s restart)."""
+    with recoveries), claiming the workers at once, for the model of `index` (its step rules,
+    `model_steps`, and its vocabulary, which a prompt's ids must be below). `stats`: those of
+    the engine this one replaces (`EngineHost`'s restart)."""
     now = config()
     return Engine(
         RayPipeline(workers, lambda: config().forward_timeout_s),
@@ -67,8 +67,8 @@ def build_engine(
             batch_wait_s=now.batch_wait_s,
             micro_batches=now.micro_batches,
             step_timeout_s=now.forward_timeout_s,
-            vocab_size=vocab_size,
-            **steps,
+            vocab_size=index.config.get("vocab_size") or 0,
+            **model_steps(index),
         ),
         recover=recover,
         gate=gate,
@@ -127,8 +127,7 @@ class JobEngine:
                             recover=job.recover_after,
                             gate=job.passes,
                             name="job",
-                            steps=model_steps(job.index),
-                            vocab_size=job.index.config.get("vocab_size") or 0,
+                            index=job.index,
                             take_over=take_over,
                             stats=stats,
                         )

@@ -36,7 +36,6 @@ from collections import defaultdict
 
 import ray
 
-from coordinator.engine.engine import model_steps
 from coordinator.engine.host import EngineHost
 from coordinator.engine.pipelines import StepTimeoutError
 from coordinator.planning.checkpoint import CheckpointIndex
@@ -253,8 +252,7 @@ class LoadKeeper:
             recover=self._recover_after,
             gate=self.gate.inside,
             name=f"load-{self.name}",
-            steps=model_steps(self.index),
-            vocab_size=self.index.config.get("vocab_size") or 0,
+            index=self.index,
             # the load's one engine (its keeper is a named actor): a restarted keeper's, or a
             # new one after this one's loop stopped, takes the workers over
             take_over=True,
