@@ -274,6 +274,18 @@ def test_wrong_key_and_bad_requests_get_4xx(server) -> None:
             stream=True,
             messages=[{"role": "user", "content": "hi"}],
         )
+    # the field at fault named, as the API calls it
+    for path, body, field in (
+        ("completions", {"prompt": "hi", "max_tokens": 200}, "max_tokens"),
+        ("completions", {"prompt": "hi", "max_tokens": 4, "n": 3}, "n"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 300},
+            "max_completion_tokens",
+        ),
+    ):
+        status, answer = post(f"{base}/{path}", json.dumps(body).encode(), key)
+        assert status == 400 and answer["error"]["param"] == field, answer
     assert post(f"{base}/completions", b"not json", key)[0] == 400
     with pytest.raises(
         openai.NotFoundError,
@@ -298,6 +310,38 @@ def test_wrong_key_and_bad_requests_get_4xx(server) -> None:
         post(f"{base}/completions", json.dumps({"prompt": "hi", "max_tokens": 2}).encode(), key)[0]
         == 200
     )  # the server is fine after all that
+
+
+def test_a_clients_bad_temperature_never_fails_the_request_beside_it(server) -> None:
+    """Issue 53's two concurrent requests: an innocent greedy one beside one with
+    `"temperature": Infinity` (a JSON literal Python's parser takes) or 1e-300. The innocent
+    one gets transformers' greedy text; Infinity is a 400 naming `temperature`; 1e-300 is
+    greedy, as vLLM treats a temperature below 1e-5."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoTokenizer
+
+    base, key, checkpoint = server
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    prompt = "the workers keep their own layers"
+    expected = greedy_text(
+        checkpoint, tokenizer, tokenizer(prompt, return_tensors="pt").input_ids, 8
+    )
+    innocent = json.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+    bodies = [
+        innocent,
+        f'{{"prompt": "{prompt}", "max_tokens": 8, "temperature": Infinity}}'.encode(),
+        innocent,
+        f'{{"prompt": "{prompt}", "max_tokens": 8, "temperature": 1e-300, "seed": 1}}'.encode(),
+    ]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda b: post(f"{base}/completions", b, key), bodies))
+    (s0, a0), (s1, a1), (s2, a2), (s3, a3) = answers
+    assert (s0, s2, s3) == (200, 200, 200), answers
+    assert a0["choices"][0]["text"] == a2["choices"][0]["text"] == expected
+    assert a3["choices"][0]["text"] == expected
+    assert s1 == 400 and a1["error"]["param"] == "temperature", a1
+    assert "finite" in a1["error"]["message"]
 
 
 def test_every_request_field_is_applied_or_refused_by_name() -> None:

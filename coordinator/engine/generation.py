@@ -49,7 +49,13 @@ UNSUPPORTED = {
 
 
 class GenerationError(ConfigError):
-    """A generation request that cannot run; the message names the setting and the fix."""
+    """A generation request that cannot run; the message names the setting and the fix,
+    `param` the request value at fault (the engine's name: an API maps it to its own), if one
+    is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class KvNeverFitsError(GenerationError, NeverFitsError):
@@ -77,12 +83,14 @@ class KvBudget:
             raise KvNeverFitsError(
                 f"{tokens} tokens per sequence (prompt + max_new_tokens) exceed the KV cache "
                 f"reserved for max_seq_len={self.max_seq_len}: shorten the request or load the "
-                "job with a larger max_seq_len"
+                "job with a larger max_seq_len",
+                "max_new_tokens",
             )
         if sequences > self.max_batch:
             raise KvNeverFitsError(
                 f"{sequences} sequence(s) exceed the KV cache reserved for max_batch="
-                f"{self.max_batch}: send fewer sequences, or load the job with a larger max_batch"
+                f"{self.max_batch}: send fewer sequences, or load the job with a larger max_batch",
+                "num_sequences",
             )
 
 
@@ -183,7 +191,8 @@ def resolve(
         raise GenerationError(
             f"{total} tokens per sequence (a {prompt_length}-token prompt + max_new_tokens "
             f"{max_new_tokens}) exceed the model's context of {context}: shorten the prompt or "
-            "lower max_new_tokens"
+            "lower max_new_tokens",
+            "max_new_tokens",
         )
     eos = values.get("eos_token_id") if eos_token_id is FROM_CHECKPOINT else eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))

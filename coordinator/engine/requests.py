@@ -30,10 +30,6 @@ SEED_RANGE = (-(2**63), 2**64)
 class RequestError(GenerationError):
     """A request value that can never run: the message names the field (`param`) and the range."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
 
 @dataclass(frozen=True, slots=True)
 class CheckedRequest:

@@ -41,6 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 
+from coordinator.engine.generation import GenerationError
 from coordinator.engine.requests import RequestError, check_request
 from coordinator.runtime.group import gone_parts
 from coordinator.runtime.record import driver_alive
@@ -246,15 +247,22 @@ class BadRequest(RequestError):
     """A request field the server cannot take: a 400 naming the field (`param`)."""
 
 
-def api_names(chat: bool) -> dict[str, str]:
-    """The engine's names of a request's values (`check_request`) as this API calls them."""
+def api_names(chat: bool, body: dict) -> dict[str, str]:
+    """The engine's names of a request's values (`check_request`) as this API calls them, in
+    `body` (chat's limit is max_completion_tokens when it is sent)."""
+    limit = (
+        "max_completion_tokens"
+        if chat and body.get("max_completion_tokens") is not None
+        else "max_tokens"
+    )
     return {
         "prompts": "messages" if chat else "prompt",
-        "max_new_tokens": "max_completion_tokens" if chat else "max_tokens",
+        "max_new_tokens": limit,
         "min_new_tokens": "min_tokens",
         "eos_token_ids": "stop_token_ids",
         "logprobs": "top_logprobs" if chat else "logprobs",
         "prompt_logprobs": "logprobs",
+        "num_sequences": "n",
     }
 
 
@@ -648,9 +656,12 @@ class OpenAIServer:
                 logprobs=parsed.logprobs,
                 prompt_logprobs=echo_logprobs,
                 vocab_size=self.job.index.config.get("vocab_size") or 0,
-                names=api_names(chat),
+                names=api_names(chat, body),
             )
-        except OffloadCoordinatorError as exc:  # no chat template, past the context or the KV plan
+        except GenerationError as exc:  # past the context or the KV plan: the API's field
+            exc.param = api_names(chat, body).get(exc.param, exc.param)
+            return _error_for(exc)
+        except OffloadCoordinatorError as exc:  # no chat template, say
             return _error_for(exc)
         kind = "chat.completion" if chat else "text_completion"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
