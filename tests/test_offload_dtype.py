@@ -16,7 +16,7 @@ from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from coordinator.tools.make_checkpoint import make_checkpoint
 from offload.errors import ConfigError, PlanError
 from offload.quant import quantized
-from worker.spec import parameter_formats
+from worker.spec import parameter_formats, routes
 
 
 def offloaded_stages(the_plan):
@@ -189,3 +189,29 @@ def test_a_replan_reads_again_a_layer_whose_host_form_changes(tmp_path) -> None:
         assert torch.equal(worker.forward(ids), expected)
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize(
+    "family", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next", "jamba"]
+)
+def test_8bits_never_quantize_what_routes(tmp_path, family: str) -> None:
+    """`--offload-dtype fp8|int8` keeps an MoE layer's routers and shared-expert gates at the
+    model's width (an 8-bit rounding could send a token to other experts), and its norms,
+    biases and buffers; every other matrix, the experts' among them, goes to 8 bits."""
+    index = load_index(make_checkpoint(tmp_path / family, family_shape(family, "bfloat16")))
+    decoders = [layer for layer in index.layers if layer.kind == "decoder"]
+    routers = {t.target for layer in decoders for t in layer.tensors if routes(t.target)}
+    assert any(name.endswith((".gate.weight", ".router.weight")) for name in routers), routers
+    for offload_dtype in ("fp8", "int8"):
+        quantized: set[str] = set()
+        for layer in decoders:
+            found = parameter_formats(layer.tensors, offload_dtype)
+            assert not routers & set(found), sorted(routers & set(found))
+            matrices = {
+                t.target
+                for t in layer.tensors
+                if len(t.shape) >= 2 and not t.buffer and t.target not in routers
+            }
+            assert matrices <= set(found), sorted(matrices - set(found))
+            quantized |= set(found)
+        assert any(".experts." in name for name in quantized)

@@ -216,9 +216,25 @@ def _view_fits(fmt: BlockFormat, tensor: TensorSlice) -> bool:
     return True
 
 
+# Modules whose weights decide where a token goes (an MoE router, a shared expert's gate, a
+# gating network): kept at the model's width whatever `offload_dtype` asks. Rounding them to 8
+# bits could change which experts a token is sent to: another computation, not a slightly
+# different number. (A dense MLP's `gate_proj` is a projection, not a router.)
+ROUTING_MODULES = frozenset({"gate", "router", "shared_expert_gate", "gating_network"})
+
+
+def routes(target: str) -> bool:
+    """Whether parameter `target` (e.g. `model.layers.3.mlp.gate.weight`) belongs to a module
+    that routes tokens (ROUTING_MODULES)."""
+    return any(part in ROUTING_MODULES for part in target.split(".")[:-1])
+
+
 def offload_format(tensor: TensorSlice, offload_dtype: str) -> BlockFormat | None:
     """How checkpoint tensor `tensor` of an offloaded unit is kept in host memory under
-    `offload_dtype` (OFFLOAD_DTYPES): a block format, or None for the model's width."""
+    `offload_dtype` (OFFLOAD_DTYPES): a block format, or None for the model's width. Only
+    matrices are quantized: never norms, biases, buffers, or the weights of what routes
+    tokens (`routes`), which stay as the checkpoint has them (a block-FP8 file's own 8 bits
+    stay 8 bits)."""
     if offload_dtype not in OFFLOAD_DTYPES:
         raise ValueError(
             f"offload_dtype={offload_dtype!r} is not one of {', '.join(OFFLOAD_DTYPES)}"
@@ -228,6 +244,7 @@ def offload_format(tensor: TensorSlice, offload_dtype: str) -> BlockFormat | Non
         or tensor.buffer
         or len(tensor.shape) < 2
         or not _floating(tensor.target_name)
+        or (routes(tensor.target or tensor.name) and file_format(tensor) is None)
     ):
         return None
     fmt = file_format(tensor)

@@ -236,7 +236,8 @@ class Plan:
         wide = sum(s.offloaded_wide_bytes for s in self.stages)
         if wide and stored != wide:
             notes.append(
-                f"offloaded weights in 8 bits (offload dtype {self.options.offload_dtype}), "
+                f"offloaded weights in 8 bits (offload dtype {self.options.offload_dtype}: "
+                "their matrices; norms, biases and MoE routers stay at the model's width), "
                 f"dequantized on the GPU after each copy: {format_bytes(stored)} in host memory "
                 f"and copied per step, {stored / wide:.2f}x their {format_bytes(wide)} at the "
                 "model's width; slots include one staging buffer for the copies"
