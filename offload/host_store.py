@@ -58,7 +58,7 @@ def arena_specs(key: str, param: torch.Tensor, fmt: BlockFormat | None) -> list[
     if not param.dtype.is_floating_point or not fmt.fits(shape):
         raise ValueError(
             f"offloaded parameter {key!r} ({param.dtype}{list(shape)}) cannot be kept as {fmt}: "
-            "only floating weights that split into whole blocks can"
+            "only floating weights of two dimensions or more can"
         )
     return [
         TensorSpec(key, shape, fmt.dtype),

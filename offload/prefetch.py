@@ -12,11 +12,12 @@ wrap-around instead loads o_{(j+K) mod M}, which for M % K != 0 lands in a slot 
 layer has not run yet. Here a copy never targets a slot before the layer holding it has run.
 
 8-bit weights. A parameter given a `BlockFormat` (`formats`, by arena key) stays 8 bits in the
-arena and crosses the link so, in pieces of whole block rows (`BlockFormat.rows_per_piece`, at
-most `STAGING_BYTES`): each piece's values and scales are copied into one small device staging
-buffer, and on the copy side (side stream, copy thread) dequantized from there into their place
-in the layer's slot (`offload.quant.dequantize_into`); the layer's ticket is its last piece's.
-Such a layer's slot is laid out at the model's width, its other parameters copied straight in.
+arena and crosses the link so, in pieces of whole block rows (a matrix's partial last one
+included: `BlockFormat.row_pieces`, at most `STAGING_BYTES`): each piece's values and scales are
+copied into one small device staging buffer, and on the copy side (side stream, copy thread)
+dequantized from there into their place in the layer's slot (`offload.quant.dequantize_into`);
+the layer's ticket is its last piece's. Such a layer's slot is laid out at the model's width,
+its other parameters copied straight in.
 One staging buffer serves every slot: copies and their dequantization are FIFO on the copy
 side, so a piece's copy starts after the previous piece's dequantization has read the buffer.
 
@@ -208,14 +209,13 @@ class PrefetchOffloader(BaseOffloader):
             rows = param.numel() // cols
             dst = slot[offset : offset + nbytes].view(param.dtype).view(rows, cols)
             values, scales = arena.offset(key), arena.offset(key + SCALE_KEY_SUFFIX)
-            scale_row = (cols // fmt.block[1]) * SCALE_DTYPE.itemsize  # per block row
-            step = fmt.rows_per_piece(shape)
+            scale_row = fmt.scale_shape(shape)[-1] * SCALE_DTYPE.itemsize  # per block row
             at = staging_offsets(fmt, shape)
-            for first in range(0, rows, step):
-                count = min(step, rows - first)
-                q_bytes, s_bytes = count * cols, count // fmt.block[0] * scale_row
+            for first, end, s_first, s_end in fmt.row_pieces(shape, fmt.rows_per_piece(shape)):
+                count = end - first
+                q_bytes, s_bytes = count * cols, (s_end - s_first) * scale_row
                 q_src = values + first * cols
-                s_src = scales + first // fmt.block[0] * scale_row
+                s_src = scales + s_first * scale_row
                 work = functools.partial(
                     self._dequantize_piece, dst[first : first + count], fmt, at, s_bytes
                 )

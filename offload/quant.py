@@ -4,15 +4,23 @@ An offloaded weight crosses the link once per step for every sequence of the bat
 in host memory are the bytes that cost time. A `BlockFormat` keeps a weight of shape
 (..., rows, cols) as 8-bit values (float8 e4m3 or int8) and one float32 scale per block of
 `block` = (block_rows, block_cols) entries of its last two dimensions: the block-FP8 layout
-DeepSeek-V3 and the Qwen3 `-FP8` checkpoints publish (128 x 128 blocks, `weight_scale_inv`), or
-groups of one row (1 x 128) for weights quantized at load (`--offload-dtype`). A weight takes
-1 byte per entry plus 4 bytes per block: 0.50x-0.52x its bfloat16 bytes.
+DeepSeek-V3, Kimi-K2 and the Qwen3 `-FP8` checkpoints publish (128 x 128 blocks,
+`weight_scale_inv`), or groups of one row (1 x 128) for weights quantized at load
+(`--offload-dtype`). A weight takes 1 byte per entry plus 4 bytes per block: 0.50x-0.52x its
+bfloat16 bytes.
+
+As the format defines it, the blocks start at row 0 and column 0 and the last block of each of
+the two dimensions is partial where the dimension is no multiple of the block: the grid of
+scales is ceil(rows / block_rows) x ceil(cols / block_cols) (DeepSeek-V3's 576-row
+`kv_a_proj_with_mqa` has 5 block rows, the last of 64 rows). The block is never what the grid
+divides the shape into: a 192-row weight in 128-row blocks has 2 block rows of 128 and 64.
 
 A value is its 8-bit entry times its block's scale, computed in float32 and rounded once to the
-model's dtype: `(q.float() * scale).to(dtype)`, what transformers computes when it loads a
-block-FP8 checkpoint on a machine without FP8 matmuls. So a weight dequantized after its copy to
-the device is bitwise the weight transformers loads from the same file. Work goes in row chunks
+model's dtype: `(q.float() * scale).to(dtype)`, what DeepSeek's `weight_dequant` computes (and
+transformers, where its blocks divide the weight). So a weight dequantized after its copy to the
+device is bitwise the weight dequantized while read from the same file. Work goes in row chunks
 (`CHUNK_ELEMENTS`), so the float32 temporaries of a large fused expert tensor stay small.
+Checkpoint scales stored in other dtypes become float32 exactly (`scales_as_float32`).
 
 `QuantizedTensor` is the pair (values, scales) of one weight in host memory, with `select` and
 `narrow` as a tensor has them, so a loader reads one expert's tensor into its part of a fused
@@ -22,6 +30,7 @@ parameter exactly as it does for a plain one (`worker.spec.apply_view`).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +41,9 @@ from offload.arena import align_up
 QMAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 FORMAT_NAMES: dict[torch.dtype, str] = {torch.float8_e4m3fn: "fp8", torch.int8: "int8"}
 SCALE_DTYPE = torch.float32
+# What a checkpoint's block scales may be stored as (`scales_as_float32`); in memory they are
+# SCALE_DTYPE
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e8m0fnu)
 # Entries per chunk of a quantize or dequantize: 4 Mi entries, 16 MiB per float32 temporary.
 CHUNK_ELEMENTS = 4 * 2**20
 # A quantized weight's scales beside its values in a host arena: f"{key}{SCALE_KEY_SUFFIX}".
@@ -63,27 +75,52 @@ class BlockFormat:
         return FORMAT_NAMES[self.dtype]
 
     def fits(self, shape: tuple[int, ...]) -> bool:
-        """Whether a weight of `shape` splits into whole blocks."""
-        rows, cols = self.block
-        return len(shape) >= 2 and shape[-2] % rows == 0 and shape[-1] % cols == 0
+        """Whether a weight of `shape` is blocked in this format: it has the two dimensions the
+        blocks cover (the last block of each may be partial)."""
+        return len(shape) >= 2
 
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The grid of scales of a weight of `shape`: ceil(rows / block) x ceil(cols / block)
+        over its last two dimensions."""
         if not self.fits(shape):
-            raise ValueError(f"a weight of shape {list(shape)} does not split into {self} blocks")
-        return (*shape[:-2], shape[-2] // self.block[0], shape[-1] // self.block[1])
+            raise ValueError(f"a weight of shape {list(shape)} has no two dims for {self} blocks")
+        rows, cols = self.block
+        return (*shape[:-2], _cdiv(shape[-2], rows), _cdiv(shape[-1], cols))
+
+    def row_pieces(
+        self, shape: tuple[int, ...], max_rows: int
+    ) -> Iterator[tuple[int, int, int, int]]:
+        """(first, end, first scale row, end scale row) of the pieces a weight of `shape` is
+        worked in, seen as (rows, cols) with its scales as (scale rows, scale cols): whole block
+        rows, at most `max_rows` rows (one block row at least), each with the scale rows it
+        takes. A stacked weight (..., rows, cols) whose rows end in a partial block is worked
+        one matrix at a time: there its rows and its scale rows no longer run in step."""
+        matrix_rows, block_rows = shape[-2], self.block[0]
+        total = math.prod(shape[:-1])
+        if not total:
+            return
+        step = max(block_rows, max_rows // block_rows * block_rows)
+        span = total if matrix_rows % block_rows == 0 else matrix_rows
+        grid = _cdiv(matrix_rows, block_rows)
+        for start in range(0, total, span):
+            stop = min(start + span, total)
+            for first in range(start, stop, step):
+                end = min(first + step, stop)
+                scale_first = first // matrix_rows * grid + first % matrix_rows // block_rows
+                yield first, end, scale_first, scale_first + _cdiv(end - first, block_rows)
 
     def rows_per_piece(self, shape: tuple[int, ...]) -> int:
-        """Rows (of the weight seen as (rows, cols)) that cross the link in one piece: whole
-        block rows, as many as fit STAGING_BYTES (one block row at least)."""
+        """Rows (of the weight seen as (rows, cols)) that cross the link in one piece at most:
+        whole block rows, as many as fit STAGING_BYTES (one block row at least)."""
         rows, cols = math.prod(shape[:-1]), shape[-1]
-        group = self.block[0] * cols + (cols // self.block[1]) * SCALE_DTYPE.itemsize
+        group = self.block[0] * cols + _cdiv(cols, self.block[1]) * SCALE_DTYPE.itemsize
         return min(rows, max(1, STAGING_BYTES // group) * self.block[0])
 
     def staging_bytes(self, shape: tuple[int, ...]) -> int:
         """Device bytes of the staging buffer one piece of a weight of `shape` needs: its
         values, then its scales from `staging_offsets`, each aligned as the arena aligns."""
         rows, cols = self.rows_per_piece(shape), shape[-1]
-        scales = rows // self.block[0] * (cols // self.block[1]) * SCALE_DTYPE.itemsize
+        scales = _cdiv(rows, self.block[0]) * _cdiv(cols, self.block[1]) * SCALE_DTYPE.itemsize
         return staging_offsets(self, shape) + align_up(scales)
 
     def stored_bytes(self, shape: tuple[int, ...]) -> int:
@@ -96,7 +133,7 @@ class BlockFormat:
 
 class QuantizedTensor:
     """The 8-bit values and float32 scales of one weight (or of a part of it: `select` and
-    `narrow` take whole blocks), as they sit in host memory."""
+    `narrow` take whole blocks, or the partial last one), as they sit in host memory."""
 
     __slots__ = ("fmt", "q", "scales")
 
@@ -138,13 +175,14 @@ class QuantizedTensor:
 
     def narrow(self, dim: int, start: int, length: int) -> QuantizedTensor:
         dim, block = self._block_of(dim)
-        if start % block or length % block:
+        ends_partial = start + length == self.q.shape[dim]  # the dim's partial last block
+        if start % block or (length % block and not ends_partial):
             raise ValueError(
                 f"rows {start}..{start + length} of dim {dim} are not whole {self.fmt} blocks"
             )
         return QuantizedTensor(
             self.q.narrow(dim, start, length),
-            self.scales.narrow(dim, start // block, length // block),
+            self.scales.narrow(dim, start // block, _cdiv(length, block)),
             self.fmt,
         )
 
@@ -169,6 +207,17 @@ class QuantizedTensor:
         return f"QuantizedTensor({list(self.q.shape)}, {self.fmt})"
 
 
+def scales_as_float32(raw: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's block scales as float32, each the number its dtype defines: float32 as
+    it is, bfloat16 and float16 exactly, E8M0 (`float8_e8m0fnu`, or its bytes as uint8, as
+    MXFP8 checkpoints ship them) 2^(x - 127), never the byte's value."""
+    if raw.dtype == torch.uint8:
+        raw = raw.view(torch.float8_e8m0fnu)
+    if raw.dtype not in SCALE_DTYPES:
+        raise ValueError(f"block scales of dtype {raw.dtype} are not one of {SCALE_DTYPES}")
+    return raw.to(SCALE_DTYPE)
+
+
 def staging_offsets(fmt: BlockFormat, shape: tuple[int, ...]) -> int:
     """Where a piece's scales start in the staging buffer: after its largest values."""
     return align_up(fmt.rows_per_piece(shape) * shape[-1])
@@ -181,18 +230,16 @@ def _rows(t: torch.Tensor, cols: int) -> torch.Tensor:
     return t.view(-1, cols)
 
 
-def _row_chunks(total_rows: int, cols: int, block_rows: int):
-    """[first, end) row ranges of whole blocks, about CHUNK_ELEMENTS entries each."""
-    step = max(block_rows, CHUNK_ELEMENTS // max(cols, 1) // block_rows * block_rows)
-    for first in range(0, total_rows, step):
-        yield first, min(first + step, total_rows)
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
-def _factors(scales: torch.Tensor, first: int, end: int, block: tuple[int, int]) -> torch.Tensor:
-    """Each entry's scale for rows [first, end) (whole blocks), as (end - first, cols)."""
+def _factors(scales: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
+    """Each entry's scale for a piece of `rows` x `cols` starting at a block edge, from its
+    scale rows `scales`: the last block of each dim cut to what the piece has of it."""
     block_rows, block_cols = block
-    rows = scales[first // block_rows : end // block_rows]
-    return rows.repeat_interleave(block_rows, dim=0).repeat_interleave(block_cols, dim=1)
+    by_row = scales.repeat_interleave(block_rows, dim=0)[:rows]
+    return by_row.repeat_interleave(block_cols, dim=1)[:, :cols]
 
 
 def dequantize_into(dst: torch.Tensor, src: QuantizedTensor) -> None:
@@ -202,37 +249,44 @@ def dequantize_into(dst: torch.Tensor, src: QuantizedTensor) -> None:
     if not dst.is_contiguous():  # a strided part of a parameter: through a temporary
         dst.copy_(src.dequantized(dst.dtype, dst.device))
         return
-    cols = src.shape[-1]
+    fmt, shape = src.fmt, tuple(src.shape)
+    cols = shape[-1]
     q, scales, out = (
         _rows(src.q, cols),
-        _rows(src.scales, cols // src.fmt.block[1]),
+        _rows(src.scales, _cdiv(cols, fmt.block[1])),
         _rows(dst, cols),
     )
-    for first, end in _row_chunks(q.shape[0], cols, src.fmt.block[0]):
-        factors = _factors(scales, first, end, src.fmt.block)
+    for first, end, s_first, s_end in fmt.row_pieces(shape, CHUNK_ELEMENTS // max(cols, 1)):
+        factors = _factors(scales[s_first:s_end], end - first, cols, fmt.block)
         out[first:end].copy_((q[first:end].float() * factors).to(dst.dtype))
 
 
 def quantize_into(dst: QuantizedTensor, src: torch.Tensor) -> None:
     """Quantize the full-width weight `src` into `dst`: each block's scale maps its largest
-    magnitude to the dtype's largest (QMAX), values rounded to nearest (saturating)."""
+    magnitude to the dtype's largest (QMAX), values rounded to nearest (saturating). A partial
+    block's scale is its own entries' (zeros pad it to a whole block for the maximum)."""
     if tuple(src.shape) != tuple(dst.shape):
         raise ValueError(f"quantize {list(src.shape)} into {list(dst.shape)}")
-    fmt = dst.fmt
+    fmt, shape = dst.fmt, tuple(dst.shape)
     block_rows, block_cols = fmt.block
-    cols = src.shape[-1]
+    cols = shape[-1]
+    grid_cols = _cdiv(cols, block_cols)
     qmax = QMAX[fmt.dtype]
     weights = src.reshape(-1, cols)
-    q, scales = _rows(dst.q, cols), _rows(dst.scales, cols // block_cols)
-    for first, end in _row_chunks(weights.shape[0], cols, block_rows):
+    q, scales = _rows(dst.q, cols), _rows(dst.scales, grid_cols)
+    for first, end, s_first, s_end in fmt.row_pieces(shape, CHUNK_ELEMENTS // max(cols, 1)):
         chunk = weights[first:end].to(device=q.device, dtype=torch.float32)
-        blocks = chunk.view((end - first) // block_rows, block_rows, cols // block_cols, block_cols)
+        whole = chunk
+        if (s_end - s_first) * block_rows != end - first or grid_cols * block_cols != cols:
+            whole = chunk.new_zeros((s_end - s_first) * block_rows, grid_cols * block_cols)
+            whole[: end - first, :cols] = chunk
+        blocks = whole.view(s_end - s_first, block_rows, grid_cols, block_cols)
         amax = blocks.abs().amax(dim=(1, 3))
         # divided by a tensor: CUDA divides by a host scalar as a product with its reciprocal
         # (a bit off IEEE division), and a weight must quantize alike wherever it is
         scale = torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.ones_like(amax))
-        scales[first // block_rows : end // block_rows].copy_(scale)
-        scaled = chunk / _factors(scale, 0, end - first, fmt.block)
+        scales[s_first:s_end].copy_(scale)
+        scaled = chunk / _factors(scale, end - first, cols, fmt.block)
         if fmt.dtype == torch.int8:
             scaled = scaled.round()
         q[first:end].copy_(scaled.clamp(-qmax, qmax).to(fmt.dtype))
