@@ -44,14 +44,35 @@ def _supported_text() -> str:
 
 
 def is_block_fp8(quant) -> bool:
-    """`quantization_config` of the fine-grained FP8 format (DeepSeek-V3, the Qwen3 -FP8
-    checkpoints): float8_e4m3fn weights with float32 `weight_scale_inv` per block."""
+    """`quantization_config` of the fine-grained FP8 format (DeepSeek-V3, Kimi-K2, the Qwen3
+    -FP8 checkpoints): float8_e4m3fn weights with a `weight_scale_inv` per block of
+    `weight_block_size` (the checkpoint index checks each weight's grid against it)."""
     return (
         isinstance(quant, dict)
         and quant.get("quant_method") == "fp8"
         and quant.get("fmt", "e4m3") == "e4m3"
-        and isinstance(quant.get("weight_block_size"), list)
+        and "weight_block_size" in quant
     )
+
+
+def fp8_block_size(config: dict) -> tuple[int, int] | None:
+    """The (rows, cols) block of config.json's block-FP8 `quantization_config`
+    (`weight_block_size`); None where the checkpoint is not block-FP8. UnsupportedModelError
+    for a block that is not two sizes >= 1."""
+    quant = config.get("quantization_config")
+    if not is_block_fp8(quant):
+        return None
+    block = quant["weight_block_size"]
+    if not (
+        isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in block)
+    ):
+        raise UnsupportedModelError(
+            f"config.json: quantization_config.weight_block_size={block!r} is not two block "
+            "sizes >= 1 (rows, cols), as block-FP8 checkpoints give it (e.g. [128, 128])"
+        )
+    return block[0], block[1]
 
 
 def check_supported(config: dict) -> None:
@@ -68,6 +89,7 @@ def check_supported(config: dict) -> None:
             f"{_supported_text()}"
         )
     quant = config.get("quantization_config")
+    fp8_block_size(config)  # a block-FP8 config's block is two sizes
     if quant and not is_block_fp8(quant):
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
         raise UnsupportedModelError(

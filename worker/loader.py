@@ -20,7 +20,13 @@ from pathlib import Path
 import torch
 
 from offload.errors import CheckpointError
-from offload.quant import SCALE_DTYPE, QuantizedTensor, dequantize_into, quantize_into
+from offload.quant import (
+    SCALE_DTYPE,
+    QuantizedTensor,
+    dequantize_into,
+    quantize_into,
+    scales_as_float32,
+)
 from worker.spec import MAX_HEADER_BYTES, FileIdentity, TensorSlice, file_format
 
 STAGING_BYTES = 64 * 2**20  # GPU loads go through this much host memory at a time
@@ -223,36 +229,42 @@ class TensorReader:
             rows[first : first + len(source)].copy_(source)  # synchronous: the buffer is reused
 
     def _read_scales(self, tensor: TensorSlice, into: torch.Tensor | None = None) -> torch.Tensor:
-        """A block-FP8 weight's scales, as float32 (into `into` when given and the file's are
-        float32 too: straight from the file)."""
+        """A block-FP8 weight's scales, as float32: each the number its dtype defines
+        (`offload.quant.scales_as_float32`: E8M0 bytes are 2^(x - 127)); into `into` when
+        given (straight from the file where the file's are float32 too)."""
         scale = tensor.scale
         direct = into is not None and scale.torch_dtype == SCALE_DTYPE and into.is_contiguous()
-        scales = into if direct else torch.empty(scale.shape, dtype=scale.torch_dtype)
+        raw = into if direct else torch.empty(scale.shape, dtype=scale.torch_dtype)
         _pread_exact(
             self._fd(scale.file),
-            memoryview(_as_bytes(scales).numpy()),
+            memoryview(_as_bytes(raw).numpy()),
             scale.start,
             f"{scale.file}: tensor {scale.name!r}",
         )
         self.stats.bytes_read += scale.nbytes
-        if into is not None and not direct:
+        if direct:
+            return into
+        scales = scales_as_float32(raw)
+        if into is not None:
             into.copy_(scales)
             return into
-        return scales.to(SCALE_DTYPE)
+        return scales
 
     def _read_dequantized(
         self, fd: int, tensor: TensorSlice, dst: torch.Tensor, where: str
     ) -> None:
-        """A block-FP8 weight, rows at a time through the staging buffer, each entry times its
-        block's scale in float32, then in `dst`'s dtype (`offload.quant.dequantize_into`):
-        transformers' own dequantization (`Fp8Dequantize`), so the weights are bitwise the
-        ones it loads, and the ones an 8-bit offloaded copy of it becomes on the device."""
+        """A block-FP8 weight, rows at a time through the staging buffer (whole blocks of the
+        config's `weight_block_size`, the last one partial where the rows are no multiple of
+        it), each entry times its block's scale in float32, then in `dst`'s dtype
+        (`offload.quant.dequantize_into`): DeepSeek's `weight_dequant`, so the weights are
+        bitwise the ones the format defines, and the ones an 8-bit offloaded copy of it
+        becomes on the device."""
         fmt = file_format(tensor)
         scales = self._read_scales(tensor)
         block_rows = fmt.block[0]
         for first, source in self._staged_rows(fd, tensor, where, block_rows):
             count = len(source)
-            part = scales[first // block_rows : (first + count) // block_rows]
+            part = scales[first // block_rows : -(-(first + count) // block_rows)]
             dequantize_into(dst[first : first + count], QuantizedTensor(source, part, fmt))
 
     def _read_quantized(
@@ -281,8 +293,8 @@ class TensorReader:
         self, fd: int, tensor: TensorSlice, where: str, multiple: int = 1
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """(first row, the rows read from there) of the tensor, in its own dtype, as many rows
-        at a time as the staging buffer holds (a `multiple` of rows: whole blocks); each view
-        is overwritten by the next one."""
+        at a time as the staging buffer holds (a `multiple` of rows: whole blocks, but for the
+        last rows); each view is overwritten by the next one."""
         shape = tensor.shape or (1,)
         row_bytes = tensor.nbytes // shape[0] if shape[0] else 0
         if not row_bytes:

@@ -39,6 +39,7 @@ SAFETENSORS_NAMES: dict[str, str] = {
     "BOOL": "bool",
     "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",  # block-FP8 scales as DeepSeek's `ue8m0` stores them
 }
 DTYPE_BYTES: dict[str, int] = {
     "float64": 8,
@@ -53,9 +54,10 @@ DTYPE_BYTES: dict[str, int] = {
     "bool": 1,
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
+    "float8_e8m0fnu": 1,
 }
 FLOATING_DTYPES = frozenset(
-    ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+    ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu")
 )
 
 
@@ -119,9 +121,12 @@ class TensorSlice:
     # It fills a buffer (DeepSeek's router bias), not a parameter: offloaders move parameters
     # only, so a buffer stays on the device whatever its layer's plan.
     buffer: bool = False
-    # A block-FP8 weight's scales (`<name>_scale_inv`, float32, one per block of the grid they
-    # form): the weight is dequantized while reading, each block times its scale.
+    # A block-FP8 weight's scales (`<name>_scale_inv`: float32, bfloat16 or E8M0, one per block)
+    # and its block (rows, cols): config.json's `quantization_config.weight_block_size`, the
+    # grid ceil(shape / block), the last block of a dim partial where the dim is no multiple
+    # of it. The weight is dequantized while reading, each block times its scale.
     scale: TensorSlice | None = None
+    block: tuple[int, int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -186,20 +191,26 @@ _QUANT_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
 
 
 def file_format(tensor: TensorSlice) -> BlockFormat | None:
-    """The block format a block-FP8 checkpoint stores `tensor` in (None: not quantized)."""
+    """The block format a block-FP8 checkpoint stores `tensor` in (None: not quantized): its
+    block is the config's `weight_block_size`, never what the grid of scales divides the
+    shape into (a 192-row weight in 128-row blocks has a grid of 2 rows, not blocks of 96).
+    A dim no longer than its block is one block of its own size: the same numbers, and the
+    parts of a fused parameter (each expert of a small MoE) stay whole blocks of it."""
     if tensor.scale is None:
         return None
     from offload.quant import BlockFormat  # torch: only a quantized checkpoint's tensors
 
-    rows, cols = tensor.shape
-    scale_rows, scale_cols = tensor.scale.shape
-    return BlockFormat(tensor.torch_dtype, (rows // scale_rows, cols // scale_cols))
+    assert tensor.block is not None, f"{tensor.name}: scales without a block"
+    block = tuple(max(1, min(b, n)) for b, n in zip(tensor.block, tensor.shape, strict=True))
+    return BlockFormat(tensor.torch_dtype, block)
 
 
 def _view_fits(fmt: BlockFormat, tensor: TensorSlice) -> bool:
     """Whether `tensor`'s part of its parameter (`tensor.view`) is whole blocks of `fmt`:
     a narrow along one of the parameter's last two dims must start and end on a block edge
-    (the narrows come before the selects, as `weight_map` builds the views)."""
+    (the narrows come before the selects, as `weight_map` builds the views). A part whose own
+    last block is partial is never placed beside another: the parameter's grid would not be
+    the parts' grids side by side (it is then kept at the model's width)."""
     if not fmt.fits(tensor.shape):
         return False
     ndim = len(tensor.shape) + sum(op[0] == "select" for op in tensor.view)

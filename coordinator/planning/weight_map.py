@@ -9,6 +9,8 @@ view of the fused parameter that each source tensor fills: `MergeModulelist(dim=
 experts (expert e is `select(m, e)`), `Concatenate(dim=c)` then joins the source patterns (the
 j-th is `narrow(c, offset_j, size_j)`). A worker reads each tensor straight into its view, so
 no stacked or concatenated copy is ever made. Any other operation is refused with its name.
+A block-FP8 checkpoint's weights carry their scales and block, checked against the format here
+(`_with_fp8_scales`), so a checkpoint that would read as other numbers never reaches a worker.
 """
 
 from __future__ import annotations
@@ -45,12 +47,18 @@ def _ignored_patterns(model: nn.Module) -> re.Pattern | None:
 
 
 def map_tensors(
-    model: nn.Module, tensors: dict[str, TensorSlice]
+    model: nn.Module,
+    tensors: dict[str, TensorSlice],
+    *,
+    fp8_block: tuple[int, int] | None = None,
 ) -> tuple[list[TensorSlice], list[str]]:
     """Each checkpoint tensor with its target parameter, view and dtype (tied weights get a copy
-    of their source's tensors), and the keys ignored as `from_pretrained` ignores them.
+    of their source's tensors), and the keys ignored as `from_pretrained` ignores them; FP8
+    weights with their scales in blocks of `fp8_block` (config.json's `weight_block_size`, None
+    for a checkpoint that is not block-FP8: see `_with_fp8_scales`).
     Raises WeightMapError for a tensor the model does not own, a shape that does not fit, a
-    parameter no tensor fills, or a conversion we cannot apply by views."""
+    parameter no tensor fills, a conversion we cannot apply by views, or FP8 weights and scales
+    that are not the block-FP8 format."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (
         WeightConverter,
@@ -68,7 +76,7 @@ def map_tensors(
     ignore = _ignored_patterns(model)
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
 
-    tensors = _with_fp8_scales(tensors)
+    tensors = _with_fp8_scales(tensors, fp8_block)
     plain: list[TensorSlice] = []
     fused: dict[str, dict[str, list[TensorSlice]]] = defaultdict(lambda: defaultdict(list))
     ignored: list[str] = []
@@ -117,31 +125,88 @@ def map_tensors(
 
 
 FP8_SCALE = "_scale_inv"
+FP8_WEIGHT = "F8_E4M3"
+# The dtypes a block-FP8 weight's scales are read in (as float32, `offload.quant`): E8M0 as
+# DeepSeek's `ue8m0` stores it, or its bytes as U8 (2^(x - 127) either way)
+FP8_SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0", "U8")
+_BLOCK_FP8 = (
+    "block-FP8 as DeepSeek-V3, Kimi-K2 and Qwen3-FP8 publish it (F8_E4M3 weights, each with a "
+    "2-D `<name>_scale_inv` of one scale per block of quantization_config.weight_block_size)"
+)
 
 
-def _with_fp8_scales(tensors: dict[str, TensorSlice]) -> dict[str, TensorSlice]:
-    """Each block-FP8 weight with its `<name>_scale_inv` attached (the scales are not weights
-    of the model: they are read with their weight, which is dequantized while read)."""
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _with_fp8_scales(
+    tensors: dict[str, TensorSlice], block: tuple[int, int] | None
+) -> dict[str, TensorSlice]:
+    """Each block-FP8 weight with its `<name>_scale_inv` and `block` attached (the scales are
+    not weights of the model: they are read with their weight, which is dequantized while
+    read). The format fixes the numbers, so whatever would read as other numbers is refused
+    here, naming the tensor: scales whose grid is not ceil(shape / block) (the last block of a
+    dim is partial, never a block the grid divides the shape into), scales of a dtype without
+    a defined reading, scales beside a weight that is not FP8, FP8 without scales or without a
+    block in config.json, and F8_E5M2 weights (no block-FP8 checkpoint is published in E5M2,
+    and config.json's `fmt` says e4m3)."""
+    e5m2 = next((t for t in tensors.values() if t.dtype == "F8_E5M2"), None)
+    if e5m2 is not None:
+        raise WeightMapError(
+            f"{e5m2.file}: tensor {e5m2.name!r} is F8_E5M2 {list(e5m2.shape)}; supported: "
+            f"{_BLOCK_FP8}"
+        )
     out: dict[str, TensorSlice] = {}
     for key, tensor in tensors.items():
         if key.endswith(FP8_SCALE) and key[: -len(FP8_SCALE)] in tensors:
+            weight = tensors[key[: -len(FP8_SCALE)]]
+            if weight.dtype != FP8_WEIGHT:
+                raise WeightMapError(
+                    f"{tensor.file}: tensor {key!r} holds block scales, but its weight "
+                    f"{weight.name!r} is {weight.dtype}, not {FP8_WEIGHT}: scales beside a weight "
+                    "that is not FP8 mean nothing (a checkpoint dequantized without dropping "
+                    f"them?); supported: {_BLOCK_FP8}. Remove the {FP8_SCALE} tensors of "
+                    "weights that are not FP8"
+                )
             continue
-        if tensor.dtype.startswith("F8"):
-            scale = tensors.get(key + FP8_SCALE)
-            if scale is None or len(scale.shape) != 2 or len(tensor.shape) != 2:
-                raise WeightMapError(
-                    f"{tensor.file}: FP8 tensor {key!r} has no 2-D {key + FP8_SCALE!r} of "
-                    "block scales: only the block-FP8 format (DeepSeek-V3's) is supported"
-                )
-            rows, cols = tensor.shape
-            if rows % scale.shape[0] or cols % scale.shape[1]:
-                raise WeightMapError(
-                    f"{tensor.file}: FP8 tensor {key!r} {list(tensor.shape)} is not split evenly "
-                    f"by its {list(scale.shape)} block scales"
-                )
-            tensor = dataclasses.replace(tensor, scale=scale)
+        if tensor.dtype == FP8_WEIGHT:
+            tensor = dataclasses.replace(
+                tensor, scale=_fp8_scale(tensor, tensors.get(key + FP8_SCALE), block), block=block
+            )
         out[key] = tensor
     return out
+
+
+def _fp8_scale(
+    tensor: TensorSlice, scale: TensorSlice | None, block: tuple[int, int] | None
+) -> TensorSlice:
+    """`tensor`'s scales, checked against its shape and `block` (see `_with_fp8_scales`)."""
+    where = f"{tensor.file}: FP8 tensor {tensor.name!r} {list(tensor.shape)}"
+    if block is None:
+        raise WeightMapError(
+            f"{where}: config.json has no block-FP8 quantization_config (quant_method 'fp8', "
+            f"weight_block_size), so its block scales have no defined block; supported: "
+            f"{_BLOCK_FP8}"
+        )
+    if scale is None or len(scale.shape) != 2 or len(tensor.shape) != 2:
+        raise WeightMapError(
+            f"{where} has no 2-D {tensor.name + FP8_SCALE!r} of block scales (found "
+            f"{list(scale.shape) if scale else 'none'}); supported: {_BLOCK_FP8}"
+        )
+    if scale.dtype not in FP8_SCALE_DTYPES:
+        raise WeightMapError(
+            f"{where}: its scales {scale.name!r} are {scale.dtype}, which has no defined reading "
+            f"as block scales; supported: {', '.join(FP8_SCALE_DTYPES)} (U8: E8M0 exponents)"
+        )
+    grid = tuple(_cdiv(n, b) for n, b in zip(tensor.shape, block, strict=True))
+    if scale.shape != grid:
+        raise WeightMapError(
+            f"{where} has a {list(scale.shape)} grid of block scales, but blocks of "
+            f"weight_block_size={list(block)} make a {list(grid)} grid (ceil(shape / block), "
+            "the last block of a dim partial): the scales do not match the weight in the "
+            "format config.json names; fix weight_block_size or the checkpoint's scales"
+        )
+    return scale
 
 
 def _layer_hint(model: nn.Module, key: str) -> str:
