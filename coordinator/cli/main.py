@@ -28,6 +28,8 @@ from coordinator.config import ConfigError, JobConfig, load_job_config, parse_by
 from coordinator.tools.make_checkpoint import (
     ARCHITECTURES,
     DTYPES,
+    FP8_BLOCK,
+    FP8_SCALE_DTYPES,
     MOE_ARCHITECTURES,
     NO_KV_HEADS,
     QUANTIZATIONS,
@@ -371,8 +373,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization",
         default="none",
         choices=QUANTIZATIONS,
-        help="fp8: the decoder layers' linear weights in float8_e4m3fn with a float32 scale "
-        "per 128x128 block, as DeepSeek-V3 publishes them (with --dtype bfloat16)",
+        help="fp8: the decoder layers' linear weights in float8_e4m3fn with a scale per "
+        "--fp8-block square block, as DeepSeek-V3 publishes them (with --dtype bfloat16)",
+    )
+    make.add_argument(
+        "--fp8-block",
+        type=_positive,
+        default=FP8_BLOCK,
+        help="rows and cols of an FP8 block (weight_block_size); the last block of a dim is "
+        "partial where the dim is no multiple of it",
+    )
+    make.add_argument(
+        "--fp8-scales",
+        default="float32",
+        choices=FP8_SCALE_DTYPES,
+        help="how FP8 block scales are stored (e8m0, uint8: powers of two, 2^(x-127))",
     )
     make.add_argument("--tie-embeddings", action="store_true")
     make.add_argument(
@@ -549,6 +564,8 @@ def _run(args: argparse.Namespace, expected: tuple[type[Exception], ...]) -> int
                 "max_shard_bytes",
                 "seed",
                 "quantization",
+                "fp8_block",
+                "fp8_scales",
             )
             shape = CheckpointShape(
                 **{f: getattr(args, f) for f in fields},

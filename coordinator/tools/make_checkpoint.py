@@ -50,12 +50,16 @@ SLIDING_ARCHITECTURES = ("mistral", "gemma2", "gemma3_text", "gpt_oss")
 # heads as query heads: DeepSeek's attention fails with fewer)
 NO_KV_HEADS = ("gpt2", "gpt_neox", *MLA_ARCHITECTURES)
 DTYPES = ("float32", "bfloat16", "float16")
-# "fp8": as DeepSeek-V3 and the Qwen3 -FP8 checkpoints are published: every linear weight of
-# the decoder layers (experts one by one) in float8_e4m3fn, one float32 scale per 128 x 128
-# block in `<name>_scale_inv` (what the block's entries are multiplied by)
+# "fp8": as DeepSeek-V3, Kimi-K2 and the Qwen3 -FP8 checkpoints are published: every linear
+# weight of the decoder layers (experts one by one) in float8_e4m3fn, one scale per block of
+# `fp8_block` x `fp8_block` (128 as published; the last block of a dim partial where the dim
+# is no multiple of it) in `<name>_scale_inv` (what the block's entries are multiplied by)
 QUANTIZATIONS = ("none", "fp8")
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # the largest float8_e4m3fn
+# How the scales are stored: float32 (DeepSeek-V3's, Qwen3's), bfloat16, or E8M0 powers of two
+# (DeepSeek's `ue8m0`: as float8_e8m0fnu, or its bytes as uint8, as MXFP8 checkpoints ship them)
+FP8_SCALE_DTYPES = ("float32", "bfloat16", "e8m0", "uint8")
 MAX_POSITIONS = 2048
 # Clearly different from Granite's neutral 1.0, so a stage that drops one of them shows.
 GRANITE_MULTIPLIERS = dict(
@@ -94,6 +98,8 @@ class CheckpointShape:
     seed: int = 0
     tokenizer: bool = True  # write a tokenizer; its special-token ids go into the configs
     quantization: str = "none"  # QUANTIZATIONS
+    fp8_block: int = FP8_BLOCK  # rows and cols of an FP8 block (quantization "fp8")
+    fp8_scales: str = "float32"  # FP8_SCALE_DTYPES
 
     def __post_init__(self) -> None:
         for f in fields(self):  # the Python API gets the CLI's checks: a wrong type is named
@@ -107,6 +113,10 @@ class CheckpointShape:
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(
                 f"quantization={self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}"
+            )
+        if self.fp8_scales not in FP8_SCALE_DTYPES:
+            raise ConfigError(
+                f"fp8_scales={self.fp8_scales!r} is not one of {', '.join(FP8_SCALE_DTYPES)}"
             )
         if self.quantization == "fp8" and self.dtype == "float32":
             raise ConfigError(
@@ -125,6 +135,7 @@ class CheckpointShape:
             "sliding_window",
             "max_positions",
             "max_shard_bytes",
+            "fp8_block",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
@@ -333,7 +344,8 @@ def make_checkpoint(out_dir: str | Path, shape: CheckpointShape, *, force: bool 
         tiny_tokenizer.remove_tokenizer_files(out)
         model.save_pretrained(out, max_shard_size=shape.max_shard_bytes)
         if shape.quantization == "fp8":
-            _quantize_fp8(out, model)
+            block = (shape.fp8_block, shape.fp8_block)
+            quantize_fp8(out, model, block=block, scales=shape.fp8_scales)
         if shape.tokenizer:
             tiny_tokenizer.write_tokenizer(
                 out, vocab_size=shape.vocab_size, max_positions=shape.max_positions
@@ -357,15 +369,28 @@ def fp8_weight_names(model) -> set[str]:
     }
 
 
-def _quantize_fp8(out: Path, model) -> None:
-    """Rewrite the shards `save_pretrained` wrote with the FP8 weights and their block scales,
-    the index and config.json to match (`quantization_config` as DeepSeek-V3's)."""
+def quantize_fp8(
+    out: Path,
+    model,
+    *,
+    block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK),
+    scales: str = "float32",
+) -> None:
+    """Rewrite the shards `save_pretrained` wrote of `model` into `out` with the FP8 weights
+    (`fp8_weight_names`) and their scales, one per block of `block` (rows, cols; the last
+    block of a dim partial where the dim is no multiple of it) stored as `scales`
+    (FP8_SCALE_DTYPES); the index and config.json to match (`quantization_config` as
+    DeepSeek-V3's, `weight_block_size` = `block`)."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     from coordinator.planning.weight_map import FP8_SCALE
 
+    if scales not in FP8_SCALE_DTYPES:
+        raise ConfigError(f"scales={scales!r} is not one of {', '.join(FP8_SCALE_DTYPES)}")
+    if len(block) != 2 or min(block) < 1:
+        raise ConfigError(f"block={block!r} must be two sizes >= 1")
     linear = fp8_weight_names(model)
 
     def quantized(name: str, tensor: torch.Tensor) -> bool:
@@ -384,7 +409,7 @@ def _quantize_fp8(out: Path, model) -> None:
             if not quantized(name, tensor):
                 written[name] = tensor
                 continue
-            written[name], written[name + FP8_SCALE] = _fp8_blocks(tensor)
+            written[name], written[name + FP8_SCALE] = fp8_blocks(tensor, block, scales)
             if index is not None:
                 index["weight_map"][name + FP8_SCALE] = shard.name
         save_file(written, shard, metadata=metadata)
@@ -396,30 +421,37 @@ def _quantize_fp8(out: Path, model) -> None:
         "quant_method": "fp8",
         "activation_scheme": "dynamic",
         "fmt": "e4m3",
-        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+        "weight_block_size": list(block),
     }
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _fp8_blocks(weight):
-    """`weight` (rows, cols) as float8_e4m3fn and one float32 scale per block: FP8_BLOCK
-    square where a dim is a multiple of it (as published), else that dim split into equal
-    blocks of at most FP8_BLOCK (transformers reads the block size from the grid of scales).
-    Each block is divided by its largest magnitude / FP8_MAX; the scale is what to multiply
-    by."""
-    import math
-
+def fp8_blocks(weight, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK), scales: str = "float32"):
+    """`weight` (rows, cols) as float8_e4m3fn, and its scales as `scales` (FP8_SCALE_DTYPES):
+    one per block of `block` over a grid of ceil(rows / block rows) x ceil(cols / block cols),
+    the last block of a dim partial where the dim is no multiple of it (the format's blocks,
+    never equal ones the grid divides the weight into). Each block is divided by its scale,
+    its largest magnitude / FP8_MAX (in bfloat16 to nearest, or the power of two at or above
+    it for E8M0), and saturated at FP8_MAX; the scale is what to multiply by."""
     import torch
 
     rows, cols = weight.shape
-    grid = [math.ceil(n / FP8_BLOCK) for n in (rows, cols)]
-    if rows % grid[0] or cols % grid[1]:
-        raise ConfigError(
-            f"a {rows} x {cols} weight cannot be split into equal FP8 blocks of at most "
-            f"{FP8_BLOCK}: choose sizes that are multiples of {FP8_BLOCK} or smaller"
-        )
-    block = (rows // grid[0], cols // grid[1])
-    blocks = weight.float().reshape(grid[0], block[0], grid[1], block[1])
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    padded = weight.new_zeros((grid[0] * block[0], grid[1] * block[1]), dtype=torch.float32)
+    padded[:rows, :cols] = weight.float()
+    blocks = padded.view(grid[0], block[0], grid[1], block[1])
     scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
-    scaled = (blocks / scale[:, None, :, None]).reshape(rows, cols)
-    return scaled.to(torch.float8_e4m3fn), scale
+    if scales == "bfloat16":
+        stored = scale.to(torch.bfloat16)
+        scale = stored.float()
+    elif scales in ("e8m0", "uint8"):
+        exponent = torch.ceil(torch.log2(scale)).clamp(-127, 127)
+        stored = (exponent + 127).to(torch.uint8)
+        scale = stored.view(torch.float8_e8m0fnu).float()  # 2^exponent, exactly
+        if scales == "e8m0":
+            stored = stored.view(torch.float8_e8m0fnu)
+    else:
+        stored = scale
+    scaled = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    values = scaled.reshape(padded.shape)[:rows, :cols].contiguous()
+    return values.to(torch.float8_e4m3fn), stored
