@@ -565,3 +565,17 @@ def test_make_checkpoint_cli_writes_the_block_and_scale_dtype(tmp_path) -> None:
     assert tensors[DOWN.replace(".1.", ".0.") + SCALE].dtype == torch.float8_e8m0fnu
     assert tensors[DOWN.replace(".1.", ".0.") + SCALE].shape == (2, 3)
     load_index(out)
+
+
+@pytest.mark.parametrize("case", ["llama-192", "deepseek_v3"])
+def test_checks_reference_reads_partial_blocks_as_the_format_defines(tmp_path, case) -> None:
+    """`offloadctl run --check`'s reference (`reference_logits` on the FP8 files themselves):
+    where transformers' own FP8 loader would infer other blocks (llama-192) or not load at all
+    (deepseek_v3's 576-row kv_a_proj_with_mqa), it reads a copy dequantized as the format
+    defines: the logits of this test's own dequantized bf16 files."""
+    fp8 = CASES[case](tmp_path / "fp8")
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(6))
+    expected = reference_logits(
+        str(dequantized_copy(fp8, tmp_path / "bf16")), ids, dtype="bfloat16", num_threads=1
+    )
+    assert torch.equal(reference_logits(str(fp8), ids, dtype="bfloat16", num_threads=1), expected)

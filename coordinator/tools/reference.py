@@ -91,9 +91,10 @@ def _reference_model(
         key = None if quantized else _key(checkpoint, dtype, attn_implementation)
         model = _kept_model(key)
         if model is None:
-            model = AutoModelForCausalLM.from_pretrained(
-                checkpoint, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
-            )
+            with _as_transformers_reads_it(checkpoint) as files:
+                model = AutoModelForCausalLM.from_pretrained(
+                    files, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
+                )
             _keep(key, model)
         with torch.no_grad():
             for name, fmt in (quantized or {}).items():
@@ -102,6 +103,71 @@ def _reference_model(
             yield model
     finally:
         torch.set_num_threads(previous)
+
+
+@contextmanager
+def _as_transformers_reads_it(checkpoint: str) -> Iterator[str]:
+    """`checkpoint`, or where transformers' own loader would read it with other numbers than
+    its format defines, a copy it reads right. transformers dequantizes block FP8 with the block
+    it infers from the grid of scales (192 rows in 2 block rows: blocks of 96), where the
+    format's block is `weight_block_size` with a partial last one (128 and 64): for such a
+    checkpoint the copy holds each weight dequantized here, in plain torch (the entries times
+    their block's scale in float32, then cast to the model's dtype, as
+    DeepSeek's `weight_dequant`), independent of the loader under test."""
+    import json
+    import tempfile
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    quant = config.get("quantization_config") or {}
+    block = quant.get("weight_block_size") if quant.get("quant_method") == "fp8" else None
+    files = sorted(Path(checkpoint).glob("*.safetensors"))
+    partial = False
+    if block:
+        for path in files:
+            with safe_open(path, "pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open has no iteration
+                    if name.endswith("_scale_inv"):
+                        shape = f.get_slice(name[: -len("_scale_inv")]).get_shape()
+                        partial |= any(n % b for n, b in zip(shape, block, strict=False))
+    if not partial:
+        yield checkpoint
+        return
+    dtype = getattr(torch, config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    with tempfile.TemporaryDirectory(prefix="offload-reference-") as out:
+        for path in files:
+            tensors = {}
+            with safe_open(path, "pt") as f:
+                names = set(f.keys())
+                for name in names:
+                    if name.endswith("_scale_inv"):
+                        continue
+                    tensor = f.get_tensor(name)
+                    if name + "_scale_inv" in names:
+                        scales = f.get_tensor(name + "_scale_inv")
+                        tensor = _dequantized(tensor, scales, block, dtype)
+                    tensors[name] = tensor
+            save_file(tensors, str(Path(out) / path.name), metadata={"format": "pt"})
+        plain = {k: v for k, v in config.items() if k != "quantization_config"}
+        (Path(out) / "config.json").write_text(json.dumps(plain))
+        for extra in Path(checkpoint).iterdir():  # the index, generation config, tokenizer
+            if extra.suffix != ".safetensors" and extra.name != "config.json" and extra.is_file():
+                (Path(out) / extra.name).write_bytes(extra.read_bytes())
+        yield out
+
+
+def _dequantized(q: torch.Tensor, scales: torch.Tensor, block, dtype: torch.dtype) -> torch.Tensor:
+    """Block FP8 as its format defines it: each entry times its block's scale (blocks of
+    `block` from the top left, the last ones partial), in float32, then `dtype`. E8M0 scales
+    (uint8 bytes or float8_e8m0fnu) are 2^(x - 127)."""
+    if scales.dtype == torch.uint8:
+        scales = torch.pow(2.0, scales.to(torch.float32) - 127)
+    scales = scales.to(torch.float32)
+    rows, cols = q.shape
+    full = scales.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return (q.to(torch.float32) * full).to(dtype)
 
 
 def reference_logits(
