@@ -521,3 +521,45 @@ def test_a_slow_engine_call_never_stalls_the_replicas_event_loop() -> None:
 
     asyncio.run(main())
     assert calls == ["submit", "cancel"]
+
+
+def test_a_new_engine_that_cannot_start_yet_is_tried_again_then_the_load_fails(
+    llama, monkeypatch
+) -> None:
+    """A new engine that does not start (its workers are being recovered) is tried again, the
+    delay doubling, and the load answers once one starts; one that never starts within
+    ENGINE_START_LIMIT_S fails the load."""
+    import coordinator.engine.host as host_module
+
+    tries: list[int] = []
+    real_rebuild = None
+
+    def flaky(stats):
+        tries.append(1)
+        if len(tries) <= 3:  # more than ENGINE_RESTART_LIMIT: these are not loops that ended
+            raise WorkerLostError("a worker of this load was lost")
+        return real_rebuild(stats)
+
+    host, client = hosted(llama)
+    try:
+        real_rebuild, host._rebuild = host._rebuild, flaky
+        first = host.engine
+        break_loop(first, "a bug")
+        assert client.submit([[5, 6, 7]], sampling=Sampling(), max_new_tokens=2).wait(WAIT_S)
+        until(lambda: host.engine is not first, "no new engine")
+        assert len(tries) == 4 and host.health() is None
+        assert client.submit([[5, 6, 7]], sampling=Sampling(), max_new_tokens=2).result(WAIT_S)
+        # one that never starts: the load is failed once the limit is past
+        monkeypatch.setattr(host_module, "ENGINE_START_LIMIT_S", 0.3)
+
+        def never(stats):
+            raise WorkerLostError("gone for good")
+
+        host._rebuild = never
+        second = host.engine
+        break_loop(second, "another bug")
+        assert client.submit([[5, 6, 7]], sampling=Sampling(), max_new_tokens=2).wait(WAIT_S)
+        until(lambda: host.stats()["engine_state"] == "failed", "not failed")
+        assert "did not start: gone for good" in host.health()
+    finally:
+        host.close()

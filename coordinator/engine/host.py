@@ -14,10 +14,11 @@ goes too. Each client waits on a condition of its own, so a token wakes only its
 
 An engine whose loop ends on an error (`EngineStoppedError`) has already ended every request
 it held with that error, and refuses submits with it; the host then starts a new engine
-(`rebuild`, a new claim of the workers: a new epoch) after `ENGINE_RESTART_DELAY_S`, doubling,
-and the load answers again. After `ENGINE_RESTART_LIMIT` failures within
-`ENGINE_RESTART_WINDOW_S` it stops trying: the load is failed (`health`, `on_failed`), and says so
-to every submit. The stats count it all (`engine_failures`, `engine_restarts`, `engine_state`).
+(`rebuild`, a new claim of the workers: a new epoch) after `ENGINE_RESTART_DELAY_S`, doubling
+while one does not start (its workers are being recovered, say), and the load answers again.
+After `ENGINE_RESTART_LIMIT` loops ended within `ENGINE_RESTART_WINDOW_S`, or no new engine
+started within `ENGINE_START_LIMIT_S`, it stops trying: the load is failed (`health`,
+`on_failed`), and says so to every submit. The stats count it all (`engine_failures`, `engine_restarts`, `engine_state`).
 """
 
 from __future__ import annotations
@@ -41,8 +42,12 @@ POLL_WAIT_S = 1.0  # how long one fetch of a client's outbox waits for something
 CLIENT_LEASE_S = 30.0  # a client that has not fetched for this long is gone
 CALL_TIMEOUT_S = 60.0  # a call to the host (submit, cancel, stats) from another process
 ENGINE_RESTART_DELAY_S = 1.0  # before the first new engine after a failure; doubles per try
-ENGINE_RESTART_LIMIT = 3  # failures (loops ended, or new engines that did not start) ...
+ENGINE_RESTART_LIMIT = 3  # loops ended on an error ...
 ENGINE_RESTART_WINDOW_S = 600.0  # ... within this long: the load is failed
+# A new engine that does not start (its workers are being recovered, say) is tried again, the
+# delay doubling up to ENGINE_RESTART_MAX_DELAY_S, for at most this long: then the load is failed
+ENGINE_START_LIMIT_S = 600.0
+ENGINE_RESTART_MAX_DELAY_S = 30.0
 
 
 @dataclass
@@ -227,6 +232,7 @@ class EngineHost:
         try; give up past the limit."""
         stats = self.engine.stats
         delay = self._restart_delay_s
+        deadline = time.monotonic() + ENGINE_START_LIMIT_S
         while True:
             time.sleep(delay)
             if self._closed:
@@ -234,15 +240,15 @@ class EngineHost:
             try:
                 engine = self._rebuild(stats)
             except Exception as exc:  # the workers lost meanwhile, say: try again, later
+                giving_up = time.monotonic() + delay > deadline
                 with self._lock:
                     stats.engine_stopped = f"a new engine did not start: {exc}"
-                    giving_up = self._count_failure()
                     if giving_up:
                         stats.engine_state = "failed"
                 if giving_up:
                     self._give_up(stats)
                     return
-                delay *= 2
+                delay = min(delay * 2, ENGINE_RESTART_MAX_DELAY_S)
                 continue
             with self._lock:
                 closed = self._closed
