@@ -647,14 +647,15 @@ def rewrite_config(root: Path, **changes: object) -> None:
             {"quantization_config": {"quant_method": "gptq", "bits": 4}},
             r"quantized \(quantization_config.quant_method='gptq'\).*unquantized",
         ),
-        (  # FP8 with per-tensor / per-channel scales (how Llama and Qwen FP8 also come)
+        (  # compressed-tensors in another format than FP8 (tests/test_fp8_compressed.py)
             {
                 "quantization_config": {
                     "quant_method": "compressed-tensors",
-                    "format": "float-quantized",
+                    "format": "pack-quantized",
                 }
             },
-            r"quant_method='compressed-tensors'\).*block-FP8 ones as DeepSeek-V3 publishes them",
+            r"quantization_config.format='pack-quantized' is not supported; supported: "
+            "compressed-tensors FP8",
         ),
         (  # FP8 without blocks, or another float8 format: not the block format read here
             {

@@ -75,8 +75,127 @@ def fp8_block_size(config: dict) -> tuple[int, int] | None:
     return block[0], block[1]
 
 
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """How a checkpoint's FP8 weights read (config.json's `quantization_config`): each
+    F8_E4M3 `<name>` times its `<name><suffix>` scales, one per block of `block` (rows, cols),
+    or per `strategy` "tensor" (one scale: the whole matrix is one block) or "channel" (one
+    per row: blocks of one row), in float32, then cast to the model's dtype. `ignore`: the
+    modules (names, or `re:` patterns) compressed-tensors stores unquantized."""
+
+    method: str  # "fp8" (block FP8) or "compressed-tensors"
+    suffix: str  # "_scale_inv" or "_scale" (`weight_scale`)
+    strategy: str  # "block", "tensor" or "channel"
+    block: tuple[int, int] | None = None
+    ignore: tuple[str, ...] = ()
+
+    def block_of(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """The block of a weight of `shape` (rows, cols)."""
+        if self.strategy == "tensor":
+            return shape[0], shape[1]
+        if self.strategy == "channel":
+            return 1, shape[1]
+        return self.block
+
+    def ignores(self, module: str) -> bool:
+        return any(
+            re.fullmatch(entry[3:], module) if entry.startswith("re:") else entry == module
+            for entry in self.ignore
+        )
+
+
+# compressed-tensors: the one scheme read (FP8 weights, float scales per tensor, channel or
+# block; see `_compressed_fp8`)
+_CT_FP8 = (
+    "compressed-tensors FP8 (format float-quantized: 8-bit float symmetric weights, strategy "
+    "tensor, channel or block)"
+)
+_CT_FORMATS = ("float-quantized", "naive-quantized")
+
+
+def _ct_refused(field: str, value) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"config.json: quantization_config.{field}={value!r} is not supported; supported: {_CT_FP8}, "
+        "besides unquantized and block-FP8 checkpoints"
+    )
+
+
+def _compressed_fp8(quant: dict) -> Fp8Scheme:
+    """The FP8 scheme of a compressed-tensors `quantization_config`, or UnsupportedModelError
+    in one line naming the field: another format (pack-quantized, int-quantized, sparse ones,
+    nvfp4 / mxfp4), weights that are not 8-bit symmetric floats in tensor, channel or block
+    strategy, config groups with different weight schemes, quantized outputs or KV cache.
+    Activations are never quantized here (the weights are dequantized, as transformers does
+    when it decompresses): a static scheme's `input_scale` tensors are dropped at indexing."""
+    fmt = quant.get("format")
+    if fmt not in _CT_FORMATS:
+        raise _ct_refused("format", fmt)
+    for field in ("sparsity_config", "kv_cache_scheme"):
+        if quant.get(field):
+            raise _ct_refused(field, quant[field])
+    groups = quant.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise _ct_refused("config_groups", groups)
+    schemes = set()
+    for name, group in groups.items():
+        where = f"config_groups.{name}"
+        if not isinstance(group, dict):
+            raise _ct_refused(where, group)
+        if group.get("format", fmt) not in _CT_FORMATS:
+            raise _ct_refused(f"{where}.format", group.get("format"))
+        if group.get("output_activations"):
+            raise _ct_refused(f"{where}.output_activations", group["output_activations"])
+        weights = group.get("weights")
+        if not isinstance(weights, dict):
+            raise _ct_refused(f"{where}.weights", weights)
+        # compressed-tensors' defaults where a field is absent (its `type` defaults to int)
+        wanted = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+        for field, value in wanted.items():
+            if weights.get(field, "int" if field == "type" else value) != value:
+                raise _ct_refused(f"{where}.weights.{field}", weights.get(field))
+        strategy = weights.get("strategy")
+        if strategy not in ("tensor", "channel", "block"):
+            raise _ct_refused(f"{where}.weights.strategy", strategy)
+        block = None
+        if strategy == "block":
+            block = weights.get("block_structure")
+            if not (
+                isinstance(block, list)
+                and len(block) == 2
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in block)
+            ):
+                raise _ct_refused(f"{where}.weights.block_structure", block)
+            block = (block[0], block[1])
+        activations = group.get("input_activations")
+        if activations is not None and not isinstance(activations, dict):
+            raise _ct_refused(f"{where}.input_activations", activations)
+        schemes.add((strategy, block))
+    if len(schemes) > 1:
+        raise _ct_refused(
+            "config_groups", f"{len(groups)} groups of weight schemes {sorted(schemes, key=str)}"
+        )
+    ignore = quant.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(e, str) for e in ignore):
+        raise _ct_refused("ignore", ignore)
+    strategy, block = schemes.pop()
+    return Fp8Scheme("compressed-tensors", "_scale", strategy, block, tuple(ignore))
+
+
+def fp8_scheme(config: dict) -> Fp8Scheme | None:
+    """How config.json's `quantization_config` says FP8 weights read: block FP8 (`fp8_block_size`)
+    or compressed-tensors FP8 (`_compressed_fp8`); None for a checkpoint with neither.
+    UnsupportedModelError, in one line naming the field, for a config of either method that
+    would read as other numbers."""
+    quant = config.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("quant_method") == "compressed-tensors":
+        return _compressed_fp8(quant)
+    block = fp8_block_size(config)
+    return None if block is None else Fp8Scheme("fp8", "_scale_inv", "block", block)
+
+
 def check_supported(config: dict) -> None:
-    """Refuse, from config.json alone, what cannot run: quantized checkpoints, encoder-decoder
+    """Refuse, from config.json alone, what cannot run: quantized checkpoints other than block
+    FP8 and compressed-tensors FP8 (`fp8_scheme`), encoder-decoder
     and vision/audio models, and model types transformers has no causal LM for."""
     family = config.get("model_type")
     if not family:
@@ -89,8 +208,7 @@ def check_supported(config: dict) -> None:
             f"{_supported_text()}"
         )
     quant = config.get("quantization_config")
-    fp8_block_size(config)  # a block-FP8 config's block is two sizes
-    if quant and not is_block_fp8(quant):
+    if quant and fp8_scheme(config) is None:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
         raise UnsupportedModelError(
             f"{family}: the checkpoint is quantized (quantization_config.quant_method={method!r});"

@@ -253,7 +253,7 @@ class TensorReader:
     def _read_dequantized(
         self, fd: int, tensor: TensorSlice, dst: torch.Tensor, where: str
     ) -> None:
-        """A block-FP8 weight, rows at a time through the staging buffer (whole blocks of the
+        """An FP8 weight (block FP8, or compressed-tensors FP8), rows at a time through the staging buffer (whole blocks of the
         config's `weight_block_size`, the last one partial where the rows are no multiple of
         it), each entry times its block's scale in float32, then in `dst`'s dtype
         (`offload.quant.dequantize_into`): DeepSeek's `weight_dequant`, so the weights are
@@ -262,7 +262,9 @@ class TensorReader:
         fmt = file_format(tensor)
         scales = self._read_scales(tensor)
         block_rows = fmt.block[0]
-        for first, source in self._staged_rows(fd, tensor, where, block_rows):
+        # one block row (a per-tensor scale): any rows at a time, each piece a part of it
+        multiple = block_rows if scales.shape[0] > 1 else 1
+        for first, source in self._staged_rows(fd, tensor, where, multiple):
             count = len(source)
             part = scales[first // block_rows : -(-(first + count) // block_rows)]
             dequantize_into(dst[first : first + count], QuantizedTensor(source, part, fmt))

@@ -121,10 +121,12 @@ class TensorSlice:
     # It fills a buffer (DeepSeek's router bias), not a parameter: offloaders move parameters
     # only, so a buffer stays on the device whatever its layer's plan.
     buffer: bool = False
-    # A block-FP8 weight's scales (`<name>_scale_inv`: float32, bfloat16 or E8M0, one per block)
-    # and its block (rows, cols): config.json's `quantization_config.weight_block_size`, the
-    # grid ceil(shape / block), the last block of a dim partial where the dim is no multiple
-    # of it. The weight is dequantized while reading, each block times its scale.
+    # An FP8 weight's scales (block FP8's `<name>_scale_inv`: float32, bfloat16 or E8M0;
+    # compressed-tensors' `<name>_scale`), one per block, their shape that of the grid, and
+    # its block (rows, cols): config.json's `quantization_config.weight_block_size` (or
+    # compressed-tensors' `block_structure`; per tensor the whole matrix, per channel one row),
+    # the grid ceil(shape / block), the last block of a dim partial where the dim is no
+    # multiple of it. The weight is dequantized while reading, each block times its scale.
     scale: TensorSlice | None = None
     block: tuple[int, int] | None = None
 
@@ -191,8 +193,8 @@ _QUANT_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
 
 
 def file_format(tensor: TensorSlice) -> BlockFormat | None:
-    """The block format a block-FP8 checkpoint stores `tensor` in (None: not quantized): its
-    block is the config's `weight_block_size`, never what the grid of scales divides the
+    """The block format an FP8 checkpoint stores `tensor` in (None: not quantized): its
+    block is the config's (`TensorSlice.block`), never what the grid of scales divides the
     shape into (a 192-row weight in 128-row blocks has a grid of 2 rows, not blocks of 96).
     A dim no longer than its block is one block of its own size: the same numbers, and the
     parts of a fused parameter (each expert of a small MoE) stay whole blocks of it."""

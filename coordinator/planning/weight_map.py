@@ -9,8 +9,9 @@ view of the fused parameter that each source tensor fills: `MergeModulelist(dim=
 experts (expert e is `select(m, e)`), `Concatenate(dim=c)` then joins the source patterns (the
 j-th is `narrow(c, offset_j, size_j)`). A worker reads each tensor straight into its view, so
 no stacked or concatenated copy is ever made. Any other operation is refused with its name.
-A block-FP8 checkpoint's weights carry their scales and block, checked against the format here
-(`_with_fp8_scales`), so a checkpoint that would read as other numbers never reaches a worker.
+An FP8 checkpoint's weights (block FP8, or compressed-tensors FP8 per tensor, channel or block)
+carry their scales and block, checked against the format here (`_with_fp8_scales`), so a
+checkpoint that would read as other numbers never reaches a worker.
 """
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from offload.errors import CheckpointError
 from worker.spec import TensorSlice, apply_view
+
+if TYPE_CHECKING:
+    from worker.layout import Fp8Scheme
 
 
 class WeightMapError(CheckpointError):
@@ -50,15 +55,15 @@ def map_tensors(
     model: nn.Module,
     tensors: dict[str, TensorSlice],
     *,
-    fp8_block: tuple[int, int] | None = None,
+    fp8: Fp8Scheme | None = None,
 ) -> tuple[list[TensorSlice], list[str]]:
     """Each checkpoint tensor with its target parameter, view and dtype (tied weights get a copy
     of their source's tensors), and the keys ignored as `from_pretrained` ignores them; FP8
-    weights with their scales in blocks of `fp8_block` (config.json's `weight_block_size`, None
-    for a checkpoint that is not block-FP8: see `_with_fp8_scales`).
+    weights with their scales and blocks as `fp8` says (`worker.layout.fp8_scheme`, None for a
+    checkpoint that is not FP8: see `_with_fp8_scales`).
     Raises WeightMapError for a tensor the model does not own, a shape that does not fit, a
     parameter no tensor fills, a conversion we cannot apply by views, or FP8 weights and scales
-    that are not the block-FP8 format."""
+    that are not the FP8 format config.json names."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (
         WeightConverter,
@@ -76,7 +81,7 @@ def map_tensors(
     ignore = _ignored_patterns(model)
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
 
-    tensors = _with_fp8_scales(tensors, fp8_block)
+    tensors = _with_fp8_scales(tensors, fp8)
     plain: list[TensorSlice] = []
     fused: dict[str, dict[str, list[TensorSlice]]] = defaultdict(lambda: defaultdict(list))
     ignored: list[str] = []
@@ -124,14 +129,22 @@ def map_tensors(
     return plain, ignored
 
 
-FP8_SCALE = "_scale_inv"
+FP8_SCALE = "_scale_inv"  # block FP8's scales: `<weight>_scale_inv`
+CT_SCALE = "_scale"  # compressed-tensors': `<module>.weight_scale`
+CT_INPUT_SCALE = ".input_scale"  # a static activation scheme's: not applied (dropped)
 FP8_WEIGHT = "F8_E4M3"
 # The dtypes a block-FP8 weight's scales are read in (as float32, `offload.quant`): E8M0 as
 # DeepSeek's `ue8m0` stores it, or its bytes as U8 (2^(x - 127) either way)
 FP8_SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0", "U8")
+CT_SCALE_DTYPES = ("F32", "BF16", "F16")
 _BLOCK_FP8 = (
     "block-FP8 as DeepSeek-V3, Kimi-K2 and Qwen3-FP8 publish it (F8_E4M3 weights, each with a "
     "2-D `<name>_scale_inv` of one scale per block of quantization_config.weight_block_size)"
+)
+_CT_FP8 = (
+    "compressed-tensors FP8 (F8_E4M3 `<module>.weight`, each with a `<module>.weight_scale` "
+    "of the config group's strategy: [1] per tensor, [rows, 1] per channel, ceil(shape / "
+    "block_structure) per block)"
 )
 
 
@@ -140,54 +153,109 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _with_fp8_scales(
-    tensors: dict[str, TensorSlice], block: tuple[int, int] | None
+    tensors: dict[str, TensorSlice], scheme: Fp8Scheme | None
 ) -> dict[str, TensorSlice]:
-    """Each block-FP8 weight with its `<name>_scale_inv` and `block` attached (the scales are
-    not weights of the model: they are read with their weight, which is dequantized while
-    read). The format fixes the numbers, so whatever would read as other numbers is refused
-    here, naming the tensor: scales whose grid is not ceil(shape / block) (the last block of a
-    dim is partial, never a block the grid divides the shape into), scales of a dtype without
-    a defined reading, scales beside a weight that is not FP8, FP8 without scales or without a
-    block in config.json, and F8_E5M2 weights (no block-FP8 checkpoint is published in E5M2,
-    and config.json's `fmt` says e4m3)."""
+    """Each FP8 weight with its scales (`<name>_scale_inv` for block FP8, `<name>_scale` for
+    compressed-tensors) and its block attached (the scales are not weights of the model: they
+    are read with their weight, which is dequantized while read). The format fixes the
+    numbers, so whatever would read as other numbers is refused here, naming the tensor:
+    scales whose grid is not the scheme's (block: ceil(shape / block), the last block of a dim
+    partial, never a block the grid divides the shape into; per tensor: one; per channel: one
+    per row), scales of a dtype without a defined reading, scales beside a weight that is not
+    FP8, FP8 without scales or without a scheme in config.json, FP8 in a module
+    compressed-tensors' `ignore` lists, and F8_E5M2 weights (no FP8 checkpoint of either
+    format is published in E5M2). A compressed-tensors static activation scheme's
+    `input_scale` tensors are dropped: activations are not quantized here."""
+    supported = (
+        _CT_FP8 if scheme is not None and scheme.method == "compressed-tensors" else _BLOCK_FP8
+    )
+    suffix = scheme.suffix if scheme is not None else FP8_SCALE
     e5m2 = next((t for t in tensors.values() if t.dtype == "F8_E5M2"), None)
     if e5m2 is not None:
         raise WeightMapError(
             f"{e5m2.file}: tensor {e5m2.name!r} is F8_E5M2 {list(e5m2.shape)}; supported: "
-            f"{_BLOCK_FP8}"
+            f"{supported}"
         )
+    kind = "block scales" if supported == _BLOCK_FP8 else "scales"
     out: dict[str, TensorSlice] = {}
     for key, tensor in tensors.items():
-        if key.endswith(FP8_SCALE) and key[: -len(FP8_SCALE)] in tensors:
-            weight = tensors[key[: -len(FP8_SCALE)]]
+        if key.endswith(suffix) and key[: -len(suffix)] in tensors:
+            weight = tensors[key[: -len(suffix)]]
             if weight.dtype != FP8_WEIGHT:
                 raise WeightMapError(
-                    f"{tensor.file}: tensor {key!r} holds block scales, but its weight "
+                    f"{tensor.file}: tensor {key!r} holds {kind}, but its weight "
                     f"{weight.name!r} is {weight.dtype}, not {FP8_WEIGHT}: scales beside a weight "
                     "that is not FP8 mean nothing (a checkpoint dequantized without dropping "
-                    f"them?); supported: {_BLOCK_FP8}. Remove the {FP8_SCALE} tensors of "
+                    f"them?); supported: {supported}. Remove the {suffix} tensors of "
                     "weights that are not FP8"
                 )
             continue
+        if (
+            scheme is not None
+            and scheme.method == "compressed-tensors"
+            and key.endswith(CT_INPUT_SCALE)
+            and key[: -len(CT_INPUT_SCALE)] + ".weight" in tensors
+        ):
+            continue  # activations are not quantized: dequantized weights, as transformers
         if tensor.dtype == FP8_WEIGHT:
-            tensor = dataclasses.replace(
-                tensor, scale=_fp8_scale(tensor, tensors.get(key + FP8_SCALE), block), block=block
-            )
+            tensor = _fp8_scaled(tensor, tensors.get(key + suffix), scheme)
         out[key] = tensor
     return out
 
 
-def _fp8_scale(
-    tensor: TensorSlice, scale: TensorSlice | None, block: tuple[int, int] | None
+def _fp8_scaled(
+    tensor: TensorSlice, scale: TensorSlice | None, scheme: Fp8Scheme | None
 ) -> TensorSlice:
-    """`tensor`'s scales, checked against its shape and `block` (see `_with_fp8_scales`)."""
+    """`tensor` with its scales (shaped as their grid) and block, checked against its shape and
+    `scheme` (see `_with_fp8_scales`)."""
     where = f"{tensor.file}: FP8 tensor {tensor.name!r} {list(tensor.shape)}"
-    if block is None:
+    if scheme is None:
         raise WeightMapError(
             f"{where}: config.json has no block-FP8 quantization_config (quant_method 'fp8', "
-            f"weight_block_size), so its block scales have no defined block; supported: "
-            f"{_BLOCK_FP8}"
+            "weight_block_size) nor a compressed-tensors FP8 one, so its scales have no "
+            f"defined block; supported: {_BLOCK_FP8}; {_CT_FP8}"
         )
+    if scheme.method == "fp8":
+        return _block_fp8_scaled(tensor, scale, scheme.block, where)
+    module = tensor.name.removesuffix(".weight")
+    if scheme.ignores(module):
+        raise WeightMapError(
+            f"{where} is in quantization_config.ignore ({module!r}), whose modules "
+            f"compressed-tensors stores unquantized; supported: {_CT_FP8}"
+        )
+    if scale is None or len(tensor.shape) != 2:
+        raise WeightMapError(
+            f"{where} has no {tensor.name + CT_SCALE!r} (found "
+            f"{list(scale.shape) if scale else 'none'}) or is not a matrix; supported: {_CT_FP8}"
+        )
+    if scale.dtype not in CT_SCALE_DTYPES:
+        raise WeightMapError(
+            f"{where}: its scales {scale.name!r} are {scale.dtype}, which has no defined reading "
+            f"as compressed-tensors FP8 scales; supported: {', '.join(CT_SCALE_DTYPES)}"
+        )
+    rows, cols = tensor.shape
+    block = scheme.block_of(tensor.shape)
+    grid = (_cdiv(rows, block[0]), _cdiv(cols, block[1]))
+    stored = {
+        "tensor": ((), (1,), (1, 1)),
+        "channel": ((rows, 1),),
+        "block": (grid,),
+    }[scheme.strategy]
+    if scale.shape not in stored:
+        raise WeightMapError(
+            f"{where} has a {list(scale.shape)} {scale.name!r}, but strategy "
+            f"{scheme.strategy!r}"
+            + (f" with block_structure={list(scheme.block)}" if scheme.block else "")
+            + f" makes {' or '.join(str(list(s)) for s in stored)} (ceil(shape / block)): the "
+            "scales do not match the weight in the format config.json names"
+        )
+    # read as their grid: one row per block row ([1] and [] hold the same one scale)
+    return dataclasses.replace(tensor, scale=dataclasses.replace(scale, shape=grid), block=block)
+
+
+def _block_fp8_scaled(
+    tensor: TensorSlice, scale: TensorSlice | None, block: tuple[int, int], where: str
+) -> TensorSlice:
     if scale is None or len(scale.shape) != 2 or len(tensor.shape) != 2:
         raise WeightMapError(
             f"{where} has no 2-D {tensor.name + FP8_SCALE!r} of block scales (found "
@@ -206,7 +274,7 @@ def _fp8_scale(
             "the last block of a dim partial): the scales do not match the weight in the "
             "format config.json names; fix weight_block_size or the checkpoint's scales"
         )
-    return scale
+    return dataclasses.replace(tensor, scale=scale, block=block)
 
 
 def _layer_hint(model: nn.Module, key: str) -> str:
