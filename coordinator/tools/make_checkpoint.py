@@ -382,8 +382,6 @@ def quantize_fp8(
     (FP8_SCALE_DTYPES); the index and config.json to match (`quantization_config` as
     DeepSeek-V3's, `weight_block_size` = `block`)."""
     import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
 
     from coordinator.planning.weight_map import FP8_SCALE
 
@@ -391,6 +389,31 @@ def quantize_fp8(
         raise ConfigError(f"scales={scales!r} is not one of {', '.join(FP8_SCALE_DTYPES)}")
     if len(block) != 2 or min(block) < 1:
         raise ConfigError(f"block={block!r} must be two sizes >= 1")
+
+    def written(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, stored = fp8_blocks(weight, block, scales)
+        return {name: q, name + FP8_SCALE: stored}
+
+    _rewrite_fp8(out, model, written)
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": list(block),
+    }
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _rewrite_fp8(out: Path, model, written) -> None:
+    """Rewrite the shards `save_pretrained` wrote of `model` into `out`, each FP8 weight
+    (`fp8_weight_names`, and experts saved one by one) replaced by `written(name, weight)`
+    (the tensors to write in its place: it and its scales), the index to match."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
     linear = fp8_weight_names(model)
 
     def quantized(name: str, tensor: torch.Tensor) -> bool:
@@ -404,24 +427,109 @@ def quantize_fp8(
         with safe_open(shard, "pt") as f:
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
             metadata = f.metadata()
-        written: dict[str, torch.Tensor] = {}
+        out_tensors: dict[str, torch.Tensor] = {}
         for name, tensor in tensors.items():
             if not quantized(name, tensor):
-                written[name] = tensor
+                out_tensors[name] = tensor
                 continue
-            written[name], written[name + FP8_SCALE] = fp8_blocks(tensor, block, scales)
-            if index is not None:
-                index["weight_map"][name + FP8_SCALE] = shard.name
-        save_file(written, shard, metadata=metadata)
+            for key, value in written(name, tensor).items():
+                out_tensors[key] = value
+                if index is not None:
+                    index["weight_map"][key] = shard.name
+        save_file(out_tensors, shard, metadata=metadata)
     if index is not None:
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+# compressed-tensors FP8 weight strategies (`quantize_fp8_compressed`), and how its scales are
+# stored (float32, or bfloat16 as many -FP8-dynamic checkpoints have them)
+FP8_CT_STRATEGIES = ("tensor", "channel", "block")
+FP8_CT_SCALE_DTYPES = ("float32", "bfloat16")
+
+
+def quantize_fp8_compressed(
+    out: Path,
+    model,
+    *,
+    strategy: str,
+    block: tuple[int, int] | None = None,
+    scales: str = "float32",
+    activations: str = "dynamic",
+) -> None:
+    """Rewrite the shards `save_pretrained` wrote of `model` into `out` as compressed-tensors
+    FP8 (format float-quantized, as RedHatAI's -FP8-dynamic checkpoints): each linear weight of
+    the decoder layers (`fp8_weight_names`, experts one by one) in float8_e4m3fn with a
+    `<name>_scale` stored as `scales`: [1] for `strategy` "tensor", [rows, 1] for "channel",
+    one per `block` (ceil(shape / block), the last block of a dim partial) for "block"; each
+    scale the largest magnitude of its part / FP8_MAX. Embeddings, norms and lm_head stay as
+    they are (`ignore`: lm_head). `activations` "static" also writes an `input_scale` of 1.0
+    per module (a static FP8 activation scheme), "dynamic" a dynamic per-token one."""
+    import torch
+
+    from coordinator.planning.weight_map import CT_SCALE
+
+    if strategy not in FP8_CT_STRATEGIES:
+        raise ConfigError(f"strategy={strategy!r} is not one of {', '.join(FP8_CT_STRATEGIES)}")
+    if scales not in FP8_CT_SCALE_DTYPES:
+        raise ConfigError(f"scales={scales!r} is not one of {', '.join(FP8_CT_SCALE_DTYPES)}")
+    if activations not in ("dynamic", "static"):
+        raise ConfigError(f"activations={activations!r} is not 'dynamic' or 'static'")
+    if (strategy == "block") != (block is not None) or (
+        block and (len(block) != 2 or min(block) < 1)
+    ):
+        raise ConfigError(f"block={block!r}: two sizes >= 1 with strategy 'block', else None")
+
+    def written(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        rows, cols = weight.shape
+        part = {"tensor": (rows, cols), "channel": (1, cols), "block": block}[strategy]
+        q, stored = fp8_blocks(weight, part, scales)
+        if strategy == "tensor":
+            stored = stored.reshape(1)
+        out_tensors = {name: q, name + CT_SCALE: stored}
+        if activations == "static":
+            module = name.removesuffix(".weight")
+            out_tensors[module + ".input_scale"] = torch.ones(1, dtype=stored.dtype)
+        return out_tensors
+
+    _rewrite_fp8(out, model, written)
+    weights = {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "strategy": strategy,
+        "dynamic": False,
+        "group_size": None,
+        "block_structure": list(block) if block else None,
+        "actorder": None,
+        "observer": "minmax",
+    }
+    inputs = {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "strategy": "token" if activations == "dynamic" else "tensor",
+        "dynamic": activations == "dynamic",
+        "observer": None if activations == "dynamic" else "minmax",
+    }
     config_path = out / "config.json"
     config = json.loads(config_path.read_text())
     config["quantization_config"] = {
-        "quant_method": "fp8",
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "weight_block_size": list(block),
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": inputs,
+                "output_activations": None,
+                "format": "float-quantized",
+            }
+        },
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "global_compression_ratio": None,
     }
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
