@@ -395,14 +395,22 @@ def quantize_fp8(
         return {name: q, name + FP8_SCALE: stored}
 
     _rewrite_fp8(out, model, written)
+    _set_quantization_config(
+        out,
+        {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": list(block),
+        },
+    )
+
+
+def _set_quantization_config(out: Path, quant: dict) -> None:
+    """config.json in `out` with its `quantization_config` set to `quant`."""
     config_path = out / "config.json"
     config = json.loads(config_path.read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "weight_block_size": list(block),
-    }
+    config["quantization_config"] = quant
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
@@ -511,27 +519,27 @@ def quantize_fp8_compressed(
         "dynamic": activations == "dynamic",
         "observer": None if activations == "dynamic" else "minmax",
     }
-    config_path = out / "config.json"
-    config = json.loads(config_path.read_text())
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors",
-        "format": "float-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": weights,
-                "input_activations": inputs,
-                "output_activations": None,
-                "format": "float-quantized",
-            }
+    _set_quantization_config(
+        out,
+        {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": weights,
+                    "input_activations": inputs,
+                    "output_activations": None,
+                    "format": "float-quantized",
+                }
+            },
+            "ignore": ["lm_head"],
+            "kv_cache_scheme": None,
+            "sparsity_config": {},
+            "global_compression_ratio": None,
         },
-        "ignore": ["lm_head"],
-        "kv_cache_scheme": None,
-        "sparsity_config": {},
-        "global_compression_ratio": None,
-    }
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    )
 
 
 def fp8_blocks(weight, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK), scales: str = "float32"):
