@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoints = {
             "bf16": str(make_checkpoint(root / "bf16", shape)),
             "fp8": str(
-                make_checkpoint(root / "fp8", dataclasses.replace(shape, quantization="fp8"))
+                make_checkpoint(root / "fp8", dataclasses.replace(shape, quantization="fp8-block"))
             ),
         }
         index = load_index(checkpoints["bf16"])

@@ -2,7 +2,7 @@
 
 Shared by the prefetch and UVA backends: both offload the same parameters and keep them in the
 same exact-size arena; they differ only in how the device reaches them. A parameter given a
-`BlockFormat` (prefetch only) is kept in 8 bits: its values under its own key and its scales
+`WeightFormat` (prefetch only) is kept in 8 (or 4) bits: its values under its own key and its scales
 under `key + SCALE_KEY_SUFFIX`, both inside its layer's span (`offload.quant`).
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,7 +21,10 @@ from offload.base import OffloadError
 from offload.config import OffloadConfig
 from offload.policy import PinDecision, decide_pinning
 from offload.probe import NodeProbe
-from offload.quant import SCALE_DTYPE, SCALE_KEY_SUFFIX, BlockFormat, QuantizedTensor
+from offload.quant import SCALE_KEY_SUFFIX, QuantizedTensor
+
+if TYPE_CHECKING:
+    from offload.quant import WeightFormat
 
 
 @dataclass(slots=True)
@@ -33,7 +37,7 @@ class OffloadedLayer:
     keys: list[str]  # arena keys, f"{index}.{name}"
     start: int = 0
     end: int = 0
-    formats: dict[str, BlockFormat] = dataclasses.field(default_factory=dict)  # 8-bit keys
+    formats: dict[str, WeightFormat] = dataclasses.field(default_factory=dict)  # 8-bit keys
 
     @property
     def payload_bytes(self) -> int:
@@ -42,7 +46,7 @@ class OffloadedLayer:
 
 
 def host_view(
-    arena: HostArena, key: str, fmt: BlockFormat | None
+    arena: HostArena, key: str, fmt: WeightFormat | None
 ) -> torch.Tensor | QuantizedTensor:
     """What holds parameter `key` in `arena`: its tensor, or its 8-bit values and scales."""
     if fmt is None:
@@ -50,7 +54,7 @@ def host_view(
     return QuantizedTensor(arena[key], arena[key + SCALE_KEY_SUFFIX], fmt)
 
 
-def arena_specs(key: str, param: torch.Tensor, fmt: BlockFormat | None) -> list[TensorSpec]:
+def arena_specs(key: str, param: torch.Tensor, fmt: WeightFormat | None) -> list[TensorSpec]:
     """The arena entries of one parameter: itself, or its 8-bit values and its scales."""
     shape = tuple(param.shape)
     if fmt is None:
@@ -61,8 +65,8 @@ def arena_specs(key: str, param: torch.Tensor, fmt: BlockFormat | None) -> list[
             "only floating weights of two dimensions or more can"
         )
     return [
-        TensorSpec(key, shape, fmt.dtype),
-        TensorSpec(key + SCALE_KEY_SUFFIX, fmt.scale_shape(shape), SCALE_DTYPE),
+        TensorSpec(key, fmt.values_shape(shape), fmt.dtype),
+        TensorSpec(key + SCALE_KEY_SUFFIX, fmt.scale_shape(shape), fmt.scale_dtype),
     ]
 
 
@@ -137,7 +141,7 @@ def move_to_arena(
     layers: list[OffloadedLayer],
     *,
     pin: bool,
-    formats: Mapping[str, BlockFormat] | None = None,
+    formats: Mapping[str, WeightFormat] | None = None,
 ) -> HostArena:
     """Copy every selected parameter into a new arena (quantized where `formats`, by arena key,
     gives it a block format); record each layer's byte span and formats."""

@@ -12,8 +12,9 @@ wrap-around instead loads o_{(j+K) mod M}, which for M % K != 0 lands in a slot 
 layer has not run yet. Here a copy never targets a slot before the layer holding it has run.
 
 8-bit weights. A parameter given a `BlockFormat` (`formats`, by arena key) stays 8 bits in the
-arena and crosses the link so, in pieces of whole block rows (a matrix's partial last one
-included: `BlockFormat.row_pieces`, at most `STAGING_BYTES`): each piece's values and scales are
+arena and crosses the link so (gpt-oss's 4-bit `Mxfp4Format` the same way), in pieces of whole
+block rows (a matrix's partial last one included: `row_pieces`, at most `STAGING_BYTES`; a
+4-bit weight's stored rows are its parameter's columns: `rows` views them): each piece's values and scales are
 copied into one small device staging buffer, and on the copy side (side stream, copy thread)
 dequantized from there into their place in the layer's slot (`offload.quant.dequantize_into`);
 the layer's ticket is its last piece's. Such a layer's slot is laid out at the model's width,
@@ -32,6 +33,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -49,15 +51,11 @@ from offload.host_store import (
     set_param_data,
 )
 from offload.probe import DECISION_STEPS, NodeProbe, probe_node
-from offload.quant import (
-    SCALE_DTYPE,
-    SCALE_KEY_SUFFIX,
-    BlockFormat,
-    QuantizedTensor,
-    dequantize_into,
-    staging_offsets,
-)
+from offload.quant import SCALE_KEY_SUFFIX, QuantizedTensor
 from offload.stats import OffloadStats
+
+if TYPE_CHECKING:
+    from offload.quant import WeightFormat
 
 
 class PrefetchOffloader(BaseOffloader):
@@ -71,7 +69,7 @@ class PrefetchOffloader(BaseOffloader):
         env: Mapping[str, str] | None = None,
         probe: NodeProbe | None = None,
         copy_engine: CopyEngine | None = None,
-        formats: Mapping[str, BlockFormat] | None = None,
+        formats: Mapping[str, WeightFormat] | None = None,
     ) -> None:
         """`formats`: parameters (by arena key, f"{module index}.{name}") kept in 8 bits."""
         super().__init__()
@@ -205,19 +203,20 @@ class PrefetchOffloader(BaseOffloader):
                 copies.append((slot[offset : offset + nbytes], source, None))
                 continue
             shape = tuple(param.shape)
-            cols = shape[-1]
-            rows = param.numel() // cols
-            dst = slot[offset : offset + nbytes].view(param.dtype).view(rows, cols)
+            dst = slot[offset : offset + nbytes].view(param.dtype).view(shape)
             values, scales = arena.offset(key), arena.offset(key + SCALE_KEY_SUFFIX)
-            scale_row = fmt.scale_shape(shape)[-1] * SCALE_DTYPE.itemsize  # per block row
-            at = staging_offsets(fmt, shape)
+            row, scale_row = fmt.row_bytes(shape), fmt.scale_row_bytes(shape)
+            at = fmt.scales_at(shape)
             for first, end, s_first, s_end in fmt.row_pieces(shape, fmt.rows_per_piece(shape)):
-                count = end - first
-                q_bytes, s_bytes = count * cols, (s_end - s_first) * scale_row
-                q_src = values + first * cols
+                q_bytes, s_bytes = (end - first) * row, (s_end - s_first) * scale_row
+                q_src = values + first * row
                 s_src = scales + s_first * scale_row
                 work = functools.partial(
-                    self._dequantize_piece, dst[first : first + count], fmt, at, s_bytes
+                    self._dequantize_piece,
+                    fmt.rows(dst, first, end),
+                    fmt,
+                    q_bytes,
+                    (at, s_end - s_first, s_bytes),
                 )
                 copies.append((staging[:q_bytes], arena.bytes(q_src, q_src + q_bytes), None))
                 copies.append(
@@ -225,13 +224,17 @@ class PrefetchOffloader(BaseOffloader):
                 )
         return copies
 
-    def _dequantize_piece(self, dst: torch.Tensor, fmt: BlockFormat, at: int, s_bytes: int) -> None:
-        """Rows `dst` of a slot from the piece just copied into the staging buffer (values
-        first, scales from byte `at`): runs on the copy side after the copy (module doc)."""
-        rows, cols = dst.shape
-        q = self._staging[: rows * cols].view(fmt.dtype).view(rows, cols)
-        scales = self._staging[at : at + s_bytes].view(SCALE_DTYPE)
-        dequantize_into(dst, QuantizedTensor(q, scales.view(fmt.scale_shape((rows, cols))), fmt))
+    def _dequantize_piece(
+        self, dst: torch.Tensor, fmt: WeightFormat, q_bytes: int, scales: tuple[int, int, int]
+    ) -> None:
+        """Rows `dst` (rows, cols) of a slot from the piece just copied into the staging
+        buffer: `q_bytes` of values first, then from byte `at` its `scale_rows` rows of scales
+        (`scales` = (at, scale_rows, bytes)). Runs on the copy side after the copy (module
+        doc)."""
+        at, scale_rows, s_bytes = scales
+        q = self._staging[:q_bytes].view(fmt.dtype).view(len(dst), -1)
+        s = self._staging[at : at + s_bytes].view(fmt.scale_dtype).view(scale_rows, -1)
+        fmt.dequantize_rows(dst, q, s)
 
     def post_init(self) -> None:
         """Start copying the first K offloaded layers, so the first forward does not stall."""

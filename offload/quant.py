@@ -24,7 +24,10 @@ Checkpoint scales stored in other dtypes become float32 exactly (`scales_as_floa
 
 `QuantizedTensor` is the pair (values, scales) of one weight in host memory, with `select` and
 `narrow` as a tensor has them, so a loader reads one expert's tensor into its part of a fused
-parameter exactly as it does for a plain one (`worker.spec.apply_view`).
+parameter exactly as it does for a plain one (`worker.spec.apply_view`). It holds a weight of
+either format: a `BlockFormat`, or gpt-oss's 4-bit `offload.mxfp4.Mxfp4Format`, which speaks
+the same language (`WeightFormat`: values and scales shapes and dtypes, the pieces of stored
+rows a weight crosses the link in, the rows of the parameter a piece dequantizes into).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -116,12 +120,47 @@ class BlockFormat:
         group = self.block[0] * cols + _cdiv(cols, self.block[1]) * SCALE_DTYPE.itemsize
         return min(rows, max(1, STAGING_BYTES // group) * self.block[0])
 
+    def scales_at(self, shape: tuple[int, ...]) -> int:
+        """Where a piece's scales start in the staging buffer: after its largest values."""
+        return align_up(self.rows_per_piece(shape) * self.row_bytes(shape))
+
     def staging_bytes(self, shape: tuple[int, ...]) -> int:
         """Device bytes of the staging buffer one piece of a weight of `shape` needs: its
-        values, then its scales from `staging_offsets`, each aligned as the arena aligns."""
+        values, then its scales from `scales_at`, each aligned as the arena aligns."""
         rows, cols = self.rows_per_piece(shape), shape[-1]
         scales = _cdiv(rows, self.block[0]) * _cdiv(cols, self.block[1]) * SCALE_DTYPE.itemsize
-        return staging_offsets(self, shape) + align_up(scales)
+        return self.scales_at(shape) + align_up(scales)
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return SCALE_DTYPE
+
+    def values_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of a weight's values in this format: its own."""
+        return tuple(shape)
+
+    def logical_shape(self, values_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The weight's shape, from its values' shape: the same."""
+        return tuple(values_shape)
+
+    def row_bytes(self, shape: tuple[int, ...]) -> int:
+        """Bytes of one row of values (the weight seen as (rows, cols))."""
+        return shape[-1] * self.dtype.itemsize
+
+    def scale_row_bytes(self, shape: tuple[int, ...]) -> int:
+        """Bytes of one row of scales: one block row's."""
+        return _cdiv(shape[-1], self.block[1]) * SCALE_DTYPE.itemsize
+
+    def rows(self, weight: torch.Tensor, first: int, end: int) -> torch.Tensor:
+        """Rows first..end of `weight` seen as (rows, cols): a view, written through."""
+        return _rows(weight, weight.shape[-1])[first:end]
+
+    def dequantize_rows(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
+        """dst (rows, cols) = the piece of values `q` (rows, cols) and its scale rows."""
+        _dequantize_blocks(dst, QuantizedTensor(q, scales, self))
+
+    def dequantize_into(self, dst: torch.Tensor, src: QuantizedTensor) -> None:
+        _dequantize_blocks(dst, src)
 
     def stored_bytes(self, shape: tuple[int, ...]) -> int:
         """Host bytes of a weight of `shape` in this format: values and scales."""
@@ -137,30 +176,35 @@ class QuantizedTensor:
 
     __slots__ = ("fmt", "q", "scales")
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, fmt: BlockFormat) -> None:
-        if q.dtype != fmt.dtype or scales.dtype != SCALE_DTYPE:
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, fmt: WeightFormat) -> None:
+        if q.dtype != fmt.dtype or scales.dtype != fmt.scale_dtype:
             raise ValueError(
-                f"a {fmt} weight needs {fmt.dtype} values and float32 scales, got {q.dtype} "
-                f"and {scales.dtype}"
+                f"a {fmt} weight needs {fmt.dtype} values and {fmt.scale_dtype} scales, got "
+                f"{q.dtype} and {scales.dtype}"
             )
-        if tuple(scales.shape) != fmt.scale_shape(tuple(q.shape)):
+        shape = fmt.logical_shape(tuple(q.shape))
+        if tuple(scales.shape) != fmt.scale_shape(shape):
             raise ValueError(
-                f"scales {list(scales.shape)} do not match a {fmt} weight of shape {list(q.shape)}"
+                f"scales {list(scales.shape)} do not match a {fmt} weight of shape {list(shape)}"
             )
         self.q, self.scales, self.fmt = q, scales, fmt
 
     @property
     def shape(self) -> torch.Size:
-        return self.q.shape
+        """The weight's shape (its values' too, but for a packed format)."""
+        return torch.Size(self.fmt.logical_shape(tuple(self.q.shape)))
 
     @property
     def nbytes(self) -> int:
         return self.q.nbytes + self.scales.nbytes
 
     def _block_of(self, dim: int) -> tuple[int, int]:
-        """(dim normalised, the block size along it: 1 outside the last two dims)."""
+        """(dim normalised, the block size along it: 1 outside the last two dims). A packed
+        format's last two dims are stored transposed: no part of them is taken."""
         ndim = self.q.dim()
         dim %= ndim
+        if dim >= ndim - 2 and not isinstance(self.fmt, BlockFormat):
+            raise ValueError(f"cannot take a part of dim {dim} of a {self.fmt} weight")
         if dim == ndim - 2:
             return dim, self.fmt.block[0]
         if dim == ndim - 1:
@@ -199,12 +243,12 @@ class QuantizedTensor:
         return self
 
     def dequantized(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        out = torch.empty(self.q.shape, dtype=dtype, device=device)
+        out = torch.empty(self.shape, dtype=dtype, device=device)
         dequantize_into(out, self)
         return out
 
     def __repr__(self) -> str:
-        return f"QuantizedTensor({list(self.q.shape)}, {self.fmt})"
+        return f"QuantizedTensor({list(self.shape)}, {self.fmt})"
 
 
 def scales_as_float32(raw: torch.Tensor) -> torch.Tensor:
@@ -216,11 +260,6 @@ def scales_as_float32(raw: torch.Tensor) -> torch.Tensor:
     if raw.dtype not in SCALE_DTYPES:
         raise ValueError(f"block scales of dtype {raw.dtype} are not one of {SCALE_DTYPES}")
     return raw.to(SCALE_DTYPE)
-
-
-def staging_offsets(fmt: BlockFormat, shape: tuple[int, ...]) -> int:
-    """Where a piece's scales start in the staging buffer: after its largest values."""
-    return align_up(fmt.rows_per_piece(shape) * shape[-1])
 
 
 def _rows(t: torch.Tensor, cols: int) -> torch.Tensor:
@@ -243,6 +282,11 @@ def _factors(scales: torch.Tensor, rows: int, cols: int, block: tuple[int, int])
 
 
 def dequantize_into(dst: torch.Tensor, src: QuantizedTensor) -> None:
+    """dst = `src` dequantized as its format defines (rounded once to dst's dtype)."""
+    src.fmt.dequantize_into(dst, src)
+
+
+def _dequantize_blocks(dst: torch.Tensor, src: QuantizedTensor) -> None:
     """dst = each value times its block's scale in float32, rounded once to dst's dtype."""
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"dequantize {list(src.shape)} into {list(dst.shape)}")
@@ -267,6 +311,8 @@ def quantize_into(dst: QuantizedTensor, src: torch.Tensor) -> None:
     block's scale is its own entries' (zeros pad it to a whole block for the maximum)."""
     if tuple(src.shape) != tuple(dst.shape):
         raise ValueError(f"quantize {list(src.shape)} into {list(dst.shape)}")
+    if not isinstance(dst.fmt, BlockFormat):
+        raise ValueError(f"nothing is quantized into {dst.fmt}: it is read as published")
     fmt, shape = dst.fmt, tuple(dst.shape)
     block_rows, block_cols = fmt.block
     cols = shape[-1]
@@ -302,3 +348,10 @@ def quantized(src: torch.Tensor, fmt: BlockFormat) -> QuantizedTensor:
     )
     quantize_into(out, src)
     return out
+
+
+if TYPE_CHECKING:
+    from offload.mxfp4 import Mxfp4Format
+
+    # how an offloaded weight is kept: 8 bits in blocks, or gpt-oss's 4 bits
+    WeightFormat = BlockFormat | Mxfp4Format

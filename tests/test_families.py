@@ -339,14 +339,14 @@ def test_what_the_model_keeps_in_float32_stays_in_float32(tmp_path) -> None:
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mixtral", "deepseek_v3"])
 def test_block_fp8_checkpoints_load_as_transformers_reads_them(tmp_path, family: str) -> None:
     """A block-FP8 checkpoint as DeepSeek-V3 publishes it (`make-checkpoint --quantization
-    fp8`: the linear weights in float8_e4m3fn, a float32 scale per block) loads through the
+    fp8-block`: the linear weights in float8_e4m3fn, a float32 scale per block) loads through the
     planner's 3 stages with layers offloaded: resident weights dequantized while read as
     transformers dequantizes them on a CPU, offloaded ones kept in host memory as stored (8
     bits and the scales: at most 0.55x their 16-bit bytes) and dequantized into their device
     slot after each copy: logits bitwise equal to transformers loading the same files (bf16),
     plain and left-padded. The bytes read count as stored."""
     pytest.importorskip("accelerate")  # transformers' FP8 loader needs it
-    shape = family_shape(family, "bfloat16", quantization="fp8")
+    shape = family_shape(family, "bfloat16", quantization="fp8-block")
     index = load_index(make_checkpoint(tmp_path / family, shape))
     eight = [t for layer in index.layers for t in layer.tensors if t.scale is not None]
     assert eight and all(t.dtype == "F8_E4M3" and t.target_dtype == "bfloat16" for t in eight)

@@ -218,7 +218,7 @@ def llama(root: Path, scales: str, *, hidden: int, intermediate: int, block: int
         max_positions=64,
         max_shard_bytes=400_000,
         tokenizer=False,
-        quantization="fp8",
+        quantization="fp8-block",
         fp8_block=block,
         fp8_scales=scales,
     )
@@ -569,7 +569,7 @@ def test_make_checkpoint_cli_writes_the_block_and_scale_dtype(tmp_path) -> None:
     out = tmp_path / "ckpt"
     args = ["make-checkpoint", str(out), "--layers", "2", "--hidden-size", "48", "--heads", "4"]
     args += ["--kv-heads", "2", "--intermediate-size", "80", "--vocab", "96", "--dtype", "bfloat16"]
-    args += ["--quantization", "fp8", "--fp8-block", "32", "--fp8-scales", "e8m0"]
+    args += ["--quantization", "fp8-block", "--fp8-block", "32", "--fp8-scales", "e8m0"]
     assert main([*args, "--no-tokenizer"]) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["weight_block_size"] == [32, 32]

@@ -353,7 +353,7 @@ def test_8bit_offloaded_requests_equal_transformers_alone_with_those_weights(
 
 @pytest.mark.parametrize(
     ("family", "quantization"),
-    [("llama", "none"), ("qwen3", "none"), ("qwen3", "fp8"), ("deepseek_v3", "fp8")],
+    [("llama", "none"), ("qwen3", "none"), ("qwen3", "fp8-block"), ("deepseek_v3", "fp8-block")],
 )
 def test_bf16_requests_match_transformers_as_closely_as_its_own_batches(
     indexes, family: str, quantization: str
@@ -363,7 +363,7 @@ def test_bf16_requests_match_transformers_as_closely_as_its_own_batches(
     same prompts agrees with it alone (here: all of them but llama's first request, 11 of 14).
     Block-FP8 checkpoints too, against transformers reading the same FP8 files (dequantized
     to bf16 on the CPU): every token of every request."""
-    if quantization == "fp8":
+    if quantization == "fp8-block":
         pytest.importorskip("accelerate")  # transformers' FP8 loader needs it
     index = indexes(family, "bfloat16", quantization)
     pipeline = Pipeline(index, *TWO_STAGES)

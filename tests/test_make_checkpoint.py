@@ -407,14 +407,14 @@ def test_wrong_types_are_named(values: dict) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral", "deepseek_v3"])
 def test_fp8_checkpoints_are_written_as_deepseek_publishes_them(tmp_path: Path, arch) -> None:
-    """`--quantization fp8`: the decoder layers' linear weights (experts one by one) in
+    """`--quantization fp8-block`: the decoder layers' linear weights (experts one by one) in
     float8_e4m3fn with a float32 scale per block, everything else as the bf16 checkpoint of the
     same seed writes it. transformers reads it (dequantizing on the CPU) to weights within
     FP8's rounding of the unquantized ones: half a step of 3 mantissa bits, 2^-4 of each block's
     largest magnitude at most. (Loading it: tests/test_families.py.)"""
     pytest.importorskip("accelerate")  # transformers' FP8 loader needs it
     shards = dict(dtype="bfloat16", max_shard_bytes=20_000)  # several: the index too
-    out = write(tmp_path, arch, quantization="fp8", **shards)
+    out = write(tmp_path, arch, quantization="fp8-block", **shards)
     plain = write(tmp_path / "plain", arch, **shards)
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"] == {

@@ -30,7 +30,9 @@ def test_plan_counts_offloaded_weights_as_stored(tmp_path) -> None:
     bytes, bytes per step), and their slots carry one staging buffer; "none" keeps them wide;
     int8 on a bf16 checkpoint halves them too."""
     fp8 = load_index(
-        make_checkpoint(tmp_path / "fp8", family_shape("llama", "bfloat16", quantization="fp8"))
+        make_checkpoint(
+            tmp_path / "fp8", family_shape("llama", "bfloat16", quantization="fp8-block")
+        )
     )
     auto = offloading_plan(fp8)
     for stage in offloaded_stages(auto):
@@ -168,7 +170,7 @@ def test_a_replan_reads_again_a_layer_whose_host_form_changes(tmp_path) -> None:
     from coordinator.tools.reference import reference_logits
     from worker.worker import StageWorker
 
-    shape = family_shape("llama", "bfloat16", quantization="fp8")
+    shape = family_shape("llama", "bfloat16", quantization="fp8-block")
     index = load_index(make_checkpoint(tmp_path / "fp8", shape))
     names = [[layer.name for layer in index.layers]]
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))

@@ -193,9 +193,17 @@ def fp8_scheme(config: dict) -> Fp8Scheme | None:
     return None if block is None else Fp8Scheme("fp8", "_scale_inv", "block", block)
 
 
+def is_mxfp4(config: dict) -> bool:
+    """Whether config.json's `quantization_config` is gpt-oss's MXFP4 (`quant_method`
+    "mxfp4"): its experts' `<name>_blocks` and `<name>_scales` read as `offload.mxfp4`
+    defines them (`modules_to_not_convert` only names what has no such pair)."""
+    quant = config.get("quantization_config")
+    return isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
+
+
 def check_supported(config: dict) -> None:
     """Refuse, from config.json alone, what cannot run: quantized checkpoints other than block
-    FP8 and compressed-tensors FP8 (`fp8_scheme`), encoder-decoder
+    FP8 and compressed-tensors FP8 (`fp8_scheme`) and MXFP4 (`is_mxfp4`), encoder-decoder
     and vision/audio models, and model types transformers has no causal LM for."""
     family = config.get("model_type")
     if not family:
@@ -208,12 +216,13 @@ def check_supported(config: dict) -> None:
             f"{_supported_text()}"
         )
     quant = config.get("quantization_config")
-    if quant and fp8_scheme(config) is None:
+    if quant and fp8_scheme(config) is None and not is_mxfp4(config):
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
         raise UnsupportedModelError(
             f"{family}: the checkpoint is quantized (quantization_config.quant_method={method!r});"
-            f" supported: unquantized checkpoints (float32, bfloat16, float16) and block-FP8 "
-            "ones as DeepSeek-V3 publishes them (quant_method 'fp8', e4m3, weight_block_size)"
+            f" supported: unquantized checkpoints (float32, bfloat16, float16), block-FP8 "
+            "ones as DeepSeek-V3 publishes them (quant_method 'fp8', e4m3, weight_block_size), "
+            f"{_CT_FP8}, and MXFP4 as gpt-oss publishes it (quant_method 'mxfp4')"
         )
     if config.get("is_encoder_decoder"):
         raise UnsupportedModelError(
@@ -253,8 +262,9 @@ def hf_config_from_dict(
     supports it, eager for Gemma 2)."""
     from transformers import AutoConfig
 
-    # a block-FP8 checkpoint's model is the unquantized one: its weights are dequantized while
-    # read (worker.loader), as transformers does without an FP8 GPU
+    # a quantized checkpoint's model is the unquantized one: its weights are dequantized while
+    # read (worker.loader), or after each copy where kept quantized in host memory, as
+    # transformers does without an FP8 GPU (or with `Mxfp4Config(dequantize=True)`)
     dropped = ("dtype", "torch_dtype", "quantization_config")
     values = {k: _json_floats(v) for k, v in config.items() if k not in dropped}
     hf_config = AutoConfig.for_model(**values)

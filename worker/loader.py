@@ -21,7 +21,6 @@ import torch
 
 from offload.errors import CheckpointError
 from offload.quant import (
-    SCALE_DTYPE,
     QuantizedTensor,
     dequantize_into,
     quantize_into,
@@ -229,12 +228,14 @@ class TensorReader:
             rows[first : first + len(source)].copy_(source)  # synchronous: the buffer is reused
 
     def _read_scales(self, tensor: TensorSlice, into: torch.Tensor | None = None) -> torch.Tensor:
-        """A block-FP8 weight's scales, as float32: each the number its dtype defines
-        (`offload.quant.scales_as_float32`: E8M0 bytes are 2^(x - 127)); into `into` when
-        given (straight from the file where the file's are float32 too)."""
+        """An FP8 weight's scales, as float32: each the number its dtype defines
+        (`offload.quant.scales_as_float32`: E8M0 bytes are 2^(x - 127)); a packed (MXFP4)
+        weight's as the E8M0 bytes they are (uint8). Into `into` when given (straight from the
+        file where the file's are of its dtype)."""
         scale = tensor.scale
-        direct = into is not None and scale.torch_dtype == SCALE_DTYPE and into.is_contiguous()
-        raw = into if direct else torch.empty(scale.shape, dtype=scale.torch_dtype)
+        raw_dtype = torch.uint8 if tensor.packed else scale.torch_dtype
+        direct = into is not None and into.dtype == raw_dtype and into.is_contiguous()
+        raw = into if direct else torch.empty(scale.shape, dtype=raw_dtype)
         _pread_exact(
             self._fd(scale.file),
             memoryview(_as_bytes(raw).numpy()),
@@ -244,7 +245,7 @@ class TensorReader:
         self.stats.bytes_read += scale.nbytes
         if direct:
             return into
-        scales = scales_as_float32(raw)
+        scales = raw if tensor.packed else scales_as_float32(raw)
         if into is not None:
             into.copy_(scales)
             return into
@@ -259,6 +260,9 @@ class TensorReader:
         (`offload.quant.dequantize_into`): DeepSeek's `weight_dequant`, so the weights are
         bitwise the ones the format defines, and the ones an 8-bit offloaded copy of it
         becomes on the device."""
+        if tensor.packed:
+            self._read_packed(fd, tensor, dst, where)
+            return
         fmt = file_format(tensor)
         scales = self._read_scales(tensor)
         block_rows = fmt.block[0]
@@ -269,11 +273,35 @@ class TensorReader:
             part = scales[first // block_rows : -(-(first + count) // block_rows)]
             dequantize_into(dst[first : first + count], QuantizedTensor(source, part, fmt))
 
+    def _read_packed(self, fd: int, tensor: TensorSlice, dst: torch.Tensor, where: str) -> None:
+        """gpt-oss's MXFP4 weight (`offload.mxfp4`), dequantized into `dst` (the parameter's
+        shape) in pieces of stored rows through the staging buffer, values and their scales
+        read side by side: bitwise what transformers' `Mxfp4Config(dequantize=True)` loads."""
+        fmt, shape, scale = file_format(tensor), tensor.shape, tensor.scale
+        row, scale_row = fmt.row_bytes(shape), fmt.scale_row_bytes(shape)
+        target = dst if dst.is_contiguous() else torch.empty(shape, dtype=dst.dtype)
+        max_rows = max(1, STAGING_BYTES // (row + scale_row))
+        buffer = self._buffer(max_rows * (row + scale_row))
+        scale_fd, scale_where = self._fd(scale.file), f"{scale.file}: tensor {scale.name!r}"
+        for first, end, _, _ in fmt.row_pieces(shape, max_rows):
+            count = end - first
+            q, s = buffer[: count * row], buffer[count * row : count * (row + scale_row)]
+            _pread_exact(fd, memoryview(q.numpy()), tensor.start + first * row, where)
+            _pread_exact(
+                scale_fd, memoryview(s.numpy()), scale.start + first * scale_row, scale_where
+            )
+            fmt.dequantize_rows(
+                fmt.rows(target, first, end), q.view(count, row), s.view(count, scale_row)
+            )
+        if target is not dst:
+            dst.copy_(target)
+        self.stats.bytes_read += scale.nbytes
+
     def _read_quantized(
         self, fd: int, tensor: TensorSlice, dst: QuantizedTensor, where: str
     ) -> None:
-        """Into an 8-bit destination: a block-FP8 tensor of the same format byte for byte
-        (values and scales as the file has them), anything else read at the model's width
+        """Into an 8-bit destination (or a 4-bit one): a tensor of the same format byte for
+        byte (values and scales as the file has them), anything else read at the model's width
         (FP8 dequantized) into a temporary of one tensor and quantized into `dst`."""
         if file_format(tensor) == dst.fmt and dst.q.is_contiguous():
             _pread_exact(fd, memoryview(_as_bytes(dst.q).numpy()), tensor.start, where)
@@ -302,16 +330,21 @@ class TensorReader:
         if not row_bytes:
             return
         size = max(STAGING_BYTES, row_bytes * multiple)
+        staging = self._buffer(size)
+        per_piece = size // row_bytes // multiple * multiple
+        for first in range(0, shape[0], per_piece):
+            count = min(per_piece, shape[0] - first)
+            chunk = staging[: count * row_bytes]
+            _pread_exact(fd, memoryview(chunk.numpy()), tensor.start + first * row_bytes, where)
+            yield first, chunk.view(tensor.torch_dtype).view(count, *shape[1:])
+
+    def _buffer(self, size: int) -> torch.Tensor:
+        """The staging buffer, `size` bytes at least; what it held is overwritten."""
         if self._staging is None or self._staging.numel() < size:
             self._staging = torch.empty(
                 size, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
             )
-        per_piece = size // row_bytes // multiple * multiple
-        for first in range(0, shape[0], per_piece):
-            count = min(per_piece, shape[0] - first)
-            chunk = self._staging[: count * row_bytes]
-            _pread_exact(fd, memoryview(chunk.numpy()), tensor.start + first * row_bytes, where)
-            yield first, chunk.view(tensor.torch_dtype).view(count, *shape[1:])
+        return self._staging
 
     def close(self) -> None:
         if self._pool is not None:

@@ -21,7 +21,7 @@ from worker.names import (
 if TYPE_CHECKING:
     import torch
 
-    from offload.quant import BlockFormat
+    from offload.quant import WeightFormat
 
 # safetensors dtype names -> torch's names of the same dtypes, and each dtype's size in bytes:
 # plain values, so that an index and the specs built from it (the planner's, a named load's
@@ -129,6 +129,10 @@ class TensorSlice:
     # multiple of it. The weight is dequantized while reading, each block times its scale.
     scale: TensorSlice | None = None
     block: tuple[int, int] | None = None
+    # "mxfp4": gpt-oss's 4-bit weights (`offload.mxfp4`): this slice is the file's
+    # `<name>_blocks` (uint8 pairs of e2m1 values, stored transposed), `scale` its
+    # `<name>_scales` (E8M0 bytes, one per 32 values), and `shape` the parameter's; "" otherwise
+    packed: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -137,6 +141,7 @@ class TensorSlice:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The dtype of the file's elements (a packed slice's: uint8, two values a byte)."""
         return torch_dtype_named(SAFETENSORS_NAMES[self.dtype])
 
     @property
@@ -192,14 +197,19 @@ QUANT_GROUP = 128
 _QUANT_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
 
 
-def file_format(tensor: TensorSlice) -> BlockFormat | None:
-    """The block format an FP8 checkpoint stores `tensor` in (None: not quantized): its
-    block is the config's (`TensorSlice.block`), never what the grid of scales divides the
-    shape into (a 192-row weight in 128-row blocks has a grid of 2 rows, not blocks of 96).
-    A dim no longer than its block is one block of its own size: the same numbers, and the
-    parts of a fused parameter (each expert of a small MoE) stay whole blocks of it."""
+def file_format(tensor: TensorSlice) -> WeightFormat | None:
+    """The format a quantized checkpoint stores `tensor` in (None: not quantized): gpt-oss's
+    MXFP4 for a packed slice, else an FP8 block format whose block is the config's
+    (`TensorSlice.block`), never what the grid of scales divides the shape into (a 192-row
+    weight in 128-row blocks has a grid of 2 rows, not blocks of 96). A dim no longer than
+    its block is one block of its own size: the same numbers, and the parts of a fused
+    parameter (each expert of a small MoE) stay whole blocks of it."""
     if tensor.scale is None:
         return None
+    if tensor.packed == "mxfp4":
+        from offload.mxfp4 import Mxfp4Format
+
+        return Mxfp4Format()
     from offload.quant import BlockFormat  # torch: only a quantized checkpoint's tensors
 
     assert tensor.block is not None, f"{tensor.name}: scales without a block"
@@ -207,14 +217,17 @@ def file_format(tensor: TensorSlice) -> BlockFormat | None:
     return BlockFormat(tensor.torch_dtype, block)
 
 
-def _view_fits(fmt: BlockFormat, tensor: TensorSlice) -> bool:
-    """Whether `tensor`'s part of its parameter (`tensor.view`) is whole blocks of `fmt`:
+def _view_fits(fmt: WeightFormat, tensor: TensorSlice) -> bool:
+    """Whether `tensor`'s part of its parameter (`tensor.view`) is whole blocks of `fmt`
+    (a packed format's: the whole parameter, which it stores transposed):
     a narrow along one of the parameter's last two dims must start and end on a block edge
     (the narrows come before the selects, as `weight_map` builds the views). A part whose own
     last block is partial is never placed beside another: the parameter's grid would not be
     the parts' grids side by side (it is then kept at the model's width)."""
     if not fmt.fits(tensor.shape):
         return False
+    if tensor.packed:
+        return not tensor.view
     ndim = len(tensor.shape) + sum(op[0] == "select" for op in tensor.view)
     for op in tensor.view:
         if op[0] == "select":
@@ -242,12 +255,13 @@ def routes(target: str) -> bool:
     return any(part in ROUTING_MODULES for part in target.split(".")[:-1])
 
 
-def offload_format(tensor: TensorSlice, offload_dtype: str) -> BlockFormat | None:
+def offload_format(tensor: TensorSlice, offload_dtype: str) -> WeightFormat | None:
     """How checkpoint tensor `tensor` of an offloaded unit is kept in host memory under
     `offload_dtype` (OFFLOAD_DTYPES): a block format, or None for the model's width. Only
     matrices are quantized: never norms, biases, buffers, or the weights of what routes
     tokens (`routes`), which stay as the checkpoint has them (a block-FP8 file's own 8 bits
-    stay 8 bits)."""
+    stay 8 bits). gpt-oss's 4-bit weights stay 4 bits under every offload dtype but "none":
+    fewer bytes than 8, and the very numbers the checkpoint holds."""
     if offload_dtype not in OFFLOAD_DTYPES:
         raise ValueError(
             f"offload_dtype={offload_dtype!r} is not one of {', '.join(OFFLOAD_DTYPES)}"
@@ -261,7 +275,8 @@ def offload_format(tensor: TensorSlice, offload_dtype: str) -> BlockFormat | Non
     ):
         return None
     fmt = file_format(tensor)
-    if offload_dtype == "int8" or (offload_dtype == "fp8" and fmt is None):
+    requantized = offload_dtype == "int8" or (offload_dtype == "fp8" and fmt is None)
+    if requantized and not tensor.packed:
         cols = tensor.shape[-1]
         group = QUANT_GROUP if cols % QUANT_GROUP == 0 else cols
         from offload.quant import BlockFormat  # torch: only where weights are kept in 8 bits
@@ -270,7 +285,9 @@ def offload_format(tensor: TensorSlice, offload_dtype: str) -> BlockFormat | Non
     return fmt if fmt is not None and _view_fits(fmt, tensor) else None
 
 
-def parameter_formats(tensors: Sequence[TensorSlice], offload_dtype: str) -> dict[str, BlockFormat]:
+def parameter_formats(
+    tensors: Sequence[TensorSlice], offload_dtype: str
+) -> dict[str, WeightFormat]:
     """The parameters (by target) that `tensors` fill whose every tensor takes the same block
     format under `offload_dtype`: the ones an offloader keeps in 8 bits."""
     found: dict[str, set] = {}
@@ -353,14 +370,18 @@ class LayerSpec:
         0 where nothing is kept in 8 bits."""
         tensors = self.unit_tensors(unit)
         formats = parameter_formats(tensors, offload_dtype)
-        rows: dict[str, int] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
         for t in tensors:
             target = t.target or t.name
-            if target in formats:
-                rows[target] = rows.get(target, 0) + math.prod(t.shape[:-1])
-        cols = {t.target or t.name: t.shape[-1] for t in tensors}
+            if target not in formats:
+                continue
+            if not t.view:  # the whole parameter
+                shapes[target] = t.shape
+            else:  # a part: the parameter seen as (rows, cols) of a block format
+                rows = shapes.get(target, (0,))[0] + math.prod(t.shape[:-1])
+                shapes[target] = (rows, t.shape[-1])
         return max(
-            (formats[target].staging_bytes((n, cols[target])) for target, n in rows.items()),
+            (formats[target].staging_bytes(shape) for target, shape in shapes.items()),
             default=0,
         )
 

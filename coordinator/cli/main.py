@@ -29,6 +29,7 @@ from coordinator.tools.make_checkpoint import (
     ARCHITECTURES,
     DTYPES,
     FP8_BLOCK,
+    FP8_CT_STRATEGIES,
     FP8_SCALE_DTYPES,
     MOE_ARCHITECTURES,
     NO_KV_HEADS,
@@ -373,8 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization",
         default="none",
         choices=QUANTIZATIONS,
-        help="fp8: the decoder layers' linear weights in float8_e4m3fn with a scale per "
-        "--fp8-block square block, as DeepSeek-V3 publishes them (with --dtype bfloat16)",
+        help="as each format is published (with --dtype bfloat16): fp8-block, the decoder "
+        "layers' linear weights in float8_e4m3fn with a scale per --fp8-block square block "
+        "(DeepSeek-V3, Kimi-K2, Qwen3-FP8); fp8-compressed, compressed-tensors FP8 with a "
+        "scale per --fp8-strategy; mxfp4, gpt-oss's experts in 4 bits (--arch gpt_oss)",
     )
     make.add_argument(
         "--fp8-block",
@@ -387,7 +390,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--fp8-scales",
         default="float32",
         choices=FP8_SCALE_DTYPES,
-        help="how FP8 block scales are stored (e8m0, uint8: powers of two, 2^(x-127))",
+        help="how FP8 block scales are stored (e8m0, uint8: powers of two, 2^(x-127)); "
+        "fp8-compressed: float32 or bfloat16",
+    )
+    make.add_argument(
+        "--fp8-strategy",
+        default="block",
+        choices=FP8_CT_STRATEGIES,
+        help="fp8-compressed: a scale per tensor, per channel (row), or per --fp8-block block",
     )
     make.add_argument("--tie-embeddings", action="store_true")
     make.add_argument(
@@ -566,6 +576,7 @@ def _run(args: argparse.Namespace, expected: tuple[type[Exception], ...]) -> int
                 "quantization",
                 "fp8_block",
                 "fp8_scales",
+                "fp8_strategy",
             )
             shape = CheckpointShape(
                 **{f: getattr(args, f) for f in fields},

@@ -278,7 +278,13 @@ def _kv_per_layer(described: str, dtype: str) -> tuple[tuple[int, int | None, in
 def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointIndex:
     """Index a checkpoint directory for a model computing in `dtype` ("auto": the checkpoint's).
     Raises CheckpointError naming the file and tensor, before any worker starts."""
-    from worker.layout import UnsupportedModelError, check_supported, find_layout, fp8_scheme
+    from worker.layout import (
+        UnsupportedModelError,
+        check_supported,
+        find_layout,
+        fp8_scheme,
+        is_mxfp4,
+    )
 
     root = Path(root)
     if not root.is_dir():
@@ -327,7 +333,9 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
 
     try:
         layout = find_layout(model)
-        placed, ignored = map_tensors(model, tensors, fp8=fp8_scheme(config))
+        placed, ignored = map_tensors(
+            model, tensors, fp8=fp8_scheme(config), mxfp4=is_mxfp4(config)
+        )
     except (UnsupportedModelError, WeightMapError) as exc:
         raise CheckpointError(str(exc)) from None
     by_layer: dict[str, list[TensorSlice]] = {name: [] for name in layout.layer_names()}

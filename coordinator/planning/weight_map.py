@@ -10,8 +10,9 @@ experts (expert e is `select(m, e)`), `Concatenate(dim=c)` then joins the source
 j-th is `narrow(c, offset_j, size_j)`). A worker reads each tensor straight into its view, so
 no stacked or concatenated copy is ever made. Any other operation is refused with its name.
 An FP8 checkpoint's weights (block FP8, or compressed-tensors FP8 per tensor, channel or block)
-carry their scales and block, checked against the format here (`_with_fp8_scales`), so a
-checkpoint that would read as other numbers never reaches a worker.
+carry their scales and block, checked against the format here (`_with_fp8_scales`), and an
+MXFP4 checkpoint's packed expert weights theirs (`_with_mxfp4`), so a checkpoint that would
+read as other numbers never reaches a worker.
 """
 
 from __future__ import annotations
@@ -56,11 +57,13 @@ def map_tensors(
     tensors: dict[str, TensorSlice],
     *,
     fp8: Fp8Scheme | None = None,
+    mxfp4: bool = False,
 ) -> tuple[list[TensorSlice], list[str]]:
     """Each checkpoint tensor with its target parameter, view and dtype (tied weights get a copy
     of their source's tensors), and the keys ignored as `from_pretrained` ignores them; FP8
     weights with their scales and blocks as `fp8` says (`worker.layout.fp8_scheme`, None for a
-    checkpoint that is not FP8: see `_with_fp8_scales`).
+    checkpoint that is not FP8: see `_with_fp8_scales`); with `mxfp4` (`worker.layout.is_mxfp4`)
+    each `<name>_blocks` and `<name>_scales` pair as one packed weight `<name>` (`_with_mxfp4`).
     Raises WeightMapError for a tensor the model does not own, a shape that does not fit, a
     parameter no tensor fills, a conversion we cannot apply by views, or FP8 weights and scales
     that are not the FP8 format config.json names."""
@@ -81,7 +84,7 @@ def map_tensors(
     ignore = _ignored_patterns(model)
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
 
-    tensors = _with_fp8_scales(tensors, fp8)
+    tensors = _with_fp8_scales(_with_mxfp4(tensors) if mxfp4 else tensors, fp8)
     plain: list[TensorSlice] = []
     fused: dict[str, dict[str, list[TensorSlice]]] = defaultdict(lambda: defaultdict(list))
     ignored: list[str] = []
@@ -277,6 +280,53 @@ def _block_fp8_scaled(
     return dataclasses.replace(tensor, scale=scale, block=block)
 
 
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
+MXFP4_SCALE_DTYPES = ("U8", "F8_E8M0")  # E8M0 exponents, 2^(x - 127)
+_MXFP4 = (
+    "MXFP4 as gpt-oss publishes it (a U8 `<name>_blocks` [..., rows, groups, 16] of packed e2m1 "
+    "pairs with a U8 `<name>_scales` [..., rows, groups] of E8M0 exponents, one per 32 values)"
+)
+
+
+def _with_mxfp4(tensors: dict[str, TensorSlice]) -> dict[str, TensorSlice]:
+    """An MXFP4 checkpoint's tensors, each `<name>_blocks` and `<name>_scales` pair as one
+    packed weight `<name>` (`TensorSlice.packed`) of the parameter's shape (..., groups x 32,
+    rows): the file stores the parameter transposed (`offload.mxfp4`). Refused here, naming
+    the tensor: blocks without scales or scales without blocks, blocks that are not U8 with
+    16 bytes (32 values) a group, scales of another dtype or not one per group."""
+    out: dict[str, TensorSlice] = {}
+    for key, tensor in tensors.items():
+        name = key.removesuffix(MXFP4_BLOCKS).removesuffix(MXFP4_SCALES)
+        blocks, scales = tensors.get(name + MXFP4_BLOCKS), tensors.get(name + MXFP4_SCALES)
+        if name == key:
+            out[key] = tensor
+            continue
+        if blocks is None or scales is None:
+            raise WeightMapError(
+                f"{tensor.file}: tensor {key!r} {tensor.dtype}{list(tensor.shape)} has no "
+                f"{name + (MXFP4_SCALES if scales is None else MXFP4_BLOCKS)!r} beside it; "
+                f"supported: {_MXFP4}"
+            )
+        if key == scales.name:
+            continue  # read with its blocks
+        where = f"{blocks.file}: MXFP4 tensor {key!r} {blocks.dtype}{list(blocks.shape)}"
+        if blocks.dtype != "U8" or len(blocks.shape) < 3 or blocks.shape[-1] != 16:
+            raise WeightMapError(
+                f"{where} is not U8 with 16 bytes (32 packed values) a group; supported: {_MXFP4}"
+            )
+        if scales.dtype not in MXFP4_SCALE_DTYPES or scales.shape != blocks.shape[:-1]:
+            raise WeightMapError(
+                f"{where}: its scales {scales.name!r} are {scales.dtype}{list(scales.shape)}, "
+                f"not {' or '.join(MXFP4_SCALE_DTYPES)}{list(blocks.shape[:-1])} (one E8M0 "
+                f"exponent per group of 32 values); supported: {_MXFP4}"
+            )
+        *lead, rows, groups, _ = blocks.shape
+        out[name] = dataclasses.replace(
+            blocks, shape=(*lead, groups * 32, rows), scale=scales, packed="mxfp4"
+        )
+    return out
+
+
 def _layer_hint(model: nn.Module, key: str) -> str:
     """Where a key names a block past the config's count, say so: the usual mismatch."""
     num_layers = model.config.get_text_config().num_hidden_layers
@@ -289,9 +339,12 @@ def _layer_hint(model: nn.Module, key: str) -> str:
 def _placed(tensor: TensorSlice, target: str, view: tuple, param: torch.Tensor) -> TensorSlice:
     want = tuple(apply_view(param, view).shape)
     if tensor.shape != want:
+        what = f"shape {list(tensor.shape)}"
+        if tensor.packed:  # the file's shape is the transpose's, packed
+            what = f"the MXFP4 values of a {list(tensor.shape)} weight (the file's transposed)"
         raise WeightMapError(
-            f"{tensor.file}: tensor {tensor.name!r} has shape {list(tensor.shape)} but "
-            f"config.json implies {list(want)} for {target!r}"
+            f"{tensor.file}: tensor {tensor.name!r} has {what} but config.json implies "
+            f"{list(want)} for {target!r}"
         )
     return dataclasses.replace(
         tensor,

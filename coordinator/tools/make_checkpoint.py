@@ -50,16 +50,26 @@ SLIDING_ARCHITECTURES = ("mistral", "gemma2", "gemma3_text", "gpt_oss")
 # heads as query heads: DeepSeek's attention fails with fewer)
 NO_KV_HEADS = ("gpt2", "gpt_neox", *MLA_ARCHITECTURES)
 DTYPES = ("float32", "bfloat16", "float16")
-# "fp8": as DeepSeek-V3, Kimi-K2 and the Qwen3 -FP8 checkpoints are published: every linear
-# weight of the decoder layers (experts one by one) in float8_e4m3fn, one scale per block of
-# `fp8_block` x `fp8_block` (128 as published; the last block of a dim partial where the dim
-# is no multiple of it) in `<name>_scale_inv` (what the block's entries are multiplied by)
-QUANTIZATIONS = ("none", "fp8")
+# How the checkpoint is quantized, as each format is published:
+# - "fp8-block": as DeepSeek-V3, Kimi-K2 and the Qwen3 -FP8 checkpoints: every linear weight of
+#   the decoder layers (experts one by one) in float8_e4m3fn, one scale per block of
+#   `fp8_block` x `fp8_block` (128 as published; the last block of a dim partial where the dim
+#   is no multiple of it) in `<name>_scale_inv` (what the block's entries are multiplied by)
+# - "fp8-compressed": compressed-tensors FP8 as RedHatAI's -FP8-dynamic checkpoints, the same
+#   weights with a `<name>_scale` per tensor, channel or block (`fp8_strategy`)
+# - "mxfp4": as gpt-oss-20b/120b: each layer's fused expert projections as `<name>_blocks`
+#   (packed e2m1 pairs) and `<name>_scales` (an E8M0 exponent per 32 values), the rest bf16
+QUANTIZATIONS = ("none", "fp8-block", "fp8-compressed", "mxfp4")
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # the largest float8_e4m3fn
 # How the scales are stored: float32 (DeepSeek-V3's, Qwen3's), bfloat16, or E8M0 powers of two
 # (DeepSeek's `ue8m0`: as float8_e8m0fnu, or its bytes as uint8, as MXFP8 checkpoints ship them)
 FP8_SCALE_DTYPES = ("float32", "bfloat16", "e8m0", "uint8")
+# compressed-tensors FP8 weight strategies (`quantize_fp8_compressed`), and how its scales are
+# stored (float32, or bfloat16 as many -FP8-dynamic checkpoints have them)
+FP8_CT_STRATEGIES = ("tensor", "channel", "block")
+FP8_CT_SCALE_DTYPES = ("float32", "bfloat16")
+MXFP4_GROUP = 32  # values per E8M0 scale
 MAX_POSITIONS = 2048
 # Clearly different from Granite's neutral 1.0, so a stage that drops one of them shows.
 GRANITE_MULTIPLIERS = dict(
@@ -98,8 +108,9 @@ class CheckpointShape:
     seed: int = 0
     tokenizer: bool = True  # write a tokenizer; its special-token ids go into the configs
     quantization: str = "none"  # QUANTIZATIONS
-    fp8_block: int = FP8_BLOCK  # rows and cols of an FP8 block (quantization "fp8")
-    fp8_scales: str = "float32"  # FP8_SCALE_DTYPES
+    fp8_block: int = FP8_BLOCK  # rows and cols of an FP8 block ("fp8-block", block strategy)
+    fp8_scales: str = "float32"  # FP8_SCALE_DTYPES (FP8_CT_SCALE_DTYPES for "fp8-compressed")
+    fp8_strategy: str = "block"  # FP8_CT_STRATEGIES ("fp8-compressed")
 
     def __post_init__(self) -> None:
         for f in fields(self):  # the Python API gets the CLI's checks: a wrong type is named
@@ -118,11 +129,35 @@ class CheckpointShape:
             raise ConfigError(
                 f"fp8_scales={self.fp8_scales!r} is not one of {', '.join(FP8_SCALE_DTYPES)}"
             )
-        if self.quantization == "fp8" and self.dtype == "float32":
+        if self.quantization != "none" and self.dtype == "float32":
             raise ConfigError(
-                "quantization='fp8' goes with dtype bfloat16 or float16 (published FP8 "
-                "checkpoints keep their other tensors in 16 bits): pass --dtype bfloat16"
+                f"quantization={self.quantization!r} goes with dtype bfloat16 or float16 "
+                "(published quantized checkpoints keep their other tensors in 16 bits): pass "
+                "--dtype bfloat16"
             )
+        if self.quantization == "fp8-compressed":
+            if self.fp8_strategy not in FP8_CT_STRATEGIES:
+                raise ConfigError(
+                    f"fp8_strategy={self.fp8_strategy!r} is not one of "
+                    f"{', '.join(FP8_CT_STRATEGIES)}"
+                )
+            if self.fp8_scales not in FP8_CT_SCALE_DTYPES:
+                raise ConfigError(
+                    f"fp8_scales={self.fp8_scales!r}: compressed-tensors stores scales as "
+                    f"{' or '.join(FP8_CT_SCALE_DTYPES)}"
+                )
+        if self.quantization == "mxfp4":
+            if self.arch != "gpt_oss":
+                raise ConfigError(
+                    f"quantization='mxfp4' is gpt-oss's format (its experts' fused projections),"
+                    f" not {self.arch}'s: pass --arch gpt_oss"
+                )
+            for name in ("hidden_size", "intermediate_size"):
+                if getattr(self, name) % MXFP4_GROUP:
+                    raise ConfigError(
+                        f"{name}={getattr(self, name)}: MXFP4 scales groups of {MXFP4_GROUP} "
+                        f"values along it, so it must be a multiple of {MXFP4_GROUP}"
+                    )
         for name in (
             "num_layers",
             "hidden_size",
@@ -343,9 +378,19 @@ def make_checkpoint(out_dir: str | Path, shape: CheckpointShape, *, force: bool 
         # with `--no-tokenizer`, or files a newer tokenizer does not write) and mismatch.
         tiny_tokenizer.remove_tokenizer_files(out)
         model.save_pretrained(out, max_shard_size=shape.max_shard_bytes)
-        if shape.quantization == "fp8":
-            block = (shape.fp8_block, shape.fp8_block)
+        block = (shape.fp8_block, shape.fp8_block)
+        if shape.quantization == "fp8-block":
             quantize_fp8(out, model, block=block, scales=shape.fp8_scales)
+        elif shape.quantization == "fp8-compressed":
+            quantize_fp8_compressed(
+                out,
+                model,
+                strategy=shape.fp8_strategy,
+                block=block if shape.fp8_strategy == "block" else None,
+                scales=shape.fp8_scales,
+            )
+        elif shape.quantization == "mxfp4":
+            quantize_mxfp4(out)
         if shape.tokenizer:
             tiny_tokenizer.write_tokenizer(
                 out, vocab_size=shape.vocab_size, max_positions=shape.max_positions
@@ -418,16 +463,21 @@ def _rewrite_fp8(out: Path, model, written) -> None:
     """Rewrite the shards `save_pretrained` wrote of `model` into `out`, each FP8 weight
     (`fp8_weight_names`, and experts saved one by one) replaced by `written(name, weight)`
     (the tensors to write in its place: it and its scales), the index to match."""
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     linear = fp8_weight_names(model)
 
-    def quantized(name: str, tensor: torch.Tensor) -> bool:
+    def quantized(name: str, tensor) -> bool:
         if tensor.ndim != 2 or not name.endswith(".weight") or ".layers." not in name:
             return False
         return name in linear or ".experts." in name  # experts: saved one by one
+
+    _rewrite(out, quantized, written)
+
+
+def _rewrite(out: Path, quantized, written) -> None:
+    """Rewrite the shards in `out`, each tensor `quantized(name, tensor)` chooses replaced by
+    `written(name, tensor)` (the tensors to write in its place), the index to match."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
 
     index_path = out / "model.safetensors.index.json"
     index = json.loads(index_path.read_text()) if index_path.exists() else None
@@ -435,11 +485,13 @@ def _rewrite_fp8(out: Path, model, written) -> None:
         with safe_open(shard, "pt") as f:
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
             metadata = f.metadata()
-        out_tensors: dict[str, torch.Tensor] = {}
+        out_tensors: dict = {}
         for name, tensor in tensors.items():
             if not quantized(name, tensor):
                 out_tensors[name] = tensor
                 continue
+            if index is not None:
+                del index["weight_map"][name]
             for key, value in written(name, tensor).items():
                 out_tensors[key] = value
                 if index is not None:
@@ -447,12 +499,6 @@ def _rewrite_fp8(out: Path, model, written) -> None:
         save_file(out_tensors, shard, metadata=metadata)
     if index is not None:
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-# compressed-tensors FP8 weight strategies (`quantize_fp8_compressed`), and how its scales are
-# stored (float32, or bfloat16 as many -FP8-dynamic checkpoints have them)
-FP8_CT_STRATEGIES = ("tensor", "channel", "block")
-FP8_CT_SCALE_DTYPES = ("float32", "bfloat16")
 
 
 def quantize_fp8_compressed(
@@ -540,6 +586,65 @@ def quantize_fp8_compressed(
             "global_compression_ratio": None,
         },
     )
+
+
+# gpt-oss's MXFP4 names: `<parameter>_blocks` and `<parameter>_scales`
+MXFP4_WEIGHTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+def quantize_mxfp4(out: Path) -> None:
+    """Rewrite the shards `save_pretrained` wrote of a gpt-oss model into `out` as gpt-oss
+    publishes them (`offload.mxfp4`): each layer's `mlp.experts.gate_up_proj` and
+    `mlp.experts.down_proj` as `<name>_blocks` and `<name>_scales` of its transpose
+    (`mxfp4_blocks`), biases, attention, router, embeddings and head as they are;
+    config.json's `quantization_config` as gpt-oss-20b's."""
+
+    def chosen(name: str, tensor) -> bool:
+        return name.endswith(MXFP4_WEIGHTS) and tensor.ndim == 3
+
+    def written(name: str, weight) -> dict:
+        blocks, scales = mxfp4_blocks(weight.transpose(-1, -2))
+        return {name + "_blocks": blocks, name + "_scales": scales}
+
+    _rewrite(out, chosen, written)
+    _set_quantization_config(
+        out,
+        {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+        },
+    )
+
+
+def mxfp4_blocks(weight):
+    """`weight` (..., rows, cols), cols a multiple of MXFP4_GROUP, as MXFP4: blocks (..., rows,
+    cols / 32, 16) of uint8, each byte two e2m1 codes (the even-numbered value in the low
+    nibble; a code is a sign bit over the index into 0, 0.5, 1, 1.5, 2, 3, 4, 6), and scales
+    (..., rows, cols / 32) of uint8 E8M0 exponents x, the group's scale 2^(x - 127). A group's
+    exponent is the smallest that brings its largest magnitude to 6 or below; each value is
+    rounded to the nearest e2m1 number (the smaller on a tie)."""
+    import torch
+
+    *lead, rows, cols = weight.shape
+    if cols % MXFP4_GROUP:
+        raise ConfigError(f"a {list(weight.shape)} weight has no whole groups of {MXFP4_GROUP}")
+    groups = weight.float().reshape(*lead, rows, cols // MXFP4_GROUP, MXFP4_GROUP)
+    amax = groups.abs().amax(dim=-1)
+    exponent = torch.where(
+        amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.full_like(amax, -127.0)
+    ).clamp(-127, 127)
+    scaled = groups / torch.pow(2.0, exponent).unsqueeze(-1)
+    magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    index = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1)
+    codes = (index + 8 * (scaled < 0)).to(torch.uint8)
+    pairs = codes.reshape(*lead, rows, cols // MXFP4_GROUP, MXFP4_GROUP // 2, 2)
+    blocks = pairs[..., 0] | (pairs[..., 1] << 4)
+    return blocks.contiguous(), (exponent + 127).to(torch.uint8).contiguous()
 
 
 def fp8_blocks(weight, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK), scales: str = "float32"):

@@ -93,7 +93,10 @@ def _reference_model(
         if model is None:
             with _as_transformers_reads_it(checkpoint) as files:
                 model = AutoModelForCausalLM.from_pretrained(
-                    files, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
+                    files,
+                    dtype=getattr(torch, dtype),
+                    attn_implementation=attn_implementation,
+                    **_dequantizing(checkpoint),
                 )
             _keep(key, model)
         with torch.no_grad():
@@ -103,6 +106,24 @@ def _reference_model(
             yield model
     finally:
         torch.set_num_threads(previous)
+
+
+def _dequantizing(checkpoint: str) -> dict:
+    """`from_pretrained`'s arguments that make it dequantize an MXFP4 checkpoint with its own
+    code (`Mxfp4Config(dequantize=True)`: transformers' `convert_moe_packed_tensors`, the
+    reference for `offload.mxfp4`), whatever kernels or device this process has; none for
+    other checkpoints."""
+    import json
+
+    config_path = Path(checkpoint) / "config.json"
+    if not config_path.is_file():
+        return {}
+    quant = json.loads(config_path.read_text()).get("quantization_config") or {}
+    if not isinstance(quant, dict) or quant.get("quant_method") != "mxfp4":
+        return {}
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 @contextmanager
