@@ -19,7 +19,13 @@ import yaml
 
 from offload.errors import ConfigError
 from offload.policy import PIN_ENV, parse_pin_mode
-from worker.names import COMPUTE_DTYPE_NAMES, DEFAULT_BLOCK_SIZE, OFFLOAD_DTYPES, blocks_for
+from worker.names import (
+    COMPUTE_DTYPE_NAMES,
+    DEFAULT_BLOCK_SIZE,
+    EXPERT_FETCHES,
+    OFFLOAD_DTYPES,
+    blocks_for,
+)
 
 # The node label that sets a node's pin policy (on | off | auto), e.g. in cluster.yaml.
 PIN_LABEL = "offload-pin-memory"
@@ -217,6 +223,10 @@ class JobConfig:
     # the model's width, "fp8" / "int8" every offloaded matrix in 8 bits, dequantized on the
     # device after each copy (prefetch backend).
     offload_dtype: str = "auto"
+    # How an offloaded MoE layer's experts cross the link (EXPERT_FETCHES): "layer", the whole
+    # layer, prefetched while earlier layers compute; "routed", only the experts the step's
+    # router chose, once it has (fewer bytes, not overlapped: best at small batches).
+    expert_fetch: str = "layer"
     # The dtype the model loads and computes in: "auto" (the checkpoint's: config.json's dtype,
     # else its tensors'), or float32 / bfloat16 / float16, converted while reading.
     dtype: str = "auto"
@@ -331,6 +341,10 @@ class JobConfig:
         if self.offload_dtype not in OFFLOAD_DTYPES:
             raise ConfigError(
                 f"offload_dtype={self.offload_dtype!r} must be one of {', '.join(OFFLOAD_DTYPES)}"
+            )
+        if self.expert_fetch not in EXPERT_FETCHES:
+            raise ConfigError(
+                f"expert_fetch={self.expert_fetch!r} must be one of {', '.join(EXPERT_FETCHES)}"
             )
         if self.offload_dtype in ("fp8", "int8") and self.backend == "uva":
             raise ConfigError(

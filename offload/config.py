@@ -24,6 +24,10 @@ class OffloadConfig:
 
     `param_filter` is a regular expression searched in each parameter's name within its layer
     (e.g. `"mlp"`): only matching parameters are offloaded, the rest stay on the device.
+
+    `routed_experts` (prefetch backend): an offloaded MoE experts module's weights cross the
+    link expert by expert, only those the step's router chose, once it has (`offload.routed`);
+    False: the whole layer crosses before it runs, prefetched while earlier layers compute.
     """
 
     backend: Backend = "auto"
@@ -32,6 +36,7 @@ class OffloadConfig:
     num_in_group: int = 0
     prefetch_step: int = 1
     param_filter: str | None = None
+    routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

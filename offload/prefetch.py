@@ -22,6 +22,15 @@ its other parameters copied straight in.
 One staging buffer serves every slot: copies and their dequantization are FIFO on the copy
 side, so a piece's copy starts after the previous piece's dequantization has read the buffer.
 
+Routed experts (`OffloadConfig.routed_experts`). An offloaded layer's experts modules
+(`offload.routed`) are left out of its prefetch: when one is called, the step's router has
+chosen, and only the experts it routes some row to are copied, each expert's rows of every
+weight (8-bit ones in pieces, dequantized as above) into their place in the slot, then waited
+for. The slot remembers which experts of its layer it holds (`_present`), so an expert used
+again before the slot takes another layer is not copied again (every step, where each
+offloaded layer has a slot of its own). Slots start zeroed: rows no copy wrote are never read,
+and would hold finite numbers if they were.
+
 Robustness. Each slot records which layer its latest copy brings (`_owner`). A layer whose slot
 holds something else when it is called (first forward without `post_init`, an aborted forward,
 layers called out of order) is loaded on demand and counted in `sync_loads`: slower, never wrong.
@@ -31,6 +40,7 @@ Copies to one slot are FIFO on one stream/thread, so the latest copy is what the
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -52,6 +62,7 @@ from offload.host_store import (
 )
 from offload.probe import DECISION_STEPS, NodeProbe, probe_node
 from offload.quant import SCALE_KEY_SUFFIX, QuantizedTensor
+from offload.routed import ExpertsModule, experts_modules, routed_experts
 from offload.stats import OffloadStats
 
 if TYPE_CHECKING:
@@ -94,6 +105,13 @@ class PrefetchOffloader(BaseOffloader):
         self._ticket: list[object | None] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._sync_loads = 0
+        # routed experts: each layer's experts modules, what each slot holds of its layer's
+        # experts ((module path, expert)), each expert's copies (built on first use)
+        self._experts: dict[int, list[ExpertsModule]] = {}
+        self._present: list[set[tuple[str, int]]] = []
+        self._expert_copies: dict[tuple[int, int, int], list] = {}
+        self._expert_hits = 0
+        self._expert_misses = 0
 
     @property
     def num_slots(self) -> int:
@@ -111,8 +129,13 @@ class PrefetchOffloader(BaseOffloader):
         try:
             num_slots = min(max(self.config.prefetch_step, 1), len(layers))
             sizes = [self._lay_out_slot(layer, arena) for layer in layers]
+            if self.config.routed_experts:
+                self._experts = {
+                    layer.index: found for layer in layers if (found := self._routable(layer))
+                }
+            new = torch.zeros if self._experts else torch.empty  # module doc: routed experts
             self._slots = [
-                torch.empty(align_up(max(sizes)), dtype=torch.uint8, device=self.device)
+                new(align_up(max(sizes)), dtype=torch.uint8, device=self.device)
                 for _ in range(num_slots)
             ]
             staging = max(
@@ -141,18 +164,26 @@ class PrefetchOffloader(BaseOffloader):
         self._layers = layers
         self._owner = [None] * num_slots
         self._ticket = [None] * num_slots
+        self._present = [set() for _ in range(num_slots)]
         for j, layer in enumerate(layers):
             slot = j % num_slots
             self._slot_of[layer.index] = slot
             successor = j + num_slots if j + num_slots < len(layers) else slot
             self._next[layer.index] = layers[successor]
             self._point_params_at_slot(layer, self._slots[slot])
-            if layer.formats:
-                self._copies[layer.index] = self._piecewise(layer, self._slots[slot])
+            routed = {i for entry in self._experts.get(layer.index, ()) for i in entry.positions}
+            if layer.formats or routed:
+                self._copies[layer.index] = self._piecewise(layer, self._slots[slot], routed)
             self._hooks.append(
                 layer.module.register_forward_pre_hook(self._make_pre_hook(layer), with_kwargs=True)
             )
             self._hooks.append(layer.module.register_forward_hook(self._make_post_hook(layer)))
+            for entry in self._experts.get(layer.index, ()):
+                self._hooks.append(
+                    entry.module.register_forward_pre_hook(
+                        self._make_experts_hook(layer, entry), with_kwargs=True
+                    )
+                )
 
     def _lay_out_slot(self, layer: OffloadedLayer, arena: HostArena) -> int:
         """Each parameter's offset in the layer's slot; returns the bytes the slot needs. A
@@ -185,16 +216,20 @@ class PrefetchOffloader(BaseOffloader):
             # freed (see set_param_data for parameters still on the meta device).
             set_param_data(layer, position, view)
 
-    def _piecewise(self, layer: OffloadedLayer, slot: torch.Tensor) -> list:
-        """The copies that bring 8-bit layer `layer` into `slot`, in order: (dst, src, work
-        after it). A parameter at the model's width goes straight to its place; an 8-bit one
-        piece by piece (values, then scales, into the staging buffer), each piece dequantized
-        into its rows of the slot after its copy."""
-        arena, staging = self._arena, self._staging
+    def _piecewise(
+        self, layer: OffloadedLayer, slot: torch.Tensor, skip: set[int] | frozenset = frozenset()
+    ) -> list:
+        """The copies that bring layer `layer` (8-bit, or with routed experts) into `slot`, in
+        order: (dst, src, work after it), but for the parameters at positions `skip` (routed
+        experts: `_copies_of_expert`). A parameter at the model's width goes straight to its
+        place; an 8-bit one piece by piece (`_quantized_pieces`)."""
+        arena = self._arena
         copies = []
-        for key, (_, param), offset in zip(
-            layer.keys, layer.params, self._slot_offsets[layer.index], strict=True
+        for position, (key, (_, param), offset) in enumerate(
+            zip(layer.keys, layer.params, self._slot_offsets[layer.index], strict=True)
         ):
+            if position in skip:
+                continue
             nbytes = param.numel() * param.element_size()
             fmt = layer.formats.get(key)
             if fmt is None:
@@ -202,27 +237,85 @@ class PrefetchOffloader(BaseOffloader):
                 source = arena.bytes(start, start + nbytes)
                 copies.append((slot[offset : offset + nbytes], source, None))
                 continue
-            shape = tuple(param.shape)
-            dst = slot[offset : offset + nbytes].view(param.dtype).view(shape)
+            dst = slot[offset : offset + nbytes].view(param.dtype).view(param.shape)
             values, scales = arena.offset(key), arena.offset(key + SCALE_KEY_SUFFIX)
-            row, scale_row = fmt.row_bytes(shape), fmt.scale_row_bytes(shape)
-            at = fmt.scales_at(shape)
-            for first, end, s_first, s_end in fmt.row_pieces(shape, fmt.rows_per_piece(shape)):
-                q_bytes, s_bytes = (end - first) * row, (s_end - s_first) * scale_row
-                q_src = values + first * row
-                s_src = scales + s_first * scale_row
-                work = functools.partial(
-                    self._dequantize_piece,
-                    fmt.rows(dst, first, end),
-                    fmt,
-                    q_bytes,
-                    (at, s_end - s_first, s_bytes),
-                )
-                copies.append((staging[:q_bytes], arena.bytes(q_src, q_src + q_bytes), None))
-                copies.append(
-                    (staging[at : at + s_bytes], arena.bytes(s_src, s_src + s_bytes), work)
-                )
+            copies += self._quantized_pieces(dst, fmt, values, scales)
         return copies
+
+    def _quantized_pieces(
+        self, dst: torch.Tensor, fmt: WeightFormat, values: int, scales: int
+    ) -> list:
+        """The copies that bring an 8-bit (or 4-bit) weight into `dst` (its place in a slot, the
+        weight's shape) from its values and scales at arena offsets `values` and `scales`: piece
+        by piece (values, then scales, into the staging buffer), each piece dequantized into its
+        rows of `dst` after its copy."""
+        staging, arena, shape = self._staging, self._arena, tuple(dst.shape)
+        row, scale_row = fmt.row_bytes(shape), fmt.scale_row_bytes(shape)
+        at = fmt.scales_at(shape)
+        copies = []
+        for first, end, s_first, s_end in fmt.row_pieces(shape, fmt.rows_per_piece(shape)):
+            q_bytes, s_bytes = (end - first) * row, (s_end - s_first) * scale_row
+            q_src = values + first * row
+            s_src = scales + s_first * scale_row
+            work = functools.partial(
+                self._dequantize_piece,
+                fmt.rows(dst, first, end),
+                fmt,
+                q_bytes,
+                (at, s_end - s_first, s_bytes),
+            )
+            copies.append((staging[:q_bytes], arena.bytes(q_src, q_src + q_bytes), None))
+            copies.append((staging[at : at + s_bytes], arena.bytes(s_src, s_src + s_bytes), work))
+        return copies
+
+    def _routable(self, layer: OffloadedLayer) -> list[ExpertsModule]:
+        """`layer`'s experts modules whose every per-expert weight can cross expert by expert:
+        at the model's width, or in a format whose one expert's part is a weight of it."""
+        found = []
+        for entry in experts_modules(layer.module, layer.params):
+            fits = True
+            for position in entry.positions:
+                fmt = layer.formats.get(layer.keys[position])
+                shape = tuple(layer.params[position][1].shape)
+                fits &= fmt is None or fmt.fits(shape[1:])
+            if fits:
+                found.append(entry)
+        return found
+
+    def _copies_of_expert(self, layer: OffloadedLayer, entry: ExpertsModule, expert: int) -> list:
+        """The copies that bring expert `expert` of experts module `entry` of `layer` into the
+        layer's slot: its rows of each per-expert weight (built once, then kept)."""
+        copies = []
+        for position in entry.positions:
+            key = (layer.index, position, expert)
+            if key not in self._expert_copies:
+                self._expert_copies[key] = self._build_expert_copies(layer, position, expert)
+            copies += self._expert_copies[key]
+        return copies
+
+    @torch.inference_mode(False)  # views written on the copy side, outside inference mode
+    def _build_expert_copies(self, layer: OffloadedLayer, position: int, expert: int) -> list:
+        """Expert `expert`'s rows of the weight at `position` of `layer`: one copy at the
+        model's width, or the pieces of its values and scales (`_quantized_pieces`)."""
+        slot = self._slots[self._slot_of[layer.index]]
+        arena, param, key = self._arena, layer.params[position][1], layer.keys[position]
+        offset = self._slot_offsets[layer.index][position]
+        shape = tuple(param.shape)
+        row = math.prod(shape[1:]) * param.element_size()
+        fmt = layer.formats.get(key)
+        if fmt is None:
+            start = arena.offset(key) + expert * row
+            dst = slot[offset + expert * row : offset + (expert + 1) * row]
+            return [(dst, arena.bytes(start, start + row), None)]
+        weight = slot[offset : offset + row * shape[0]].view(param.dtype).view(shape)
+        values = math.prod(fmt.values_shape(shape)[1:]) * fmt.dtype.itemsize
+        scales = math.prod(fmt.scale_shape(shape)[1:]) * fmt.scale_dtype.itemsize
+        return self._quantized_pieces(
+            weight[expert],
+            fmt,
+            arena.offset(key) + expert * values,
+            arena.offset(key + SCALE_KEY_SUFFIX) + expert * scales,
+        )
 
     def _dequantize_piece(
         self, dst: torch.Tensor, fmt: WeightFormat, q_bytes: int, scales: tuple[int, int, int]
@@ -274,6 +367,7 @@ class PrefetchOffloader(BaseOffloader):
                 self._ticket[slot] = self._engine.submit(dst, src, after=after, then=work)
                 after = None
         self._owner[slot] = layer
+        self._present[slot].clear()  # none of its routed experts yet
 
     def _make_pre_hook(self, layer: OffloadedLayer):
         slot = self._slot_of[layer.index]
@@ -283,9 +377,36 @@ class PrefetchOffloader(BaseOffloader):
             if self._owner[slot] is not layer:
                 self._sync_loads += 1
                 self._load(layer, after=self._engine.fence())
-            self._engine.wait(self._ticket[slot])
+            if self._ticket[slot] is not None:  # None: nothing copied into it yet
+                self._engine.wait(self._ticket[slot])
 
         return pre_hook
+
+    def _make_experts_hook(self, layer: OffloadedLayer, entry: ExpertsModule):
+        """Before experts module `entry` of `layer` runs: copy the experts its call routes to
+        that the slot lacks, and wait for them (module doc: routed experts)."""
+        slot = self._slot_of[layer.index]
+
+        def experts_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self._owner[slot] is not layer:  # called outside its layer's forward
+                self._sync_loads += 1
+                self._load(layer, after=self._engine.fence())
+            wanted = routed_experts(entry.num_experts, args, kwargs)
+            present = self._present[slot]
+            missing = [e for e in wanted if (entry.path, e) not in present]
+            self._expert_hits += len(wanted) - len(missing)
+            self._expert_misses += len(missing)
+            # the slot's previous layer may still be read by compute issued before: after it
+            after = self._engine.fence() if missing else None
+            for expert in missing:
+                for dst, src, work in self._copies_of_expert(layer, entry, expert):
+                    self._ticket[slot] = self._engine.submit(dst, src, after=after, then=work)
+                    after = None
+                present.add((entry.path, expert))
+            if self._ticket[slot] is not None:
+                self._engine.wait(self._ticket[slot])
+
+        return experts_hook
 
     def _make_post_hook(self, layer: OffloadedLayer):
         successor = self._next[layer.index]
@@ -317,6 +438,9 @@ class PrefetchOffloader(BaseOffloader):
         self._arena = None
         self._slots, self._staging = [], None
         self._copies.clear()
+        self._experts.clear()
+        self._expert_copies.clear()
+        self._present = []
         self._host = {}
         self._layers = []
         self._owner = []
@@ -349,4 +473,6 @@ class PrefetchOffloader(BaseOffloader):
             stall_s=totals.stall_s,
             dequant_s=totals.dequant_s,
             sync_loads=self._sync_loads,
+            expert_hits=self._expert_hits,
+            expert_misses=self._expert_misses,
         )

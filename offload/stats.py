@@ -24,6 +24,10 @@ class OffloadStats:
     stall_s: float = 0.0  # time the compute side waited for a copy
     dequant_s: float = 0.0  # time spent dequantizing 8-bit weights after their copies
     sync_loads: int = 0  # copies issued on demand because no prefetch was in flight
+    # routed experts (`OffloadConfig.routed_experts`): experts a step routed to that were in
+    # their slot already (hits) or were copied then (misses)
+    expert_hits: int = 0
+    expert_misses: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

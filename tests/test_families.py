@@ -9,6 +9,8 @@ The Ray path itself is covered by test_pipeline.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -51,7 +53,7 @@ def checkpoints(tmp_path_factory):
 def family_shape(family: str, dtype: str = "float32", **changes) -> CheckpointShape:
     """The families' test checkpoint: 4 layers, hidden 32, 4 heads (2 KV heads where the family
     groups them), intermediate 48, the tests' vocabulary, several shards."""
-    return CheckpointShape(
+    defaults = dict(
         arch=family,
         num_layers=4,
         hidden_size=32,
@@ -62,8 +64,8 @@ def family_shape(family: str, dtype: str = "float32", **changes) -> CheckpointSh
         dtype=dtype,
         max_positions=64,
         max_shard_bytes=40_000,
-        **changes,
     )
+    return CheckpointShape(**{**defaults, **changes})
 
 
 def offloading_plan(index: CheckpointIndex, offload_dtype: str = "auto") -> Plan:
@@ -106,17 +108,24 @@ class Pipeline:
         offloaded: tuple[str, ...] = (),
         unit: str = "layer",
         offload_dtype: str = "auto",
+        expert_fetch: str = "layer",
     ) -> None:
         """The planner's split (offloaded weights kept as `offload_dtype` says), or `groups` of
         layers with `offloaded` ones offloaded (their `unit`: all of them, or their experts or
-        MLP)."""
+        MLP); their experts fetched as `expert_fetch` says."""
         self.index = index
         if groups is None:
             self.plan = offloading_plan(index, offload_dtype)
-            specs = stage_specs(JobConfig(checkpoint=str(index.root)), index, self.plan, {})
+            config = JobConfig(checkpoint=str(index.root), expert_fetch=expert_fetch)
+            specs = stage_specs(config, index, self.plan, {})
         else:
             specs = [
-                split_spec(index, stage, groups, offloaded, unit) for stage in range(len(groups))
+                dataclasses.replace(
+                    split_spec(index, stage, groups, offloaded, unit),
+                    offload_dtype=offload_dtype,
+                    expert_fetch=expert_fetch,
+                )
+                for stage in range(len(groups))
             ]
         self.workers = [StageWorker(spec, device="cpu", num_threads=1) for spec in specs]
         for worker in self.workers:

@@ -11,7 +11,6 @@ float32, rounded once to bfloat16), so the logits must be bitwise equal.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import shutil
@@ -42,8 +41,9 @@ EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 def gpt_oss(root: Path, *, hidden: int = 64, intermediate: int = 96, **changes) -> Path:
     """A gpt-oss checkpoint as published, shrunk: MXFP4 experts, the rest bf16."""
-    shape = dataclasses.replace(
-        family_shape("gpt_oss", "bfloat16", quantization="none"),
+    shape = family_shape(
+        "gpt_oss",
+        "bfloat16",
         hidden_size=hidden,
         intermediate_size=intermediate,
         quantization="mxfp4",

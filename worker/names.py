@@ -16,6 +16,11 @@ COMPUTE_DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 # QUANT_GROUP entries of a row). Dequantized on the device after each copy (prefetch backend).
 OFFLOAD_DTYPES: tuple[str, ...] = ("auto", "none", "fp8", "int8")
 
+# How an offloaded MoE layer's experts cross the link (`--expert-fetch`): "layer" with the
+# rest of the layer, prefetched while earlier layers compute; "routed" only the experts the
+# step's router chose, copied once it has (`offload.routed`).
+EXPERT_FETCHES: tuple[str, ...] = ("layer", "routed")
+
 # Positions per KV block (worker.batch_cache): vLLM's default. Smaller wastes less of a
 # sequence's last block; larger makes shorter block tables and fewer, larger gathers.
 DEFAULT_BLOCK_SIZE = 16

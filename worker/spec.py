@@ -415,6 +415,7 @@ class StageSpec:
     backend: str = "auto"
     backend_reason: str = ""  # why the plan chose `backend` for this node (reported)
     offload_dtype: str = "auto"  # how offloaded weights are kept (OFFLOAD_DTYPES)
+    expert_fetch: str = "layer"  # how offloaded experts cross the link (EXPERT_FETCHES)
     # The KV pool the plan reserved, allocated at load inside the budget check: `kv_blocks`
     # blocks of `kv_block_size` positions, and recurrent states for `kv_slots` sequences (the
     # plan's max_batch); 0: allocated at the first generation step (no KV planned)

@@ -153,6 +153,7 @@ class StageWorker:
                 layers=tuple(names.index(n) for n in spec.offloaded),
                 prefetch_step=spec.prefetch_step,
                 param_filter=unit,
+                routed_experts=spec.expert_fetch == "routed",
             )
         else:
             config = OffloadConfig(backend="none")

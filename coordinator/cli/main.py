@@ -37,7 +37,7 @@ from coordinator.tools.make_checkpoint import (
     SLIDING_ARCHITECTURES,
 )
 from offload.errors import OffloadCoordinatorError
-from worker.names import COMPUTE_DTYPE_NAMES, OFFLOAD_DTYPES
+from worker.names import COMPUTE_DTYPE_NAMES, EXPERT_FETCHES, OFFLOAD_DTYPES
 from worker.startup import quiet_imports, settle
 
 EXIT_ERROR = 2
@@ -128,6 +128,14 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
         help="how offloaded weights are kept in host memory and copied: auto (as the "
         "checkpoint stores them: block FP8 in 8 bits), none (the model's dtype), fp8 or int8 "
         "(8 bits, dequantized on the GPU after each copy: half the bytes per step)",
+    )
+    parser.add_argument(
+        "--expert-fetch",
+        choices=EXPERT_FETCHES,
+        dest="expert_fetch",
+        help="how an offloaded MoE layer's experts reach the GPU: layer (default: with the "
+        "whole layer, prefetched while earlier layers compute) or routed (only the experts "
+        "the step's router chose, copied once it has: fewer bytes at small batches)",
     )
     parser.add_argument(
         "--dtype",
@@ -251,6 +259,7 @@ _JOB_FLAGS = {
     "prefetch_step": "--prefetch-step",
     "backend": "--backend",
     "offload_dtype": "--offload-dtype",
+    "expert_fetch": "--expert-fetch",
     "dtype": "--dtype",
     "cpus_per_worker": "--cpus-per-worker",
     "snapshot_interval_s": "--snapshot-interval",

@@ -1,0 +1,252 @@
+"""Routed expert fetch (issue 55, point 1): an offloaded MoE layer's experts cross the link
+expert by expert, only those the step's router chose (the model's own router: grouped top-k,
+biases, normalisation), once it has run; the experts then run on the slot as always.
+
+The numbers are transformers': the experts implementations read only the experts some row
+routes to, so the logits are bitwise those of transformers loading the same files, in float32
+and bfloat16, for every MoE family; greedy texts under continuous batching too. And the bytes
+are the routed experts' only: what crossed equals the experts fetched times an expert's bytes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import run_stack
+from test_families import VOCAB, Pipeline, reference
+from test_generation import REQUESTS, TWO_STAGES, alone, prompts, run_joining
+from torch import nn
+
+from offload import OffloadConfig, PrefetchOffloader
+from offload.routed import RoutingUnknownError, experts_modules, routed_experts
+
+MOE_FAMILIES = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "gpt_oss",
+    "qwen3_next",
+    "jamba",
+)
+MOVED = ("layers.0", "layers.1", "layers.3")
+
+
+def expert_bytes(index, layer) -> int:
+    """Host bytes of one expert of a layer's experts unit (all experts are alike)."""
+    config = index.config
+    count = next(
+        config[k] for k in ("num_local_experts", "num_experts", "n_routed_experts") if k in config
+    )
+    assert layer.unit_bytes("experts") % count == 0
+    return layer.unit_bytes("experts") // count
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    from test_families import family_shape
+
+    from coordinator.planning.checkpoint import load_index
+    from coordinator.tools.make_checkpoint import make_checkpoint
+
+    made = {}
+
+    def get(family: str, dtype: str = "float32", **changes):
+        key = (family, dtype, tuple(sorted(changes.items())))
+        if key not in made:
+            root = tmp_path_factory.mktemp(f"routed-{family}-{dtype}") / "ckpt"
+            shape = family_shape(family, dtype, **changes)
+            made[key] = load_index(make_checkpoint(root, shape))
+        return made[key]
+
+    return get
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_routed_experts_give_transformers_logits_and_move_only_routed_bytes(
+    moe, family: str, dtype: str
+) -> None:
+    """Three layers' experts offloaded, fetched by routing: logits bitwise transformers',
+    over two passes; every byte that crossed belongs to an expert some row routed to (the
+    copied bytes are the fetched experts' bytes exactly), and fewer than the whole units."""
+    index = moe(family, dtype)
+    names = [layer.name for layer in index.layers]
+    by_name = {layer.name: layer for layer in index.layers}
+    moved = tuple(n for n in MOVED if by_name[n].unit_bytes("experts"))
+    assert moved, family
+    ids = torch.randint(2, VOCAB, (1, 3), generator=torch.Generator().manual_seed(9))
+    pipeline = Pipeline(
+        index, [names[:3], names[3:]], offloaded=moved, unit="experts", expert_fetch="routed"
+    )
+    try:
+        first, second = pipeline(ids), pipeline(ids)
+        stats = [worker.report().stats for worker in pipeline.workers]
+    finally:
+        pipeline.close()
+    expected = reference(index, ids)
+    assert torch.equal(first, expected) and torch.equal(second, expected), family
+    misses = sum(s.expert_misses for s in stats)
+    copied = sum(s.copied_bytes for s in stats)
+    per_expert = {expert_bytes(index, by_name[n]) for n in moved}
+    assert len(per_expert) == 1, per_expert
+    assert misses and copied == misses * per_expert.pop()
+    whole = 2 * sum(by_name[n].unit_bytes("experts") for n in moved)
+    assert copied < whole
+
+
+def test_routed_4_bit_and_8_bit_experts_cross_as_stored(moe) -> None:
+    """gpt-oss's MXFP4 experts and int8 experts (quantized at load) are fetched by routing
+    too, each expert's rows of values and scales dequantized into the slot: the logits are
+    those the whole-layer fetch gives (transformers', for MXFP4)."""
+    names = None
+    ids = torch.randint(2, VOCAB, (2, 4), generator=torch.Generator().manual_seed(3))
+    for family, changes, offload_dtype in (
+        ("gpt_oss", {"hidden_size": 64, "intermediate_size": 96, "quantization": "mxfp4"}, "auto"),
+        ("qwen3_moe", {}, "int8"),
+    ):
+        dtype = "bfloat16"
+        index = moe(family, dtype, **changes)
+        names = [layer.name for layer in index.layers]
+        logits = {}
+        for fetch in ("layer", "routed"):
+            pipeline = Pipeline(
+                index,
+                [names[:3], names[3:]],
+                offloaded=MOVED,
+                unit="experts",
+                offload_dtype=offload_dtype,
+                expert_fetch=fetch,
+            )
+            try:
+                logits[fetch] = pipeline(ids)
+                stats = [w.report().stats for w in pipeline.workers]
+                formats = [w._placement.offload_format() for w in pipeline.workers]
+            finally:
+                pipeline.close()
+            assert any(formats), family
+            assert (sum(s.expert_misses for s in stats) > 0) == (fetch == "routed")
+        assert torch.equal(logits["routed"], logits["layer"]), family
+        if changes.get("quantization") == "mxfp4":
+            assert torch.equal(logits["routed"], reference(index, ids))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "gpt_oss"])
+def test_requests_with_routed_experts_equal_transformers_alone(moe, family: str) -> None:
+    """Continuous batching with routed experts: requests joining and leaving, each step
+    fetching the experts its rows route to; each text equals transformers alone."""
+    index = moe(family)
+    pipeline = Pipeline(index, *TWO_STAGES, unit="experts", expert_fetch="routed")
+    try:
+        ids = prompts(seed=4)
+        ours, _ = run_joining(pipeline, ids, micro_batches=1)
+        stats = [w.report().stats for w in pipeline.workers]
+    finally:
+        pipeline.close()
+    for prompt, (_, new, _), tokens in zip(ids, REQUESTS, ours, strict=True):
+        assert tokens == alone(index, prompt, new), family
+    assert sum(s.expert_misses for s in stats) > 0
+
+
+# --- the offloader on its own ---------------------------------------------------------------
+
+E, H, INNER, TOP = 8, 16, 12, 2
+
+
+class Experts(nn.Module):
+    """A fused experts module as transformers 5 writes them: reads only routed experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_experts = E
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * INNER, H) * 0.3, requires_grad=False)
+        self.down_proj = nn.Parameter(torch.randn(E, H, INNER) * 0.3, requires_grad=False)
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for e in torch.unique(top_k_index).tolist():
+            position, token = torch.where(e == top_k_index.T)
+            gate, up = nn.functional.linear(hidden[token], self.gate_up_proj[e]).chunk(2, -1)
+            y = nn.functional.linear(nn.functional.silu(gate) * up, self.down_proj[e])
+            out.index_add_(0, token, y * top_k_weights[token, position, None])
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = Experts()
+
+    def forward(self, x):
+        weights, index = torch.topk(self.gate(x).softmax(-1), TOP, dim=-1)
+        return x + self.experts(x, index, weights)
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_a_slot_keeps_its_layers_experts_until_it_takes_another_layer(slots: int) -> None:
+    """Three offloaded layers, one row: each step fetches the row's experts of each layer. With a
+    slot per layer the experts stay: the second and third passes fetch nothing (all hits);
+    with fewer slots, a slot that took another layer fetches again. The output is the
+    resident model's every time, and each fetched expert crossed exactly once per miss."""
+    torch.manual_seed(0)
+    layers = [Block() for _ in range(4)]
+    resident = [Block() for _ in range(4)]
+    for a, b in zip(resident, layers, strict=True):
+        a.load_state_dict(b.state_dict())
+    x = torch.randn(1, H)
+    expected = run_stack(resident, x)
+    offloader = PrefetchOffloader(
+        OffloadConfig(
+            backend="prefetch",
+            layers=(1, 2, 3),
+            prefetch_step=slots,
+            param_filter=r"experts\.",
+            routed_experts=True,
+        ),
+        device="cpu",
+    )
+    offloader.wrap_modules(layers)
+    offloader.post_init()
+    try:
+        for _ in range(3):
+            assert torch.equal(run_stack(layers, x), expected)
+        stats = offloader.stats()
+    finally:
+        offloader.detach()
+    per_expert = (2 * INNER * H + H * INNER) * 4
+    assert stats.copied_bytes == stats.expert_misses * per_expert
+    assert stats.expert_hits + stats.expert_misses == 3 * 3 * TOP
+    if slots == 3:
+        assert stats.expert_misses == 3 * TOP and stats.expert_hits == 2 * 3 * TOP
+    else:
+        assert stats.expert_hits < 2 * 3 * TOP
+    for a, b in zip(resident, layers, strict=True):  # detach restored the weights
+        assert torch.equal(a.experts.down_proj, b.experts.down_proj)
+
+
+def test_experts_modules_are_found_by_their_per_expert_weights() -> None:
+    """The experts module is found (not the router, whose [E, hidden] weight alone is no
+    experts module, nor the block that only holds it); a module with an offloaded weight that
+    is not per expert is left to the whole-layer fetch."""
+    block = Block()
+    params = [(n, p) for n, p in block.named_parameters()]
+    found = experts_modules(block, params)
+    assert [f.path for f in found] == ["experts"]
+    assert [params[i][0] for i in found[0].positions] == [
+        "experts.gate_up_proj",
+        "experts.down_proj",
+    ]
+    block.experts.extra = nn.Parameter(torch.zeros(3, 4, 4))  # not per expert
+    params = [(n, p) for n, p in block.named_parameters()]
+    assert experts_modules(block, params) == []
+
+
+def test_routing_is_read_from_the_call_or_refused() -> None:
+    index = torch.tensor([[3, 1], [1, 9]])  # 9: an expert-parallel sentinel, routed nowhere
+    assert routed_experts(8, (None, index, None), {}) == [1, 3]
+    assert routed_experts(8, (None,), {"top_k_index": index}) == [1, 3]
+    assert routed_experts(8, (None,), {"router_indices": index}) == [1, 3]
+    with pytest.raises(RoutingUnknownError, match="without integer routing indices"):
+        routed_experts(8, (None, index.float(), None), {})
