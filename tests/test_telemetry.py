@@ -60,6 +60,8 @@ def report(stage: int, host: str, *, offloaded: int, pinned: bool, rss: int) -> 
             copy_s=0.5,
             stall_s=0.25,
             dequant_s=0.125,
+            expert_hits=3,
+            expert_misses=5,
         ),
         offload_format="int8 (1x128 blocks) x 7",
         quantization_error=0.004,
@@ -195,6 +197,8 @@ def test_rows_read_every_number_from_the_snapshot() -> None:
         dequant_s=0.125,
         offload_format="int8 (1x128 blocks) x 7",
         quantization_error=0.004,
+        expert_hits=3,
+        expert_misses=5,
         kv_cache_bytes=MIB,
         requests=1,
         pin=True,
@@ -252,6 +256,8 @@ def test_status_json_keys_are_unchanged_and_a_lost_stage_is_listed() -> None:
         "dequant_s",
         "offload_format",
         "quantization_error",
+        "expert_hits",
+        "expert_misses",
     ]
     assert list(data["nodes"][0]) == [
         "hostname",
@@ -286,6 +292,8 @@ def test_gauges_are_set_from_the_snapshots(monkeypatch) -> None:
     stage0 = (("gpu", "0"), ("node", "a"), ("stage", "0"))
     assert values[("offload_offloaded_weight_bytes", stage0)] == 10 * MIB
     assert values[("offload_copies", stage0)] == 7.0
+    assert values[("offload_expert_cache_hits", stage0)] == 3.0
+    assert values[("offload_expert_cache_misses", stage0)] == 5.0
     assert values[("offload_pin_memory", stage0)] == 1.0
     assert values[("offload_kv_cache_bytes", stage0)] == MIB
     assert values[("offload_stage_up", stage0)] == 1.0

@@ -69,6 +69,10 @@ class GpuRow:
     dequant_s: float  # dequantizing 8-bit offloaded weights after their copies
     offload_format: str  # how they are kept in host memory ("" at the model's width)
     quantization_error: float  # relative RMS error of the weights quantized at load
+    # routed experts (--expert-fetch routed): experts a step routed to that were in their slot
+    # already (hits) or were copied then (misses)
+    expert_hits: int
+    expert_misses: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -151,6 +155,8 @@ def gpu_rows(reports: Sequence[Report]) -> list[GpuRow]:
                 dequant_s=stats.dequant_s,
                 offload_format=r.offload_format,
                 quantization_error=r.quantization_error,
+                expert_hits=stats.expert_hits,
+                expert_misses=stats.expert_misses,
                 kv_cache_bytes=r.kv_cache_bytes,
                 requests=r.requests,
                 pin=pin.pin,
@@ -242,7 +248,12 @@ def render(reports: Sequence[Report], events: list[dict] = ()) -> str:
                 f"{format_bytes(g.offloaded_bytes)} ({format_bytes(g.pinned_bytes)})"
                 + (f" {g.offload_format}" if g.offload_format else ""),
                 f"{format_bytes(g.kv_cache_bytes)} ({g.requests})",
-                str(g.copies),
+                str(g.copies)
+                + (
+                    f" ({g.expert_misses} experts fetched, {g.expert_hits} hits)"
+                    if g.expert_hits or g.expert_misses
+                    else ""
+                ),
                 f"{g.stall_s * 1e3:.1f} ms",
                 f"{'on' if g.pin else 'off'} ({g.pin_origin}: {g.pin_source})",
             )
@@ -332,6 +343,16 @@ GPU_GAUGES = (
         "dequant_s",
     ),
     ("pin_memory", "1 if the node pins offloaded weights", "pin"),
+    (
+        "expert_cache_hits",
+        "Routed experts found in their slot already, so far (--expert-fetch routed)",
+        "expert_hits",
+    ),
+    (
+        "expert_cache_misses",
+        "Routed experts copied when a step routed to them, so far (--expert-fetch routed)",
+        "expert_misses",
+    ),
 )
 
 

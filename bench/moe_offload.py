@@ -1,0 +1,191 @@
+"""MoE offload by routing (issue 55): bytes per generated token and tokens/s of a DeepSeek-shaped
+model with its experts offloaded, routed expert fetch against whole-layer fetch, at several
+batch sizes, in one run.
+
+The model: `make_checkpoint` deepseek_v3 in bfloat16, 6 layers (the first dense, 5 MoE), hidden
+512, 64 routed experts of width 512 each, top-6, one shared expert (DeepSeek-V3's shape, shrunk
+in width and depth, not in experts per token over experts), vocab 1024. One simulated GPU whose
+budget holds everything but the 5 layers' routed experts (plus a slot and the KV cache): the
+planner offloads them by the "experts" unit. Per batch size B in 1, 4, 16, 64: B concurrent
+greedy requests of an 8-token prompt and --new-tokens new tokens, no end token:
+
+  layer    `--expert-fetch layer`: each offloaded layer's experts cross whole, prefetched while
+           the layer before computes (the baseline)
+  routed   `--expert-fetch routed`: only the experts the step's rows route to, after the router
+
+For each: host->device bytes per generated token (the workers' copy counters), tokens/s, and
+for routed the ideal: the bytes of the distinct experts each step routes to, counted from the
+routing (the offloader's hits + misses: every expert of every call's indices, cached or not)
+times an expert's bytes; its ratio to what crossed (<= 1.0 once a slot keeps experts between
+steps; 1.0 with a cold cache: each step's experts cross once). Targets (issue 55): routed bytes
+per token <= 1.3x the ideal at batch 1 with a cold cache; routed tokens/s >= 3x layer's at
+batch 1 on this machine's CPU stand-in. Every routed text must equal the layer run's text (both
+are transformers' numbers; a difference is a bug and exits 1).
+
+    .venv/bin/python bench/moe_offload.py [--batches 1,4,16,64] [--new-tokens 32] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import ray
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.batching import THREADS, ours
+from bench.generate import machine
+from bench.workload import MIB, prompts_for
+from coordinator.config import JobConfig
+from coordinator.planning.checkpoint import load_index
+from coordinator.runtime.launch import launch
+from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+
+PROMPT = 8
+EXPERTS, TOP = 64, 6
+TARGET_BYTES = 1.3  # routed bytes per token over the ideal, batch 1, cold cache
+TARGET_SPEEDUP = 3.0  # routed tokens/s over layer's, batch 1
+
+
+def shape() -> CheckpointShape:
+    return CheckpointShape(
+        arch="deepseek_v3",
+        num_layers=6,
+        hidden_size=512,
+        num_heads=8,
+        num_kv_heads=8,
+        intermediate_size=512,
+        vocab_size=1024,
+        num_experts=EXPERTS,
+        experts_per_token=TOP,
+        dtype="bfloat16",
+        max_positions=512,
+        max_shard_bytes=64 * MIB,
+        tokenizer=False,
+    )
+
+
+@contextlib.contextmanager
+def own_ray():
+    """A fresh embedded Ray for one job: the GPU a finished job held is free at once."""
+    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def budget(index, batch: int, max_seq_len: int) -> int:
+    """Everything resident but the routed experts of the MoE layers, one layer's experts for
+    the prefetch slot (and a staging share), the KV cache of `batch` sequences, 10% slack."""
+    experts = [layer.unit_bytes("experts") for layer in index.layers]
+    kv = sum(layer.kv_bytes(batch, max_seq_len) for layer in index.layers)
+    return int((index.total_bytes - sum(experts) + max(experts) + kv) * 1.1)
+
+
+def expert_bytes(index) -> int:
+    moe = [layer for layer in index.layers if layer.unit_bytes("experts")]
+    return moe[0].unit_bytes("experts") // EXPERTS
+
+
+def one_run(checkpoint: str, index, fetch: str, batch: int, new: int) -> dict:
+    max_seq_len = PROMPT + new
+    config = JobConfig(
+        checkpoint=checkpoint,
+        gpu_memory_bytes=budget(index, batch, max_seq_len),
+        max_batch=batch,
+        max_seq_len=max_seq_len,
+        expert_fetch=fetch,
+        snapshot_interval_s=0,
+    )
+    prompts = prompts_for(batch, PROMPT, index.config["vocab_size"], seed=3)
+    with own_ray(), launch(config) as job, ThreadPoolExecutor(batch) as pool:
+        stages = job.plan.stages
+        units = {s.offload_unit for s in stages if s.offloaded}
+        before = [r.stats for r in job.telemetry()]
+        rate, outs, _ = ours(job, pool, prompts, new)
+        after = [r.stats for r in job.telemetry()]
+    delta = {
+        name: sum(getattr(a, name) for a in after) - sum(getattr(b, name) for b in before)
+        for name in ("copied_bytes", "expert_hits", "expert_misses")
+    }
+    tokens = batch * new
+    return {
+        "fetch": fetch,
+        "batch": batch,
+        "offloaded_layers": sum(len(s.offloaded) for s in stages),
+        "units": sorted(units),
+        "tokens_per_s": rate,
+        "bytes_per_token": delta["copied_bytes"] / tokens,
+        "ideal_bytes_per_token": (delta["expert_hits"] + delta["expert_misses"])
+        * expert_bytes(index)
+        / tokens,
+        "hits": delta["expert_hits"],
+        "misses": delta["expert_misses"],
+        "texts": [out[0, PROMPT:].tolist() for out in outs],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="1,4,16,64")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    print(machine(), flush=True)
+    torch.set_num_threads(THREADS)
+    root = Path(tempfile.mkdtemp(prefix="bench-moe-offload-"))
+    rows, ok = [], True
+    try:
+        checkpoint = str(make_checkpoint(root / "deepseek", shape()))
+        index = load_index(checkpoint)
+        moe = [layer for layer in index.layers if layer.unit_bytes("experts")]
+        print(
+            f"deepseek_v3 bf16: {len(moe)} MoE layers of {EXPERTS} experts (top-{TOP}, one "
+            f"shared), {expert_bytes(index) / MIB:.2f} MiB an expert, "
+            f"{sum(x.unit_bytes('experts') for x in moe) / MIB:.1f} MiB of routed experts of "
+            f"{index.total_bytes / MIB:.1f} MiB",
+            flush=True,
+        )
+        for batch in batches:
+            runs = {
+                fetch: one_run(checkpoint, index, fetch, batch, args.new_tokens)
+                for fetch in ("layer", "routed")
+            }
+            layer, routed = runs["layer"], runs["routed"]
+            same = layer["texts"] == routed["texts"]
+            ok &= same
+            ratio = routed["bytes_per_token"] / routed["ideal_bytes_per_token"]
+            speedup = routed["tokens_per_s"] / layer["tokens_per_s"]
+            print(
+                f"batch {batch}: layer {layer['bytes_per_token'] / MIB:.2f} MiB/token, "
+                f"{layer['tokens_per_s']:.1f} tokens/s; routed "
+                f"{routed['bytes_per_token'] / MIB:.2f} MiB/token ({ratio:.3f}x the ideal "
+                f"{routed['ideal_bytes_per_token'] / MIB:.2f}; hits {routed['hits']}, misses "
+                f"{routed['misses']}), {routed['tokens_per_s']:.1f} tokens/s "
+                f"({speedup:.2f}x layer's); {layer['offloaded_layers']} layers' "
+                f"{'/'.join(layer['units'])} offloaded; texts {'equal' if same else 'DIFFER'}",
+                flush=True,
+            )
+            for run in (layer, routed):
+                rows.append({k: v for k, v in run.items() if k != "texts"})
+            if batch == 1:
+                ok &= ratio <= TARGET_BYTES and speedup >= TARGET_SPEEDUP
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
