@@ -19,8 +19,11 @@ routing (the offloader's hits + misses: every expert of every call's indices, ca
 times an expert's bytes; its ratio to what crossed (<= 1.0 once a slot keeps experts between
 steps; 1.0 with a cold cache: each step's experts cross once). Targets (issue 55): routed bytes
 per token <= 1.3x the ideal at batch 1 with a cold cache; routed tokens/s >= 3x layer's at
-batch 1 on this machine's CPU stand-in. Every routed text must equal the layer run's text (both
-are transformers' numbers; a difference is a bug and exits 1).
+batch 1 on this machine's CPU stand-in. At batch 1 every routed text must equal the layer run's
+(both are transformers' numbers; a difference is a bug and exits 1). At larger batches the
+requests join as their threads reach the engine, so the two runs' steps may batch different
+rows, which in bfloat16 may round differently (README: bf16 batches): there the count of texts
+that differ is reported, not judged.
 
     .venv/bin/python bench/moe_offload.py [--batches 1,4,16,64] [--new-tokens 32] [--json F]
 """
@@ -162,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                 for fetch in ("layer", "routed")
             }
             layer, routed = runs["layer"], runs["routed"]
-            same = layer["texts"] == routed["texts"]
-            ok &= same
+            differ = sum(a != b for a, b in zip(layer["texts"], routed["texts"], strict=True))
+            if batch == 1:
+                ok &= not differ
             ratio = routed["bytes_per_token"] / routed["ideal_bytes_per_token"]
             speedup = routed["tokens_per_s"] / layer["tokens_per_s"]
             print(
@@ -173,11 +177,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{routed['ideal_bytes_per_token'] / MIB:.2f}; hits {routed['hits']}, misses "
                 f"{routed['misses']}), {routed['tokens_per_s']:.1f} tokens/s "
                 f"({speedup:.2f}x layer's); {layer['offloaded_layers']} layers' "
-                f"{'/'.join(layer['units'])} offloaded; texts {'equal' if same else 'DIFFER'}",
+                f"{'/'.join(layer['units'])} offloaded; {differ} of {batch} texts differ",
                 flush=True,
             )
             for run in (layer, routed):
-                rows.append({k: v for k, v in run.items() if k != "texts"})
+                rows.append({**{k: v for k, v in run.items() if k != "texts"}, "differ": differ})
             if batch == 1:
                 ok &= ratio <= TARGET_BYTES and speedup >= TARGET_SPEEDUP
     finally:
