@@ -270,6 +270,7 @@ def offload_format(tensor: TensorSlice, offload_dtype: str) -> WeightFormat | No
         offload_dtype == "none"
         or tensor.buffer
         or len(tensor.shape) < 2
+        or (tensor.target or tensor.name).endswith("bias")  # gpt-oss's [experts, width] too
         or not _floating(tensor.target_name)
         or (routes(tensor.target or tensor.name) and file_format(tensor) is None)
     ):
