@@ -26,6 +26,7 @@ Then, for bf16 none / int8 and fp8 none / auto, the same budget with `--max-batc
 and what the plan predicted.
 
     .venv/bin/python bench/offload_dtype.py [--new-tokens 256] [--json F] [--quick]
+                                            [--families | --formats]
 
 `--families`: instead, the quality of fp8 and int8 per tested family (every decoder matrix
 quantized, the worst case: every layer offloaded), in one process with transformers alone,
@@ -33,6 +34,23 @@ whose logits with those matrices quantized and back our stages equal bitwise
 (tests/test_offload_dtype.py): a 4-layer bf16 checkpoint of hidden 256 per family, 4 prompts,
 64 greedy tokens; the weights' relative error, the teacher-forced agreement with the bf16
 model's tokens and the largest logit difference (against the logits' spread).
+
+`--formats`: instead, each checkpoint format the project reads as published, against the same
+random model written in bf16, on one simulated GPU with `budget_for`'s budget (the bf16
+checkpoint's, for every format of a model) and a KV pool of the 8 requests at full length, as
+the budget counts it (`kv_cache_tokens`), 8 greedy requests of 256 new tokens (32 with
+--quick, on a model of hidden 128):
+
+  llama    bf16 none (the baseline), fp8-block auto, fp8-compressed auto with the tensor,
+           channel and block strategies
+  gpt_oss  the same width, 4 experts of a quarter of llama's intermediate width: bf16 none (its
+           baseline), mxfp4 auto (experts in 4 bits in host memory and on the link), mxfp4 none
+           (dequantized while read: the same numbers, in bf16 on the link)
+
+For each: the offloaded bytes in host memory against their bf16 width, bytes copied per token
+against the baseline's, teacher-forced agreement and the largest logit difference against the
+baseline (as above), tokens/s; for mxfp4 none, whether its logits equal mxfp4 auto's (exit 1
+if not: the two must compute the same numbers).
 """
 
 from __future__ import annotations
@@ -58,7 +76,7 @@ from bench.workload import bench_shape, greedy_batch, prompts_for
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import load_index
 from coordinator.runtime.launch import launch
-from coordinator.tools.make_checkpoint import make_checkpoint
+from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 
 N = 8
 PROMPT = 8
@@ -83,13 +101,21 @@ def copied(job) -> tuple[int, float]:
 
 
 def one_run(
-    checkpoint: str, offload_dtype: str, budget: int, prompts, new: int, teacher=None
+    checkpoint: str,
+    offload_dtype: str,
+    budget: int,
+    prompts,
+    new: int,
+    teacher=None,
+    kv_tokens: int = 0,
 ) -> dict:
+    """`kv_tokens`: the KV pool in tokens (JobConfig.kv_cache_tokens; 0: what the plan leaves)."""
     config = JobConfig(
         checkpoint=checkpoint,
         gpu_memory_bytes=budget,
         max_batch=N,
         max_seq_len=PROMPT + new,
+        kv_cache_tokens=kv_tokens,
         offload_dtype=offload_dtype,
         snapshot_interval_s=0,
     )
@@ -104,6 +130,7 @@ def one_run(
         logits = job.forward(forced)[:, PROMPT - 1 : -1].float()  # each scores the next token
         return {
             "offloaded_layers": sum(len(s.offloaded) for s in stages),
+            "offload_units": sorted({s.offload_unit for s in stages}),
             "offloaded_bytes": sum(s.offloaded_bytes for s in stages),
             "offloaded_wide_bytes": sum(s.offloaded_wide_bytes for s in stages),
             "bytes_per_token": (bytes_after - bytes_before) / tokens,
@@ -228,11 +255,123 @@ def family_quality(root: Path, new: int = 64) -> list[dict]:
     return rows
 
 
+# --formats: (model, format, make_checkpoint's settings, offload dtype); each model's first row
+# is its bf16 baseline (the teacher of the others)
+FORMAT_RUNS = (
+    ("llama", "bf16", {}, "none"),
+    ("llama", "fp8-block", {"quantization": "fp8-block"}, "auto"),
+    *(
+        (
+            "llama",
+            f"fp8-compressed {strategy}",
+            {"quantization": "fp8-compressed", "fp8_strategy": strategy},
+            "auto",
+        )
+        for strategy in ("tensor", "channel", "block")
+    ),
+    ("gpt_oss", "bf16", {}, "none"),
+    ("gpt_oss", "mxfp4", {"quantization": "mxfp4"}, "auto"),
+    ("gpt_oss", "mxfp4", {"quantization": "mxfp4"}, "none"),
+)
+FORMAT_TOKENS = (32, 256)  # new tokens per request, --quick and not
+
+
+def format_shapes(quick: bool) -> dict[str, CheckpointShape]:
+    """The models of --formats, in bfloat16: the bench's llama, and a gpt-oss of the same width
+    whose 4 experts of a quarter of llama's intermediate width hold as many bytes as its MLP
+    (top-2, sliding window 128 as gpt-oss publishes). --quick: hidden 128 (bench_shape(True)'s
+    hidden 64 is so small against its KV cache that the budget offloads nothing)."""
+    llama = dataclasses.replace(bench_shape(quick), dtype="bfloat16")
+    if quick:
+        llama = dataclasses.replace(llama, hidden_size=128, intermediate_size=384)
+    gpt_oss = dataclasses.replace(
+        llama,
+        arch="gpt_oss",
+        intermediate_size=llama.intermediate_size // 4,
+        num_experts=4,
+        experts_per_token=2,
+        sliding_window=128,
+    )
+    return {"llama": llama, "gpt_oss": gpt_oss}
+
+
+def format_quality(root: Path, quick: bool, new: int) -> list[dict]:
+    """Each checkpoint format against its model's bf16 baseline (see the module doc)."""
+    shapes = format_shapes(quick)
+    results: dict[tuple[str, str, str], dict] = {}
+    for model, fmt, settings, dtype in FORMAT_RUNS:
+        folder = root / model / fmt.replace(" ", "-")
+        if not folder.exists():
+            make_checkpoint(folder, dataclasses.replace(shapes[model], **settings))
+        index = load_index(str(root / model / "bf16"))  # the baseline's budget for all
+        budget = budget_for(index, 1, PROMPT + new)
+        prompts = prompts_for(N, PROMPT, index.config["vocab_size"], seed=3)
+        teacher = results[model, "bf16", "none"]["texts"] if fmt != "bf16" else None
+        with own_ray():
+            results[model, fmt, dtype] = one_run(
+                str(folder), dtype, budget, prompts, new, teacher, kv_tokens=N * (PROMPT + new)
+            )
+        if not results[model, fmt, dtype]["offloaded_wide_bytes"]:
+            raise SystemExit(f"{model} {fmt} {dtype}: the plan offloads nothing at this budget")
+    rows = []
+    for model, fmt, _, dtype in FORMAT_RUNS:
+        row = results[model, fmt, dtype]
+        base = results[model, "bf16", "none"]
+        teacher = torch.tensor(base["texts"])
+        out = {
+            "model": model,
+            "format": fmt,
+            "offload_dtype": dtype,
+            **{k: v for k, v in row.items() if k not in ("texts", "logits")},
+            "host_ratio": row["offloaded_bytes"] / row["offloaded_wide_bytes"],
+            "bytes_ratio": row["bytes_per_token"] / base["bytes_per_token"],
+            # each generated token's share of one crossing of the offloaded bytes as stored:
+            # the same in every row when the link carries them as stored
+            "crossings_per_token": row["bytes_per_token"] / row["offloaded_bytes"],
+            "forced_agreement": float((row["logits"].argmax(-1) == teacher).float().mean()),
+            "max_logit_diff": float((row["logits"] - base["logits"]).abs().max()),
+            "logit_scale": float(base["logits"].std()),
+            "agreement": agreement(row["texts"], base["texts"]),
+        }
+        if (model, fmt, dtype) == ("gpt_oss", "mxfp4", "none"):
+            auto = results["gpt_oss", "mxfp4", "auto"]
+            out["logits_equal_auto"] = bool(torch.equal(row["logits"], auto["logits"]))
+            out["max_logit_diff_auto"] = float((row["logits"] - auto["logits"]).abs().max())
+            out["texts_equal_auto"] = row["texts"] == auto["texts"]
+        rows.append(out)
+        units = ", ".join(out["offload_units"])
+        same = (
+            f"; against mxfp4 auto: logits equal {out['logits_equal_auto']} (largest "
+            f"difference {out['max_logit_diff_auto']:.4g}), texts equal {out['texts_equal_auto']}"
+            if "logits_equal_auto" in out
+            else ""
+        )
+        print(
+            f"{model} {fmt}, offload {dtype}: {out['offloaded_layers']} offloaded ({units}), "
+            f"{out['offloaded_bytes'] / 2**20:.2f} MiB in host memory "
+            f"({out['host_ratio']:.3f}x their bf16 bytes); "
+            f"{out['bytes_per_token'] / 2**20:.3f} MiB copied per token "
+            f"({out['bytes_ratio']:.3f}x bf16 none's, {out['crossings_per_token']:.3f} of the "
+            f"offloaded bytes); dequantizing {out['dequant_s']:.2f} s; "
+            f"{out['tokens_per_s']:.1f} tokens/s; against bf16 none: teacher-forced agreement "
+            f"{out['forced_agreement']:.3f}, largest logit difference "
+            f"{out['max_logit_diff']:.4f} (logits' std {out['logit_scale']:.3f}), free-running "
+            f"agreement {out['agreement']:.3f}{same}",
+            flush=True,
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument(
+        "--new-tokens", type=int, help="per request (default 256; 32 with --formats --quick)"
+    )
     parser.add_argument("--quick", action="store_true", help="the tiny model (a smoke run)")
     parser.add_argument("--families", action="store_true", help="quality per tested family")
+    parser.add_argument(
+        "--formats", action="store_true", help="each published checkpoint format against bf16"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     print(machine(), flush=True)
@@ -246,6 +385,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))
         return 0
+    if args.formats:
+        new = args.new_tokens or FORMAT_TOKENS[not args.quick]
+        try:
+            rows = format_quality(root, args.quick, new)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        # mxfp4 dequantized while read and after each copy are the same numbers: else a bug
+        return 0 if all(row.get("logits_equal_auto", True) for row in rows) else 1
+    if args.new_tokens is None:
+        args.new_tokens = 256
     rows = []
     try:
         shape = dataclasses.replace(bench_shape(args.quick), dtype="bfloat16")
