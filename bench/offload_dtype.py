@@ -413,9 +413,18 @@ def main(argv: list[str] | None = None) -> int:
         for kind, dtype in RUNS:  # each kind's "none" runs first: the teacher of the others
             teacher = results[kind, "none"]["texts"] if dtype != "none" else None
             with own_ray():
+                # the KV pool the budget counts: else the plan's pool takes what it leaves
                 results[kind, dtype] = one_run(
-                    checkpoints[kind], dtype, budget, prompts, args.new_tokens, teacher
+                    checkpoints[kind],
+                    dtype,
+                    budget,
+                    prompts,
+                    args.new_tokens,
+                    teacher,
+                    kv_tokens=N * (PROMPT + args.new_tokens),
                 )
+            if not results[kind, dtype]["offloaded_wide_bytes"]:
+                raise SystemExit(f"{kind} {dtype}: the plan offloads nothing at this budget")
         autos = {}
         for kind, dtype in AUTO_RUNS:
             with own_ray():
