@@ -225,8 +225,9 @@ class JobConfig:
     offload_dtype: str = "auto"
     # How an offloaded MoE layer's experts cross the link (EXPERT_FETCHES): "layer", the whole
     # layer, prefetched while earlier layers compute; "routed", only the experts the step's
-    # router chose, once it has (fewer bytes, not overlapped: best at small batches).
-    expert_fetch: str = "layer"
+    # router chose, once it has (fewer bytes, not overlapped: best at small batches); "auto",
+    # the planner's choice per stage at the plan's batch.
+    expert_fetch: str = "auto"
     # The dtype the model loads and computes in: "auto" (the checkpoint's: config.json's dtype,
     # else its tensors'), or float32 / bfloat16 / float16, converted while reading.
     dtype: str = "auto"
@@ -404,6 +405,7 @@ class JobConfig:
             micro_batches=self.micro_batches or 1,
             objective=self.objective,
             offload_dtype=self.offload_dtype,
+            expert_fetch=self.expert_fetch,
         )
 
 

@@ -68,13 +68,15 @@ def family_shape(family: str, dtype: str = "float32", **changes) -> CheckpointSh
     return CheckpointShape(**{**defaults, **changes})
 
 
-def offloading_plan(index: CheckpointIndex, offload_dtype: str = "auto") -> Plan:
+def offloading_plan(
+    index: CheckpointIndex, offload_dtype: str = "auto", expert_fetch: str = "layer"
+) -> Plan:
     """The planner's split on three GPUs too small to hold the model resident together (two
     where three cannot offload: 8-bit layers need a staging buffer beside their slot, so
     offloading one layer of a GPU saves nothing, and DeepSeek's dense first layer is a sixth of
     its MoE layers)."""
     decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
-    options = PlanOptions(offload_dtype=offload_dtype)
+    options = PlanOptions(offload_dtype=offload_dtype, expert_fetch=expert_fetch)
     for num_gpus in (NUM_GPUS, 2):
         # at least the largest layer and a little
         budget = max(index.total_bytes // num_gpus - decoder // 4, decoder + decoder // 16)
@@ -115,9 +117,8 @@ class Pipeline:
         MLP); their experts fetched as `expert_fetch` says."""
         self.index = index
         if groups is None:
-            self.plan = offloading_plan(index, offload_dtype)
-            config = JobConfig(checkpoint=str(index.root), expert_fetch=expert_fetch)
-            specs = stage_specs(config, index, self.plan, {})
+            self.plan = offloading_plan(index, offload_dtype, expert_fetch)
+            specs = stage_specs(JobConfig(checkpoint=str(index.root)), index, self.plan, {})
         else:
             specs = [
                 dataclasses.replace(

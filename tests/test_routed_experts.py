@@ -13,12 +13,17 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import run_stack
-from test_families import VOCAB, Pipeline, reference
+from test_families import VOCAB, Pipeline, offloading_plan, reference
 from test_generation import REQUESTS, TWO_STAGES, alone, prompts, run_joining
 from torch import nn
 
+from coordinator.config import JobConfig
+from coordinator.planning.planner import PlanOptions, plan
+from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
+from coordinator.runtime.group import stage_specs
 from offload import OffloadConfig, PrefetchOffloader
 from offload.routed import RoutingUnknownError, experts_modules, routed_experts
+from worker.names import expected_experts
 
 MOE_FAMILIES = (
     "mixtral",
@@ -250,3 +255,56 @@ def test_routing_is_read_from_the_call_or_refused() -> None:
     assert routed_experts(8, (None,), {"router_indices": index}) == [1, 3]
     with pytest.raises(RoutingUnknownError, match="without integer routing indices"):
         routed_experts(8, (None, index.float(), None), {})
+
+
+# --- the planner's choice -------------------------------------------------------------------
+
+
+def test_expected_distinct_experts_under_uniform_routing() -> None:
+    assert expected_experts(64, 6, 1) == pytest.approx(6.0)
+    assert expected_experts(64, 6, 2) == pytest.approx(64 * (1 - (58 / 64) ** 2))
+    assert expected_experts(64, 6, 64) == pytest.approx(64 * (1 - (58 / 64) ** 64))  # 63.88
+    assert expected_experts(4, 8, 1) == 4.0  # k past E: every expert
+    assert expected_experts(0, 2, 4) == 0.0
+
+
+@pytest.mark.parametrize(("fetch", "rows"), [("auto", 1), ("auto", 64), ("routed", 64)])
+def test_the_plan_fetches_experts_by_routing_where_its_cost_model_says_so(
+    moe, fetch: str, rows: int
+) -> None:
+    """A transfer-bound stage offloading qwen3_moe's experts (4 of them, top-2): at one row a
+    step the expected 2 distinct experts cross after the router, half the unit, so routed
+    (compute + half the copy) beats whole-unit prefetch; at 64 rows every expert is expected,
+    routed would only add the copy to compute, so auto keeps whole-layer fetch; `routed`
+    forces it, its time the compute plus the whole copy. Workers get the plan's choice."""
+
+    index = moe("qwen3_moe")
+    base = offloading_plan(index, expert_fetch="layer")
+    options = PlanOptions(
+        expert_fetch=fetch,
+        max_batch=rows,
+        default_link_bytes_per_s=1e6,  # the copies dominate
+        compute_bytes_per_s=1e12,
+    )
+    gpus = tuple(
+        GpuInfo(index=i, memory_bytes=s.device_bytes + 1) for i, s in enumerate(base.stages)
+    )
+    node = NodeInfo(node_id="node", gpus=gpus, host_budget_bytes=10**9, pinned_budget_bytes=10**9)
+    the_plan = plan(index.layers, ClusterSnapshot(nodes=(node,)), options)
+    experts = [s for s in the_plan.stages if s.offloaded and s.offload_unit == "experts"]
+    assert experts, [(s.offloaded, s.offload_unit) for s in the_plan.stages]
+    for s in experts:
+        whole = s.offloaded_bytes / 1e6
+        if (fetch, rows) == ("auto", 1):
+            assert s.expert_fetch == "routed"
+            assert s.transfer_s == pytest.approx(whole / 2)  # 2 of 4 experts expected
+            assert s.time_s == pytest.approx(s.compute_s + whole / 2) and s.time_s < whole
+        elif fetch == "auto":
+            assert s.expert_fetch == "layer" and s.time_s == pytest.approx(whole)
+        else:
+            assert s.expert_fetch == "routed"
+            assert s.time_s == pytest.approx(s.compute_s + whole, rel=1e-3)
+    specs = stage_specs(JobConfig(checkpoint=str(index.root)), index, the_plan, {})
+    assert [sp.expert_fetch for sp in specs] == [s.expert_fetch for s in the_plan.stages]
+    if (fetch, rows) == ("auto", 1):
+        assert ", routed)" in the_plan.summary() and "fetched by routing" in the_plan.summary()

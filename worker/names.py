@@ -18,8 +18,18 @@ OFFLOAD_DTYPES: tuple[str, ...] = ("auto", "none", "fp8", "int8")
 
 # How an offloaded MoE layer's experts cross the link (`--expert-fetch`): "layer" with the
 # rest of the layer, prefetched while earlier layers compute; "routed" only the experts the
-# step's router chose, copied once it has (`offload.routed`).
-EXPERT_FETCHES: tuple[str, ...] = ("layer", "routed")
+# step's router chose, copied once it has (`offload.routed`); "auto" the planner's choice per
+# stage, whichever its cost model says is faster at the plan's batch.
+EXPERT_FETCHES: tuple[str, ...] = ("auto", "layer", "routed")
+
+
+def expected_experts(experts: int, per_token: int, rows: int) -> float:
+    """Distinct experts a step of `rows` rows routes to, in expectation, each row choosing
+    `per_token` of `experts` uniformly: E (1 - (1 - k/E)^rows)."""
+    if experts <= 0:
+        return 0.0
+    return experts * (1.0 - (1.0 - min(per_token, experts) / experts) ** max(rows, 1))
+
 
 # Positions per KV block (worker.batch_cache): vLLM's default. Smaller wastes less of a
 # sequence's last block; larger makes shorter block tables and fewer, larger gathers.

@@ -323,6 +323,9 @@ class LayerSpec:
     # recurrent state of one sequence (convolution and SSM / linear-attention states: mamba
     # and hybrid layers), whatever its length
     state_bytes: int = 0
+    # an MoE decoder layer's routed experts and how many each token goes to (0: no experts)
+    experts: int = 0
+    experts_per_token: int = 0
 
     def pool_bytes(self, sequences: int, pool_tokens: int) -> int:
         """This layer's part of a KV pool of `pool_tokens` positions (every sequence's, in
@@ -416,7 +419,7 @@ class StageSpec:
     backend: str = "auto"
     backend_reason: str = ""  # why the plan chose `backend` for this node (reported)
     offload_dtype: str = "auto"  # how offloaded weights are kept (OFFLOAD_DTYPES)
-    expert_fetch: str = "layer"  # how offloaded experts cross the link (EXPERT_FETCHES)
+    expert_fetch: str = "layer"  # how offloaded experts cross the link: "layer" or "routed"
     # The KV pool the plan reserved, allocated at load inside the budget check: `kv_blocks`
     # blocks of `kv_block_size` positions, and recurrent states for `kv_slots` sequences (the
     # plan's max_batch); 0: allocated at the first generation step (no KV planned)

@@ -133,9 +133,10 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
         "--expert-fetch",
         choices=EXPERT_FETCHES,
         dest="expert_fetch",
-        help="how an offloaded MoE layer's experts reach the GPU: layer (default: with the "
-        "whole layer, prefetched while earlier layers compute) or routed (only the experts "
-        "the step's router chose, copied once it has: fewer bytes at small batches)",
+        help="how an offloaded MoE layer's experts reach the GPU: auto (default: the plan's "
+        "choice per stage at its batch), layer (with the whole layer, prefetched while "
+        "earlier layers compute) or routed (only the experts the step's router chose, copied "
+        "once it has: fewer bytes at small batches)",
     )
     parser.add_argument(
         "--dtype",

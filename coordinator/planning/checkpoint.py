@@ -350,12 +350,15 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
         by_layer[layer].append(tensor)
     kv = _kv_per_layer(described, compute_dtype)
     layers = tuple(
-        LayerSpec(
-            name=name,
-            kind=_kind(name),
-            index=_index(name),
-            tensors=tuple(items),
-            **_kv_fields(kv, _index(name)),
+        _with_routing(
+            LayerSpec(
+                name=name,
+                kind=_kind(name),
+                index=_index(name),
+                tensors=tuple(items),
+                **_kv_fields(kv, _index(name)),
+            ),
+            config,
         )
         for name, items in by_layer.items()
     )
@@ -374,6 +377,25 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
     from coordinator.family_check import continues_chunks
 
     return replace(index, chunks_continue=continues_chunks(config))
+
+
+# config.json's names of an MoE model's routed experts and of the experts each token goes to
+_EXPERT_COUNTS = ("n_routed_experts", "num_local_experts", "num_experts")
+_EXPERTS_PER_TOKEN = ("num_experts_per_tok", "experts_per_token", "moe_topk")
+
+
+def _with_routing(layer: LayerSpec, config: dict) -> LayerSpec:
+    """A decoder layer with experts (`unit_bytes("experts")`) with its routing fan-out from
+    config.json (its text config's, for a model that nests one): what the planner's routed
+    fetch expects a step to move."""
+    if layer.kind != "decoder" or not layer.unit_bytes("experts"):
+        return layer
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    count = next((text[k] for k in _EXPERT_COUNTS if isinstance(text.get(k), int)), 0)
+    per_token = next((text[k] for k in _EXPERTS_PER_TOKEN if isinstance(text.get(k), int)), 0)
+    if count < 1 or per_token < 1:
+        return layer
+    return replace(layer, experts=count, experts_per_token=per_token)
 
 
 def _kv_fields(kv: tuple[tuple[int, int | None, int], ...], index: int | None) -> dict:

@@ -8,7 +8,7 @@ from typing import Any
 
 from offload.config import MAX_PREFETCH_STEP  # the offloader's own bound, not a second copy
 from offload.errors import ConfigError
-from worker.names import DEFAULT_BLOCK_SIZE, OFFLOAD_DTYPES, blocks_for
+from worker.names import DEFAULT_BLOCK_SIZE, EXPERT_FETCHES, OFFLOAD_DTYPES, blocks_for
 
 OBJECTIVES = ("latency", "throughput")
 DEFAULT_STEP_OVERHEAD_S = 3e-3
@@ -66,6 +66,11 @@ class PlanOptions:
     # offloaded matrix in 8 bits; on the nodes whose backend dequantizes after each copy
     # (prefetch), a copy moves those bytes.
     offload_dtype: str = "auto"
+    # How an offloaded MoE layer's experts cross the link (worker.names.EXPERT_FETCHES): "auto"
+    # per stage, routed where the cost model says it is faster at `rows_per_step` rows (the
+    # expected distinct experts' bytes, copied after the router, against the whole unit
+    # prefetched under compute); "layer" or "routed" for every stage.
+    expert_fetch: str = "auto"
 
     @property
     def pool_tokens(self) -> int:
@@ -136,6 +141,11 @@ class PlanOptions:
             raise ConfigError(
                 f"PlanOptions.offload_dtype={self.offload_dtype!r} must be one of "
                 f"{', '.join(OFFLOAD_DTYPES)}"
+            )
+        if self.expert_fetch not in EXPERT_FETCHES:
+            raise ConfigError(
+                f"PlanOptions.expert_fetch={self.expert_fetch!r} must be one of "
+                f"{', '.join(EXPERT_FETCHES)}"
             )
         for name in ("compute_bytes_per_s", "default_link_bytes_per_s"):
             value = getattr(self, name)

@@ -45,6 +45,7 @@ from coordinator.planning.search import LayerRange, NodeLimits, Search
 from coordinator.planning.snapshot import ClusterSnapshot
 from coordinator.tables import render as render_table
 from offload.errors import ConfigError, PlanError
+from worker.names import expected_experts
 from worker.spec import OFFLOAD_UNITS, LayerSpec
 
 _JSON_VERSION = 1
@@ -94,6 +95,10 @@ class StagePlan:
     # stream, after the copies: the same queue), at the node's measured rate; 0.0 where none
     # is 8-bit or the node did not measure it.
     dequant_s: float = 0.0
+    # How its offloaded layers' experts cross the link ("layer": with the rest of the unit,
+    # prefetched under compute; "routed": only those a step routes to, after the router, so
+    # time_s is then compute_s + their copy, not the larger of the two). `_fetch` chooses.
+    expert_fetch: str = "layer"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -184,7 +189,8 @@ class Plan:
                     layer_range(s.layers),
                     format_bytes(s.resident_bytes),
                     f"{format_bytes(s.offloaded_bytes)} ({len(s.offloaded)}"
-                    f"{'' if s.offload_unit == 'layer' else ' x ' + s.offload_unit})",
+                    f"{'' if s.offload_unit == 'layer' else ' x ' + s.offload_unit}"
+                    f"{', routed' if s.expert_fetch == 'routed' else ''})",
                     s.backend,
                     format_bytes(s.slot_bytes),
                     format_bytes(s.kv_bytes),
@@ -232,6 +238,15 @@ class Plan:
                     f"{self.cycle_s / self.cycle_bound_s:.2f}x faster"
                 )
             notes.append(note)
+        routed = [s.stage for s in self.stages if s.expert_fetch == "routed"]
+        if routed:
+            notes.append(
+                f"stage(s) {', '.join(map(str, routed))}: offloaded experts fetched by routing "
+                f"(expert fetch {self.options.expert_fetch}): only those a step of "
+                f"{self.options.rows_per_step} row(s) routes to cross, after the router, "
+                "E (1 - (1 - k/E)^rows) of E expected under uniform routing, their copy added "
+                "to the stage's time"
+            )
         stored = sum(s.offloaded_bytes for s in self.stages)
         wide = sum(s.offloaded_wide_bytes for s in self.stages)
         if wide and stored != wide:
@@ -356,6 +371,59 @@ def plan(
     return _build(layers, cluster, options, search, unit_names, found.placements, found.bound_s)
 
 
+def _fetch(
+    moved: Sequence[LayerSpec],
+    unit: str,
+    stored: Sequence[int],
+    compute_s: float,
+    transfer_s: float,
+    node,
+    options: PlanOptions,
+) -> tuple[str, float, float]:
+    """(expert fetch, transfer seconds, stage seconds) of a stage offloading `moved` by `unit`
+    (`stored`: each one's bytes as it crosses), whose whole-unit copies take `transfer_s`.
+
+    Routed fetch copies, of each MoE layer's experts, the expected distinct experts a step of
+    `options.rows_per_step` rows routes to (`expected_experts`: uniform routing), after its
+    router: not under compute. The rest of the unit (attention, shared experts) is still
+    prefetched. So routed takes max(compute, the rest's copy) + the routed experts' copy,
+    against max(compute, the whole copy); each byte's time is the whole copy's per byte
+    (dequantizing included). Where the node's GPUs are simulated on its CPU, its copy thread
+    shares the cores with compute (`NodeInfo.concurrent_stages`), so a copy is not hidden
+    under compute there: the choice weighs compute + copy either way. "auto" takes the
+    faster; the placement itself was searched with whole-unit copies. UVA nodes read the
+    experts in place: nothing to fetch."""
+    whole = max(compute_s, transfer_s)
+    if options.expert_fetch == "layer" or node.backend != "prefetch" or not moved:
+        return "layer", transfer_s, whole
+    total = sum(stored)
+    experts = routed = 0.0
+    for layer, nbytes in zip(moved, stored, strict=True):
+        if not layer.experts or not total:
+            continue
+        # the experts' share of what this layer's unit moves, as it crosses
+        share = layer.unit_bytes("experts") / max(layer.unit_bytes(unit), 1)
+        part = nbytes * min(share, 1.0)
+        experts += part
+        rows = options.rows_per_step
+        routed += (
+            part * expected_experts(layer.experts, layer.experts_per_token, rows) / (layer.experts)
+        )
+    if not experts:
+        return "layer", transfer_s, whole
+    per_byte = transfer_s / total
+    rest_s, routed_s = (total - experts) * per_byte, routed * per_byte
+    time_s = max(compute_s, rest_s) + routed_s
+    shared = node.concurrent_stages is not None  # copies take the cores compute needs
+    against = compute_s + transfer_s if shared else whole
+    if (
+        options.expert_fetch == "routed"
+        or (compute_s + rest_s + routed_s if shared else time_s) < against
+    ):
+        return "routed", rest_s + routed_s, time_s
+    return "layer", transfer_s, whole
+
+
 def packs_weights(node, options: PlanOptions) -> bool:
     """Whether `node`'s workers keep offloaded weights as stored under the job's offload dtype
     (8 bits where so): the prefetch backend dequantizes them after each copy. UVA computes on
@@ -455,6 +523,15 @@ def _build(
         dequantized = sum(s for j, s in zip(moved, sizes, strict=True) if units.stored[j] != s)
         dequant_s = dequantized * limits.dequant_factor / limits.link_bytes_per_s if packed else 0.0
         rate, source = node.compute_rate(options.rows_per_step)
+        fetch, transfer_s, time_s = _fetch(
+            [layers[j] for j in moved],
+            unit_names[unit] if moved else "layer",
+            [units.stored[j] if packed else units.movable[j] for j in moved],
+            compute_s,
+            transfer_s,
+            node,
+            options,
+        )
         stages.append(
             StagePlan(
                 stage=i,
@@ -474,7 +551,8 @@ def _build(
                 pinned=node.pin,
                 compute_s=compute_s,
                 transfer_s=transfer_s,
-                time_s=max(compute_s, transfer_s),
+                time_s=time_s,
+                expert_fetch=fetch,
                 link_bytes_per_s=node.link_bytes_per_s,
                 compute_bytes_per_s=rate,
                 compute_source=source,
