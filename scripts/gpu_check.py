@@ -1136,6 +1136,115 @@ def section_planner_rate(s: Section) -> None:
     )
 
 
+def section_quantized_moe(s: Section) -> None:
+    """Issues 54 and 55 on this device: gpt-oss's MXFP4 experts offloaded in 4 bits and
+    dequantized after each copy (against transformers' `Mxfp4Config(dequantize=True)` on the
+    same device), block FP8 with partial blocks dequantized on the device after each copy
+    (against the same checkpoint dequantized while read), and routed expert fetch (against
+    whole-layer fetch: the same logits, fewer bytes)."""
+    import dataclasses
+
+    import torch
+
+    from coordinator.planning.checkpoint import load_index
+    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+    from coordinator.tools.reference import _dequantizing
+    from worker.worker import StageWorker
+
+    def run(index, **changes):
+        """Logits of `index` over _two_stages (prefetch), each spec changed so, and the
+        workers' copy counters."""
+        ids = torch.randint(
+            0, index.config["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0)
+        )
+        x, stats = ids, []
+        for spec in _two_stages(index, "prefetch"):
+            spec = dataclasses.replace(
+                spec,
+                offload_unit="experts" if any(x.experts for x in index.layers) else "layer",
+                **changes,
+            )
+            worker = StageWorker(spec, device=str(s.device), num_threads=torch.get_num_threads())
+            try:
+                worker.load()
+                x = worker.forward(x)
+                stats.append(worker.report().stats)
+            finally:
+                worker.close()
+        return ids, x.cpu(), stats
+
+    width = (
+        dict(hidden_size=64, intermediate_size=96)
+        if s.dry
+        else dict(hidden_size=512, intermediate_size=1024)
+    )
+    common = dict(
+        num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=256, dtype="bfloat16", tokenizer=False
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        # MXFP4: gpt-oss's experts in 4 bits, offloaded
+        index = load_index(
+            make_checkpoint(
+                Path(tmp) / "mxfp4",
+                CheckpointShape(arch="gpt_oss", quantization="mxfp4", **common, **width),
+            )
+        )
+        ids, ours, _ = run(index)
+        from transformers import AutoModelForCausalLM
+
+        model = (
+            AutoModelForCausalLM.from_pretrained(
+                index.root, dtype=torch.bfloat16, **_dequantizing(str(index.root))
+            )
+            .to(s.device)
+            .eval()
+        )
+        with torch.no_grad():
+            expected = model(ids.to(s.device)).logits.cpu()
+        del model
+        diff = float((ours.float() - expected.float()).abs().max())
+        tolerance = 2 * torch.finfo(torch.bfloat16).eps * float(expected.float().abs().max())
+        s.data["mxfp4 max abs diff"] = diff
+        s.check(
+            "mxfp4 gpt-oss, experts offloaded in 4 bits: transformers' logits (bf16)",
+            diff <= tolerance,
+            f"max abs diff {diff:.3e} <= {tolerance:.3e}; bitwise {torch.equal(ours, expected)}",
+        )
+        # routed expert fetch against whole-layer fetch, MXFP4 experts
+        _, routed, stats = run(index, expert_fetch="routed")
+        s.check(
+            "mxfp4 gpt-oss, routed experts: the whole-layer fetch's logits",
+            torch.equal(routed, ours),
+            f"max abs diff {float((routed.float() - ours.float()).abs().max()):.3e}",
+        )
+        s.data["routed misses"] = sum(x.expert_misses for x in stats)
+        # block FP8 with partial blocks: 8-bit offloaded (dequantized on the device) against
+        # dequantized while read
+        fp8 = dict(
+            common,
+            **(
+                dict(hidden_size=96, intermediate_size=160)
+                if s.dry
+                else dict(hidden_size=576, intermediate_size=1344)
+            ),
+        )
+        index = load_index(
+            make_checkpoint(
+                Path(tmp) / "fp8",
+                CheckpointShape(
+                    arch="llama", quantization="fp8-block", fp8_block=64 if s.dry else 128, **fp8
+                ),
+            )
+        )
+        _, kept, _ = run(index, offload_dtype="auto")
+        _, wide, _ = run(index, offload_dtype="none")
+        s.check(
+            "block FP8 with partial blocks: dequantized on the device after each copy = while read",
+            torch.equal(kept, wide),
+            f"max abs diff {float((kept.float() - wide.float()).abs().max()):.3e}",
+        )
+
+
 def section_pytest_gpu(s: Section) -> None:
     if s.dry:
         raise Skip("dry run: the suite runs tests/test_gpu.py itself (skipped without CUDA)")
@@ -1178,6 +1287,7 @@ SECTIONS: dict[str, tuple[Callable[[Section], None], float]] = {
     "step_profile": (section_step_profile, 90),
     "attention_graphs": (section_attention_graphs, 120),
     "planner_rate": (section_planner_rate, 90),
+    "quantized_moe": (section_quantized_moe, 90),
     "pytest_gpu": (section_pytest_gpu, 240),
 }
 
