@@ -31,7 +31,6 @@ that differ is reported, not judged.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shutil
 import sys
@@ -39,13 +38,13 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import ray
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.batching import THREADS, ours
 from bench.generate import machine
+from bench.offload_dtype import own_ray
 from bench.workload import MIB, prompts_for
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import load_index
@@ -74,16 +73,6 @@ def shape() -> CheckpointShape:
         max_shard_bytes=64 * MIB,
         tokenizer=False,
     )
-
-
-@contextlib.contextmanager
-def own_ray():
-    """A fresh embedded Ray for one job: the GPU a finished job held is free at once."""
-    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def budget(index, batch: int, max_seq_len: int) -> int:

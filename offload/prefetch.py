@@ -349,6 +349,10 @@ class PrefetchOffloader(BaseOffloader):
             for position, (_, param) in enumerate(layer.params):
                 set_param_data(layer, position, param.new_empty(0))
         self._slots, self._staging = [], None
+        # the copies' destinations are views of the slots and the staging buffer: they would
+        # keep that device memory alive
+        self._copies.clear()
+        self._expert_copies.clear()
 
     def host_tensors(self) -> Mapping[str, torch.Tensor | QuantizedTensor]:
         """As `BaseOffloader.host_tensors`; an 8-bit parameter's entry is a `QuantizedTensor`

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import run_stack
-from safetensors.torch import save_file
 from test_families import VOCAB, Pipeline, family_shape
-from test_fp8_blocks import matches_reference, read_all
+from test_fp8_blocks import edited, matches_reference, read_all, refused_at_indexing
+from test_fp8_compressed import _drop, _set
 from torch import nn
 
 from coordinator.config import ConfigError
@@ -30,7 +29,6 @@ from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint, 
 from coordinator.tools.reference import reference_logits
 from offload import OffloadConfig, PrefetchOffloader
 from offload import mxfp4 as mxfp4_module
-from offload.errors import CheckpointError
 from offload.mxfp4 import Mxfp4Format
 from offload.quant import QuantizedTensor, dequantize_into
 from worker.spec import parameter_formats
@@ -231,32 +229,6 @@ def small_mxfp4(tmp_path_factory) -> Path:
 GATE_UP = "model.layers.1.mlp.experts.gate_up_proj"  # [4, 64, 192]: blocks [4, 192, 2, 16]
 
 
-def edited(source: Path, root: Path, edit) -> Path:
-    shutil.copytree(source, root)
-    tensors = read_all(root)
-    config = json.loads((root / "config.json").read_text())
-    edit(tensors, config)
-    for file in root.glob("*.safetensors*"):
-        file.unlink()
-    save_file(tensors, root / "model.safetensors", metadata={"format": "pt"})
-    (root / "config.json").write_text(json.dumps(config))
-    return root
-
-
-def _set(name: str, make):
-    def edit(tensors: dict, config: dict) -> None:
-        tensors[name] = make(tensors)
-
-    return edit
-
-
-def _drop(name: str):
-    def edit(tensors: dict, config: dict) -> None:
-        del tensors[name]
-
-    return edit
-
-
 def _no_quantization_config(tensors: dict, config: dict) -> None:
     del config["quantization_config"]
 
@@ -304,12 +276,7 @@ def test_what_would_read_as_other_numbers_is_refused_at_indexing(
     small_mxfp4: Path, tmp_path, case: str
 ) -> None:
     edit, expected = REFUSALS[case]
-    root = edited(small_mxfp4, tmp_path / case, edit)
-    with pytest.raises(CheckpointError) as caught:
-        load_index(root)
-    message = str(caught.value)
-    assert "\n" not in message
-    assert re.search(expected, message), message
+    refused_at_indexing(edited(small_mxfp4, tmp_path / case, edit), expected)
 
 
 def test_the_unedited_checkpoint_loads(small_mxfp4: Path, tmp_path) -> None:

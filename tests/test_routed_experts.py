@@ -21,20 +21,12 @@ from coordinator.config import JobConfig
 from coordinator.planning.planner import PlanOptions, plan
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from coordinator.runtime.group import stage_specs
+from coordinator.tools.make_checkpoint import MOE_ARCHITECTURES
 from offload import OffloadConfig, PrefetchOffloader
 from offload.routed import RoutingUnknownError, experts_modules, routed_experts
 from worker.names import expected_experts
 
-MOE_FAMILIES = (
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "gpt_oss",
-    "qwen3_next",
-    "jamba",
-)
+MOE_FAMILIES = MOE_ARCHITECTURES
 MOVED = ("layers.0", "layers.1", "layers.3")
 
 
@@ -308,3 +300,37 @@ def test_the_plan_fetches_experts_by_routing_where_its_cost_model_says_so(
     assert [sp.expert_fetch for sp in specs] == [s.expert_fetch for s in the_plan.stages]
     if (fetch, rows) == ("auto", 1):
         assert ", routed)" in the_plan.summary() and "fetched by routing" in the_plan.summary()
+
+
+def test_releasing_the_device_buffers_lets_the_slots_go() -> None:
+    """A worker's re-plan frees the old offloader's slots before it allocates the new stage's:
+    no copy kept from the old schedule (8-bit pieces, routed experts' rows) may hold a view of
+    them."""
+    import gc
+    import weakref
+
+    from offload.quant import BlockFormat
+
+    torch.manual_seed(0)
+    layers = [Block() for _ in range(3)]
+    int8 = BlockFormat(torch.int8, (1, H))
+    offloader = PrefetchOffloader(
+        OffloadConfig(
+            backend="prefetch", layers=(1, 2), param_filter=r"experts\.", routed_experts=True
+        ),
+        device="cpu",
+        formats={
+            "1.experts.gate_up_proj": int8,
+            "2.experts.down_proj": BlockFormat(torch.int8, (1, INNER)),
+        },
+    )
+    offloader.wrap_modules(layers)
+    offloader.post_init()
+    try:
+        run_stack(layers, torch.randn(2, H))  # builds the routed experts' copies
+        slots = [weakref.ref(slot) for slot in offloader._slots]
+        offloader.release_device_buffers()
+        gc.collect()
+        assert slots and all(ref() is None for ref in slots)
+    finally:
+        offloader.detach(restore=False)
