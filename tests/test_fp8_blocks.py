@@ -183,26 +183,29 @@ def kimi_k2(root: Path, scales: str) -> Path:
     return saved(root, config, (32, 32), scales)
 
 
+# The small dense models' config (transformers' names): hidden 48 (1.5 blocks of 32),
+# intermediate 80, 4 layers, 4 heads over 2 KV heads
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
 def qwen3(root: Path, scales: str) -> Path:
     """A Qwen3-FP8 on blocks of 32 rows by 20 columns (not square, so rows and columns cannot
     be confused): hidden 48, 64-row q_proj, 32-row k_proj and v_proj, intermediate 80."""
     from transformers import Qwen3Config
 
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=48,
-        intermediate_size=80,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return saved(root, config, (32, 20), scales)
+    return saved(root, Qwen3Config(**SMALL, head_dim=16), (32, 20), scales)
 
 
 def llama(root: Path, scales: str, *, hidden: int, intermediate: int, block: int) -> Path:

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_families import VOCAB
 from test_fp8_blocks import (
+    SMALL,
     edited,
     matches_reference,
     partial,
@@ -90,59 +90,20 @@ def saved(root: Path, config, strategy: str, block=None, scales="float32", activ
 def llama_config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=48,
-        intermediate_size=80,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    return LlamaConfig(**SMALL)
 
 
 def qwen3_config():
     from transformers import Qwen3Config
 
-    return Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=48,
-        intermediate_size=80,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    return Qwen3Config(**SMALL, head_dim=16)
 
 
 def qwen3_moe_config():
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=48,
-        intermediate_size=80,
-        moe_intermediate_size=40,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
+        **SMALL, head_dim=16, moe_intermediate_size=40, num_experts=4, num_experts_per_tok=2
     )
 
 
