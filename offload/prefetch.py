@@ -14,9 +14,10 @@ layer has not run yet. Here a copy never targets a slot before the layer holding
 8-bit weights. A parameter given a `BlockFormat` (`formats`, by arena key) stays 8 bits in the
 arena and crosses the link so (gpt-oss's 4-bit `Mxfp4Format` the same way), in pieces of whole
 block rows (a matrix's partial last one included: `row_pieces`, at most `STAGING_BYTES`; a
-4-bit weight's stored rows are its parameter's columns: `rows` views them): each piece's values and scales are
-copied into one small device staging buffer, and on the copy side (side stream, copy thread)
-dequantized from there into their place in the layer's slot (`offload.quant.dequantize_into`);
+4-bit weight's stored rows are its parameter's columns: `rows` views them): each piece's
+values and scales are copied into one small device staging buffer, and on the copy side (side
+stream, copy thread) dequantized from there into their place in the layer's slot
+(`WeightFormat.dequantize_rows`);
 the layer's ticket is its last piece's. Such a layer's slot is laid out at the model's width,
 its other parameters copied straight in.
 One staging buffer serves every slot: copies and their dequantization are FIFO on the copy

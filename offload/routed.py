@@ -81,9 +81,9 @@ def routed_experts(num_experts: int, args: tuple, kwargs: dict) -> list[int]:
         if index is None:
             index = kwargs.get(name)
     if not isinstance(index, torch.Tensor) or index.dtype.is_floating_point:
+        got = type(index).__name__ + (f" {index.dtype}" if isinstance(index, torch.Tensor) else "")
         raise RoutingUnknownError(
-            f"an experts module was called without integer routing indices (got "
-            f"{type(index).__name__}{'' if index is None else ' ' + str(getattr(index, 'dtype', ''))})"
+            f"an experts module was called without integer routing indices (got {got})"
         )
     hit = torch.unique(index).tolist()
     return [e for e in hit if 0 <= e < num_experts]
