@@ -22,6 +22,14 @@ OFFLOAD_DTYPES: tuple[str, ...] = ("auto", "none", "fp8", "int8")
 # stage, whichever its cost model says is faster at the plan's batch.
 EXPERT_FETCHES: tuple[str, ...] = ("auto", "layer", "routed")
 
+# How a quantized checkpoint's resident weights sit on the GPU (`--resident-weights`): "stored"
+# as the checkpoint stores them (FP8 blocks, MXFP4: 1 byte or half a byte an entry), each
+# layer's dequantized into one buffer just before it runs (`offload.resident`); "wide"
+# dequantized at load, at the model's width (twice the bytes of FP8); "auto" stored where every
+# node's GPUs compute in FP8 (compute capability 8.9 or higher) and the plan at width would
+# offload, so that fewer weights cross the link; wide elsewhere.
+RESIDENT_WEIGHTS: tuple[str, ...] = ("auto", "stored", "wide")
+
 
 def expected_experts(experts: int, per_token: int, rows: int) -> float:
     """Distinct experts a step of `rows` rows routes to, in expectation, each row choosing

@@ -303,6 +303,13 @@ def parameter_formats(
     }
 
 
+def stored_formats(tensors: Sequence[TensorSlice]) -> dict[str, WeightFormat]:
+    """The parameters (by target) that `tensors` fill which a GPU keeps as the checkpoint
+    stores them when resident weights are "stored" (worker.names.RESIDENT_WEIGHTS): its
+    quantized matrices (FP8 blocks, MXFP4), each whole in one format; never buffers."""
+    return parameter_formats([t for t in tensors if not t.buffer], "auto")
+
+
 def local_name(index: int, target: str) -> str:
     """A decoder layer's parameter name within the layer: `model.layers.3.mlp.up.weight` ->
     `mlp.up.weight` (the name the offloader's filter sees)."""
@@ -368,6 +375,32 @@ class LayerSpec:
         width); 0 where the unit matches nothing (or for the embedding and head)."""
         return sum(t.loaded_bytes for t in self.unit_tensors(unit))
 
+    def resident_bytes(self, stored: bool = False) -> int:
+        """Device bytes of this layer resident: at the model's width, or with its quantized
+        matrices as stored (`stored_formats`: values and scales) when `stored`."""
+        return self._device_bytes(list(self.tensors), stored)
+
+    def freed_bytes(self, unit: str, stored: bool = False) -> int:
+        """The device bytes offloading this layer by `unit` frees: `unit_bytes`, or with its
+        quantized matrices as stored when resident weights are `stored`. (Its prefetch slot
+        holds it at the model's width either way: `unit_bytes`.)"""
+        return self._device_bytes(self.unit_tensors(unit), stored)
+
+    def jit_bytes(self) -> int:
+        """Bytes at the model's width of this layer's matrices kept as stored when resident
+        (`stored_formats`): what the buffer they are dequantized into just in time holds."""
+        formats = stored_formats(self.tensors)
+        return sum(t.loaded_bytes for t in self.tensors if (t.target or t.name) in formats)
+
+    def _device_bytes(self, tensors: list[TensorSlice], stored: bool) -> int:
+        formats = stored_formats(self.tensors) if stored else {}
+        return sum(
+            formats[t.target or t.name].stored_bytes(t.shape)
+            if (t.target or t.name) in formats
+            else t.loaded_bytes
+            for t in tensors
+        )
+
     def staging_bytes(self, unit: str, offload_dtype: str = "none") -> int:
         """Device bytes the staging buffer needs for this layer's `unit` offloaded under
         `offload_dtype`: one piece of its largest 8-bit weight (`BlockFormat.staging_bytes`);
@@ -420,6 +453,9 @@ class StageSpec:
     backend_reason: str = ""  # why the plan chose `backend` for this node (reported)
     offload_dtype: str = "auto"  # how offloaded weights are kept (OFFLOAD_DTYPES)
     expert_fetch: str = "layer"  # how offloaded experts cross the link: "layer" or "routed"
+    # Device-resident quantized matrices kept as stored (`stored_formats`), each layer's
+    # dequantized just in time (`offload.resident`); False: dequantized at load
+    resident_stored: bool = False
     # The KV pool the plan reserved, allocated at load inside the budget check: `kv_blocks`
     # blocks of `kv_block_size` positions, and recurrent states for `kv_slots` sequences (the
     # plan's max_batch); 0: allocated at the first generation step (no KV planned)
