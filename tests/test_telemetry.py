@@ -64,6 +64,7 @@ def report(stage: int, host: str, *, offloaded: int, pinned: bool, rss: int) -> 
             expert_misses=5,
         ),
         offload_format="int8 (1x128 blocks) x 7",
+        resident_format="fp8 (128x128 blocks) x 2",
         quantization_error=0.004,
         since_last=CopyCounters(interval_s=10.0, copies=2, copied_bytes=20, copy_s=0.1),
         kv_cache_bytes=MIB,
@@ -113,6 +114,7 @@ def test_render_shows_every_gpu_and_node() -> None:
     text = render(REPORTS)
     assert "30.00 MiB / 80.00 MiB" in text and "10.00 MiB (10.00 MiB)" in text
     assert "on (probe: probe)" in text and "250.0 ms" in text
+    assert "(fp8 (128x128 blocks) x 2 as stored)" in text  # resident matrices kept in 8 bits
     assert "810.00 MiB" in text  # node a: both workers' RSS
 
 
@@ -164,6 +166,7 @@ def test_a_snapshot_round_trips_to_json_with_the_keys_it_always_had() -> None:
         "node_id",
         "offload_unit",
         "offload_format",
+        "resident_format",
         "quantization_error",
     } == set(data)
     assert data["stats"] == snapshot.stats.to_dict() and data["pin"] == snapshot.pin.to_dict()
@@ -199,6 +202,7 @@ def test_rows_read_every_number_from_the_snapshot() -> None:
         quantization_error=0.004,
         expert_hits=3,
         expert_misses=5,
+        resident_format="fp8 (128x128 blocks) x 2",
         kv_cache_bytes=MIB,
         requests=1,
         pin=True,
@@ -258,6 +262,7 @@ def test_status_json_keys_are_unchanged_and_a_lost_stage_is_listed() -> None:
         "quantization_error",
         "expert_hits",
         "expert_misses",
+        "resident_format",
     ]
     assert list(data["nodes"][0]) == [
         "hostname",

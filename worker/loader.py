@@ -234,7 +234,12 @@ class TensorReader:
         file where the file's are of its dtype)."""
         scale = tensor.scale
         raw_dtype = torch.uint8 if tensor.packed else scale.torch_dtype
-        direct = into is not None and into.dtype == raw_dtype and into.is_contiguous()
+        direct = (
+            into is not None
+            and into.dtype == raw_dtype
+            and into.is_contiguous()
+            and into.device.type == "cpu"
+        )
         raw = into if direct else torch.empty(scale.shape, dtype=raw_dtype)
         _pread_exact(
             self._fd(scale.file),
@@ -303,8 +308,15 @@ class TensorReader:
         """Into an 8-bit destination (or a 4-bit one): a tensor of the same format byte for
         byte (values and scales as the file has them), anything else read at the model's width
         (FP8 dequantized) into a temporary of one tensor and quantized into `dst`."""
-        if file_format(tensor) == dst.fmt and dst.q.is_contiguous():
-            _pread_exact(fd, memoryview(_as_bytes(dst.q).numpy()), tensor.start, where)
+        if file_format(tensor) == dst.fmt:  # as stored: the file's bytes, no arithmetic
+            if dst.q.device.type == "cpu" and dst.q.is_contiguous():
+                _pread_exact(fd, memoryview(_as_bytes(dst.q).numpy()), tensor.start, where)
+            elif dst.q.is_contiguous():  # on a GPU: through the staging buffer
+                self._read_bytes_staged(fd, tensor, _as_bytes(dst.q), where)
+            else:  # a strided part of a parameter: through a temporary of this tensor
+                values = torch.empty(dst.q.shape, dtype=dst.q.dtype)
+                _pread_exact(fd, memoryview(_as_bytes(values).numpy()), tensor.start, where)
+                dst.q.copy_(values)
             self._read_scales(tensor, into=dst.scales)
             return
         wide = torch.empty(tensor.shape, dtype=tensor.target_torch_dtype)
@@ -318,6 +330,19 @@ class TensorReader:
         reference = wide.float()
         self.stats.quantized_sq += float(reference.square().sum())
         self.stats.error_sq += float((back - reference).square().sum())
+
+    def _read_bytes_staged(
+        self, fd: int, tensor: TensorSlice, dst: torch.Tensor, where: str
+    ) -> None:
+        """The tensor's bytes as they are into `dst` (uint8, as many, on a GPU), as many at a
+        time as the staging buffer holds."""
+        size = min(STAGING_BYTES, tensor.nbytes)
+        staging = self._buffer(size)
+        for begin in range(0, tensor.nbytes, size):
+            end = min(begin + size, tensor.nbytes)
+            chunk = staging[: end - begin]
+            _pread_exact(fd, memoryview(chunk.numpy()), tensor.start + begin, where)
+            dst[begin:end].copy_(chunk)  # synchronous: the buffer is reused
 
     def _staged_rows(
         self, fd: int, tensor: TensorSlice, where: str, multiple: int = 1

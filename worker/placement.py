@@ -13,8 +13,15 @@ from torch import nn
 
 from offload.base import BaseOffloader
 from offload.quant import QuantizedTensor
+from offload.resident import StoredResidency
 from worker.layout import ModelLayout
 from worker.spec import StageSpec, TensorSlice, apply_view
+
+
+def held(formats: dict[str, dict], stored: dict[str, dict], layer_name: str) -> dict:
+    """How a layer's parameters are held, by name within it: in a quantized format, in host
+    memory (`formats`: offloaded) or on the device (`stored`); absent: at the model's width."""
+    return {**formats.get(layer_name, {}), **stored.get(layer_name, {})}
 
 
 @dataclass(slots=True)
@@ -28,6 +35,12 @@ class Placement:
     loaded: set[str] = field(default_factory=set)  # layers whose weights are in place
     # offloaded parameters kept in 8 bits: layer -> name within it -> its block format
     formats: dict[str, dict] = field(default_factory=dict)
+    # device-resident parameters kept as the checkpoint stores them, likewise, and where
+    residency: StoredResidency = field(default_factory=lambda: StoredResidency("cpu"))
+    stored: dict[str, dict] = field(default_factory=dict)
+
+    def held_formats(self, layer_name: str) -> dict:
+        return held(self.formats, self.stored, layer_name)
 
     def offload_format(self) -> str:
         """How the offloaded weights are kept: "" all at the model's width, else their block
@@ -47,6 +60,9 @@ class Placement:
         owner = module.get_submodule(path) if path else module
         if leaf in owner._buffers:  # a persistent buffer: never offloaded, on the device
             return apply_view(owner._buffers[leaf], tensor.view)
+        stored = self.residency.stored(module).get(local)
+        if stored is not None:  # resident, kept as stored on the device
+            return apply_view(stored, tensor.view)
         if layer_name in self.spec.offloaded:  # all of it, or its offload unit, in the arena
             index = list(self.modules).index(layer_name)
             host = self.offloader.host_tensors().get(f"{index}.{local}")

@@ -59,6 +59,11 @@ class StageSnapshot:
     # how the offloaded weights are kept in host memory: "" at the model's width, else their
     # 8-bit block formats, e.g. "fp8 (128x128 blocks)"
     offload_format: str = ""
+    # how resident quantized matrices are kept on the device: "" at the model's width
+    # (dequantized at load), else their formats as stored, e.g. "fp8 (128x128 blocks) x 40",
+    # dequantized just in time (`offload.resident`; stats.resident_bytes counts them as stored,
+    # stats.buffer_bytes the buffer they are dequantized into)
+    resident_format: str = ""
     # relative RMS error of the weights quantized at load (--offload-dtype fp8 / int8): what
     # keeping them in 8 bits changed, measured on this stage's own weights (0.0: none was)
     quantization_error: float = 0.0

@@ -9,6 +9,7 @@ chunks); `finish_load()` starts the prefetch and checks the device budget; then 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import re
@@ -26,15 +27,22 @@ from offload.errors import LaunchError
 from offload.factory import choose_backend
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV
 from offload.probe import DECISION_STEPS
+from offload.resident import StoredResidency
 from offload.stats import OffloadStats
 from worker.batched import BatchRunner
 from worker.layout import hf_config_from_dict, model_class_for
 from worker.loader import TensorReader, hang_if_asked, hold_if_asked
 from worker.node import probe_here
-from worker.placement import Placement, materialize
+from worker.placement import Placement, held, materialize
 from worker.reporting import Snapshots, device_memory, pin_decision, pin_origin, storage_bytes
 from worker.snapshot import CopyCounters, StageSnapshot
-from worker.spec import OFFLOAD_UNITS, StageSpec, parameter_formats, torch_dtype_named
+from worker.spec import (
+    OFFLOAD_UNITS,
+    StageSpec,
+    parameter_formats,
+    stored_formats,
+    torch_dtype_named,
+)
 from worker.stage import Stage, avoid_per_shape_attention_graphs
 from worker.startup import settle
 from worker.steps import Draw, StepRows, pack_out
@@ -158,13 +166,18 @@ class StageWorker:
         else:
             config = OffloadConfig(backend="none")
         formats = self._offload_formats(stage, config)
+        stored = self._stored_formats(stage, unit)
         carried = previous.loaded & set(names) if previous is not None else set()
-        # a layer whose host form changes (8 bits on one side only) is read again: neither way
-        # round is exact (a resident FP8 layer holds its dequantized weights, an 8-bit one lost
-        # what quantizing dropped)
-        carried = {n for n in carried if previous.formats.get(n, {}) == formats.get(n, {})}
+        # a layer whose form changes (8 bits on one side only, on the device or in host
+        # memory) is read again: neither way round is exact (a resident FP8 layer holds its
+        # dequantized weights, an 8-bit one lost what quantizing dropped)
+        carried = {n for n in carried if previous.held_formats(n) == held(formats, stored, n)}
+        # adopted as they are: resident layers at width (stored ones are copied: their
+        # parameters view the old stage's dequantization buffer)
         kept_resident = {
-            n for n in carried if n not in spec.offloaded and n not in previous.spec.offloaded
+            n
+            for n in carried
+            if n not in spec.offloaded and n not in previous.spec.offloaded and not stored.get(n)
         }
         if previous is not None:  # free what leaves this worker before allocating what arrives
             # the KV pool first: its sequences start again anyway (finish_load allocates the
@@ -176,12 +189,21 @@ class StageWorker:
                 if name not in carried and name not in previous.spec.offloaded:
                     module.to("meta")
         for name, module in modules.items():
+            kept = stored.get(name, {})
             if name in kept_resident:  # the old tensors themselves, no copy
                 module.load_state_dict(previous.modules[name].state_dict(), assign=True)
-            elif name not in spec.offloaded:
+            elif name not in spec.offloaded and not kept:
                 module.to_empty(device=self.device)
+            elif name not in spec.offloaded:  # but for its stored matrices (`residency`)
+                materialize(module, lambda param, kept=kept: param not in kept, self.device)
             elif unit is not None:  # the part outside the offload unit stays on the device
-                materialize(module, lambda param: not re.search(unit, param), self.device)
+                materialize(
+                    module,
+                    lambda param, kept=kept: not re.search(unit, param) and param not in kept,
+                    self.device,
+                )
+        residency = StoredResidency(self.device)
+        residency.keep({modules[name]: kept for name, kept in stored.items() if kept})
         stage.init_buffers(self.device)
         offloader = create_offloader(
             config,
@@ -197,7 +219,14 @@ class StageWorker:
             offloader.backend_reason = spec.backend_reason
         offloader.wrap_modules(list(modules.values()))
         placement = Placement(
-            spec, stage.layout, modules, offloader, loaded=set(carried), formats=formats
+            spec,
+            stage.layout,
+            modules,
+            offloader,
+            loaded=set(carried),
+            formats=formats,
+            residency=residency,
+            stored=stored,
         )
         with torch.no_grad():
             for name in sorted(carried - kept_resident):  # moved between device and host
@@ -205,6 +234,7 @@ class StageWorker:
                     placement.destination(name, tensor).copy_(previous.destination(name, tensor))
         if previous is not None:
             previous.offloader.detach(restore=False)  # its arena and slots go, nothing restored
+            previous.residency.close()
         self.stage, self._placement = stage, placement
         self._chunks = self._make_chunks([n for n in names if n not in carried])
         self._ready = False
@@ -231,6 +261,28 @@ class StageWorker:
                     stage.layout.local_name(name, target): fmt for target, fmt in found.items()
                 }
         return formats
+
+    def _stored_formats(self, stage: Stage, unit: str | None) -> dict[str, dict]:
+        """The device-resident parameters kept as the checkpoint stores them
+        (`StageSpec.resident_stored`: `worker.spec.stored_formats`), by layer and name within
+        it: a resident layer's quantized matrices, and those an offloaded layer keeps outside
+        its offload unit; an offloaded unit's are the offloader's."""
+        spec = self.spec
+        if not spec.resident_stored:
+            return {}
+        found = {}
+        for layer in spec.layers:
+            if layer.name in spec.offloaded and unit is None:
+                continue
+            by_local = {
+                stage.layout.local_name(layer.name, target): fmt
+                for target, fmt in stored_formats(layer.tensors).items()
+            }
+            if layer.name in spec.offloaded:
+                by_local = {n: f for n, f in by_local.items() if not re.search(unit, n)}
+            if by_local:
+                found[layer.name] = by_local
+        return found
 
     def _make_chunks(self, names: list[str]) -> list[list[str]]:
         chunks: list[list[str]] = []
@@ -448,7 +500,9 @@ class StageWorker:
         if self.stage is None:
             return 0
         host = self.offloader.host_tensors() if self.offloader is not None else None
-        return storage_bytes(self.stage, host) + self.kv_cache_bytes()
+        stored = self._placement.residency.stored_bytes if self._placement is not None else 0
+        # (the stored parameters view the dequantization buffer, which storage_bytes counts)
+        return storage_bytes(self.stage, host) + stored + self.kv_cache_bytes()
 
     def history(self, since: float = 0.0) -> list[StageSnapshot]:
         """The periodic snapshots taken after time `since` (seconds since the epoch)."""
@@ -465,6 +519,13 @@ class StageWorker:
     def _snapshot(self, since_last: Callable[[OffloadStats], CopyCounters]) -> StageSnapshot:
         offloader = self.offloader
         stats = offloader.stats() if offloader is not None else OffloadStats(backend="none")
+        residency = self._placement.residency if self._placement is not None else None
+        if residency is not None and residency.stored_bytes:  # as stored, and their buffer
+            stats = dataclasses.replace(
+                stats,
+                resident_bytes=stats.resident_bytes - residency.wide_bytes + residency.stored_bytes,
+                buffer_bytes=stats.buffer_bytes + residency.buffer_bytes,
+            )
         decision = pin_decision(offloader, self.probe, self.device)
         vm = psutil.virtual_memory()
         free, total = device_memory(self.device, self.gpu_memory_bytes, self.device_bytes())
@@ -480,6 +541,7 @@ class StageWorker:
             offloaded=tuple(self.spec.offloaded),
             offload_unit=self.spec.offload_unit,
             offload_format=self._placement.offload_format() if self._placement else "",
+            resident_format=residency.describe() if residency is not None else "",
             backend=offloader.backend if offloader is not None else "none",
             backend_reason=offloader.backend_reason if offloader is not None else "",
             pin=decision,
@@ -519,4 +581,5 @@ class StageWorker:
         self._reader.close()
         if self.offloader is not None:
             self.offloader.detach(restore=False)  # the stage goes with it: nothing to restore
+            self._placement.residency.close()
         self.stage, self._placement, self._ready = None, None, False

@@ -73,6 +73,8 @@ class GpuRow:
     # already (hits) or were copied then (misses)
     expert_hits: int
     expert_misses: int
+    # resident quantized matrices kept as stored on the device ("" dequantized at load)
+    resident_format: str
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,6 +159,7 @@ def gpu_rows(reports: Sequence[Report]) -> list[GpuRow]:
                 quantization_error=r.quantization_error,
                 expert_hits=stats.expert_hits,
                 expert_misses=stats.expert_misses,
+                resident_format=r.resident_format,
                 kv_cache_bytes=r.kv_cache_bytes,
                 requests=r.requests,
                 pin=pin.pin,
@@ -243,7 +246,8 @@ def render(reports: Sequence[Report], events: list[dict] = ()) -> str:
                 g.layers,
                 g.backend,
                 f"{format_bytes(g.device_used_bytes)} / {format_bytes(g.device_total_bytes)}",
-                format_bytes(g.resident_bytes),
+                format_bytes(g.resident_bytes)
+                + (f" ({g.resident_format} as stored)" if g.resident_format else ""),
                 format_bytes(g.buffer_bytes),
                 f"{format_bytes(g.offloaded_bytes)} ({format_bytes(g.pinned_bytes)})"
                 + (f" {g.offload_format}" if g.offload_format else ""),

@@ -1,0 +1,283 @@
+"""Resident quantized weights kept as stored on the device (issue 54, point 4): an FP8 or
+MXFP4 checkpoint's resident matrices take their stored bytes on the GPU (1 byte an entry and
+its block's scale, not bf16's 2), each layer's dequantized into one shared buffer just before
+it runs (`offload.resident`). The numbers are the ones the format defines: the same logits as
+transformers loading the independently dequantized files, bitwise, over stages that also
+offload; and the device holds the stored bytes plus one layer at width.
+
+On the CPU the stand-in GPU is the CPU, so CI checks every number here; tests/test_gpu.py
+checks the same on a real GPU when one is lent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from test_families import VOCAB, split_spec
+from test_fp8_blocks import CASES, dequantized_copy, random_fp8
+from test_mxfp4 import gpt_oss
+from torch import nn
+
+from coordinator.planning.checkpoint import load_index
+from coordinator.runtime.inputs import check_inputs
+from coordinator.tools.reference import reference_logits
+from offload.quant import BlockFormat, QuantizedTensor
+from offload.resident import StoredResidency
+from worker.spec import stored_formats
+from worker.worker import StageWorker
+
+FP8 = torch.float8_e4m3fn
+
+
+class TwoLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(40, 72, bias=False, dtype=torch.bfloat16, device="meta")
+        self.down = nn.Linear(72, 40, bias=True, dtype=torch.bfloat16, device="meta")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_each_layer_is_dequantized_into_the_shared_buffer_just_before_it_runs() -> None:
+    """Two layers kept as stored share one buffer (the larger layer's width): each computes
+    with its own weights, bitwise the dequantized ones, whichever ran last; the stored bytes
+    are the values and scales; close lets the memory go."""
+    fmt = BlockFormat(FP8, (32, 32))  # partial blocks: 72 rows, 40 columns
+    layers = [TwoLinears(), TwoLinears()]
+    stored = {
+        layer: {"up.weight": random_fp8((72, 40), fmt, seed=i), "down.weight": None}
+        for i, layer in enumerate(layers)
+    }
+    for i, layer in enumerate(layers):
+        stored[layer]["down.weight"] = random_fp8((40, 72), fmt, seed=10 + i)
+        layer.down.bias = nn.Parameter(torch.randn(40, dtype=torch.bfloat16))
+    residency = StoredResidency(torch.device("cpu"))
+    kept = residency.keep(
+        {layer: {name: q.fmt for name, q in by_name.items()} for layer, by_name in stored.items()}
+    )
+    for layer, by_name in stored.items():
+        for name, q in by_name.items():
+            kept[layer][name].copy_(q)  # what the loader reads from the file
+    with pytest.raises(RuntimeError, match="once per stage"):
+        residency.keep({})
+    # one buffer at the model's width for all: both layers' weights view it
+    assert residency.buffer_bytes >= 2 * 72 * 40 * 2
+    assert layers[0].up.weight.untyped_storage().data_ptr() == (
+        layers[1].up.weight.untyped_storage().data_ptr()
+    )
+    assert residency.stored_bytes == sum(q.nbytes for b in stored.values() for q in b.values())
+    assert residency.wide_bytes == 2 * 2 * 72 * 40 * 2
+    x = torch.randn(3, 40, dtype=torch.bfloat16)
+    wide = [
+        TwoLinears().to_empty(device="cpu").requires_grad_(False) for _ in layers
+    ]  # the same layers dequantized at load
+    for plain, layer in zip(wide, layers, strict=True):
+        plain.up.weight.copy_(stored[layer]["up.weight"].dequantized(torch.bfloat16))
+        plain.down.weight.copy_(stored[layer]["down.weight"].dequantized(torch.bfloat16))
+        plain.down.bias.copy_(layer.down.bias)
+    with torch.no_grad():
+        for order in ([0, 1], [1, 0], [1, 1, 0]):
+            for i in order:
+                assert torch.equal(layers[i](x), wide[i](x)), order
+    assert residency.describe() == "fp8 (32x32 blocks) x 4"
+    residency.close()
+    assert residency.stored_bytes == residency.buffer_bytes == 0
+    assert all(p.is_meta for layer in layers for p in [layer.up.weight, layer.down.weight])
+    with torch.no_grad():
+        assert torch.equal(wide[0](x), wide[0](x))  # no hook left on anything else
+
+
+@dataclasses.dataclass
+class Held:
+    """What a worker held, read before it closed."""
+
+    report: object
+    device_bytes: int
+    stored_bytes: int
+    buffer_bytes: int
+
+
+def _run(index, groups, offloaded, unit, stored: bool, ids) -> tuple[torch.Tensor, list[Held]]:
+    """`ids` through in-process workers of a hand-made split; their logits (run twice: the
+    second pass must agree) and what each held."""
+    workers = [
+        StageWorker(
+            dataclasses.replace(
+                split_spec(index, s, groups, offloaded, unit), resident_stored=stored
+            ),
+            device="cpu",
+            num_threads=1,
+        )
+        for s in range(len(groups))
+    ]
+    try:
+        for worker in workers:
+            worker.load()
+        outs = []
+        for _ in range(2):
+            x, mask, positions, keep = check_inputs(ids, None, 0, VOCAB)
+            for worker in workers:
+                x = worker.forward(x, mask, positions, keep)
+            outs.append(x)
+        assert torch.equal(outs[0], outs[1])
+        return outs[0], [
+            Held(
+                w.report(),
+                w.device_bytes(),
+                w._placement.residency.stored_bytes,
+                w._placement.residency.buffer_bytes,
+            )
+            for w in workers
+        ]
+    finally:
+        for worker in workers:
+            worker.close()
+
+
+def _checkpoint(case: str, root: Path) -> tuple[Path, Path]:
+    """(the quantized checkpoint, the files transformers loads as the reference)."""
+    if case == "gpt_oss-mxfp4":  # transformers dequantizes MXFP4 itself (Mxfp4Config)
+        path = gpt_oss(root / "mxfp4")
+        return path, path
+    path = CASES[case](root / "fp8")
+    return path, dequantized_copy(path, root / "bf16")
+
+
+@pytest.mark.parametrize("case", ["deepseek_v3", "kimi_k2-e8m0", "qwen3-bf16", "gpt_oss-mxfp4"])
+def test_stored_resident_layers_give_the_formats_numbers(tmp_path, case: str) -> None:
+    """Stages that keep resident quantized matrices as stored, beside offloaded layers (whole,
+    and by MLP or experts: the rest of such a layer stays resident as stored too): logits
+    bitwise transformers' on the dequantized files; the device holds each stored matrix's
+    values and scales and one buffer at width instead of its width bytes."""
+    root, reference = _checkpoint(case, tmp_path)
+    index = load_index(root)
+    names = [layer.name for layer in index.layers]
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    expected = reference_logits(str(reference), ids, dtype="bfloat16", num_threads=1)
+    groups = [names[: len(names) // 2], names[len(names) // 2 :]]
+    decoders = [n for n in names if n.startswith("layers.")]
+    offloaded = tuple(decoders[1::2])  # MoE layers in DeepSeek (its first is dense)
+    unit = "experts" if index.config.get("num_local_experts") or "v3" in case else "mlp"
+    for offload_unit in ("layer", unit):
+        logits, stages = _run(index, groups, offloaded, offload_unit, True, ids)
+        assert torch.equal(logits, expected), (case, offload_unit)
+        for held in stages:
+            report = held.report
+            layers = [layer for layer in index.layers if layer.name in report.layers]
+            # what the worker keeps as stored: every quantized matrix of its resident layers
+            # (and, offloading by a part, those outside it of its offloaded layers)
+            kept = sum(
+                len(stored_formats(layer.tensors))
+                for layer in layers
+                if layer.name not in offloaded
+            )
+            held_count = sum(int(n) for n in _counts(report.resident_format))
+            assert held_count == kept if offload_unit == "layer" else held_count >= kept
+            assert bool(held.stored_bytes) == bool(held_count)
+            if held_count:
+                assert report.stats.resident_bytes < sum(
+                    layer.nbytes for layer in layers if layer.name not in offloaded
+                )
+            assert held.device_bytes == report.device_used_bytes
+    wide, wide_stages = _run(index, groups, offloaded, "layer", False, ids)
+    assert torch.equal(wide, expected)
+    assert all(not held.report.resident_format for held in wide_stages)
+
+
+def _counts(described: str) -> list[str]:
+    """The counts in a residency's description ("fp8 (32x32 blocks) x 4, ..." -> ["4"])."""
+    return [part.rsplit(" x ", 1)[1] for part in described.split(", ") if " x " in part]
+
+
+def test_a_stage_of_many_stored_layers_holds_about_half_their_bytes(tmp_path) -> None:
+    """A DeepSeek-V3-shaped stage holding all its layers resident: the device holds the FP8
+    values and scales (about half their bf16 bytes) plus one layer at width, exactly what
+    `LayerSpec.resident_bytes(stored=True)` and `jit_bytes` say the planner must count."""
+    root = CASES["deepseek_v3"](tmp_path / "fp8")
+    index = load_index(root)
+    names = [[layer.name for layer in index.layers]]
+    ids = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
+    _, [wide] = _run(index, names, (), "layer", False, ids)
+    _, [stored] = _run(index, names, (), "layer", True, ids)
+    layers = index.layers
+    # (the CPU stand-in counts parameters: the router's bias buffers aside)
+    buffers = sum(t.loaded_bytes for layer in layers for t in layer.tensors if t.buffer)
+    assert wide.device_bytes == sum(layer.resident_bytes() for layer in layers) - buffers
+    planned = sum(layer.resident_bytes(True) for layer in layers) - buffers
+    # the stored matrices' values and scales: what they take as stored, less the rest
+    assert stored.stored_bytes == sum(
+        layer.resident_bytes(True) - layer.resident_bytes() + layer.jit_bytes() for layer in layers
+    )
+    buffer = max(layer.jit_bytes() for layer in layers)
+    assert buffer <= stored.buffer_bytes <= buffer + 64 * 32  # each matrix aligned
+    assert stored.device_bytes == planned + stored.buffer_bytes
+    assert planned / wide.device_bytes < 0.56  # FP8 and its float32 block scales: about half
+    assert stored.report.stats.buffer_bytes == stored.buffer_bytes
+
+
+def test_a_replan_moves_stored_layers_and_reads_again_what_changes_form(tmp_path) -> None:
+    """A worker re-planned between resident-as-stored and offloaded, and from stored to wide:
+    a layer that stays resident as stored, or goes between stored on the device and 8 bits in
+    host memory (the same bytes), is moved, not read; one that goes from stored to wide is
+    read again; the logits stay the reference's."""
+    root = CASES["qwen3-bf16"](tmp_path / "fp8")
+    index = load_index(root)
+    reference = dequantized_copy(root, tmp_path / "bf16")
+    names = [[layer.name for layer in index.layers]]
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+    expected = reference_logits(str(reference), ids, dtype="bfloat16", num_threads=1)
+
+    def spec(offloaded: tuple[str, ...], stored: bool):
+        return dataclasses.replace(split_spec(index, 0, names, offloaded), resident_stored=stored)
+
+    worker = StageWorker(spec(("layers.1", "layers.3"), True), device="cpu", num_threads=1)
+    try:
+        worker.load()
+        x, mask, positions, keep = check_inputs(ids, None, 0, VOCAB)
+        assert torch.equal(worker.forward(x, mask, positions, keep), expected)
+        for offloaded, stored, reread in (
+            (("layers.2", "layers.3"), True, set()),  # 1 back, 2 out: the same FP8 bytes
+            (("layers.2", "layers.3"), False, {"layers.0", "layers.1"}),  # stored -> wide
+        ):
+            chunks = worker.reconfigure(spec(offloaded, stored))
+            assert {name for i in chunks for name in worker._chunks[i]} == reread
+            for i in chunks:
+                worker.load_chunk(i)
+            worker.finish_load()
+            assert bool(worker.report().resident_format) == stored
+            x, mask, positions, keep = check_inputs(ids, None, 0, VOCAB)
+            assert torch.equal(worker.forward(x, mask, positions, keep), expected), offloaded
+    finally:
+        worker.close()
+
+
+def test_the_loader_reads_stored_bytes_into_a_strided_part_through_a_temporary(tmp_path) -> None:
+    """A stored destination that is not contiguous (a part of a wider parameter, narrowed
+    along its columns) takes the file's bytes through a temporary of that tensor: the very
+    bytes and scales, nothing requantized."""
+    from safetensors import safe_open
+
+    from worker.loader import TensorReader
+    from worker.spec import file_format
+
+    root = CASES["qwen3-bf16"](tmp_path / "fp8")  # blocks of 32 rows by 20 columns
+    index = load_index(root)
+    tensor = next(t for t in index.layers[1].tensors if t.target.endswith("q_proj.weight"))
+    fmt = file_format(tensor)
+    rows, cols = tensor.shape  # 64 x 48: the last block column partial
+    wide = (rows, 60 + cols)
+    whole = QuantizedTensor(torch.zeros(wide, dtype=FP8), torch.zeros(fmt.scale_shape(wide)), fmt)
+    part = whole.narrow(1, 60, cols)
+    assert not part.q.is_contiguous()
+    with TensorReader(root) as reader:
+        reader.read_many([(tensor, part)])
+    with safe_open(root / tensor.file, "pt") as f:
+        values = f.get_tensor(tensor.name)
+        scales = f.get_tensor(tensor.scale.name).float()
+    assert torch.equal(whole.q[:, 60:].view(torch.uint8), values.view(torch.uint8))
+    assert torch.equal(whole.scales[:, 3:], scales)
+    assert not whole.q[:, :60].view(torch.uint8).any()  # nothing else written
