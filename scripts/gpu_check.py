@@ -1136,42 +1136,51 @@ def section_planner_rate(s: Section) -> None:
     )
 
 
+def _run_stages(s: Section, index, **changes):
+    """Logits of `index` over _two_stages (prefetch; an MoE offloads its experts), each spec
+    changed so; the ids, the workers' copy counters, and each stage's device bytes once
+    loaded (CUDA's allocated bytes, every other stage closed)."""
+    import dataclasses
+
+    import torch
+
+    from worker.worker import StageWorker
+
+    ids = torch.randint(
+        0, index.config["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0)
+    )
+    x, stats, held = ids, [], []
+    for spec in _two_stages(index, "prefetch"):
+        spec = dataclasses.replace(
+            spec,
+            offload_unit="experts" if any(x.experts for x in index.layers) else "layer",
+            **changes,
+        )
+        worker = StageWorker(spec, device=str(s.device), num_threads=torch.get_num_threads())
+        try:
+            worker.load()
+            held.append(worker.device_bytes())
+            x = worker.forward(x)
+            stats.append(worker.report().stats)
+        finally:
+            worker.close()
+    return ids, x.cpu(), stats, held
+
+
 def section_quantized_moe(s: Section) -> None:
     """Issues 54 and 55 on this device: gpt-oss's MXFP4 experts offloaded in 4 bits and
     dequantized after each copy (against transformers' `Mxfp4Config(dequantize=True)` on the
     same device), block FP8 with partial blocks dequantized on the device after each copy
     (against the same checkpoint dequantized while read), and routed expert fetch (against
     whole-layer fetch: the same logits, fewer bytes)."""
-    import dataclasses
-
     import torch
 
     from coordinator.planning.checkpoint import load_index
     from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
     from coordinator.tools.reference import _dequantizing
-    from worker.worker import StageWorker
 
     def run(index, **changes):
-        """Logits of `index` over _two_stages (prefetch), each spec changed so, and the
-        workers' copy counters."""
-        ids = torch.randint(
-            0, index.config["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0)
-        )
-        x, stats = ids, []
-        for spec in _two_stages(index, "prefetch"):
-            spec = dataclasses.replace(
-                spec,
-                offload_unit="experts" if any(x.experts for x in index.layers) else "layer",
-                **changes,
-            )
-            worker = StageWorker(spec, device=str(s.device), num_threads=torch.get_num_threads())
-            try:
-                worker.load()
-                x = worker.forward(x)
-                stats.append(worker.report().stats)
-            finally:
-                worker.close()
-        return ids, x.cpu(), stats
+        return _run_stages(s, index, **changes)[:3]
 
     width = (
         dict(hidden_size=64, intermediate_size=96)
@@ -1245,6 +1254,68 @@ def section_quantized_moe(s: Section) -> None:
         )
 
 
+def section_resident_stored(s: Section) -> None:
+    """Issue 54 point 4 on this device: resident FP8 (partial blocks) and MXFP4 matrices kept
+    as stored, each layer dequantized just in time, against the same checkpoint dequantized
+    at load: the same logits (same device, same numbers) and fewer device bytes; whether the
+    device computes in FP8 (what `--resident-weights auto` asks of it)."""
+    import time
+
+    import torch
+
+    from coordinator.planning.checkpoint import load_index
+    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+    from offload.probe import probe_node
+
+    devices = probe_node().devices
+    s.data["compute capability"] = [list(d.capability) for d in devices]
+    s.data["computes in fp8"] = bool(devices) and all(d.capability >= (8, 9) for d in devices)
+    common = dict(
+        num_layers=6, num_heads=4, num_kv_heads=2, vocab_size=256, dtype="bfloat16", tokenizer=False
+    )  # the second stage holds three resident decoder layers and offloads a fourth
+    cases = {
+        "block FP8, partial blocks": dict(
+            arch="llama",
+            quantization="fp8-block",
+            fp8_block=64 if s.dry else 128,
+            **(
+                dict(hidden_size=96, intermediate_size=160)
+                if s.dry
+                else dict(hidden_size=1152, intermediate_size=3200)
+            ),
+        ),
+        "MXFP4 gpt-oss": dict(
+            arch="gpt_oss",
+            quantization="mxfp4",
+            **(
+                dict(hidden_size=64, intermediate_size=96)
+                if s.dry
+                else dict(hidden_size=512, intermediate_size=1024)
+            ),
+        ),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (case, shape) in enumerate(cases.items()):
+            index = load_index(
+                make_checkpoint(Path(tmp) / str(i), CheckpointShape(**common, **shape))
+            )
+            _, wide, _, wide_held = _run_stages(s, index)
+            start = time.perf_counter()
+            _, kept, _, kept_held = _run_stages(s, index, resident_stored=True)
+            s.data[f"{case}: device bytes wide / stored"] = [wide_held, kept_held]
+            s.check(
+                f"{case}: kept as stored = dequantized at load (logits)",
+                torch.equal(kept, wide),
+                f"max abs diff {float((kept.float() - wide.float()).abs().max()):.3e}",
+            )
+            s.check(
+                f"{case}: kept as stored holds fewer device bytes (3 resident layers)",
+                kept_held[-1] < wide_held[-1],
+                f"{kept_held} < {wide_held}",
+            )
+            s.data[f"{case}: stored run s (load + forward)"] = time.perf_counter() - start
+
+
 def section_pytest_gpu(s: Section) -> None:
     if s.dry:
         raise Skip("dry run: the suite runs tests/test_gpu.py itself (skipped without CUDA)")
@@ -1288,6 +1359,7 @@ SECTIONS: dict[str, tuple[Callable[[Section], None], float]] = {
     "attention_graphs": (section_attention_graphs, 120),
     "planner_rate": (section_planner_rate, 90),
     "quantized_moe": (section_quantized_moe, 90),
+    "resident_stored": (section_resident_stored, 60),
     "pytest_gpu": (section_pytest_gpu, 240),
 }
 

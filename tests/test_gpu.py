@@ -257,6 +257,66 @@ def test_worker_reconfigure_moves_layers_within_device_memory(tmp_path) -> None:
         worker.close()
 
 
+@pytest.mark.parametrize("quantization", ["fp8-block", "mxfp4"])
+def test_resident_matrices_kept_as_stored_on_cuda(tmp_path, quantization: str) -> None:
+    """On a GPU: a stage keeping its resident FP8 (partial blocks) or MXFP4 matrices as stored
+    reads the file's bytes onto the device and dequantizes each layer just in time: the logits
+    of the same stage dequantized at load (same device, same numbers), in fewer device bytes,
+    what `LayerSpec.resident_bytes(stored=True)` and one layer at width say."""
+    import dataclasses
+
+    from coordinator.planning.checkpoint import load_index
+    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+    from worker.spec import StageSpec
+    from worker.worker import StageWorker
+
+    arch = "gpt_oss" if quantization == "mxfp4" else "llama"
+    index = load_index(
+        make_checkpoint(
+            tmp_path / "ckpt",
+            CheckpointShape(
+                arch=arch,
+                num_layers=6,
+                hidden_size=576 if arch == "llama" else 512,
+                num_heads=8,
+                num_kv_heads=4,
+                intermediate_size=1344 if arch == "llama" else 1024,
+                vocab_size=512,
+                dtype="bfloat16",
+                quantization=quantization,
+                tokenizer=False,
+            ),
+        )
+    )
+    spec = StageSpec(
+        stage=0,
+        num_stages=1,
+        checkpoint_dir=str(index.root),
+        config=index.config,
+        dtype="bfloat16",
+        layers=index.layers,
+    )
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    out, held = [], []
+    for stored in (False, True):
+        worker = StageWorker(dataclasses.replace(spec, resident_stored=stored), device="cuda")
+        try:
+            base = torch.cuda.memory_allocated()
+            worker.load()
+            held.append(torch.cuda.memory_allocated() - base)
+            out.append(worker.forward(ids).cpu())
+            report = worker.report()
+        finally:
+            worker.close()
+    assert report.resident_format
+    assert torch.equal(out[0], out[1])
+    planned = sum(x.resident_bytes(True) for x in index.layers)
+    jit = max(x.jit_bytes() for x in index.layers)
+    assert held[1] < held[0]
+    # the stored bytes and one layer's buffer (CUDA's allocator rounds each block up a little)
+    assert planned + jit <= held[1] <= (planned + jit) * 1.02 + 2**21
+
+
 def two_cuda_stages(index, backend: str) -> list:
     """Specs of two stages (embed + layers 0-1 | layers 2-3 + head), each offloading one
     decoder layer with `backend`."""
