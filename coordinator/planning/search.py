@@ -11,8 +11,13 @@ the public types. Why the search is exact, in four steps:
    (transfer time, the node's host budget) except device memory, which only asks for a subset
    that fits. So each range has one cost, the minimal offloaded bytes `offload_bytes(a, b, gpu)`.
    That is a bounded knapsack (minimal subset sum above a target, with the largest chosen layer
-   setting the slot size; a UVA node has no slots, and the same search runs with zero of them); equal decoder sizes, the usual case, have a closed form, and mixed
-   sizes are enumerated by size class (polynomial for a fixed number of distinct sizes).
+   setting the slot size; a UVA node has no slots, and the same search runs with zero of them);
+   equal decoder sizes, the usual case, have a closed form, and mixed sizes are enumerated by
+   size class (polynomial for a fixed number of distinct sizes). Where a slot holds more than
+   offloading its layer frees (resident weights kept as stored, the slot at the model's width),
+   the slots are charged at the largest slot of the unit's layers that free no more than the
+   largest chosen one: never less than the chosen layers need, and exact where equal freed
+   sizes have equal slots and larger ones no smaller slots (equal layers, the usual case).
 3. Nodes have independent host budgets, and by (1) starting later never hurts, so each node
    takes the furthest reach it can (greedy across nodes). Within a node the host budget couples
    its GPUs, so there a greedy max-prefix can be wrong (a long range that offloads can starve the
@@ -139,9 +144,10 @@ def min_offload(
     Offloading S frees sum(S) resident bytes but costs min(p, |S|) * max(S) slot bytes, so with
     deficit > 0 it needs |S| > p and sum(S) - p * max(S) >= deficit. We try each size x as the
     largest offloaded one: the rest, all of size <= x, must sum to >= deficit + (p - 1) * x.
-    With p = 0 (UVA: no slots) that is sum(S) >= deficit, the same search. `extra[x]`: device
-    bytes an offload set whose largest layer is of size x needs besides its slots (the staging
-    buffer of 8-bit layers), so sum(S) >= deficit + p * x + extra[x].
+    With p = 0 (UVA: no slots) that is sum(S) >= deficit, the same search. `extra[x]` (>= 0):
+    device bytes an offload set whose largest layer is of size x needs besides p * x (the
+    staging buffer of 8-bit layers; slots larger than what their layers free), so
+    sum(S) >= deficit + p * x + extra[x].
     """
     if deficit <= 0:
         return 0, {}
@@ -151,8 +157,8 @@ def min_offload(
         if best is not None and deficit + prefetch_step * largest > best[0]:
             break  # sum(S) >= deficit + p * max(S): larger maxima only cost more
         pool = [*classes[:j], (largest, count - 1)]
-        staging = (extra or {}).get(largest, 0)
-        got = min_cover(pool, deficit + (prefetch_step - 1) * largest + staging)
+        besides = (extra or {}).get(largest, 0)
+        got = min_cover(pool, deficit + (prefetch_step - 1) * largest + besides)
         if got is None:
             continue
         rest, num, choice = got
@@ -165,12 +171,19 @@ def min_offload(
 @dataclass(slots=True)
 class _Unit:
     """One way to offload a layer: the device bytes it frees per position (0: not movable),
-    and the bytes it keeps in host memory and copies per step, as stored (8 bits where so)."""
+    the bytes of its prefetch slot (the unit at the model's width: more than it frees where
+    resident weights are kept as stored), and the bytes it keeps in host memory and copies per
+    step, as stored (8 bits where so)."""
 
     movable: list[int]
+    slot: list[int]
     stored: list[int]
     num_movable: list[int]  # prefix counts of movable positions
     uniform: int | None  # the one movable size, if there is one
+    slot_of: dict[int, int]  # movable size -> the largest slot of a layer that size
+    # movable size x -> the largest slot of a layer freeing at most x: what the slots of an
+    # offload set whose largest layer frees x are charged (see the module doc)
+    slot_upto: dict[int, int]
     stored_of: dict[int, int]  # movable size -> the most stored bytes of a layer that size
     staging_of: dict[int, int]  # movable size -> the most staging bytes of a layer that size
     staging_max: int  # the most any layer of the unit needs: what `staging` charges
@@ -178,22 +191,36 @@ class _Unit:
 
     @classmethod
     def of(
-        cls, movable: list[int], stored: list[int] | None = None, staging: list[int] | None = None
+        cls,
+        movable: list[int],
+        stored: list[int] | None = None,
+        staging: list[int] | None = None,
+        slot: list[int] | None = None,
     ) -> _Unit:
-        stored = list(movable) if stored is None else stored
+        slot = list(movable) if slot is None else slot
+        stored = list(slot) if stored is None else stored
         staging = [0] * len(movable) if staging is None else staging
         distinct = {s for s in movable if s > 0}
+        slot_of: dict[int, int] = {}
         stored_of: dict[int, int] = {}
         staging_of: dict[int, int] = {}
-        for size, kept, piece in zip(movable, stored, staging, strict=True):
+        for size, wide, kept, piece in zip(movable, slot, stored, staging, strict=True):
             if size > 0:
+                if wide < size:
+                    raise ValueError(f"a slot of {wide} bytes for a layer that frees {size}")
+                slot_of[size] = max(slot_of.get(size, 0), wide)
                 stored_of[size] = max(stored_of.get(size, 0), kept)
                 staging_of[size] = max(staging_of.get(size, 0), piece)
+        order = sorted(slot_of)
+        slot_upto = dict(zip(order, accumulate((slot_of[s] for s in order), max), strict=True))
         return cls(
             movable,
+            slot,
             stored,
             list(accumulate((s > 0 for s in movable), initial=0)),
             distinct.pop() if len(distinct) == 1 else None,
+            slot_of,
+            slot_upto,
             stored_of,
             staging_of,
             max(staging_of.values(), default=0),
@@ -206,11 +233,16 @@ class _Unit:
         layer of the unit needs, so that it bounds the worker's buffer whichever layers go."""
         return self.staging_max if packed and size in self.staging_of else 0
 
+    def extra(self, size: int, slots: int, packed: bool) -> int:
+        """Device bytes an offload set whose largest layer frees `size` needs beside
+        `slots` x `size`: the staging buffer, and the slots' excess over what they free."""
+        return self.staging(size, packed) + slots * (self.slot_upto[size] - size)
+
     def cost(self, choice: dict[int, int], packed: bool) -> int:
-        """Bytes copied per step (and held in host memory) by `choice` {size: how many}."""
-        if not packed:
-            return sum(size * num for size, num in choice.items())
-        return sum(self.stored_of[size] * num for size, num in choice.items())
+        """Bytes copied per step (and held in host memory) by `choice` {size: how many}: at
+        the model's width (the slot's bytes), or as stored where `packed`."""
+        held = self.stored_of if packed else self.slot_of
+        return sum(held[size] * num for size, num in choice.items())
 
     def time_cost(self, choice: dict[int, int], packed: bool, factor: float) -> int:
         """`choice`'s transfer in link bytes: what it copies, and dequantizing its 8-bit
@@ -218,7 +250,11 @@ class _Unit:
         host = self.cost(choice, packed)
         if not packed or not factor:
             return host
-        wide = sum(size * num for size, num in choice.items() if self.stored_of[size] != size)
+        wide = sum(
+            self.slot_of[size] * num
+            for size, num in choice.items()
+            if self.stored_of[size] != self.slot_of[size]
+        )
         return host + math.ceil(wide * factor)
 
 
@@ -239,6 +275,8 @@ class Search:
         offload_sizes: Sequence[int] | None = None,
         stored_units: Sequence[Sequence[int]] | None = None,
         staging_units: Sequence[Sequence[int]] | None = None,
+        slot_units: Sequence[Sequence[int]] | None = None,
+        jit_bytes: int = 0,
     ) -> None:
         """`kv_sizes`: device bytes each layer needs besides its weights and never offloads
         (its reserved KV cache); they count against the GPU's memory wherever the layer is.
@@ -248,14 +286,20 @@ class Search:
         MLP, say: the rest of it stays resident, and its prefetch slot is that size). A GPU's
         range offloads by one unit: the one moving the fewest bytes (ties: the earlier unit);
         the whole layer (`offloadable`) is the last unit, moving `offload_sizes` (default:
-        `sizes`; less where a layer has buffers, which stay on the device). `stored_units`: per
-        unit (the whole layer last) the bytes each layer keeps in host memory when offloaded
-        so, where that differs from what it frees on the device (8-bit offloaded weights, on
-        the nodes whose `NodeLimits.packed`); default: the same. `staging_units`: likewise the
-        device bytes of the staging buffer such a layer needs beside the slots (default 0)."""
+        `sizes`; less where a layer has buffers, which stay on the device). `slot_units`: per
+        unit (the whole layer last) the bytes of each layer's prefetch slot, where that is
+        more than what offloading it frees (resident weights kept as stored: the slot holds
+        the unit at the model's width); default: the same. `stored_units`: likewise the bytes
+        each layer keeps in host memory when offloaded so, where that differs from its slot
+        (8-bit offloaded weights, on the nodes whose `NodeLimits.packed`); default: the same.
+        `staging_units`: likewise the device bytes of the staging buffer such a layer needs
+        beside the slots (default 0). `jit_bytes`: the buffer resident weights kept as stored
+        are dequantized into just in time, charged with the reserve on every GPU that holds
+        a layer."""
         self.num_layers = len(sizes)
         self.nodes = tuple(nodes)
-        self.reserve_bytes = reserve_bytes
+        self.jit_bytes = jit_bytes
+        self.reserve_bytes = reserve_bytes + jit_bytes  # what every used GPU keeps besides
         self.compute_bytes_per_s = compute_bytes_per_s
         self.rates = [n.compute_bytes_per_s or compute_bytes_per_s for n in self.nodes]
         self.prefix = list(accumulate(sizes, initial=0))
@@ -268,22 +312,24 @@ class Search:
         movables = [
             [max(0, b) if w else 0 for b, w in zip(unit, whole, strict=True)] for unit in units
         ] + [whole]
-        stored = list(stored_units) if stored_units is not None else movables
+        slot = list(slot_units) if slot_units is not None else movables
+        stored = list(stored_units) if stored_units is not None else slot
         staging = (
             list(staging_units) if staging_units is not None else [[0] * len(sizes)] * len(movables)
         )
-        if not len(stored) == len(staging) == len(movables):
+        if not len(slot) == len(stored) == len(staging) == len(movables):
             raise ValueError(
-                f"{len(stored)} stored and {len(staging)} staging size lists for "
-                f"{len(movables)} units"
+                f"{len(slot)} slot, {len(stored)} stored and {len(staging)} staging size lists "
+                f"for {len(movables)} units"
             )
         self.units = [
             _Unit.of(
                 m,
                 [k if b else 0 for k, b in zip(kept, m, strict=True)],
                 [p if b else 0 for p, b in zip(piece, m, strict=True)],
+                [w if b else 0 for w, b in zip(wide, m, strict=True)],
             )
-            for m, kept, piece in zip(movables, stored, staging, strict=True)
+            for m, wide, kept, piece in zip(movables, slot, stored, staging, strict=True)
         ]
 
     # -- one range on one GPU ------------------------------------------------------------------
@@ -294,15 +340,15 @@ class Search:
         """(bytes copied per step, {size: how many}) of the fewest bytes of unit `u` among
         [start, end) that free `deficit` device bytes beside `slots` slots; None: too few."""
         unit = self.units[u]
-        if unit.uniform is not None:  # equal sizes: k * s - p * s - staging >= deficit
+        if unit.uniform is not None:  # equal sizes: k * s - p * slot - staging >= deficit
             size = unit.uniform
-            num = slots + -(-(deficit + unit.staging(size, packed)) // size)
+            num = slots + -(-(deficit + unit.extra(size, slots, packed)) // size)
             if num > unit.num_movable[end] - unit.num_movable[start]:
                 return None
             return unit.cost({size: num}, packed), {size: num}
         key = (start, end, deficit, slots, packed)
         if key not in unit.memo:
-            extra = {size: unit.staging(size, packed) for size in unit.stored_of}
+            extra = {size: unit.extra(size, slots, packed) for size in unit.stored_of}
             got = min_offload(unit.movable[start:end], deficit, slots, extra)
             unit.memo[key] = None if got is None else (unit.cost(got[1], packed), got[1])
         return unit.memo[key]
@@ -392,12 +438,12 @@ class Search:
             cost = picked = None
             for u, unit in enumerate(units):
                 size = unit.uniform
-                if size is not None:  # k * s - p * s - staging >= deficit, see min_offload
-                    extra = unit.staging_max if packed else 0  # size is the unit's one size
+                if size is not None:  # k * s - p * slot - staging >= deficit, see min_offload
+                    extra = unit.extra(size, slots, packed)
                     num = slots + (deficit + extra + size - 1) // size
                     if num > unit.num_movable[end + 1] - unit.num_movable[start]:
                         continue
-                    got = num * (unit.stored_of[size] if packed else size)
+                    got = num * (unit.stored_of if packed else unit.slot_of)[size]
                     chosen = (unit, {size: num})
                 else:
                     choice = self._unit_choice(u, start, end + 1, deficit, slots, packed)
