@@ -100,6 +100,21 @@ def test_budgets_from_the_probe() -> None:
     assert info.link_bytes_per_s is None  # the planner falls back to its default
 
 
+def test_a_node_computes_in_fp8_when_every_gpu_it_sees_does() -> None:
+    """Compute capability 8.9 (Ada) or higher on every device: where "auto" keeps a quantized
+    checkpoint's resident weights as stored; never on simulated GPUs."""
+    config = JobConfig(checkpoint="c")
+    ada = dataclasses.replace(H100, name="NVIDIA L4", capability=(8, 9))
+    ampere = dataclasses.replace(H100, name="NVIDIA A100", capability=(8, 0))
+    for devices, fp8 in (((H100, ada), True), ((H100, ampere), False)):
+        probed = result(cuda_probe(devices=devices), pin=True)
+        assert node_info(config, probed, node_id="n", num_gpus=2).fp8_compute == fp8
+    simulated = JobConfig(checkpoint="c", gpu_memory_bytes=GiB)
+    assert not node_info(
+        simulated, result(NodeProbe(), pin=False), node_id="n", num_gpus=2
+    ).fp8_compute
+
+
 @pytest.mark.parametrize(
     ("config", "probed", "message"),
     [

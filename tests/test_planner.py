@@ -504,6 +504,7 @@ def test_error_on_bad_inputs() -> None:
         ("compute_bytes_per_s", float("inf")),
         ("default_link_bytes_per_s", -1.0),
         ("default_link_bytes_per_s", float("nan")),
+        ("resident_weights", "fp4"),
     ],
 )
 def test_invalid_options_name_the_field(field: str, value: object) -> None:

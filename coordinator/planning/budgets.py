@@ -19,6 +19,8 @@ from offload.probe import NodeProbe
 HOST_BUDGET_FRACTION = 0.8
 # Default share of a real GPU's memory the planner may use (the rest: CUDA context, allocator).
 GPU_BUDGET_FRACTION = 0.9
+# The CUDA compute capability from which a GPU has FP8 tensor cores (Ada, Hopper and later).
+FP8_CAPABILITY = (8, 9)
 
 
 def node_info(
@@ -106,6 +108,8 @@ def node_info(
         if probe.devices or not probe.cpu_count
         else max(1, (probe.cpu_count - 1) // config.cpus_per_worker),
         cuda=bool(probe.devices),
+        fp8_compute=bool(probe.devices)
+        and all(d.capability >= FP8_CAPABILITY for d in probe.devices),
         budget_note="; ".join(notes),
         **_compute(result.get("compute"), config),
     )

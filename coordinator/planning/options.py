@@ -8,7 +8,13 @@ from typing import Any
 
 from offload.config import MAX_PREFETCH_STEP  # the offloader's own bound, not a second copy
 from offload.errors import ConfigError
-from worker.names import DEFAULT_BLOCK_SIZE, EXPERT_FETCHES, OFFLOAD_DTYPES, blocks_for
+from worker.names import (
+    DEFAULT_BLOCK_SIZE,
+    EXPERT_FETCHES,
+    OFFLOAD_DTYPES,
+    RESIDENT_WEIGHTS,
+    blocks_for,
+)
 
 OBJECTIVES = ("latency", "throughput")
 DEFAULT_STEP_OVERHEAD_S = 3e-3
@@ -71,6 +77,12 @@ class PlanOptions:
     # expected distinct experts' bytes, copied after the router, against the whole unit
     # prefetched under compute); "layer" or "routed" for every stage.
     expert_fetch: str = "auto"
+    # How a quantized checkpoint's resident weights sit on the GPUs (worker.names.
+    # RESIDENT_WEIGHTS): "stored" as the checkpoint stores them, each layer's dequantized just
+    # in time into one buffer; "wide" at the model's width; "auto" stored where every node's
+    # GPUs compute in FP8 and the plan at width offloads or does not fit, if that plan is
+    # then faster or copies fewer bytes (planner.plan).
+    resident_weights: str = "auto"
 
     @property
     def pool_tokens(self) -> int:
@@ -146,6 +158,11 @@ class PlanOptions:
             raise ConfigError(
                 f"PlanOptions.expert_fetch={self.expert_fetch!r} must be one of "
                 f"{', '.join(EXPERT_FETCHES)}"
+            )
+        if self.resident_weights not in RESIDENT_WEIGHTS:
+            raise ConfigError(
+                f"PlanOptions.resident_weights={self.resident_weights!r} must be one of "
+                f"{', '.join(RESIDENT_WEIGHTS)}"
             )
         for name in ("compute_bytes_per_s", "default_link_bytes_per_s"):
             value = getattr(self, name)

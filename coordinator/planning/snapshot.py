@@ -48,6 +48,10 @@ class NodeInfo:
     # it is not plain (a --gpu-memory capped by the device, say), for the plan to show.
     cuda: bool = False
     budget_note: str = ""
+    # Every GPU of the node computes in FP8 (CUDA compute capability 8.9 or higher; never a
+    # simulated one): where "auto" keeps a quantized checkpoint's resident weights as stored
+    # (PlanOptions.resident_weights).
+    fp8_compute: bool = False
 
     def compute_rate(self, max_batch: int) -> tuple[float | None, str]:
         """(weight bytes per second for steps of `max_batch` sequences, what it is); None when
