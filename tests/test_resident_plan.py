@@ -1,17 +1,24 @@
 """Resident weights kept as stored (issue 54 point 4, the planner's side): a layer offloaded
 from a GPU that keeps its quantized matrices as stored frees fewer bytes than its prefetch
 slot holds (the slot is at the model's width). The search against a brute force over every
-offload subset, and the plans such GPUs get. Pure Python, no Ray."""
+offload subset, the plans such GPUs get, and "auto"'s choice. No Ray is started."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from coordinator.planning.planner import Plan, PlanError, PlanOptions, plan
 from coordinator.planning.search import NodeLimits, Search
+from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
+from worker.spec import LayerSpec, TensorSlice
 
+GiB = 1 << 30
 FAST = settings(
     max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -103,3 +110,193 @@ def test_offload_choice_is_exact_where_slots_grow_with_what_layers_free(case):
     """Where equal freed sizes have equal slots and larger ones no smaller slots, the
     conservative rule is no rule: the search is the true optimum."""
     check_against_brute_force(case, monotone=True)
+
+
+# -- plans of a block-FP8 checkpoint (DeepSeek-V3's layout: 128 x 128 blocks, float32 scales,
+# bfloat16 norms and embeddings)
+
+HIDDEN, INTER, VOCAB = 256, 768, 1024
+
+
+def tensor(name: str, shape: tuple[int, ...], fp8: bool = False) -> TensorSlice:
+    """A checkpoint tensor loaded as bfloat16: stored as FP8 in 128 x 128 blocks with their
+    float32 scales where `fp8`, else as bfloat16."""
+    scale = None
+    if fp8:
+        grid = tuple(-(-n // 128) for n in shape)
+        scale = TensorSlice(
+            name=f"{name}_scale_inv",
+            dtype="F32",
+            shape=grid,
+            file="model.safetensors",
+            start=0,
+            end=4 * math.prod(grid),
+        )
+    return TensorSlice(
+        name=name,
+        dtype="F8_E4M3" if fp8 else "BF16",
+        shape=shape,
+        file="model.safetensors",
+        start=0,
+        end=math.prod(shape) * (1 if fp8 else 2),
+        target=name,
+        target_dtype="bfloat16",
+        scale=scale,
+        block=(128, 128) if fp8 else None,
+    )
+
+
+def fp8_model(num_decoders: int = 16, fp8: bool = True) -> list[LayerSpec]:
+    """An embedding, decoder layers whose attention and MLP matrices are block FP8 (`fp8`;
+    else bfloat16) beside bfloat16 norms, and a head."""
+    layers = [
+        LayerSpec(
+            name="embed", kind="embed", index=None, tensors=(tensor("embed", (VOCAB, HIDDEN)),)
+        )
+    ]
+    for i in range(num_decoders):
+        prefix = f"model.layers.{i}."
+        matrices = [(f"self_attn.{m}_proj", (HIDDEN, HIDDEN)) for m in "qkvo"] + [
+            ("mlp.gate_proj", (INTER, HIDDEN)),
+            ("mlp.up_proj", (INTER, HIDDEN)),
+            ("mlp.down_proj", (HIDDEN, INTER)),
+        ]
+        tensors = [tensor(f"{prefix}{m}.weight", shape, fp8) for m, shape in matrices]
+        tensors += [
+            tensor(f"{prefix}{norm}.weight", (HIDDEN,))
+            for norm in ("input_layernorm", "post_attention_layernorm")
+        ]
+        layers.append(
+            LayerSpec(name=f"layers.{i}", kind="decoder", index=i, tensors=tuple(tensors))
+        )
+    head = (tensor("model.norm.weight", (HIDDEN,)), tensor("lm_head.weight", (VOCAB, HIDDEN)))
+    return [*layers, LayerSpec(name="head", kind="head", index=None, tensors=head)]
+
+
+def two_gpus(memory_bytes: int, fp8_compute: bool = True) -> ClusterSnapshot:
+    gpus = tuple(GpuInfo(index=i, memory_bytes=memory_bytes) for i in range(2))
+    node = NodeInfo(node_id="node", gpus=gpus, host_budget_bytes=GiB, fp8_compute=fp8_compute)
+    return ClusterSnapshot(nodes=(node,))
+
+
+def offloaded_wide(the_plan: Plan) -> int:
+    return sum(s.offloaded_wide_bytes for s in the_plan.stages)
+
+
+def check_stored_stages(the_plan: Plan, layers: list[LayerSpec], snap: ClusterSnapshot) -> None:
+    """Each stage's numbers as the worker will find them: resident layers with their quantized
+    matrices as stored, slots at width, and the just-in-time buffer, within its GPU."""
+    by_name = {layer.name: layer for layer in layers}
+    jit = max(layer.jit_bytes() for layer in layers)
+    memory = {(n.node_id, g.index): g.memory_bytes for n in snap.nodes for g in n.gpus}
+    for s in the_plan.stages:
+        mine = [by_name[name] for name in s.layers]
+        moved = [by_name[name] for name in s.offloaded]
+        freed = sum(layer.freed_bytes(s.offload_unit, True) for layer in moved)
+        wide = [layer.unit_bytes(s.offload_unit) for layer in moved]
+        assert s.resident_stored and s.jit_bytes == jit
+        assert s.resident_bytes == sum(layer.resident_bytes(True) for layer in mine) - freed
+        assert s.resident_wide_bytes == sum(layer.nbytes for layer in mine) - sum(wide)
+        assert s.offloaded_wide_bytes == sum(wide)
+        staging = s.slot_bytes - min(s.prefetch_step, len(moved)) * max(wide, default=0)
+        assert 0 <= staging < max(wide, default=1)  # one piece of a weight as stored, or none
+        assert s.device_bytes == s.resident_bytes + s.slot_bytes + s.kv_bytes + jit
+        assert s.device_bytes <= memory[s.node_id, s.gpu_index]
+    assert the_plan.total_bytes == sum(layer.nbytes for layer in layers)
+    assert Plan.from_json(the_plan.to_json()) == the_plan
+
+
+def test_stored_resident_weights_offload_about_half_the_bytes() -> None:
+    """Two GPUs of 8 MiB for 16 layers of 1.6 MiB at width: at width the plan offloads 16 MiB
+    of them; kept as stored (half the bytes: FP8 values and their scales) with a buffer of one
+    layer at width, 9 MiB, and the stages fit. "auto" on FP8 GPUs takes that plan."""
+    layers, snap = fp8_model(), two_gpus(8 << 20)
+    wide = plan(layers, snap, PlanOptions(resident_weights="wide"))
+    stored = plan(layers, snap, PlanOptions(resident_weights="stored"))
+    assert offloaded_wide(wide) > 0 and not any(s.resident_stored for s in wide.stages)
+    assert 0 < offloaded_wide(stored) <= 0.6 * offloaded_wide(wide)
+    assert stored.bottleneck_s < wide.bottleneck_s
+    check_stored_stages(stored, layers, snap)
+    assert plan(layers, snap, PlanOptions()).stages == stored.stages  # auto
+    summary = stored.summary()
+    assert (
+        "resident quantized matrices kept as stored (FP8/MXFP4 blocks; resident weights " in summary
+    )
+    assert "on stage(s) 0, 1:" in summary and "(counted in device)" in summary
+
+
+def test_auto_keeps_resident_weights_wide_unless_fp8_gpus_would_offload() -> None:
+    """Resident weights "auto" stay at width on GPUs that do not compute in FP8 (a simulated
+    node's too) and where the plan at width offloads nothing; "stored" keeps them as stored on
+    any node (how CI tests it), and is "wide" for a checkpoint with no quantized matrices."""
+    layers = fp8_model()
+    tight, roomy = two_gpus(8 << 20, fp8_compute=False), two_gpus(32 << 20)
+    old_gpus = plan(layers, tight, PlanOptions())
+    assert old_gpus.stages == plan(layers, tight, PlanOptions(resident_weights="wide")).stages
+    assert offloaded_wide(old_gpus) and not any(s.resident_stored for s in old_gpus.stages)
+    fits = plan(layers, roomy, PlanOptions())
+    assert not offloaded_wide(fits) and not any(s.resident_stored for s in fits.stages)
+    forced = plan(layers, tight, PlanOptions(resident_weights="stored"))
+    check_stored_stages(forced, layers, tight)
+    plain, snap = fp8_model(fp8=False), two_gpus(12 << 20)
+    same = plan(plain, snap, PlanOptions(resident_weights="stored"))
+    assert same.stages == plan(plain, snap, PlanOptions(resident_weights="wide")).stages
+    assert offloaded_wide(same) and not any(s.resident_stored for s in same.stages)
+
+
+def test_auto_keeps_resident_weights_as_stored_where_the_plan_at_width_does_not_fit() -> None:
+    """No host budget: at width 8 layers of 1.6 MiB do not fit two GPUs of 6 MiB; as stored,
+    with the buffer of one of them at width on each GPU, they do."""
+    layers = fp8_model(8)
+    gpus = tuple(GpuInfo(index=i, memory_bytes=6 << 20) for i in range(2))
+    snap = ClusterSnapshot(nodes=(NodeInfo(node_id="node", gpus=gpus, fp8_compute=True),))
+    with pytest.raises(PlanError, match="the layers do not fit"):
+        plan(layers, snap, PlanOptions(resident_weights="wide"))
+    memo: dict = {}
+    found = plan(layers, snap, PlanOptions(), memo=memo)
+    check_stored_stages(found, layers, snap)
+    assert found.stages == plan(layers, snap, PlanOptions(resident_weights="stored")).stages
+    assert plan(layers, snap, PlanOptions(), memo=memo) == found  # the memo keeps both modes
+    tiny = ClusterSnapshot(nodes=(dataclasses.replace(snap.nodes[0], gpus=gpus[:1]),))
+    with pytest.raises(PlanError, match="buffer that resident quantized matrices, kept as"):
+        plan(layers, tiny, PlanOptions())  # neither fits: the stored plan's error
+
+
+def test_auto_keeps_resident_weights_wide_where_that_plan_is_faster() -> None:
+    """Two GPUs of 5 MiB for 8 layers: as stored, the buffer of a layer at width beside 4
+    layers costs more than their halving saves, and more bytes would cross the link; "auto"
+    keeps the faster plan at width ("stored" takes the other all the same)."""
+    layers, snap = fp8_model(8), two_gpus(5 << 20)
+    wide = plan(layers, snap, PlanOptions(resident_weights="wide"))
+    stored = plan(layers, snap, PlanOptions(resident_weights="stored"))
+    assert stored.bottleneck_s > wide.bottleneck_s
+    assert plan(layers, snap, PlanOptions()).stages == wide.stages
+
+
+@pytest.mark.parametrize(
+    ("family", "quantization", "changes", "offloads"),
+    [
+        ("deepseek_v3", "fp8-block", {}, True),
+        ("gpt_oss", "mxfp4", {"intermediate_size": 64}, False),  # MXFP4: a quarter of the bytes
+    ],
+)
+def test_quantized_checkpoints_offload_less_with_resident_weights_stored(
+    tmp_path, family: str, quantization: str, changes: dict, offloads: bool
+) -> None:
+    """Checkpoints `transformers` writes (16 layers) on two GPUs of 30% of their bytes at
+    width: kept as stored, their resident layers offload at most 0.6x the bytes, and every
+    stage fits as the worker will count it."""
+    from test_families import family_shape
+
+    from coordinator.planning.checkpoint import load_index
+    from coordinator.tools.make_checkpoint import make_checkpoint
+
+    shape = family_shape(family, "bfloat16", quantization=quantization, num_layers=16, **changes)
+    index = load_index(make_checkpoint(tmp_path / family, shape))
+    snap = two_gpus(int(index.total_bytes * 0.3))
+    wide = plan(index.layers, snap, PlanOptions(resident_weights="wide"))
+    stored = plan(index.layers, snap, PlanOptions())
+    assert offloaded_wide(wide) > 0
+    assert offloaded_wide(stored) <= 0.6 * offloaded_wide(wide)
+    assert (offloaded_wide(stored) > 0) == offloads
+    check_stored_stages(stored, index.layers, snap)

@@ -18,6 +18,13 @@ a UVA GPU none (`NodeInfo.backend`, resolved per node from its probe). The searc
 (`coordinator.planning.search`) returns the exact optimum of this model; its module doc gives the
 argument.
 
+Resident weights (`PlanOptions.resident_weights`): a GPU may keep a quantized checkpoint's
+resident matrices as stored (FP8 blocks, MXFP4), each layer's dequantized just in time into
+one buffer of the model's largest such layer at width. Its layers then take fewer device
+bytes, and offloading one frees fewer bytes than its slot (at width) holds: the search's
+sizes say so. "auto" keeps them so where every node's GPUs compute in FP8 and the plan at
+width offloads or does not fit, when that plan is faster or copies fewer bytes (`plan`).
+
 Objectives (`PlanOptions.objective`): "latency" minimises that bottleneck; "throughput"
 minimises the decode cycle of `micro_batches` micro-batches of the max_batch sequences
 (`coordinator.planning.cycle`, which also proves when the bottleneck placement is that
@@ -66,9 +73,9 @@ class StagePlan:
     offload_unit: str = "layer"
     prefetch_step: int  # device slots when it offloads: options.prefetch_step, 0 for uva
     resident_bytes: int
-    # min(prefetch_step, len(offloaded)) slots of the largest offloaded layer, and with 8-bit
-    # offloaded weights a staging buffer of one piece of their largest weight (copies land
-    # there, to be dequantized into the slots)
+    # min(prefetch_step, len(offloaded)) slots of the largest offloaded layer (at the model's
+    # width), and with 8-bit offloaded weights a staging buffer of one piece of their largest
+    # weight (copies land there, to be dequantized into the slots)
     slot_bytes: int
     offloaded_bytes: int  # host bytes as stored (8 bits where so): what each step copies
     device_bytes: int  # resident + slots + reserve + KV cache
@@ -88,8 +95,9 @@ class StagePlan:
     # "uva" (read in place); the node's, resolved from the job's backend and the node's probe.
     backend: str = "prefetch"
     backend_reason: str = ""
-    # The offloaded layers' bytes at the model's width (the device bytes offloading frees);
-    # offloaded_bytes / offloaded_wide_bytes < 1 where they are kept in 8 bits.
+    # The offloaded layers' bytes at the model's width (the device bytes offloading frees, but
+    # where resident_stored: less); offloaded_bytes / offloaded_wide_bytes < 1 where they are
+    # kept in 8 bits.
     offloaded_wide_bytes: int = 0
     # Of transfer_s: dequantizing the 8-bit offloaded weights after their copies (on the copy
     # stream, after the copies: the same queue), at the node's measured rate; 0.0 where none
@@ -99,6 +107,14 @@ class StagePlan:
     # prefetched under compute; "routed": only those a step routes to, after the router, so
     # time_s is then compute_s + their copy, not the larger of the two). `_fetch` chooses.
     expert_fetch: str = "layer"
+    # Its resident quantized matrices kept as stored (PlanOptions.resident_weights): then
+    # resident_bytes counts them as stored, resident_wide_bytes what they would take at the
+    # model's width, and device_bytes the buffer of jit_bytes they are dequantized into just
+    # in time (the model's largest such layer at width). offloaded_wide_bytes stays at width:
+    # what the slots take, and what offloading frees is less.
+    resident_stored: bool = False
+    resident_wide_bytes: int = 0
+    jit_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -247,6 +263,17 @@ class Plan:
                 "E (1 - (1 - k/E)^rows) of E expected under uniform routing, their copy added "
                 "to the stage's time"
             )
+        kept = [s for s in self.stages if s.resident_stored]
+        if kept:
+            notes.append(
+                "resident quantized matrices kept as stored (FP8/MXFP4 blocks; resident weights "
+                f"{self.options.resident_weights}) on stage(s) "
+                f"{', '.join(str(s.stage) for s in kept)}: "
+                f"{format_bytes(sum(s.resident_bytes for s in kept))} on the device instead of "
+                f"{format_bytes(sum(s.resident_wide_bytes for s in kept))} at the model's width; "
+                "each layer dequantized just in time into a buffer of "
+                f"{format_bytes(max(s.jit_bytes for s in kept))} (counted in device)"
+            )
         stored = sum(s.offloaded_bytes for s in self.stages)
         wide = sum(s.offloaded_wide_bytes for s in self.stages)
         if wide and stored != wide:
@@ -289,12 +316,17 @@ def plan(
     when the optimum does not need it or it cannot hold anything, so the plan can have fewer
     stages than the cluster has GPUs. Embedding and head stay resident; a stage offloads the
     fewest bytes of decoder layers that make it fit. Raises `PlanError` when nothing fits.
+    Resident weights (`options.resident_weights`): "wide" at the model's width; "stored" as the
+    checkpoint stores them on every node (the same as wide for a checkpoint with no quantized
+    matrices); "auto" plans at width, and plans again stored where the checkpoint has quantized
+    matrices, every node's GPUs compute in FP8 (`NodeInfo.fp8_compute`) and the plan at width
+    offloads or does not fit: the stored plan where the wide one does not fit, else the better
+    of the two (`_merit`).
     `memo`: a dict kept across calls on the same layers and cluster (the throughput search's
     many micro-batch counts): the bottleneck search runs once per distinct budgets and rates.
     """
     check_layers(layers)
-    gpus = [(node, gpu) for node in cluster.nodes for gpu in node.gpus]
-    if not gpus:
+    if not cluster.num_gpus:
         raise PlanError(f"the cluster has no GPUs ({len(cluster.nodes)} node(s)): add GPUs")
     for node in cluster.nodes:
         for name, default in (
@@ -320,50 +352,117 @@ def plan(
         for node in cluster.nodes
     ]
     kv = [kv_bytes(layer, options) for layer in layers]
+    jit = _jit_bytes(layers, memo)
+    mode = options.resident_weights
+    if (
+        mode == "wide"
+        or not jit
+        or (mode == "auto" and not all(node.fp8_compute for node in cluster.nodes))
+    ):
+        return _plan(layers, cluster, options, limits, kv, 0, memo)
+    if mode == "stored":
+        return _plan(layers, cluster, options, limits, kv, jit, memo)
+    try:
+        wide = _plan(layers, cluster, options, limits, kv, 0, memo)
+    except PlanError:
+        return _plan(layers, cluster, options, limits, kv, jit, memo)
+    if not any(s.offloaded for s in wide.stages):
+        return wide
+    try:
+        stored = _plan(layers, cluster, options, limits, kv, jit, memo)
+    except PlanError:  # the buffer they are dequantized into does not fit
+        return wide
+    return stored if _merit(stored) < _merit(wide) else wide
+
+
+def _merit(the_plan: Plan) -> tuple[float, int]:
+    """What "auto" resident weights compare plans by, the less the better: the objective's
+    time, then the bytes copied per step. Kept as stored, layers free half their bytes or
+    less, but the buffer they are dequantized into can cost more than that saves where a GPU
+    holds few layers; and on ties, fewer bytes crossing the link is what it is for."""
+    time_s = the_plan.bottleneck_s if the_plan.options.objective == "latency" else the_plan.cycle_s
+    return time_s, sum(s.offloaded_bytes for s in the_plan.stages)
+
+
+def _jit_bytes(layers: Sequence[LayerSpec], memo: dict | None) -> int:
+    """The buffer a GPU keeping resident quantized matrices as stored dequantizes each layer
+    into: the model's largest such layer at width (0: the checkpoint has none). Once per memo:
+    it reads every tensor's format."""
+    if memo is not None and "jit_bytes" in memo:
+        return memo["jit_bytes"]
+    quantized = any(t.scale is not None for layer in layers for t in layer.tensors)
+    jit = max(layer.jit_bytes() for layer in layers) if quantized else 0
+    if memo is not None:
+        memo["jit_bytes"] = jit
+    return jit
+
+
+def _plan(
+    layers: Sequence[LayerSpec],
+    cluster: ClusterSnapshot,
+    options: PlanOptions,
+    limits: Sequence[NodeLimits],
+    kv: Sequence[int],
+    jit: int,
+    memo: dict | None,
+) -> Plan:
+    """`plan` with resident quantized matrices kept as stored where `jit` (their buffer's
+    bytes) is not 0, at the model's width where it is."""
+    stored = bool(jit)
     key = (
         tuple(limits),
         tuple(kv),
         options.reserve_bytes,
         options.compute_bytes_per_s,
         options.offload_dtype,
+        stored,
     )
     if memo is None or key not in memo:
-        check_largest_layer(layers, gpus, options)
-        units = sub_layer_units(layers)
+        weights = [layer.resident_bytes(stored) for layer in layers]
+        gpus = [(node, gpu) for node in cluster.nodes for gpu in node.gpus]
+        check_largest_layer(layers, gpus, options, weights, jit)
+        unit_names = [*sub_layer_units(layers), "layer"]
         # offloaded weights kept in 8 bits: asked for, or as a block-FP8 checkpoint stores them
         eight_bit = options.offload_dtype in ("fp8", "int8") or (
             options.offload_dtype == "auto"
             and any(t.scale is not None for layer in layers for t in layer.tensors)
         )
+        # what offloading each layer by each unit frees: less than its slot holds (the unit at
+        # width) where resident matrices are kept as stored
+        freed = [[layer.freed_bytes(name, stored) for layer in layers] for name in unit_names]
         search = Search(
-            [layer.nbytes for layer in layers],
+            weights,
             [layer.kind == "decoder" for layer in layers],
             limits,
             reserve_bytes=options.reserve_bytes,
             compute_bytes_per_s=options.compute_bytes_per_s,
             kv_sizes=kv,
             compute_sizes=[compute_bytes(layer) for layer in layers],
-            units=list(units.values()),
-            offload_sizes=[layer.unit_bytes("layer") for layer in layers],
+            units=freed[:-1],
+            offload_sizes=freed[-1],
+            slot_units=[[layer.unit_bytes(name) for layer in layers] for name in unit_names]
+            if stored
+            else None,
             stored_units=[
                 [layer.stored_bytes(name, options.offload_dtype) for layer in layers]
-                for name in [*units, "layer"]
+                for name in unit_names
             ]
             if eight_bit
             else None,
             staging_units=[
                 [layer.staging_bytes(name, options.offload_dtype) for layer in layers]
-                for name in [*units, "layer"]
+                for name in unit_names
             ]
             if eight_bit
             else None,
+            jit_bytes=jit,
         )
-        solved = (search, [*units, "layer"], *search.solve())
+        solved = (search, unit_names, *search.solve())
         if memo is not None:
             memo[key] = solved
     search, unit_names, reached, best = solved if memo is None else memo[key]
     if reached < len(layers):
-        raise unplaceable(layers, cluster, options, reached, best)
+        raise unplaceable(layers, cluster, options, reached, best, search)
     if options.objective == "latency":
         return _build(layers, cluster, options, search, unit_names, best)
     found = min_cycle(search, options.micro_batches, _overhead_s(cluster, options), best)
@@ -511,22 +610,23 @@ def _build(
         unit, moved = search.offloaded_positions(p.start, p.end, gpu.memory_bytes, step, packed)
         weights = search.prefix[p.end] - search.prefix[p.start]
         units = search.units[unit]
-        sizes = [units.movable[j] for j in moved]
-        wide = sum(sizes)
+        freed = sum(units.movable[j] for j in moved)  # == wide unless resident_stored
+        wide = sum(units.slot[j] for j in moved)
         offloaded = sum(units.stored[j] for j in moved) if packed else wide
-        largest = max(sizes, default=0)
-        slots = min(step, len(moved)) * largest + (units.staging(largest, packed) if moved else 0)
+        largest = max((units.movable[j] for j in moved), default=0)
+        slot = max((units.slot[j] for j in moved), default=0)
+        slots = min(step, len(moved)) * slot + (units.staging(largest, packed) if moved else 0)
         kv = search.kv_prefix[p.end] - search.kv_prefix[p.start]
-        device = weights - wide + slots + kv + options.reserve_bytes
+        device = weights - freed + slots + kv + options.reserve_bytes + search.jit_bytes
         assert device <= gpu.memory_bytes, (p, device, gpu.memory_bytes)
         compute_s, transfer_s = search.stage_times(p)  # copies and their dequantization
-        dequantized = sum(s for j, s in zip(moved, sizes, strict=True) if units.stored[j] != s)
+        dequantized = sum(units.slot[j] for j in moved if units.stored[j] != units.slot[j])
         dequant_s = dequantized * limits.dequant_factor / limits.link_bytes_per_s if packed else 0.0
         rate, source = node.compute_rate(options.rows_per_step)
         fetch, transfer_s, time_s = _fetch(
             [layers[j] for j in moved],
             unit_names[unit] if moved else "layer",
-            [units.stored[j] if packed else units.movable[j] for j in moved],
+            [units.stored[j] if packed else units.slot[j] for j in moved],
             compute_s,
             transfer_s,
             node,
@@ -542,7 +642,7 @@ def _build(
                 offloaded=tuple(layers[j].name for j in moved),
                 offload_unit=unit_names[unit] if moved else "layer",
                 prefetch_step=step,
-                resident_bytes=weights - wide,
+                resident_bytes=weights - freed,
                 slot_bytes=slots,
                 offloaded_bytes=offloaded,
                 offloaded_wide_bytes=wide,
@@ -559,6 +659,11 @@ def _build(
                 kv_bytes=kv,
                 backend=node.backend,
                 backend_reason=node.backend_reason,
+                resident_stored=bool(search.jit_bytes),
+                resident_wide_bytes=sum(layer.nbytes for layer in layers[p.start : p.end]) - wide
+                if search.jit_bytes
+                else weights - freed,
+                jit_bytes=search.jit_bytes,
             )
         )
     overhead = _overhead_s(cluster, options)
@@ -570,7 +675,10 @@ def _build(
         stages=tuple(stages),
         options=options,
         bottleneck_s=max(s.time_s for s in stages),
-        total_bytes=search.prefix[-1],
+        # the model's weights at its width, however its resident weights are kept
+        total_bytes=sum(layer.nbytes for layer in layers)
+        if search.jit_bytes
+        else search.prefix[-1],
         cycle_s=cycle,
         cycle_bound_s=0.0 if bound_s is None else bound_s,
         step_overhead_s=overhead,

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from coordinator.planning.formats import format_bytes
 from coordinator.planning.options import PlanOptions
-from coordinator.planning.search import LayerRange
+from coordinator.planning.search import LayerRange, Search
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from offload.errors import PlanError
 from worker.spec import LayerSpec
@@ -46,25 +46,34 @@ def kv_bytes(layer: LayerSpec, options: PlanOptions) -> int:
 
 
 def check_largest_layer(
-    layers: Sequence[LayerSpec], gpus: list[tuple[NodeInfo, GpuInfo]], options: PlanOptions
+    layers: Sequence[LayerSpec],
+    gpus: list[tuple[NodeInfo, GpuInfo]],
+    options: PlanOptions,
+    weights: Sequence[int],
+    jit_bytes: int = 0,
 ) -> None:
-    """Every layer needs its own bytes on one device (resident, or as a prefetch slot; a UVA GPU
-    reads an offloaded decoder layer in place), plus its KV cache."""
+    """Every layer needs its own bytes on one device (`weights`: resident, its quantized
+    matrices as stored where they are kept so; no less as a prefetch slot, at width; a UVA GPU
+    reads an offloaded decoder layer in place), plus its KV cache, and where resident matrices
+    are kept as stored the buffer of `jit_bytes` they are dequantized into."""
     # The largest GPU of each backend: the only candidates that matter for a single layer.
     largest: dict[str, tuple[NodeInfo, GpuInfo]] = {}
     for node, gpu in gpus:
         if node.backend not in largest or gpu.memory_bytes > largest[node.backend][1].memory_bytes:
             largest[node.backend] = (node, gpu)
 
-    def need(layer: LayerSpec, node: NodeInfo) -> int:
-        in_place = layer.kind == "decoder" and node.backend == "uva"
-        return (0 if in_place else layer.nbytes) + kv_bytes(layer, options) + options.reserve_bytes
+    def held(i: int, node: NodeInfo) -> int:
+        return 0 if layers[i].kind == "decoder" and node.backend == "uva" else weights[i]
 
-    for big in sorted(
-        layers, key=lambda layer: layer.nbytes + kv_bytes(layer, options), reverse=True
+    def need(i: int, node: NodeInfo) -> int:
+        return held(i, node) + kv_bytes(layers[i], options) + jit_bytes + options.reserve_bytes
+
+    for i in sorted(
+        range(len(layers)), key=lambda i: weights[i] + kv_bytes(layers[i], options), reverse=True
     ):
-        node, gpu = max(largest.values(), key=lambda ng: ng[1].memory_bytes - need(big, ng[0]))
-        if need(big, node) <= gpu.memory_bytes:
+        big = layers[i]
+        node, gpu = max(largest.values(), key=lambda ng: ng[1].memory_bytes - need(i, ng[0]))
+        if need(i, node) <= gpu.memory_bytes:
             continue
         kv = kv_bytes(big, options)
         why = (
@@ -82,10 +91,15 @@ def check_largest_layer(
             if kv
             else ""
         )
-        weights = 0 if big.kind == "decoder" and node.backend == "uva" else big.nbytes
+        jit = (
+            f" + {format_bytes(jit_bytes)} of buffer that resident quantized matrices, kept as "
+            "stored, are dequantized into (none with --resident-weights wide)"
+            if jit_bytes
+            else ""
+        )
         raise PlanError(
-            f"layer {big.name!r} needs {need(big, node)} bytes on one GPU "
-            f"({format_bytes(weights)} of weights{cache} + reserve_bytes "
+            f"layer {big.name!r} needs {need(i, node)} bytes on one GPU "
+            f"({format_bytes(held(i, node))} of weights{cache}{jit} + reserve_bytes "
             f"{options.reserve_bytes}; {why}), but the largest GPU (node {node.node_id}, GPU "
             f"{gpu.index}) has {gpu.memory_bytes} bytes: raise --gpu-memory, lower --reserve "
             "(reserve_bytes), --kv-cache-tokens, --max-batch or --max-seq-len, or add larger "
@@ -99,10 +113,21 @@ def unplaceable(
     options: PlanOptions,
     reached: int,
     placements: Sequence[LayerRange],
+    search: Search,
 ) -> PlanError:
-    left = sum(layer.nbytes for layer in layers[reached:])
+    """The layers `search` could not place: its sizes are the plan's (resident quantized
+    matrices as stored where they are kept so), its reserve the options' and the buffer they
+    are dequantized into."""
+    weights = search.prefix
+    left = weights[-1] - weights[reached]
     device_total = sum(
-        max(0, g.memory_bytes - options.reserve_bytes) for n in cluster.nodes for g in n.gpus
+        max(0, g.memory_bytes - search.reserve_bytes) for n in cluster.nodes for g in n.gpus
+    )
+    jit = (
+        f" and the {search.jit_bytes}-byte buffer that resident quantized matrices, kept as "
+        "stored, are dequantized into (none with --resident-weights wide)"
+        if search.jit_bytes
+        else ""
     )
     host = sum(n.offload_budget_bytes for n in cluster.nodes)
     where = "before any GPU took a layer"
@@ -117,9 +142,10 @@ def unplaceable(
     return PlanError(
         f"the layers do not fit: placed {reached} of {len(layers)} layers, stopping {where}; "
         f"{left} bytes from layer {layers[reached].name!r} on are left. Needed "
-        f"{sum(layer.nbytes for layer in layers)} bytes of weights"
+        f"{weights[-1]} bytes of weights"
         f"{_kv_needed(layers, options)}; available "
-        f"{device_total} bytes of GPU memory (less reserve_bytes {options.reserve_bytes} per GPU) "
+        f"{device_total} bytes of GPU memory (less reserve_bytes {options.reserve_bytes}{jit} "
+        "per GPU) "
         f"on {cluster.num_gpus} GPUs plus {host} bytes of host offload budget on "
         f"{len(cluster.nodes)} node(s), less {options.prefetch_step} slot(s) per prefetching GPU: "
         f"{KNOBS}"

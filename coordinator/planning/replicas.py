@@ -101,6 +101,7 @@ def _shape(part: ClusterSnapshot) -> tuple:
             n.compute_bytes_per_s,
             n.backend,
             n.concurrent_stages,
+            n.fp8_compute,
         )
         for n in part.nodes
     )
@@ -122,12 +123,12 @@ def _relabel(the_plan: Plan, source: ClusterSnapshot, target: ClusterSnapshot) -
     return dataclasses.replace(the_plan, stages=tuple(stages))
 
 
-def _could_hold(layers: Sequence[LayerSpec], part: ClusterSnapshot) -> bool:
-    """Whether the replica's GPUs and host budgets together hold at least the weights (a
-    necessary condition, to skip hopeless counts at once)."""
+def _could_hold(weights: int, part: ClusterSnapshot) -> bool:
+    """Whether the replica's GPUs and host budgets together hold at least the `weights` bytes
+    (a necessary condition, to skip hopeless counts at once)."""
     room = sum(g.memory_bytes for n in part.nodes for g in n.gpus)
     room += sum(n.offload_budget_bytes for n in part.nodes)
-    return room >= sum(layer.nbytes for layer in layers)
+    return room >= weights
 
 
 def choose_replicas(
@@ -146,9 +147,12 @@ def choose_replicas(
     counts = [replicas] if replicas else [r for r in range(1, gpus + 1) if gpus % r == 0]
     best: Replicas | None = None
     first_error: PlanError | None = None
+    # the least the weights take: resident quantized matrices as stored, unless never so
+    stored = options.resident_weights != "wide"
+    weights = sum(layer.resident_bytes(stored) for layer in layers)
     for count in counts:
         parts = split(cluster, count)
-        if count > 1 and not all(_could_hold(layers, p) for p in parts):
+        if count > 1 and not all(_could_hold(weights, p) for p in parts):
             continue
         planned: dict[tuple, tuple[ClusterSnapshot, Plan]] = {}
         plans = []
