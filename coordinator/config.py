@@ -24,6 +24,7 @@ from worker.names import (
     DEFAULT_BLOCK_SIZE,
     EXPERT_FETCHES,
     OFFLOAD_DTYPES,
+    RESIDENT_WEIGHTS,
     blocks_for,
 )
 
@@ -228,6 +229,11 @@ class JobConfig:
     # router chose, once it has (fewer bytes, not overlapped: best at small batches); "auto",
     # the planner's choice per stage at the plan's batch.
     expert_fetch: str = "auto"
+    # How a quantized checkpoint's resident weights sit on the GPUs (RESIDENT_WEIGHTS): "stored"
+    # as the checkpoint stores them (FP8 blocks, MXFP4), each layer's dequantized just in time
+    # into one buffer; "wide" dequantized at load, at the model's width (twice FP8's bytes);
+    # "auto" stored where every node's GPUs compute in FP8 and the plan at width offloads.
+    resident_weights: str = "auto"
     # The dtype the model loads and computes in: "auto" (the checkpoint's: config.json's dtype,
     # else its tensors'), or float32 / bfloat16 / float16, converted while reading.
     dtype: str = "auto"
@@ -347,6 +353,11 @@ class JobConfig:
             raise ConfigError(
                 f"expert_fetch={self.expert_fetch!r} must be one of {', '.join(EXPERT_FETCHES)}"
             )
+        if self.resident_weights not in RESIDENT_WEIGHTS:
+            raise ConfigError(
+                f"resident_weights={self.resident_weights!r} must be one of "
+                f"{', '.join(RESIDENT_WEIGHTS)}"
+            )
         if self.offload_dtype in ("fp8", "int8") and self.backend == "uva":
             raise ConfigError(
                 f"offload_dtype={self.offload_dtype} keeps offloaded weights in 8 bits and "
@@ -406,6 +417,7 @@ class JobConfig:
             objective=self.objective,
             offload_dtype=self.offload_dtype,
             expert_fetch=self.expert_fetch,
+            resident_weights=self.resident_weights,
         )
 
 

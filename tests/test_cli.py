@@ -76,6 +76,19 @@ def test_plan_text_and_json(checkpoint: str, capsys: pytest.CaptureFixture[str])
     assert all(s["device_bytes"] <= 60 * 1024 for s in plan["stages"])
 
 
+def test_plan_takes_resident_weights(checkpoint: str, capsys) -> None:
+    """`--resident-weights stored` reaches the plan; a bf16 checkpoint has nothing to keep as
+    stored, so its stages are as at width."""
+    capsys.readouterr()
+    argv = ["plan", "--checkpoint", checkpoint, "--gpus", "2", "--gpu-memory", "60KiB", "--json"]
+    assert main([*argv, "--resident-weights", "stored"]) == 0
+    stored = json.loads(capsys.readouterr().out)
+    assert stored["options"]["resident_weights"] == "stored"
+    for s in stored["stages"]:
+        assert not s["resident_stored"] and not s["jit_bytes"]
+        assert s["resident_wide_bytes"] == s["resident_bytes"]
+
+
 def test_plan_shows_the_measured_link_rate(
     checkpoint: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -170,6 +183,9 @@ def test_bad_flag_values_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit):
         main(["plan", "--checkpoint", "x", "--batch-wait", "5"])  # seconds, not ms
     assert "must be a number of seconds in 0..1, got 5" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--checkpoint", "x", "--resident-weights", "fp4"])
+    assert "--resident-weights: invalid choice: 'fp4'" in capsys.readouterr().err
 
 
 def test_run_check_mismatch_exits_1(monkeypatch, capsys, tmp_path) -> None:

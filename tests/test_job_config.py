@@ -102,6 +102,10 @@ def test_command_line_values_win_over_the_file(tmp_path: Path) -> None:
         ("gpus: 2\n", "checkpoint"),
         ("checkpoint: a/\nprefetch_step: 0\n", "prefetch_step=0"),
         ("checkpoint: a/\nbackend: gpu\n", "backend='gpu'"),
+        (
+            "checkpoint: a/\nresident_weights: fp4\n",
+            "resident_weights='fp4' must be one of auto, stored, wide",
+        ),
         ("checkpoint: a/\ngpus: 2\naddress: auto\n", "cannot be combined"),
         ("checkpoint: [unclosed\n", "cannot read job config"),
         ("checkpoint: a/\nmax_batch: -1\n", "max_batch=-1 must be >= 1"),
@@ -156,6 +160,8 @@ def test_job_config_validates_fields() -> None:
             JobConfig(checkpoint="a", batch_wait_s=bad)
     assert JobConfig(checkpoint="a", batch_wait_s=0).batch_wait_s == 0
     assert JobConfig(checkpoint="a", max_batch=3, max_seq_len=20).kv_blocks() == 6
+    stored = JobConfig(checkpoint="a", resident_weights="stored")
+    assert stored.plan_options().resident_weights == "stored"  # the planner gets it
 
 
 def test_node_env_precedence_override_over_label() -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -300,3 +302,17 @@ def test_quantized_checkpoints_offload_less_with_resident_weights_stored(
     assert offloaded_wide(stored) <= 0.6 * offloaded_wide(wide)
     assert (offloaded_wide(stored) > 0) == offloads
     check_stored_stages(stored, index.layers, snap)
+
+
+def test_workers_get_each_stages_resident_weights() -> None:
+    from coordinator.config import JobConfig
+    from coordinator.runtime.group import stage_specs
+
+    layers, snap = fp8_model(), two_gpus(8 << 20)
+    index = SimpleNamespace(
+        root=Path("ckpt"), config={}, dtype="bfloat16", identities=(), layers=layers
+    )
+    for mode, stored in (("stored", True), ("wide", False)):
+        the_plan = plan(layers, snap, PlanOptions(resident_weights=mode))
+        specs = stage_specs(JobConfig(checkpoint="ckpt"), index, the_plan, {})
+        assert [spec.resident_stored for spec in specs] == [stored] * len(the_plan.stages)

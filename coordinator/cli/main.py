@@ -37,7 +37,7 @@ from coordinator.tools.make_checkpoint import (
     SLIDING_ARCHITECTURES,
 )
 from offload.errors import OffloadCoordinatorError
-from worker.names import COMPUTE_DTYPE_NAMES, EXPERT_FETCHES, OFFLOAD_DTYPES
+from worker.names import COMPUTE_DTYPE_NAMES, EXPERT_FETCHES, OFFLOAD_DTYPES, RESIDENT_WEIGHTS
 from worker.startup import quiet_imports, settle
 
 EXIT_ERROR = 2
@@ -137,6 +137,16 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
         "choice per stage at its batch), layer (with the whole layer, prefetched while "
         "earlier layers compute) or routed (only the experts the step's router chose, copied "
         "once it has: fewer bytes at small batches)",
+    )
+    parser.add_argument(
+        "--resident-weights",
+        choices=RESIDENT_WEIGHTS,
+        dest="resident_weights",
+        help="how a quantized checkpoint's (FP8 blocks, MXFP4) resident weights sit on the "
+        "GPUs: auto (default: stored where every node's GPUs compute in FP8, compute "
+        "capability 8.9 or higher, and the plan at width would offload), stored (as the "
+        "checkpoint stores them, each layer dequantized just before it runs: half the device "
+        "bytes of FP8 at width) or wide (dequantized at load, at the model's width)",
     )
     parser.add_argument(
         "--dtype",
@@ -261,6 +271,7 @@ _JOB_FLAGS = {
     "backend": "--backend",
     "offload_dtype": "--offload-dtype",
     "expert_fetch": "--expert-fetch",
+    "resident_weights": "--resident-weights",
     "dtype": "--dtype",
     "cpus_per_worker": "--cpus-per-worker",
     "snapshot_interval_s": "--snapshot-interval",
