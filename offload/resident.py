@@ -15,6 +15,14 @@ What it costs is the dequantization each step: reading the stored bytes and writ
 ones, on the device's memory, which is far faster than the link that an offloaded layer's
 bytes would cross instead. Layers run one at a time on a stage, so one buffer serves them
 all; the parameters of layers that are not running hold whatever the last one left there.
+
+An MoE layer's experts are most of its bytes and a step uses few of them (8 of DeepSeek-V3's
+256 at batch 1), so an experts module's per-expert matrices (`offload.routed`) are not
+dequantized with the rest of the layer: a pre-hook on the experts module, once the router has
+chosen, dequantizes the rows of the experts the call routes some row to. Every experts
+implementation reads only those (`offload.routed`'s module doc); the others' rows hold
+finite numbers (the buffer starts zeroed, and is only ever written with weights). A call
+whose routing cannot be read dequantizes every expert: slower, never wrong.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from torch import nn
 
 from offload.arena import align_up
 from offload.quant import QuantizedTensor, dequantize_into
+from offload.routed import RoutingUnknownError, experts_modules, routed_experts
 
 if TYPE_CHECKING:
     from offload.quant import WeightFormat
@@ -45,6 +54,8 @@ class StoredResidency:
         self.device = torch.device(device)
         # layer module -> its parameters kept as stored: name within it -> values and scales
         self._stored: dict[nn.Module, dict[str, QuantizedTensor]] = {}
+        # of those, the ones its layer's pre-hook dequantizes whole (the rest: per expert)
+        self._whole: dict[nn.Module, list[str]] = {}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._buffer: torch.Tensor | None = None
 
@@ -73,7 +84,7 @@ class StoredResidency:
                 sizes.append(sum(align_up(self._wide_bytes(module, n)) for n in kept))
         if not self._stored:
             return {}
-        self._buffer = torch.empty(max(sizes), dtype=torch.uint8, device=self.device)
+        self._buffer = torch.zeros(max(sizes), dtype=torch.uint8, device=self.device)
         for module, kept in self._stored.items():
             offset = 0
             for name in kept:
@@ -83,8 +94,42 @@ class StoredResidency:
                 view = self._buffer[offset : offset + nbytes].view(param.dtype).view(param.shape)
                 owner._parameters[leaf] = nn.Parameter(view, requires_grad=param.requires_grad)
                 offset += align_up(nbytes)
-            self._hooks.append(module.register_forward_pre_hook(self._dequantize_layer))
+            self._route(module, kept)
         return self._stored
+
+    def _route(self, module: nn.Module, kept: dict[str, QuantizedTensor]) -> None:
+        """Hook `module`'s dequantization: its experts modules' per-expert matrices when the
+        router has chosen (`_dequantize_experts`), the rest before the layer runs."""
+        names = list(kept)
+        params = [
+            (name, _owner(module, name)[0]._parameters[_owner(module, name)[1]]) for name in names
+        ]
+        routed = set()
+        for entry in experts_modules(module, params):
+            own = [names[i] for i in entry.positions]
+            routed.update(own)
+            hook = self._dequantize_experts(module, entry.num_experts, entry.path, own)
+            self._hooks.append(entry.module.register_forward_pre_hook(hook, with_kwargs=True))
+        self._whole[module] = [name for name in names if name not in routed]
+        self._hooks.append(module.register_forward_pre_hook(self._dequantize_layer))
+
+    def _dequantize_experts(self, layer: nn.Module, count: int, path: str, names: list[str]):
+        """The pre-hook of experts module `path` of `layer`: dequantize the rows of its
+        matrices `names` (each [count, ...]) of the experts the call routes to."""
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            try:
+                wanted = routed_experts(count, args, kwargs)
+            except RoutingUnknownError:
+                wanted = range(count)
+            with torch.no_grad():
+                for name in names:
+                    owner, leaf = _owner(layer, name)
+                    data, stored = owner._parameters[leaf].data, self._stored[layer][name]
+                    for expert in wanted:
+                        dequantize_into(data[expert], stored.select(0, expert))
+
+        return hook
 
     @staticmethod
     def _wide_bytes(module: nn.Module, name: str) -> int:
@@ -94,9 +139,9 @@ class StoredResidency:
 
     def _dequantize_layer(self, module: nn.Module, args) -> None:
         with torch.no_grad():
-            for name, stored in self._stored[module].items():
+            for name in self._whole[module]:
                 owner, leaf = _owner(module, name)
-                dequantize_into(owner._parameters[leaf].data, stored)
+                dequantize_into(owner._parameters[leaf].data, self._stored[module][name])
 
     def stored(self, module: nn.Module) -> dict[str, QuantizedTensor]:
         """`module`'s parameters kept as stored, by name within it (empty: none)."""
@@ -143,4 +188,5 @@ class StoredResidency:
                     torch.empty_like(param, device="meta"), requires_grad=param.requires_grad
                 )
         self._stored.clear()
+        self._whole.clear()
         self._buffer = None

@@ -69,17 +69,27 @@ def family_shape(family: str, dtype: str = "float32", **changes) -> CheckpointSh
 
 
 def offloading_plan(
-    index: CheckpointIndex, offload_dtype: str = "auto", expert_fetch: str = "layer"
+    index: CheckpointIndex,
+    offload_dtype: str = "auto",
+    expert_fetch: str = "layer",
+    resident_weights: str = "auto",
 ) -> Plan:
     """The planner's split on three GPUs too small to hold the model resident together (two
     where three cannot offload: 8-bit layers need a staging buffer beside their slot, so
     offloading one layer of a GPU saves nothing, and DeepSeek's dense first layer is a sixth of
-    its MoE layers)."""
+    its MoE layers). Resident weights "stored": the layers' sizes as stored, and each GPU the
+    buffer of one layer at width besides."""
     decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
-    options = PlanOptions(offload_dtype=offload_dtype, expert_fetch=expert_fetch)
+    options = PlanOptions(
+        offload_dtype=offload_dtype, expert_fetch=expert_fetch, resident_weights=resident_weights
+    )
+    stored = resident_weights == "stored"
+    total = sum(layer.resident_bytes(stored) for layer in index.layers)
+    held = max(layer.resident_bytes(stored) for layer in index.layers if layer.kind == "decoder")
+    jit = max(layer.jit_bytes() for layer in index.layers) if stored else 0
     for num_gpus in (NUM_GPUS, 2):
         # at least the largest layer and a little
-        budget = max(index.total_bytes // num_gpus - decoder // 4, decoder + decoder // 16)
+        budget = max(total // num_gpus - held // 4, decoder + decoder // 16) + jit
         for _ in range(32):
             gpus = tuple(GpuInfo(index=i, memory_bytes=budget) for i in range(num_gpus))
             node = NodeInfo(
@@ -111,13 +121,15 @@ class Pipeline:
         unit: str = "layer",
         offload_dtype: str = "auto",
         expert_fetch: str = "layer",
+        resident_weights: str = "auto",
     ) -> None:
-        """The planner's split (offloaded weights kept as `offload_dtype` says), or `groups` of
-        layers with `offloaded` ones offloaded (their `unit`: all of them, or their experts or
-        MLP); their experts fetched as `expert_fetch` says."""
+        """The planner's split (offloaded weights kept as `offload_dtype` says, resident ones
+        as `resident_weights` does), or `groups` of layers with `offloaded` ones offloaded
+        (their `unit`: all of them, or their experts or MLP); their experts fetched as
+        `expert_fetch` says."""
         self.index = index
         if groups is None:
-            self.plan = offloading_plan(index, offload_dtype, expert_fetch)
+            self.plan = offloading_plan(index, offload_dtype, expert_fetch, resident_weights)
             specs = stage_specs(JobConfig(checkpoint=str(index.root)), index, self.plan, {})
         else:
             specs = [

@@ -208,10 +208,12 @@ def qwen3(root: Path, scales: str) -> Path:
     return saved(root, Qwen3Config(**SMALL, head_dim=16), (32, 20), scales)
 
 
-def llama(root: Path, scales: str, *, hidden: int, intermediate: int, block: int) -> Path:
+def llama(
+    root: Path, scales: str, *, hidden: int, intermediate: int, block: int, num_layers: int = 4
+) -> Path:
     shape = CheckpointShape(
         arch="llama",
-        num_layers=4,
+        num_layers=num_layers,
         hidden_size=hidden,
         num_heads=4,
         num_kv_heads=2,
@@ -263,10 +265,13 @@ def test_block_fp8_loads_with_the_numbers_its_format_defines(tmp_path, case: str
     )
 
 
-def matches_reference(fp8: Path, reference: Path, case: str, check_held=None) -> None:
+def matches_reference(
+    fp8: Path, reference: Path, case: str, check_held=None, resident_weights: str = "auto"
+) -> None:
     """`fp8` over the planner's offloading stages (offloaded FP8 weights kept in 8 bits, which
-    `check_held` is asked about) gives logits bitwise those of transformers loading the bf16
-    checkpoint `reference`, plain and left-padded, and greedy generation token for token."""
+    `check_held` is asked about; resident ones as `resident_weights` says) gives logits
+    bitwise those of transformers loading the bf16 checkpoint `reference`, plain and
+    left-padded, and greedy generation token for token."""
     index = load_index(fp8)
     generator = torch.Generator().manual_seed(5)
     ids = torch.randint(3, VOCAB, (2, 9), generator=generator)
@@ -275,9 +280,13 @@ def matches_reference(fp8: Path, reference: Path, case: str, check_held=None) ->
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (5, 8)]
     new = 8
-    pipeline = Pipeline(index)
+    pipeline = Pipeline(index, resident_weights=resident_weights)
     try:
         assert any(s.offloaded for s in pipeline.plan.stages)
+        stored = [w for w in pipeline.workers if w.spec.resident_stored]
+        assert bool(stored) == (resident_weights == "stored")
+        # (a stage whose quantized matrices are all offloaded holds none as stored)
+        assert not stored or any(w.report().resident_format for w in stored)
         held = [
             h
             for worker in pipeline.workers

@@ -176,8 +176,17 @@ def fp8_model(num_decoders: int = 16, fp8: bool = True) -> list[LayerSpec]:
 
 
 def two_gpus(memory_bytes: int, fp8_compute: bool = True) -> ClusterSnapshot:
+    """Two GPUs of `memory_bytes` whose link is 40x slower than their compute (an H200's HBM
+    against PCIe 5 is about 60x): what decides whether dequantizing resident layers each step
+    (`planner.compute_bytes`) pays for the copies it saves."""
     gpus = tuple(GpuInfo(index=i, memory_bytes=memory_bytes) for i in range(2))
-    node = NodeInfo(node_id="node", gpus=gpus, host_budget_bytes=GiB, fp8_compute=fp8_compute)
+    node = NodeInfo(
+        node_id="node",
+        gpus=gpus,
+        host_budget_bytes=GiB,
+        fp8_compute=fp8_compute,
+        link_bytes_per_s=5e9,
+    )
     return ClusterSnapshot(nodes=(node,))
 
 
@@ -316,3 +325,43 @@ def test_workers_get_each_stages_resident_weights() -> None:
         the_plan = plan(layers, snap, PlanOptions(resident_weights=mode))
         specs = stage_specs(JobConfig(checkpoint="ckpt"), index, the_plan, {})
         assert [spec.resident_stored for spec in specs] == [stored] * len(the_plan.stages)
+
+
+def test_a_stored_layers_step_counts_its_dequantization_and_only_routed_experts(
+    tmp_path,
+) -> None:
+    """The cost model's work of a layer kept as stored: its weights, plus each quantized
+    matrix's stored bytes read and width written (the dequantization each step); an MoE
+    layer's experts only in the share a step of that many rows is expected to route to."""
+    from test_fp8_blocks import CASES
+
+    from coordinator.planning.checkpoint import load_index
+    from coordinator.planning.planner import compute_bytes
+    from worker.names import expected_experts
+    from worker.spec import stored_formats
+
+    index = load_index(CASES["deepseek_v3"](tmp_path / "fp8"))
+    dense, moe = index.layers[1], index.layers[2]
+    assert not dense.experts and moe.experts == 4
+    for layer in (dense, moe):
+        assert compute_bytes(layer) == layer.nbytes
+
+    def dequantized(layer, names) -> int:
+        formats = stored_formats(layer.tensors)
+        return sum(
+            formats[t.target].stored_bytes(t.shape) + t.loaded_bytes
+            for t in layer.tensors
+            if t.target in formats and t.target in names
+        )
+
+    everything = {t.target for t in dense.tensors}
+    assert compute_bytes(dense, True, 1) == dense.nbytes + dequantized(dense, everything)
+    assert compute_bytes(dense, True, 64) == compute_bytes(dense, True, 1)
+    experts = {t.target for t in moe.unit_tensors("experts")}
+    rest = {t.target for t in moe.tensors} - experts
+    for rows in (1, 2, 64):
+        share = expected_experts(4, 2, rows) / 4
+        assert compute_bytes(moe, True, rows) == moe.nbytes + math.ceil(
+            dequantized(moe, rest) + share * dequantized(moe, experts)
+        )
+    assert compute_bytes(moe, True, 1) < compute_bytes(moe, True, 64)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_families import VOCAB, split_spec
-from test_fp8_blocks import CASES, dequantized_copy, random_fp8
+from test_fp8_blocks import CASES, dequantized_copy, llama, matches_reference, random_fp8
 from test_mxfp4 import gpt_oss
 from torch import nn
 
@@ -99,6 +99,23 @@ class Held:
     device_bytes: int
     stored_bytes: int
     buffer_bytes: int
+
+
+@pytest.mark.parametrize("case", ["llama-192", "gpt_oss-mxfp4"])
+def test_the_planners_stored_stages_give_transformers_numbers(tmp_path, case: str) -> None:
+    """The planner's offloading split with resident weights "stored" (12 layers: kept as
+    stored, a GPU offloads only where what three layers free pays for the buffer and a slot
+    at width): every stage keeps its resident quantized matrices as stored, beside 8-bit (or
+    4-bit) offloaded layers; logits (plain and left-padded) bitwise transformers' on the
+    dequantized files, and greedy generation under the engine's batching token for token."""
+    if case == "gpt_oss-mxfp4":
+        root = reference = gpt_oss(tmp_path / "mxfp4", num_layers=12)
+    else:  # the partial 128-blocks of a 192-wide llama
+        root = llama(
+            tmp_path / "fp8", "float32", hidden=192, intermediate=384, block=128, num_layers=12
+        )
+        reference = dequantized_copy(root, tmp_path / "bf16")
+    matches_reference(root, reference, case, resident_weights="stored")
 
 
 def _run(index, groups, offloaded, unit, stored: bool, ids) -> tuple[torch.Tensor, list[Held]]:
@@ -217,6 +234,76 @@ def test_a_stage_of_many_stored_layers_holds_about_half_their_bytes(tmp_path) ->
     assert stored.device_bytes == planned + stored.buffer_bytes
     assert planned / wide.device_bytes < 0.56  # FP8 and its float32 block scales: about half
     assert stored.report.stats.buffer_bytes == stored.buffer_bytes
+
+
+def test_an_moe_layer_dequantizes_only_the_experts_a_step_routes_to(tmp_path, monkeypatch) -> None:
+    """A stored MoE layer's experts are dequantized once the router has chosen, only those a
+    row routes to: one token of DeepSeek-V3's top-2 of 4 dequantizes 2 experts' rows of each
+    expert matrix per MoE layer, not 4; a call without readable routing dequantizes all."""
+    import offload.resident as resident
+
+    root = CASES["deepseek_v3"](tmp_path / "fp8")
+    index = load_index(root)
+    top, experts = index.config["num_experts_per_tok"], index.config["n_routed_experts"]
+    moe = [layer for layer in index.layers if layer.experts]
+    calls: list[tuple[int, ...]] = []
+    original = resident.dequantize_into
+
+    def counting(dst, src):
+        calls.append(tuple(dst.shape))
+        original(dst, src)
+
+    monkeypatch.setattr(resident, "dequantize_into", counting)
+    names = [[layer.name for layer in index.layers]]
+    ids = torch.tensor([[5]])
+    logits, _ = _run(index, names, (), "layer", True, ids)
+    gate_up = [c for c in calls if c == (96 * 2, 256)]  # one expert's rows of gate_up_proj
+    # two forwards (_run checks a second pass), each MoE layer: its top experts, not all
+    assert len(gate_up) == 2 * len(moe) * top < 2 * len(moe) * experts
+    reference = dequantized_copy(root, tmp_path / "bf16")
+    assert torch.equal(
+        logits, reference_logits(str(reference), ids, dtype="bfloat16", num_threads=1)
+    )
+
+
+class Experts(nn.Module):
+    num_experts = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(3, 8, 32, dtype=torch.bfloat16, device="meta"))
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor | None = None) -> torch.Tensor:
+        return x
+
+
+class MoeLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = Experts()
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor | None) -> torch.Tensor:
+        return self.experts(x, top_k_index)
+
+
+def test_experts_rows_follow_the_routing_and_all_of_them_without_it() -> None:
+    """The experts hook dequantizes the rows of the experts a call routes to (the others stay
+    as they were: zeros in a fresh buffer); called without routing indices it dequantizes
+    every expert."""
+    fmt = BlockFormat(FP8, (8, 32))
+    layer = MoeLayer()
+    residency = StoredResidency(torch.device("cpu"))
+    [kept] = residency.keep({layer: {"experts.gate_up_proj": fmt}}).values()
+    source = random_fp8((3, 8, 32), fmt, seed=4)
+    kept["experts.gate_up_proj"].copy_(source)
+    wide = source.dequantized(torch.bfloat16)
+    weight = layer.experts.gate_up_proj
+    x = torch.zeros(1, 32)
+    layer(x, torch.tensor([[2]]))
+    assert torch.equal(weight[2], wide[2]) and not weight[:2].any()
+    layer(x, None)  # routing unknown: every expert
+    assert torch.equal(weight, wide)
+    residency.close()
 
 
 def test_a_replan_moves_stored_layers_and_reads_again_what_changes_form(tmp_path) -> None:

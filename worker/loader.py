@@ -185,7 +185,8 @@ class TensorReader:
         A destination of another dtype (the model's, when it differs from the file's), on a GPU,
         or not contiguous (part of a fused parameter) is filled through the staging buffer. An
         8-bit destination (`QuantizedTensor`, an offloaded weight kept in 8 bits) takes a
-        block-FP8 tensor of its format as stored, and any other tensor quantized."""
+        block-FP8 tensor of its format as stored (in host memory, or on the GPU for a
+        resident matrix kept as stored: `offload.resident`), and any other tensor quantized."""
         pieces: list[tuple[int, memoryview, int, str]] = []
         for tensor, dst in items:
             if tuple(dst.shape) != tensor.shape:
@@ -306,8 +307,9 @@ class TensorReader:
         self, fd: int, tensor: TensorSlice, dst: QuantizedTensor, where: str
     ) -> None:
         """Into an 8-bit destination (or a 4-bit one): a tensor of the same format byte for
-        byte (values and scales as the file has them), anything else read at the model's width
-        (FP8 dequantized) into a temporary of one tensor and quantized into `dst`."""
+        byte (values and scales as the file has them; on a GPU through the staging buffer),
+        anything else read at the model's width (FP8 dequantized) into a temporary of one
+        tensor and quantized into `dst`."""
         if file_format(tensor) == dst.fmt:  # as stored: the file's bytes, no arithmetic
             if dst.q.device.type == "cpu" and dst.q.is_contiguous():
                 _pread_exact(fd, memoryview(_as_bytes(dst.q).numpy()), tensor.start, where)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,7 +54,7 @@ from coordinator.planning.snapshot import ClusterSnapshot
 from coordinator.tables import render as render_table
 from offload.errors import ConfigError, PlanError
 from worker.names import expected_experts
-from worker.spec import OFFLOAD_UNITS, LayerSpec
+from worker.spec import OFFLOAD_UNITS, LayerSpec, stored_formats
 
 _JSON_VERSION = 1
 
@@ -416,6 +417,7 @@ def _plan(
         options.compute_bytes_per_s,
         options.offload_dtype,
         stored,
+        options.rows_per_step if stored else 0,  # the step's dequantization (compute_bytes)
     )
     if memo is None or key not in memo:
         weights = [layer.resident_bytes(stored) for layer in layers]
@@ -437,7 +439,7 @@ def _plan(
             reserve_bytes=options.reserve_bytes,
             compute_bytes_per_s=options.compute_bytes_per_s,
             kv_sizes=kv,
-            compute_sizes=[compute_bytes(layer) for layer in layers],
+            compute_sizes=[compute_bytes(layer, stored, options.rows_per_step) for layer in layers],
             units=freed[:-1],
             offload_sizes=freed[-1],
             slot_units=[[layer.unit_bytes(name) for layer in layers] for name in unit_names]
@@ -546,10 +548,33 @@ def dequant_factor(node, options: PlanOptions) -> float:
     return link / rate if rate else 0.0
 
 
-def compute_bytes(layer: LayerSpec) -> int:
-    """The weight bytes a step computes through in this layer: all of them, but for an
-    embedding, which is looked up (its rows for the step's tokens), not multiplied."""
-    return 0 if layer.kind == "embed" else layer.nbytes
+def compute_bytes(layer: LayerSpec, stored: bool = False, rows: int = 1) -> int:
+    """The weight bytes a step of `rows` rows computes through in this layer: all of them, but
+    for an embedding, which is looked up (its rows for the step's tokens), not multiplied.
+    Where its quantized matrices are kept as `stored` (`offload.resident`), also their
+    dequantization each step: their stored bytes read and their width written before the
+    step reads them (FP8: 2.5x those matrices' bytes in all), for an MoE layer's experts only
+    the expected distinct experts the step routes to (`expected_experts`: uniform routing).
+    An offloaded layer is dequantized after its copy instead: counted here too, an overcount
+    on the safe side."""
+    if layer.kind == "embed":
+        return 0
+    if not stored:
+        return layer.nbytes
+    formats = stored_formats(layer.tensors)
+    experts = {t.target or t.name for t in layer.unit_tensors("experts")}
+    share = (
+        expected_experts(layer.experts, layer.experts_per_token, rows) / layer.experts
+        if layer.experts
+        else 1.0
+    )
+    work = 0.0
+    for t in layer.tensors:
+        fmt = formats.get(t.target or t.name)
+        if fmt is not None:
+            nbytes = fmt.stored_bytes(t.shape) + t.loaded_bytes
+            work += nbytes * (share if (t.target or t.name) in experts else 1.0)
+    return layer.nbytes + math.ceil(work)
 
 
 def sub_layer_units(layers: Sequence[LayerSpec]) -> dict[str, list[int]]:
