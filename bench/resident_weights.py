@@ -180,9 +180,7 @@ def plans(num_gpus: list[int], gpu_gib: float) -> list[dict]:
         row: dict = {"gpus": n}
         for mode in ("wide", "stored", "auto"):
             start = time.perf_counter()
-            made = plan(
-                layers, ClusterSnapshot(nodes=(node,)), PlanOptions(resident_weights=mode)
-            )
+            made = plan(layers, ClusterSnapshot(nodes=(node,)), PlanOptions(resident_weights=mode))
             row[mode] = {
                 "offloaded_bytes": sum(s.offloaded_bytes for s in made.stages),
                 "offloaded_wide_bytes": sum(s.offloaded_wide_bytes for s in made.stages),
@@ -248,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     print("gpus | offloaded wide | offloaded stored | ratio | bottleneck wide -> stored | auto")
     for row in rows:
         wide, stored, auto = row["wide"], row["stored"], row["auto"]
-        ratio = stored["offloaded_bytes"] / wide["offloaded_bytes"] if wide["offloaded_bytes"] else 0
+        ratio = (
+            stored["offloaded_bytes"] / wide["offloaded_bytes"] if wide["offloaded_bytes"] else 0
+        )
         print(
             f"{row['gpus']:>4} | {format_bytes(wide['offloaded_bytes']):>14} | "
             f"{format_bytes(stored['offloaded_bytes']):>16} | {ratio:5.3f} | "
