@@ -144,7 +144,8 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
         dest="resident_weights",
         help="how a quantized checkpoint's (FP8 blocks, MXFP4) resident weights sit on the "
         "GPUs: auto (default: stored where every node's GPUs compute in FP8, compute "
-        "capability 8.9 or higher, and the plan at width would offload), stored (as the "
+        "capability 8.9 or higher, the plan at width would offload and the stored plan is "
+        "faster), stored (as the "
         "checkpoint stores them, each layer dequantized just before it runs: half the device "
         "bytes of FP8 at width) or wide (dequantized at load, at the model's width)",
     )
