@@ -107,7 +107,14 @@ def one_run(checkpoint: str, index, fetch: str, batch: int, new: int) -> dict:
         after = [r.stats for r in job.telemetry()]
     delta = {
         name: sum(getattr(a, name) for a in after) - sum(getattr(b, name) for b in before)
-        for name in ("copied_bytes", "expert_hits", "expert_misses")
+        for name in (
+            "copied_bytes",
+            "expert_hits",
+            "expert_misses",
+            "expert_predicted",
+            "expert_predicted_correct",
+            "expert_prefetched",
+        )
     }
     tokens = batch * new
     return {
@@ -122,6 +129,10 @@ def one_run(checkpoint: str, index, fetch: str, batch: int, new: int) -> dict:
         / tokens,
         "hits": delta["expert_hits"],
         "misses": delta["expert_misses"],
+        "prefetched": delta["expert_prefetched"],
+        "prediction_accuracy": delta["expert_predicted_correct"] / delta["expert_predicted"]
+        if delta["expert_predicted"]
+        else 0.0,
         "texts": [out[0, PROMPT:].tolist() for out in outs],
     }
 

@@ -32,6 +32,15 @@ again before the slot takes another layer is not copied again (every step, where
 offloaded layer has a slot of its own). Slots start zeroed: rows no copy wrote are never read,
 and would hold finite numbers if they were.
 
+Predicted experts. A layer's experts are predicted to be the ones its previous call routed to
+(routing statistics: consecutive tokens of a text tend to reuse experts). Each call measures
+that prediction against what its router chose (`OffloadStats.expert_predicted` / `_correct`),
+and per layer a running accuracy decides whether to act on it: at or above PREDICT_ACCURACY,
+loading a layer's slot (ahead of use, while earlier layers compute) also copies its predicted
+experts, so a correct one is a hit when the router has chosen instead of a copy on the
+critical path. A wrong one cost link bytes, never a number: what the slot holds is tracked,
+and the misses are fetched after the router as before.
+
 Robustness. Each slot records which layer its latest copy brings (`_owner`). A layer whose slot
 holds something else when it is called (first forward without `post_init`, an aborted forward,
 layers called out of order) is loaded on demand and counted in `sync_loads`: slower, never wrong.
@@ -68,6 +77,13 @@ from offload.stats import OffloadStats
 
 if TYPE_CHECKING:
     from offload.quant import WeightFormat
+
+
+# Predicted experts (module doc): a layer's last routing is copied ahead while its running
+# accuracy (an exponential average, this weight on each call's) is at least this. Below it, a
+# wrong copy costs more link time than the right ones save on the critical path.
+PREDICT_ACCURACY = 0.5
+PREDICT_SMOOTHING = 0.25
 
 
 class PrefetchOffloader(BaseOffloader):
@@ -113,6 +129,13 @@ class PrefetchOffloader(BaseOffloader):
         self._expert_copies: dict[tuple[int, int, int], list] = {}
         self._expert_hits = 0
         self._expert_misses = 0
+        # predicted experts (module doc): each layer's last routing by experts module, its
+        # running accuracy, and the totals measured
+        self._last_routed: dict[int, dict[str, list[int]]] = {}
+        self._accuracy: dict[int, float] = {}
+        self._predicted = 0
+        self._predicted_correct = 0
+        self._prefetched = 0
 
     @property
     def num_slots(self) -> int:
@@ -373,6 +396,14 @@ class PrefetchOffloader(BaseOffloader):
                 after = None
         self._owner[slot] = layer
         self._present[slot].clear()  # none of its routed experts yet
+        if self._accuracy.get(layer.index, 0.0) >= PREDICT_ACCURACY:  # module doc
+            for entry in self._experts.get(layer.index, ()):
+                for expert in self._last_routed[layer.index].get(entry.path, ()):
+                    for dst, src, work in self._copies_of_expert(layer, entry, expert):
+                        self._ticket[slot] = self._engine.submit(dst, src, after=after, then=work)
+                        after = None
+                    self._present[slot].add((entry.path, expert))
+                    self._prefetched += 1
 
     def _make_pre_hook(self, layer: OffloadedLayer):
         slot = self._slot_of[layer.index]
@@ -397,6 +428,7 @@ class PrefetchOffloader(BaseOffloader):
                 self._sync_loads += 1
                 self._load(layer, after=self._engine.fence())
             wanted = routed_experts(entry.num_experts, args, kwargs)
+            self._measure_prediction(layer.index, entry.path, wanted)
             present = self._present[slot]
             missing = [e for e in wanted if (entry.path, e) not in present]
             self._expert_hits += len(wanted) - len(missing)
@@ -412,6 +444,21 @@ class PrefetchOffloader(BaseOffloader):
                 self._engine.wait(self._ticket[slot])
 
         return experts_hook
+
+    def _measure_prediction(self, index: int, path: str, wanted: list[int]) -> None:
+        """Score layer `index`'s prediction for experts module `path` (its last routing)
+        against the experts this call routes to, and keep this routing as the next one."""
+        last = self._last_routed.setdefault(index, {})
+        predicted = last.get(path)
+        if predicted:
+            correct = len(set(predicted) & set(wanted))
+            self._predicted += len(predicted)
+            self._predicted_correct += correct
+            previous = self._accuracy.get(index, correct / len(predicted))
+            self._accuracy[index] = (1 - PREDICT_SMOOTHING) * previous + PREDICT_SMOOTHING * (
+                correct / len(predicted)
+            )
+        last[path] = wanted
 
     def _make_post_hook(self, layer: OffloadedLayer):
         successor = self._next[layer.index]
@@ -445,6 +492,8 @@ class PrefetchOffloader(BaseOffloader):
         self._copies.clear()
         self._experts.clear()
         self._expert_copies.clear()
+        self._last_routed.clear()
+        self._accuracy.clear()
         self._present = []
         self._host = {}
         self._layers = []
@@ -480,4 +529,7 @@ class PrefetchOffloader(BaseOffloader):
             sync_loads=self._sync_loads,
             expert_hits=self._expert_hits,
             expert_misses=self._expert_misses,
+            expert_predicted=self._predicted,
+            expert_predicted_correct=self._predicted_correct,
+            expert_prefetched=self._prefetched,
         )

@@ -28,6 +28,13 @@ class OffloadStats:
     # their slot already (hits) or were copied then (misses)
     expert_hits: int = 0
     expert_misses: int = 0
+    # the experts predicted for a call (its layer's previous routing), and of those the ones
+    # it routed to: the prediction's accuracy is their ratio (`offload.prefetch` module doc)
+    expert_predicted: int = 0
+    expert_predicted_correct: int = 0
+    # predicted experts copied ahead (where the layer's accuracy was high enough): right or
+    # wrong, their bytes are in copied_bytes; the right ones count as hits when routed to
+    expert_prefetched: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

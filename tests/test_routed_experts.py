@@ -85,12 +85,16 @@ def test_routed_experts_give_transformers_logits_and_move_only_routed_bytes(
     expected = reference(index, ids)
     assert torch.equal(first, expected) and torch.equal(second, expected), family
     misses = sum(s.expert_misses for s in stats)
+    ahead = sum(s.expert_prefetched for s in stats)  # predicted, copied before the router
     copied = sum(s.copied_bytes for s in stats)
     per_expert = {expert_bytes(index, by_name[n]) for n in moved}
     assert len(per_expert) == 1, per_expert
-    assert misses and copied == misses * per_expert.pop()
+    per_expert_bytes = per_expert.pop()
+    assert misses and copied == (misses + ahead) * per_expert_bytes
     whole = 2 * sum(by_name[n].unit_bytes("experts") for n in moved)
-    assert copied < whole
+    # what crossed for the two passes (the predicted experts copied ahead are, at the end,
+    # the next pass's, as a whole-layer prefetch loads its slot's next layer)
+    assert misses * per_expert_bytes < whole
 
 
 def test_routed_4_bit_and_8_bit_experts_cross_as_stored(moe) -> None:
@@ -213,7 +217,7 @@ def test_a_slot_keeps_its_layers_experts_until_it_takes_another_layer(slots: int
     finally:
         offloader.detach()
     per_expert = (2 * INNER * H + H * INNER) * 4
-    assert stats.copied_bytes == stats.expert_misses * per_expert
+    assert stats.copied_bytes == (stats.expert_misses + stats.expert_prefetched) * per_expert
     assert stats.expert_hits + stats.expert_misses == 3 * 3 * TOP
     if slots == 3:
         assert stats.expert_misses == 3 * TOP and stats.expert_hits == 2 * 3 * TOP
@@ -334,3 +338,76 @@ def test_releasing_the_device_buffers_lets_the_slots_go() -> None:
         assert slots and all(ref() is None for ref in slots)
     finally:
         offloader.detach(restore=False)
+
+
+class ChosenBlock(Block):
+    """A Block whose router's choice is the test's (`route`: each row's experts)."""
+
+    route = torch.tensor([0, 1])
+
+    def forward(self, x):
+        index = self.route.expand(x.shape[0], -1)
+        weights = torch.full(index.shape, 0.5)
+        return x + self.experts(x, index, weights)
+
+
+def _predicting_run(routes: list[list[int]], monkeypatch, accuracy: float):
+    """Three offloaded layers sharing one slot, one pass per route (every layer routing its
+    row to it): the outputs against the resident model's, and the offloader's stats, with
+    experts copied ahead at a layer accuracy of `accuracy` (above 1: never)."""
+    import offload.prefetch as prefetch
+
+    monkeypatch.setattr(prefetch, "PREDICT_ACCURACY", accuracy)
+    torch.manual_seed(0)
+    layers = [ChosenBlock() for _ in range(4)]
+    resident = [ChosenBlock() for _ in range(4)]
+    for a, b in zip(resident, layers, strict=True):
+        a.load_state_dict(b.state_dict())
+    x = torch.randn(1, H)
+    offloader = PrefetchOffloader(
+        OffloadConfig(
+            backend="prefetch",
+            layers=(1, 2, 3),
+            prefetch_step=1,
+            param_filter=r"experts\.",
+            routed_experts=True,
+        ),
+        device="cpu",
+    )
+    offloader.wrap_modules(layers)
+    offloader.post_init()
+    try:
+        for route in routes:
+            ChosenBlock.route = torch.tensor(route)
+            assert torch.equal(run_stack(layers, x), run_stack(resident, x)), route
+        stats = offloader.stats()
+    finally:
+        offloader.detach()
+        ChosenBlock.route = torch.tensor([0, 1])
+    per_expert = (2 * INNER * H + H * INNER) * 4
+    assert stats.copied_bytes == (stats.expert_misses + stats.expert_prefetched) * per_expert
+    return stats
+
+
+def test_experts_a_layer_keeps_routing_to_are_copied_before_its_router_runs(monkeypatch) -> None:
+    """A layer routing to the same experts call after call: its prediction (the last routing)
+    is right every time, so loading its slot copies them ahead and the router finds them
+    there: fewer misses on the critical path than without prediction, the same outputs."""
+    routes = [[0, 1]] * 5
+    plain = _predicting_run(routes, monkeypatch, accuracy=2.0)  # never acted on
+    ahead = _predicting_run(routes, monkeypatch, accuracy=0.5)
+    assert plain.expert_prefetched == 0 and ahead.expert_prefetched > 0
+    # measured either way: 4 of the 5 passes predicted, 3 layers, 2 experts, all right
+    for stats in (plain, ahead):
+        assert stats.expert_predicted == stats.expert_predicted_correct == 4 * 3 * 2
+    assert ahead.expert_misses < plain.expert_misses
+    assert ahead.expert_hits > plain.expert_hits
+    assert ahead.expert_hits + ahead.expert_misses == 5 * 3 * 2
+
+
+def test_a_layer_whose_routing_changes_is_not_predicted(monkeypatch) -> None:
+    """Routing that alternates between disjoint experts: the measured accuracy is 0, so no
+    expert is copied ahead (a wrong copy costs link time and saves nothing)."""
+    stats = _predicting_run([[0, 1], [2, 3]] * 3, monkeypatch, accuracy=0.5)
+    assert stats.expert_predicted == 5 * 3 * 2 and stats.expert_predicted_correct == 0
+    assert stats.expert_prefetched == 0

@@ -62,6 +62,8 @@ def report(stage: int, host: str, *, offloaded: int, pinned: bool, rss: int) -> 
             dequant_s=0.125,
             expert_hits=3,
             expert_misses=5,
+            expert_predicted=4,
+            expert_predicted_correct=3,
         ),
         offload_format="int8 (1x128 blocks) x 7",
         resident_format="fp8 (128x128 blocks) x 2",
@@ -115,6 +117,7 @@ def test_render_shows_every_gpu_and_node() -> None:
     assert "30.00 MiB / 80.00 MiB" in text and "10.00 MiB (10.00 MiB)" in text
     assert "on (probe: probe)" in text and "250.0 ms" in text
     assert "(fp8 (128x128 blocks) x 2 as stored)" in text  # resident matrices kept in 8 bits
+    assert "(5 experts fetched, 3 hits, prediction 75% right)" in text
     assert "810.00 MiB" in text  # node a: both workers' RSS
 
 
@@ -202,6 +205,8 @@ def test_rows_read_every_number_from_the_snapshot() -> None:
         quantization_error=0.004,
         expert_hits=3,
         expert_misses=5,
+        expert_predicted=4,
+        expert_predicted_correct=3,
         resident_format="fp8 (128x128 blocks) x 2",
         kv_cache_bytes=MIB,
         requests=1,
@@ -262,6 +267,8 @@ def test_status_json_keys_are_unchanged_and_a_lost_stage_is_listed() -> None:
         "quantization_error",
         "expert_hits",
         "expert_misses",
+        "expert_predicted",
+        "expert_predicted_correct",
         "resident_format",
     ]
     assert list(data["nodes"][0]) == [

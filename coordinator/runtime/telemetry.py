@@ -73,6 +73,9 @@ class GpuRow:
     # already (hits) or were copied then (misses)
     expert_hits: int
     expert_misses: int
+    # of them, the experts predicted for a call (its layer's last routing) and the right ones
+    expert_predicted: int
+    expert_predicted_correct: int
     # resident quantized matrices kept as stored on the device ("" dequantized at load)
     resident_format: str
 
@@ -159,6 +162,8 @@ def gpu_rows(reports: Sequence[Report]) -> list[GpuRow]:
                 quantization_error=r.quantization_error,
                 expert_hits=stats.expert_hits,
                 expert_misses=stats.expert_misses,
+                expert_predicted=stats.expert_predicted,
+                expert_predicted_correct=stats.expert_predicted_correct,
                 resident_format=r.resident_format,
                 kv_cache_bytes=r.kv_cache_bytes,
                 requests=r.requests,
@@ -254,7 +259,13 @@ def render(reports: Sequence[Report], events: list[dict] = ()) -> str:
                 f"{format_bytes(g.kv_cache_bytes)} ({g.requests})",
                 str(g.copies)
                 + (
-                    f" ({g.expert_misses} experts fetched, {g.expert_hits} hits)"
+                    f" ({g.expert_misses} experts fetched, {g.expert_hits} hits"
+                    + (
+                        f", prediction {g.expert_predicted_correct / g.expert_predicted:.0%} right"
+                        if g.expert_predicted
+                        else ""
+                    )
+                    + ")"
                     if g.expert_hits or g.expert_misses
                     else ""
                 ),
@@ -356,6 +367,16 @@ GPU_GAUGES = (
         "expert_cache_misses",
         "Routed experts copied when a step routed to them, so far (--expert-fetch routed)",
         "expert_misses",
+    ),
+    (
+        "expert_predictions",
+        "Routed experts predicted for a call (its layer's previous routing), so far",
+        "expert_predicted",
+    ),
+    (
+        "expert_predictions_correct",
+        "Predicted routed experts the call did route to, so far",
+        "expert_predicted_correct",
     ),
 )
 
