@@ -1138,8 +1138,8 @@ def section_planner_rate(s: Section) -> None:
 
 def _run_stages(s: Section, index, **changes):
     """Logits of `index` over _two_stages (prefetch; an MoE offloads its experts), each spec
-    changed so; the ids, the workers' copy counters, and each stage's device bytes once
-    loaded (CUDA's allocated bytes, every other stage closed)."""
+    changed so; the ids, the workers' copy counters after two passes, and each stage's device
+    bytes once loaded (CUDA's allocated bytes, every other stage closed)."""
     import dataclasses
 
     import torch
@@ -1160,7 +1160,9 @@ def _run_stages(s: Section, index, **changes):
         try:
             worker.load()
             held.append(worker.device_bytes())
-            x = worker.forward(x)
+            out = worker.forward(x)
+            worker.forward(x)  # a second pass: its routing is predicted from the first's
+            x = out
             stats.append(worker.report().stats)
         finally:
             worker.close()
@@ -1227,6 +1229,11 @@ def section_quantized_moe(s: Section) -> None:
             f"max abs diff {float((routed.float() - ours.float()).abs().max()):.3e}",
         )
         s.data["routed misses"] = sum(x.expert_misses for x in stats)
+        s.data["routed experts predicted, right, copied ahead"] = [
+            sum(x.expert_predicted for x in stats),
+            sum(x.expert_predicted_correct for x in stats),
+            sum(x.expert_prefetched for x in stats),
+        ]
         # block FP8 with partial blocks: 8-bit offloaded (dequantized on the device) against
         # dequantized while read
         fp8 = dict(
