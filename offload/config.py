@@ -28,6 +28,11 @@ class OffloadConfig:
     `routed_experts` (prefetch backend): an offloaded MoE experts module's weights cross the
     link expert by expert, only those the step's router chose, once it has (`offload.routed`);
     False: the whole layer crosses before it runs, prefetched while earlier layers compute.
+
+    `expert_cache` (with `routed_experts`): rows of each offloaded experts module kept on the
+    device across steps, whichever layer its slot holds: the most used experts of that layer
+    (`offload.prefetch`'s module doc, expert cache); 0: none, a slot keeps its layer's experts
+    only until it takes another layer.
     """
 
     backend: Backend = "auto"
@@ -37,8 +42,16 @@ class OffloadConfig:
     prefetch_step: int = 1
     param_filter: str | None = None
     routed_experts: bool = False
+    expert_cache: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.expert_cache, bool) or not isinstance(self.expert_cache, int):
+            raise ValueError(f"OffloadConfig.expert_cache={self.expert_cache!r} must be an int")
+        if self.expert_cache < 0 or (self.expert_cache and not self.routed_experts):
+            raise ValueError(
+                f"OffloadConfig.expert_cache={self.expert_cache} must be >= 0, and needs "
+                "routed_experts=True (the cache holds experts the router chose)"
+            )
         if self.backend not in BACKENDS:
             raise ValueError(
                 f"OffloadConfig.backend={self.backend!r} is not one of {', '.join(BACKENDS)}"

@@ -32,6 +32,17 @@ again before the slot takes another layer is not copied again (every step, where
 offloaded layer has a slot of its own). Slots start zeroed: rows no copy wrote are never read,
 and would hold finite numbers if they were.
 
+Expert cache (`OffloadConfig.expert_cache` = C rows). Each offloaded experts module keeps
+C experts on the device across steps, whichever layer its slot holds: the most used of that
+layer over a window (uses halved every CACHE_WINDOW calls; the least used that the call does
+not route to is evicted). A call that routes to at most C experts runs on the cache: its
+misses are copied into free or evicted rows, the routed experts' rows are gathered in expert
+order into one scratch buffer of C rows (a device copy), the module's weights view it, its
+routing indices are renumbered 0..n-1 in that order and its `num_experts` is n for the call.
+Every experts implementation then does what it does with the original weights, in the same
+order, so the numbers are the same bit for bit. A call that routes to more (a prefill) uses
+its layer's slot as above.
+
 Predicted experts. A layer's experts are predicted to be the ones its previous call routed to
 (routing statistics: consecutive tokens of a text tend to reuse experts). Each call measures
 that prediction against what its router chose (`OffloadStats.expert_predicted` / `_correct`),
@@ -52,7 +63,9 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections import Counter
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -72,7 +85,7 @@ from offload.host_store import (
 )
 from offload.probe import DECISION_STEPS, NodeProbe, probe_node
 from offload.quant import SCALE_KEY_SUFFIX, QuantizedTensor
-from offload.routed import ExpertsModule, experts_modules, routed_experts
+from offload.routed import ExpertsModule, experts_modules, routed_experts, routing_of
 from offload.stats import OffloadStats
 
 if TYPE_CHECKING:
@@ -84,6 +97,45 @@ if TYPE_CHECKING:
 # wrong copy costs more link time than the right ones save on the critical path.
 PREDICT_ACCURACY = 0.5
 PREDICT_SMOOTHING = 0.25
+# Expert cache (module doc): every this many calls of an experts module, its experts' use
+# counts are halved, so the cache follows what the text routes to now.
+CACHE_WINDOW = 64
+
+
+@dataclass(slots=True)
+class _ExpertCache:
+    """One offloaded experts module's cached experts: per per-expert weight (in the order of
+    its `ExpertsModule.positions`) C rows on the device, which expert each row holds, and how
+    much each expert was used lately."""
+
+    rows: list[torch.Tensor]
+    row_of: dict[int, int] = field(default_factory=dict)  # expert -> its row
+    uses: Counter = field(default_factory=Counter)
+    calls: int = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.rows[0])
+
+    def place(self, wanted: list[int]) -> list[tuple[int, int]]:
+        """Rows for the experts of `wanted` not cached yet, (expert, row) each: free rows
+        first, then those of the least used experts the call does not route to. Counts the
+        call's uses. `wanted` holds at most `size` experts."""
+        self.calls += 1
+        if self.calls % CACHE_WINDOW == 0:
+            self.uses = Counter({e: n // 2 for e, n in self.uses.items() if n // 2})
+        self.uses.update(wanted)
+        missing = [e for e in wanted if e not in self.row_of]
+        taken = set(self.row_of.values())
+        free = [r for r in range(self.size) if r not in taken]
+        keep = set(wanted)
+        victims = sorted((e for e in self.row_of if e not in keep), key=lambda e: (self.uses[e], e))
+        placed = []
+        for expert in missing:
+            row = free.pop() if free else self.row_of.pop(victims.pop(0))
+            self.row_of[expert] = row
+            placed.append((expert, row))
+        return placed
 
 
 class PrefetchOffloader(BaseOffloader):
@@ -136,6 +188,12 @@ class PrefetchOffloader(BaseOffloader):
         self._predicted = 0
         self._predicted_correct = 0
         self._prefetched = 0
+        # expert caches (module doc) by (layer index, experts module path), and the scratch
+        # buffers a call's experts are gathered into, by (row shape, dtype)
+        self._caches: dict[tuple[int, str], _ExpertCache] = {}
+        self._scratch: dict[tuple, torch.Tensor] = {}
+        # experts modules running on their cache: their layer, and the slot views to restore
+        self._active: dict[nn.Module, tuple[OffloadedLayer, ExpertsModule, list]] = {}
 
     @property
     def num_slots(self) -> int:
@@ -173,10 +231,13 @@ class PrefetchOffloader(BaseOffloader):
             )
             if staging:
                 self._staging = torch.empty(staging, dtype=torch.uint8, device=self.device)
+            if self.config.expert_cache:
+                self._make_caches(layers)
             if self._engine is None:  # from a pageable arena on CUDA: a pinned bounce buffer
                 self._engine = make_copy_engine(self.device, pinned_source=arena.pinned)
         except BaseException:
             self._slots, self._staging = [], None
+            self._caches, self._scratch = {}, {}
             arena.close()
             raise
         self._arena = arena
@@ -208,6 +269,27 @@ class PrefetchOffloader(BaseOffloader):
                         self._make_experts_hook(layer, entry), with_kwargs=True
                     )
                 )
+                if (layer.index, entry.path) in self._caches:
+                    self._hooks.append(entry.module.register_forward_hook(self._restore_experts))
+
+    def _make_caches(self, layers: list[OffloadedLayer]) -> None:
+        """The expert caches of the layers' experts modules (`expert_cache` rows each, never
+        more than the module's experts) and the scratch buffers their calls gather into."""
+        for layer in layers:
+            for entry in self._experts.get(layer.index, ()):
+                size = min(self.config.expert_cache, entry.num_experts)
+                rows = []
+                for position in entry.positions:
+                    param = layer.params[position][1]
+                    shape = (size, *param.shape[1:])
+                    rows.append(torch.zeros(shape, dtype=param.dtype, device=self.device))
+                    key = (tuple(param.shape[1:]), param.dtype)
+                    held = self._scratch.get(key)
+                    if held is None or len(held) < size:
+                        self._scratch[key] = torch.zeros(
+                            shape, dtype=param.dtype, device=self.device
+                        )
+                self._caches[layer.index, entry.path] = _ExpertCache(rows)
 
     def _lay_out_slot(self, layer: OffloadedLayer, arena: HostArena) -> int:
         """Each parameter's offset in the layer's slot; returns the bytes the slot needs. A
@@ -319,23 +401,34 @@ class PrefetchOffloader(BaseOffloader):
 
     @torch.inference_mode(False)  # views written on the copy side, outside inference mode
     def _build_expert_copies(self, layer: OffloadedLayer, position: int, expert: int) -> list:
-        """Expert `expert`'s rows of the weight at `position` of `layer`: one copy at the
-        model's width, or the pieces of its values and scales (`_quantized_pieces`)."""
+        """Expert `expert`'s rows of the weight at `position` of `layer`, into their place in
+        the layer's slot (`_copies_into`)."""
         slot = self._slots[self._slot_of[layer.index]]
-        arena, param, key = self._arena, layer.params[position][1], layer.keys[position]
+        param = layer.params[position][1]
         offset = self._slot_offsets[layer.index][position]
         shape = tuple(param.shape)
         row = math.prod(shape[1:]) * param.element_size()
+        weight = slot[offset : offset + row * shape[0]].view(param.dtype).view(shape)
+        return self._copies_into(layer, position, expert, weight[expert])
+
+    @torch.inference_mode(False)  # views written on the copy side, outside inference mode
+    def _copies_into(
+        self, layer: OffloadedLayer, position: int, expert: int, dst: torch.Tensor
+    ) -> list:
+        """The copies that bring expert `expert`'s rows of the weight at `position` of `layer`
+        into `dst` (its row's shape, the model's dtype): one copy at the model's width, or the
+        pieces of its values and scales (`_quantized_pieces`)."""
+        arena, param, key = self._arena, layer.params[position][1], layer.keys[position]
+        shape = tuple(param.shape)
         fmt = layer.formats.get(key)
         if fmt is None:
+            row = math.prod(shape[1:]) * param.element_size()
             start = arena.offset(key) + expert * row
-            dst = slot[offset + expert * row : offset + (expert + 1) * row]
-            return [(dst, arena.bytes(start, start + row), None)]
-        weight = slot[offset : offset + row * shape[0]].view(param.dtype).view(shape)
+            return [(dst.reshape(-1).view(torch.uint8), arena.bytes(start, start + row), None)]
         values = math.prod(fmt.values_shape(shape)[1:]) * fmt.dtype.itemsize
         scales = math.prod(fmt.scale_shape(shape)[1:]) * fmt.scale_dtype.itemsize
         return self._quantized_pieces(
-            weight[expert],
+            dst,
             fmt,
             arena.offset(key) + expert * values,
             arena.offset(key + SCALE_KEY_SUFFIX) + expert * scales,
@@ -377,6 +470,8 @@ class PrefetchOffloader(BaseOffloader):
         # keep that device memory alive
         self._copies.clear()
         self._expert_copies.clear()
+        self._caches.clear()
+        self._scratch.clear()
 
     def host_tensors(self) -> Mapping[str, torch.Tensor | QuantizedTensor]:
         """As `BaseOffloader.host_tensors`; an 8-bit parameter's entry is a `QuantizedTensor`
@@ -398,6 +493,8 @@ class PrefetchOffloader(BaseOffloader):
         self._present[slot].clear()  # none of its routed experts yet
         if self._accuracy.get(layer.index, 0.0) >= PREDICT_ACCURACY:  # module doc
             for entry in self._experts.get(layer.index, ()):
+                if (layer.index, entry.path) in self._caches:  # its decode steps use the cache
+                    continue
                 for expert in self._last_routed[layer.index].get(entry.path, ()):
                     for dst, src, work in self._copies_of_expert(layer, entry, expert):
                         self._ticket[slot] = self._engine.submit(dst, src, after=after, then=work)
@@ -423,12 +520,16 @@ class PrefetchOffloader(BaseOffloader):
         that the slot lacks, and wait for them (module doc: routed experts)."""
         slot = self._slot_of[layer.index]
 
-        def experts_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        cache = self._caches.get((layer.index, entry.path))
+
+        def experts_hook(module: nn.Module, args: tuple, kwargs: dict):
             if self._owner[slot] is not layer:  # called outside its layer's forward
                 self._sync_loads += 1
                 self._load(layer, after=self._engine.fence())
             wanted = routed_experts(entry.num_experts, args, kwargs)
             self._measure_prediction(layer.index, entry.path, wanted)
+            if cache is not None and len(wanted) <= cache.size:
+                return self._from_cache(layer, entry, cache, wanted, args, kwargs)
             present = self._present[slot]
             missing = [e for e in wanted if (entry.path, e) not in present]
             self._expert_hits += len(wanted) - len(missing)
@@ -444,6 +545,67 @@ class PrefetchOffloader(BaseOffloader):
                 self._engine.wait(self._ticket[slot])
 
         return experts_hook
+
+    def _from_cache(
+        self,
+        layer: OffloadedLayer,
+        entry: ExpertsModule,
+        cache: _ExpertCache,
+        wanted: list[int],
+        args: tuple,
+        kwargs: dict,
+    ) -> tuple[tuple, dict]:
+        """Run experts module `entry` of `layer` on its cache (module doc): copy the missing
+        experts into their rows and wait, gather the routed ones in expert order into the
+        scratch buffers, point the module's weights there and renumber the call's routing;
+        `_restore_experts` undoes it after the call. Returns the call's new arguments."""
+        placed = cache.place(wanted)
+        self._expert_hits += len(wanted) - len(placed)
+        self._expert_misses += len(placed)
+        if placed:
+            # a row may still be read by compute issued before (an earlier gather): after it
+            after, ticket = self._engine.fence(), None
+            for expert, row in placed:
+                for i, position in enumerate(entry.positions):
+                    dst = cache.rows[i][row]
+                    for dst_, src, work in self._copies_into(layer, position, expert, dst):
+                        ticket = self._engine.submit(dst_, src, after=after, then=work)
+                        after = None
+            self._engine.wait(ticket)
+        count = len(wanted)
+        slot_views = [layer.params[position][1].data for position in entry.positions]
+        with torch.inference_mode(False), torch.no_grad():  # the weights' views outlive the call
+            rows = torch.tensor([cache.row_of[e] for e in wanted], device=self.device)
+            for i, position in enumerate(entry.positions):
+                param = layer.params[position][1]
+                scratch = self._scratch[tuple(param.shape[1:]), param.dtype][:count]
+                torch.index_select(cache.rows[i], 0, rows, out=scratch)
+                set_param_data(layer, position, scratch)
+        # `wanted` is sorted: expert wanted[j] becomes j, the order every implementation
+        # iterates in stays the same
+        index, name = routing_of(args, kwargs)
+        renumber = torch.full(
+            (entry.num_experts + 1,), count, dtype=index.dtype, device=index.device
+        )
+        renumber[torch.tensor(wanted, dtype=torch.long, device=index.device)] = torch.arange(
+            count, dtype=index.dtype, device=index.device
+        )
+        entry.module.num_experts = count
+        self._active[entry.module] = (layer, entry, slot_views)
+        if name is None:
+            return (args[0], renumber[index], *args[2:]), kwargs
+        return args, {**kwargs, name: renumber[index]}
+
+    def _restore_experts(self, module: nn.Module, args: tuple, output: object) -> None:
+        """After an experts call run on its cache: the module's weights view its layer's slot
+        again, and it has all its experts."""
+        active = self._active.pop(module, None)
+        if active is None:
+            return
+        layer, entry, slot_views = active
+        for position, view in zip(entry.positions, slot_views, strict=True):
+            set_param_data(layer, position, view)
+        module.num_experts = entry.num_experts
 
     def _measure_prediction(self, index: int, path: str, wanted: list[int]) -> None:
         """Score layer `index`'s prediction for experts module `path` (its last routing)
@@ -494,6 +656,8 @@ class PrefetchOffloader(BaseOffloader):
         self._expert_copies.clear()
         self._last_routed.clear()
         self._accuracy.clear()
+        self._caches.clear()
+        self._scratch.clear()
         self._present = []
         self._host = {}
         self._layers = []
@@ -517,7 +681,10 @@ class PrefetchOffloader(BaseOffloader):
             offloaded_layers=len(self._layers),
             offloaded_bytes=offloaded,
             resident_bytes=sum(param_bytes(m) for m in self._modules) - wide,
-            buffer_bytes=sum(s.numel() for s in self._slots) + staging,
+            buffer_bytes=sum(s.numel() for s in self._slots)
+            + staging
+            + sum(r.nbytes for cache in self._caches.values() for r in cache.rows)
+            + sum(t.nbytes for t in self._scratch.values()),
             host_bytes=self._arena.host_bytes,
             pinned_bytes=offloaded if self._arena.pinned else 0,
             pageable_bytes=0 if self._arena.pinned else offloaded,

@@ -71,19 +71,26 @@ class RoutingUnknownError(ValueError):
     """An experts module was called without routing indices this module can read."""
 
 
-def routed_experts(num_experts: int, args: tuple, kwargs: dict) -> list[int]:
-    """The experts (sorted) a call of an experts module routes some row to, from its routing
-    indices: the second positional argument (`top_k_index`, gpt-oss's `router_indices`) or the
-    keyword of that name. Indices outside 0..num_experts-1 (an expert-parallel sentinel) route
-    nowhere. Reading them waits for the router's kernels: the copies cannot start sooner."""
-    index = args[1] if len(args) > 1 else None
-    for name in ("top_k_index", "router_indices"):
-        if index is None:
-            index = kwargs.get(name)
+def routing_of(args: tuple, kwargs: dict) -> tuple[torch.Tensor, str | None]:
+    """An experts call's routing indices and where they are: the second positional argument
+    (`top_k_index`, gpt-oss's `router_indices`; None) or the keyword of that name."""
+    index, name = (args[1] if len(args) > 1 else None), None
+    for key in ("top_k_index", "router_indices"):
+        if index is None and key in kwargs:
+            index, name = kwargs[key], key
     if not isinstance(index, torch.Tensor) or index.dtype.is_floating_point:
         got = type(index).__name__ + (f" {index.dtype}" if isinstance(index, torch.Tensor) else "")
         raise RoutingUnknownError(
             f"an experts module was called without integer routing indices (got {got})"
         )
+    return index, name
+
+
+def routed_experts(num_experts: int, args: tuple, kwargs: dict) -> list[int]:
+    """The experts (sorted) a call of an experts module routes some row to, from its routing
+    indices (`routing_of`). Indices outside 0..num_experts-1 (an expert-parallel sentinel)
+    route nowhere. Reading them waits for the router's kernels: the copies cannot start
+    sooner."""
+    index, _ = routing_of(args, kwargs)
     hit = torch.unique(index).tolist()
     return [e for e in hit if 0 <= e < num_experts]

@@ -122,11 +122,12 @@ class Pipeline:
         offload_dtype: str = "auto",
         expert_fetch: str = "layer",
         resident_weights: str = "auto",
+        expert_cache: int = 0,
     ) -> None:
         """The planner's split (offloaded weights kept as `offload_dtype` says, resident ones
         as `resident_weights` does), or `groups` of layers with `offloaded` ones offloaded
         (their `unit`: all of them, or their experts or MLP); their experts fetched as
-        `expert_fetch` says."""
+        `expert_fetch` says (routed: with caches of `expert_cache` rows)."""
         self.index = index
         if groups is None:
             self.plan = offloading_plan(index, offload_dtype, expert_fetch, resident_weights)
@@ -137,6 +138,7 @@ class Pipeline:
                     split_spec(index, stage, groups, offloaded, unit),
                     offload_dtype=offload_dtype,
                     expert_fetch=expert_fetch,
+                    expert_cache=expert_cache,
                 )
                 for stage in range(len(groups))
             ]

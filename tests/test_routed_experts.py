@@ -411,3 +411,124 @@ def test_a_layer_whose_routing_changes_is_not_predicted(monkeypatch) -> None:
     stats = _predicting_run([[0, 1], [2, 3]] * 3, monkeypatch, accuracy=0.5)
     assert stats.expert_predicted == 5 * 3 * 2 and stats.expert_predicted_correct == 0
     assert stats.expert_prefetched == 0
+
+
+def _cached_run(routes: list[list[int]], cache: int, rows: int = 1):
+    """Three offloaded layers sharing one slot, each with an expert cache of `cache` rows;
+    one pass per route (`rows` rows, each routed to it), outputs against the resident
+    model's; the offloader's stats."""
+    torch.manual_seed(0)
+    layers = [ChosenBlock() for _ in range(4)]
+    resident = [ChosenBlock() for _ in range(4)]
+    for a, b in zip(resident, layers, strict=True):
+        a.load_state_dict(b.state_dict())
+    x = torch.randn(rows, H)
+    offloader = PrefetchOffloader(
+        OffloadConfig(
+            backend="prefetch",
+            layers=(1, 2, 3),
+            prefetch_step=1,
+            param_filter=r"experts\.",
+            routed_experts=True,
+            expert_cache=cache,
+        ),
+        device="cpu",
+    )
+    offloader.wrap_modules(layers)
+    offloader.post_init()
+    try:
+        for route in routes:
+            ChosenBlock.route = torch.tensor(route)
+            assert torch.equal(run_stack(layers, x), run_stack(resident, x)), route
+            for block in layers:  # the call's view of its cache is undone after it
+                assert block.experts.num_experts == E
+                assert block.experts.gate_up_proj.shape[0] == E
+        stats = offloader.stats()
+    finally:
+        offloader.detach()
+        ChosenBlock.route = torch.tensor([0, 1])
+    for a, b in zip(resident, layers, strict=True):  # detach restored the weights
+        assert torch.equal(a.experts.down_proj, b.experts.down_proj)
+    per_expert = (2 * INNER * H + H * INNER) * 4
+    assert stats.copied_bytes == (stats.expert_misses + stats.expert_prefetched) * per_expert
+    return stats
+
+
+def test_cached_experts_stay_on_the_device_while_the_slot_takes_other_layers(
+    monkeypatch,
+) -> None:
+    """One slot for three offloaded layers: without a cache (or prediction) every pass
+    fetches each layer's two experts again; with a cache of three rows the first pass fetches
+    them and the others find them (hits), the outputs the resident model's; the cache's rows
+    and its scratch are device bytes."""
+    import offload.prefetch as prefetch
+
+    monkeypatch.setattr(prefetch, "PREDICT_ACCURACY", 2.0)  # the plain run predicts nothing
+    routes = [[0, 1]] * 4
+    plain = _cached_run(routes, cache=0)
+    cached = _cached_run(routes, cache=3)
+    assert plain.expert_misses == 4 * 3 * 2
+    assert cached.expert_misses == 3 * 2 and cached.expert_hits == 3 * 3 * 2
+    row = (2 * INNER * H + H * INNER) * 4
+    assert cached.buffer_bytes - plain.buffer_bytes == 3 * 3 * row + 3 * row
+
+
+def test_the_cache_evicts_the_least_used_expert_the_call_does_not_route_to() -> None:
+    """Three rows, per layer: [0, 1] fetched, then found; [2, 3] takes the free row and
+    evicts 0 (0 and 1 used alike: the lower number goes first); [0, 1] finds 1, fetches 0
+    into the row of 2 (2 and 3 used once, 2 the lower). Each step's outputs are the resident
+    model's."""
+    stats = _cached_run([[0, 1], [0, 1], [2, 3], [0, 1]], cache=3)
+    # per layer: 2 misses, 2 hits, 2 misses ([2, 3]: one free row, one evicted), 1 miss
+    assert (stats.expert_misses, stats.expert_hits) == (3 * 5, 3 * 3)
+
+
+def test_a_call_routing_to_more_experts_than_the_cache_holds_uses_the_slot() -> None:
+    """Two rows routed to four distinct experts with a cache of three: the call runs on its
+    layer's slot, the same numbers; the next call of two experts runs on the cache again."""
+    stats = _cached_run([[0, 1, 2, 3], [0, 1]], cache=3)
+    assert stats.expert_hits + stats.expert_misses == 3 * (4 + 2)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cached_experts_give_transformers_logits(moe, family: str, dtype: str, monkeypatch) -> None:
+    """Three layers' experts offloaded and fetched by routing with caches of 2k rows (what two
+    tokens route to at most): two-token inputs run on the cache (renumbered routing, gathered
+    weights), an 8-token prompt that routes to more experts on the slot; every logit bitwise
+    transformers', and the second pass over the same tokens finds their experts cached."""
+    index = moe(family, dtype)
+    names = [layer.name for layer in index.layers]
+    by_name = {layer.name: layer for layer in index.layers}
+    moved = tuple(n for n in MOVED if by_name[n].unit_bytes("experts"))
+    top = max(by_name[n].experts_per_token for n in moved)
+    generator = torch.Generator().manual_seed(9)
+    pair = torch.randint(2, VOCAB, (1, 2), generator=generator)
+    prompt = torch.randint(2, VOCAB, (1, 8), generator=generator)
+    calls = []
+    original = PrefetchOffloader._from_cache
+
+    def from_cache(self, layer, entry, cache, wanted, args, kwargs):
+        calls.append(len(wanted))
+        return original(self, layer, entry, cache, wanted, args, kwargs)
+
+    monkeypatch.setattr(PrefetchOffloader, "_from_cache", from_cache)
+    pipeline = Pipeline(
+        index,
+        [names[:3], names[3:]],
+        offloaded=moved,
+        unit="experts",
+        expert_fetch="routed",
+        expert_cache=2 * top,
+    )
+    try:
+        outs = [pipeline(pair), pipeline(prompt), pipeline(pair)]
+        stats = [worker.report().stats for worker in pipeline.workers]
+    finally:
+        pipeline.close()
+    for ids, out in zip([pair, prompt, pair], outs, strict=True):
+        assert torch.equal(out, reference(index, ids)), family
+    # both pairs ran on the caches (every moved layer, each time)
+    assert len(calls) >= 2 * len(moved) and max(calls) <= 2 * top
+    # the last pass's experts were cached by the first (a cache of 2k rows holds them all)
+    assert sum(s.expert_hits for s in stats) >= len(moved) * top

@@ -453,6 +453,8 @@ class StageSpec:
     backend_reason: str = ""  # why the plan chose `backend` for this node (reported)
     offload_dtype: str = "auto"  # how offloaded weights are kept (OFFLOAD_DTYPES)
     expert_fetch: str = "layer"  # how offloaded experts cross the link: "layer" or "routed"
+    # routed: rows each offloaded experts module keeps on the device across steps (0: none)
+    expert_cache: int = 0
     # Device-resident quantized matrices kept as stored (`stored_formats`), each layer's
     # dequantized just in time (`offload.resident`); False: dequantized at load
     resident_stored: bool = False

@@ -162,6 +162,7 @@ class StageWorker:
                 prefetch_step=spec.prefetch_step,
                 param_filter=unit,
                 routed_experts=spec.expert_fetch == "routed",
+                expert_cache=spec.expert_cache if spec.expert_fetch == "routed" else 0,
             )
         else:
             config = OffloadConfig(backend="none")
