@@ -234,6 +234,9 @@ class JobConfig:
     # into one buffer; "wide" dequantized at load, at the model's width (twice FP8's bytes);
     # "auto" stored where every node's GPUs compute in FP8 and the plan at width offloads.
     resident_weights: str = "auto"
+    # Rows each offloaded experts module of a routed stage caches on the device: -1 (auto) as
+    # many as the memory the plan leaves holds, 0 none, N at most N (PlanOptions.expert_cache).
+    expert_cache: int = -1
     # The dtype the model loads and computes in: "auto" (the checkpoint's: config.json's dtype,
     # else its tensors'), or float32 / bfloat16 / float16, converted while reading.
     dtype: str = "auto"
@@ -353,6 +356,13 @@ class JobConfig:
             raise ConfigError(
                 f"expert_fetch={self.expert_fetch!r} must be one of {', '.join(EXPERT_FETCHES)}"
             )
+        if isinstance(self.expert_cache, bool) or not isinstance(self.expert_cache, int):
+            raise ConfigError(f"expert_cache={self.expert_cache!r} must be an int (-1: auto)")
+        if self.expert_cache < -1:
+            raise ConfigError(
+                f"expert_cache={self.expert_cache} must be >= -1 (-1: as many rows as the "
+                "memory the plan leaves holds, 0: none)"
+            )
         if self.resident_weights not in RESIDENT_WEIGHTS:
             raise ConfigError(
                 f"resident_weights={self.resident_weights!r} must be one of "
@@ -418,6 +428,7 @@ class JobConfig:
             offload_dtype=self.offload_dtype,
             expert_fetch=self.expert_fetch,
             resident_weights=self.resident_weights,
+            expert_cache=self.expert_cache,
         )
 
 

@@ -48,6 +48,11 @@ class BaseOffloader(ABC):
         a backend that keeps nothing in host memory."""
         return self._arena if self._arena is not None else {}
 
+    def unviewed_device_bytes(self) -> int:
+        """Device bytes the offloader holds that no parameter views (a staging buffer, expert
+        caches): what a count of the bytes behind parameters misses. 0 here."""
+        return 0
+
     def wrap_modules(self, modules: Sequence[nn.Module]) -> list[nn.Module]:
         """Offload (some of) `modules`, given in execution order; returns them, changed in place."""
         modules = list(modules)

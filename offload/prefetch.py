@@ -473,6 +473,12 @@ class PrefetchOffloader(BaseOffloader):
         self._caches.clear()
         self._scratch.clear()
 
+    def unviewed_device_bytes(self) -> int:
+        """The staging buffer, the expert caches and their scratch rows."""
+        staging = self._staging.numel() if self._staging is not None else 0
+        caches = sum(r.nbytes for cache in self._caches.values() for r in cache.rows)
+        return staging + caches + sum(t.nbytes for t in self._scratch.values())
+
     def host_tensors(self) -> Mapping[str, torch.Tensor | QuantizedTensor]:
         """As `BaseOffloader.host_tensors`; an 8-bit parameter's entry is a `QuantizedTensor`
         (its values and scales), which a loader fills as stored or quantizes into."""
@@ -675,16 +681,12 @@ class PrefetchOffloader(BaseOffloader):
         totals = self._engine.read_totals()
         offloaded = self._arena.payload_bytes  # as stored: 8-bit values and scales where so
         wide = sum(layer.payload_bytes for layer in self._layers)
-        staging = self._staging.numel() if self._staging is not None else 0
         return OffloadStats(
             backend=self.backend,
             offloaded_layers=len(self._layers),
             offloaded_bytes=offloaded,
             resident_bytes=sum(param_bytes(m) for m in self._modules) - wide,
-            buffer_bytes=sum(s.numel() for s in self._slots)
-            + staging
-            + sum(r.nbytes for cache in self._caches.values() for r in cache.rows)
-            + sum(t.nbytes for t in self._scratch.values()),
+            buffer_bytes=sum(s.numel() for s in self._slots) + self.unviewed_device_bytes(),
             host_bytes=self._arena.host_bytes,
             pinned_bytes=offloaded if self._arena.pinned else 0,
             pageable_bytes=0 if self._arena.pinned else offloaded,

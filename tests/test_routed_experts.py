@@ -306,6 +306,55 @@ def test_the_plan_fetches_experts_by_routing_where_its_cost_model_says_so(
         assert ", routed)" in the_plan.summary() and "fetched by routing" in the_plan.summary()
 
 
+@pytest.mark.parametrize(("cache", "rows"), [(-1, 2), (1, 0), (0, 0)])
+def test_the_plan_gives_routed_stages_the_memory_left_as_an_expert_cache(
+    tmp_path, cache: int, rows: int
+) -> None:
+    """qwen3_moe with 16 experts (top-2) on one GPU 1.5 experts units short of holding it: the
+    plan offloads 3 layers' experts (3 units, less a slot of one), leaving half a unit: 8
+    expert rows, each cache row costs one per offloaded layer and one of scratch (4), so auto
+    gives 2 rows; at most 1 is fewer than a token's 2 experts, which could never serve a call:
+    none, as with 0. A cached expert is expected to be hit C/E of the time, so the routed copy
+    shrinks by that; the cache's bytes are in the stage's device bytes, within its GPU;
+    workers get the rows."""
+    from test_families import family_shape
+
+    from coordinator.planning.checkpoint import load_index
+    from coordinator.tools.make_checkpoint import make_checkpoint
+
+    shape = family_shape("qwen3_moe", "float32", num_experts=16, experts_per_token=2)
+    index = load_index(make_checkpoint(tmp_path / "moe", shape))
+    unit = max(layer.unit_bytes("experts") for layer in index.layers)
+    row = unit // 16
+    memory = index.total_bytes - 3 * unit // 2
+    node = NodeInfo(
+        node_id="node",
+        gpus=(GpuInfo(index=0, memory_bytes=memory),),
+        host_budget_bytes=10**9,
+        pinned_budget_bytes=10**9,
+    )
+    options = PlanOptions(
+        expert_fetch="routed",
+        expert_cache=cache,
+        max_batch=1,
+        default_link_bytes_per_s=1e6,
+        compute_bytes_per_s=1e12,
+    )
+    [stage] = plan(index.layers, ClusterSnapshot(nodes=(node,)), options).stages
+    assert stage.expert_fetch == "routed" and len(stage.offloaded) == 3
+    assert stage.expert_cache == rows
+    assert stage.expert_cache_bytes == rows * 4 * row
+    assert memory - 8 * row <= stage.device_bytes - stage.expert_cache_bytes
+    assert stage.device_bytes <= memory
+    whole = stage.offloaded_bytes / 1e6
+    expected = 16 * (1 - (1 - 2 / 16) ** 1)  # experts one row routes to, C of 16 cached
+    assert stage.transfer_s == pytest.approx(whole * expected / 16 * (1 - rows / 16))
+    the_plan = plan(index.layers, ClusterSnapshot(nodes=(node,)), options)
+    specs = stage_specs(JobConfig(checkpoint=str(index.root)), index, the_plan, {})
+    assert [sp.expert_cache for sp in specs] == [rows]
+    assert ("expert cache: stage 0 2 rows" in the_plan.summary()) == bool(rows)
+
+
 def test_releasing_the_device_buffers_lets_the_slots_go() -> None:
     """A worker's re-plan frees the old offloader's slots before it allocates the new stage's:
     no copy kept from the old schedule (8-bit pieces, routed experts' rows) may hold a view of

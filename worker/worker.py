@@ -502,8 +502,10 @@ class StageWorker:
             return 0
         host = self.offloader.host_tensors() if self.offloader is not None else None
         stored = self._placement.residency.stored_bytes if self._placement is not None else 0
-        # (the stored parameters view the dequantization buffer, which storage_bytes counts)
-        return storage_bytes(self.stage, host) + stored + self.kv_cache_bytes()
+        # (the stored parameters view the dequantization buffer, which storage_bytes counts;
+        # the offloader's staging buffer and expert caches no parameter views)
+        held = self.offloader.unviewed_device_bytes() if self.offloader is not None else 0
+        return storage_bytes(self.stage, host) + stored + held + self.kv_cache_bytes()
 
     def history(self, since: float = 0.0) -> list[StageSnapshot]:
         """The periodic snapshots taken after time `since` (seconds since the epoch)."""

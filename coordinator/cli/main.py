@@ -62,6 +62,16 @@ def _batch(text: str) -> int:
     return 0 if text == "auto" else _positive(text)
 
 
+def _expert_cache(text: str) -> int:
+    """--expert-cache: auto (-1), or a count of rows >= 0."""
+    if text == "auto":
+        return -1
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be auto or >= 0, got {value}")
+    return value
+
+
 def _seconds(text: str) -> float:
     value = float(text)
     if not (math.isfinite(value) and value > 0):
@@ -137,6 +147,14 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
         "choice per stage at its batch), layer (with the whole layer, prefetched while "
         "earlier layers compute) or routed (only the experts the step's router chose, copied "
         "once it has: fewer bytes at small batches)",
+    )
+    parser.add_argument(
+        "--expert-cache",
+        type=_expert_cache,
+        dest="expert_cache",
+        help="rows each offloaded MoE experts module of a routed stage keeps on the GPU across "
+        "steps, its most used experts: auto (default: as many as the memory the plan leaves "
+        "holds), 0 (none) or a number (at most that many)",
     )
     parser.add_argument(
         "--resident-weights",
@@ -273,6 +291,7 @@ _JOB_FLAGS = {
     "offload_dtype": "--offload-dtype",
     "expert_fetch": "--expert-fetch",
     "resident_weights": "--resident-weights",
+    "expert_cache": "--expert-cache",
     "dtype": "--dtype",
     "cpus_per_worker": "--cpus-per-worker",
     "snapshot_interval_s": "--snapshot-interval",

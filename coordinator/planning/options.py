@@ -83,6 +83,10 @@ class PlanOptions:
     # GPUs compute in FP8 and the plan at width offloads or does not fit, if that plan is
     # then faster or copies fewer bytes (planner.plan).
     resident_weights: str = "auto"
+    # Routed experts' cache (`OffloadConfig.expert_cache`): rows each offloaded experts module
+    # of a routed stage keeps on the device across steps. -1 (auto): as many as the memory the
+    # plan leaves on that GPU (after weights, slots, KV and reserve) holds; 0: none; N: at most N.
+    expert_cache: int = -1
 
     @property
     def pool_tokens(self) -> int:
@@ -158,6 +162,11 @@ class PlanOptions:
             raise ConfigError(
                 f"PlanOptions.expert_fetch={self.expert_fetch!r} must be one of "
                 f"{', '.join(EXPERT_FETCHES)}"
+            )
+        if not is_int(self.expert_cache) or self.expert_cache < -1:
+            raise ConfigError(
+                f"PlanOptions.expert_cache={self.expert_cache!r} must be an int >= -1 (-1: as "
+                "many rows as the memory left holds, 0: none)"
             )
         if self.resident_weights not in RESIDENT_WEIGHTS:
             raise ConfigError(

@@ -108,6 +108,11 @@ class StagePlan:
     # prefetched under compute; "routed": only those a step routes to, after the router, so
     # time_s is then compute_s + their copy, not the larger of the two). `_fetch` chooses.
     expert_fetch: str = "layer"
+    # Routed: rows each of its offloaded experts modules keeps on the device across steps (its
+    # most used experts; `_cache_rows`), and their device bytes (in device_bytes): the memory
+    # the plan left on the GPU
+    expert_cache: int = 0
+    expert_cache_bytes: int = 0
     # Its resident quantized matrices kept as stored (PlanOptions.resident_weights): then
     # resident_bytes counts them as stored, resident_wide_bytes what they would take at the
     # model's width, and device_bytes the buffer of jit_bytes they are dequantized into just
@@ -255,6 +260,19 @@ class Plan:
                     f"{self.cycle_s / self.cycle_bound_s:.2f}x faster"
                 )
             notes.append(note)
+        cached = [s for s in self.stages if s.expert_cache]
+        if cached:
+            notes.append(
+                "expert cache: "
+                + ", ".join(
+                    f"stage {s.stage} {s.expert_cache} rows of each offloaded experts module "
+                    f"({format_bytes(s.expert_cache_bytes)})"
+                    for s in cached
+                )
+                + ": the most used experts stay on the GPU in the memory the plan leaves, "
+                "expected to be hit C of E of the time under uniform routing (in the transfer "
+                "times)"
+            )
         routed = [s.stage for s in self.stages if s.expert_fetch == "routed"]
         if routed:
             notes.append(
@@ -480,6 +498,7 @@ def _fetch(
     transfer_s: float,
     node,
     options: PlanOptions,
+    cache_rows: int = 0,
 ) -> tuple[str, float, float]:
     """(expert fetch, transfer seconds, stage seconds) of a stage offloading `moved` by `unit`
     (`stored`: each one's bytes as it crosses), whose whole-unit copies take `transfer_s`.
@@ -507,8 +526,13 @@ def _fetch(
         part = nbytes * min(share, 1.0)
         experts += part
         rows = options.rows_per_step
+        # a cache of C rows holds the most used experts: under uniform routing C of E of them
+        misses = 1.0 - min(cache_rows, layer.experts) / layer.experts
         routed += (
-            part * expected_experts(layer.experts, layer.experts_per_token, rows) / (layer.experts)
+            part
+            * expected_experts(layer.experts, layer.experts_per_token, rows)
+            / layer.experts
+            * misses
         )
     if not experts:
         return "layer", transfer_s, whole
@@ -523,6 +547,23 @@ def _fetch(
     ):
         return "routed", rest_s + routed_s, time_s
     return "layer", transfer_s, whole
+
+
+def _cache_rows(moved: Sequence[LayerSpec], room: int, options: PlanOptions) -> tuple[int, int]:
+    """(rows, device bytes a row takes) of the expert cache of a stage offloading `moved`,
+    in `room` device bytes (what the plan leaves on its GPU): a row of each MoE layer's cache,
+    plus the scratch row a call gathers its experts into (`offload.prefetch`'s module doc).
+    Fewer rows than a token's experts (k) would never serve a call: none then. At most
+    `options.expert_cache` rows (-1: no bound), never all of a layer's experts."""
+    moe = [layer for layer in moved if layer.experts]
+    if not moe or not options.expert_cache:
+        return 0, 0
+    per_expert = [layer.unit_bytes("experts") // layer.experts for layer in moe]
+    row = sum(per_expert) + max(per_expert)
+    rows = min(max(room, 0) // row, max(layer.experts for layer in moe) - 1)
+    if options.expert_cache > 0:
+        rows = min(rows, options.expert_cache)
+    return (rows, row) if rows >= max(layer.experts_per_token for layer in moe) else (0, row)
 
 
 def packs_weights(node, options: PlanOptions) -> bool:
@@ -648,6 +689,9 @@ def _build(
         dequantized = sum(units.slot[j] for j in moved if units.stored[j] != units.slot[j])
         dequant_s = dequantized * limits.dequant_factor / limits.link_bytes_per_s if packed else 0.0
         rate, source = node.compute_rate(options.rows_per_step)
+        rows, row_bytes = _cache_rows(
+            [layers[j] for j in moved], gpu.memory_bytes - device, options
+        )
         fetch, transfer_s, time_s = _fetch(
             [layers[j] for j in moved],
             unit_names[unit] if moved else "layer",
@@ -656,7 +700,12 @@ def _build(
             transfer_s,
             node,
             options,
+            rows,
         )
+        if fetch != "routed":
+            rows = 0
+        cache_bytes = rows * row_bytes
+        device += cache_bytes
         stages.append(
             StagePlan(
                 stage=i,
@@ -678,6 +727,8 @@ def _build(
                 transfer_s=transfer_s,
                 time_s=time_s,
                 expert_fetch=fetch,
+                expert_cache=rows,
+                expert_cache_bytes=cache_bytes,
                 link_bytes_per_s=node.link_bytes_per_s,
                 compute_bytes_per_s=rate,
                 compute_source=source,
