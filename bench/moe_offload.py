@@ -102,6 +102,7 @@ def one_run(checkpoint: str, index, fetch: str, batch: int, new: int) -> dict:
     with own_ray(), launch(config) as job, ThreadPoolExecutor(batch) as pool:
         stages = job.plan.stages
         units = {s.offload_unit for s in stages if s.offloaded}
+        cache = max(s.expert_cache for s in stages)  # rows the memory the plan left holds
         before = [r.stats for r in job.telemetry()]
         rate, outs, _ = ours(job, pool, prompts, new)
         after = [r.stats for r in job.telemetry()]
@@ -122,6 +123,7 @@ def one_run(checkpoint: str, index, fetch: str, batch: int, new: int) -> dict:
         "batch": batch,
         "offloaded_layers": sum(len(s.offloaded) for s in stages),
         "units": sorted(units),
+        "expert_cache": cache,
         "tokens_per_s": rate,
         "bytes_per_token": delta["copied_bytes"] / tokens,
         "ideal_bytes_per_token": (delta["expert_hits"] + delta["expert_misses"])
