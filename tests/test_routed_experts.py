@@ -401,41 +401,12 @@ class ChosenBlock(Block):
 
 
 def _predicting_run(routes: list[list[int]], monkeypatch, accuracy: float):
-    """Three offloaded layers sharing one slot, one pass per route (every layer routing its
-    row to it): the outputs against the resident model's, and the offloader's stats, with
-    experts copied ahead at a layer accuracy of `accuracy` (above 1: never)."""
+    """`_routed_run` without a cache, experts copied ahead at a layer accuracy of `accuracy`
+    (above 1: never)."""
     import offload.prefetch as prefetch
 
     monkeypatch.setattr(prefetch, "PREDICT_ACCURACY", accuracy)
-    torch.manual_seed(0)
-    layers = [ChosenBlock() for _ in range(4)]
-    resident = [ChosenBlock() for _ in range(4)]
-    for a, b in zip(resident, layers, strict=True):
-        a.load_state_dict(b.state_dict())
-    x = torch.randn(1, H)
-    offloader = PrefetchOffloader(
-        OffloadConfig(
-            backend="prefetch",
-            layers=(1, 2, 3),
-            prefetch_step=1,
-            param_filter=r"experts\.",
-            routed_experts=True,
-        ),
-        device="cpu",
-    )
-    offloader.wrap_modules(layers)
-    offloader.post_init()
-    try:
-        for route in routes:
-            ChosenBlock.route = torch.tensor(route)
-            assert torch.equal(run_stack(layers, x), run_stack(resident, x)), route
-        stats = offloader.stats()
-    finally:
-        offloader.detach()
-        ChosenBlock.route = torch.tensor([0, 1])
-    per_expert = (2 * INNER * H + H * INNER) * 4
-    assert stats.copied_bytes == (stats.expert_misses + stats.expert_prefetched) * per_expert
-    return stats
+    return _routed_run(routes, cache=0)
 
 
 def test_experts_a_layer_keeps_routing_to_are_copied_before_its_router_runs(monkeypatch) -> None:
@@ -462,10 +433,10 @@ def test_a_layer_whose_routing_changes_is_not_predicted(monkeypatch) -> None:
     assert stats.expert_prefetched == 0
 
 
-def _cached_run(routes: list[list[int]], cache: int, rows: int = 1):
-    """Three offloaded layers sharing one slot, each with an expert cache of `cache` rows;
-    one pass per route (`rows` rows, each routed to it), outputs against the resident
-    model's; the offloader's stats."""
+def _routed_run(routes: list[list[int]], cache: int, rows: int = 1):
+    """Three offloaded layers sharing one slot, their experts routed (with an expert cache of
+    `cache` rows each); one pass per route (`rows` rows, each routed to it), outputs against
+    the resident model's; the offloader's stats, its copied bytes checked against them."""
     torch.manual_seed(0)
     layers = [ChosenBlock() for _ in range(4)]
     resident = [ChosenBlock() for _ in range(4)]
@@ -489,7 +460,7 @@ def _cached_run(routes: list[list[int]], cache: int, rows: int = 1):
         for route in routes:
             ChosenBlock.route = torch.tensor(route)
             assert torch.equal(run_stack(layers, x), run_stack(resident, x)), route
-            for block in layers:  # the call's view of its cache is undone after it
+            for block in layers:  # a call's view of its cache is undone after it
                 assert block.experts.num_experts == E
                 assert block.experts.gate_up_proj.shape[0] == E
         stats = offloader.stats()
@@ -514,8 +485,8 @@ def test_cached_experts_stay_on_the_device_while_the_slot_takes_other_layers(
 
     monkeypatch.setattr(prefetch, "PREDICT_ACCURACY", 2.0)  # the plain run predicts nothing
     routes = [[0, 1]] * 4
-    plain = _cached_run(routes, cache=0)
-    cached = _cached_run(routes, cache=3)
+    plain = _routed_run(routes, cache=0)
+    cached = _routed_run(routes, cache=3)
     assert plain.expert_misses == 4 * 3 * 2
     assert cached.expert_misses == 3 * 2 and cached.expert_hits == 3 * 3 * 2
     row = (2 * INNER * H + H * INNER) * 4
@@ -527,7 +498,7 @@ def test_the_cache_evicts_the_least_used_expert_the_call_does_not_route_to() -> 
     evicts 0 (0 and 1 used alike: the lower number goes first); [0, 1] finds 1, fetches 0
     into the row of 2 (2 and 3 used once, 2 the lower). Each step's outputs are the resident
     model's."""
-    stats = _cached_run([[0, 1], [0, 1], [2, 3], [0, 1]], cache=3)
+    stats = _routed_run([[0, 1], [0, 1], [2, 3], [0, 1]], cache=3)
     # per layer: 2 misses, 2 hits, 2 misses ([2, 3]: one free row, one evicted), 1 miss
     assert (stats.expert_misses, stats.expert_hits) == (3 * 5, 3 * 3)
 
@@ -535,7 +506,7 @@ def test_the_cache_evicts_the_least_used_expert_the_call_does_not_route_to() -> 
 def test_a_call_routing_to_more_experts_than_the_cache_holds_uses_the_slot() -> None:
     """Two rows routed to four distinct experts with a cache of three: the call runs on its
     layer's slot, the same numbers; the next call of two experts runs on the cache again."""
-    stats = _cached_run([[0, 1, 2, 3], [0, 1]], cache=3)
+    stats = _routed_run([[0, 1, 2, 3], [0, 1]], cache=3)
     assert stats.expert_hits + stats.expert_misses == 3 * (4 + 2)
 
 
