@@ -101,21 +101,20 @@ class StoredResidency:
         """Hook `module`'s dequantization: its experts modules' per-expert matrices when the
         router has chosen (`_dequantize_experts`), the rest before the layer runs."""
         names = list(kept)
-        params = [
-            (name, _owner(module, name)[0]._parameters[_owner(module, name)[1]]) for name in names
-        ]
+        params = [(name, module.get_parameter(name)) for name in names]
         routed = set()
         for entry in experts_modules(module, params):
             own = [names[i] for i in entry.positions]
             routed.update(own)
-            hook = self._dequantize_experts(module, entry.num_experts, entry.path, own)
+            hook = self._dequantize_experts(module, entry.num_experts, own)
             self._hooks.append(entry.module.register_forward_pre_hook(hook, with_kwargs=True))
         self._whole[module] = [name for name in names if name not in routed]
         self._hooks.append(module.register_forward_pre_hook(self._dequantize_layer))
 
-    def _dequantize_experts(self, layer: nn.Module, count: int, path: str, names: list[str]):
-        """The pre-hook of experts module `path` of `layer`: dequantize the rows of its
-        matrices `names` (each [count, ...]) of the experts the call routes to."""
+    def _dequantize_experts(self, layer: nn.Module, count: int, names: list[str]):
+        """The pre-hook of an experts module of `layer`: dequantize the rows of its matrices
+        `names` (names within the layer, each [count, ...]) of the experts the call routes
+        to."""
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             try:
