@@ -365,3 +365,29 @@ def test_a_stored_layers_step_counts_its_dequantization_and_only_routed_experts(
             dequantized(moe, rest) + share * dequantized(moe, experts)
         )
     assert compute_bytes(moe, True, 1) < compute_bytes(moe, True, 64)
+
+
+def test_the_exact_cycle_search_counts_8_bit_copies_as_stored() -> None:
+    """On GPUs that keep offloaded FP8 weights in 8 bits, the cycle search (cycle.py) prices
+    every range's copies as the plan's stages do: as stored (half the bytes at width) with
+    their dequantization, so the cycle it proves optimal is one of the plan's own stage
+    times, not one of copies at width."""
+    from coordinator.planning import cycle
+    from coordinator.planning.search import LayerRange
+
+    layers, snap = fp8_model(), two_gpus(8 << 20)
+    memo: dict = {}
+    options = PlanOptions(objective="throughput", max_batch=4, micro_batches=2)
+    the_plan = plan(layers, snap, dataclasses.replace(options, resident_weights="wide"), memo=memo)
+    assert any(0 < s.offloaded_bytes < s.offloaded_wide_bytes for s in the_plan.stages)
+    [search] = [value[0] for key, value in memo.items() if isinstance(key, tuple)]
+    memory = snap.nodes[0].gpus[0].memory_bytes
+    checked = 0
+    for start in range(len(layers)):
+        for end in range(start + 1, len(layers) + 1):
+            time_s = cycle._range_time(search, 0, start, end, memory)
+            if time_s is None:
+                break
+            assert time_s == max(search.stage_times(LayerRange(0, 0, start, end)))
+            checked += search.offload_bytes(start, end, memory, 1) > 0
+    assert checked  # ranges that offload, whose copies differ at width

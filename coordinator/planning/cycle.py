@@ -111,13 +111,26 @@ def _stage_times(search: Search, floor: float) -> set[float]:
     return times
 
 
+def _moved(search: Search, n: int, start: int, end: int, memory: int) -> tuple[int, int] | None:
+    """(host bytes, link bytes of its transfer time) of layers [start, end) on a GPU of node
+    `n` with `memory` bytes: as the node keeps them (8 bits where it packs them, their
+    dequantization in link bytes), what `Search.stage_times` counts; None: they do not fit."""
+    node = search.nodes[n]
+    host = search.offload_bytes(start, end, memory, node.slots, node.packed)
+    if host is None:
+        return None
+    factor = node.dequant_factor if node.packed else 0.0
+    link = search.offload_bytes(start, end, memory, node.slots, node.packed, factor)
+    return host, link
+
+
 def _range_time(search: Search, n: int, start: int, end: int, memory: int) -> float | None:
     node = search.nodes[n]
-    offloaded = search.offload_bytes(start, end, memory, node.slots)
-    if offloaded is None or offloaded > node.offload_budget_bytes:
+    moved = _moved(search, n, start, end, memory)
+    if moved is None or moved[0] > node.offload_budget_bytes:
         return None
     work = search.work[end] - search.work[start]
-    return max(work / search.rates[n], offloaded / node.link_bytes_per_s)
+    return max(work / search.rates[n], moved[1] / node.link_bytes_per_s)
 
 
 def _least_sum(
@@ -138,11 +151,12 @@ def _least_sum(
             grown = dict(front)  # this GPU unused
             for (pos, used), (total, stages) in front.items():
                 for end in range(pos + 1, num + 1):
-                    offloaded = search.offload_bytes(pos, end, memory, node.slots)
-                    if offloaded is None or used + offloaded > node.offload_budget_bytes:
+                    moved = _moved(search, n, pos, end, memory)
+                    if moved is None or used + moved[0] > node.offload_budget_bytes:
                         break  # a longer range needs at least as many bytes moved
+                    offloaded = moved[0]
                     work = search.work[end] - search.work[pos]
-                    t = max(work / search.rates[n], offloaded / node.link_bytes_per_s)
+                    t = max(work / search.rates[n], moved[1] / node.link_bytes_per_s)
                     if t > cap:
                         break  # and at least as much time
                     key, value = (end, used + offloaded), total + (t + overhead_s)
