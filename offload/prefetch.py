@@ -181,6 +181,8 @@ class PrefetchOffloader(BaseOffloader):
         self._expert_copies: dict[tuple[int, int, int], list] = {}
         self._expert_hits = 0
         self._expert_misses = 0
+        # per offloaded layer (its index): [hits, misses, expert bytes copied]
+        self._by_layer: dict[int, list[int]] = {}
         # predicted experts (module doc): each layer's last routing by experts module, its
         # running accuracy, and the totals measured
         self._last_routed: dict[int, dict[str, list[int]]] = {}
@@ -504,6 +506,7 @@ class PrefetchOffloader(BaseOffloader):
                 for expert in self._last_routed[layer.index].get(entry.path, ()):
                     for dst, src, work in self._copies_of_expert(layer, entry, expert):
                         self._ticket[slot] = self._engine.submit(dst, src, after=after, then=work)
+                        self._count(layer.index, nbytes=src.nbytes)
                         after = None
                     self._present[slot].add((entry.path, expert))
                     self._prefetched += 1
@@ -538,13 +541,13 @@ class PrefetchOffloader(BaseOffloader):
                 return self._from_cache(layer, entry, cache, wanted, args, kwargs)
             present = self._present[slot]
             missing = [e for e in wanted if (entry.path, e) not in present]
-            self._expert_hits += len(wanted) - len(missing)
-            self._expert_misses += len(missing)
+            self._count(layer.index, hits=len(wanted) - len(missing), misses=len(missing))
             # the slot's previous layer may still be read by compute issued before: after it
             after = self._engine.fence() if missing else None
             for expert in missing:
                 for dst, src, work in self._copies_of_expert(layer, entry, expert):
                     self._ticket[slot] = self._engine.submit(dst, src, after=after, then=work)
+                    self._count(layer.index, nbytes=src.nbytes)
                     after = None
                 present.add((entry.path, expert))
             if self._ticket[slot] is not None:
@@ -566,8 +569,7 @@ class PrefetchOffloader(BaseOffloader):
         scratch buffers, point the module's weights there and renumber the call's routing;
         `_restore_experts` undoes it after the call. Returns the call's new arguments."""
         placed = cache.place(wanted)
-        self._expert_hits += len(wanted) - len(placed)
-        self._expert_misses += len(placed)
+        self._count(layer.index, hits=len(wanted) - len(placed), misses=len(placed))
         if placed:
             # a row may still be read by compute issued before (an earlier gather): after it
             after, ticket = self._engine.fence(), None
@@ -576,6 +578,7 @@ class PrefetchOffloader(BaseOffloader):
                     dst = cache.rows[i][row]
                     for dst_, src, work in self._copies_into(layer, position, expert, dst):
                         ticket = self._engine.submit(dst_, src, after=after, then=work)
+                        self._count(layer.index, nbytes=src.nbytes)
                         after = None
             self._engine.wait(ticket)
         count = len(wanted)
@@ -612,6 +615,16 @@ class PrefetchOffloader(BaseOffloader):
         for position, view in zip(entry.positions, slot_views, strict=True):
             set_param_data(layer, position, view)
         module.num_experts = entry.num_experts
+
+    def _count(self, index: int, *, hits: int = 0, misses: int = 0, nbytes: int = 0) -> None:
+        """Count routed experts of offloaded layer `index` found on the device (`hits`),
+        copied when routed to (`misses`), and expert bytes copied (`nbytes`)."""
+        self._expert_hits += hits
+        self._expert_misses += misses
+        counts = self._by_layer.setdefault(index, [0, 0, 0])
+        counts[0] += hits
+        counts[1] += misses
+        counts[2] += nbytes
 
     def _measure_prediction(self, index: int, path: str, wanted: list[int]) -> None:
         """Score layer `index`'s prediction for experts module `path` (its last routing)
@@ -701,4 +714,5 @@ class PrefetchOffloader(BaseOffloader):
             expert_predicted=self._predicted,
             expert_predicted_correct=self._predicted_correct,
             expert_prefetched=self._prefetched,
+            expert_layers=tuple((i, *counts) for i, counts in sorted(self._by_layer.items())),
         )

@@ -35,6 +35,12 @@ class OffloadStats:
     # predicted experts copied ahead (where the layer's accuracy was high enough): right or
     # wrong, their bytes are in copied_bytes; the right ones count as hits when routed to
     expert_prefetched: int = 0
+    # per offloaded layer whose experts are routed: (its index among the wrapped modules,
+    # hits, misses, expert bytes copied), in layer order
+    expert_layers: tuple[tuple[int, int, int, int], ...] = ()
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """JSON-ready: the fields, `expert_layers` as lists."""
+        data = dataclasses.asdict(self)
+        data["expert_layers"] = [list(counts) for counts in self.expert_layers]
+        return data

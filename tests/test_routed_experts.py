@@ -79,9 +79,12 @@ def test_routed_experts_give_transformers_logits_and_move_only_routed_bytes(
     )
     try:
         first, second = pipeline(ids), pipeline(ids)
-        stats = [worker.report().stats for worker in pipeline.workers]
+        reports = [worker.report() for worker in pipeline.workers]
+        stats = [report.stats for report in reports]
     finally:
         pipeline.close()
+    # each moved layer's routed experts counted under its name
+    assert [c[0] for r in reports for c in r.expert_layers] == list(moved)
     expected = reference(index, ids)
     assert torch.equal(first, expected) and torch.equal(second, expected), family
     misses = sum(s.expert_misses for s in stats)
@@ -471,6 +474,11 @@ def _routed_run(routes: list[list[int]], cache: int, rows: int = 1):
         assert torch.equal(a.experts.down_proj, b.experts.down_proj)
     per_expert = (2 * INNER * H + H * INNER) * 4
     assert stats.copied_bytes == (stats.expert_misses + stats.expert_prefetched) * per_expert
+    # per layer: the offloaded ones, whose counts add up to the totals (only experts cross)
+    assert [counts[0] for counts in stats.expert_layers] == [1, 2, 3]
+    assert sum(counts[1] for counts in stats.expert_layers) == stats.expert_hits
+    assert sum(counts[2] for counts in stats.expert_layers) == stats.expert_misses
+    assert sum(counts[3] for counts in stats.expert_layers) == stats.copied_bytes
     return stats
 
 

@@ -67,6 +67,7 @@ def report(stage: int, host: str, *, offloaded: int, pinned: bool, rss: int) -> 
         ),
         offload_format="int8 (1x128 blocks) x 7",
         resident_format="fp8 (128x128 blocks) x 2",
+        expert_layers=(("layers.0", 3, 5, 5 * MIB),),
         quantization_error=0.004,
         since_last=CopyCounters(interval_s=10.0, copies=2, copied_bytes=20, copy_s=0.1),
         kv_cache_bytes=MIB,
@@ -118,6 +119,7 @@ def test_render_shows_every_gpu_and_node() -> None:
     assert "on (probe: probe)" in text and "250.0 ms" in text
     assert "(fp8 (128x128 blocks) x 2 as stored)" in text  # resident matrices kept in 8 bits
     assert "(5 experts fetched, 3 hits, prediction 75% right)" in text
+    assert "stage 0 routed experts by layer: layers.0 3 hits, 5 fetched, 5.00 MiB copied" in text
     assert "810.00 MiB" in text  # node a: both workers' RSS
 
 
@@ -170,6 +172,7 @@ def test_a_snapshot_round_trips_to_json_with_the_keys_it_always_had() -> None:
         "offload_unit",
         "offload_format",
         "resident_format",
+        "expert_layers",
         "quantization_error",
     } == set(data)
     assert data["stats"] == snapshot.stats.to_dict() and data["pin"] == snapshot.pin.to_dict()
@@ -306,6 +309,10 @@ def test_gauges_are_set_from_the_snapshots(monkeypatch) -> None:
     assert values[("offload_copies", stage0)] == 7.0
     assert values[("offload_expert_cache_hits", stage0)] == 3.0
     assert values[("offload_expert_cache_misses", stage0)] == 5.0
+    layer0 = tuple(sorted((*stage0, ("layer", "layers.0"))))
+    assert values[("offload_expert_layer_hits", layer0)] == 3.0
+    assert values[("offload_expert_layer_misses", layer0)] == 5.0
+    assert values[("offload_expert_layer_copied_bytes", layer0)] == 5 * MIB
     assert values[("offload_pin_memory", stage0)] == 1.0
     assert values[("offload_kv_cache_bytes", stage0)] == MIB
     assert values[("offload_stage_up", stage0)] == 1.0

@@ -64,6 +64,8 @@ class StageSnapshot:
     # dequantized just in time (`offload.resident`; stats.resident_bytes counts them as stored,
     # stats.buffer_bytes the buffer they are dequantized into)
     resident_format: str = ""
+    # routed experts per offloaded layer: (layer name, hits, misses, expert bytes copied)
+    expert_layers: tuple[tuple[str, int, int, int], ...] = ()
     # relative RMS error of the weights quantized at load (--offload-dtype fp8 / int8): what
     # keeping them in 8 bits changed, measured on this stage's own weights (0.0: none was)
     quantization_error: float = 0.0
@@ -92,7 +94,13 @@ class StageSnapshot:
 
     def to_dict(self) -> dict:
         """JSON-ready: the same keys as the fields, nested values as dicts, tuples as lists."""
-        data = dataclasses.asdict(self)
-        for key in ("layers", "offloaded", "probe_errors"):
-            data[key] = list(data[key])
-        return data
+        return _lists(dataclasses.asdict(self))
+
+
+def _lists(value):
+    """`value` with every tuple in it a list (JSON's arrays), at any depth."""
+    if isinstance(value, dict):
+        return {key: _lists(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_lists(item) for item in value]
+    return value

@@ -545,6 +545,10 @@ class StageWorker:
             offload_unit=self.spec.offload_unit,
             offload_format=self._placement.offload_format() if self._placement else "",
             resident_format=residency.describe() if residency is not None else "",
+            expert_layers=tuple(
+                (self.spec.layers[index].name, hits, misses, nbytes)
+                for index, hits, misses, nbytes in stats.expert_layers
+            ),
             backend=offloader.backend if offloader is not None else "none",
             backend_reason=offloader.backend_reason if offloader is not None else "",
             pin=decision,

@@ -286,6 +286,12 @@ def render(reports: Sequence[Report], events: list[dict] = ()) -> str:
             )
         )
     out = render_table(gpus) + "\n\n" + render_table(nodes)
+    for r in reports:
+        if isinstance(r, StageSnapshot) and r.expert_layers:
+            out += f"\nstage {r.stage} routed experts by layer: " + "; ".join(
+                f"{name} {hits} hits, {misses} fetched, {format_bytes(nbytes)} copied"
+                for name, hits, misses, nbytes in r.expert_layers
+            )
     for r in lost_stages(reports):
         out += (
             f"\nstage {r.stage} ({layer_range(r.layers)}, on {r.hostname}): worker "
@@ -381,6 +387,15 @@ GPU_GAUGES = (
 )
 
 
+# Per offloaded layer of a routed stage (StageSnapshot.expert_layers, in its order after the
+# layer's name), tagged with the layer too: (metric name, description)
+EXPERT_LAYER_GAUGES = (
+    ("expert_layer_hits", "Routed experts of this layer found on the GPU, so far"),
+    ("expert_layer_misses", "Routed experts of this layer copied when routed to, so far"),
+    ("expert_layer_copied_bytes", "Expert bytes of this layer copied to the GPU, so far"),
+)
+
+
 class MetricsExporter:
     """Ray gauges, tagged with node, GPU and stage. Created in the driver; Ray exports them on
     the node's metrics endpoint for Prometheus."""
@@ -406,6 +421,10 @@ class MetricsExporter:
         )
 
         self._was_up: set[tuple[str, str, str]] = set()
+        self._by_layer = {
+            index: Gauge(METRIC_PREFIX + name, description=text, tag_keys=(*tags, "layer"))
+            for index, (name, text) in enumerate(EXPERT_LAYER_GAUGES, start=1)
+        }
 
     def export(self, reports: Sequence[Report], events: list[dict] = ()) -> None:
         up = set()
@@ -414,6 +433,13 @@ class MetricsExporter:
             for field, gauge in self._gauges.items():
                 gauge.set(float(getattr(row, field)), tags=tags)
             up.add((row.hostname, row.gpu, str(row.stage)))
+        for r in reports:
+            if not isinstance(r, StageSnapshot):
+                continue
+            tags = {"node": r.hostname, "gpu": r.gpu or "-", "stage": str(r.stage)}
+            for counts in r.expert_layers:
+                for index, gauge in self._by_layer.items():
+                    gauge.set(float(counts[index]), tags={**tags, "layer": counts[0]})
         down = {(r.hostname, "-", str(r.stage)) for r in lost_stages(reports)}
         # A stage renumbered or gone after a re-plan must not stay "up" under its old tags.
         down |= self._was_up - up
