@@ -297,9 +297,11 @@ def test_the_plan_fetches_experts_by_routing_where_its_cost_model_says_so(
         if (fetch, rows) == ("auto", 1):
             assert s.expert_fetch == "routed"
             assert s.transfer_s == pytest.approx(whole / 2)  # 2 of 4 experts expected
+            assert s.copied_bytes == s.offloaded_bytes // 2
             assert s.time_s == pytest.approx(s.compute_s + whole / 2) and s.time_s < whole
         elif fetch == "auto":
             assert s.expert_fetch == "layer" and s.time_s == pytest.approx(whole)
+            assert s.copied_bytes == s.offloaded_bytes  # the whole unit, every step
         else:
             assert s.expert_fetch == "routed"
             assert s.time_s == pytest.approx(s.compute_s + whole, rel=1e-3)
@@ -356,6 +358,11 @@ def test_the_plan_gives_routed_stages_the_memory_left_as_an_expert_cache(
     specs = stage_specs(JobConfig(checkpoint=str(index.root)), index, the_plan, {})
     assert [sp.expert_cache for sp in specs] == [rows]
     assert ("expert cache: stage 0 2 rows" in the_plan.summary()) == bool(rows)
+    # a step copies the experts expected routed and not cached (only experts are offloaded)
+    assert stage.copied_bytes == pytest.approx(
+        stage.offloaded_bytes * expected / 16 * (1 - rows / 16), abs=1
+    )
+    assert "predicted copy per generated token" in the_plan.summary()
 
 
 def test_releasing_the_device_buffers_lets_the_slots_go() -> None:

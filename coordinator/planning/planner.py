@@ -113,6 +113,9 @@ class StagePlan:
     # the plan left on the GPU
     expert_cache: int = 0
     expert_cache_bytes: int = 0
+    # What a step is expected to copy: its offloaded bytes as stored, or with routed fetch the
+    # rest of the unit and the expected routed experts not cached (`_fetch`)
+    copied_bytes: int = 0
     # Its resident quantized matrices kept as stored (PlanOptions.resident_weights): then
     # resident_bytes counts them as stored, resident_wide_bytes what they would take at the
     # model's width, and device_bytes the buffer of jit_bytes they are dequantized into just
@@ -260,6 +263,15 @@ class Plan:
                     f"{self.cycle_s / self.cycle_bound_s:.2f}x faster"
                 )
             notes.append(note)
+        if any(s.expert_fetch == "routed" for s in self.stages):
+            rows = self.options.rows_per_step
+            step = sum(s.copied_bytes for s in self.stages)
+            whole = sum(s.offloaded_bytes for s in self.stages)
+            notes.append(
+                f"predicted copy per generated token: {format_bytes(step // rows)} (a step of "
+                f"{rows} row(s) copies {format_bytes(step)}; whole-unit fetch would copy "
+                f"{format_bytes(whole)})"
+            )
         cached = [s for s in self.stages if s.expert_cache]
         if cached:
             notes.append(
@@ -499,9 +511,10 @@ def _fetch(
     node,
     options: PlanOptions,
     cache_rows: int = 0,
-) -> tuple[str, float, float]:
-    """(expert fetch, transfer seconds, stage seconds) of a stage offloading `moved` by `unit`
-    (`stored`: each one's bytes as it crosses), whose whole-unit copies take `transfer_s`.
+) -> tuple[str, float, float, int]:
+    """(expert fetch, transfer seconds, stage seconds, bytes a step copies) of a stage
+    offloading `moved` by `unit` (`stored`: each one's bytes as it crosses), whose whole-unit
+    copies take `transfer_s`.
 
     Routed fetch copies, of each MoE layer's experts, the expected distinct experts a step of
     `options.rows_per_step` rows routes to (`expected_experts`: uniform routing), after its
@@ -514,9 +527,9 @@ def _fetch(
     faster; the placement itself was searched with whole-unit copies. UVA nodes read the
     experts in place: nothing to fetch."""
     whole = max(compute_s, transfer_s)
-    if options.expert_fetch == "layer" or node.backend != "prefetch" or not moved:
-        return "layer", transfer_s, whole
     total = sum(stored)
+    if options.expert_fetch == "layer" or node.backend != "prefetch" or not moved:
+        return "layer", transfer_s, whole, total
     experts = routed = 0.0
     for layer, nbytes in zip(moved, stored, strict=True):
         if not layer.experts or not total:
@@ -535,7 +548,7 @@ def _fetch(
             * misses
         )
     if not experts:
-        return "layer", transfer_s, whole
+        return "layer", transfer_s, whole, total
     per_byte = transfer_s / total
     rest_s, routed_s = (total - experts) * per_byte, routed * per_byte
     time_s = max(compute_s, rest_s) + routed_s
@@ -545,8 +558,8 @@ def _fetch(
         options.expert_fetch == "routed"
         or (compute_s + rest_s + routed_s if shared else time_s) < against
     ):
-        return "routed", rest_s + routed_s, time_s
-    return "layer", transfer_s, whole
+        return "routed", rest_s + routed_s, time_s, math.ceil(total - experts + routed)
+    return "layer", transfer_s, whole, total
 
 
 def _cache_rows(moved: Sequence[LayerSpec], room: int, options: PlanOptions) -> tuple[int, int]:
@@ -692,7 +705,7 @@ def _build(
         rows, row_bytes = _cache_rows(
             [layers[j] for j in moved], gpu.memory_bytes - device, options
         )
-        fetch, transfer_s, time_s = _fetch(
+        fetch, transfer_s, time_s, copied = _fetch(
             [layers[j] for j in moved],
             unit_names[unit] if moved else "layer",
             [units.stored[j] if packed else units.slot[j] for j in moved],
@@ -729,6 +742,7 @@ def _build(
                 expert_fetch=fetch,
                 expert_cache=rows,
                 expert_cache_bytes=cache_bytes,
+                copied_bytes=copied,
                 link_bytes_per_s=node.link_bytes_per_s,
                 compute_bytes_per_s=rate,
                 compute_source=source,
