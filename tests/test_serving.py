@@ -557,6 +557,52 @@ def test_health_version_content_parts_vllm_fields_and_error_shape(server) -> Non
     assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].choices == []
 
 
+def test_tokenize_and_detokenize_as_vllm_answers_them(server) -> None:
+    """/tokenize and /detokenize in vLLM's shapes: a prompt's ids as the checkpoint's
+    tokenizer gives them (special tokens or not, their strings on request), chat messages'
+    through its template, max_model_len; ids back to their text; bad fields and ids 400s
+    naming them, a wrong key 401."""
+    from transformers import AutoTokenizer
+
+    base, key, checkpoint = server
+    root = base.removesuffix("/v1")
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    prompt = "the quick brown fox"
+
+    def call(path: str, body: dict, with_key: str = key) -> tuple[int, dict]:
+        return post(f"{root}/{path}", json.dumps(body).encode(), with_key)
+
+    status, answer = call("tokenize", {"model": "tiny-llama", "prompt": prompt})
+    ids = tokenizer(prompt)["input_ids"]
+    assert status == 200
+    assert answer == {"count": len(ids), "max_model_len": 64, "tokens": ids, "token_strs": None}
+    plain = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    status, answer = call(
+        "tokenize", {"prompt": prompt, "add_special_tokens": False, "return_token_strs": True}
+    )
+    assert answer["tokens"] == plain  # (this tokenizer adds none: the same ids)
+    assert answer["token_strs"] == tokenizer.convert_ids_to_tokens(plain)
+    messages = [{"role": "user", "content": "hello there"}]
+    status, answer = call("tokenize", {"messages": messages})
+    expected = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    assert status == 200 and answer["tokens"] == list(expected)
+    status, answer = call("detokenize", {"model": "tiny-llama", "tokens": ids})
+    assert status == 200 and answer == {"prompt": tokenizer.decode(ids)}
+    for path, body, param in (
+        ("tokenize", {"prompt": 3}, "prompt"),
+        ("tokenize", {"prompt": prompt, "add_special_token": True}, "add_special_token"),
+        ("detokenize", {"tokens": [-1]}, "tokens"),
+        ("detokenize", {"tokens": "12"}, "tokens"),
+        ("detokenize", {"tokens": [1], "skip_special_tokens": True}, "skip_special_tokens"),
+    ):
+        status, answer = call(path, body)
+        assert status == 400 and answer["error"]["param"] == param, (path, body, answer)
+    assert call("tokenize", {"prompt": prompt}, "wrong")[0] == 401
+    assert call("detokenize", {"tokens": ids}, "wrong")[0] == 401
+
+
 def reference_logprobs(checkpoint: str, ids: list[int]):
     """transformers' log_softmax of its float32 logits over `ids` (positions, vocab)."""
     import torch

@@ -183,6 +183,27 @@ def _is_off(value, off) -> bool:
     return isinstance(value, bool) == isinstance(off, bool) and value == off
 
 
+# What vLLM's /tokenize takes: a prompt, or chat messages and how to render them
+TOKENIZE_FIELDS = (
+    "model",
+    "prompt",
+    "add_special_tokens",
+    "messages",
+    "add_generation_prompt",
+    "return_token_strs",
+)
+
+
+def _only(body: dict, fields: tuple[str, ...], endpoint: str) -> None:
+    """Refuse (a 400 naming it) a field of `body` not among `fields`."""
+    extra = sorted(set(body) - set(fields))
+    if extra:
+        raise BadRequest(
+            f"unknown field {shown(extra[0])} for {endpoint}: it takes {', '.join(fields)}",
+            param=extra[0],
+        )
+
+
 def check_fields(body: dict, endpoint: str) -> None:
     """Refuse (a 400 naming it) a field this endpoint does not know, or one set to a value
     this server does not apply (see FIELDS)."""
@@ -609,7 +630,9 @@ class OpenAIServer:
         async for item in run_asgi(self.app, request):
             yield item
 
-    async def _handle(self, request: Request, *, chat: bool):
+    async def _body(self, request: Request) -> dict | JSONResponse:
+        """The request's JSON object, once its key and its model are this server's; else the
+        error response (401, 400 naming what is wrong with the body, 404 for another model)."""
         if not self._authorized(request):
             return _error(
                 401,
@@ -634,6 +657,69 @@ class OpenAIServer:
                 "NotFoundError",
                 "model",
             )
+        return body
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request):
+        """vLLM's /tokenize: a `prompt` (special tokens added unless `add_special_tokens` is
+        false) or chat `messages` through the template (`add_generation_prompt`, default
+        true) -> {count, max_model_len, tokens, token_strs (with `return_token_strs`)}."""
+        body = await self._body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        from coordinator.serving.text import prompt_ids
+
+        try:
+            _only(body, TOKENIZE_FIELDS, "/tokenize")
+            if "messages" in body:
+                messages = chat_messages(body.get("messages"), self.tokenizer)
+                opened = _field(body, "add_generation_prompt", (bool,), True)
+                ids = prompt_ids(self.tokenizer, messages=messages, add_generation_prompt=opened)[
+                    0
+                ].tolist()
+            else:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str):
+                    raise BadRequest("'prompt' must be a string (or send 'messages')", "prompt")
+                special = _field(body, "add_special_tokens", (bool,), True)
+                ids = self.tokenizer(prompt, add_special_tokens=special)["input_ids"]
+            strs = _field(body, "return_token_strs", (bool,), False)
+        except OffloadCoordinatorError as exc:  # a bad field, or the template's refusal
+            return _error_for(exc)
+        return {
+            "count": len(ids),
+            "max_model_len": self.job.config.max_seq_len,
+            "tokens": ids,
+            "token_strs": self.tokenizer.convert_ids_to_tokens(ids) if strs else None,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request):
+        """vLLM's /detokenize: `tokens` (ids of this model's vocabulary) -> {prompt}, their
+        text with special tokens as they are."""
+        body = await self._body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        tokens = body.get("tokens")
+        vocab = self.job.index.config.get("vocab_size") or len(self.tokenizer)
+        if (
+            not isinstance(tokens, list)
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in tokens)
+            or any(i < 0 or i >= vocab for i in tokens)
+        ):
+            return _error(
+                400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens"
+            )
+        try:
+            _only(body, ("model", "tokens"), "/detokenize")
+        except BadRequest as exc:
+            return _error_for(exc)
+        return {"prompt": self.tokenizer.decode(tokens)}
+
+    async def _handle(self, request: Request, *, chat: bool):
+        body = await self._body(request)
+        if isinstance(body, JSONResponse):
+            return body
         try:
             parsed = self._parse(body, chat)
             echo_logprobs = parsed.logprobs if parsed.echo is not None else None
