@@ -601,6 +601,41 @@ def test_tokenize_and_detokenize_as_vllm_answers_them(server) -> None:
         assert status == 400 and answer["error"]["param"] == param, (path, body, answer)
     assert call("tokenize", {"prompt": prompt}, "wrong")[0] == 401
     assert call("detokenize", {"tokens": ids}, "wrong")[0] == 401
+    # /metrics is open (no --metrics-key-file), as vLLM's
+    with urllib.request.urlopen(f"{root}/metrics", timeout=30) as response:
+        assert response.status == 200 and "vllm:num_requests_running" in response.read().decode()
+
+
+def test_metrics_ask_for_their_own_key_when_given_one(tmp_path, monkeypatch) -> None:
+    """The API key guards the API, the metrics key (if any) /metrics: each request is checked
+    against the key its endpoint asks for; the keys come from their files or environment
+    variables, an empty file refused naming its flag."""
+    from types import SimpleNamespace
+
+    from coordinator.cli.text import _api_key
+    from coordinator.config import ConfigError
+    from coordinator.serving.app import OpenAIServer
+
+    server = object.__new__(OpenAIServer.func_or_class)
+    server.api_key, server.metrics_key = "api", "scrape"
+
+    def request(key: str | None):
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        return SimpleNamespace(headers=headers)
+
+    assert server._authorized(request("api")) and not server._authorized(request("scrape"))
+    assert server._authorized(request("scrape"), server.metrics_key)
+    assert not server._authorized(request("api"), server.metrics_key)
+    assert not server._authorized(request(None), server.metrics_key)
+    assert server._authorized(request(None), None)  # no metrics key: open
+    key_file = tmp_path / "metrics.key"
+    key_file.write_text("scrape\n")
+    assert _api_key(str(key_file), "--metrics-key-file", "OFFLOAD_METRICS_KEY") == "scrape"
+    monkeypatch.setenv("OFFLOAD_METRICS_KEY", "from-env")
+    assert _api_key(None, "--metrics-key-file", "OFFLOAD_METRICS_KEY") == "from-env"
+    key_file.write_text("")
+    with pytest.raises(ConfigError, match=r"--metrics-key-file .* is empty"):
+        _api_key(str(key_file), "--metrics-key-file", "OFFLOAD_METRICS_KEY")
 
 
 def reference_logprobs(checkpoint: str, ids: list[int]):

@@ -123,11 +123,19 @@ def add_serve_parser(commands, add_job_flags) -> None:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key-file", help="file holding the API key (default: OFFLOAD_API_KEY)")
     srv.add_argument(
+        "--metrics-key-file",
+        help="file holding a key /metrics asks for (default: OFFLOAD_METRICS_KEY; neither: "
+        "/metrics is open, as vLLM's)",
+    )
+    srv.add_argument(
         "--model-name", help="the model id clients name (default: the checkpoint directory's name)"
     )
 
 
-def _api_key(path: str | None) -> str | None:
+def _api_key(
+    path: str | None, flag: str = "--api-key-file", env: str = "OFFLOAD_API_KEY"
+) -> str | None:
+    """The key in the file `path` (given with `flag`), else in the environment's `env`."""
     import os
 
     from coordinator.config import ConfigError
@@ -136,11 +144,11 @@ def _api_key(path: str | None) -> str | None:
         try:
             key = open(path).read().strip()  # noqa: SIM115 - read at once
         except OSError as exc:
-            raise ConfigError(f"--api-key-file {path}: cannot read: {exc.strerror}") from None
+            raise ConfigError(f"{flag} {path}: cannot read: {exc.strerror}") from None
         if not key:
-            raise ConfigError(f"--api-key-file {path} is empty")
+            raise ConfigError(f"{flag} {path} is empty")
         return key
-    return os.environ.get("OFFLOAD_API_KEY") or None
+    return os.environ.get(env) or None
 
 
 def _pool_words(config) -> str:
@@ -189,6 +197,7 @@ def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
     from coordinator.serving.bridge import bind
 
     key = _api_key(args.api_key_file)
+    metrics_key = _api_key(args.metrics_key_file, "--metrics-key-file", "OFFLOAD_METRICS_KEY")
     if args.host not in LOOPBACK and key is None:
         raise ConfigError(
             f"serving on {args.host} without an API key would let anyone who reaches it use the "
@@ -235,6 +244,7 @@ def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
             app_id=serve_id,
             sock=sock,
             api_key=key,
+            metrics_key=metrics_key,
             max_ongoing_requests=job.config.max_queue + job.config.max_batch,
         )
         print(

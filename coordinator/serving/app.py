@@ -496,6 +496,7 @@ class OpenAIServer:
         model_name: str,
         api_key: str | None,
         owner: tuple[str, str] | None = None,
+        metrics_key: str | None = None,
     ) -> None:
         from coordinator.runtime.launch import attach
         from coordinator.serving.text import load_tokenizer
@@ -511,15 +512,18 @@ class OpenAIServer:
         self.tokenizer = load_tokenizer(self.job.config.checkpoint)
         self.model_name = model_name
         self.api_key = api_key
+        self.metrics_key = metrics_key  # None: /metrics is open, as vLLM's
         self.created = int(time.time())
         self._dead_since: float | None = None  # when /health first saw a worker gone
         settle()  # imports done: the GC's own thresholds again (worker.startup)
 
-    def _authorized(self, request: Request) -> bool:
-        if self.api_key is None:
+    def _authorized(self, request: Request, key: str | None = "api") -> bool:
+        """Whether the request carries `key` (default: the API key; None: nothing to carry)."""
+        key = self.api_key if key == "api" else key
+        if key is None:
             return True
         given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+        return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
 
     @app.get("/v1/models")
     async def models(self, request: Request):
@@ -602,11 +606,13 @@ class OpenAIServer:
     @app.get("/metrics")
     async def metrics(self, request: Request):
         """Prometheus' text format, vLLM's metric names: sequences running and waiting, KV pool
-        usage (the share of blocks in use) and preemptions, time to first token and inter-token latency histograms, tokens generated."""
-        if not self._authorized(request):
+        usage (the share of blocks in use) and preemptions, time to first token and
+        inter-token latency histograms, tokens generated. Open, as vLLM's, unless the server
+        was given a metrics key (`--metrics-key-file`)."""
+        if not self._authorized(request, self.metrics_key):
             return _error(
                 401,
-                "missing or wrong API key (Authorization: Bearer <key>)",
+                "missing or wrong metrics key (Authorization: Bearer <key>)",
                 "authentication_error",
             )
         try:
@@ -1052,6 +1058,7 @@ def start(
     app_id: str,
     sock: socket.socket,
     api_key: str | None,
+    metrics_key: str | None = None,
     max_ongoing_requests: int = MAX_ONGOING_REQUESTS,
 ) -> ServedApp:
     """Serve the named loads on `sock` (bridge.bind), one Serve replica each, as a Serve app
@@ -1071,7 +1078,7 @@ def start(
         with keeping_handlers():
             serve.start(proxy_location="Disabled")  # joins a running Serve as it is
             handle = serve.run(
-                deployment.bind(list(load_names), model_name, api_key, owner),
+                deployment.bind(list(load_names), model_name, api_key, owner, metrics_key),
                 name=served.name,
                 route_prefix=None,
                 blocking=False,
