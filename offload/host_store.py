@@ -107,6 +107,13 @@ def select_offloaded(modules: list[nn.Module], config: OffloadConfig) -> list[Of
     return layers
 
 
+def owner_of(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """(the submodule that holds `name`, its own name there): `mlp.up.weight` of a layer ->
+    (layer.mlp.up, "weight"), where a parameter or buffer is replaced."""
+    path, _, leaf = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), leaf
+
+
 def set_param_data(layer: OffloadedLayer, position: int, data: torch.Tensor) -> nn.Parameter:
     """Point parameter `position` of `layer` at `data` and return the live parameter.
 
@@ -119,8 +126,7 @@ def set_param_data(layer: OffloadedLayer, position: int, data: torch.Tensor) -> 
         param.data = data
         param.requires_grad_(False)
         return param
-    owner_name, _, leaf = name.rpartition(".")
-    owner = layer.module.get_submodule(owner_name) if owner_name else layer.module
+    owner, leaf = owner_of(layer.module, name)
     new = nn.Parameter(data, requires_grad=False)
     owner._parameters[leaf] = new
     layer.params[position] = (name, new)

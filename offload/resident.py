@@ -34,16 +34,12 @@ import torch
 from torch import nn
 
 from offload.arena import align_up
+from offload.host_store import owner_of
 from offload.quant import QuantizedTensor, dequantize_into
 from offload.routed import RoutingUnknownError, experts_modules, routed_experts
 
 if TYPE_CHECKING:
     from offload.quant import WeightFormat
-
-
-def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
-    path, _, leaf = name.rpartition(".")
-    return (module.get_submodule(path) if path else module), leaf
 
 
 class StoredResidency:
@@ -72,8 +68,7 @@ class StoredResidency:
         for module, formats in layers.items():
             kept: dict[str, QuantizedTensor] = {}
             for name, fmt in formats.items():
-                owner, leaf = _owner(module, name)
-                shape = tuple(owner._parameters[leaf].shape)
+                shape = tuple(module.get_parameter(name).shape)
                 kept[name] = QuantizedTensor(
                     torch.empty(fmt.values_shape(shape), dtype=fmt.dtype, device=self.device),
                     torch.empty(fmt.scale_shape(shape), dtype=fmt.scale_dtype, device=self.device),
@@ -88,7 +83,7 @@ class StoredResidency:
         for module, kept in self._stored.items():
             offset = 0
             for name in kept:
-                owner, leaf = _owner(module, name)
+                owner, leaf = owner_of(module, name)
                 param = owner._parameters[leaf]
                 nbytes = self._wide_bytes(module, name)
                 view = self._buffer[offset : offset + nbytes].view(param.dtype).view(param.shape)
@@ -123,8 +118,7 @@ class StoredResidency:
                 wanted = range(count)
             with torch.no_grad():
                 for name in names:
-                    owner, leaf = _owner(layer, name)
-                    data, stored = owner._parameters[leaf].data, self._stored[layer][name]
+                    data, stored = layer.get_parameter(name).data, self._stored[layer][name]
                     for expert in wanted:
                         dequantize_into(data[expert], stored.select(0, expert))
 
@@ -132,15 +126,13 @@ class StoredResidency:
 
     @staticmethod
     def _wide_bytes(module: nn.Module, name: str) -> int:
-        owner, leaf = _owner(module, name)
-        param = owner._parameters[leaf]
+        param = module.get_parameter(name)
         return param.numel() * param.dtype.itemsize
 
     def _dequantize_layer(self, module: nn.Module, args) -> None:
         with torch.no_grad():
             for name in self._whole[module]:
-                owner, leaf = _owner(module, name)
-                dequantize_into(owner._parameters[leaf].data, self._stored[module][name])
+                dequantize_into(module.get_parameter(name).data, self._stored[module][name])
 
     def stored(self, module: nn.Module) -> dict[str, QuantizedTensor]:
         """`module`'s parameters kept as stored, by name within it (empty: none)."""
@@ -181,7 +173,7 @@ class StoredResidency:
         self._hooks.clear()
         for module, kept in self._stored.items():
             for name in kept:
-                owner, leaf = _owner(module, name)
+                owner, leaf = owner_of(module, name)
                 param = owner._parameters[leaf]
                 owner._parameters[leaf] = nn.Parameter(
                     torch.empty_like(param, device="meta"), requires_grad=param.requires_grad

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from offload.errors import CheckpointError
+from offload.host_store import owner_of
 from worker.names import TESTED_FAMILIES
 
 EMBED, HEAD = "embed", "head"
@@ -311,17 +312,12 @@ def build_meta_model(hf_config) -> nn.Module:
             match = alternation.search(name)
             if match is not None and tensor.dtype != plan[group_names[match.lastgroup]]:
                 wanted = plan[group_names[match.lastgroup]]
-                owner, leaf = _owner(model, name)
+                owner, leaf = owner_of(model, name)
                 if isinstance(tensor, nn.Parameter):
                     setattr(owner, leaf, nn.Parameter(tensor.to(wanted), requires_grad=False))
                 else:
                     owner._buffers[leaf] = tensor.to(wanted)
     return model.eval()
-
-
-def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
-    path, _, leaf = name.rpartition(".")
-    return (model.get_submodule(path) if path else model), leaf
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -579,6 +575,5 @@ def _has_weights(module: nn.Module) -> bool:
 
 
 def _is_persistent(module: nn.Module, name: str) -> bool:
-    path, _, leaf = name.rpartition(".")
-    owner = module.get_submodule(path) if path else module
+    owner, leaf = owner_of(module, name)
     return leaf not in owner._non_persistent_buffers_set

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from offload.base import BaseOffloader
+from offload.host_store import owner_of
 from offload.quant import QuantizedTensor
 from offload.resident import StoredResidency
 from worker.layout import ModelLayout
@@ -56,8 +57,7 @@ class Placement:
         the 8-bit values and scales of a parameter the offloader keeps in 8 bits."""
         local = self.layout.local_name(layer_name, tensor.target)
         module = self.modules[layer_name]
-        path, _, leaf = local.rpartition(".")
-        owner = module.get_submodule(path) if path else module
+        owner, leaf = owner_of(module, local)
         if leaf in owner._buffers:  # a persistent buffer: never offloaded, on the device
             return apply_view(owner._buffers[leaf], tensor.view)
         stored = self.residency.stored(module).get(local)
@@ -76,8 +76,7 @@ def materialize(module: nn.Module, keep: Callable[[str], bool], device: torch.de
     it `keep` accepts: the resident part of a layer the offloader takes only part of."""
     for name, param in list(module.named_parameters()):
         if param.is_meta and keep(name):
-            owner_name, _, leaf = name.rpartition(".")
-            owner = module.get_submodule(owner_name) if owner_name else module
+            owner, leaf = owner_of(module, name)
             owner._parameters[leaf] = nn.Parameter(
                 torch.empty_like(param, device=device), requires_grad=param.requires_grad
             )
