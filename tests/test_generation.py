@@ -472,9 +472,131 @@ def test_settings_come_from_generation_config(indexes, tmp_path) -> None:
     assert settings.eos_token_ids == (1, 2) and settings.pad_token_id == 1
     assert settings.max_new_tokens == 5
     assert generation.resolve(root, config, 7, eos_token_id=None).eos_token_ids == ()
-    (root / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.2}))
-    with pytest.raises(generation.GenerationError, match=r"repetition_penalty=1.2.*set it to 1.0"):
+    # the processors generate applies are applied (Qwen2.5 ships repetition_penalty 1.05)
+    (root / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "repetition_penalty": 1.05,
+                "min_p": 0.1,
+                "bad_words_ids": [[5], [7, 8], [2]],  # [2] alone is an end token: dropped
+                "suppress_tokens": [9],
+                "sequence_bias": [[[4], 1.5]],
+                "eos_token_id": 2,
+            }
+        )
+    )
+    sampling = generation.resolve(root, config, 7).sampling
+    assert (sampling.repetition_penalty, sampling.min_p) == (1.05, 0.1)
+    assert sampling.bad_words == ((5,), (7, 8), (9,)) and sampling.logit_bias == ((4, 1.5),)
+    own = generation.resolve(root, config, 7, repetition_penalty=1.0, bad_words_ids=[[6]])
+    assert own.repetition_penalty == 1.0 and own.bad_words == ((6,), (9,))
+    # what generate would apply and this loop does not is refused, never ignored
+    (root / "generation_config.json").write_text(json.dumps({"no_repeat_ngram_size": 3}))
+    with pytest.raises(generation.GenerationError, match=r"no_repeat_ngram_size=3.*set it to 0"):
         generation.resolve(root, config, 7)
+    (root / "generation_config.json").write_text(json.dumps({"sequence_bias": [[[4, 5], 1.0]]}))
+    with pytest.raises(generation.GenerationError, match=r"2-token sequence \[4, 5\]"):
+        generation.resolve(root, config, 7)
+
+
+def test_vllm_style_takes_what_vllm_takes_from_generation_config(indexes, tmp_path) -> None:
+    """A server's defaults (style="vllm"): vLLM's neutral values where the file sets
+    nothing (temperature 1.0, so it samples; top_k, top_p, min_p, penalties off), the file's
+    repetition_penalty, temperature, top_k, top_p, min_p and max_new_tokens where it sets
+    them, and its other keys ignored, as vLLM's get_diff_sampling_param reads it."""
+    import json
+    import shutil
+
+    root = shutil.copytree(indexes("llama").root, tmp_path / "ckpt")
+    config = json.loads((root / "config.json").read_text())
+    (root / "generation_config.json").unlink(missing_ok=True)
+    neutral = generation.resolve(root, config, 7, style="vllm")
+    assert (neutral.do_sample, neutral.temperature, neutral.top_k, neutral.top_p) == (
+        True,
+        1.0,
+        None,
+        1.0,
+    )
+    assert neutral.sampling.min_p == 0 and not neutral.sampling.processed
+    qwen = {  # Qwen2.5-Instruct's generation_config.json, with keys vLLM does not read
+        "do_sample": True,
+        "repetition_penalty": 1.05,
+        "temperature": 0.7,
+        "top_p": 0.8,
+        "top_k": 20,
+        "no_repeat_ngram_size": 4,
+        "bad_words_ids": [[5]],
+        "eos_token_id": [3, 4],
+    }
+    (root / "generation_config.json").write_text(json.dumps(qwen))
+    served = generation.resolve(root, config, 7, style="vllm")
+    assert (served.temperature, served.top_p, served.top_k, served.repetition_penalty) == (
+        0.7,
+        0.8,
+        20,
+        1.05,
+    )
+    assert served.bad_words == () and served.eos_token_ids == (3, 4)
+    greedy = generation.resolve(root, config, 7, style="vllm", temperature=0, top_k=0)
+    assert not greedy.do_sample and greedy.top_k == 0
+    with pytest.raises(generation.GenerationError, match="style='hf'"):
+        generation.resolve(root, config, 7, style="hf")
+
+
+PREEMPTING = {"num_blocks": 10, "block_size": 4, "micro_batches": 1, "burst_steps": 1}
+BURSTS = {"micro_batches": 2, "burst_steps": 4}
+
+
+@pytest.mark.parametrize(
+    ("family", "steps"),
+    [("llama", PREEMPTING), ("qwen3_next", PREEMPTING), ("llama", BURSTS)],
+    ids=["llama-preempting", "qwen3_next-preempting", "llama-bursts"],
+)
+def test_penalties_and_bad_words_equal_transformers_generate_through_preemptions(
+    indexes, family: str, steps: dict
+) -> None:
+    """Greedy requests with a repetition penalty, bad words (one token, and two: banned
+    after the first) and a logit bias, joining and leaving a KV pool of one sequence, so
+    that sequences are preempted and fed again (the last stage gets their tokens so far
+    again), or running in bursts of steps the last stage chains itself: each text equals
+    transformers' `generate` with the same settings alone, and the settings change the text
+    (the test could fail)."""
+    index = indexes(family)
+    ids = prompts(seed=8)
+    plain = [alone(index, p, new) for p, (_, new, _) in zip(ids, REQUESTS, strict=True)]
+    samplings = [
+        Sampling(repetition_penalty=1.8),
+        Sampling(repetition_penalty=0.7, bad_words=((plain[1][0],),)),
+        Sampling(
+            repetition_penalty=1.3,
+            bad_words=((plain[2][1], plain[2][2]),),
+            logit_bias=((plain[2][3], -3.0),),
+        ),
+        Sampling(logit_bias=((11, 8.0),)),
+    ]
+    pipeline = Pipeline(index, *TWO_STAGES)
+    try:
+        ours, engine = run_joining(pipeline, ids, samplings=samplings, **steps)
+    finally:
+        pipeline.close()
+    if steps is PREEMPTING:
+        assert engine.stats.preemptions >= 1
+    else:  # bursts ran: fewer calls to the pipeline than steps
+        assert engine.stats.calls < engine.stats.steps
+    for i, (prompt, (_, new, _), sampling) in enumerate(zip(ids, REQUESTS, samplings, strict=True)):
+        expected = reference_generate(
+            str(index.root),
+            torch.tensor([prompt]),
+            num_threads=1,
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            repetition_penalty=sampling.repetition_penalty,
+            bad_words_ids=[list(w) for w in sampling.bad_words] or None,
+            sequence_bias={(t,): b for t, b in sampling.logit_bias} or None,
+        )[0, len(prompt) :].tolist()
+        assert ours[i] == expected, (family, i)
+        assert ours[i] != plain[i], (family, i)
 
 
 def test_the_kv_budget_refuses_what_never_fits() -> None:

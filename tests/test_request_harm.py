@@ -120,6 +120,33 @@ def test_check_request_converts_int_likes_and_names_every_bad_value() -> None:
     refused("seed", seed=2**70)
     refused("seed", seed=1.5)
     refused("eos_token_ids", eos_token_ids=[-4])
+    for bad in (-0.1, 1.5, float("nan")):
+        refused("min_p", sampling=Sampling(do_sample=True, min_p=bad))
+    for bad in (0.0, -1.0, float("inf"), "1.1"):
+        refused("repetition_penalty", sampling=Sampling(repetition_penalty=bad))
+    refused("frequency_penalty", sampling=Sampling(frequency_penalty=2.5))
+    refused("presence_penalty", sampling=Sampling(presence_penalty=-3))
+    refused("logit_bias", sampling=Sampling(logit_bias=((VOCAB, 1.0),)))
+    refused("logit_bias", sampling=Sampling(logit_bias=((3, float("inf")),)))
+    refused("logit_bias", sampling=Sampling(logit_bias=((3, 1.0), (3, 2.0))))
+    refused("logit_bias", sampling=Sampling(logit_bias=((3,),)))
+    refused("bad_words", sampling=Sampling(bad_words=((),)))
+    refused("bad_words", sampling=Sampling(bad_words=((1, -2),)))
+    processed = check_request(
+        [[1]],
+        sampling=Sampling(
+            min_p=0.3,  # greedy: min_p does nothing, and is dropped
+            repetition_penalty=np.float32(1.25),
+            logit_bias=[(np.int64(4), 2)],
+            bad_words=[[5, 6]],
+        ),
+        max_new_tokens=1,
+        vocab_size=VOCAB,
+    ).sampling
+    assert processed == Sampling(
+        repetition_penalty=1.25, logit_bias=((4, 2.0),), bad_words=((5, 6),)
+    )
+    assert type(processed.logit_bias[0][0]) is int
     # the API's own names, where it calls them otherwise
     error = refused("max_tokens", max_new_tokens=-1, names={"max_new_tokens": "max_tokens"})
     assert "max_tokens=-1" in str(error)
@@ -246,6 +273,33 @@ def test_a_draw_that_raises_is_pinned_on_its_row(monkeypatch) -> None:
             settings,
         )
         assert int(out.tokens[r]) == int(alone[0])
+
+
+def test_a_penalized_row_keeps_its_tokens_and_fails_alone_without_them() -> None:
+    """The last stage keeps a penalized slot's tokens: each token it chooses is added at its
+    position (a position chosen again replaces what came after it), so the penalty sees the
+    tokens the row fed. A slot whose tokens it does not hold fails alone."""
+    logits = torch.zeros(2, 30)
+    logits[:, 7] = 2.0  # greedy picks 7 ...
+    logits[:, 8] = 1.9  # ... until a penalty on 7 makes 8 the larger
+    penalized = SlotSettings(
+        sampling=Sampling(repetition_penalty=2.0), prompt_length=2, history=(3, 4)
+    )
+    settings = {0: penalized, 1: penalized}
+    histories = {0: [3, 4]}  # slot 1's never came
+
+    def step(start: int):
+        rows = StepRows.in_slots([0, 1], [start] * 2, [1] * 2, 1, num_slots=2, max_seq_len=8)
+        return choose_rows(logits, rows, [True, True], settings, None, histories)
+
+    first = step(1)  # chooses position 2
+    assert isinstance(first, Chosen) and list(first.failed) == [1]
+    assert "none reached this stage" in first.failed[1]
+    assert int(first.tokens[0]) == 7 and histories[0] == [3, 4, 7]
+    assert int(step(2).tokens[0]) == 8 and histories[0] == [3, 4, 7, 8]  # 7 is penalized now
+    assert int(step(1).tokens[0]) == 7 and histories[0] == [3, 4, 7]  # position 2 again
+    gap = step(5)  # position 6: the tokens of positions 3 to 5 never came
+    assert list(gap.failed) == [0, 1] and "up to position 3, not up to 6" in gap.failed[0]
 
 
 def test_refusal_names_what_a_worker_cannot_take() -> None:

@@ -12,6 +12,10 @@ import sys
 import pytest
 import torch
 from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -339,3 +343,153 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="rows"):
         sample_rows(torch.zeros(2, 10), RowSettings.of([GREEDY], [None], [0]))
     assert sample_rows(torch.zeros(0, 10), RowSettings.of([], [], [])).shape == (0,)
+
+
+# --- Logits processors: bias, penalties, bad words, min-p -------------------------------------
+
+# Per row: its sampling, its tokens so far and where its output begins in them. Greedy and
+# sampled rows, each processor alone and together, rows without any in between.
+PROCESSED = (
+    (Sampling(repetition_penalty=1.3), 20, 12),
+    (Sampling(do_sample=True, temperature=0.7, repetition_penalty=0.8, top_k=40), 33, 5),
+    (Sampling(logit_bias=((3, 30.0), (9, -100.0), (250, 2.5))), 4, 4),
+    (Sampling(do_sample=True, top_p=0.9, min_p=0.05), 8, 2),
+    (Sampling(), 6, 6),
+    (Sampling(do_sample=True, bad_words=((17,), (40, 41), (7, 8, 9))), 30, 10),
+    (
+        Sampling(
+            do_sample=True,
+            temperature=1.3,
+            min_p=0.2,
+            repetition_penalty=1.1,
+            logit_bias=((0, 1.0),),
+            bad_words=((5, 6),),
+        ),
+        25,
+        20,
+    ),
+    (Sampling(do_sample=True, frequency_penalty=0.7, presence_penalty=-0.4), 40, 10),
+    (Sampling(frequency_penalty=-1.5, presence_penalty=2.0, repetition_penalty=1.2), 18, 3),
+    (Sampling(do_sample=True, min_p=1.0), 5, 5),
+)
+
+
+def histories(logits: torch.Tensor, seed: int = 0) -> list[list[int]]:
+    """Tokens so far per PROCESSED row: repeats (so counts exceed 1), the row's most likely
+    token in its output (so that a greedy row's penalty shows), and the heads of the rows' bad
+    words at their ends where one is to match."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for r, (sampling, length, start) in enumerate(PROCESSED):
+        tokens = torch.randint(0, 60, (length,), generator=g).tolist()
+        if start < length:
+            tokens[start] = int(logits[r].argmax())
+        for word in sampling.bad_words:
+            if len(word) == 2:  # (40, 41): ends with 40 -> 41 banned; (5, 6) too
+                tokens[-1] = word[0]
+        out.append(tokens)
+    return out
+
+
+def reference_processed(row, history, output_from, sampling) -> torch.Tensor:
+    """One row's distribution as transformers' processors and warpers make it, in generate's
+    order; frequency and presence penalties (which generate has not) as vLLM's
+    apply_penalties writes them, token by token."""
+    scores = row[None].to(torch.float32).clone()
+    ids = torch.tensor([history], dtype=torch.long)
+    if sampling.logit_bias:
+        bias = {(t,): b for t, b in sampling.logit_bias}
+        scores = SequenceBiasLogitsProcessor(sequence_bias=bias)(ids, scores)
+    if sampling.repetition_penalty != 1.0:
+        scores = RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty)(ids, scores)
+    for token in set(history[output_from:]):
+        count = history[output_from:].count(token)
+        scores[0, token] -= torch.tensor(sampling.frequency_penalty) * count
+        scores[0, token] -= torch.tensor(sampling.presence_penalty)
+    if sampling.bad_words:
+        words = [list(w) for w in sampling.bad_words]
+        scores = NoBadWordsLogitsProcessor(words, eos_token_id=None)(ids, scores)
+    if not sampling.do_sample:
+        return torch.nn.functional.one_hot(scores.argmax(-1), scores.shape[-1])[0].float()
+    if sampling.temperature != 1.0:
+        scores = TemperatureLogitsWarper(sampling.temperature)(ids, scores)
+    if sampling.top_k:
+        scores = TopKLogitsWarper(top_k=sampling.top_k)(ids, scores)
+    if sampling.top_p < 1.0:
+        scores = TopPLogitsWarper(top_p=sampling.top_p)(ids, scores)
+    if sampling.min_p:
+        scores = MinPLogitsWarper(min_p=sampling.min_p)(ids, scores)
+    return scores.softmax(-1)[0]
+
+
+def processed_settings(rows, tokens, positions=None) -> RowSettings:
+    samplings = [PROCESSED[r][0] for r in rows]
+    return RowSettings.of(
+        samplings,
+        [r + 1 for r in rows],
+        positions or [len(tokens[r]) for r in rows],
+        histories=[tokens[r] for r in rows],
+        output_from=[PROCESSED[r][2] for r in rows],
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_processed_distribution_matches_transformers_row_by_row(device):
+    vocab = 257
+    logits = tied_logits(len(PROCESSED), vocab, seed=9)
+    tokens = histories(logits)
+    rows = list(range(len(PROCESSED)))
+    probs = row_probabilities(logits.to(device), processed_settings(rows, tokens)).cpu()
+    bare = [  # the same temperature, top-k and top-p, nothing else
+        Sampling(s.do_sample, s.temperature, s.top_k, s.top_p) for s, _, _ in PROCESSED
+    ]
+    plain = row_probabilities(logits, settings_for(bare, [1] * len(rows), [0] * len(rows)))
+    for r, (sampling, _, start) in enumerate(PROCESSED):
+        expected = reference_processed(logits[r].to(device), tokens[r], start, sampling).cpu()
+        kept = torch.nonzero(probs[r]).flatten().tolist()
+        assert kept == torch.nonzero(expected).flatten().tolist(), f"row {r}: {sampling}"
+        torch.testing.assert_close(probs[r], expected, rtol=1e-5, atol=1e-7)
+        if sampling.processed or sampling.min_p:  # each row's settings changed its distribution
+            assert not torch.equal(probs[r], plain[r]), f"row {r}: {sampling}"
+    # the bad words: one-token always, two-token after their head, three-token not (no head)
+    assert probs[5, 17] == 0 and probs[5, 41] == 0 and probs[6, 6] == 0
+    assert probs[9].count_nonzero() == 1  # min_p 1: only the most likely token is left
+
+
+def test_a_processed_rows_token_does_not_depend_on_the_rest_of_the_batch():
+    vocab = 300
+    logits = tied_logits(len(PROCESSED), vocab, seed=4)
+    tokens = histories(logits, seed=4)
+    rows = list(range(len(PROCESSED)))
+    full = row_probabilities(logits, processed_settings(rows, tokens))
+    drawn = sample_rows(logits, processed_settings(rows, tokens))
+    for r in rows:
+        alone = processed_settings([r], tokens)
+        assert torch.equal(row_probabilities(logits[r : r + 1], alone)[0], full[r]), f"row {r}"
+        assert sample_rows(logits[r : r + 1], alone).item() == drawn[r].item()
+    picked = [7, 2, 0, 5]
+    assert torch.equal(
+        row_probabilities(logits[picked], processed_settings(picked, tokens)), full[picked]
+    )
+
+
+def test_bad_processing_is_refused():
+    tokens = [1, 2, 3]
+    penalized = Sampling(repetition_penalty=1.2)
+    with pytest.raises(ValueError, match="history"):
+        RowSettings.of([penalized], [None], [3])
+    with pytest.raises(ValueError, match=r"holds 3 tokens.*position 4"):
+        RowSettings.of([penalized], [None], [4], histories=[tokens], output_from=[0])
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            RowSettings.of(
+                [Sampling(repetition_penalty=bad)],
+                [None],
+                [3],
+                histories=[tokens],
+                output_from=[0],
+            )
+    with pytest.raises(ValueError, match="bias of token 4 must be finite"):
+        RowSettings.of([Sampling(logit_bias=((4, float("nan")),))], [None], [0])
+    with pytest.raises(ValueError, match="min_p"):
+        RowSettings.of([Sampling(do_sample=True, min_p=1.5)], [1], [0])

@@ -56,12 +56,16 @@ def choose_rows(
     choose: Sequence[bool],
     settings: dict,
     refused: dict | None = None,
+    histories: dict | None = None,
 ) -> torch.Tensor | Chosen:
     """Each row's next token (CPU, NO_TOKEN where the row does not choose) from its last
     position's logits (rows, vocab), each with its slot's `settings` (slot -> SlotSettings):
     greedy and sampled rows at once on the logits' device (`worker.decode.sample_rows`), a
     row's end tokens masked before its min_tokens, only the tokens copied back; with the
     log-probabilities of the rows that ask for them (`Chosen`), computed for those rows only.
+    A slot whose sampling needs its tokens so far (penalties, bad words) has them in
+    `histories` (slot -> list: its `SlotSettings.history`, then each token chosen for it, at
+    its position: a position chosen again replaces what came after it).
 
     A row's failure is that row's alone (`Chosen.failed`): its slot's settings were refused
     (`refused`: slot -> why), its logits hold a NaN, or its draw left the vocabulary. Should
@@ -69,6 +73,7 @@ def choose_rows(
     fault (a row's token depends on nothing but its own logits and settings, so the others'
     tokens are the same either way)."""
     refused = refused or {}
+    histories = {} if histories is None else histories
     choosing = [r for r, take in enumerate(choose) if take]
     if not choosing:
         return torch.full((logits.shape[0],), NO_TOKEN, dtype=torch.long)
@@ -80,13 +85,13 @@ def choose_rows(
                 f"slot {rows.slots[r]} chooses a token but its settings never reached this stage"
             )
     try:
-        tokens, scored = _choose(logits, rows, able, settings)
+        tokens, scored = _choose(logits, rows, able, settings, histories)
     except Exception:
         tokens = torch.full((logits.shape[0],), NO_TOKEN, dtype=torch.long)
         scored = {}
         for r in able:
             try:
-                one, one_scored = _choose(logits, rows, [r], settings)
+                one, one_scored = _choose(logits, rows, [r], settings, histories)
             except Exception as exc:
                 failed[r] = f"choosing its token failed: {type(exc).__name__}: {exc}"
                 continue
@@ -104,6 +109,10 @@ def choose_rows(
     for r in failed:  # a placeholder a burst may feed on: the engine never hands it out
         tokens[r] = 0
         scored.pop(r, None)
+    for r in able:
+        history = histories.get(rows.slots[r])
+        if history is not None and r not in failed:
+            history.append(int(tokens[r]))  # at its position: `_choose` cut what came after
     if not failed and not scored:
         return tokens
     return Chosen(tokens, scored, {}, failed)
@@ -113,7 +122,7 @@ _NOT_A_NUMBER = -2  # a row whose logits hold a NaN (argmax would pick the NaN's
 
 
 def _choose(
-    logits: torch.Tensor, rows: StepRows, choosing: list[int], settings: dict
+    logits: torch.Tensor, rows: StepRows, choosing: list[int], settings: dict, histories: dict
 ) -> tuple[torch.Tensor, dict[int, Logprobs]]:
     """The tokens of rows `choosing` (CPU (rows,), NO_TOKEN elsewhere, _NOT_A_NUMBER where a
     row's logits hold a NaN) and the `Logprobs` of those that ask."""
@@ -129,11 +138,17 @@ def _choose(
         marked = torch.argmax(picked.to(torch.float32), dim=-1).masked_fill(nan, _NOT_A_NUMBER)
         chosen = marked.cpu()
     else:
+        kept = [
+            _history(histories, rows.slots[r], p) if s.sampling.needs_history else ()
+            for r, s, p in zip(choosing, chosen_settings, positions, strict=True)
+        ]
         row_settings = RowSettings.of(
             [s.sampling for s in chosen_settings],
             [s.seed for s in chosen_settings],
             positions,
             [s.banned(p) for s, p in zip(chosen_settings, positions, strict=True)],
+            kept,
+            [s.prompt_length for s in chosen_settings],
         )
         chosen = sample_rows(picked, row_settings).masked_fill(nan.cpu(), _NOT_A_NUMBER)
     if every:
@@ -163,13 +178,33 @@ def _choose(
     }
 
 
+def _history(histories: dict, slot: int, position: int) -> list[int]:
+    """The tokens of `slot`'s sequence before `position`: its kept history, cut there (what
+    came after was chosen by steps the engine dropped: the position is chosen again now)."""
+    history = histories.get(slot)
+    if history is None:
+        raise ValueError(f"slot {slot}: its sampling needs its tokens, but none reached this stage")
+    if len(history) < position:
+        raise ValueError(
+            f"slot {slot}: this stage holds its tokens up to position {len(history)}, not up "
+            f"to {position}: its history cannot be known"
+        )
+    del history[position:]
+    return history
+
+
 def refusal(settings: SlotSettings) -> str | None:
     """Why the last stage cannot choose tokens with `settings` (None: it can). The engine
     checks every request where it enters (`coordinator.engine.requests`), so this only
     catches a caller that did not: the row then fails alone, never the step."""
     try:
         RowSettings.of(
-            [settings.sampling], [settings.seed], [settings.prompt_length], [settings.end_ids]
+            [settings.sampling],
+            [settings.seed],
+            [len(settings.history) if settings.sampling.needs_history else settings.prompt_length],
+            [settings.end_ids],
+            [settings.history],
+            [settings.prompt_length],
         )
     except (TypeError, ValueError, OverflowError) as exc:
         return f"its settings were refused: {exc}"
@@ -242,6 +277,8 @@ class BatchRunner:
         self.slot_settings: dict[int, SlotSettings] = {}
         self.refused: dict[int, str] = {}  # slot -> why its settings cannot be used
         self.prompt_tails: dict[int, torch.Tensor] = {}
+        # slot -> its tokens so far, where its sampling needs them (`choose_rows`)
+        self.histories: dict[int, list[int]] = {}
         # every stage: each slot's block table as its owner's steps built it (`block_tables`),
         # slot -> (the table's id, None for a whole table sent alone; its blocks)
         self.tables: dict[int, tuple[int | None, list[int]]] = {}
@@ -255,6 +292,7 @@ class BatchRunner:
         self.slot_settings.clear()
         self.refused.clear()
         self.prompt_tails.clear()
+        self.histories.clear()
         self.tables.clear()
 
     def claim(self, owner: Owner, *, take: bool = False) -> None:
@@ -270,6 +308,7 @@ class BatchRunner:
             self.slot_settings.clear()
             self.refused.clear()
             self.prompt_tails.clear()
+            self.histories.clear()
             self.tables.clear()
         self.owner = owner
 
@@ -414,10 +453,13 @@ class BatchRunner:
                 raise ValueError("the last stage needs a Draw with one entry per row")
             for slot, settings in draw.settings:  # sequences new to their slots
                 self.prompt_tails.pop(slot, None)
+                self.histories.pop(slot, None)
                 why = refusal(settings)
                 if why is None:
                     self.slot_settings[slot] = settings
                     self.refused.pop(slot, None)
+                    if settings.sampling.needs_history:
+                        self.histories[slot] = list(settings.history)
                 else:  # that row fails alone (`choose_rows`), at each of its steps
                     self.slot_settings.pop(slot, None)
                     self.refused[slot] = why
@@ -438,7 +480,14 @@ class BatchRunner:
                 return out.cpu()
             if draw is None:  # the last position's logits (rows, vocab): the family check's
                 return out[:, -1].cpu()
-            chosen = choose_rows(out[:, -1], rows, draw.choose, self.slot_settings, self.refused)
+            chosen = choose_rows(
+                out[:, -1],
+                rows,
+                draw.choose,
+                self.slot_settings,
+                self.refused,
+                self.histories,
+            )
             if not scoring:
                 return chosen
             prompt = prompt_logprobs(out, rows, self.slot_settings, self.prompt_tails)

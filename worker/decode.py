@@ -7,6 +7,7 @@ no generator state and is the same whatever else is in the batch or whichever wo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,12 +58,23 @@ def uniform(seed: int, position: int) -> float:
     return (bits >> 12) * 2.0**-52
 
 
+NEUTRAL_PENALTIES = (1.0, 0.0, 0.0)  # (repetition, frequency, presence): off
+
+
 @dataclass(frozen=True, slots=True)
 class RowSettings:
     """How each row of a step chooses its token: greedy, or sampled under its own temperature,
-    top-k (0: off), top-p (1: off), seed (any int, used mod 2**64) and position (the index in
-    its sequence of the token being chosen: prompt length + tokens generated so far). Plain
-    Python values, so building one costs nothing on the device and it pickles small."""
+    top-k (0: off), top-p (1: off), min-p (0: off), seed (any int, used mod 2**64) and position
+    (the index in its sequence of the token being chosen: prompt length + tokens generated so
+    far). Greedy or not, its logits are first processed as `Sampling` says (bias, penalties,
+    banned tokens). Plain Python values, so building one costs nothing on the device.
+
+    The optional fields are empty when no row of the step uses them, else hold one entry per
+    row: `banned` (tokens it may not choose now: its end tokens before its min_tokens, a bad
+    word's last token), `bias` ((token, bias) pairs), `penalties` ((repetition, frequency,
+    presence), NEUTRAL_PENALTIES for none), `history` (its tokens at positions 0 .. position
+    - 1, for the penalties) and `output_from` (where its output begins in it: frequency and
+    presence count only the output, repetition the prompt too)."""
 
     greedy: tuple[bool, ...]
     temperature: tuple[float, ...]
@@ -70,21 +82,31 @@ class RowSettings:
     top_p: tuple[float, ...]
     seed: tuple[int, ...]
     position: tuple[int, ...]
-    # per row, the tokens it may not choose now (its end tokens before its min_tokens, as
-    # transformers' MinNewTokensLengthLogitsProcessor and vLLM's min_tokens mask them); ()
-    # for a step where no row has any
     banned: tuple[tuple[int, ...], ...] = ()
+    min_p: tuple[float, ...] = ()
+    bias: tuple[tuple[tuple[int, float], ...], ...] = ()
+    penalties: tuple[tuple[float, float, float], ...] = ()
+    history: tuple[Sequence[int], ...] = ()
+    output_from: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         rows = len(self.greedy)
         fields = (self.temperature, self.top_k, self.top_p, self.seed, self.position)
-        if self.banned and len(self.banned) != rows:
-            raise ValueError(f"banned needs {rows} row(s), got {len(self.banned)}")
         if any(len(f) != rows for f in fields):
             raise ValueError(f"every field needs {rows} row(s), got {[len(f) for f in fields]}")
+        optional = ("banned", "min_p", "bias", "penalties", "history", "output_from")
+        for name in optional:
+            value = getattr(self, name)
+            if value and len(value) != rows:
+                raise ValueError(f"{name} needs {rows} row(s), got {len(value)}")
+        if bool(self.penalties) != bool(self.history) or bool(self.history) != bool(
+            self.output_from
+        ):
+            raise ValueError("penalties need each row's history and output_from")
         for r in range(rows):
             if self.position[r] < 0:
                 raise ValueError(f"row {r}: position must be >= 0, got {self.position[r]}")
+            self._check_processing(r)
             if self.greedy[r]:
                 continue
             # The bounds generate's warpers enforce (TemperatureLogitsWarper, TopK.., TopP..).
@@ -96,6 +118,34 @@ class RowSettings:
                 raise ValueError(f"row {r}: top_k must be >= 0 (0: off), got {self.top_k[r]}")
             if not 0.0 <= self.top_p[r] <= 1.0:
                 raise ValueError(f"row {r}: top_p must be in [0, 1], got {self.top_p[r]}")
+            if self.min_p and not 0.0 <= self.min_p[r] <= 1.0:
+                raise ValueError(f"row {r}: min_p must be in [0, 1], got {self.min_p[r]}")
+
+    def _check_processing(self, r: int) -> None:
+        """Row r's bias and penalties: finite, a repetition penalty > 0 (generate's bounds),
+        a history of exactly its tokens before `position`."""
+        for token, value in self.bias[r] if self.bias else ():
+            if not math.isfinite(value):
+                raise ValueError(f"row {r}: the bias of token {token} must be finite, got {value}")
+        if not self.penalties or self.penalties[r] == NEUTRAL_PENALTIES:
+            return
+        repetition, frequency, presence = self.penalties[r]
+        if not (repetition > 0 and math.isfinite(repetition)):
+            raise ValueError(
+                f"row {r}: repetition_penalty must be finite and > 0, got {repetition}"
+            )
+        if not (math.isfinite(frequency) and math.isfinite(presence)):
+            raise ValueError(
+                f"row {r}: frequency and presence penalties must be finite, got "
+                f"{frequency} and {presence}"
+            )
+        if len(self.history[r]) != self.position[r]:
+            raise ValueError(
+                f"row {r}: its history holds {len(self.history[r])} tokens, but the token it "
+                f"chooses is at position {self.position[r]}"
+            )
+        if not 0 <= self.output_from[r] <= self.position[r]:
+            raise ValueError(f"row {r}: output_from {self.output_from[r]} is not in its history")
 
     @classmethod
     def of(
@@ -104,19 +154,39 @@ class RowSettings:
         seeds: Sequence[int | None],
         positions: Sequence[int],
         banned: Sequence[Sequence[int]] = (),
+        histories: Sequence[Sequence[int]] = (),
+        output_from: Sequence[int] = (),
     ) -> RowSettings:
         """Per-row settings from each row's Sampling, seed, position and the tokens it may not
-        choose now (`banned`: none when empty). A greedy row needs no seed (None is fine); a
+        choose now (`banned`: none when empty), and, for a row whose sampling needs them
+        (`Sampling.needs_history`), its tokens before `position` (`histories`) and where its
+        output begins in them (`output_from`). A bad word's last token is banned where the
+        history ends with the rest of it. A greedy row needs no seed (None is fine); a
         sampling row does: give an unseeded request a random one (e.g.
         `secrets.randbits(64)`) once, when it is submitted, and keep it."""
-        if not len(samplings) == len(seeds) == len(positions):
+        rows = len(samplings)
+        if not rows == len(seeds) == len(positions):
             raise ValueError(
                 f"{len(samplings)} samplings, {len(seeds)} seeds and {len(positions)} "
                 "positions: need one of each per row"
             )
+        for name, given in (("banned", banned), ("histories", histories)):
+            if given and len(given) != rows:
+                raise ValueError(f"{name} needs {rows} row(s), got {len(given)}")
         for r, (s, seed) in enumerate(zip(samplings, seeds, strict=True)):
             if s.do_sample and seed is None:
                 raise ValueError(f"row {r} samples and needs a seed")
+            if s.needs_history and not histories:
+                raise ValueError(f"row {r}: its penalties or bad words need its history")
+        banned = [tuple(b) for b in banned] if banned else [()] * rows
+        for r, s in enumerate(samplings):
+            if s.bad_words:
+                history = histories[r] if histories else ()
+                banned[r] += _bad_word_ends(s.bad_words, history)
+        penalized = [
+            (s.repetition_penalty, s.frequency_penalty, s.presence_penalty) for s in samplings
+        ]
+        any_penalty = any(p != NEUTRAL_PENALTIES for p in penalized)
         return cls(
             greedy=tuple(not s.do_sample for s in samplings),
             temperature=tuple(float(s.temperature) for s in samplings),
@@ -124,7 +194,24 @@ class RowSettings:
             top_p=tuple(float(s.top_p) for s in samplings),
             seed=tuple(0 if seed is None else int(seed) for seed in seeds),
             position=tuple(int(p) for p in positions),
-            banned=tuple(tuple(b) for b in banned) if any(banned) else (),
+            banned=tuple(banned) if any(banned) else (),
+            min_p=tuple(float(s.min_p) for s in samplings)
+            if any(s.min_p and s.do_sample for s in samplings)
+            else (),
+            bias=tuple(s.logit_bias for s in samplings)
+            if any(s.logit_bias for s in samplings)
+            else (),
+            penalties=tuple(penalized) if any_penalty else (),
+            history=tuple(
+                histories[r] if penalized[r] != NEUTRAL_PENALTIES else () for r in range(rows)
+            )
+            if any_penalty
+            else (),
+            output_from=tuple(
+                int(output_from[r]) if penalized[r] != NEUTRAL_PENALTIES else 0 for r in range(rows)
+            )
+            if any_penalty
+            else (),
         )
 
     def __len__(self) -> int:
@@ -135,8 +222,22 @@ class RowSettings:
         return tuple(uniform(s, p) for s, p in zip(self.seed, self.position, strict=True))
 
 
+def _bad_word_ends(words: Sequence[Sequence[int]], history: Sequence[int]) -> tuple[int, ...]:
+    """The tokens that would complete one of `words` after `history` (transformers'
+    NoBadWordsLogitsProcessor): a one-token word always, a longer one's last token where the
+    history ends with the rest of it."""
+    ends = []
+    for word in words:
+        head = len(word) - 1
+        if head == 0 or (
+            len(history) >= head and list(history[len(history) - head :]) == list(word[:-1])
+        ):
+            ends.append(word[-1])
+    return tuple(ends)
+
+
 # Columns of the per-step table of the sampling rows (float64: every value in it is exact).
-_ROW, _SCALE, _TOP_K, _TOP_P_ON, _CUT, _U = range(6)
+_ROW, _SCALE, _TOP_K, _TOP_P_ON, _CUT, _U, _MIN_P = range(7)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +251,7 @@ class _Plan:
     any_temperature: bool
     top_k_max: int  # largest active top-k (0: no row has one)
     any_top_p: bool
+    any_min_p: bool
 
 
 def _plan(settings: RowSettings, vocab: int, device: torch.device) -> _Plan | None:
@@ -179,6 +281,7 @@ def _plan(settings: RowSettings, vocab: int, device: torch.device) -> _Plan | No
                 # float 1 - top_p, which torch casts to float32: cast on the device, as it does.
                 1.0 - settings.top_p[r],
                 uniform(settings.seed[r], settings.position[r]),
+                settings.min_p[r] if settings.min_p else 0.0,
             ]
             for i, r in enumerate(rows)
         ],
@@ -191,13 +294,14 @@ def _plan(settings: RowSettings, vocab: int, device: torch.device) -> _Plan | No
         any_temperature=any(settings.temperature[r] != 1.0 for r in rows),
         top_k_max=max(top_ks),
         any_top_p=any(top_p_on),
+        any_min_p=any(settings.min_p[r] > 0 for r in rows) if settings.min_p else False,
     )
 
 
 def _warped(scores: torch.Tensor, plan: _Plan) -> torch.Tensor:
     """The sampling rows' float32 scores (rows, vocab) after generate's warpers in its order
-    (temperature, top-k, top-p), each row under its own values, all rows at once; removed tokens
-    are -inf. Every operation is per row along the vocabulary, so a row's result does not
+    (temperature, top-k, top-p, min-p), each row under its own values, all rows at once; removed
+    tokens are -inf. Every operation is per row along the vocabulary, so a row's result does not
     depend on the other rows."""
     table = plan.table
     if plan.any_temperature:
@@ -220,6 +324,12 @@ def _warped(scores: torch.Tensor, plan: _Plan) -> torch.Tensor:
         remove[:, -1] = False  # min_tokens_to_keep=1: the most probable stays
         remove &= table[:, _TOP_P_ON].to(torch.bool)[:, None]  # rows with top_p 1: no top-p
         scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    if plan.any_min_p:
+        # MinPLogitsWarper: remove what is less likely than min_p times the most likely token
+        # (which stays, min_p being at most 1); rows with min_p 0 remove nothing
+        probs = scores.softmax(dim=-1)
+        floor = table[:, _MIN_P].to(torch.float32)[:, None] * probs.amax(dim=-1, keepdim=True)
+        scores = scores.masked_fill(probs < floor, float("-inf"))
     return scores
 
 
@@ -231,20 +341,81 @@ def _check(logits: torch.Tensor, settings: RowSettings) -> None:
 
 
 def _scores(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:
-    """The float32 scores the rows choose from: the logits, each row's banned tokens -inf (as
-    generate's logits processors do before its warpers), all rows in one indexed write on the
-    logits' device. A copy whenever it writes: the logits themselves are never changed."""
+    """The float32 scores the rows choose from: the logits processed as generate's logits
+    processors do before its warpers, in its order (each step only where a row asks for it,
+    all its rows at once on the logits' device): each row's bias added, its penalties
+    applied, its banned tokens -inf. A copy whenever it changes something: the logits
+    themselves are never changed."""
     scores = logits.to(torch.float32)
+    vocab, device = scores.shape[1], scores.device
+    if settings.bias:
+        where = [
+            (r, t, b) for r, pairs in enumerate(settings.bias) for t, b in pairs if 0 <= t < vocab
+        ]
+        if where:
+            index = torch.tensor([(r, t) for r, t, _ in where], dtype=torch.long).to(device)
+            values = torch.tensor([b for _, _, b in where], dtype=torch.float32).to(device)
+            scores = scores.index_put((index[:, 0], index[:, 1]), values, accumulate=True)
+    if settings.penalties:
+        scores = _penalized(scores, settings)
     if not settings.banned:
         return scores
-    vocab = scores.shape[1]
     where = [(r, t) for r, ids in enumerate(settings.banned) for t in ids if 0 <= t < vocab]
     if not where:
         return scores
-    index = torch.tensor(where, dtype=torch.long).to(scores.device)
-    return scores.index_put(
-        (index[:, 0], index[:, 1]), torch.tensor(float("-inf"), device=scores.device)
+    index = torch.tensor(where, dtype=torch.long).to(device)
+    return scores.index_put((index[:, 0], index[:, 1]), torch.tensor(float("-inf"), device=device))
+
+
+def _penalized(scores: torch.Tensor, settings: RowSettings) -> torch.Tensor:
+    """`scores` with each penalized row's repetition, frequency and presence penalties
+    applied, as vLLM's apply_penalties (and transformers' RepetitionPenaltyLogitsProcessor for
+    the first): a token of the prompt or the output so far has its score divided by the
+    repetition penalty when positive, multiplied when negative; then the frequency penalty
+    times its count in the output and the presence penalty once if there are subtracted. The
+    rows' tokens go to the device in one copy; counts are built there."""
+    rows = [r for r, p in enumerate(settings.penalties) if p != NEUTRAL_PENALTIES]
+    if not rows:
+        return scores
+    vocab, device = scores.shape[1], scores.device
+    at, tokens, out_at, out_tokens = [], [], [], []
+    for i, r in enumerate(rows):
+        history, start = settings.history[r], settings.output_from[r]
+        at.extend([i] * len(history))
+        tokens.extend(history)
+        out_at.extend([i] * (len(history) - start))
+        out_tokens.extend(history[start:])
+    # ids beyond the vocabulary (never the model's choice) land in a column that is dropped
+    ids = torch.tensor([at + out_at, tokens + out_tokens], dtype=torch.long).to(device)
+    ids[1].clamp_(0, vocab)
+    every = len(rows) == scores.shape[0]
+    picked = scores if every else scores[rows]
+    n = len(rows)
+    seen = torch.zeros((n, vocab + 1), dtype=torch.bool, device=device)
+    seen[ids[0, : len(at)], ids[1, : len(at)]] = True
+    counts = torch.zeros((n, vocab + 1), dtype=torch.float32, device=device)
+    counts.index_put_(
+        (ids[0, len(at) :], ids[1, len(at) :]),
+        torch.ones(len(out_at), dtype=torch.float32, device=device),
+        accumulate=True,
     )
+    seen, counts = seen[:, :vocab], counts[:, :vocab]
+    values = torch.tensor([settings.penalties[r] for r in rows], dtype=torch.float32)
+    repetition = values[:, 0:1]
+    # generate divides by the Python float penalty: CUDA's kernel multiplies by its float32
+    # reciprocal instead (see `_plan`): do what it does there
+    divide = device.type == "cuda"
+    divisor = (torch.ones_like(repetition) / repetition if divide else repetition).to(device)
+    repetition = repetition.to(device)
+    shrunk = picked / divisor if not divide else picked * divisor
+    penalized = torch.where(picked < 0, picked * repetition, shrunk)
+    picked = torch.where(seen, penalized, picked)
+    frequency, presence = values[:, 1:2].to(device), values[:, 2:3].to(device)
+    picked = picked - frequency * counts
+    picked = picked - presence * (counts > 0)
+    if every:
+        return picked
+    return scores.index_copy(0, torch.tensor(rows, dtype=torch.long).to(device), picked)
 
 
 def row_probabilities(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:

@@ -125,7 +125,8 @@ class SlotSettings:
     `prompt_length`. `logprobs`: with every chosen token, its log-probability and those of the
     `logprobs` most likely tokens (None: nothing). `prompt_logprobs`: the same for every
     prompt position after the first (`prompt_ids`, which the last stage otherwise never
-    sees) as the prompt goes through."""
+    sees) as the prompt goes through. `history`: its tokens so far, when its choice depends
+    on them (`Sampling.needs_history`)."""
 
     sampling: Sampling
     seed: int | None = None
@@ -135,6 +136,10 @@ class SlotSettings:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     prompt_ids: tuple[int, ...] = ()
+    # when its sampling needs them (`Sampling.needs_history`): its tokens at positions 0..
+    # as it enters the slot (the prompt, and what it generated before a preemption); the last
+    # stage adds each token it chooses for it
+    history: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.min_tokens < 0:
@@ -148,11 +153,21 @@ class SlotSettings:
                 f"prompt_logprobs needs the {self.prompt_length} prompt ids, got "
                 f"{len(self.prompt_ids)}"
             )
+        if self.sampling.needs_history and len(self.history) < self.prompt_length:
+            raise ValueError(
+                f"its sampling needs the tokens before each choice: history must hold at least "
+                f"the {self.prompt_length} prompt tokens, got {len(self.history)}"
+            )
 
     def plain(self, position: int) -> bool:
         """Its token at `position` is the argmax of the logits, with nothing else to return:
-        greedy, no token banned there, no log-probabilities."""
-        return not self.sampling.do_sample and self.logprobs is None and not self.banned(position)
+        greedy, its logits not processed, no token banned there, no log-probabilities."""
+        return (
+            not self.sampling.do_sample
+            and not self.sampling.processed
+            and self.logprobs is None
+            and not self.banned(position)
+        )
 
     def banned(self, position: int) -> tuple[int, ...]:
         """The tokens this sequence may not choose at `position` (its end tokens while it has
@@ -234,13 +249,48 @@ def contiguous_tables(
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
-    """Greedy unless `do_sample`; then temperature, top-k (0 or None: off) and top-p (1: off)
-    applied in generate's order before drawing."""
+    """How a sequence chooses its tokens. Greedy unless `do_sample`; then temperature, top-k
+    (0 or None: off), top-p (1: off) and min-p (0: off) applied in generate's order before
+    drawing. Before them, greedy or not, in generate's order (vLLM applies the same ones):
+
+    - `logit_bias`: (token, bias) pairs added to the logits (OpenAI's logit_bias,
+      transformers' single-token sequence_bias);
+    - `repetition_penalty` (1: off) on every token of the prompt and of the output so far:
+      a logit divided by it when positive, multiplied when negative (transformers' and
+      vLLM's);
+    - `frequency_penalty` and `presence_penalty` (0: off), OpenAI's and vLLM's: subtracted,
+      times a token's count in the output so far, and once for a token it holds;
+    - `bad_words`: token sequences never completed (transformers' bad_words_ids: a word of
+      one token is never chosen, a longer one's last token is not chosen right after the rest
+      of it)."""
 
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def needs_history(self) -> bool:
+        """Its choice depends on the tokens before it (a penalty, a bad word of several
+        tokens): the last stage keeps the sequence's tokens (`SlotSettings.history`)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or any(len(word) > 1 for word in self.bad_words)
+        )
+
+    @property
+    def processed(self) -> bool:
+        """The logits are changed before the choice (bias, penalties, bad words): a greedy
+        row's token is then not the argmax of the model's logits."""
+        return self.needs_history or bool(self.logit_bias) or bool(self.bad_words)
 
 
 @dataclass(frozen=True, slots=True)

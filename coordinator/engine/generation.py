@@ -21,23 +21,19 @@ from worker.steps import Sampling
 
 FROM_CHECKPOINT = object()  # "the checkpoint's value": distinct from None ("no such token")
 DEFAULT_MAX_NEW_TOKENS = 20  # transformers' default (max_length 20 on top of the prompt)
-# generation_config.json keys whose non-default values this loop does not apply.
+# generation_config.json keys whose non-default values this loop does not apply (generate's
+# style: what generate would apply is applied or refused, never ignored).
 UNSUPPORTED = {
-    "repetition_penalty": 1.0,
     "no_repeat_ngram_size": 0,
     "min_length": 0,
     "num_beams": 1,
     "typical_p": 1.0,
     "epsilon_cutoff": 0.0,
     "eta_cutoff": 0.0,
-    "min_p": None,
     "top_h": None,
-    "bad_words_ids": None,
-    "suppress_tokens": None,
     "begin_suppress_tokens": None,
     "forced_bos_token_id": None,
     "forced_eos_token_id": None,
-    "sequence_bias": None,
     "exponential_decay_length_penalty": None,
     "renormalize_logits": False,
     "num_return_sequences": 1,
@@ -46,6 +42,13 @@ UNSUPPORTED = {
     "guidance_scale": None,
     "encoder_repetition_penalty": 1.0,
 }
+# The styles of defaults: "generate" takes generation_config.json as transformers' generate
+# does (greedy unless it samples, top_k 50 when sampling, every processor it sets); "vllm" as
+# vLLM's server does (its get_diff_sampling_param): only VLLM_KEYS (and the end and pad
+# tokens), other keys ignored as vLLM ignores them, and vLLM's neutral values where the file
+# sets none: temperature 1.0 (so it samples), top_p 1, top_k and min_p off, no penalty.
+STYLES = ("generate", "vllm")
+VLLM_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
 
 
 class GenerationError(ConfigError):
@@ -105,6 +108,12 @@ class Settings:
     pad_token_id: int
     seed: int | None = None
     min_new_tokens: int = 0  # no end token before this many new tokens
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @property
     def sampling(self) -> Sampling:
@@ -113,6 +122,12 @@ class Settings:
             temperature=self.temperature,
             top_k=self.top_k,
             top_p=self.top_p,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            logit_bias=self.logit_bias,
+            bad_words=self.bad_words,
         )
 
     def __post_init__(self) -> None:
@@ -157,28 +172,46 @@ def resolve(
     model_config: dict,
     prompt_length: int,
     *,
+    style: str = "generate",
     max_new_tokens: int | None = None,
     do_sample: bool | None = None,
     temperature: float | None = None,
     top_k: int | None = FROM_CHECKPOINT,  # type: ignore[assignment]
     top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    logit_bias: dict | None = None,
+    bad_words_ids: list[list[int]] | None = None,
     eos_token_id: int | list[int] | None = FROM_CHECKPOINT,  # type: ignore[assignment]
     pad_token_id: int | None = None,
     seed: int | None = None,
     min_new_tokens: int | None = None,
 ) -> Settings:
     """The settings of one request: the arguments given, else the checkpoint's
-    generation_config.json, else transformers' defaults (greedy, 20 new tokens, top_k 50 when
-    sampling, no min_new_tokens). min_new_tokens masks the end tokens until then, as
-    generate's MinNewTokensLengthLogitsProcessor does (vLLM's min_tokens)."""
+    generation_config.json, else the defaults of `style` (STYLES). In generate's style:
+    transformers' defaults (greedy, 20 new tokens, top_k 50 when sampling), and the file's
+    repetition_penalty, min_p, bad_words_ids, suppress_tokens and single-token sequence_bias
+    applied as generate applies them (what it sets that this loop does not apply is refused).
+    In vLLM's: its server's defaults (see STYLES); `do_sample` is then the temperature's
+    (0 greedy). min_new_tokens masks the end tokens until then, as generate's
+    MinNewTokensLengthLogitsProcessor does (vLLM's min_tokens). `logit_bias`: token -> bias;
+    `bad_words_ids`: token sequences never completed."""
+    if style not in STYLES:
+        raise GenerationError(f"style={style!r}: expected one of {', '.join(STYLES)}")
+    vllm = style == "vllm"
     values = _checkpoint_generation_config(Path(root), model_config)
-    for key, neutral in UNSUPPORTED.items():
-        value = values.get(key)
-        if value is not None and value != neutral:
-            raise GenerationError(
-                f"generation_config.json sets {key}={value!r}, which this generator does not "
-                f"apply (it would change the tokens); set it to {neutral!r} or remove it"
-            )
+    if vllm:
+        values = {k: values.get(k) for k in (*VLLM_KEYS, "eos_token_id", "pad_token_id")}
+    else:
+        for key, neutral in UNSUPPORTED.items():
+            value = values.get(key)
+            if value is not None and value != neutral:
+                raise GenerationError(
+                    f"generation_config.json sets {key}={value!r}, which this generator does "
+                    f"not apply (it would change the tokens); set it to {neutral!r} or remove it"
+                )
     if max_new_tokens is None:
         max_new_tokens = values.get("max_new_tokens")
     if max_new_tokens is None:
@@ -199,21 +232,78 @@ def resolve(
     pad = pad_token_id if pad_token_id is not None else values.get("pad_token_id")
     if pad is None:  # as generate: padding finished rows with the first end token
         pad = eos_ids[0] if eos_ids else 0
+    temperature = _or(temperature, values.get("temperature"))
+    if vllm:  # vLLM samples unless the temperature is 0
+        temperature = 1.0 if temperature is None else temperature
+        do_sample = temperature > 0
+        top_k = _or(top_k if top_k is not FROM_CHECKPOINT else None, values.get("top_k"))
+    else:
+        do_sample = bool(_or(do_sample, values.get("do_sample")) or False)
+        top_k = _or(values.get("top_k"), 50) if top_k is FROM_CHECKPOINT else top_k
     return Settings(
         max_new_tokens=int(max_new_tokens),
-        do_sample=bool(do_sample if do_sample is not None else values.get("do_sample") or False),
-        temperature=float(
-            temperature if temperature is not None else values.get("temperature") or 1.0
-        ),
-        top_k=_or(values.get("top_k"), 50) if top_k is FROM_CHECKPOINT else top_k,
-        top_p=float(top_p if top_p is not None else values.get("top_p") or 1.0),
+        do_sample=do_sample,
+        temperature=float(temperature or 1.0),
+        top_k=top_k,
+        top_p=float(_or(top_p, values.get("top_p")) or 1.0),
         eos_token_ids=tuple(int(e) for e in eos_ids),
         pad_token_id=int(pad),
         seed=seed,
         min_new_tokens=int(
             min_new_tokens if min_new_tokens is not None else values.get("min_new_tokens") or 0
         ),
+        min_p=_or(_or(min_p, values.get("min_p")), 0.0),
+        repetition_penalty=_or(_or(repetition_penalty, values.get("repetition_penalty")), 1.0),
+        frequency_penalty=_or(frequency_penalty, 0.0),
+        presence_penalty=_or(presence_penalty, 0.0),
+        logit_bias=_logit_bias(logit_bias, None if vllm else values.get("sequence_bias")),
+        bad_words=_bad_words(
+            _or(bad_words_ids, None if vllm else values.get("bad_words_ids")),
+            None if vllm else values.get("suppress_tokens"),
+            () if vllm else eos_ids,
+        ),
     )
+
+
+def _logit_bias(given: dict | None, sequence_bias) -> tuple[tuple[int, float], ...]:
+    """(token, bias) pairs: `given` (token -> bias), else generation_config's sequence_bias
+    (as generate reads it: [[token ids], bias] pairs, or a dict) where every sequence is one
+    token; a longer one is refused (its bias depends on the tokens before it)."""
+    if given is not None:
+        if not isinstance(given, dict):
+            raise GenerationError("logit_bias must be a dict of token id -> bias", "logit_bias")
+        return tuple(given.items())
+    if not sequence_bias:
+        return ()
+    pairs = sequence_bias.items() if isinstance(sequence_bias, dict) else sequence_bias
+    out = []
+    for pair in pairs:
+        try:
+            ids, bias = pair
+            ids = [ids] if isinstance(ids, int) else list(ids)
+        except (TypeError, ValueError):
+            raise GenerationError(
+                f"generation_config.json: sequence_bias entry {pair!r} is not ([token ids], bias)"
+            ) from None
+        if len(ids) != 1:
+            raise GenerationError(
+                f"generation_config.json sets a sequence_bias on the {len(ids)}-token sequence "
+                f"{ids}, which this generator does not apply (only single tokens); remove it"
+            )
+        out.append((ids[0], bias))
+    return tuple(out)
+
+
+def _bad_words(words, suppress_tokens, eos_ids) -> tuple[tuple[int, ...], ...]:
+    """The token sequences never completed: `words`, then generation_config's
+    suppress_tokens (each a one-token word, as SuppressTokensLogitsProcessor bans them).
+    Without a word that is one of `eos_ids` alone: generate drops those
+    (NoBadWordsLogitsProcessor)."""
+    if words is not None and not isinstance(words, list | tuple):
+        raise GenerationError("bad_words_ids must be a list of token id lists", "bad_words_ids")
+    out = [tuple(w) if isinstance(w, list | tuple) else w for w in words or ()]
+    out = [w for w in out if not (isinstance(w, tuple) and len(w) == 1 and w[0] in eos_ids)]
+    return tuple(out + [(t,) for t in suppress_tokens or ()])
 
 
 def sampling_options(

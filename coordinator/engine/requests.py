@@ -104,12 +104,60 @@ def _sampling(sampling: Sampling, vocab: int, name) -> Sampling:
     if vocab and top_k >= vocab:
         top_k = 0  # keeps every token: the same as off
     do_sample = bool(sampling.do_sample) and temperature >= SAMPLING_EPS
+    min_p = _float(sampling.min_p, name("min_p"))
+    if not 0 <= min_p <= 1:
+        raise RequestError(f"min_p={min_p} must be in [0, 1] (0: off)", name("min_p"))
+    repetition = _float(sampling.repetition_penalty, name("repetition_penalty"))
+    if not repetition > 0:
+        raise RequestError(
+            f"repetition_penalty={repetition} must be > 0 (1: off)", name("repetition_penalty")
+        )
+    penalties = {}
+    for field in ("frequency_penalty", "presence_penalty"):
+        value = _float(getattr(sampling, field), name(field))
+        if not -2 <= value <= 2:
+            raise RequestError(f"{field}={value} must be in [-2, 2] (0: off)", name(field))
+        penalties[field] = value
     return Sampling(
         do_sample=do_sample,
         temperature=temperature if do_sample else 1.0,
         top_k=top_k or None,
         top_p=top_p,
+        min_p=min_p if do_sample else 0.0,
+        repetition_penalty=repetition,
+        logit_bias=_bias(sampling.logit_bias, vocab, name("logit_bias")),
+        bad_words=_words(sampling.bad_words, vocab, name("bad_words")),
+        **penalties,
     )
+
+
+def _bias(pairs, vocab: int, field: str) -> tuple[tuple[int, float], ...]:
+    """(token, bias) pairs: ids of the vocabulary, finite biases, each token once."""
+    if not _iterable(pairs):
+        raise RequestError(f"{field} must be (token id, bias) pairs", field)
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not _iterable(pair) or len(pair := tuple(pair)) != 2:
+            raise RequestError(f"{field}: {pair!r} is not a (token id, bias) pair", field)
+        token = _int(pair[0], field, 0, vocab or 2**63, what="token id")
+        if token in out:
+            raise RequestError(f"{field}: token {token} is given twice", field)
+        out[token] = _float(pair[1], field)
+    return tuple(out.items())
+
+
+def _words(words, vocab: int, field: str) -> tuple[tuple[int, ...], ...]:
+    """Bad words: non-empty sequences of token ids of the vocabulary."""
+    if not _iterable(words):
+        raise RequestError(f"{field} must be a list of token id sequences", field)
+    out = []
+    for word in words:
+        if not _iterable(word) or not (
+            ids := tuple(_int(t, field, 0, vocab or 2**63, what="token id") for t in word)
+        ):
+            raise RequestError(f"{field}: {word!r} is not a non-empty list of token ids", field)
+        out.append(ids)
+    return tuple(out)
 
 
 def _prompts(prompts, vocab: int, field: str) -> list[list[int]]:

@@ -105,6 +105,8 @@ class Sequence:
             logprobs=request.logprobs,
             prompt_logprobs=request.prompt_logprobs if scored else None,
             prompt_ids=tuple(self.prompt) if scored else (),
+            # its tokens so far (a preempted sequence's generated ones too), for penalties
+            history=tuple(self.tokens) if request.sampling.needs_history else (),
         )
 
     def prompt_logprobs(self) -> Logprobs | None:

@@ -155,6 +155,12 @@ class Job:
         pad_token_id: int | None = None,
         seed: int | None = None,
         min_new_tokens: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        logit_bias: dict[int, float] | None = None,
+        bad_words_ids: list[list[int]] | None = None,
         on_token: Callable[[int, int], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
@@ -170,7 +176,10 @@ class Job:
         keep it short); `cancelled()` true ends the request at the next step (its slots freed).
         A worker lost meanwhile: the job recovers and the request goes on with the text an
         uninterrupted run gives. A seeded request draws the same tokens whatever else runs.
-        `min_new_tokens`: no end token before this many new tokens (as generate's)."""
+        `min_new_tokens`: no end token before this many new tokens (as generate's).
+        `repetition_penalty`, `min_p` and `bad_words_ids` as generate's; `logit_bias` (token
+        -> bias, added to its logit), `frequency_penalty` and `presence_penalty` as OpenAI's
+        API and vLLM apply them (`worker.steps.Sampling`)."""
         options = dict(
             max_new_tokens=max_new_tokens,
             do_sample=do_sample,
@@ -181,6 +190,12 @@ class Job:
             pad_token_id=pad_token_id,
             seed=seed,
             min_new_tokens=min_new_tokens,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            logit_bias=logit_bias,
+            bad_words_ids=bad_words_ids,
         )
         ids, request, settings = self._submit(input_ids, attention_mask, on_token, None, options)
         engine = self.engine()
