@@ -38,7 +38,6 @@ from coordinator.serving.app import (
     COMPLETIONS,
     FIELDS,
     MAX_LOGPROBS,
-    MAX_STOP,
     STREAM_OPTIONS,
 )
 
@@ -192,9 +191,16 @@ NEAR = {
         st.booleans(), (3, st.integers(-2, MAX_LOGPROBS + 2)), st.sampled_from(BIG_INTS)
     ),
     "top_logprobs": either((3, st.integers(-2, MAX_LOGPROBS + 2)), st.sampled_from(BIG_INTS)),
-    "stop": either(
-        STRINGS, (2, st.lists(either(STRINGS, SCALARS), max_size=MAX_STOP + 2)), HUGE_STRINGS
+    "stop": either(STRINGS, (2, st.lists(either(STRINGS, SCALARS), max_size=8)), HUGE_STRINGS),
+    "min_p": NUMBERS,
+    "repetition_penalty": NUMBERS,
+    "presence_penalty": NUMBERS,
+    "frequency_penalty": NUMBERS,
+    "logit_bias": either(
+        (3, st.dictionaries(st.integers(-3, 600).map(str), NUMBERS, max_size=4)),
+        st.dictionaries(STRINGS, SCALARS, max_size=3),
     ),
+    "bad_words": either((3, st.lists(STRINGS, max_size=3)), SOME_JUNK),
     "stop_token_ids": either((3, TOKEN_IDS), SOME_JUNK),
     "stream": BOOLS,
     "stream_options": either(

@@ -299,9 +299,9 @@ def test_wrong_key_and_bad_requests_get_4xx(server) -> None:
     assert status == 400 and "'messages' must be a non-empty list" in body["error"]["message"]
     # settings the server does not apply are refused, not ignored
     status, body = post(
-        f"{base}/completions", json.dumps({"prompt": "hi", "presence_penalty": 0.5}).encode(), key
+        f"{base}/completions", json.dumps({"prompt": "hi", "suffix": "then"}).encode(), key
     )
-    assert status == 400 and "'presence_penalty'=0.5 is not supported" in body["error"]["message"]
+    assert status == 400 and "'suffix'='then' is not supported" in body["error"]["message"]
     status, body = post(
         f"{base}/completions", json.dumps({"prompt": "hi", "stop": ["a", ""]}).encode(), key
     )
@@ -367,6 +367,12 @@ def test_every_request_field_is_applied_or_refused_by_name() -> None:
         "temperature",
         "top_p",
         "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "bad_words",
         "seed",
         "stop",
         "stream",
@@ -397,8 +403,7 @@ def test_every_request_field_is_applied_or_refused_by_name() -> None:
         "functions",
         "function_call",
         "response_format",
-        "logit_bias",
-        "presence_penalty",
+        "allowed_token_ids",
     ):
         assert isinstance(FIELDS[name][1], tuple), name
     for name, (endpoints, how) in FIELDS.items():
@@ -418,6 +423,11 @@ def test_every_request_field_is_applied_or_refused_by_name() -> None:
                 check_fields({name: "any"}, endpoint)  # applied: its own checks come later
     with pytest.raises(BadRequest, match="unknown field 'temprature'"):
         check_fields({"temprature": 0}, COMPLETIONS)
+    # the README's table of request fields names every one, and no other
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = readme[readme.index("| Field | Endpoints |") :].split("\n\n", 1)[0]
+    named = set(re.findall(r"`([a-z_]+)`", "\n".join(r.split("|")[1] for r in table.splitlines())))
+    assert named == set(FIELDS), (set(FIELDS) - named, named - set(FIELDS))
 
 
 def test_health_version_content_parts_vllm_fields_and_error_shape(server) -> None:
@@ -464,9 +474,9 @@ def test_health_version_content_parts_vllm_fields_and_error_shape(server) -> Non
             )
         assert caught.value.body["param"] == name and caught.value.body["code"] == 400
     status, body = post(
-        f"{base}/completions", json.dumps({"prompt": "hi", "min_p": 0.2}).encode(), key
+        f"{base}/completions", json.dumps({"prompt": "hi", "allowed_token_ids": [3]}).encode(), key
     )
-    assert status == 400 and body["error"]["param"] == "min_p"
+    assert status == 400 and body["error"]["param"] == "allowed_token_ids"
     assert set(body["error"]) == {"message", "type", "param", "code"}
     status, body = post(
         f"{base}/completions", json.dumps({"prompt": "hi", "temprature": 0}).encode(), key
@@ -661,6 +671,178 @@ def greedy_ids(checkpoint: str, ids: list[int], new: int) -> list[int]:
         eos_token_id=None,
     )
     return out[0, len(ids) :].tolist()
+
+
+class OutputPenalties:
+    """vLLM's frequency and presence penalties as a transformers logits processor (generate
+    has none of its own), written from vLLM's documented rule: a token's logit loses the
+    frequency penalty times its count in the output so far, and the presence penalty once
+    if it is there. The test's own, independent of the server's sampler."""
+
+    def __init__(self, prompt_length: int, frequency: float, presence: float) -> None:
+        self.prompt_length, self.frequency, self.presence = prompt_length, frequency, presence
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        scores = scores.clone()
+        for row, ids in enumerate(input_ids[:, self.prompt_length :].tolist()):
+            for token in set(ids):
+                scores[row, token] -= torch.tensor(self.frequency) * ids.count(token)
+                scores[row, token] -= torch.tensor(self.presence)
+        return scores
+
+
+def test_penalties_defaults_batched_prompts_and_scoring_as_vllm_answers_them(server) -> None:
+    """Issue 56 points 1, 3 and 4 through the server: penalties and a logit bias give
+    transformers' generate with the same settings; a request without temperature samples
+    at vLLM's 1.0; chat without a limit goes on to max_seq_len; max_completion_tokens limits
+    completions; any number of stop strings, with the stop reason named; a list of prompts
+    gets prompt x n choices in order, streamed alike; max_tokens 0 with echo scores the
+    prompt alone."""
+    import openai
+    import torch
+    from transformers import AutoTokenizer, LogitsProcessorList
+
+    base, key, checkpoint = server
+    client = openai.OpenAI(base_url=base, api_key=key, max_retries=0)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    greedy = {"temperature": 0, "max_tokens": 10}
+    prompt = "the quick brown fox"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    plain = greedy_ids(checkpoint, ids[0].tolist(), 10)
+
+    def reference(**settings) -> str:
+        out = reference_generate(
+            checkpoint,
+            ids,
+            num_threads=1,
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=None,
+            **settings,
+        )[0, ids.shape[1] :].tolist()
+        assert out != plain, settings  # the setting changes the text: the test can fail
+        return tokenizer.decode(out, skip_special_tokens=True)
+
+    def served(**extra) -> str:
+        extra = {"ignore_eos": True, **extra}
+        done = client.completions.create(
+            model="tiny-llama", prompt=prompt, **greedy, extra_body=extra
+        )
+        return done.choices[0].text
+
+    assert served(repetition_penalty=1.6) == reference(repetition_penalty=1.6)
+    bias = {plain[1]: -100.0, plain[3]: -7.5}
+    assert served(logit_bias={str(t): b for t, b in bias.items()}) == reference(
+        sequence_bias={(t,): b for t, b in bias.items()}
+    )
+    assert served(logit_bias={str(plain[1]): -1e9}) == served(logit_bias={str(plain[1]): -100})
+    penalties = OutputPenalties(ids.shape[1], frequency=1.5, presence=0.5)
+    assert served(frequency_penalty=1.5, presence_penalty=0.5) == reference(
+        logits_processor=LogitsProcessorList([penalties])
+    )
+    status, body = post(
+        f"{base}/completions",
+        json.dumps({"prompt": prompt, "logit_bias": {"600": 1}}).encode(),
+        key,
+    )
+    assert status == 400 and body["error"]["param"] == "logit_bias", body
+
+    # vLLM's defaults: no temperature samples at 1.0; chat without a limit: the rest of the KV
+    unset = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8, seed=3)
+    at_one = client.completions.create(
+        model="tiny-llama", prompt=prompt, max_tokens=8, seed=3, temperature=1.0
+    )
+    zero = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8, temperature=0)
+    assert unset.choices[0].text == at_one.choices[0].text != zero.choices[0].text
+    assert (
+        client.completions.create(model="tiny-llama", prompt=prompt).usage.completion_tokens <= 16
+    )
+    chat = client.chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "hello there"}],
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 64
+    limited = client.completions.create(
+        model="tiny-llama",
+        prompt=prompt,
+        temperature=0,
+        extra_body={"max_completion_tokens": 3, "ignore_eos": True},
+    )
+    assert limited.usage.completion_tokens == 3
+
+    # stops: any number; the stop reason is the string, the asked token, or None
+    text = tokenizer.decode(plain, skip_special_tokens=True)
+    stops = ["never \u2603", "nor this", "x-x", "q!q", "zz zz", text[3:6]]
+    cut = client.completions.create(
+        model="tiny-llama", prompt=prompt, **greedy, stop=stops, extra_body={"ignore_eos": True}
+    )
+    assert cut.choices[0].text == text[: text.find(text[3:6])]
+    assert cut.choices[0].stop_reason == text[3:6] and cut.choices[0].finish_reason == "stop"
+    by_token = client.completions.create(
+        model="tiny-llama",
+        prompt=prompt,
+        **greedy,
+        extra_body={"ignore_eos": True, "stop_token_ids": [plain[4]]},
+    )
+    assert by_token.choices[0].stop_reason == plain[4]
+    long = client.completions.create(
+        model="tiny-llama", prompt=prompt, **greedy, extra_body={"ignore_eos": True}
+    )
+    assert long.choices[0].stop_reason is None and long.choices[0].finish_reason == "length"
+
+    # a list of prompts: prompt x n choices, in order; token lists too; streamed alike
+    other = "once upon a time"
+    other_ids = tokenizer(other)["input_ids"]
+    expected = [text] * 2 + [
+        tokenizer.decode(greedy_ids(checkpoint, other_ids, 10), skip_special_tokens=True)
+    ] * 2
+    batched = client.completions.create(
+        model="tiny-llama", prompt=[prompt, other], n=2, **greedy, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in batched.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batched.choices] == expected
+    assert batched.usage.prompt_tokens == ids.shape[1] + len(other_ids)
+    assert batched.usage.completion_tokens == 40
+    as_ids = client.completions.create(
+        model="tiny-llama",
+        prompt=[ids[0].tolist(), other_ids],
+        **greedy,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.text for c in as_ids.choices] == expected[::2]
+    streamed = ["", "", "", ""]
+    for chunk in client.completions.create(
+        model="tiny-llama",
+        prompt=[prompt, other],
+        n=2,
+        stream=True,
+        **greedy,
+        extra_body={"ignore_eos": True},
+    ):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == expected
+
+    # max_tokens 0 with echo: the prompt and its scores, nothing generated
+    scored = client.completions.create(
+        model="tiny-llama", prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0
+    )
+    one = client.completions.create(
+        model="tiny-llama", prompt=prompt, max_tokens=1, echo=True, logprobs=2, temperature=0
+    )
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    n = ids.shape[1]
+    assert scored.choices[0].logprobs.token_logprobs == one.choices[0].logprobs.token_logprobs[:n]
+    assert len(scored.choices[0].logprobs.tokens) == n
+    status, body = post(
+        f"{base}/completions", json.dumps({"prompt": prompt, "max_tokens": 0}).encode(), key
+    )
+    assert status == 400 and "echo" in body["error"]["message"], body
+    assert torch.is_tensor(ids)
 
 
 def test_logprobs_echo_n_and_streams_as_vllm_serves_them(server) -> None:

@@ -66,7 +66,6 @@ OWNER_CHECK_S = 5.0  # a replica checks this often that the serve process that s
 HEALTH_PING_S = 2.0  # /health: a part that does not answer a ping within this is busy, not gone
 RECOVERY_GRACE_S = 60.0
 KEEPER = "the load's keeper (its engine)"  # /health: a worker gone this long is not being recovered
-MAX_STOP = 4  # stop strings per request, as OpenAI's API allows
 MAX_LOGPROBS = 20  # top tokens per position (OpenAI's chat limit, vLLM's default max_logprobs)
 LOAD_HEADER = "x-offload-load"  # which load (replica) answered a completion
 # Every request field of OpenAI's completions and chat schemas and the vLLM extensions clients
@@ -81,13 +80,19 @@ BOTH = (COMPLETIONS, CHAT)
 FIELDS: dict[str, tuple[tuple[str, ...], object]] = {
     # applied
     "model": (BOTH, APPLIED),
-    "prompt": ((COMPLETIONS,), APPLIED),  # a string, or token ids; one prompt per request
+    "prompt": ((COMPLETIONS,), APPLIED),  # a string or token ids, or a list of either
     "messages": ((CHAT,), APPLIED),
-    "max_tokens": (BOTH, APPLIED),
-    "max_completion_tokens": ((CHAT,), APPLIED),
+    "max_tokens": (BOTH, APPLIED),  # default: completions 16, chat the rest of max_seq_len
+    "max_completion_tokens": (BOTH, APPLIED),  # over max_tokens when both are sent
     "temperature": (BOTH, APPLIED),
     "top_p": (BOTH, APPLIED),
     "top_k": (BOTH, APPLIED),  # vLLM: -1 or 0 off
+    "min_p": (BOTH, APPLIED),  # vLLM
+    "presence_penalty": (BOTH, APPLIED),
+    "frequency_penalty": (BOTH, APPLIED),
+    "repetition_penalty": (BOTH, APPLIED),  # vLLM
+    "logit_bias": (BOTH, APPLIED),  # each bias clamped to [-100, 100], as vLLM
+    "bad_words": (BOTH, APPLIED),  # vLLM: strings, tokenized as vLLM does
     "seed": (BOTH, APPLIED),
     "stop": (BOTH, APPLIED),
     "stream": (BOTH, APPLIED),
@@ -110,17 +115,12 @@ FIELDS: dict[str, tuple[tuple[str, ...], object]] = {
     "metadata": ((CHAT,), NO_EFFECT),
     "parallel_tool_calls": ((CHAT,), NO_EFFECT),  # only acts with tools, which are refused
     # refused unless "off"
-    "presence_penalty": (BOTH, (0,)),
-    "frequency_penalty": (BOTH, (0,)),
-    "repetition_penalty": (BOTH, (1,)),  # vLLM
-    "logit_bias": (BOTH, ({},)),
     "suffix": ((COMPLETIONS,), ("",)),
     "tools": ((CHAT,), ([],)),
     "tool_choice": ((CHAT,), ("none",)),
     "functions": ((CHAT,), ([],)),
     "function_call": ((CHAT,), ("none",)),
     "response_format": (BOTH, ({"type": "text"},)),
-    "min_p": (BOTH, (0,)),  # vLLM
     # vLLM: spaces its slow-tokenizer path puts around special tokens; this server decodes
     # as the fast tokenizer does (vLLM's fast path too), without them
     "spaces_between_special_tokens": (BOTH, (True,)),
@@ -128,7 +128,6 @@ FIELDS: dict[str, tuple[tuple[str, ...], object]] = {
     "length_penalty": (BOTH, (1,)),  # vLLM
     "truncate_prompt_tokens": (BOTH, ()),  # vLLM
     "allowed_token_ids": (BOTH, ()),  # vLLM
-    "bad_words": (BOTH, ([],)),  # vLLM
     "prompt_logprobs": (BOTH, ()),  # vLLM
     "guided_json": (BOTH, ()),  # vLLM
     "guided_regex": (BOTH, ()),  # vLLM
@@ -270,11 +269,9 @@ class BadRequest(RequestError):
 
 def api_names(chat: bool, body: dict) -> dict[str, str]:
     """The engine's names of a request's values (`check_request`) as this API calls them, in
-    `body` (chat's limit is max_completion_tokens when it is sent)."""
+    `body` (the limit is max_completion_tokens when it is sent)."""
     limit = (
-        "max_completion_tokens"
-        if chat and body.get("max_completion_tokens") is not None
-        else "max_tokens"
+        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     )
     return {
         "prompts": "messages" if chat else "prompt",
@@ -353,19 +350,23 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], default=None, check=N
 
 @dataclass(frozen=True, slots=True)
 class Parsed:
-    """A completion request as the engine and the response take it."""
+    """A completion request as the engine and the response take it: one or more prompts
+    (completions take a list), each run with `n` rows (choices)."""
 
-    ids: object  # token ids (1, n)
-    options: dict  # Job.submit's
+    prompts: tuple  # token ids (1, length) per prompt
+    options: dict  # Job.submit's, but max_new_tokens (per prompt: `max_tokens`)
+    # asked for (None: the rest of max_seq_len, vLLM's chat default); 0: score the prompt only
+    max_tokens: int | None
     stream: bool
     stop: tuple[str, ...]
     include_stop: bool  # vLLM's include_stop_str_in_output
     usage: bool  # stream_options.include_usage: a last chunk with the usage
     continuous_usage: bool  # stream_options.continuous_usage_stats: usage in every chunk
-    n: int = 1  # rows (choices) of the prompt
+    n: int = 1  # rows (choices) of each prompt
     logprobs: int | None = None  # top tokens with each generated token's score (None: none)
-    echo: str | None = None  # completions: the prompt's text, returned before the completion
+    echo: tuple[str, ...] | None = None  # completions: each prompt's text, before its text
     skip_special_tokens: bool = True
+    stop_token_ids: tuple[int, ...] = ()  # the request's own end tokens (stop_reason)
 
 
 def chat_messages(messages, tokenizer) -> list[dict]:
@@ -482,6 +483,57 @@ def chat_logprobs(scores) -> dict:
             for score in scores
         ]
     }
+
+
+COMPLETIONS_MAX_TOKENS = 16  # vLLM's default max_tokens on /v1/completions
+
+
+def _is_ids(values: list) -> bool:
+    """A list of token ids (ints, not bools)."""
+    return all(isinstance(i, int) and not isinstance(i, bool) for i in values)
+
+
+def _cancel_all(runs) -> None:
+    for run in runs:
+        run.cancel()
+
+
+def _usage(runs, p: int | None = None, count: int | None = None) -> dict:
+    """The usage of all the prompts' runs so far; with `count`, run `p`'s completion tokens
+    are those (the tokens up to a delta: a streamed chunk's usage is that of what it carries,
+    and of the other runs so far)."""
+    totals = [run.usage(count if i == p else None) for i, run in enumerate(runs)]
+    return {key: sum(t[key] for t in totals) for key in totals[0]}
+
+
+async def _merged(runs):
+    """(prompt index, Delta) of every run as they come: each run's deltas read by a task of
+    its own, into one queue; the tasks are cancelled when the reader stops."""
+    if len(runs) == 1:
+        async for delta in runs[0].deltas():
+            yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(p: int, run: Run) -> None:
+        try:
+            async for delta in run.deltas():
+                await queue.put((p, delta))
+        finally:
+            await queue.put((p, None))
+
+    tasks = [asyncio.create_task(pump(p, run)) for p, run in enumerate(runs)]
+    try:
+        left = len(runs)
+        while left:
+            p, delta = await queue.get()
+            if delta is None:
+                left -= 1
+                continue
+            yield p, delta
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 # Ray Serve pickles the deployment class when it is decorated: everything it uses is defined
@@ -728,28 +780,7 @@ class OpenAIServer:
             return body
         try:
             parsed = self._parse(body, chat)
-            echo_logprobs = parsed.logprobs if parsed.echo is not None else None
-            settings = self.job.check_request(  # a 400 now
-                parsed.ids.shape[1],
-                parsed.n,
-                logprobs=parsed.logprobs,
-                prompt_logprobs=echo_logprobs,
-                **parsed.options,
-            )
-            # the engine's own check of what it will run (the checkpoint's settings merged in):
-            # a value no worker can take is this request's 400, never its batch's failure
-            check_request(
-                parsed.ids.tolist(),
-                sampling=settings.sampling,
-                max_new_tokens=settings.max_new_tokens,
-                eos_token_ids=settings.eos_token_ids,
-                seed=settings.seed,
-                min_new_tokens=settings.min_new_tokens,
-                logprobs=parsed.logprobs,
-                prompt_logprobs=echo_logprobs,
-                vocab_size=self.job.index.config.get("vocab_size") or 0,
-                names=api_names(chat, body),
-            )
+            runs = [self._run(parsed, ids, chat, body) for ids in parsed.prompts]
         except GenerationError as exc:  # past the context or the KV plan: the API's field
             exc.param = api_names(chat, body).get(exc.param, exc.param)
             return _error_for(exc)
@@ -757,46 +788,45 @@ class OpenAIServer:
             return _error_for(exc)
         kind = "chat.completion" if chat else "text_completion"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        run = Run(
-            self.job,
-            self.tokenizer,
-            parsed.ids,
-            parsed.options,
-            parsed.stop,
-            parsed.include_stop,
-            n=parsed.n,
-            skip_special_tokens=parsed.skip_special_tokens,
-            logprobs=parsed.logprobs,
-            echo_logprobs=parsed.logprobs if parsed.echo is not None else None,
-        )
         if parsed.stream:
             try:
-                await run.start()  # a full queue is a 429 here, before the stream's 200
+                for run in runs:
+                    await run.start()  # a full queue is a 429 here, before the stream's 200
             except OffloadCoordinatorError as exc:
+                _cancel_all(runs)
                 return _error_for(exc)
-            if not await run.started(request):  # no byte until the request runs
+            if not await runs[0].started(request):  # no byte until the request runs
+                _cancel_all(runs)
                 return _error(499, "the client went away while the request waited")
             return StreamingResponse(
-                self._events(run, rid, chat, request, parsed),
+                self._events(runs, rid, chat, request, parsed),
                 media_type="text/event-stream",
                 headers={LOAD_HEADER: self.load_name},
             )
         try:
-            await run.finish()
+            await asyncio.gather(*(run.finish() for run in runs))
         except Exception as exc:  # busy (429), a lost worker (503), a bug (500): by kind
+            _cancel_all(runs)
             return _error_for(exc)
         choices = []
-        for row, choice in enumerate(run.choices):
-            text, scores = choice.stream.text, choice.scores
-            if parsed.echo is not None:
-                text, scores = parsed.echo + text, run.prompt_scores + scores
-            logprobs = None
-            if parsed.logprobs is not None:
-                logprobs = chat_logprobs(scores) if chat else completion_logprobs(scores)
-            body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-            choices.append(
-                {"index": row, "finish_reason": choice.finish_reason, "logprobs": logprobs, **body}
-            )
+        for p, run in enumerate(runs):
+            for row, choice in enumerate(run.choices):
+                text, scores = choice.stream.text, choice.scores
+                if parsed.echo is not None:
+                    text, scores = parsed.echo[p] + text, run.prompt_scores + scores
+                logprobs = None
+                if parsed.logprobs is not None:
+                    logprobs = chat_logprobs(scores) if chat else completion_logprobs(scores)
+                piece = {"message": {"role": "assistant", "content": text}} if chat else {}
+                choices.append(
+                    {
+                        "index": p * parsed.n + row,
+                        "finish_reason": choice.finish_reason,
+                        "stop_reason": choice.stop_reason,
+                        "logprobs": logprobs,
+                        **(piece or {"text": text}),
+                    }
+                )
         return JSONResponse(
             {
                 "id": rid,
@@ -804,13 +834,64 @@ class OpenAIServer:
                 "created": int(time.time()),
                 "model": self.model_name,
                 "choices": choices,
-                "usage": run.usage(),
+                "usage": _usage(runs),
             },
             headers={LOAD_HEADER: self.load_name},
         )
 
+    def _run(self, parsed: "Parsed", ids, chat: bool, body: dict) -> Run:
+        """The engine's run of one prompt, its values checked first (a 400 names the bad one):
+        its limit (the rest of max_seq_len when none was asked; 0 scores the prompt and
+        generates one token that nobody sees) merged with the checkpoint's settings."""
+        length = int(ids.shape[1])
+        asked = parsed.max_tokens
+        if asked is None:  # at least 1: past max_seq_len, the KV check says so
+            asked = max(self.job.config.max_seq_len - length, 1)
+        options = {**parsed.options, "max_new_tokens": max(asked, 1)}
+        echo_logprobs = parsed.logprobs if parsed.echo is not None else None
+        settings = self.job.check_request(  # a 400 now
+            length, parsed.n, logprobs=parsed.logprobs, prompt_logprobs=echo_logprobs, **options
+        )
+        names = api_names(chat, body)
+        if settings.min_new_tokens > settings.max_new_tokens and asked:
+            raise BadRequest(
+                f"'min_tokens'={settings.min_new_tokens} must be <= "
+                f"'{names['max_new_tokens']}'={settings.max_new_tokens}",
+                param="min_tokens",
+            )
+        # the engine's own check of what it will run (the checkpoint's settings merged in):
+        # a value no worker can take is this request's 400, never its batch's failure
+        check_request(
+            ids.tolist(),
+            sampling=settings.sampling,
+            max_new_tokens=settings.max_new_tokens,
+            eos_token_ids=settings.eos_token_ids,
+            seed=settings.seed,
+            min_new_tokens=settings.min_new_tokens,
+            logprobs=parsed.logprobs,
+            prompt_logprobs=echo_logprobs,
+            vocab_size=self._vocab(),
+            names=names,
+        )
+        return Run(
+            self.job,
+            self.tokenizer,
+            ids,
+            options,
+            parsed.stop,
+            parsed.include_stop,
+            n=parsed.n,
+            skip_special_tokens=parsed.skip_special_tokens,
+            logprobs=parsed.logprobs,
+            echo_logprobs=echo_logprobs,
+            score_only=asked == 0,
+            stop_token_ids=parsed.stop_token_ids,
+        )
+
+    def _vocab(self) -> int:
+        return self.job.index.config.get("vocab_size") or len(self.tokenizer)
+
     def _parse(self, body: dict, chat: bool) -> "Parsed":
-        from coordinator.engine.generation import sampling_options
         from coordinator.serving.text import end_ids, prompt_ids
 
         check_text(body)
@@ -829,38 +910,18 @@ class OpenAIServer:
         stop = body.get("stop")
         stop = [stop] if isinstance(stop, str) else stop
         if stop is not None and (
-            not isinstance(stop, list)
-            or len(stop) > MAX_STOP
-            or not all(isinstance(s, str) and s for s in stop)
+            not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
         ):
-            raise BadRequest(
-                f"'stop' must be a non-empty string or a list of up to {MAX_STOP} of them",
-                param="stop",
-            )
+            raise BadRequest("'stop' must be a non-empty string or a list of them", param="stop")
         if chat:
             messages = chat_messages(body.get("messages"), self.tokenizer)
             opened = _field(body, "add_generation_prompt", (bool,), True)
-            ids = prompt_ids(self.tokenizer, messages=messages, add_generation_prompt=opened)
+            prompts = [prompt_ids(self.tokenizer, messages=messages, add_generation_prompt=opened)]
         else:
-            ids = self._prompt(body.get("prompt"), prompt_ids)
-        # chat's max_completion_tokens wins over max_tokens (vLLM's); both are checked
-        max_tokens = _field(body, "max_tokens", (int,), 16, lambda v: v >= 1)
-        limit = "max_tokens"
-        if chat and body.get("max_completion_tokens") is not None:
-            limit = "max_completion_tokens"
-            max_tokens = _field(body, limit, (int,), 16, lambda v: v >= 1)
+            prompts = self._prompts(body.get("prompt"), prompt_ids)
+        max_tokens = self._limit(body, chat, echo)
         min_tokens = _field(body, "min_tokens", (int,), 0, lambda v: v >= 0)
-        if min_tokens > max_tokens:
-            raise BadRequest(
-                f"'min_tokens'={min_tokens} must be <= '{limit}'={max_tokens}", param="min_tokens"
-            )
-        top_k = _field(body, "top_k", (int,), None, lambda v: v >= -1)
-        options = sampling_options(
-            _field(body, "temperature", (int, float), None, lambda v: v >= 0),
-            _field(body, "top_p", (int, float), None, lambda v: 0 < v <= 1),
-            None if top_k is None else max(top_k, 0),  # vLLM's -1: off
-            _field(body, "seed", (int,), None),
-        )
+        options = {"min_new_tokens": min_tokens, **self._sampling(body)}
         stop_ids = _field(body, "stop_token_ids", (list,), [])
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in stop_ids):
             raise BadRequest("'stop_token_ids' must be a list of token ids", param="stop_token_ids")
@@ -895,16 +956,107 @@ class OpenAIServer:
         return Parsed(
             n=n,
             logprobs=logprobs,
-            echo=self._echo_text(body, ids) if echo else None,
+            echo=self._echo_texts(body, prompts) if echo else None,
             skip_special_tokens=_field(body, "skip_special_tokens", (bool,), True),
-            ids=ids,
-            options={"max_new_tokens": max_tokens, "min_new_tokens": min_tokens, **options},
+            prompts=tuple(prompts),
+            options=options,
+            max_tokens=max_tokens,
             stream=stream,
             stop=tuple(stop or ()),
             include_stop=_field(body, "include_stop_str_in_output", (bool,), False),
             usage=usage,
             continuous_usage=continuous,
+            stop_token_ids=tuple(i for i in stop_ids if i != self.tokenizer.eos_token_id),
         )
+
+    @staticmethod
+    def _limit(body: dict, chat: bool, echo: bool) -> int | None:
+        """The new tokens asked for: max_completion_tokens over max_tokens (vLLM's chat rule,
+        on completions too: guidellm sends it), both checked; when neither is sent, vLLM's
+        defaults: 16 on completions, the rest of max_seq_len on chat (None). 0 only with
+        echo: the prompt's scores alone (vLLM's)."""
+        value = None
+        for name in ("max_tokens", "max_completion_tokens"):
+            sent = _field(body, name, (int,), None, lambda v: v >= 0)
+            if sent == 0 and not echo:
+                raise BadRequest(
+                    f"'{name}'=0 generates nothing: ask for 1 or more, or send it with "
+                    "echo=true to score the prompt alone",
+                    param=name,
+                )
+            value = sent if sent is not None else value
+        if value is None and not chat:
+            value = COMPLETIONS_MAX_TOKENS
+        return value
+
+    def _sampling(self, body: dict) -> dict:
+        """Job.generate's sampling options from the request, in vLLM's style (`style`:
+        what the request leaves out comes from generation_config.json where it sets it,
+        else vLLM's neutral values: temperature 1.0, so a request without one samples)."""
+        top_k = _field(body, "top_k", (int,), None, lambda v: v >= -1)
+        options = {
+            "style": "vllm",
+            "temperature": _field(body, "temperature", (int, float), None, lambda v: v >= 0),
+            "top_p": _field(body, "top_p", (int, float), None, lambda v: 0 < v <= 1),
+            "top_k": None if top_k is None else max(top_k, 0),  # vLLM's -1: off
+            "min_p": _field(body, "min_p", (int, float), None, lambda v: 0 <= v <= 1),
+            "repetition_penalty": _field(
+                body, "repetition_penalty", (int, float), None, lambda v: v > 0
+            ),
+            "seed": _field(body, "seed", (int,), None),
+        }
+        for name in ("frequency_penalty", "presence_penalty"):
+            options[name] = _field(body, name, (int, float), None, lambda v: -2 <= v <= 2)
+        bias = _field(body, "logit_bias", (dict,), None)
+        if bias:
+            options["logit_bias"] = self._logit_bias(bias)
+        words = _field(body, "bad_words", (list,), None)
+        if words:
+            options["bad_words_ids"] = self._bad_words(words)
+        return options
+
+    def _logit_bias(self, bias: dict) -> dict[int, float]:
+        """OpenAI's logit_bias (token ids as strings -> bias) as token -> bias, each bias
+        clamped to [-100, 100] as vLLM does; a key that is not a token id of the vocabulary,
+        or a bias that is not a number, is a 400."""
+        vocab, out = self._vocab(), {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise BadRequest(
+                    f"'logit_bias' key {shown(key)} is not a token id", param="logit_bias"
+                ) from None
+            if not 0 <= token < vocab:
+                raise BadRequest(
+                    f"'logit_bias' token {token} is out of the vocabulary [0, {vocab})",
+                    param="logit_bias",
+                )
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if not number or not math.isfinite(value):
+                raise BadRequest(
+                    f"'logit_bias' of token {token} must be a finite number, got {shown(value)}",
+                    param="logit_bias",
+                )
+            out[token] = min(100.0, max(-100.0, float(value)))
+        return out
+
+    def _bad_words(self, words: list) -> list[list[int]]:
+        """vLLM's bad_words (strings) as token sequences, tokenized as vLLM does: each word
+        stripped of leading spaces on its own, and again after a space where that gives a
+        different first token in as many tokens (the word inside a text)."""
+        out: list[list[int]] = []
+        for word in words:
+            if not isinstance(word, str) or not word.strip():
+                raise BadRequest(
+                    f"'bad_words' must be non-empty strings, got {shown(word)}", param="bad_words"
+                )
+            alone = self.tokenizer(word.lstrip(), add_special_tokens=False)["input_ids"]
+            spaced = self.tokenizer(" " + word.lstrip(), add_special_tokens=False)["input_ids"]
+            out.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
+        return out
 
     @staticmethod
     def _scoring(body: dict, chat: bool) -> tuple[int | None, bool]:
@@ -928,92 +1080,104 @@ class OpenAIServer:
             body, "echo", (bool,), False
         )
 
-    def _echo_text(self, body: dict, ids) -> str:
-        """The prompt as `echo` returns it: the string sent, or its token ids decoded."""
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return prompt
-        return self.tokenizer.decode(ids[0].tolist(), skip_special_tokens=False)
-
-    def _prompt(self, prompt, prompt_ids):
-        """A completion's prompt: a string, or token ids (as OpenAI's API takes them), one
-        prompt per request."""
-        import torch
-
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        if isinstance(prompt, str) and prompt:
-            return prompt_ids(self.tokenizer, prompt)
-        if (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt)
-        ):
-            vocab = self.job.index.config.get("vocab_size")
-            if any(i < 0 or (vocab and i >= vocab) for i in prompt):
-                raise BadRequest(f"'prompt' has token ids outside [0, {vocab})", param="prompt")
-            return torch.tensor([prompt], dtype=torch.long)
-        raise BadRequest(
-            "'prompt' must be a non-empty string or a list of token ids (one prompt per request)",
-            param="prompt",
+    def _echo_texts(self, body: dict, prompts: list) -> tuple[str, ...]:
+        """Each prompt as `echo` returns it: the string sent, or its token ids decoded."""
+        sent = body.get("prompt")
+        sent = sent if isinstance(sent, list) and sent and not _is_ids(sent) else [sent]
+        return tuple(
+            text
+            if isinstance(text, str)
+            else self.tokenizer.decode(ids[0].tolist(), skip_special_tokens=False)
+            for text, ids in zip(sent, prompts, strict=True)
         )
 
-    async def _events(self, run: Run, rid: str, chat: bool, request: Request, parsed: "Parsed"):
-        """Server-sent events: the first with the first token (chat: each choice's role; echo:
-        the prompt), a chunk per text delta of a choice (with its tokens' log-probabilities
-        when asked), a last chunk per choice with its finish reason, then [DONE]. A client
-        that goes away cancels the request (its caches are freed)."""
-        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-        offsets = [0] * parsed.n  # completions' text_offset: where each choice's text is
+    def _prompts(self, prompt, prompt_ids) -> list:
+        """A completion's prompts: a string or token ids, or a list of either (one run of n
+        choices each, as OpenAI's API and vLLM take them)."""
+        import torch
 
-        def event(row, delta: str | None, finish: str | None, scores=None, role=False, count=None):
+        many = isinstance(prompt, list) and prompt and not _is_ids(prompt)
+        out = []
+        for item in prompt if many else [prompt]:
+            if isinstance(item, str) and item:
+                out.append(prompt_ids(self.tokenizer, item))
+            elif isinstance(item, list) and item and _is_ids(item):
+                vocab = self._vocab()
+                if any(i < 0 or i >= vocab for i in item):
+                    raise BadRequest(f"'prompt' has token ids outside [0, {vocab})", param="prompt")
+                out.append(torch.tensor([item], dtype=torch.long))
+            else:
+                raise BadRequest(
+                    "'prompt' must be a non-empty string or a list of token ids, or a list of "
+                    "those",
+                    param="prompt",
+                )
+        return out
+
+    async def _events(self, runs, rid: str, chat: bool, request: Request, parsed: "Parsed"):
+        """Server-sent events: the first with the first token (chat: each choice's role; echo:
+        each prompt's text), a chunk per text delta of a choice (with its tokens'
+        log-probabilities when asked), a last chunk per choice with its finish and stop
+        reasons, then [DONE]. Choice p * n + row is row `row` of prompt p. A client that goes
+        away cancels the request (its caches are freed)."""
+        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+        offsets = [0] * parsed.n * len(runs)  # completions' text_offset: where each text is
+
+        def event(index, delta, finish=None, scores=None, role=False, usage=None, why=None):
             logprobs = None
             if parsed.logprobs is not None and scores is not None:
                 if chat:
                     logprobs = chat_logprobs(scores)
                 else:
-                    logprobs = completion_logprobs(scores, offsets[row])
+                    logprobs = completion_logprobs(scores, offsets[index])
             if chat:
                 piece = {"delta": {"role": "assistant"} if role else {}}
                 if delta is not None:
                     piece["delta"]["content"] = delta
             else:
                 piece = {"text": delta or ""}
-                offsets[row] += len(delta or "")
+                offsets[index] += len(delta or "")
+            choice = {"index": index, **piece, "logprobs": logprobs, "finish_reason": finish}
             data = {
                 "id": rid,
                 "object": chunk_kind,
                 "created": int(time.time()),
                 "model": self.model_name,
-                "choices": [{"index": row, **piece, "logprobs": logprobs, "finish_reason": finish}],
+                "choices": [{**choice, "stop_reason": why}],
             }
             if parsed.continuous_usage:  # vLLM's continuous_usage_stats: usage so far, each
-                data["usage"] = run.usage(count)
+                data["usage"] = usage
             return f"data: {json.dumps(data)}\n\n"
 
         try:
-            first = run.first_count()
+            first = _usage(runs, 0, runs[0].first_count())
             for row in range(parsed.n if chat else 0):
-                yield event(row, None, None, role=True, count=first)
-            async for delta in run.deltas():
+                yield event(row, None, role=True, usage=first)
+            async for p, delta in _merged(runs):
                 if await request.is_disconnected():
-                    run.cancel()
+                    _cancel_all(runs)
                     return
+                usage = _usage(runs, p, delta.new_tokens) if parsed.continuous_usage else None
                 if delta.first and parsed.echo is not None:  # the prompt, before all else
                     for row in range(parsed.n):
-                        yield event(row, parsed.echo, None, run.prompt_scores, count=0)
+                        start = _usage(runs, p, 0) if parsed.continuous_usage else None
+                        scores = runs[p].prompt_scores
+                        yield event(p * parsed.n + row, parsed.echo[p], None, scores, usage=start)
                 if delta.text or delta.scores or (delta.first and not chat):
-                    yield event(delta.row, delta.text, None, delta.scores, count=delta.new_tokens)
-            if run.error is not None:
-                status, kind = status_of(run.error)
-                text = str(run.error) if status != 500 else "internal error; see the server log"
+                    index = p * parsed.n + delta.row
+                    yield event(index, delta.text, None, delta.scores, usage=usage)
+            failed = next((run.error for run in runs if run.error is not None), None)
+            if failed is not None:
+                status, kind = status_of(failed)
+                text = str(failed) if status != 500 else "internal error; see the server log"
                 message = json.dumps(error_body(status, text, kind))
                 yield f"data: {message}\n\n"
             else:
-                for row, choice in enumerate(run.choices):
-                    yield event(row, None, choice.finish_reason)
+                for p, run in enumerate(runs):
+                    for row, choice in enumerate(run.choices):
+                        index = p * parsed.n + row
+                        why = choice.stop_reason
+                        yield event(index, None, choice.finish_reason, why=why, usage=_usage(runs))
                 if parsed.usage:  # stream_options.include_usage: one more chunk, no choices
                     data = {
                         "id": rid,
@@ -1021,12 +1185,12 @@ class OpenAIServer:
                         "created": int(time.time()),
                         "model": self.model_name,
                         "choices": [],
-                        "usage": run.usage(),
+                        "usage": _usage(runs),
                     }
                     yield f"data: {json.dumps(data)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            run.cancel()  # a client gone mid-stream (the generator is closed): stop and free
+            _cancel_all(runs)  # a client gone mid-stream (the generator is closed): stop, free
 
 
 APP_PREFIX = "offload-openai-"  # + the serve command's id: the Serve app of one `serve`

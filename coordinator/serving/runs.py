@@ -44,6 +44,9 @@ class Choice:
     stream: object  # coordinator.serving.text.TextStream
     new_tokens: int = 0
     finish_reason: str = "length"
+    # vLLM's: the stop string, or the stop_token_ids token, that ended it (None: an end
+    # token of the model, or its length)
+    stop_reason: str | int | None = None
     scores: list[TokenScore] = field(default_factory=list)  # of its tokens, when asked
 
 
@@ -53,7 +56,9 @@ class Run:
     in the engine's queue costs nothing here: the client gets its first byte with the first
     token. `logprobs` (how many top tokens, None: none) scores every generated token;
     `echo_logprobs` (the same count) scores the prompt too (`prompt_scores`), position 0
-    unscored, as OpenAI's and vLLM's echo does."""
+    unscored, as OpenAI's and vLLM's echo does. `score_only` (vLLM's max_tokens 0 with
+    echo): the prompt goes through for its scores, and its one token is not handed out.
+    `stop_token_ids`: the request's own end tokens, which a choice's `stop_reason` names."""
 
     def __init__(
         self,
@@ -68,6 +73,8 @@ class Run:
         skip_special_tokens: bool = True,
         logprobs: int | None = None,
         echo_logprobs: int | None = None,
+        score_only: bool = False,
+        stop_token_ids: tuple[int, ...] = (),
     ) -> None:
         from coordinator.serving.text import TextStream, end_ids
 
@@ -89,6 +96,7 @@ class Run:
             for _ in range(n)
         ]
         self.logprobs = logprobs
+        self.score_only, self.stop_token_ids = score_only, frozenset(stop_token_ids)
         self.prompt_scores: list[TokenScore] = []  # echo with logprobs: the prompt's
         self.error: Exception | None = None
         self._pending: dict[int, list] = {}  # row -> Logprobs of the token about to come
@@ -191,6 +199,11 @@ class Run:
     def _on_token(self, row: int, token: int) -> None:
         choice = self.choices[row]
         pending = self._pending.pop(row, [])
+        if self.score_only:  # its one token is not the client's
+            if not self._first_sent:
+                self._first_sent = True
+                self._put(Delta(row, "", (), True, 0))
+            return
         stopped = choice.stream.stopped
         delta = choice.stream.push(token)
         scores = ()
@@ -199,9 +212,11 @@ class Run:
             if pending:
                 scores = tuple(self._scored([token], pending[-1]))
                 choice.scores.extend(scores)
-        if choice.stream.stopped:
+        if choice.stream.stopped and not stopped:
             choice.finish_reason = "stop"
-            if not stopped and all(c.stream.stopped for c in self.choices):
+            string = choice.stream.stop_string
+            choice.stop_reason = string if string is not None else _own(token, self.stop_token_ids)
+            if all(c.stream.stopped for c in self.choices):
                 self.cancel()  # every row stopped (a stop string: the engine saw no end)
         first = not self._first_sent
         self._first_sent = True
@@ -265,6 +280,12 @@ def _cancel(job, request) -> None:
         job.engine().cancel(request)
     except Exception as exc:  # the engine is gone: nothing of the request is left to free
         logger.warning("cancel not delivered: %s", exc)
+
+
+def _own(token: int, stop_token_ids: frozenset[int]) -> int | None:
+    """The stop reason of an end token: itself when the request asked for it, None when it is
+    the model's own (as vLLM's stop_reason)."""
+    return token if token in stop_token_ids else None
 
 
 def _finite(value: float) -> float:
