@@ -151,6 +151,40 @@ def test_a_batch_whose_sequences_could_not_all_be_max_seq_len_is_planned() -> No
         plan_job(config, index, cluster(600))
 
 
+@pytest.mark.parametrize("objective", ["latency", "throughput"])
+def test_a_given_max_batch_is_a_cap_never_a_reason_to_refuse(objective: str) -> None:
+    """Issue 56's serve --max-batch 32 on a budget whose pool holds a few sequences: even
+    with every decoder offloaded, 32 sequences at the expected length do not fit. The job
+    keeps 32 slots with the largest pool the budget leaves (as vLLM takes max_num_seqs), its
+    summary says how many sequences of the expected length it holds; a budget that cannot
+    hold one sequence of max_seq_len is still refused."""
+    from types import SimpleNamespace
+
+    index = SimpleNamespace(layers=layers())
+    memory = cluster(5000 + 3 * PER_SEQUENCE + 5)  # 3 sequences of max_seq_len beside it all
+    config = JobConfig(checkpoint="x", max_batch=32, max_seq_len=20, objective=objective)
+    options = PlanOptions(max_seq_len=20, max_batch=32, micro_batches=1)
+    with pytest.raises(PlanError):  # the pool for 32 at the expected length cannot fit
+        plan(layers(), memory, dataclasses.replace(options, kv_tokens=options.pool_for(32)))
+    sized, the_plan = plan_job(config, index, memory)
+    biggest, _ = largest_pool(layers(), memory, options, 32 * 32)
+    assert biggest == 3 * 32  # what the budget leaves: 6 of the expected 5 tokens
+    assert (sized.max_batch, sized.kv_cache_tokens) == (32, biggest)
+    assert the_plan.options.max_batch == 32 and the_plan.options.pool_tokens == biggest
+    held = biggest // BLOCK
+    assert f"for up to 32 sequences of up to 20 tokens: it holds {held} of the expected 5" in (
+        the_plan.summary()
+    )
+    from coordinator.cli.text import _pool_words
+
+    assert _pool_words(sized, the_plan).endswith(  # serve's start-up line
+        f"(it holds {held} of the expected 5 tokens at once: more wait in the queue, or are "
+        "preempted as they grow)"
+    )
+    with pytest.raises(PlanError):
+        plan_job(config, index, cluster(600))
+
+
 def test_the_predicted_throughput_curve() -> None:
     """Per batch size, its best micro-batch count and placement: tokens/s = max_batch / cycle;
     a batch whose KV cache does not fit is '-', and so is every larger one."""

@@ -151,23 +151,33 @@ def _api_key(
     return os.environ.get(env) or None
 
 
-def _pool_words(config) -> str:
-    return (
+def _pool_words(config, plan) -> str:
+    """The KV pool in words; where it holds fewer sequences of the expected length than
+    max_batch (a cap: the budget left no more), how many it holds."""
+    words = (
         f"KV pool of {config.kv_cache_tokens} tokens for up to {config.max_batch} sequences "
         f"of up to {config.max_seq_len} tokens"
     )
+    options = plan.options
+    held = options.sequences_held(options.expected_len)
+    if options.max_seq_len and held < config.max_batch:
+        words += (
+            f" (it holds {held} of the expected {options.expected_len} tokens at once: "
+            "more wait in the queue, or are preempted as they grow)"
+        )
+    return words
 
 
 def _serving_what(jobs: list, auto: bool) -> str:
     """The served loads in words: stages, KV cache, queue, and what the plan chose."""
     job = jobs[0]
     plan = job.plan
-    what = f"load {job.name!r}, {len(plan.stages)} stages, {_pool_words(job.config)}"
+    what = f"load {job.name!r}, {len(plan.stages)} stages, {_pool_words(job.config, plan)}"
     if len(jobs) > 1:
         total = sum(j.plan.tokens_per_s for j in jobs)
         what = (
             f"{len(jobs)} replicas (loads {', '.join(repr(j.name) for j in jobs)}), each "
-            f"{len(plan.stages)} stage(s) with a {_pool_words(job.config)}; {total:.1f} "
+            f"{len(plan.stages)} stage(s) with a {_pool_words(job.config, plan)}; {total:.1f} "
             "tokens/s predicted in all"
         )
     elif auto and plan.options.objective == "throughput":

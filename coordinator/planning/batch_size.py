@@ -10,8 +10,10 @@ tokens by moving more weights to the host every step; whether that trade is wort
 throughput question (`--objective throughput`, planning/throughput.py, which sizes each batch's
 pool for its sequences at the expected length). `--kv-cache-tokens` sets the pool instead.
 Sequences take the pool's blocks as they grow, so `max_batch` (sequences at once, vLLM's
-max_num_seqs) may exceed pool / max_seq_len: auto, it is what the pool holds at the expected
-length (`--expected-seq-len`, default a quarter of max_seq_len), capped at AUTO_MAX_BATCH (past
+max_num_seqs) may exceed pool / max_seq_len; a given one is a cap, never a reason to refuse:
+when even offloading cannot make room for its pool, the job gets the largest pool the budget
+leaves (`capped`) and the queue and preemption do the rest. Auto, it is what the pool holds at
+the expected length (`--expected-seq-len`, default a quarter of max_seq_len), capped at AUTO_MAX_BATCH (past
 it, a step's activations and sampling grow while the offloaded bytes per token barely shrink).
 Pure, no Ray: `launch`, `offloadctl plan` and `serve` use it.
 """
@@ -72,6 +74,29 @@ def largest_pool(
     return low * DEFAULT_BLOCK_SIZE, best
 
 
+def capped(
+    layers: Sequence[LayerSpec], cluster: ClusterSnapshot, options: PlanOptions, max_batch: int
+) -> tuple[int, int]:
+    """(max_batch, pool tokens) for a given max_batch taken as a cap, as vLLM takes
+    max_num_seqs, when the pool for max_batch sequences at the expected length cannot fit even
+    with weights offloaded: the largest pool beside the weights (`largest_pool`, from one
+    sequence of max_seq_len up to max_batch of them) with max_batch slots, the queue and
+    preemption doing the rest. Fewer slots only where their per-sequence state (recurrent
+    layers) does not fit beside one max_seq_len sequence. PlanError when not even one fits."""
+    batch = max_batch
+    while True:
+        sized = dataclasses.replace(
+            options, max_batch=batch, micro_batches=max(options.micro_batches, 1), kv_tokens=0
+        )
+        cap = batch * blocks_for(options.max_seq_len) * DEFAULT_BLOCK_SIZE
+        try:
+            return batch, largest_pool(layers, cluster, sized, cap)[0]
+        except PlanError:
+            if batch == 1:
+                raise
+            batch = max(1, batch // 2)
+
+
 def batch_for_pool(pool_tokens: int, options: PlanOptions, cap: int = AUTO_MAX_BATCH) -> int:
     """Sequences a pool holds at the expected length, each in whole blocks: auto max_batch
     (1..cap)."""
@@ -113,7 +138,13 @@ def plan_job(config, index, snapshot: ClusterSnapshot):
         cap = batch * blocks_for(config.max_seq_len) * DEFAULT_BLOCK_SIZE
         floor = options.pool_for(config.max_batch) if config.max_batch else 0
         sized = dataclasses.replace(options, max_batch=config.max_batch or 1)
-        tokens, _ = largest_pool(index.layers, snapshot, sized, cap, floor)
+        try:
+            tokens, _ = largest_pool(index.layers, snapshot, sized, cap, floor)
+        except PlanError:  # a given max_batch is a cap, never a reason to refuse
+            if not config.max_batch:
+                raise
+            batch, tokens = capped(index.layers, snapshot, options, config.max_batch)
+            config = dataclasses.replace(config, max_batch=batch)
     batch = config.max_batch or batch_for_pool(tokens, options)
     while True:  # auto: fewer sequences when their recurrent states do not fit beside
         try:

@@ -109,8 +109,10 @@ def choose(
     micro_batches: int = 0,
     max_token_latency_s: float = 0.0,
 ) -> Plan:
-    """The plan with the most predicted decode tokens/s (see the module doc). PlanError when
-    nothing fits, or nothing meets the latency bound (naming the shortest cycle there is)."""
+    """The plan with the most predicted decode tokens/s (see the module doc). A given batch
+    (`batches` of one size, no latency bound) that does not fit is taken as a cap
+    (`batch_size.capped`: its slots with the largest pool the budget leaves). PlanError when nothing fits, or nothing meets the latency bound (naming the
+    shortest cycle there is)."""
     plans = best_plans(
         layers,
         cluster,
@@ -135,8 +137,28 @@ def choose(
                 f"shortest time between tokens is {format_seconds(fastest.cycle_s)} (max_batch "
                 f"{fastest.options.max_batch}); raise the bound, or add GPUs or memory"
             )
-    # Nothing fits: the smallest batch's own error says why, with the numbers.
     smallest = min(batches)
+    if (
+        len(set(batches)) == 1
+        and smallest > 1
+        and options.max_seq_len
+        and not options.kv_tokens
+        and not max_token_latency_s
+    ):
+        # a given batch (serve's --max-batch) is a cap: the largest pool the budget leaves
+        from coordinator.planning.batch_size import capped
+
+        batch, tokens = capped(layers, cluster, options, smallest)  # PlanError: none fits
+        plans = best_plans(
+            layers,
+            cluster,
+            dataclasses.replace(options, kv_tokens=tokens),
+            batches=[batch],
+            micro_batches=micro_batches,
+        )
+        if plans:
+            return plans[batch]
+    # Nothing fits: the smallest batch's own error says why, with the numbers.
     planner.plan(
         layers,
         cluster,
