@@ -388,6 +388,9 @@ def test_every_request_field_is_applied_or_refused_by_name() -> None:
         "include_stop_str_in_output",
         "min_tokens",
         "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "chat_template_kwargs",
     }
     assert {n for n, (_, how) in FIELDS.items() if how == NO_EFFECT} == {
         "user",

@@ -130,6 +130,12 @@ def add_serve_parser(commands, add_job_flags) -> None:
     srv.add_argument(
         "--model-name", help="the model id clients name (default: the checkpoint directory's name)"
     )
+    srv.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests send their own chat_template (a Jinja template the server runs, "
+        "sandboxed; refused by default, as vLLM's)",
+    )
 
 
 def _api_key(
@@ -256,6 +262,7 @@ def cmd_serve(args: argparse.Namespace, job_config, progress) -> int:
             api_key=key,
             metrics_key=metrics_key,
             max_ongoing_requests=job.config.max_queue + job.config.max_batch,
+            trust_request_chat_template=args.trust_request_chat_template,
         )
         print(
             f"serving {model!r} on http://{args.host}:{args.port}/v1 ({_serving_what(jobs, auto)}"

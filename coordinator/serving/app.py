@@ -108,6 +108,9 @@ FIELDS: dict[str, tuple[tuple[str, ...], object]] = {
     "include_stop_str_in_output": (BOTH, APPLIED),  # vLLM: the stop string or token kept
     "min_tokens": (BOTH, APPLIED),  # vLLM: no end token (nor stop string) before this many
     "add_generation_prompt": ((CHAT,), APPLIED),  # vLLM: open the assistant's turn (default)
+    "continue_final_message": ((CHAT,), APPLIED),  # vLLM: the last message goes on
+    "chat_template": ((CHAT,), APPLIED),  # vLLM: with --trust-request-chat-template only
+    "chat_template_kwargs": ((CHAT,), APPLIED),  # vLLM: the template's variables
     # accepted, no effect on the output
     "user": (BOTH, NO_EFFECT),
     "safety_identifier": (BOTH, NO_EFFECT),
@@ -136,9 +139,6 @@ FIELDS: dict[str, tuple[tuple[str, ...], object]] = {
     "structured_outputs": (BOTH, ()),  # vLLM
     "return_tokens_as_token_ids": (BOTH, (False,)),  # vLLM
     "add_special_tokens": (BOTH, ()),  # vLLM: the default differs per endpoint; left to it
-    "continue_final_message": ((CHAT,), (False,)),  # vLLM
-    "chat_template": ((CHAT,), ()),  # vLLM
-    "chat_template_kwargs": ((CHAT,), ({},)),  # vLLM
     "documents": ((CHAT,), ()),  # vLLM
     "priority": (BOTH, (0,)),  # vLLM: scheduling order
     "store": ((CHAT,), (False,)),  # nothing is stored here
@@ -189,8 +189,22 @@ TOKENIZE_FIELDS = (
     "add_special_tokens",
     "messages",
     "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "chat_template_kwargs",
     "return_token_strs",
 )
+
+
+def template_arguments(tokenizer) -> frozenset[str]:
+    """apply_chat_template's own arguments (`tokenize`, `return_tensors`, ...), as this
+    transformers names them, and "messages": chat_template_kwargs may not set them (they are
+    not template variables; some have fields of their own)."""
+    import inspect
+
+    parameters = inspect.signature(tokenizer.apply_chat_template).parameters
+    named = {n for n, p in parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    return frozenset(named | {"messages"})
 
 
 def _only(body: dict, fields: tuple[str, ...], endpoint: str) -> None:
@@ -369,12 +383,13 @@ class Parsed:
     stop_token_ids: tuple[int, ...] = ()  # the request's own end tokens (stop_reason)
 
 
-def chat_messages(messages, tokenizer) -> list[dict]:
-    """Chat `messages` for the tokenizer's template: each {role, content}, the content a string
-    or a list of text parts (`[{"type": "text", "text": ...}]`). Parts are passed as they are to
-    a template that reads them (one that loops over a message's content), else joined with
-    newlines, as vLLM does for a template that takes strings. Other part types (images, audio,
-    files), and tool calls, are refused naming them."""
+def chat_messages(messages, tokenizer, template: str | None = None) -> list[dict]:
+    """Chat `messages` for the template (`template`, else the tokenizer's): each {role,
+    content}, the content a string or a list of text parts (`[{"type": "text", "text":
+    ...}]`). Parts are passed as they are to a template that reads them (one that loops over a
+    message's content, by its syntax tree), else joined with newlines, as vLLM does for a
+    template that takes strings. Other part types (images, audio, files), and tool calls, are
+    refused naming them."""
     from coordinator.serving.text import template_reads_parts
 
     if not isinstance(messages, list) or not messages:
@@ -382,7 +397,7 @@ def chat_messages(messages, tokenizer) -> list[dict]:
             "'messages' must be a non-empty list of {role, content} with string values",
             param="messages",
         )
-    as_parts = template_reads_parts(tokenizer)
+    as_parts = template_reads_parts(tokenizer, template)
     out = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
@@ -549,6 +564,7 @@ class OpenAIServer:
         api_key: str | None,
         owner: tuple[str, str] | None = None,
         metrics_key: str | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
         from coordinator.runtime.launch import attach
         from coordinator.serving.text import load_tokenizer
@@ -565,6 +581,7 @@ class OpenAIServer:
         self.model_name = model_name
         self.api_key = api_key
         self.metrics_key = metrics_key  # None: /metrics is open, as vLLM's
+        self.trust_request_chat_template = trust_request_chat_template
         self.created = int(time.time())
         self._dead_since: float | None = None  # when /health first saw a worker gone
         settle()  # imports done: the GC's own thresholds again (worker.startup)
@@ -725,16 +742,10 @@ class OpenAIServer:
         body = await self._body(request)
         if isinstance(body, JSONResponse):
             return body
-        from coordinator.serving.text import prompt_ids
-
         try:
             _only(body, TOKENIZE_FIELDS, "/tokenize")
             if "messages" in body:
-                messages = chat_messages(body.get("messages"), self.tokenizer)
-                opened = _field(body, "add_generation_prompt", (bool,), True)
-                ids = prompt_ids(self.tokenizer, messages=messages, add_generation_prompt=opened)[
-                    0
-                ].tolist()
+                ids = self._chat_ids(body)[0].tolist()
             else:
                 prompt = body.get("prompt")
                 if not isinstance(prompt, str):
@@ -892,7 +903,7 @@ class OpenAIServer:
         return self.job.index.config.get("vocab_size") or len(self.tokenizer)
 
     def _parse(self, body: dict, chat: bool) -> "Parsed":
-        from coordinator.serving.text import end_ids, prompt_ids
+        from coordinator.serving.text import end_ids
 
         check_text(body)
         check_fields(body, CHAT if chat else COMPLETIONS)
@@ -913,12 +924,7 @@ class OpenAIServer:
             not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
         ):
             raise BadRequest("'stop' must be a non-empty string or a list of them", param="stop")
-        if chat:
-            messages = chat_messages(body.get("messages"), self.tokenizer)
-            opened = _field(body, "add_generation_prompt", (bool,), True)
-            prompts = [prompt_ids(self.tokenizer, messages=messages, add_generation_prompt=opened)]
-        else:
-            prompts = self._prompts(body.get("prompt"), prompt_ids)
+        prompts = [self._chat_ids(body)] if chat else self._prompts(body.get("prompt"))
         max_tokens = self._limit(body, chat, echo)
         min_tokens = _field(body, "min_tokens", (int,), 0, lambda v: v >= 0)
         options = {"min_new_tokens": min_tokens, **self._sampling(body)}
@@ -967,6 +973,47 @@ class OpenAIServer:
             usage=usage,
             continuous_usage=continuous,
             stop_token_ids=tuple(i for i in stop_ids if i != self.tokenizer.eos_token_id),
+        )
+
+    def _chat_ids(self, body: dict):
+        """The token ids (1, n) of a body's chat `messages` through the chat template, with
+        vLLM's chat fields: `add_generation_prompt` (default true; false with
+        `continue_final_message`, which leaves the last message open), `chat_template` (a
+        template is code the server runs: only with --trust-request-chat-template, as vLLM)
+        and `chat_template_kwargs` (the template's own variables, `enable_thinking` say)."""
+        from coordinator.serving.text import prompt_ids
+
+        template = _field(body, "chat_template", (str,), None)
+        if template is not None and not self.trust_request_chat_template:
+            raise BadRequest(
+                "'chat_template' from a request is refused: a template is code the server "
+                "runs, and this server was not started with --trust-request-chat-template",
+                param="chat_template",
+            )
+        variables = _field(body, "chat_template_kwargs", (dict,), {})
+        taken = sorted(set(variables) & template_arguments(self.tokenizer))
+        if taken:
+            raise BadRequest(
+                f"'chat_template_kwargs' may not set {taken[0]!r}: it is not a template "
+                "variable (send the field of that name, if there is one)",
+                param="chat_template_kwargs",
+            )
+        go_on = _field(body, "continue_final_message", (bool,), False)
+        opened = _field(body, "add_generation_prompt", (bool,), not go_on)
+        if go_on and opened:
+            raise BadRequest(
+                "'continue_final_message' and 'add_generation_prompt' cannot both be true: "
+                "the last message goes on, or a new turn opens",
+                param="continue_final_message",
+            )
+        messages = chat_messages(body.get("messages"), self.tokenizer, template)
+        return prompt_ids(
+            self.tokenizer,
+            messages=messages,
+            add_generation_prompt=opened,
+            continue_final_message=go_on,
+            chat_template=template,
+            template_kwargs=variables,
         )
 
     @staticmethod
@@ -1091,10 +1138,12 @@ class OpenAIServer:
             for text, ids in zip(sent, prompts, strict=True)
         )
 
-    def _prompts(self, prompt, prompt_ids) -> list:
+    def _prompts(self, prompt) -> list:
         """A completion's prompts: a string or token ids, or a list of either (one run of n
         choices each, as OpenAI's API and vLLM take them)."""
         import torch
+
+        from coordinator.serving.text import prompt_ids
 
         many = isinstance(prompt, list) and prompt and not _is_ids(prompt)
         out = []
@@ -1224,6 +1273,7 @@ def start(
     api_key: str | None,
     metrics_key: str | None = None,
     max_ongoing_requests: int = MAX_ONGOING_REQUESTS,
+    trust_request_chat_template: bool = False,
 ) -> ServedApp:
     """Serve the named loads on `sock` (bridge.bind), one Serve replica each, as a Serve app
     of this command's own (`offload-openai-<app_id>`, no HTTP route through Serve's proxy:
@@ -1242,7 +1292,14 @@ def start(
         with keeping_handlers():
             serve.start(proxy_location="Disabled")  # joins a running Serve as it is
             handle = serve.run(
-                deployment.bind(list(load_names), model_name, api_key, owner, metrics_key),
+                deployment.bind(
+                    list(load_names),
+                    model_name,
+                    api_key,
+                    owner,
+                    metrics_key,
+                    trust_request_chat_template,
+                ),
                 name=served.name,
                 route_prefix=None,
                 blocking=False,

@@ -3,7 +3,6 @@ chat template, and decoding a stream of generated tokens as they come."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from offload.errors import CheckpointError, ConfigError
@@ -44,13 +43,18 @@ def prompt_ids(
     *,
     messages: list[dict] | None = None,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+    template_kwargs: dict | None = None,
 ):
     """Token ids (1, n) of a plain prompt, or of chat `messages` through the tokenizer's chat
-    template, the assistant's turn opened unless `add_generation_prompt` is False."""
+    template (or `chat_template`), the assistant's turn opened unless `add_generation_prompt`
+    is False, the last message left open with `continue_final_message` (its text goes on),
+    `template_kwargs` the template's own variables (`enable_thinking`, say)."""
     import torch
 
     if messages is not None:
-        if not getattr(tokenizer, "chat_template", None):
+        if not (chat_template or getattr(tokenizer, "chat_template", None)):
             raise TokenizerError(
                 "this checkpoint's tokenizer has no chat template: send a plain prompt "
                 "(/v1/completions, offloadctl generate without --chat)"
@@ -59,7 +63,12 @@ def prompt_ids(
 
         try:
             text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **(template_kwargs or {}),
             )
         # The template's own refusal (raise_exception: "roles must alternate", say), or its
         # code meeting values it cannot take: the messages' fault, a 400 naming them.
@@ -75,22 +84,87 @@ def prompt_ids(
     return torch.tensor([ids], dtype=torch.long)
 
 
-# A chat template that loops over a message's content (or tests whether it is a string) reads
-# content parts itself, as transformers passes them; one that does not takes a string.
-_READS_PARTS = re.compile(
-    r"for\s+\w+\s+in\s+\w+(\[\s*['\"]content['\"]\s*\]|\.content\b)"
-    r"|content['\"]?\]?\s+is\s+(not\s+)?(string|iterable|sequence|mapping)"
-)
+def template_reads_parts(tokenizer, template: str | None = None) -> bool:
+    """Whether a chat template (`template`, else the tokenizer's) takes a message's content as
+    a list of parts ({"type": "text", "text": ...}, as transformers passes them): decided from
+    the template's syntax tree, as vLLM's "auto" content format does. It reads parts when it
+    loops over a message's content (`{% for part in message['content'] %}`, directly, through
+    a filter, or through a variable set from it); otherwise it takes a string, and parts are
+    joined into one first. A test such as `message.content is string` is no loop: a template
+    that keeps content only when it is a string (Qwen3's) must get strings, or it sees ''."""
+    if template is None:
+        template = getattr(tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # named templates: the default one
+            template = template.get("default")
+    if not isinstance(template, str):
+        return False
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        root = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False  # rendering will say what is wrong with it
+    # the names a message is bound to: loop targets over `messages` (or a slice, a filter of
+    # it, or a variable set from it), and what a template sets from those
+    listed = {"messages"} | _names_set_from(root, lambda n: _refers(n, {"messages"}))
+    message = {
+        loop.target.name
+        for loop in root.find_all(nodes.For)
+        if isinstance(loop.target, nodes.Name) and _refers(loop.iter, listed)
+    }
+    message |= {"message", "msg"}
+    content = lambda n: _is_content(n, message)  # noqa: E731
+    names = _names_set_from(root, content)
+    return any(
+        content(_unwrapped(loop.iter))
+        or (isinstance(_unwrapped(loop.iter), nodes.Name) and _unwrapped(loop.iter).name in names)
+        for loop in root.find_all(nodes.For)
+    )
 
 
-def template_reads_parts(tokenizer) -> bool:
-    """Whether the tokenizer's chat template takes a message's content as a list of parts
-    ({"type": "text", "text": ...}, as transformers passes them); else content parts are
-    joined into a string first (vLLM's "string" content format, detected likewise)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # named templates: the default one
-        template = template.get("default")
-    return isinstance(template, str) and bool(_READS_PARTS.search(template))
+def _unwrapped(node):
+    """What a filter chain applies to (`message.content | selectattr(...)` -> the content)."""
+    from jinja2 import nodes
+
+    while isinstance(node, nodes.Filter | nodes.Test) and node.node is not None:
+        node = node.node
+    return node
+
+
+def _refers(node, names: set[str]) -> bool:
+    """`node` is one of `names`, or a slice, item or filter of one."""
+    from jinja2 import nodes
+
+    node = _unwrapped(node)
+    while isinstance(node, nodes.Getitem | nodes.Getattr):
+        node = node.node
+    return isinstance(node, nodes.Name) and node.name in names
+
+
+def _is_content(node, message: set[str]) -> bool:
+    """`node` is `m.content` or `m['content']` of a message name `m`."""
+    from jinja2 import nodes
+
+    node = _unwrapped(node)
+    if isinstance(node, nodes.Getattr):
+        key = node.attr
+    elif isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const):
+        key = node.arg.value
+    else:
+        return False
+    return key == "content" and isinstance(node.node, nodes.Name) and node.node.name in message
+
+
+def _names_set_from(root, matches) -> set[str]:
+    """Names a template sets (`{% set x = ... %}`) to a value `matches` accepts."""
+    from jinja2 import nodes
+
+    return {
+        n.target.name
+        for n in root.find_all(nodes.Assign)
+        if isinstance(n.target, nodes.Name) and matches(n.node)
+    }
 
 
 def end_ids(tokenizer, index) -> tuple[int, ...]:
