@@ -11,14 +11,10 @@ import pytest
 from test_planner import layer
 
 from coordinator.config import JobConfig
-from coordinator.planning.batch_size import (
-    AUTO_MAX_BATCH,
-    largest_pool,
-    offloaded_bytes,
-    plan_job,
-)
+from coordinator.planning.batch_size import AUTO_MAX_BATCH, plan_job
 from coordinator.planning.options import PlanOptions
 from coordinator.planning.planner import plan
+from coordinator.planning.pool import largest_pool, offloaded_bytes
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from offload.errors import PlanError
 from worker.spec import LayerSpec

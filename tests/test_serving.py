@@ -391,6 +391,11 @@ def test_every_request_field_is_applied_or_refused_by_name() -> None:
         "continue_final_message",
         "chat_template",
         "chat_template_kwargs",
+        "response_format",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "structured_outputs",
     }
     assert {n for n, (_, how) in FIELDS.items() if how == NO_EFFECT} == {
         "user",
@@ -405,7 +410,7 @@ def test_every_request_field_is_applied_or_refused_by_name() -> None:
         "tool_choice",
         "functions",
         "function_call",
-        "response_format",
+        "guided_grammar",
         "allowed_token_ids",
     ):
         assert isinstance(FIELDS[name][1], tuple), name
@@ -469,7 +474,7 @@ def test_health_version_content_parts_vllm_fields_and_error_shape(server) -> Non
     for name, value in (
         ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
         ("tool_choice", "auto"),
-        ("response_format", {"type": "json_object"}),
+        ("store", True),
     ):
         with pytest.raises(openai.BadRequestError, match=f"'{name}'=") as caught:
             client.chat.completions.create(
@@ -674,6 +679,61 @@ def greedy_ids(checkpoint: str, ids: list[int], new: int) -> list[int]:
         eos_token_id=None,
     )
     return out[0, len(ids) :].tolist()
+
+
+def test_guided_decoding_as_vllm_serves_it(server) -> None:
+    """response_format json_schema and json_object, guided_choice and guided_regex: the text
+    parses as the schema asks or matches; a regex that cannot be used, or two guides, are 400s
+    naming the field. Sampled (vLLM's default temperature), several seeds."""
+    import openai
+
+    base, key, _ = server
+    client = openai.OpenAI(base_url=base, api_key=key, max_retries=0)
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}, "sunny": {"type": "boolean"}},
+        "required": ["city", "sunny"],
+    }
+    shaped = {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}}
+    for seed in range(3):
+        done = client.chat.completions.create(
+            model="tiny-llama",
+            messages=[{"role": "user", "content": "the weather?"}],
+            response_format=shaped,
+            max_tokens=40,
+            seed=seed,
+        )
+        parsed = json.loads(done.choices[0].message.content)
+        assert set(parsed) == {"city", "sunny"} and isinstance(parsed["sunny"], bool)
+        assert done.choices[0].finish_reason == "stop"
+    choices = ["north", "south", "east or west"]
+    picked = client.completions.create(
+        model="tiny-llama",
+        prompt="the wind blew from the",
+        max_tokens=10,
+        seed=4,
+        n=2,
+        extra_body={"guided_choice": choices},
+    )
+    assert all(c.text in choices for c in picked.choices), picked.choices
+    matched = client.completions.create(
+        model="tiny-llama",
+        prompt="the boats",
+        max_tokens=12,
+        extra_body={"guided_regex": "(went|came) (out|back)[.!]"},
+    )
+    assert re.fullmatch("(went|came) (out|back)[.!]", matched.choices[0].text)
+    for extra, field in (
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+    ):
+        status, body = post(
+            f"{base}/completions",
+            json.dumps({"prompt": "hi", "max_tokens": 4, **extra}).encode(),
+            key,
+        )
+        assert status == 400 and body["error"]["param"] == field, body
 
 
 class OutputPenalties:

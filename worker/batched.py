@@ -24,6 +24,7 @@ import torch
 
 from worker.batch_cache import KvPool, row_positions
 from worker.decode import RowSettings, logprobs_of, sample_rows
+from worker.guided import GuideBook, Guided, GuideError, words_for
 from worker.steps import (
     NO_TOKEN,
     Chosen,
@@ -57,6 +58,7 @@ def choose_rows(
     settings: dict,
     refused: dict | None = None,
     histories: dict | None = None,
+    guided: dict | None = None,
 ) -> torch.Tensor | Chosen:
     """Each row's next token (CPU, NO_TOKEN where the row does not choose) from its last
     position's logits (rows, vocab), each with its slot's `settings` (slot -> SlotSettings):
@@ -65,7 +67,8 @@ def choose_rows(
     log-probabilities of the rows that ask for them (`Chosen`), computed for those rows only.
     A slot whose sampling needs its tokens so far (penalties, bad words) has them in
     `histories` (slot -> list: its `SlotSettings.history`, then each token chosen for it, at
-    its position: a position chosen again replaces what came after it).
+    its position: a position chosen again replaces what came after it); a guided slot its
+    place in its guide's automaton in `guided` (slot -> `worker.guided.Guided`).
 
     A row's failure is that row's alone (`Chosen.failed`): its slot's settings were refused
     (`refused`: slot -> why), its logits hold a NaN, or its draw left the vocabulary. Should
@@ -74,6 +77,7 @@ def choose_rows(
     tokens are the same either way)."""
     refused = refused or {}
     histories = {} if histories is None else histories
+    guided = {} if guided is None else guided
     choosing = [r for r, take in enumerate(choose) if take]
     if not choosing:
         return torch.full((logits.shape[0],), NO_TOKEN, dtype=torch.long)
@@ -85,13 +89,13 @@ def choose_rows(
                 f"slot {rows.slots[r]} chooses a token but its settings never reached this stage"
             )
     try:
-        tokens, scored = _choose(logits, rows, able, settings, histories)
+        tokens, scored = _choose(logits, rows, able, settings, histories, guided)
     except Exception:
         tokens = torch.full((logits.shape[0],), NO_TOKEN, dtype=torch.long)
         scored = {}
         for r in able:
             try:
-                one, one_scored = _choose(logits, rows, [r], settings, histories)
+                one, one_scored = _choose(logits, rows, [r], settings, histories, guided)
             except Exception as exc:
                 failed[r] = f"choosing its token failed: {type(exc).__name__}: {exc}"
                 continue
@@ -122,7 +126,12 @@ _NOT_A_NUMBER = -2  # a row whose logits hold a NaN (argmax would pick the NaN's
 
 
 def _choose(
-    logits: torch.Tensor, rows: StepRows, choosing: list[int], settings: dict, histories: dict
+    logits: torch.Tensor,
+    rows: StepRows,
+    choosing: list[int],
+    settings: dict,
+    histories: dict,
+    guided: dict,
 ) -> tuple[torch.Tensor, dict[int, Logprobs]]:
     """The tokens of rows `choosing` (CPU (rows,), NO_TOKEN elsewhere, _NOT_A_NUMBER where a
     row's logits hold a NaN) and the `Logprobs` of those that ask."""
@@ -149,6 +158,7 @@ def _choose(
             [s.banned(p) for s, p in zip(chosen_settings, positions, strict=True)],
             kept,
             [s.prompt_length for s in chosen_settings],
+            _masks(guided, [rows.slots[r] for r in choosing], chosen_settings, kept, logits),
         )
         chosen = sample_rows(picked, row_settings).masked_fill(nan.cpu(), _NOT_A_NUMBER)
     if every:
@@ -176,6 +186,22 @@ def _choose(
         )
         for j, i in enumerate(asking)
     }
+
+
+def _masks(guided: dict, slots, chosen_settings, kept, logits: torch.Tensor):
+    """The guided rows' allowed tokens as bitmasks (rows, words), every bit set for the
+    others; None when no row has a guide."""
+    if not any(s.sampling.guide for s in chosen_settings):
+        return None
+    words = words_for(logits.shape[-1])
+    masks = torch.full((len(slots), words), -1, dtype=torch.int32)
+    for i, (slot, s) in enumerate(zip(slots, chosen_settings, strict=True)):
+        if s.sampling.guide:
+            guide = guided.get(slot)
+            if guide is None:
+                raise ValueError(f"slot {slot}: its guide never reached this stage")
+            masks[i] = guide.mask(kept[i], s.prompt_length, words)
+    return masks
 
 
 def _history(histories: dict, slot: int, position: int) -> list[int]:
@@ -277,8 +303,11 @@ class BatchRunner:
         self.slot_settings: dict[int, SlotSettings] = {}
         self.refused: dict[int, str] = {}  # slot -> why its settings cannot be used
         self.prompt_tails: dict[int, torch.Tensor] = {}
-        # slot -> its tokens so far, where its sampling needs them (`choose_rows`)
+        # slot -> its tokens so far, where its sampling needs them (`choose_rows`), and its
+        # place in its guide's automaton where it has one (the book: the checkpoint's guides)
         self.histories: dict[int, list[int]] = {}
+        self.guided: dict[int, Guided] = {}
+        self.guide_book: GuideBook | None = None
         # every stage: each slot's block table as its owner's steps built it (`block_tables`),
         # slot -> (the table's id, None for a whole table sent alone; its blocks)
         self.tables: dict[int, tuple[int | None, list[int]]] = {}
@@ -293,6 +322,7 @@ class BatchRunner:
         self.refused.clear()
         self.prompt_tails.clear()
         self.histories.clear()
+        self.guided.clear()
         self.tables.clear()
 
     def claim(self, owner: Owner, *, take: bool = False) -> None:
@@ -309,6 +339,7 @@ class BatchRunner:
             self.refused.clear()
             self.prompt_tails.clear()
             self.histories.clear()
+            self.guided.clear()
             self.tables.clear()
         self.owner = owner
 
@@ -454,7 +485,8 @@ class BatchRunner:
             for slot, settings in draw.settings:  # sequences new to their slots
                 self.prompt_tails.pop(slot, None)
                 self.histories.pop(slot, None)
-                why = refusal(settings)
+                self.guided.pop(slot, None)
+                why = refusal(settings) or self._guide(slot, settings)
                 if why is None:
                     self.slot_settings[slot] = settings
                     self.refused.pop(slot, None)
@@ -487,6 +519,7 @@ class BatchRunner:
                 self.slot_settings,
                 self.refused,
                 self.histories,
+                self.guided,
             )
             if not scoring:
                 return chosen
@@ -494,6 +527,19 @@ class BatchRunner:
             if isinstance(chosen, Chosen):
                 return replace(chosen, prompt=prompt)
             return Chosen(chosen, {}, prompt)
+
+    def _guide(self, slot: int, settings: SlotSettings) -> str | None:
+        """Start `slot`'s place in its guide's automaton (compiled once per regex); why it
+        cannot be used, if it cannot (that row then fails alone)."""
+        if not settings.sampling.guide:
+            return None
+        if self.guide_book is None:
+            return "its guide was refused: this stage has no tokenizer to guide with"
+        try:
+            self.guided[slot] = Guided(self.guide_book, settings.sampling.guide)
+        except GuideError as exc:
+            return f"its guide was refused: {exc}"
+        return None
 
     def ring(
         self,

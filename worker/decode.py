@@ -88,6 +88,9 @@ class RowSettings:
     penalties: tuple[tuple[float, float, float], ...] = ()
     history: tuple[Sequence[int], ...] = ()
     output_from: tuple[int, ...] = ()
+    # guided rows' allowed tokens: bitmasks (rows, words) int32 on the CPU (`worker.guided`),
+    # every bit set for a row without a guide; None when no row has one
+    allowed: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         rows = len(self.greedy)
@@ -103,6 +106,8 @@ class RowSettings:
             self.output_from
         ):
             raise ValueError("penalties need each row's history and output_from")
+        if self.allowed is not None and self.allowed.shape[0] != rows:
+            raise ValueError(f"allowed needs {rows} row(s), got {self.allowed.shape[0]}")
         for r in range(rows):
             if self.position[r] < 0:
                 raise ValueError(f"row {r}: position must be >= 0, got {self.position[r]}")
@@ -156,12 +161,13 @@ class RowSettings:
         banned: Sequence[Sequence[int]] = (),
         histories: Sequence[Sequence[int]] = (),
         output_from: Sequence[int] = (),
+        allowed: torch.Tensor | None = None,
     ) -> RowSettings:
         """Per-row settings from each row's Sampling, seed, position and the tokens it may not
         choose now (`banned`: none when empty), and, for a row whose sampling needs them
         (`Sampling.needs_history`), its tokens before `position` (`histories`) and where its
         output begins in them (`output_from`). A bad word's last token is banned where the
-        history ends with the rest of it. A greedy row needs no seed (None is fine); a
+        history ends with the rest of it. `allowed`: guided rows' bitmasks (`worker.guided`). A greedy row needs no seed (None is fine); a
         sampling row does: give an unseeded request a random one (e.g.
         `secrets.randbits(64)`) once, when it is submitted, and keep it."""
         rows = len(samplings)
@@ -212,6 +218,7 @@ class RowSettings:
             )
             if any_penalty
             else (),
+            allowed=allowed,
         )
 
     def __len__(self) -> int:
@@ -343,11 +350,16 @@ def _check(logits: torch.Tensor, settings: RowSettings) -> None:
 def _scores(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:
     """The float32 scores the rows choose from: the logits processed as generate's logits
     processors do before its warpers, in its order (each step only where a row asks for it,
-    all its rows at once on the logits' device): each row's bias added, its penalties
-    applied, its banned tokens -inf. A copy whenever it changes something: the logits
+    all its rows at once on the logits' device): a guided row's disallowed tokens -inf first
+    (as vLLM applies its grammar's bitmask before sampling), then each row's bias added, its
+    penalties applied, its banned tokens -inf. A copy whenever it changes something: the logits
     themselves are never changed."""
     scores = logits.to(torch.float32)
     vocab, device = scores.shape[1], scores.device
+    if settings.allowed is not None:  # guided rows: only what keeps their text possible
+        from worker.guided import allowed
+
+        scores = scores.masked_fill(~allowed(settings.allowed.to(device), vocab), float("-inf"))
     if settings.bias:
         where = [
             (r, t, b) for r, pairs in enumerate(settings.bias) for t, b in pairs if 0 <= t < vocab

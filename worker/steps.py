@@ -262,7 +262,10 @@ class Sampling:
       times a token's count in the output so far, and once for a token it holds;
     - `bad_words`: token sequences never completed (transformers' bad_words_ids: a word of
       one token is never chosen, a longer one's last token is not chosen right after the rest
-      of it)."""
+      of it);
+    - `guide`: a regex the output must match (guided decoding, `worker.guided`): only the
+      tokens that keep it possible are allowed, before anything else, and the end token only
+      once it is complete."""
 
     do_sample: bool = False
     temperature: float = 1.0
@@ -274,13 +277,16 @@ class Sampling:
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
+    guide: str = ""
 
     @property
     def needs_history(self) -> bool:
         """Its choice depends on the tokens before it (a penalty, a bad word of several
-        tokens): the last stage keeps the sequence's tokens (`SlotSettings.history`)."""
+        tokens, a guide): the last stage keeps the sequence's tokens
+        (`SlotSettings.history`)."""
         return (
-            self.repetition_penalty != 1.0
+            bool(self.guide)
+            or self.repetition_penalty != 1.0
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
             or any(len(word) > 1 for word in self.bad_words)

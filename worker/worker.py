@@ -30,6 +30,7 @@ from offload.probe import DECISION_STEPS
 from offload.resident import StoredResidency
 from offload.stats import OffloadStats
 from worker.batched import BatchRunner
+from worker.guided import GuideBook
 from worker.layout import hf_config_from_dict, model_class_for
 from worker.loader import TensorReader, hang_if_asked, hold_if_asked
 from worker.node import probe_here
@@ -98,6 +99,7 @@ class StageWorker:
         self._forward_s = 0.0
         self._forwards = 0
         self._batches = BatchRunner(self.device)  # generation steps and their KV slots
+        self._batches.guide_book = GuideBook(spec.checkpoint_dir)  # guided rows, on need
         self._snapshots = Snapshots(
             self._snapshot,
             ready=lambda: self._ready,

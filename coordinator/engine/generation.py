@@ -114,6 +114,7 @@ class Settings:
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
+    guide: str = ""  # a regex the output must match (guided decoding)
 
     @property
     def sampling(self) -> Sampling:
@@ -128,6 +129,7 @@ class Settings:
             presence_penalty=self.presence_penalty,
             logit_bias=self.logit_bias,
             bad_words=self.bad_words,
+            guide=self.guide,
         )
 
     def __post_init__(self) -> None:
@@ -184,6 +186,7 @@ def resolve(
     presence_penalty: float | None = None,
     logit_bias: dict | None = None,
     bad_words_ids: list[list[int]] | None = None,
+    guide: str | None = None,
     eos_token_id: int | list[int] | None = FROM_CHECKPOINT,  # type: ignore[assignment]
     pad_token_id: int | None = None,
     seed: int | None = None,
@@ -197,7 +200,8 @@ def resolve(
     In vLLM's: its server's defaults (see STYLES); `do_sample` is then the temperature's
     (0 greedy). min_new_tokens masks the end tokens until then, as generate's
     MinNewTokensLengthLogitsProcessor does (vLLM's min_tokens). `logit_bias`: token -> bias;
-    `bad_words_ids`: token sequences never completed."""
+    `bad_words_ids`: token sequences never completed; `guide`: a regex the output must match
+    (guided decoding, `worker.guided`)."""
     if style not in STYLES:
         raise GenerationError(f"style={style!r}: expected one of {', '.join(STYLES)}")
     vllm = style == "vllm"
@@ -262,6 +266,7 @@ def resolve(
             None if vllm else values.get("suppress_tokens"),
             () if vllm else eos_ids,
         ),
+        guide=guide or "",
     )
 
 

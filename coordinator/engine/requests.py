@@ -127,8 +127,16 @@ def _sampling(sampling: Sampling, vocab: int, name) -> Sampling:
         repetition_penalty=repetition,
         logit_bias=_bias(sampling.logit_bias, vocab, name("logit_bias")),
         bad_words=_words(sampling.bad_words, vocab, name("bad_words")),
+        guide=_guide(sampling.guide, name("guide")),
         **penalties,
     )
+
+
+def _guide(regex, field: str) -> str:
+    """A guide's regex: a string ("" for none)."""
+    if not isinstance(regex, str):
+        raise RequestError(f"{field} must be a regex string, got {type(regex).__name__}", field)
+    return regex
 
 
 def _bias(pairs, vocab: int, field: str) -> tuple[tuple[int, float], ...]:

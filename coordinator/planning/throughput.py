@@ -24,6 +24,7 @@ from coordinator.planning.checkpoint import LayerSpec
 from coordinator.planning.formats import format_seconds
 from coordinator.planning.options import PlanOptions
 from coordinator.planning.planner import Plan
+from coordinator.planning.pool import capped
 from coordinator.planning.snapshot import ClusterSnapshot
 from offload.errors import PlanError
 
@@ -111,7 +112,7 @@ def choose(
 ) -> Plan:
     """The plan with the most predicted decode tokens/s (see the module doc). A given batch
     (`batches` of one size, no latency bound) that does not fit is taken as a cap
-    (`batch_size.capped`: its slots with the largest pool the budget leaves). PlanError when nothing fits, or nothing meets the latency bound (naming the
+    (`pool.capped`: its slots with the largest pool the budget leaves). PlanError when nothing fits, or nothing meets the latency bound (naming the
     shortest cycle there is)."""
     plans = best_plans(
         layers,
@@ -146,8 +147,6 @@ def choose(
         and not max_token_latency_s
     ):
         # a given batch (serve's --max-batch) is a cap: the largest pool the budget leaves
-        from coordinator.planning.batch_size import capped
-
         batch, tokens = capped(layers, cluster, options, smallest)  # PlanError: none fits
         plans = best_plans(
             layers,

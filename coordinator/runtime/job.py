@@ -161,6 +161,7 @@ class Job:
         presence_penalty: float | None = None,
         logit_bias: dict[int, float] | None = None,
         bad_words_ids: list[list[int]] | None = None,
+        guide: str | None = None,
         on_token: Callable[[int, int], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
@@ -179,7 +180,9 @@ class Job:
         `min_new_tokens`: no end token before this many new tokens (as generate's).
         `repetition_penalty`, `min_p` and `bad_words_ids` as generate's; `logit_bias` (token
         -> bias, added to its logit), `frequency_penalty` and `presence_penalty` as OpenAI's
-        API and vLLM apply them (`worker.steps.Sampling`)."""
+        API and vLLM apply them (`worker.steps.Sampling`); `guide`, a regex the new text must
+        match (guided decoding on the last stage, `worker.guided`: needs outlines-core and
+        the checkpoint's tokenizer)."""
         options = dict(
             max_new_tokens=max_new_tokens,
             do_sample=do_sample,
@@ -196,6 +199,7 @@ class Job:
             presence_penalty=presence_penalty,
             logit_bias=logit_bias,
             bad_words_ids=bad_words_ids,
+            guide=guide,
         )
         ids, request, settings = self._submit(input_ids, attention_mask, on_token, None, options)
         engine = self.engine()

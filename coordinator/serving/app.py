@@ -54,6 +54,7 @@ from offload.errors import (
     OffloadCoordinatorError,
     OffloadError,
 )
+from worker.guided import GuideBook, GuideError
 from worker.startup import settle
 
 app = FastAPI()
@@ -93,6 +94,12 @@ FIELDS: dict[str, tuple[tuple[str, ...], object]] = {
     "repetition_penalty": (BOTH, APPLIED),  # vLLM
     "logit_bias": (BOTH, APPLIED),  # each bias clamped to [-100, 100], as vLLM
     "bad_words": (BOTH, APPLIED),  # vLLM: strings, tokenized as vLLM does
+    # guided decoding (worker.guided, on outlines-core): one of these per request
+    "response_format": (BOTH, APPLIED),  # text, json_object, json_schema
+    "guided_json": (BOTH, APPLIED),  # vLLM
+    "guided_regex": (BOTH, APPLIED),  # vLLM
+    "guided_choice": (BOTH, APPLIED),  # vLLM
+    "structured_outputs": (BOTH, APPLIED),  # vLLM: {json | regex | choice}
     "seed": (BOTH, APPLIED),
     "stop": (BOTH, APPLIED),
     "stream": (BOTH, APPLIED),
@@ -123,7 +130,6 @@ FIELDS: dict[str, tuple[tuple[str, ...], object]] = {
     "tool_choice": ((CHAT,), ("none",)),
     "functions": ((CHAT,), ([],)),
     "function_call": ((CHAT,), ("none",)),
-    "response_format": (BOTH, ({"type": "text"},)),
     # vLLM: spaces its slow-tokenizer path puts around special tokens; this server decodes
     # as the fast tokenizer does (vLLM's fast path too), without them
     "spaces_between_special_tokens": (BOTH, (True,)),
@@ -132,11 +138,7 @@ FIELDS: dict[str, tuple[tuple[str, ...], object]] = {
     "truncate_prompt_tokens": (BOTH, ()),  # vLLM
     "allowed_token_ids": (BOTH, ()),  # vLLM
     "prompt_logprobs": (BOTH, ()),  # vLLM
-    "guided_json": (BOTH, ()),  # vLLM
-    "guided_regex": (BOTH, ()),  # vLLM
-    "guided_choice": (BOTH, ()),  # vLLM
-    "guided_grammar": (BOTH, ()),  # vLLM
-    "structured_outputs": (BOTH, ()),  # vLLM
+    "guided_grammar": (BOTH, ()),  # vLLM: a context-free grammar, beyond a regex automaton
     "return_tokens_as_token_ids": (BOTH, (False,)),  # vLLM
     "add_special_tokens": (BOTH, ()),  # vLLM: the default differs per endpoint; left to it
     "documents": ((CHAT,), ()),  # vLLM
@@ -381,6 +383,7 @@ class Parsed:
     echo: tuple[str, ...] | None = None  # completions: each prompt's text, before its text
     skip_special_tokens: bool = True
     stop_token_ids: tuple[int, ...] = ()  # the request's own end tokens (stop_reason)
+    guide_field: str | None = None  # the field that asked for guided decoding
 
 
 def chat_messages(messages, tokenizer, template: str | None = None) -> list[dict]:
@@ -439,6 +442,85 @@ def chat_messages(messages, tokenizer, template: str | None = None) -> list[dict
             )
         out.append({**message, "content": content})
     return out
+
+
+GUIDE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+GUIDE_KINDS = ("json", "regex", "choice")  # structured_outputs' keys taken
+
+
+def guide_of(body: dict) -> tuple[str | None, str | None]:
+    """(field, regex) of the guided decoding a request asks for (None, None: none): OpenAI's
+    `response_format` (json_object: any JSON object; json_schema: its `schema`), vLLM's
+    `guided_json` (a schema, or its JSON text), `guided_regex`, `guided_choice` (one of the
+    strings) and `structured_outputs` ({json | regex | choice}). One per request; a bad one
+    is a 400 naming it."""
+    asked = [n for n in (*GUIDE_FIELDS, "structured_outputs") if body.get(n) is not None]
+    if body.get("response_format") == {"type": "text"}:
+        asked.remove("response_format")
+    if not asked:
+        return None, None
+    if len(asked) > 1:
+        raise BadRequest(
+            f"'{asked[0]}' and '{asked[1]}' both guide the output: send one", param=asked[1]
+        )
+    field = name = asked[0]  # what the request sent, named in errors
+    value = body[name]
+    if name == "response_format":
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind == "json_object":
+            return field, _schema_regex({"type": "object"}, field)
+        spec = value.get("json_schema") if kind == "json_schema" else None
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise BadRequest(
+                f"'response_format'={shown(value)}: expected {{'type': 'text'}}, "
+                "{'type': 'json_object'} or {'type': 'json_schema', 'json_schema': {'name': "
+                "..., 'schema': {...}}}",
+                param=field,
+            )
+        return field, _schema_regex(spec["schema"], field)
+    if name == "structured_outputs":
+        kinds = sorted(value) if isinstance(value, dict) else []
+        if len(kinds) != 1 or kinds[0] not in GUIDE_KINDS:
+            raise BadRequest(
+                f"'structured_outputs'={shown(value)}: expected one of "
+                f"{', '.join(GUIDE_KINDS)} (a grammar is beyond a regex automaton)",
+                param=field,
+            )
+        name, value = f"guided_{kinds[0]}", value[kinds[0]]
+    if name == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise BadRequest(f"'guided_json' is not JSON: {exc}", param=field) from None
+        if not isinstance(value, dict):
+            raise BadRequest("'guided_json' must be a JSON schema (an object)", param=field)
+        return field, _schema_regex(value, field)
+    if name == "guided_regex":
+        if not isinstance(value, str) or not value:
+            raise BadRequest("'guided_regex' must be a non-empty regex string", param=field)
+        return field, value
+    if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+        raise BadRequest("'guided_choice' must be a list of non-empty strings", param=field)
+    import re
+
+    return field, "(" + "|".join(re.escape(choice) for choice in value) + ")"
+
+
+def _schema_regex(schema: dict, field: str) -> str:
+    """The regex of the JSON texts a schema takes (outlines-core's)."""
+    try:
+        from outlines_core.json_schema import build_regex_from_schema
+    except ImportError:
+        raise BadRequest(
+            f"'{field}': guided decoding needs outlines-core (pip install outlines-core), "
+            "which is not installed here",
+            param=field,
+        ) from None
+    try:
+        return build_regex_from_schema(json.dumps(schema))
+    except (ValueError, TypeError, RuntimeError) as exc:  # a schema it cannot take
+        raise BadRequest(f"'{field}': the JSON schema cannot be used: {exc}", param=field) from None
 
 
 def package_version() -> str:
@@ -582,6 +664,7 @@ class OpenAIServer:
         self.api_key = api_key
         self.metrics_key = metrics_key  # None: /metrics is open, as vLLM's
         self.trust_request_chat_template = trust_request_chat_template
+        self.guides = GuideBook(tokenizer=self.tokenizer)  # guided requests' automata, checked
         self.created = int(time.time())
         self._dead_since: float | None = None  # when /health first saw a worker gone
         settle()  # imports done: the GC's own thresholds again (worker.startup)
@@ -791,6 +874,11 @@ class OpenAIServer:
             return body
         try:
             parsed = self._parse(body, chat)
+            if parsed.options.get("guide"):  # compiled here first (seconds for a schema): a 400
+                try:
+                    await asyncio.to_thread(self.guides.index, parsed.options["guide"])
+                except GuideError as exc:
+                    raise BadRequest(str(exc), param=parsed.guide_field) from None
             runs = [self._run(parsed, ids, chat, body) for ids in parsed.prompts]
         except GenerationError as exc:  # past the context or the KV plan: the API's field
             exc.param = api_names(chat, body).get(exc.param, exc.param)
@@ -928,6 +1016,7 @@ class OpenAIServer:
         max_tokens = self._limit(body, chat, echo)
         min_tokens = _field(body, "min_tokens", (int,), 0, lambda v: v >= 0)
         options = {"min_new_tokens": min_tokens, **self._sampling(body)}
+        guide_field, options["guide"] = guide_of(body)
         stop_ids = _field(body, "stop_token_ids", (list,), [])
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in stop_ids):
             raise BadRequest("'stop_token_ids' must be a list of token ids", param="stop_token_ids")
@@ -973,6 +1062,7 @@ class OpenAIServer:
             usage=usage,
             continuous_usage=continuous,
             stop_token_ids=tuple(i for i in stop_ids if i != self.tokenizer.eos_token_id),
+            guide_field=guide_field,
         )
 
     def _chat_ids(self, body: dict):
