@@ -1088,13 +1088,15 @@ def test_an_independent_harness_and_load_generator_at_1_8_and_32_streams(server)
         for ids in chat_ids
     ]
 
-    # lm-eval: prompt scoring (log-likelihood of continuations) equals transformers'
+    # lm-eval: prompt scoring (log-likelihood of continuations) equals transformers', its
+    # requests batched (a list of token lists per request: one choice each, in order)
     pairs = [("the cat sat on", " the mat"), ("a dog ran", " to the cat and sat"), ("x", " y")]
     scorer = LocalCompletionsAPI(
         base_url=f"{base}/completions",
         model="tiny-llama",
         tokenizer=checkpoint,
         num_concurrent=8,
+        batch_size=2,
         max_retries=1,
         header=header,
     )
