@@ -760,7 +760,7 @@ def test_penalties_defaults_batched_prompts_and_scoring_as_vllm_answers_them(ser
     """Issue 56 points 1, 3 and 4 through the server: penalties and a logit bias give
     transformers' generate with the same settings; a request without temperature samples
     at vLLM's 1.0; chat without a limit goes on to max_seq_len; max_completion_tokens limits
-    completions; any number of stop strings, with the stop reason named; a list of prompts
+    completions (and guidellm's requests, which send it, run); any number of stop strings, with the stop reason named; a list of prompts
     gets prompt x n choices in order, streamed alike; max_tokens 0 with echo scores the
     prompt alone."""
     import openai
@@ -836,6 +836,26 @@ def test_penalties_defaults_batched_prompts_and_scoring_as_vllm_answers_them(ser
         extra_body={"max_completion_tokens": 3, "ignore_eos": True},
     )
     assert limited.usage.completion_tokens == 3
+    # guidellm's requests as its OpenAI backend writes them: max_tokens and
+    # max_completion_tokens both, ignore_eos, no temperature (sampled), streamed with usage;
+    # chat content as text parts
+    for chat in (False, True):
+        shape = {
+            "model": "tiny-llama",
+            "max_tokens": 6,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "extra_body": {"max_completion_tokens": 6, "ignore_eos": True},
+        }
+        if chat:
+            parts = [{"type": "text", "text": "hello there"}]
+            chunks = client.chat.completions.create(
+                messages=[{"role": "user", "content": parts}], **shape
+            )
+        else:
+            chunks = client.completions.create(prompt=prompt, **shape)
+        chunks = list(chunks)
+        assert chunks[-1].usage.completion_tokens == 6, chat
 
     # stops: any number; the stop reason is the string, the asked token, or None
     text = tokenizer.decode(plain, skip_special_tokens=True)
