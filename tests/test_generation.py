@@ -463,7 +463,8 @@ def test_settings_come_from_generation_config(indexes, tmp_path) -> None:
         )
     )
     settings = generation.resolve(root, config, 7)
-    assert (settings.do_sample, settings.temperature, settings.top_p, settings.top_k) == (
+    sampling = settings.sampling
+    assert (sampling.do_sample, sampling.temperature, sampling.top_p, sampling.top_k) == (
         True,
         0.7,
         0.8,
@@ -489,7 +490,7 @@ def test_settings_come_from_generation_config(indexes, tmp_path) -> None:
     assert (sampling.repetition_penalty, sampling.min_p) == (1.05, 0.1)
     assert sampling.bad_words == ((5,), (7, 8), (9,)) and sampling.logit_bias == ((4, 1.5),)
     own = generation.resolve(root, config, 7, repetition_penalty=1.0, bad_words_ids=[[6]])
-    assert own.repetition_penalty == 1.0 and own.bad_words == ((6,), (9,))
+    assert own.sampling.repetition_penalty == 1.0 and own.sampling.bad_words == ((6,), (9,))
     # what generate would apply and this loop does not is refused, never ignored
     (root / "generation_config.json").write_text(json.dumps({"no_repeat_ngram_size": 3}))
     with pytest.raises(generation.GenerationError, match=r"no_repeat_ngram_size=3.*set it to 0"):
@@ -510,14 +511,14 @@ def test_vllm_style_takes_what_vllm_takes_from_generation_config(indexes, tmp_pa
     root = shutil.copytree(indexes("llama").root, tmp_path / "ckpt")
     config = json.loads((root / "config.json").read_text())
     (root / "generation_config.json").unlink(missing_ok=True)
-    neutral = generation.resolve(root, config, 7, style="vllm")
+    neutral = generation.resolve(root, config, 7, style="vllm").sampling
     assert (neutral.do_sample, neutral.temperature, neutral.top_k, neutral.top_p) == (
         True,
         1.0,
         None,
         1.0,
     )
-    assert neutral.sampling.min_p == 0 and not neutral.sampling.processed
+    assert neutral.min_p == 0 and not neutral.processed
     qwen = {  # Qwen2.5-Instruct's generation_config.json, with keys vLLM does not read
         "do_sample": True,
         "repetition_penalty": 1.05,
@@ -529,15 +530,16 @@ def test_vllm_style_takes_what_vllm_takes_from_generation_config(indexes, tmp_pa
         "eos_token_id": [3, 4],
     }
     (root / "generation_config.json").write_text(json.dumps(qwen))
-    served = generation.resolve(root, config, 7, style="vllm")
+    resolved = generation.resolve(root, config, 7, style="vllm")
+    served = resolved.sampling
     assert (served.temperature, served.top_p, served.top_k, served.repetition_penalty) == (
         0.7,
         0.8,
         20,
         1.05,
     )
-    assert served.bad_words == () and served.eos_token_ids == (3, 4)
-    greedy = generation.resolve(root, config, 7, style="vllm", temperature=0, top_k=0)
+    assert served.bad_words == () and resolved.eos_token_ids == (3, 4)
+    greedy = generation.resolve(root, config, 7, style="vllm", temperature=0, top_k=0).sampling
     assert not greedy.do_sample and greedy.top_k == 0
     with pytest.raises(generation.GenerationError, match="style='hf'"):
         generation.resolve(root, config, 7, style="hf")

@@ -100,47 +100,22 @@ class KvBudget:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Settings:
     max_new_tokens: int
-    do_sample: bool
-    temperature: float
-    top_k: int | None
-    top_p: float
+    sampling: Sampling  # how its tokens are chosen (penalties, bias, guide: `Sampling`)
     eos_token_ids: tuple[int, ...]  # empty: never stop before max_new_tokens
     pad_token_id: int
     seed: int | None = None
     min_new_tokens: int = 0  # no end token before this many new tokens
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    bad_words: tuple[tuple[int, ...], ...] = ()
-    guide: str = ""  # a regex the output must match (guided decoding)
-
-    @property
-    def sampling(self) -> Sampling:
-        return Sampling(
-            do_sample=self.do_sample,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
-            logit_bias=self.logit_bias,
-            bad_words=self.bad_words,
-            guide=self.guide,
-        )
 
     def __post_init__(self) -> None:
+        s = self.sampling
         if self.max_new_tokens < 0:
             raise GenerationError(f"max_new_tokens={self.max_new_tokens} must be >= 0")
-        if self.do_sample and not self.temperature > 0:
-            raise GenerationError(f"temperature={self.temperature} must be > 0 when sampling")
-        if not 0 < self.top_p <= 1:
-            raise GenerationError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.top_k is not None and self.top_k < 0:
-            raise GenerationError(f"top_k={self.top_k} must be >= 0 (0 or None: off)")
+        if s.do_sample and not s.temperature > 0:
+            raise GenerationError(f"temperature={s.temperature} must be > 0 when sampling")
+        if not 0 < s.top_p <= 1:
+            raise GenerationError(f"top_p={s.top_p} must be in (0, 1]")
+        if s.top_k is not None and s.top_k < 0:
+            raise GenerationError(f"top_k={s.top_k} must be >= 0 (0 or None: off)")
         if self.min_new_tokens < 0:
             raise GenerationError(f"min_new_tokens={self.min_new_tokens} must be >= 0")
 
@@ -244,18 +219,11 @@ def resolve(
     else:
         do_sample = bool(_or(do_sample, values.get("do_sample")) or False)
         top_k = _or(values.get("top_k"), 50) if top_k is FROM_CHECKPOINT else top_k
-    return Settings(
-        max_new_tokens=int(max_new_tokens),
+    sampling = Sampling(
         do_sample=do_sample,
         temperature=float(temperature or 1.0),
         top_k=top_k,
         top_p=float(_or(top_p, values.get("top_p")) or 1.0),
-        eos_token_ids=tuple(int(e) for e in eos_ids),
-        pad_token_id=int(pad),
-        seed=seed,
-        min_new_tokens=int(
-            min_new_tokens if min_new_tokens is not None else values.get("min_new_tokens") or 0
-        ),
         min_p=_or(_or(min_p, values.get("min_p")), 0.0),
         repetition_penalty=_or(_or(repetition_penalty, values.get("repetition_penalty")), 1.0),
         frequency_penalty=_or(frequency_penalty, 0.0),
@@ -267,6 +235,16 @@ def resolve(
             () if vllm else eos_ids,
         ),
         guide=guide or "",
+    )
+    return Settings(
+        max_new_tokens=int(max_new_tokens),
+        sampling=sampling,
+        eos_token_ids=tuple(int(e) for e in eos_ids),
+        pad_token_id=int(pad),
+        seed=seed,
+        min_new_tokens=int(
+            min_new_tokens if min_new_tokens is not None else values.get("min_new_tokens") or 0
+        ),
     )
 
 

@@ -172,7 +172,7 @@ def end_ids(tokenizer, index) -> tuple[int, ...]:
     generation_config.json, as generate takes them) and the tokenizer's."""
     from coordinator.engine import generation
 
-    ids = set(generation.resolve(index.root, index.config, 1).eos_token_ids)
+    ids = set(generation.resolve(index.root, index.config, 1, style="vllm").eos_token_ids)
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))
