@@ -170,3 +170,22 @@ def nodes_measured_what_the_tests_launch():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(launch, "model_of", model_of)
         yield
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """The real (tiny, trained) tokenizer make-checkpoint writes, with its chat template: a
+    module's own unless it defines `tokenizer` itself."""
+    from coordinator.serving.text import load_tokenizer
+    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+
+    root = tmp_path_factory.mktemp("text") / "ckpt"
+    shape = CheckpointShape(
+        num_layers=1,
+        hidden_size=16,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=32,
+        vocab_size=512,
+    )
+    return load_tokenizer(make_checkpoint(root, shape))

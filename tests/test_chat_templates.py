@@ -12,8 +12,7 @@ import types
 import pytest
 
 from coordinator.serving.app import BadRequest, OpenAIServer
-from coordinator.serving.text import TokenizerError, load_tokenizer, template_reads_parts
-from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.serving.text import TokenizerError, template_reads_parts
 
 # Qwen3's way: content kept only when it is a string, '' otherwise; thinking by a variable
 QWEN3 = (
@@ -49,20 +48,6 @@ THROUGH_A_FILTER = (
     "{% for p in m['content'] | selectattr('type', 'equalto', 'text') %}{{ p.text }}"
     "{% endfor %}{% endfor %}"
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    root = tmp_path_factory.mktemp("chat") / "ckpt"
-    shape = CheckpointShape(
-        num_layers=1,
-        hidden_size=16,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=32,
-        vocab_size=512,
-    )
-    return load_tokenizer(make_checkpoint(root, shape))
 
 
 def server(tokenizer, *, trusted: bool = False):

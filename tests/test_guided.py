@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+from helpers import tiny_shape
 from test_families import Pipeline
 
 from coordinator.engine import Engine, EngineConfig
@@ -20,7 +21,7 @@ from coordinator.engine.pipelines import LocalPipeline
 from coordinator.planning.checkpoint import load_index
 from coordinator.serving.app import BadRequest, guide_of
 from coordinator.serving.text import load_tokenizer
-from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.tools.make_checkpoint import make_checkpoint
 from coordinator.tools.reference import reference_generate
 from worker.guided import GuideBook, Guided, GuideError, allowed, token_bytes, words_for
 from worker.steps import Sampling
@@ -44,15 +45,7 @@ SCHEMA = {
 @pytest.fixture(scope="module")
 def index(tmp_path_factory):
     root = tmp_path_factory.mktemp("guided") / "ckpt"
-    shape = CheckpointShape(
-        num_layers=4,
-        hidden_size=32,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=48,
-        vocab_size=512,
-        max_positions=256,
-    )
+    shape = tiny_shape(4, hidden_size=32, intermediate_size=48, vocab_size=512, max_positions=256)
     return load_index(make_checkpoint(root, shape))
 
 

@@ -64,7 +64,12 @@ def tied_logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
 
 def reference_probs(row: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """One row's distribution as generate builds it: its warpers, in its order, on (1, vocab)."""
-    scores = row[None].to(torch.float32)
+    return warped_reference(row[None].to(torch.float32), sampling)
+
+
+def warped_reference(scores: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """(1, vocab) scores to the distribution generate draws from: the argmax when greedy, else
+    its warpers in its order (temperature, top-k, top-p, min-p), then softmax."""
     if not sampling.do_sample:
         return torch.nn.functional.one_hot(scores.argmax(-1), scores.shape[-1])[0].float()
     if sampling.temperature != 1.0:
@@ -73,6 +78,8 @@ def reference_probs(row: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         scores = TopKLogitsWarper(top_k=sampling.top_k)(None, scores)
     if sampling.top_p < 1.0:
         scores = TopPLogitsWarper(top_p=sampling.top_p)(None, scores)
+    if sampling.min_p:
+        scores = MinPLogitsWarper(min_p=sampling.min_p)(None, scores)
     return scores.softmax(-1)[0]
 
 
@@ -409,17 +416,7 @@ def reference_processed(row, history, output_from, sampling) -> torch.Tensor:
     if sampling.bad_words:
         words = [list(w) for w in sampling.bad_words]
         scores = NoBadWordsLogitsProcessor(words, eos_token_id=None)(ids, scores)
-    if not sampling.do_sample:
-        return torch.nn.functional.one_hot(scores.argmax(-1), scores.shape[-1])[0].float()
-    if sampling.temperature != 1.0:
-        scores = TemperatureLogitsWarper(sampling.temperature)(ids, scores)
-    if sampling.top_k:
-        scores = TopKLogitsWarper(top_k=sampling.top_k)(ids, scores)
-    if sampling.top_p < 1.0:
-        scores = TopPLogitsWarper(top_p=sampling.top_p)(ids, scores)
-    if sampling.min_p:
-        scores = MinPLogitsWarper(min_p=sampling.min_p)(ids, scores)
-    return scores.softmax(-1)[0]
+    return warped_reference(scores, sampling)
 
 
 def processed_settings(rows, tokens, positions=None) -> RowSettings:

@@ -11,28 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.serving import text as text_module
-from coordinator.serving.text import TextStream, load_tokenizer
-from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.serving.text import TextStream
 from coordinator.tools.tiny_tokenizer import TEXT as PROSE  # what the tokenizer was trained on
 
 TEXT = "the cat sat on the mat. the dog ran to the cat and sat."
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    root = tmp_path_factory.mktemp("text") / "ckpt"
-    make_checkpoint(
-        root,
-        CheckpointShape(
-            num_layers=1,
-            hidden_size=16,
-            num_heads=2,
-            num_kv_heads=1,
-            intermediate_size=32,
-            vocab_size=512,
-        ),
-    )
-    return load_tokenizer(root)
 
 
 def stream_all(tokenizer, text: str, stop: tuple[str, ...] = ()) -> tuple[list[str], TextStream]:
