@@ -171,6 +171,12 @@ def test_a_given_max_batch_is_a_cap_never_a_reason_to_refuse(objective: str) -> 
     assert f"for up to 32 sequences of up to 20 tokens: it holds {held} of the expected 5" in (
         the_plan.summary()
     )
+    if objective == "throughput":  # serve's path: replicas chosen for the most tokens/s
+        from coordinator.planning.batch_size import plan_replicas
+
+        chosen = plan_replicas(config, index, memory)
+        assert [p.options.max_batch for p in chosen.plans] == [32]
+        assert [p.options.pool_tokens for p in chosen.plans] == [biggest]
     from coordinator.cli.text import _pool_words
 
     assert _pool_words(sized, the_plan).endswith(  # serve's start-up line

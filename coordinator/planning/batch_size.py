@@ -50,7 +50,12 @@ def plan_job(config, index, snapshot: ClusterSnapshot):
     if config.objective == "throughput":
         from coordinator.planning.throughput import choose
 
-        the_plan = choose(index.layers, snapshot, options, **_search_space(config))
+        try:
+            the_plan = choose(index.layers, snapshot, options, **_search_space(config))
+        except PlanError as exc:  # a given max_batch is a cap, never a reason to refuse
+            capped_options = _capped_options(config, index, snapshot, options, exc)
+            space = {**_search_space(config), "batches": [capped_options.max_batch]}
+            the_plan = choose(index.layers, snapshot, capped_options, **space)
         chosen = the_plan.options
         return dataclasses.replace(
             config,
@@ -102,13 +107,33 @@ def plan_replicas(config, index, snapshot: ClusterSnapshot):
     plan` shows them."""
     from coordinator.planning.replicas import choose_replicas
 
-    return choose_replicas(
-        index.layers,
-        snapshot,
-        job_options(config, index, snapshot),
-        replicas=config.replicas,
-        **_search_space(config),
-    )
+    options = job_options(config, index, snapshot)
+    try:
+        return choose_replicas(
+            index.layers, snapshot, options, replicas=config.replicas, **_search_space(config)
+        )
+    except PlanError as exc:  # a given max_batch is a cap, never a reason to refuse
+        capped_options = _capped_options(config, index, snapshot, options, exc)
+        space = {**_search_space(config), "batches": [capped_options.max_batch]}
+        return choose_replicas(
+            index.layers, snapshot, capped_options, replicas=config.replicas, **space
+        )
+
+
+def _capped_options(
+    config, index, snapshot: ClusterSnapshot, options: PlanOptions, error: PlanError
+) -> PlanOptions:
+    """The options of a throughput job whose given max_batch does not fit with its pool at the
+    expected length: the batch as a cap (`pool.capped`) with the largest pool the budget
+    leaves on the whole cluster. Raises `error` (the search's) when the batch is not given
+    (auto: nothing fits at all), a pool or a latency bound is, or generation is off; a
+    PlanError of its own when not even one sequence fits."""
+    if not config.max_batch or config.kv_cache_tokens or config.max_token_latency_s:
+        raise error
+    if not config.max_seq_len:
+        raise error
+    batch, tokens = capped(index.layers, snapshot, options, config.max_batch)
+    return dataclasses.replace(options, max_batch=batch, kv_tokens=tokens)
 
 
 def _search_space(config) -> dict:

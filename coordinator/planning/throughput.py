@@ -24,7 +24,6 @@ from coordinator.planning.checkpoint import LayerSpec
 from coordinator.planning.formats import format_seconds
 from coordinator.planning.options import PlanOptions
 from coordinator.planning.planner import Plan
-from coordinator.planning.pool import capped
 from coordinator.planning.snapshot import ClusterSnapshot
 from offload.errors import PlanError
 
@@ -138,26 +137,8 @@ def choose(
                 f"shortest time between tokens is {format_seconds(fastest.cycle_s)} (max_batch "
                 f"{fastest.options.max_batch}); raise the bound, or add GPUs or memory"
             )
-    smallest = min(batches)
-    if (
-        len(set(batches)) == 1
-        and smallest > 1
-        and options.max_seq_len
-        and not options.kv_tokens
-        and not max_token_latency_s
-    ):
-        # a given batch (serve's --max-batch) is a cap: the largest pool the budget leaves
-        batch, tokens = capped(layers, cluster, options, smallest)  # PlanError: none fits
-        plans = best_plans(
-            layers,
-            cluster,
-            dataclasses.replace(options, kv_tokens=tokens),
-            batches=[batch],
-            micro_batches=micro_batches,
-        )
-        if plans:
-            return plans[batch]
     # Nothing fits: the smallest batch's own error says why, with the numbers.
+    smallest = min(batches)
     planner.plan(
         layers,
         cluster,
