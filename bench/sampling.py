@@ -3,13 +3,15 @@ device, a sampled draw keyed by seed and position) against what it replaced, a l
 rows, each copying its logits to the CPU and drawing from its own torch.Generator whose state
 (~5 KB) crossed Ray with every step. Same logits, same process, best of 5. Then what the
 logits processors add to a step of sampled rows: penalties over each row's 1,024 tokens so
-far, a logit bias, min-p, a guide's bitmask, each alone and all at once.
+far, a logit bias, min-p, a guide's bitmask, each alone and all at once (interleaved rounds,
+medians: this machine's noise is larger than the best-of-5 gaps).
 
     .venv/bin/python bench/sampling.py
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -24,6 +26,7 @@ from worker.guided import words_for
 from worker.steps import Sampling
 
 ROWS, VOCAB, REPEATS = 64, 32000, 5
+ROUNDS = 21  # of the processors' cases
 HISTORY = 1024  # each row's tokens so far (prompt and output), for the penalties
 
 
@@ -114,10 +117,8 @@ def processed() -> None:
             masks,
         ),
     }
-    print(f"what processing adds: {ROWS} sampled rows, {HISTORY} tokens each so far, best of 5:")
-    plain = None
-    for name, (sampling, allowed) in cases.items():
-        settings = RowSettings.of(
+    settings = {
+        name: RowSettings.of(
             [sampling] * ROWS,
             list(range(ROWS)),
             [HISTORY] * ROWS,
@@ -125,8 +126,21 @@ def processed() -> None:
             output_from=[HISTORY // 2] * ROWS,
             allowed=allowed,
         )
-        took = best(lambda settings=settings: sample_rows(logits, settings))
-        plain = plain or took
+        for name, (sampling, allowed) in cases.items()
+    }
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(ROUNDS):  # the cases in turn, round after round: drift hits them alike
+        for name, one in settings.items():
+            start = time.perf_counter()
+            sample_rows(logits, one)
+            times[name].append(time.perf_counter() - start)
+    print(
+        f"what processing adds: {ROWS} sampled rows, {HISTORY} tokens each so far, median of "
+        f"{ROUNDS} interleaved rounds:"
+    )
+    plain = statistics.median(times["plain"])
+    for name, taken in times.items():
+        took = statistics.median(taken)
         print(f"  {name:26s} {took * 1e3:7.2f} ms   x{took / plain:.2f} of plain")
 
 
