@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from offload.errors import ConfigError
-from offload.policy import PIN_ENV, parse_pin_mode
+from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV, parse_pin_mode
 from worker.names import (
     COMPUTE_DTYPE_NAMES,
     DEFAULT_BLOCK_SIZE,
@@ -30,6 +30,8 @@ from worker.names import (
 
 # The node label that sets a node's pin policy (on | off | auto), e.g. in cluster.yaml.
 PIN_LABEL = "offload-pin-memory"
+PIN_VARIABLES = (PIN_ENV, VLLM_DISABLE_PIN_ENV)  # what says anything about pinning
+PIN_NEUTRAL = {PIN_ENV: "auto", VLLM_DISABLE_PIN_ENV: "0"}  # says: the next rule decides
 # Prefixes of variables a job may set on its workers.
 OVERRIDE_ALLOWED_PREFIXES = ("OFFLOAD_", "VLLM_WEIGHT_OFFLOADING_")
 _UNITS = {
@@ -126,24 +128,37 @@ def node_env(
 ) -> tuple[dict[str, str], dict[str, str]]:
     """(env, origin of each variable) for one node's workers.
 
-    Precedence: the job's override > the node's `offload-pin-memory` label > the node's own
-    environment (inherited by the workers, so not listed here) > the probe.
+    Pinning is decided per decision, not per variable: the highest source that says anything
+    about it decides, whichever of its variables (OFFLOAD_PIN_MEMORY, vLLM's
+    VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY) it uses. The job's override > the node's
+    `offload-pin-memory` label > the node's own environment (inherited by the workers, so not
+    listed here) > the probe. A source that decides also sets the pin variable it left out
+    to its neutral value (auto, 0), so a lower source's setting of that one cannot win
+    (`offload.policy` weighs OFFLOAD_PIN_MEMORY over vLLM's variable within one source).
     """
     env: dict[str, str] = {}
     origins: dict[str, str] = {}
-    if PIN_LABEL in labels:
+    job = env_for_node(overrides, node_id=node_id, hostname=hostname, labels=labels)
+    pinning = [name for name in PIN_VARIABLES if name in job]
+    if pinning:
+        source, said = "job override", {name: job[name] for name in pinning}
+    elif PIN_LABEL in labels:
         value = labels[PIN_LABEL]
         try:
             parse_pin_mode(value, variable=f"label {PIN_LABEL}")
         except ValueError as exc:
             raise ConfigError(f"node {hostname} ({node_id[:8]}): {exc}") from None
-        env[PIN_ENV] = value
-        origins[PIN_ENV] = "node label"
-    for name, value in env_for_node(
-        overrides, node_id=node_id, hostname=hostname, labels=labels
-    ).items():
-        env[name] = value
-        origins[name] = "job override"
+        source, said = "node label", {PIN_ENV: value}
+    else:
+        source, said = None, {}
+    if source is not None:
+        for name in PIN_VARIABLES:
+            env[name] = said.get(name, PIN_NEUTRAL[name])
+            origins[name] = source
+    for name, value in job.items():
+        if name not in PIN_VARIABLES:
+            env[name] = value
+            origins[name] = "job override"
     return env, origins
 
 

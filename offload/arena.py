@@ -49,6 +49,22 @@ def align_up(value: int, alignment: int = ARENA_ALIGNMENT_BYTES) -> int:
     return (value + alignment - 1) // alignment * alignment
 
 
+# Bytes of page-locked buffers `host_buffer` handed out in this process (they are small and
+# reused: a loader's staging buffer, a staged engine's bounce chunks), for the GPU check.
+pinned_buffer_bytes = 0
+
+
+def host_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:
+    """A host buffer of `nbytes` bytes (uint8), page-locked only when `pin`: the node's pin
+    decision (`offload.policy`), never "CUDA is there". With the arena's registration, the one
+    way host memory of ours gets pinned."""
+    global pinned_buffer_bytes
+    buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    if pin:
+        pinned_buffer_bytes += nbytes
+    return buffer
+
+
 def _unregister(ptr: int) -> None:
     rc = int(torch.cuda.cudart().cudaHostUnregister(ptr))
     if rc != 0:

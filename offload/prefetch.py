@@ -235,8 +235,10 @@ class PrefetchOffloader(BaseOffloader):
                 self._staging = torch.empty(staging, dtype=torch.uint8, device=self.device)
             if self.config.expert_cache:
                 self._make_caches(layers)
-            if self._engine is None:  # from a pageable arena on CUDA: a pinned bounce buffer
-                self._engine = make_copy_engine(self.device, pinned_source=arena.pinned)
+            if self._engine is None:  # pageable arena on CUDA: pinned bounce chunks if allowed
+                self._engine = make_copy_engine(
+                    self.device, pinned_source=arena.pinned, may_pin=self.pin_decision.pin
+                )
         except BaseException:
             self._slots, self._staging = [], None
             self._caches, self._scratch = {}, {}

@@ -34,6 +34,7 @@ from typing import Protocol
 
 import torch
 
+from offload.arena import host_buffer
 from offload.copy_engine import COPY_WAIT_TIMEOUT_S, CopyEngine, _copy_bytes
 
 # Two chunks: the copy thread fills one while the device reads the other. 8 MiB each (a power
@@ -90,7 +91,8 @@ class CudaStaging:
         torch.cuda.set_device(self.device)  # a new thread starts on device 0
 
     def new_chunk(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        # pinned: this engine serves only nodes whose decision pins (`make_copy_engine`)
+        return host_buffer(nbytes, pin=True)
 
     def fence(self) -> torch.cuda.Event:
         event = torch.cuda.Event()

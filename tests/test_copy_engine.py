@@ -108,3 +108,16 @@ def test_cuda_totals_are_read_without_synchronising_the_device(monkeypatch) -> N
     engine._stall_times.add(FakeEvent(1), FakeEvent(2))
     totals = engine.read_totals()
     assert (totals.copy_s, totals.stall_s) == (pytest.approx(0.004), pytest.approx(0.001))
+
+
+def test_pageable_copies_bounce_through_pinned_chunks_only_where_the_node_pins() -> None:
+    """Issue 57: the staged engine's bounce chunks are pinned memory, so it serves only nodes
+    whose decision pins; with pinning off the copies read pageable memory (a CUDA side stream:
+    each copy then blocks the host), and nothing is pinned."""
+    from offload.copy_engine import copy_engine_kind
+
+    assert copy_engine_kind("cuda", pinned_source=False, may_pin=True) == "staged"
+    assert copy_engine_kind("cuda", pinned_source=False, may_pin=False) == "cuda"
+    assert copy_engine_kind("cuda", pinned_source=True, may_pin=True) == "cuda"
+    for may_pin in (True, False):
+        assert copy_engine_kind("cpu", pinned_source=False, may_pin=may_pin) == "thread"

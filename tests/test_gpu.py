@@ -83,7 +83,7 @@ HIDDEN = 2048
 SLEEP_CYCLES = 1_000_000
 
 
-@pytest.mark.parametrize("pin", ["on", "off"])  # off: the staged engine (pinned bounce chunks)
+@pytest.mark.parametrize("pin", ["on", "off"])  # off: pageable copies, nothing pinned
 @pytest.mark.parametrize(
     ("layers", "step"),
     [((0, 1, 2, 3, 4, 5), 2), ((0, 1, 2, 3, 4, 5, 6), 3), ((1, 3, 4), 1), ((0, 2), 0)],
@@ -92,7 +92,12 @@ def test_prefetch_on_a_side_stream_matches_resident(
     layers: tuple[int, ...], step: int, pin: str
 ) -> None:
     """Fewer slots than offloaded layers (N % K != 0 too), a sleep kernel at the start of every
-    layer so that a missing fence shows, bitwise over many forwards."""
+    layer so that a missing fence shows, bitwise over many forwards. With pinning off nothing
+    is pinned, not even bounce chunks (issue 57: the engine copies from pageable memory)."""
+    import offload.arena
+    from offload.copy_engine import CudaCopyEngine
+
+    pinned_before = offload.arena.pinned_buffer_bytes
     modules = sleepy_cuda_stack(7, HIDDEN, SLEEP_CYCLES)
     x = torch.randn(8, HIDDEN, device=CUDA)
     reference = run_stack(modules, x)
@@ -112,8 +117,64 @@ def test_prefetch_on_a_side_stream_matches_resident(
     assert storage_bytes(modules) == before - stats.offloaded_bytes + stats.buffer_bytes
     assert stats.copies > 0 and stats.copy_s > 0
     assert stats.pinned_bytes == (stats.offloaded_bytes if offloader.pin_decision.pin else 0)
+    if pin == "off":
+        assert type(offloader._engine) is CudaCopyEngine
+        assert offload.arena.pinned_buffer_bytes == pinned_before
     offloader.detach()
     assert torch.equal(run_stack(modules, x), reference)
+
+
+@pytest.mark.parametrize("pin", ["on", "off"])
+def test_a_worker_pins_nothing_when_its_node_says_off(tmp_path, monkeypatch, pin: str) -> None:
+    """Issue 57, the bug this project was founded on: a stage's loader staged its resident
+    weights through a pinned buffer whenever CUDA was there. Every host buffer of a worker
+    (arena, loader staging, bounce chunks) follows its node's decision: off, zero pinned
+    bytes; on, the arena and the staging buffer."""
+    import offload.arena
+    from coordinator.planning.checkpoint import load_index
+    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+    from worker.spec import StageSpec
+    from worker.worker import StageWorker
+
+    monkeypatch.setenv("OFFLOAD_PIN_MEMORY", pin)
+    index = load_index(
+        make_checkpoint(
+            tmp_path / "ckpt",
+            CheckpointShape(
+                num_layers=4,
+                hidden_size=256,
+                num_heads=4,
+                num_kv_heads=2,
+                intermediate_size=512,
+                vocab_size=512,
+                dtype="bfloat16",
+                tokenizer=False,
+            ),
+        )
+    )
+    spec = StageSpec(
+        stage=0,
+        num_stages=1,
+        checkpoint_dir=str(index.root),
+        config=index.config,
+        dtype="float32",  # resident weights converted on the way: through the staging buffer
+        layers=index.layers,
+        offloaded=("layers.1", "layers.2"),
+    )
+    before = offload.arena.pinned_buffer_bytes
+    worker = StageWorker(spec, device="cuda")
+    try:
+        worker.load()
+        worker.forward(torch.randint(0, 512, (2, 8)))
+        report = worker.report()
+        staged = offload.arena.pinned_buffer_bytes - before
+        assert worker._reader.pin is (pin == "on")
+        if pin == "off":
+            assert staged == 0 and report.stats.pinned_bytes == 0
+        else:
+            assert staged > 0 and report.stats.pinned_bytes == report.stats.offloaded_bytes
+    finally:
+        worker.close()
 
 
 @pytest.mark.parametrize(

@@ -164,18 +164,52 @@ def test_job_config_validates_fields() -> None:
     assert stored.plan_options().resident_weights == "stored"  # the planner gets it
 
 
+PIN, VLLM = "OFFLOAD_PIN_MEMORY", "VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY"
+
+
 def test_node_env_precedence_override_over_label() -> None:
-    overrides = (Override(match=NodeMatch(labels={"pool": "b"}), env={"OFFLOAD_PIN_MEMORY": "on"}),)
+    overrides = (Override(match=NodeMatch(labels={"pool": "b"}), env={PIN: "on"}),)
     labelled = {"offload-pin-memory": "off"}
     assert node_env(overrides, node_id="n", hostname="h", labels=labelled) == (
-        {"OFFLOAD_PIN_MEMORY": "off"},
-        {"OFFLOAD_PIN_MEMORY": "node label"},
+        {PIN: "off", VLLM: "0"},
+        {PIN: "node label", VLLM: "node label"},
     )
     assert node_env(overrides, node_id="n", hostname="h", labels={**labelled, "pool": "b"}) == (
-        {"OFFLOAD_PIN_MEMORY": "on"},
-        {"OFFLOAD_PIN_MEMORY": "job override"},
+        {PIN: "on", VLLM: "0"},
+        {PIN: "job override", VLLM: "job override"},
     )
     assert node_env(overrides, node_id="n", hostname="h", labels={}) == ({}, {})
+
+
+# Where each source may say something: (the job's override, the node's label, the node's own
+# environment) -> whether the node pins. A discrete CUDA GPU with headroom, where the probe
+# alone would pin.
+DECIDED = [
+    # issue 57: the label said on, the job said no with vLLM's variable: the job decides
+    (({VLLM: "1"}, "on", {}), False, VLLM),
+    (({VLLM: "1"}, None, {PIN: "on"}), False, VLLM),  # over the node's own variable too
+    (({PIN: "auto"}, None, {VLLM: "1"}), True, "probe"),  # the job: let the probe decide
+    (({PIN: "on"}, "off", {VLLM: "1"}), True, PIN),
+    (({}, "on", {VLLM: "1"}), True, PIN),  # the label over the node's own variable
+    (({}, "auto", {VLLM: "1"}), True, "probe"),
+    (({}, None, {VLLM: "1"}), False, VLLM),  # only the node says: it decides
+    (({}, None, {PIN: "on", VLLM: "1"}), True, PIN),  # one source: its own rule
+    (({}, None, {}), True, "probe"),
+]
+
+
+@pytest.mark.parametrize(("sources", "pin", "source"), DECIDED)
+def test_pinning_is_decided_by_the_highest_source_that_says_anything(sources, pin, source):
+    from test_policy import X86_H100
+
+    from offload.policy import decide_pinning
+
+    job, label, own = sources
+    overrides = (Override(match=NodeMatch(), env=job),) if job else ()
+    labels = {"offload-pin-memory": label} if label is not None else {}
+    env, _ = node_env(overrides, node_id="n", hostname="h", labels=labels)
+    decision = decide_pinning({**own, **env}, X86_H100)  # the node's env, then the job's
+    assert (decision.pin, decision.source) == (pin, source)
 
 
 def test_invalid_pin_label_names_the_node_and_label() -> None:

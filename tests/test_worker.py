@@ -332,3 +332,69 @@ def test_only_a_cuda_stage_turns_cudnn_attention_off(index) -> None:
         assert not avoid_per_shape_attention_graphs(torch.device("cuda"))  # already off
     finally:
         torch.backends.cuda.enable_cudnn_sdp(was)
+
+
+@pytest.mark.parametrize("pin", [True, False])
+def test_the_loaders_staging_buffer_follows_the_nodes_pin_decision(index, monkeypatch, pin):
+    """Issue 57: the loader pinned its staging buffer whenever CUDA was there. It follows the
+    node's decision now (asked as the offloader asks it: the worker's environment, its probe),
+    and a setting the policy refuses pins nothing."""
+    import worker.worker as worker_module
+    from offload.errors import PinningUnavailableError
+    from offload.policy import PinDecision
+
+    asked = []
+
+    def decided(env, probe, planned, device):
+        asked.append((env.get("OFFLOAD_PIN_MEMORY"), planned, device.type))
+        return PinDecision(pin=pin, reason="test", source="probe")
+
+    monkeypatch.setenv("OFFLOAD_PIN_MEMORY", "auto")
+    monkeypatch.setattr(worker_module, "decide_for_device", decided)
+    worker = StageWorker(spec_for(index, offloaded=()), device="cpu")
+    try:
+        assert worker._reader.pin is pin and asked == [("auto", 0, "cpu")]
+    finally:
+        worker.close()
+
+    def refused(env, probe, planned, device):
+        raise PinningUnavailableError("OFFLOAD_PIN_MEMORY=on where nothing can be pinned")
+
+    monkeypatch.setattr(worker_module, "decide_for_device", refused)
+    worker = StageWorker(spec_for(index, offloaded=()), device="cpu")
+    try:
+        assert worker._reader.pin is False
+    finally:
+        worker.close()
+
+
+def test_host_memory_is_page_locked_in_two_places_each_given_the_decision() -> None:
+    """Issue 57: nothing in the library pins because CUDA is there. Host memory is page-locked
+    only by the arena's registration and by `offload.arena.host_buffer`, each told by its
+    caller whether the node pins; every caller of host_buffer passes it."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    pinning = re.compile(r"pin_memory\s*=|\.pin_memory\(|cudaHostRegister\(")
+    sites, calls = [], []
+    for package in ("offload", "worker", "coordinator"):
+        for path in sorted((root / package).rglob("*.py")):
+            for line in path.read_text().splitlines():
+                code = line.split("#", 1)[0]
+                if pinning.search(code) and "`" not in code:  # code, not its docs
+                    sites.append((path.relative_to(root).as_posix(), code.strip()))
+                if "host_buffer(" in code and "def host_buffer" not in code:
+                    calls.append((path.relative_to(root).as_posix(), code.strip()))
+    assert sites == [
+        ("offload/arena.py", "buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)"),
+        (
+            "offload/arena.py",
+            "rc = int(torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, "
+            "_HOST_REGISTER_FLAGS))",
+        ),
+    ], sites
+    assert calls == [
+        ("offload/staging.py", "return host_buffer(nbytes, pin=True)"),  # only where it pins
+        ("worker/loader.py", "self._staging = host_buffer(size, pin=self.pin)"),
+    ], calls

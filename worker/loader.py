@@ -2,9 +2,9 @@
 
 The header offsets (from the coordinator's index) say where each tensor's bytes are, so a
 worker reads exactly its own bytes: into the arena for offloaded layers, into the parameter's
-memory for resident ones on the CPU, and through a small pinned staging buffer for resident ones
-on a GPU, for a dtype conversion (`--dtype`) and for one expert's part of a fused MoE
-parameter. No full second copy of the weights exists at any point.
+memory for resident ones on the CPU, and through a small staging buffer (page-locked only when
+the node's decision pins) for resident ones on a GPU, for a dtype conversion (`--dtype`) and for
+one expert's part of a fused MoE parameter. No full second copy of the weights exists at any point.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from offload.arena import host_buffer
 from offload.errors import CheckpointError
 from offload.quant import (
     QuantizedTensor,
@@ -143,7 +144,8 @@ class TensorReader:
 
     CPU destinations are filled by `threads` threads in 8 MiB pieces: filling fresh memory is
     bound by page faults, which a second core nearly halves (1.0 -> 1.7 GB/s here, see
-    bench/RESULTS.md). GPU destinations go through a pinned staging buffer.
+    bench/RESULTS.md). GPU destinations go through a staging buffer, page-locked when the
+    node's decision pins (`pin`).
     """
 
     def __init__(
@@ -152,9 +154,11 @@ class TensorReader:
         *,
         threads: int = 1,
         identities: Sequence[FileIdentity] = (),
+        pin: bool = False,
     ) -> None:
         self.root = Path(root)
         self.threads = max(1, threads)
+        self.pin = pin  # the node's pin decision: whether the staging buffer is page-locked
         self._identities = {identity.name: identity for identity in identities}
         self._fds: dict[str, int] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -368,9 +372,7 @@ class TensorReader:
     def _buffer(self, size: int) -> torch.Tensor:
         """The staging buffer, `size` bytes at least; what it held is overwritten."""
         if self._staging is None or self._staging.numel() < size:
-            self._staging = torch.empty(
-                size, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
-            )
+            self._staging = host_buffer(size, pin=self.pin)
         return self._staging
 
     def close(self) -> None:

@@ -23,8 +23,9 @@ import psutil
 import torch
 
 from offload import OffloadConfig, create_offloader, probe_node
-from offload.errors import LaunchError
+from offload.errors import ConfigError, LaunchError
 from offload.factory import choose_backend
+from offload.host_store import decide_for_device
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV
 from offload.probe import DECISION_STEPS
 from offload.resident import StoredResidency
@@ -90,7 +91,10 @@ class StageWorker:
         self._placement: Placement | None = None  # the stage's modules, offloader, loaded layers
         # Read with as many threads as the worker has CPUs (Ray's num_cpus for the actor).
         self._reader = TensorReader(
-            spec.checkpoint_dir, threads=num_threads or 1, identities=spec.files
+            spec.checkpoint_dir,
+            threads=num_threads or 1,
+            identities=spec.files,
+            pin=self._may_pin(),
         )
         self._layer_specs = {layer.name: layer for layer in spec.layers}
         self._chunks: list[list[str]] = []  # layer names per chunk, to read from disk
@@ -106,6 +110,16 @@ class StageWorker:
             where=self._where,
             interval_s=snapshot_interval_s,
         )
+
+    def _may_pin(self) -> bool:
+        """Whether this node's decision pins host memory (its environment: the job's override,
+        the node's label, its own variables; its probe), asked as for a buffer of no size: what
+        the loader's staging buffer follows. A setting the offloader will refuse pins nothing
+        here (the offloader says why when it decides)."""
+        try:
+            return decide_for_device(os.environ, self.probe, 0, self.device).pin
+        except ConfigError:  # a bad value, or pinning forced where it cannot work
+            return False
 
     @property
     def offloader(self):
