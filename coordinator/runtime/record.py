@@ -23,6 +23,8 @@ from worker.startup import settle
 NAMESPACE = "offload-coordinator"  # named loads' actors and placement groups
 RECORD_PREFIX = "load:"
 LOADER_CHECK_S = 2.0  # a loading record checks this often that its loader still runs
+STOP_WAIT_S = 10.0  # how long `stop_actor` waits for a killed actor to be gone
+STOP_POLL_S = 0.2
 
 
 def record_name(name: str) -> str:
@@ -65,6 +67,21 @@ def remove_group(group: PlacementGroup) -> None:
         )
 
 
+def stop_actor(actor: ray.actor.ActorHandle, timeout_s: float = STOP_WAIT_S) -> None:
+    """Kill `actor` (no restart) and wait, up to `timeout_s`, until it is gone: `ray.kill`
+    only asks, and an actor still running may start others meanwhile."""
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=STOP_POLL_S)
+        except ray.exceptions.GetTimeoutError:
+            continue  # busy, or going: ask again
+        except ray.exceptions.RayActorError:
+            return  # gone
+        time.sleep(STOP_POLL_S)
+
+
 def release(actor: ray.actor.ActorHandle) -> None:
     """Kill, for good, an actor of a load that this process created and holds the handle of (its
     record: the name goes back; its keeper), never one found by name."""
@@ -80,14 +97,18 @@ def remove_all(name: str, *, keeper: bool = True) -> int | None:
     record_actor = None
     with contextlib.suppress(ValueError):
         record_actor = ray.get_actor(record_name(name), namespace=NAMESPACE)
+    kept = False
+    if keeper:  # the keeper first, and gone, before anything is listed: a keeper recovering a
+        # worker would otherwise start one (or a placement group) after the list, an orphan
+        with contextlib.suppress(ValueError):
+            stop_actor(ray.get_actor(keeper_name(name), namespace=NAMESPACE))
+            kept = True
     groups = named_groups(name)
     actors = named_actors()
     workers = [n for n in actors if n.startswith(worker_prefix(name))]
-    if record_actor is None and not groups and not workers and keeper_name(name) not in actors:
+    there = kept or keeper_name(name) in actors
+    if record_actor is None and not groups and not workers and not there:
         return None
-    if keeper:  # the keeper first: it must not start replacements
-        with contextlib.suppress(ValueError):
-            ray.kill(ray.get_actor(keeper_name(name), namespace=NAMESPACE), no_restart=True)
     killed = 0
     for actor_name in workers:
         try:

@@ -1,0 +1,80 @@
+"""`unload` against a keeper that is recovering a worker (issue 57 point 6): the keeper is
+stopped, and gone, before anything of the load is listed, so a worker or a placement group it
+starts meanwhile is removed too, never left an orphan holding a GPU. No Ray: the cluster calls
+are stood in for, in the order they are made."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from coordinator.runtime import record
+
+
+class Cluster:
+    """A cluster's named actors and placement groups of load "a"; its keeper, once asked to
+    stop, still starts the replacement worker it was starting (as `ray.kill` only asks)."""
+
+    def __init__(self) -> None:
+        self.actors = {"load:a:record", "load:a:keeper", "load:a:w0", "load:a:w1"}
+        self.groups = {"load:a:pg0": object()}
+        self.killed: list[str] = []
+        self.removed: list[object] = []
+
+    def get_actor(self, name: str, namespace: str):
+        if name not in self.actors:
+            raise ValueError(name)
+        return types.SimpleNamespace(name=name)
+
+    def stop(self, actor) -> None:
+        self.actors.add("load:a:w1-replacement")  # started as it was stopped
+        self.groups["load:a:pg1"] = object()
+        self.kill(actor)
+
+    def remove_group(self, group) -> None:
+        self.removed.append(group)
+        self.groups = {name: g for name, g in self.groups.items() if g is not group}
+
+    def kill(self, actor, no_restart: bool = True) -> None:
+        self.killed.append(actor.name)
+        self.actors.discard(actor.name)
+
+
+def test_unload_stops_the_keeper_before_it_lists_what_to_remove(monkeypatch) -> None:
+    cluster = Cluster()
+    monkeypatch.setattr(
+        record, "ray", types.SimpleNamespace(get_actor=cluster.get_actor, kill=cluster.kill)
+    )
+    monkeypatch.setattr(record, "stop_actor", cluster.stop)
+    monkeypatch.setattr(record, "record_name", lambda name: f"load:{name}:record")
+    monkeypatch.setattr(record, "keeper_name", lambda name: f"load:{name}:keeper")
+    monkeypatch.setattr(record, "worker_prefix", lambda name: f"load:{name}:w")
+    monkeypatch.setattr(record, "named_actors", lambda: sorted(cluster.actors))
+    monkeypatch.setattr(record, "named_groups", lambda name: dict(cluster.groups))
+    monkeypatch.setattr(record, "remove_group", cluster.remove_group)
+    monkeypatch.setattr(record, "release", lambda actor: cluster.actors.discard(actor.name))
+
+    assert record.remove_all("a") == 3
+    assert cluster.killed[0] == "load:a:keeper"
+    assert "load:a:w1-replacement" in cluster.killed  # started by the keeper as it went
+    assert len(cluster.removed) == 2  # both placement groups, the late one too
+    assert cluster.actors == set()
+    assert record.remove_all("a") is None  # nothing of it left
+
+
+@pytest.mark.parametrize("keeper", [True, False])
+def test_a_load_with_only_its_keeper_left_is_found(monkeypatch, keeper: bool) -> None:
+    cluster = Cluster()
+    cluster.actors = {"load:a:keeper"}
+    cluster.groups = {}
+    monkeypatch.setattr(
+        record, "ray", types.SimpleNamespace(get_actor=cluster.get_actor, kill=cluster.kill)
+    )
+    monkeypatch.setattr(record, "stop_actor", cluster.kill)
+    monkeypatch.setattr(record, "record_name", lambda name: f"load:{name}:record")
+    monkeypatch.setattr(record, "keeper_name", lambda name: f"load:{name}:keeper")
+    monkeypatch.setattr(record, "worker_prefix", lambda name: f"load:{name}:w")
+    monkeypatch.setattr(record, "named_actors", lambda: sorted(cluster.actors))
+    monkeypatch.setattr(record, "named_groups", lambda name: {})
+    assert record.remove_all("a", keeper=keeper) == 0
