@@ -121,8 +121,13 @@ def on_head() -> dict:
 
 
 def next_worker_number(record: dict) -> int:
-    """The first worker number not used yet by the load."""
-    return 1 + max((int(n.rpartition("-")[2]) for n in record["workers"] if n), default=-1)
+    """The first worker number no worker of the load has used: past those its record lists
+    and those alive on the cluster (a worker a recovery started and did not get to record: a
+    keeper restarted mid-recovery must not take its name again, which Ray refuses forever)."""
+    prefix = worker_prefix(record["name"])
+    alive = [n for n in named_actors() if n.startswith(prefix)]
+    names = [n for n in record["workers"] if n] + alive
+    return 1 + max((int(n.rpartition("-")[2]) for n in names), default=-1)
 
 
 def update(name: str, group: WorkerGroup, events: list[dict]) -> None:

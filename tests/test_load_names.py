@@ -1,7 +1,8 @@
-"""`unload` against a keeper that is recovering a worker (issue 57 point 6): the keeper is
-stopped, and gone, before anything of the load is listed, so a worker or a placement group it
-starts meanwhile is removed too, never left an orphan holding a GPU. No Ray: the cluster calls
-are stood in for, in the order they are made."""
+"""What a named load's names hold through a keeper's stop and restart (issue 57 point 6):
+`unload` stops the keeper, and waits until it is gone, before it lists what to remove, so a
+worker or placement group the keeper starts meanwhile is removed too; a restarted keeper
+numbers new workers past every worker alive, recorded or not. No Ray: the cluster calls are
+stood in for, in the order they are made."""
 
 from __future__ import annotations
 
@@ -78,3 +79,21 @@ def test_a_load_with_only_its_keeper_left_is_found(monkeypatch, keeper: bool) ->
     monkeypatch.setattr(record, "named_actors", lambda: sorted(cluster.actors))
     monkeypatch.setattr(record, "named_groups", lambda name: {})
     assert record.remove_all("a", keeper=keeper) == 0
+
+
+def test_new_worker_names_pass_the_workers_alive_that_the_record_missed(monkeypatch) -> None:
+    """A keeper restarted mid-recovery: the worker it started last (number 3) is alive but not
+    in the record (which lists 0 and 2). The next name is 4, never 3 again (Ray refuses a name
+    in use, forever)."""
+    from coordinator.runtime import registry
+
+    record_ = {
+        "name": "a",
+        "workers": [registry.worker_name("a", 0), None, registry.worker_name("a", 2)],
+    }
+    alive = [registry.worker_name("a", 3), registry.worker_name("b", 9), "other"]
+    monkeypatch.setattr(registry, "named_actors", lambda: alive)
+    assert registry.next_worker_number(record_) == 4
+    monkeypatch.setattr(registry, "named_actors", lambda: [])
+    assert registry.next_worker_number(record_) == 3
+    assert registry.next_worker_number({"name": "a", "workers": []}) == 0
