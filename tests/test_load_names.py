@@ -97,3 +97,46 @@ def test_new_worker_names_pass_the_workers_alive_that_the_record_missed(monkeypa
     monkeypatch.setattr(registry, "named_actors", lambda: [])
     assert registry.next_worker_number(record_) == 3
     assert registry.next_worker_number({"name": "a", "workers": []}) == 0
+
+
+def test_the_keepers_watch_pings_outside_the_gate(monkeypatch) -> None:
+    """Issue 57 point 8: the keeper's 5 s watch held the gate while it read the record and
+    pinged every worker, so the engine's steps waited behind cluster-wide calls. It looks
+    outside the gate now, and takes it only to recover what it found lost."""
+    from coordinator.runtime import keeper as keeper_module
+    from coordinator.runtime import registry
+    from coordinator.runtime.gate import Gate
+
+    gate = Gate()
+    looked, recovered = [], []
+
+    def stepping() -> bool:
+        """Whether a step could pass the gate now (from another thread)."""
+        import threading
+
+        passed = []
+
+        def step() -> None:
+            with gate.inside():
+                passed.append(True)
+
+        thread = threading.Thread(target=step)
+        thread.start()
+        thread.join(timeout=2)
+        return bool(passed)
+
+    class Group:
+        def __init__(self, dead) -> None:
+            self.dead = dead
+
+        def dead_stages(self):
+            looked.append(stepping())  # a step passes while the watch pings
+            return self.dead
+
+    for dead in ([], [1]):
+        monkeypatch.setattr(registry, "load_record", lambda name: (None, {"name": name}))
+        monkeypatch.setattr(registry, "group_of", lambda record, index, d=dead: Group(d))
+        fake = types.SimpleNamespace(name="a", index=None, gate=gate)
+        fake.recover = lambda: recovered.append(True)
+        keeper_module.LoadKeeper.__ray_metadata__.modified_class._watch_once(fake)
+    assert looked == [True, True] and recovered == [True]  # recovered only what was lost

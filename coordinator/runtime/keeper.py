@@ -191,12 +191,20 @@ class LoadKeeper:
                 newly.add(node)
         return newly
 
+    def _watch_once(self) -> None:
+        """One look of the watch: the record read and every worker pinged outside the gate, so
+        the engine's steps never wait on these cluster-wide calls; the gate only for a
+        recovery, which looks again inside it (the loss may be recovered meanwhile)."""
+        _, record = registry.load_record(self.name)
+        if registry.group_of(record, self.index).dead_stages():
+            self.recover()
+
     def _watch_loop(self, interval_s: float) -> None:
         delay = interval_s
         while True:
             time.sleep(delay)
             try:
-                self.recover()
+                self._watch_once()
                 delay = interval_s
             except Exception as exc:  # recorded as an event; try again, later each time
                 delay = min(delay * 2, BACKOFF_MAX_S)
