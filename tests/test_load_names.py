@@ -1,8 +1,9 @@
-"""What a named load's names hold through a keeper's stop and restart (issue 57 point 6):
-`unload` stops the keeper, and waits until it is gone, before it lists what to remove, so a
-worker or placement group the keeper starts meanwhile is removed too; a restarted keeper
-numbers new workers past every worker alive, recorded or not. No Ray: the cluster calls are
-stood in for, in the order they are made."""
+"""What a named load holds through a keeper's stop and restart and a failed start (issue 57
+points 6 and 8): `unload` stops the keeper, and waits until it is gone, before it lists what to
+remove, so a worker or placement group the keeper starts meanwhile is removed too; a restarted
+keeper numbers new workers past every worker alive, recorded or not; a start that fails gives
+back the placement group it reserved; the keeper's watch pings outside the gate. No Ray: the
+cluster calls are stood in for, in the order they are made."""
 
 from __future__ import annotations
 
@@ -140,3 +141,29 @@ def test_the_keepers_watch_pings_outside_the_gate(monkeypatch) -> None:
         fake.recover = lambda: recovered.append(True)
         keeper_module.LoadKeeper.__ray_metadata__.modified_class._watch_once(fake)
     assert looked == [True, True] and recovered == [True]  # recovered only what was lost
+
+
+def test_a_failed_start_gives_back_the_gpus_it_reserved(monkeypatch) -> None:
+    """Issue 57 point 6: a placement group reserved before a start that failed was never used
+    nor removed (it held its GPUs from every later load). It is removed at once now, and the
+    group forgets it."""
+    from coordinator.runtime import group as group_module
+
+    removed = []
+    monkeypatch.setattr(group_module, "remove_group", removed.append)
+    placement = object()
+    workers = group_module.WorkerGroup.__new__(group_module.WorkerGroup)
+    workers.config = workers.index = None
+    workers.plan = types.SimpleNamespace(stages=(object(), object()))
+    workers.placement_groups = [("load:a:pg-0", placement)]
+    slots = [group_module.Slot(group=placement, bundle=i, group_name="load:a:pg-0") for i in (0, 1)]
+    monkeypatch.setattr(group_module, "stage_specs", lambda *args: ["s0", "s1"])
+    monkeypatch.setattr(workers, "_reserve", lambda stages: slots, raising=False)
+
+    def failing(specs, stages, slots):
+        raise RuntimeError("the actor could not be created")
+
+    monkeypatch.setattr(workers, "_start", failing, raising=False)
+    with pytest.raises(RuntimeError, match="could not be created"):
+        workers.start({})
+    assert removed == [placement] and workers.placement_groups == []

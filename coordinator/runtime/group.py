@@ -112,7 +112,19 @@ class WorkerGroup:
         """Reserve every planned GPU at once, then start one worker per stage in its bundle."""
         specs = stage_specs(self.config, self.index, self.plan, envs)
         slots = self._reserve(list(self.plan.stages))
-        self.handles = self._start(specs, list(self.plan.stages), slots)
+        try:
+            self.handles = self._start(specs, list(self.plan.stages), slots)
+        except BaseException:  # nothing started: the GPUs it reserved go back now
+            self._drop(slots)
+            raise
+
+    def _drop(self, slots: Sequence[Slot]) -> None:
+        """Remove the placement groups of `slots` (reserved for workers that did not start),
+        and forget them."""
+        groups = {id(slot.group): slot.group for slot in slots if slot.group is not None}
+        for group in groups.values():
+            remove_group(group)
+        self.placement_groups = [(n, g) for n, g in self.placement_groups if id(g) not in groups]
 
     def _reserve(self, stages: Sequence[StagePlan]) -> list[Slot]:
         """A placement group with one bundle per stage on the stage's node, all or nothing,
@@ -229,11 +241,18 @@ class WorkerGroup:
         if unknown:
             self._reserve_again(stages)
             lost = [self.handles[s] for s in stages]
-        started = self._start(
-            [h.spec for h in lost],
-            [self.plan.stages[s] for s in stages],
-            [h.slot for h in lost],
-        )
+        try:
+            started = self._start(
+                [h.spec for h in lost],
+                [self.plan.stages[s] for s in stages],
+                [h.slot for h in lost],
+            )
+        except BaseException:
+            if unknown:  # the group reserved just now for them: never used
+                self._drop([h.slot for h in lost])
+                for stage in stages:
+                    self.handles[stage] = replace(self.handles[stage], slot=None)
+            raise
         for stage, handle in zip(stages, started, strict=True):
             self.handles[stage] = handle
 
