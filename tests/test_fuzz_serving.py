@@ -559,6 +559,12 @@ def chosen_bodies() -> list[Sent]:
         (True, {**talk, "logprobs": True, "top_logprobs": 10**6}),
         (False, {**ok, "echo": True, "logprobs": 2, "stream": True}),
         (False, {**ok, "stream": True, "n": 2, "stream_options": {"include_usage": True}}),
+        # found by this fuzzer: a temperature past float32 is inf there, and the masked
+        # end tokens' -inf / inf was NaN (a 500); a 400 naming temperature now
+        (True, {**talk, "min_tokens": 1, "logprobs": True, "n": 2, "temperature": 1e300}),
+        (False, {**ok, "temperature": 3e38, "min_tokens": 1}),  # within float32: it runs
+        (False, {**ok, "repetition_penalty": 1e300, "logit_bias": {"5": 1e300}}),
+        (False, {**ok, "guided_regex": "(", "min_p": 2}),
     ]
     sent = []
     for chat, body in bodies:

@@ -96,7 +96,7 @@ def test_check_request_converts_int_likes_and_names_every_bad_value() -> None:
         assert isinstance(caught.value, ConfigError)  # a 400, exit code 2
         return caught.value
 
-    for bad in (float("inf"), float("nan"), -0.5, "hot", True, 10**400):
+    for bad in (float("inf"), float("nan"), -0.5, "hot", True, 10**400, 1e300):
         refused("temperature", sampling=Sampling(do_sample=True, temperature=bad))
     assert "finite" in str(refused("top_p", sampling=Sampling(top_p=float("nan"))))
     refused("top_p", sampling=Sampling(top_p=0.0))

@@ -470,6 +470,20 @@ def test_a_processed_rows_token_does_not_depend_on_the_rest_of_the_batch():
     )
 
 
+def test_a_temperature_near_float32s_limit_samples_and_past_it_is_refused():
+    """Found by the fuzzer: a temperature past float32's range is inf where the logits are
+    divided, and a masked token's -inf / inf is NaN. Within the range the row samples (its
+    masked tokens stay out); past it the row is refused."""
+    logits = tied_logits(1, 64)
+    held_back = Sampling(do_sample=True, temperature=3e38)
+    settings = RowSettings.of([held_back], [1], [0], [[5, 6]])
+    probs = row_probabilities(logits, settings)
+    assert torch.isfinite(probs).all() and probs[0, 5] == probs[0, 6] == 0
+    assert sample_rows(logits, settings).item() not in (5, 6)
+    with pytest.raises(ValueError, match="finite in float32"):
+        RowSettings.of([Sampling(do_sample=True, temperature=1e300)], [1], [0], [[5]])
+
+
 def test_bad_processing_is_refused():
     tokens = [1, 2, 3]
     penalized = Sampling(repetition_penalty=1.2)

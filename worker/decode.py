@@ -59,6 +59,7 @@ def uniform(seed: int, position: int) -> float:
 
 
 NEUTRAL_PENALTIES = (1.0, 0.0, 0.0)  # (repetition, frequency, presence): off
+_FLOAT32_MAX = 3.4028234663852886e38  # a temperature past it is inf in float32: -inf / inf NaN
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,9 +116,10 @@ class RowSettings:
             if self.greedy[r]:
                 continue
             # The bounds generate's warpers enforce (TemperatureLogitsWarper, TopK.., TopP..).
-            if not self.temperature[r] > 0 or self.temperature[r] == float("inf"):
+            if not 0 < self.temperature[r] <= _FLOAT32_MAX:  # divided in float32
                 raise ValueError(
-                    f"row {r}: temperature must be finite and > 0, got {self.temperature[r]}"
+                    f"row {r}: temperature must be > 0 and finite in float32, got "
+                    f"{self.temperature[r]}"
                 )
             if self.top_k[r] < 0:
                 raise ValueError(f"row {r}: top_k must be >= 0 (0: off), got {self.top_k[r]}")

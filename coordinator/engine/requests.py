@@ -23,6 +23,7 @@ from coordinator.engine.generation import GenerationError
 from worker.steps import Sampling
 
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
+FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: a temperature past it is inf there
 # A seed is used mod 2**64 by the worker (`worker.decode.uniform`); a wider one is a mistake.
 SEED_RANGE = (-(2**63), 2**64)
 
@@ -96,6 +97,12 @@ def _sampling(sampling: Sampling, vocab: int, name) -> Sampling:
     if temperature < 0:
         raise RequestError(
             f"temperature={temperature} must be >= 0 (0: greedy)", name("temperature")
+        )
+    if temperature > FLOAT32_MAX:  # the logits are divided in float32: it would be inf there
+        raise RequestError(
+            f"temperature={temperature} is beyond float32's range, in which the logits are "
+            f"divided by it: at most {FLOAT32_MAX:.4g}",
+            name("temperature"),
         )
     top_p = _float(sampling.top_p, name("top_p"))
     if not 0 < top_p <= 1:
