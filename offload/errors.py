@@ -66,6 +66,11 @@ class LaunchError(OffloadCoordinatorError, RuntimeError):
     """Starting, loading or running the workers failed; what was started has been released."""
 
 
+class StageBrokenError(LaunchError):
+    """A worker that answers but whose stage failed to load or reconfigure (out of memory, a
+    timeout, a read that failed): unusable until replaced, so it counts as lost."""
+
+
 class OffloadError(OffloadCoordinatorError, RuntimeError):
     """Misuse of an offloader: wrapping twice, a module already offloaded, a shared weight."""
 

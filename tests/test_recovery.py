@@ -463,6 +463,37 @@ def test_lost_nodes_replan_fail_with_numbers_then_recover(cluster, tmp_path, cap
     wait_gpus_free(2)
 
 
+def test_a_worker_whose_load_failed_is_replaced_like_a_lost_one(cluster, tmp_path) -> None:
+    """Issue 57 point 3: a worker is healthy when it is ready, not when it answers a ping. A
+    worker whose load step failed (a chunk that does not exist here; on a GPU, out of memory
+    or a timeout) answers, broken: the job counts it lost, replaces it in its bundle, and the
+    output is the same."""
+    c = cluster
+    gpu_nodes(c, 3)
+    checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
+    index = load_index(checkpoint)
+    gpu, host = budgets(index)
+    config = JobConfig(
+        checkpoint=checkpoint, address=c.address, gpu_memory_bytes=gpu, host_memory_bytes=host
+    )
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+    expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
+    job = launch(config, name="mended")
+    try:
+        assert torch.equal(job.forward(ids), expected) and job.dead_stages() == []
+        broken = job.workers[1].actor
+        pid = ray.get(broken.ping.remote(), timeout=60)
+        with pytest.raises(ray.exceptions.RayTaskError):
+            ray.get(broken.load_chunk.remote(10_000), timeout=60)
+        assert job.dead_stages() == [1]  # it answers, but it is not ready
+        assert job.recover() == [1]
+        assert ray.get(job.workers[1].actor.ping.remote(), timeout=60) != pid  # a new worker
+        assert torch.equal(job.forward(ids), expected) and job.dead_stages() == []
+        assert job.events[-1]["event"] == "replaced workers" and job.events[-1]["stages"] == [1]
+    finally:
+        job.close()
+
+
 def test_survivors_are_matched_to_the_stages_they_share_most_with() -> None:
     from coordinator.planning.planner import StagePlan
 

@@ -398,3 +398,27 @@ def test_host_memory_is_page_locked_in_two_places_each_given_the_decision() -> N
         ("offload/staging.py", "return host_buffer(nbytes, pin=True)"),  # only where it pins
         ("worker/loader.py", "self._staging = host_buffer(size, pin=self.pin)"),
     ], calls
+
+
+def test_a_worker_whose_load_failed_is_broken_until_a_load_finishes(index) -> None:
+    """Issue 57 point 3: a worker is healthy when it is ready, not when it answers. A load
+    step that fails (here a chunk that does not exist; on a GPU, out of memory) leaves it
+    broken: its ping says why (StageBrokenError), so the runtime counts it as lost and
+    replaces it. A load that finishes makes it whole again."""
+    from offload.errors import StageBrokenError
+    from worker.actor import StageActor
+
+    actor = StageActor(spec_for(index, offloaded=("layers.1",)), device="cpu")
+    try:
+        actor.load()
+        assert actor.ping() > 0
+        chunks = actor.prepare()
+        with pytest.raises(IndexError):
+            actor.load_chunk(len(chunks) + 5)
+        with pytest.raises(StageBrokenError, match=r"its load_chunk failed: IndexError"):
+            actor.ping()
+        actor.load()
+        assert actor.ping() > 0
+        assert torch.isfinite(actor.forward(torch.randint(0, 64, (1, 4)))).all()
+    finally:
+        actor.close()

@@ -10,6 +10,11 @@ the rest when the actor is built, as before.
 
 Each method is the worker's method of the same name (see `StageWorker` for what it does);
 in-process callers (tests, the family check, the compute probe) use `StageWorker` itself.
+
+A worker is healthy when it is ready, not when it answers: a load or reconfigure that fails
+(out of memory, a timeout, a read) leaves it broken, and its `ping` then raises
+`StageBrokenError` saying why, so the runtime counts it as lost and replaces it
+(`coordinator.runtime.group.gone_parts`). A load that finishes makes it whole again.
 """
 
 from __future__ import annotations
@@ -26,22 +31,33 @@ class StageActor:
         from worker.worker import StageWorker
 
         self.worker: StageWorker = StageWorker(spec, **options)
+        self.broken: str | None = None  # why its last load or reconfigure failed
 
-    # loading
+    # loading: a failure leaves the worker broken until a load finishes
+    def _loading(self, what: str, call, *args: Any) -> Any:
+        try:
+            result = call(*args)
+        except BaseException as exc:
+            self.broken = f"its {what} failed: {type(exc).__name__}: {exc}"
+            raise
+        if what in ("finish_load", "load"):
+            self.broken = None
+        return result
+
     def prepare(self) -> dict[int, int]:
-        return self.worker.prepare()
+        return self._loading("prepare", self.worker.prepare)
 
     def reconfigure(self, spec: Any) -> dict[int, int]:
-        return self.worker.reconfigure(spec)
+        return self._loading("reconfigure", self.worker.reconfigure, spec)
 
     def load_chunk(self, index: int) -> int:
-        return self.worker.load_chunk(index)
+        return self._loading("load_chunk", self.worker.load_chunk, index)
 
     def finish_load(self) -> Any:
-        return self.worker.finish_load()
+        return self._loading("finish_load", self.worker.finish_load)
 
     def load(self) -> Any:
-        return self.worker.load()
+        return self._loading("load", self.worker.load)
 
     # running
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -83,6 +99,11 @@ class StageActor:
         return self.worker.node_probe(model)
 
     def ping(self) -> int:
+        """The worker's pid; StageBrokenError (why) when its last load or reconfigure failed."""
+        if self.broken is not None:
+            from offload.errors import StageBrokenError
+
+            raise StageBrokenError(self.broken)
         return self.worker.ping()
 
     def close(self) -> None:

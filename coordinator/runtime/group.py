@@ -26,6 +26,7 @@ from coordinator.planning.checkpoint import CheckpointIndex
 from coordinator.planning.planner import Plan, StagePlan
 from coordinator.runtime.errors import LaunchError, WorkerLostError
 from coordinator.runtime.record import NAMESPACE, remove_group
+from offload.errors import StageBrokenError
 from worker.actor import StageActor
 from worker.snapshot import StageSnapshot
 from worker.spec import StageSpec
@@ -319,7 +320,9 @@ class WorkerGroup:
 
 def gone_parts(parts: dict, timeout_s: float) -> list:
     """Which of `parts` (key -> actor handle, None: gone) are gone: each pinged at once; one
-    that does not answer within `timeout_s` is busy, not gone (a bounded, cheap check)."""
+    that does not answer within `timeout_s` is busy, not gone (a bounded, cheap check). A
+    worker that answers that its stage is broken (a load or reconfigure failed:
+    `StageBrokenError`) is as good as gone: it is replaced."""
     refs = {what: actor.ping.remote() for what, actor in parts.items() if actor is not None}
     dead = [what for what, actor in parts.items() if actor is None]
     if refs:
@@ -329,6 +332,10 @@ def gone_parts(parts: dict, timeout_s: float) -> list:
                 try:
                     ray.get(ref, timeout=0)
                 except ray.exceptions.RayActorError:
+                    dead.append(what)
+                except ray.exceptions.RayTaskError as exc:
+                    if not isinstance(exc.cause, StageBrokenError):
+                        raise
                     dead.append(what)
     return dead
 
