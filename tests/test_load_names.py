@@ -167,3 +167,24 @@ def test_a_failed_start_gives_back_the_gpus_it_reserved(monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="could not be created"):
         workers.start({})
     assert removed == [placement] and workers.placement_groups == []
+
+
+def test_a_sweep_that_keeps_the_record_keeps_the_name_claimed(monkeypatch) -> None:
+    """Issue 57 point 6: launch_replicas stops a failed launch's loads by name, then sweeps
+    again once its threads are done. The first sweep keeps each record, so no other load can
+    claim the name in between and lose what it made to the second sweep."""
+    cluster = Cluster()
+    monkeypatch.setattr(
+        record, "ray", types.SimpleNamespace(get_actor=cluster.get_actor, kill=cluster.kill)
+    )
+    monkeypatch.setattr(record, "stop_actor", cluster.kill)
+    monkeypatch.setattr(record, "record_name", lambda name: f"load:{name}:record")
+    monkeypatch.setattr(record, "keeper_name", lambda name: f"load:{name}:keeper")
+    monkeypatch.setattr(record, "worker_prefix", lambda name: f"load:{name}:w")
+    monkeypatch.setattr(record, "named_actors", lambda: sorted(cluster.actors))
+    monkeypatch.setattr(record, "named_groups", lambda name: dict(cluster.groups))
+    monkeypatch.setattr(record, "remove_group", cluster.remove_group)
+    monkeypatch.setattr(record, "release", lambda actor: cluster.actors.discard(actor.name))
+    assert record.remove_all("a", keep_record=True) == 2
+    assert cluster.actors == {"load:a:record"}  # the name: still claimed
+    assert record.remove_all("a") == 0 and cluster.actors == set()

@@ -123,9 +123,11 @@ def launch_replicas(
     except BaseException:
         # What finished is ours to release; what still loads is stopped by name (its workers
         # killed, so its wait ends), then swept again once every replica's thread is done (a
-        # keeper started meanwhile goes too). Only names this call claimed: never another's.
+        # keeper started meanwhile goes too). Only names this call claimed, and their records
+        # kept until the last sweep: no other load can claim a name between the two sweeps
+        # and lose what it made to the second.
         for load in records:
-            registry.forget(load)
+            registry.forget(load, keep_record=True)
         wait(futures, timeout=REPLICA_STOP_TIMEOUT_S)
         for future in futures:
             if future.done() and not future.cancelled() and future.exception() is None:

@@ -89,11 +89,13 @@ def release(actor: ray.actor.ActorHandle) -> None:
         ray.kill(actor, no_restart=True)
 
 
-def remove_all(name: str, *, keeper: bool = True) -> int | None:
+def remove_all(name: str, *, keeper: bool = True, keep_record: bool = False) -> int | None:
     """Kill load `name`'s keeper, its workers and its record, and remove its placement groups,
     all found by name (also a worker a recovery started but did not record, and also when the
     record is gone); returns how many workers were killed, None when nothing of that name
-    exists. `keeper=False`: the keeper itself removes the load, and ends itself after."""
+    exists. `keeper=False`: the keeper itself removes the load, and ends itself after.
+    `keep_record`: the record stays, so the name stays claimed (by whoever claimed it) while
+    what is still starting under it is stopped; a later call removes it."""
     record_actor = None
     with contextlib.suppress(ValueError):
         record_actor = ray.get_actor(record_name(name), namespace=NAMESPACE)
@@ -118,7 +120,7 @@ def remove_all(name: str, *, keeper: bool = True) -> int | None:
             pass  # gone since it was listed
     for group in groups.values():
         remove_group(group)
-    if record_actor is not None:
+    if record_actor is not None and not keep_record:
         release(record_actor)
     return killed
 

@@ -12,7 +12,6 @@ process.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import TYPE_CHECKING
 
@@ -246,8 +245,9 @@ def unload(name: str, *, keeper: bool = True) -> int:
     return killed
 
 
-def forget(name: str) -> None:
+def forget(name: str, *, keep_record: bool = False) -> None:
     """`unload` without the error: whatever of load `name` exists goes (a test's or a serve's
-    clean-up of loads it made itself)."""
-    with contextlib.suppress(LoadNotFoundError):
-        unload(name)
+    clean-up of loads it made itself). `keep_record`: all but its record, which keeps the
+    name claimed until a later `forget` (no other load can take the name meanwhile)."""
+    check_name(name)
+    remove_all(name, keep_record=keep_record)
