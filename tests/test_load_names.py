@@ -1,9 +1,10 @@
-"""What a named load holds through a keeper's stop and restart and a failed start (issue 57
-points 6 and 8): `unload` stops the keeper, and waits until it is gone, before it lists what to
-remove, so a worker or placement group the keeper starts meanwhile is removed too; a restarted
-keeper numbers new workers past every worker alive, recorded or not; a start that fails gives
-back the placement group it reserved; the keeper's watch pings outside the gate. No Ray: the
-cluster calls are stood in for, in the order they are made."""
+"""What a named load holds through a keeper's start, stop and restart and a failed start
+(issue 57 points 6 and 8): `unload` stops the keeper, and waits until it is gone, before it
+lists what to remove, so a worker or placement group the keeper starts meanwhile is removed
+too; a restarted keeper numbers new workers past every worker alive, recorded or not; a start
+that fails gives back the placement group it reserved; an interrupted keeper start kills the
+keeper; a clean-up sweep can keep the name claimed; the keeper's watch pings outside the gate.
+No Ray: the cluster calls are stood in for, in the order they are made."""
 
 from __future__ import annotations
 
@@ -188,3 +189,30 @@ def test_a_sweep_that_keeps_the_record_keeps_the_name_claimed(monkeypatch) -> No
     assert record.remove_all("a", keep_record=True) == 2
     assert cluster.actors == {"load:a:record"}  # the name: still claimed
     assert record.remove_all("a") == 0 and cluster.actors == set()
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, TimeoutError])
+def test_a_keeper_start_that_is_interrupted_kills_the_keeper(monkeypatch, failure) -> None:
+    """Issue 57 point 6: an interrupted keeper start left a detached keeper holding the
+    load's keeper name. The start kills it, then raises."""
+    from coordinator.runtime import keeper as keeper_module
+
+    killed = []
+    made = types.SimpleNamespace(ping=types.SimpleNamespace(remote=lambda: "ref"))
+    options = types.SimpleNamespace(remote=lambda *args: made)
+    monkeypatch.setattr(
+        keeper_module, "LoadKeeper", types.SimpleNamespace(options=lambda **kw: options)
+    )
+    monkeypatch.setattr(keeper_module.registry, "on_head", lambda: {})
+
+    def waited(ref, timeout):
+        raise failure()
+
+    monkeypatch.setattr(
+        keeper_module,
+        "ray",
+        types.SimpleNamespace(get=waited, kill=lambda actor, no_restart: killed.append(actor)),
+    )
+    with pytest.raises(failure):
+        keeper_module.start("a", index=None)
+    assert killed == [made]

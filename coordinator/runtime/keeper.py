@@ -316,11 +316,17 @@ def _namer(record: dict):
 
 def start(name: str, index: CheckpointIndex, lease_s: float | None = None) -> ray.actor.ActorHandle:
     """The keeper of load `name`, started once its record exists and its workers are loaded;
-    with `lease_s`, it unloads the load when no `renew()` came for that long."""
+    with `lease_s`, it unloads the load when no `renew()` came for that long. Atomic: a start
+    that is interrupted, or whose keeper does not come up, kills it (a detached, named actor
+    left behind would hold the load's keeper name)."""
     keeper = LoadKeeper.options(
         name=keeper_name(name), namespace=NAMESPACE, lifetime="detached", **registry.on_head()
     ).remote(name, index, lease_s)
-    ray.get(keeper.ping.remote(), timeout=registry.ATTACH_TIMEOUT_S)
+    try:
+        ray.get(keeper.ping.remote(), timeout=registry.ATTACH_TIMEOUT_S)
+    except BaseException:  # interrupted, or it never came up: no orphan keeps the name
+        ray.kill(keeper, no_restart=True)
+        raise
     return keeper
 
 
