@@ -23,8 +23,12 @@ import resource
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
-import psutil
+try:
+    import psutil
+except ImportError:  # optional: /proc answers without it (host_memory, process_rss)
+    psutil = None
 
 from offload import link, node_cache
 from offload.errors import ConfigError
@@ -232,10 +236,29 @@ def _probe_wsl(fields: dict, errors: list[str]) -> None:
     fields["is_wsl"] = "microsoft" in release or "wsl" in release
 
 
+def host_memory() -> tuple[int, int]:
+    """(total, available) bytes of this host's memory: psutil's, or /proc/meminfo's where
+    psutil is not installed (a bare GPU machine with torch alone runs the GPU check)."""
+    if psutil is not None:
+        mem = psutil.virtual_memory()
+        return int(mem.total), int(mem.available)
+    fields = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        fields[key] = int(rest.split()[0]) * 1024  # kB
+    return fields["MemTotal"], fields.get("MemAvailable", fields["MemFree"])
+
+
+def process_rss() -> int:
+    """This process's resident bytes: psutil's, or /proc/self/statm's without it."""
+    if psutil is not None:
+        return int(psutil.Process().memory_info().rss)
+    resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
 def _probe_host_memory(fields: dict, errors: list[str]) -> None:
-    mem = psutil.virtual_memory()
-    fields["host_total_bytes"] = int(mem.total)
-    fields["host_available_bytes"] = int(mem.available)
+    fields["host_total_bytes"], fields["host_available_bytes"] = host_memory()
 
 
 def _probe_memlock(fields: dict, errors: list[str]) -> None:

@@ -35,6 +35,8 @@ time limit, the limits capped so that the whole run ends within TOTAL_BUDGET_S):
                     cuDNN's attention (a graph built per shape) on and off
   planner_rate      the planner's compute probe on this device against the engine's steps at
                     4 and 16 concurrent requests
+  pinning           every host buffer a worker page-locks follows the node's decision: with
+                    OFFLOAD_PIN_MEMORY=off nothing pinned, with =on the arena and staging
   pytest_gpu        tests/test_gpu.py, where pytest and hypothesis are installed
 
 Writes DIR/summary.md (the table for bench/RESULTS.md), DIR/results.json, and per section
@@ -1323,6 +1325,71 @@ def section_resident_stored(s: Section) -> None:
             s.data[f"{case}: stored run s (load + forward)"] = time.perf_counter() - start
 
 
+def section_pinning(s: Section) -> None:
+    """Issue 57 point 4 on this device: every host buffer a worker page-locks follows its
+    node's decision. Two stages of a bf16 checkpoint loaded as float32 (resident weights go
+    through the loader's staging buffer) and offloading one layer each, under
+    OFFLOAD_PIN_MEMORY=off and =on: with off, zero bytes pinned (arena, staging buffer, bounce
+    chunks) and the copies read pageable memory; with on, the arena and the staging buffer
+    pinned. On the CPU nothing can be pinned: the off case alone."""
+    import dataclasses
+
+    import torch
+
+    import offload.arena
+    from offload.copy_engine import CudaCopyEngine
+    from worker.worker import StageWorker
+
+    modes = ["off", "on"] if s.cuda else ["off"]
+    with tempfile.TemporaryDirectory() as tmp:
+        index = _checkpoint(s, Path(tmp), "llama", "bfloat16")
+        ids = torch.randint(0, index.config["vocab_size"], (2, 8))
+        for mode in modes:
+            previous = os.environ.get("OFFLOAD_PIN_MEMORY")
+            os.environ["OFFLOAD_PIN_MEMORY"] = mode
+            try:
+                before = offload.arena.pinned_buffer_bytes
+                arena, readers, engines = 0, [], []
+                x = ids
+                for spec in _two_stages(index, "prefetch"):
+                    spec = dataclasses.replace(spec, dtype="float32")
+                    worker = StageWorker(spec, device=str(s.device))
+                    try:
+                        worker.load()
+                        x = worker.forward(x)
+                        arena += worker.report().stats.pinned_bytes
+                        readers.append(worker._reader.pin)
+                        engines.append(type(getattr(worker.offloader, "_engine", None)).__name__)
+                    finally:
+                        worker.close()
+                buffers = offload.arena.pinned_buffer_bytes - before
+            finally:
+                if previous is None:
+                    os.environ.pop("OFFLOAD_PIN_MEMORY", None)
+                else:
+                    os.environ["OFFLOAD_PIN_MEMORY"] = previous
+            s.data[f"{mode}: arena / buffer bytes pinned"] = [arena, buffers]
+            s.data[f"{mode}: copy engines"] = engines
+            if mode == "off":
+                s.check(
+                    "off: nothing pinned (arena, staging buffer, bounce chunks)",
+                    arena == 0 and buffers == 0 and not any(readers),
+                    f"arena {arena} B, buffers {buffers} B, readers pin {readers}",
+                )
+                if s.cuda:
+                    s.check(
+                        "off: copies read pageable memory (no staged engine)",
+                        all(e == CudaCopyEngine.__name__ for e in engines),
+                        engines,
+                    )
+            else:
+                s.check(
+                    "on: the arena and the loader's staging buffer pinned",
+                    arena > 0 and buffers > 0 and all(readers),
+                    f"arena {arena} B, buffers {buffers} B",
+                )
+
+
 def section_pytest_gpu(s: Section) -> None:
     if s.dry:
         raise Skip("dry run: the suite runs tests/test_gpu.py itself (skipped without CUDA)")
@@ -1367,6 +1434,7 @@ SECTIONS: dict[str, tuple[Callable[[Section], None], float]] = {
     "planner_rate": (section_planner_rate, 90),
     "quantized_moe": (section_quantized_moe, 90),
     "resident_stored": (section_resident_stored, 60),
+    "pinning": (section_pinning, 45),
     "pytest_gpu": (section_pytest_gpu, 240),
 }
 

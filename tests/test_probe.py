@@ -257,3 +257,19 @@ def test_a_probe_without_gpus_reads_what_its_node_measured_without_importing_tor
     device.touch()
     with_device = probe(str(device))  # torch is asked, and answers as it does here
     assert with_device["torch"] and with_device["compute"] == first["compute"]
+
+
+def test_host_memory_and_rss_read_proc_where_psutil_is_missing(monkeypatch) -> None:
+    """Issue 57 point 9: the GPU check runs where torch alone is installed. Without psutil the
+    probe and the worker's snapshots read /proc, and agree with psutil's numbers."""
+    import psutil
+
+    from offload import probe as probe_module
+
+    with_psutil = probe_module.host_memory()
+    rss = probe_module.process_rss()
+    monkeypatch.setattr(probe_module, "psutil", None)
+    total, available = probe_module.host_memory()
+    assert total == with_psutil[0] == psutil.virtual_memory().total
+    assert abs(available - with_psutil[1]) < 2**30  # moments apart
+    assert abs(probe_module.process_rss() - rss) < 2**28

@@ -19,7 +19,6 @@ import threading
 import time
 from collections.abc import Callable
 
-import psutil
 import torch
 
 from offload import OffloadConfig, create_offloader, probe_node
@@ -27,7 +26,7 @@ from offload.errors import ConfigError, LaunchError
 from offload.factory import choose_backend
 from offload.host_store import decide_for_device
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV
-from offload.probe import DECISION_STEPS
+from offload.probe import DECISION_STEPS, host_memory, process_rss
 from offload.resident import StoredResidency
 from offload.stats import OffloadStats
 from worker.batched import BatchRunner
@@ -546,7 +545,7 @@ class StageWorker:
                 buffer_bytes=stats.buffer_bytes + residency.buffer_bytes,
             )
         decision = pin_decision(offloader, self.probe, self.device)
-        vm = psutil.virtual_memory()
+        _, available = host_memory()
         free, total = device_memory(self.device, self.gpu_memory_bytes, self.device_bytes())
         return StageSnapshot(
             stage=self.spec.stage,
@@ -573,9 +572,9 @@ class StageWorker:
             device_total_bytes=total,
             device_used_bytes=self.device_bytes(),
             device_free_bytes=free,
-            host_rss_bytes=psutil.Process().memory_info().rss,
+            host_rss_bytes=process_rss(),
             host_peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            host_available_bytes=vm.available,
+            host_available_bytes=available,
             bytes_read=self._reader.stats.bytes_read,
             quantization_error=self._reader.stats.quantization_error,
             init_s=self.init_s,
