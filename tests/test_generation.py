@@ -539,6 +539,13 @@ def test_vllm_style_takes_what_vllm_takes_from_generation_config(indexes, tmp_pa
         1.05,
     )
     assert served.bad_words == () and resolved.eos_token_ids == (3, 4)
+    # the file's max_new_tokens caps what a request asks, as vLLM's get_max_tokens does
+    (root / "generation_config.json").write_text(json.dumps({**qwen, "max_new_tokens": 5}))
+    assert generation.resolve(root, config, 7, style="vllm", max_new_tokens=9).max_new_tokens == 5
+    assert generation.resolve(root, config, 7, style="vllm", max_new_tokens=3).max_new_tokens == 3
+    (root / "generation_config.json").write_text(json.dumps({"max_new_tokens": 5}))
+    assert generation.resolve(root, config, 7, max_new_tokens=9).max_new_tokens == 9  # generate's
+    (root / "generation_config.json").write_text(json.dumps(qwen))
     greedy = generation.resolve(root, config, 7, style="vllm", temperature=0, top_k=0).sampling
     assert not greedy.do_sample and greedy.top_k == 0
     with pytest.raises(generation.GenerationError, match="style='hf'"):

@@ -191,8 +191,11 @@ def resolve(
                     f"generation_config.json sets {key}={value!r}, which this generator does "
                     f"not apply (it would change the tokens); set it to {neutral!r} or remove it"
                 )
+    configured = values.get("max_new_tokens")
+    if vllm and max_new_tokens is not None and configured is not None:
+        max_new_tokens = min(int(max_new_tokens), int(configured))  # vLLM: the file caps it
     if max_new_tokens is None:
-        max_new_tokens = values.get("max_new_tokens")
+        max_new_tokens = configured
     if max_new_tokens is None:
         max_length = values.get("max_length")
         max_new_tokens = (
