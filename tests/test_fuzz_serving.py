@@ -565,6 +565,10 @@ def chosen_bodies() -> list[Sent]:
         (False, {**ok, "temperature": 3e38, "min_tokens": 1}),  # within float32: it runs
         (False, {**ok, "repetition_penalty": 1e300, "logit_bias": {"5": 1e300}}),
         (False, {**ok, "guided_regex": "(", "min_p": 2}),
+        # found by it too: a repetition penalty of 3e-69 is 0 in float32 (x / 0); 1.2e-38 is
+        # a number there, and pushes the scores past float32's largest
+        (True, {**talk, "logprobs": True, "stream": True, "repetition_penalty": 3.2e-69}),
+        (False, {**ok, "repetition_penalty": 1.2e-38, "temperature": 1e-5}),
     ]
     sent = []
     for chat, body in bodies:

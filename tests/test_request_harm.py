@@ -122,7 +122,7 @@ def test_check_request_converts_int_likes_and_names_every_bad_value() -> None:
     refused("eos_token_ids", eos_token_ids=[-4])
     for bad in (-0.1, 1.5, float("nan")):
         refused("min_p", sampling=Sampling(do_sample=True, min_p=bad))
-    for bad in (0.0, -1.0, float("inf"), "1.1"):
+    for bad in (0.0, -1.0, float("inf"), "1.1", 3.2e-69, 1e39):  # the fuzzer's 3.2e-69
         refused("repetition_penalty", sampling=Sampling(repetition_penalty=bad))
     refused("frequency_penalty", sampling=Sampling(frequency_penalty=2.5))
     refused("presence_penalty", sampling=Sampling(presence_penalty=-3))

@@ -484,6 +484,24 @@ def test_a_temperature_near_float32s_limit_samples_and_past_it_is_refused():
         RowSettings.of([Sampling(do_sample=True, temperature=1e300)], [1], [0], [[5]])
 
 
+def test_scores_pushed_past_float32_stay_numbers():
+    """Found by the fuzzer: a tiny repetition penalty divides a positive score past float32,
+    and a low temperature can too; inf - inf in the softmax was NaN (a 500). The scores stop
+    at float32's largest instead: the rows sample from numbers (the overflowed tokens tie)."""
+    logits = tied_logits(2, 64)
+    logits[:, 9] = 50.0
+    penalized = Sampling(do_sample=True, repetition_penalty=1.2e-38)  # 50 / 1.2e-38 = inf
+    cold = Sampling(do_sample=True, temperature=1e-5)
+    settings = RowSettings.of(
+        [penalized, cold], [1, 2], [3, 3], histories=[[9, 9, 9], [1, 2, 3]], output_from=[0, 0]
+    )
+    huge = logits * torch.tensor([[1.0], [1e34]])  # row 1: every positive score overflows
+    probs = row_probabilities(huge, settings)
+    assert torch.isfinite(probs).all() and (probs.sum(-1) - 1).abs().max() < 1e-5
+    tokens = sample_rows(huge, settings).tolist()
+    assert tokens[0] == 9 and probs[1, tokens[1]] > 0 and huge[1, tokens[1]] > 0
+
+
 def test_bad_processing_is_refused():
     tokens = [1, 2, 3]
     penalized = Sampling(repetition_penalty=1.2)

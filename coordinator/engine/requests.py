@@ -24,6 +24,7 @@ from worker.steps import Sampling
 
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
 FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: a temperature past it is inf there
+FLOAT32_TINY = 1.1754943508222875e-38  # the least normal float32: a penalty below it is ~0
 # A seed is used mod 2**64 by the worker (`worker.decode.uniform`); a wider one is a mistake.
 SEED_RANGE = (-(2**63), 2**64)
 
@@ -115,9 +116,11 @@ def _sampling(sampling: Sampling, vocab: int, name) -> Sampling:
     if not 0 <= min_p <= 1:
         raise RequestError(f"min_p={min_p} must be in [0, 1] (0: off)", name("min_p"))
     repetition = _float(sampling.repetition_penalty, name("repetition_penalty"))
-    if not repetition > 0:
+    if not FLOAT32_TINY <= repetition <= FLOAT32_MAX:  # the logits are divided in float32
         raise RequestError(
-            f"repetition_penalty={repetition} must be > 0 (1: off)", name("repetition_penalty")
+            f"repetition_penalty={repetition} must be > 0 (1: off) and within float32's "
+            f"normal range, [{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}]",
+            name("repetition_penalty"),
         )
     penalties = {}
     for field in ("frequency_penalty", "presence_penalty"):
