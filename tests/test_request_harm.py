@@ -128,6 +128,7 @@ def test_check_request_converts_int_likes_and_names_every_bad_value() -> None:
     refused("presence_penalty", sampling=Sampling(presence_penalty=-3))
     refused("logit_bias", sampling=Sampling(logit_bias=((VOCAB, 1.0),)))
     refused("logit_bias", sampling=Sampling(logit_bias=((3, float("inf")),)))
+    refused("logit_bias", sampling=Sampling(logit_bias=((3, 3e38),)))  # 2 x 3e38 is inf
     refused("logit_bias", sampling=Sampling(logit_bias=((3, 1.0), (3, 2.0))))
     refused("logit_bias", sampling=Sampling(logit_bias=((3,),)))
     refused("bad_words", sampling=Sampling(bad_words=((),)))

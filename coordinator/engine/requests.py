@@ -25,6 +25,7 @@ from worker.steps import Sampling
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
 FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: a temperature past it is inf there
 FLOAT32_TINY = 1.1754943508222875e-38  # the least normal float32: a penalty below it is ~0
+MAX_BIAS = 100.0  # OpenAI's logit_bias range (the server clamps to it first, as vLLM does)
 # A seed is used mod 2**64 by the worker (`worker.decode.uniform`); a wider one is a mistake.
 SEED_RANGE = (-(2**63), 2**64)
 
@@ -160,7 +161,14 @@ def _bias(pairs, vocab: int, field: str) -> tuple[tuple[int, float], ...]:
         token = _int(pair[0], field, 0, vocab or 2**63, what="token id")
         if token in out:
             raise RequestError(f"{field}: token {token} is given twice", field)
-        out[token] = _float(pair[1], field)
+        bias = _float(pair[1], field)
+        if not -MAX_BIAS <= bias <= MAX_BIAS:  # summed in float32 with the logits
+            raise RequestError(
+                f"{field}: the bias {bias} of token {token} must be within [-{MAX_BIAS:g}, "
+                f"{MAX_BIAS:g}] (OpenAI's range: -100 and 100 already ban or force a token)",
+                field,
+            )
+        out[token] = bias
     return tuple(out.items())
 
 
