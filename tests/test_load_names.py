@@ -44,12 +44,12 @@ class Cluster:
         self.actors.discard(actor.name)
 
 
-def test_unload_stops_the_keeper_before_it_lists_what_to_remove(monkeypatch) -> None:
-    cluster = Cluster()
+def stand_in(monkeypatch, cluster: Cluster, *, stop) -> None:
+    """`record`'s cluster calls answered by `cluster` (`stop`: how stopping an actor goes)."""
     monkeypatch.setattr(
         record, "ray", types.SimpleNamespace(get_actor=cluster.get_actor, kill=cluster.kill)
     )
-    monkeypatch.setattr(record, "stop_actor", cluster.stop)
+    monkeypatch.setattr(record, "stop_actor", stop)
     monkeypatch.setattr(record, "record_name", lambda name: f"load:{name}:record")
     monkeypatch.setattr(record, "keeper_name", lambda name: f"load:{name}:keeper")
     monkeypatch.setattr(record, "worker_prefix", lambda name: f"load:{name}:w")
@@ -57,6 +57,11 @@ def test_unload_stops_the_keeper_before_it_lists_what_to_remove(monkeypatch) -> 
     monkeypatch.setattr(record, "named_groups", lambda name: dict(cluster.groups))
     monkeypatch.setattr(record, "remove_group", cluster.remove_group)
     monkeypatch.setattr(record, "release", lambda actor: cluster.actors.discard(actor.name))
+
+
+def test_unload_stops_the_keeper_before_it_lists_what_to_remove(monkeypatch) -> None:
+    cluster = Cluster()
+    stand_in(monkeypatch, cluster, stop=cluster.stop)
 
     assert record.remove_all("a") == 3
     assert cluster.killed[0] == "load:a:keeper"
@@ -71,15 +76,7 @@ def test_a_load_with_only_its_keeper_left_is_found(monkeypatch, keeper: bool) ->
     cluster = Cluster()
     cluster.actors = {"load:a:keeper"}
     cluster.groups = {}
-    monkeypatch.setattr(
-        record, "ray", types.SimpleNamespace(get_actor=cluster.get_actor, kill=cluster.kill)
-    )
-    monkeypatch.setattr(record, "stop_actor", cluster.kill)
-    monkeypatch.setattr(record, "record_name", lambda name: f"load:{name}:record")
-    monkeypatch.setattr(record, "keeper_name", lambda name: f"load:{name}:keeper")
-    monkeypatch.setattr(record, "worker_prefix", lambda name: f"load:{name}:w")
-    monkeypatch.setattr(record, "named_actors", lambda: sorted(cluster.actors))
-    monkeypatch.setattr(record, "named_groups", lambda name: {})
+    stand_in(monkeypatch, cluster, stop=cluster.kill)
     assert record.remove_all("a", keeper=keeper) == 0
 
 
@@ -175,17 +172,7 @@ def test_a_sweep_that_keeps_the_record_keeps_the_name_claimed(monkeypatch) -> No
     again once its threads are done. The first sweep keeps each record, so no other load can
     claim the name in between and lose what it made to the second sweep."""
     cluster = Cluster()
-    monkeypatch.setattr(
-        record, "ray", types.SimpleNamespace(get_actor=cluster.get_actor, kill=cluster.kill)
-    )
-    monkeypatch.setattr(record, "stop_actor", cluster.kill)
-    monkeypatch.setattr(record, "record_name", lambda name: f"load:{name}:record")
-    monkeypatch.setattr(record, "keeper_name", lambda name: f"load:{name}:keeper")
-    monkeypatch.setattr(record, "worker_prefix", lambda name: f"load:{name}:w")
-    monkeypatch.setattr(record, "named_actors", lambda: sorted(cluster.actors))
-    monkeypatch.setattr(record, "named_groups", lambda name: dict(cluster.groups))
-    monkeypatch.setattr(record, "remove_group", cluster.remove_group)
-    monkeypatch.setattr(record, "release", lambda actor: cluster.actors.discard(actor.name))
+    stand_in(monkeypatch, cluster, stop=cluster.kill)
     assert record.remove_all("a", keep_record=True) == 2
     assert cluster.actors == {"load:a:record"}  # the name: still claimed
     assert record.remove_all("a") == 0 and cluster.actors == set()
