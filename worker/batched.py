@@ -318,12 +318,19 @@ class BatchRunner:
         """Forget every sequence's keys and values (the stage's layers changed): nobody owns
         the pool until an engine claims it again."""
         self.pool, self.owner, self.last_rows = None, None, 0
-        self.slot_settings.clear()
-        self.refused.clear()
-        self.prompt_tails.clear()
-        self.histories.clear()
-        self.guided.clear()
-        self.tables.clear()
+        self._forget_slots()
+
+    def _forget_slots(self) -> None:
+        """Forget what this stage keeps per slot (settings, tokens, guides, block tables)."""
+        for kept in (
+            self.slot_settings,
+            self.refused,
+            self.prompt_tails,
+            self.histories,
+            self.guided,
+            self.tables,
+        ):
+            kept.clear()
 
     def claim(self, owner: Owner, *, take: bool = False) -> None:
         """Make `owner` the one engine (and epoch) whose steps this pool runs. An engine
@@ -335,12 +342,7 @@ class BatchRunner:
                 "pool (one engine per load: submit through it, e.g. attach(name))"
             )
         if owner != self.owner:  # a new claim sends every sequence's settings and table again
-            self.slot_settings.clear()
-            self.refused.clear()
-            self.prompt_tails.clear()
-            self.histories.clear()
-            self.guided.clear()
-            self.tables.clear()
+            self._forget_slots()
         self.owner = owner
 
     def release(self, owner: Owner) -> None:

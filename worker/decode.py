@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.steps import Sampling
+from worker.steps import FLOAT32_MAX, FLOAT32_TINY, Sampling
 
 # --- Vectorised, counter-based sampling -------------------------------------------------------
 #
@@ -59,8 +59,6 @@ def uniform(seed: int, position: int) -> float:
 
 
 NEUTRAL_PENALTIES = (1.0, 0.0, 0.0)  # (repetition, frequency, presence): off
-_FLOAT32_MAX = 3.4028234663852886e38  # a temperature past it is inf in float32: -inf / inf NaN
-_FLOAT32_TINY = 1.1754943508222875e-38  # the least normal float32: a penalty below it is ~0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +115,7 @@ class RowSettings:
             if self.greedy[r]:
                 continue
             # The bounds generate's warpers enforce (TemperatureLogitsWarper, TopK.., TopP..).
-            if not 0 < self.temperature[r] <= _FLOAT32_MAX:  # divided in float32
+            if not 0 < self.temperature[r] <= FLOAT32_MAX:  # divided in float32
                 raise ValueError(
                     f"row {r}: temperature must be > 0 and finite in float32, got "
                     f"{self.temperature[r]}"
@@ -138,7 +136,7 @@ class RowSettings:
         if not self.penalties or self.penalties[r] == NEUTRAL_PENALTIES:
             return
         repetition, frequency, presence = self.penalties[r]
-        if not _FLOAT32_TINY <= repetition <= _FLOAT32_MAX:  # applied in float32
+        if not FLOAT32_TINY <= repetition <= FLOAT32_MAX:  # applied in float32
             raise ValueError(
                 f"row {r}: repetition_penalty must be > 0 and a normal float32, got {repetition}"
             )
@@ -317,7 +315,7 @@ def _warped(scores: torch.Tensor, plan: _Plan) -> torch.Tensor:
     if plan.any_temperature:
         scale = table[:, _SCALE].to(torch.float32)[:, None]
         scores = scores * scale if plan.reciprocal else scores / scale
-        scores = scores.clamp_max(_FLOAT32_MAX)  # a low temperature may overflow: not inf
+        scores = scores.clamp_max(FLOAT32_MAX)  # a low temperature may overflow: not inf
     if plan.top_k_max:
         # TopKLogitsWarper: remove what is below the k-th largest score, so ties with it stay.
         # One topk at the largest k gives every row's k-th largest; rows without top-k get -inf
@@ -427,7 +425,7 @@ def _penalized(scores: torch.Tensor, settings: RowSettings) -> torch.Tensor:
     penalized = torch.where(picked < 0, picked * repetition, shrunk)
     # a tiny penalty can push a score past float32: the largest finite instead (inf - inf in
     # the softmax would be NaN), so the row still chooses its most favoured token
-    picked = torch.where(seen, penalized, picked).clamp_max(_FLOAT32_MAX)
+    picked = torch.where(seen, penalized, picked).clamp_max(FLOAT32_MAX)
     frequency, presence = values[:, 1:2].to(device), values[:, 2:3].to(device)
     picked = picked - frequency * counts
     picked = picked - presence * (counts > 0)

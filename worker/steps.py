@@ -15,6 +15,10 @@ from offload.errors import LaunchError
 from worker.names import DEFAULT_BLOCK_SIZE, blocks_for
 from worker.wire import pack, packable, unpack, values
 
+# The logits are processed in float32: a temperature or penalty past its range is inf or ~0
+# there (-inf / inf, x / 0 are NaN), so requests and rows are held to it.
+FLOAT32_MAX = 3.4028234663852886e38  # the largest float32
+FLOAT32_TINY = 1.1754943508222875e-38  # the least normal float32
 NO_TOKEN = -1  # a row that did not choose this step (its prompt goes on in the next chunk)
 Owner = tuple[str, int]  # (engine id, epoch of its claim)
 

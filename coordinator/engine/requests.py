@@ -20,11 +20,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from coordinator.engine.generation import GenerationError
-from worker.steps import Sampling
+from worker.steps import FLOAT32_MAX, FLOAT32_TINY, Sampling
 
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
-FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: a temperature past it is inf there
-FLOAT32_TINY = 1.1754943508222875e-38  # the least normal float32: a penalty below it is ~0
 MAX_BIAS = 100.0  # OpenAI's logit_bias range (the server clamps to it first, as vLLM does)
 # A seed is used mod 2**64 by the worker (`worker.decode.uniform`); a wider one is a mistake.
 SEED_RANGE = (-(2**63), 2**64)
