@@ -11,7 +11,6 @@ import dataclasses
 import difflib
 import fnmatch
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import yaml
 
 from offload.errors import ConfigError
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV, parse_pin_mode
+from offload.sizes import parse_bytes
 from worker.names import (
     COMPUTE_DTYPE_NAMES,
     DEFAULT_BLOCK_SIZE,
@@ -34,45 +34,6 @@ PIN_VARIABLES = (PIN_ENV, VLLM_DISABLE_PIN_ENV)  # what says anything about pinn
 PIN_NEUTRAL = {PIN_ENV: "auto", VLLM_DISABLE_PIN_ENV: "0"}  # says: the next rule decides
 # Prefixes of variables a job may set on its workers.
 OVERRIDE_ALLOWED_PREFIXES = ("OFFLOAD_", "VLLM_WEIGHT_OFFLOADING_")
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "kib": 2**10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 2**20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 2**30,
-    "t": 10**12,
-    "tb": 10**12,
-    "tib": 2**40,
-}
-
-
-def parse_bytes(value: str | int, *, field_name: str = "size") -> int:
-    """'512MiB', '1.5GB', '1000' or an int -> bytes."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 0:
-            raise ConfigError(f"{field_name}={value} must be >= 0")
-        return value
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    unit = match.group(2).lower() if match else None
-    if not match or unit not in _UNITS:
-        raise ConfigError(
-            f"{field_name}={value!r} is not a size; write e.g. 512MiB, 1.5GB or a byte count"
-        )
-    number = float(match.group(1))
-    if _UNITS[unit] == 1 and not number.is_integer():  # `--gpu-memory 1.5` is not 1 byte
-        raise ConfigError(
-            f"{field_name}={value!r}: a byte count is a whole number; for larger "
-            "units write them, e.g. 1.5GiB"
-        )
-    return int(number * _UNITS[unit])
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NodeMatch:
     """Selects nodes; every given criterion must hold."""

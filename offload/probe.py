@@ -132,6 +132,11 @@ class NodeProbe:
     dequant_bytes_per_s: tuple[tuple[str, float], ...] = ()
     # Without CUDA: the kind of GPU the CPU stands in for (see SIMULATED_GPU_ENV); None with CUDA.
     simulated_gpu: str | None = None
+    # Without CUDA, where OFFLOAD_SIMULATED_GPU_MEMORY is set: each simulated GPU's total, and
+    # the ones this process holds with what is free on them (`offload.simulated`), as `devices`
+    # reports real ones. Empty and None where the simulated GPUs have no size of their own.
+    simulated_gpu_memory_bytes: int | None = None
+    simulated_devices: tuple[DeviceInfo, ...] = ()
     # Without CUDA: NVIDIA GPUs the kernel driver lists all the same (CUDA failed to start).
     nvidia_gpus_present: int = 0
     errors: tuple[str, ...] = field(default=())

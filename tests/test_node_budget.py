@@ -237,7 +237,7 @@ def test_gpu_memory_caps_what_the_device_has_free_and_host_memory_what_is_availa
     assert [g.memory_bytes for g in capped.gpus] == [measured, measured]
     assert capped.host_budget_bytes == 400 * GiB and capped.cuda
     assert capped.budget_note == (
-        "2 GPUs, 1 seen by the probe: the others taken to be like GPU 0 (NVIDIA H100 80GB "
+        "2 GPUs, 1 seen by the probes: the others taken to be like GPU 0 (NVIDIA H100 80GB "
         "HBM3); --gpu-memory 80.00 GiB capped at 71.10 GiB (90% of the 79.00 GiB free on NVIDIA "
         "H100 80GB HBM3); --host-memory 500.00 GiB capped at the 400.00 GiB of host memory "
         "available"
@@ -296,3 +296,80 @@ def test_plan_shows_the_reserve_computed_for_real_gpus_given_or_none(tmp_path) -
     _, none = plan_job(config, index, simulated)
     assert none.options.reserve_bytes == 0
     assert "(none: simulated GPUs keep activations in host memory)" in none.summary()
+
+
+def test_simulated_gpus_with_a_size_are_budgeted_as_real_ones() -> None:
+    """Issue 57 point 1: a simulated GPU with a size (OFFLOAD_SIMULATED_GPU_MEMORY) is budgeted
+    from what its probe found free, capped by --gpu-memory, as a real one; `offloadctl plan`
+    (no Ray: no GPU held, none measured) takes each to be wholly free. Without a size,
+    --gpu-memory is the budget, as before."""
+    from offload.simulated import simulated_device
+
+    total = 8 * GiB
+    probe = NodeProbe(
+        simulated_gpu="discrete",
+        simulated_gpu_memory_bytes=total,
+        simulated_devices=(simulated_device(3, total, 6 * GiB), simulated_device(5, total)),
+        host_available_bytes=100 * GiB,
+        cpu_count=8,
+    )
+    info = node_info(JobConfig(checkpoint="c"), result(probe, pin=False), node_id="n", num_gpus=2)
+    assert [g.memory_bytes for g in info.gpus] == [
+        int(6 * GiB * GPU_BUDGET_FRACTION),
+        int(total * GPU_BUDGET_FRACTION),
+    ]
+    assert not info.cuda and info.concurrent_stages is not None and info.budget_note == ""
+    capped = node_info(
+        JobConfig(checkpoint="c", gpu_memory_bytes=6 * GiB),
+        result(probe, pin=False),
+        node_id="n",
+        num_gpus=2,
+    )
+    assert [g.memory_bytes for g in capped.gpus] == [int(6 * GiB * GPU_BUDGET_FRACTION), 6 * GiB]
+    assert "--gpu-memory 6.00 GiB capped at 5.40 GiB" in capped.budget_note
+    unheld = dataclasses.replace(probe, simulated_devices=())
+    info = node_info(JobConfig(checkpoint="c"), result(unheld, pin=False), node_id="n", num_gpus=3)
+    assert [g.memory_bytes for g in info.gpus] == [int(total * GPU_BUDGET_FRACTION)] * 3
+    unsized = dataclasses.replace(unheld, simulated_gpu_memory_bytes=None)
+    info = node_info(
+        JobConfig(checkpoint="c", gpu_memory_bytes=GiB),
+        result(unsized, pin=False),
+        node_id="n",
+        num_gpus=2,
+    )
+    assert [g.memory_bytes for g in info.gpus] == [GiB, GiB]
+
+
+def test_a_nodes_probes_merge_into_one_answer_with_every_gpu_they_hold() -> None:
+    """Issue 57 point 2: on a re-plan a node answers through several processes (each surviving
+    worker for its GPU, a task for its free ones): one result with every GPU, the node's facts
+    from the first, the first error, the first measured compute."""
+    from coordinator.runtime.probing import merge_results
+
+    survivor = dataclasses.replace(H100, free_memory_bytes=70 * GiB)  # its stage credited
+    free = dataclasses.replace(H100, free_memory_bytes=79 * GiB)
+    first = {**result(cuda_probe(devices=(survivor,)), pin=True), "compute": "not measured"}
+    second = {**result(cuda_probe(devices=(free,)), pin=True), "compute": {"rate": 1.0}}
+    merged = merge_results([first, second])
+    assert merged["probe"].devices == (survivor, free) and merged["compute"] == {"rate": 1.0}
+    assert merged["error"] is None and merged["pin"] == first["pin"]
+    info = node_info(JobConfig(checkpoint="c"), merged, node_id="n", num_gpus=2)
+    assert [g.memory_bytes for g in info.gpus] == [
+        int(70 * GiB * GPU_BUDGET_FRACTION),
+        int(79 * GiB * GPU_BUDGET_FRACTION),
+    ]
+    assert info.budget_note == ""  # every GPU measured, none assumed
+    failed = result(cuda_probe(), pin=False, error="OFFLOAD_PIN_MEMORY='x' is not a mode")
+    assert merge_results([first, failed])["error"] == failed["error"]
+    assert merge_results([first]) is first
+
+
+def test_a_simulated_gpu_size_comes_from_the_nodes_environment_and_a_typo_is_an_error() -> None:
+    sized = probe_here(env={"OFFLOAD_SIMULATED_GPU_MEMORY": "2GiB"})
+    if sized["probe"].cuda_available:
+        pytest.skip("a CUDA node: its GPUs are real")
+    assert sized["error"] is None and sized["probe"].simulated_gpu_memory_bytes == 2 * GiB
+    bad = probe_here(env={"OFFLOAD_SIMULATED_GPU_MEMORY": "2 gigs"})
+    assert "OFFLOAD_SIMULATED_GPU_MEMORY='2 gigs' is not a size" in bad["error"]
+    with pytest.raises(ConfigError, match="OFFLOAD_SIMULATED_GPU_MEMORY='2 gigs'"):
+        node_info(JobConfig(checkpoint="c"), bad, node_id="n", num_gpus=1)

@@ -24,12 +24,14 @@ from ray_head import HEAD_ARGS
 
 from coordinator.cli import main
 from coordinator.config import JobConfig, NodeMatch, Override
+from coordinator.planning.budgets import GPU_BUDGET_FRACTION
 from coordinator.planning.checkpoint import load_index
 from coordinator.planning.planner import PlanError, PlanOptions, plan
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from coordinator.runtime import telemetry
 from coordinator.runtime.errors import LaunchError
 from coordinator.runtime.launch import launch
+from coordinator.runtime.probing import probe_cluster
 from coordinator.runtime.recovery import match_survivors
 from coordinator.tools.make_checkpoint import make_checkpoint
 from coordinator.tools.reference import reference_logits
@@ -463,6 +465,84 @@ def test_lost_nodes_replan_fail_with_numbers_then_recover(cluster, tmp_path, cap
     wait_gpus_free(2)
 
 
+def test_a_replan_on_simulated_gpus_that_hold_memory_credits_the_survivors(
+    cluster, tmp_path
+) -> None:
+    """Issue 57 points 1 and 2: simulated GPUs with a size (OFFLOAD_SIMULATED_GPU_MEMORY, set
+    by a job override) report free = total - what the processes on them hold, so the budgets
+    come from the probes as on real GPUs. After a node loss each survivor answers for its own
+    GPU with its own stage's bytes counted as free, and a task measures the free GPUs: the
+    re-plan fits, and the output is unchanged. Not credited, the survivors' GPUs would have
+    collapsed to what their stages leave free, which cannot hold the model (checked on the
+    planner). Host memory holds nothing here, so the GPUs must hold every layer."""
+    from offload.simulated import DeviceLedger
+
+    c = cluster
+    nodes = gpu_nodes(c, 3)
+    checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
+    index = load_index(checkpoint)
+    total = int(index.total_bytes * 0.7)  # two GPUs hold the model, one does not
+    budget = int(total * GPU_BUDGET_FRACTION)  # a probe's budget: 90% of what is free
+    config = JobConfig(
+        checkpoint=checkpoint,
+        address=c.address,
+        host_memory_bytes=1,  # no --gpu-memory: the probes' free memory is the budget
+        overrides=(Override(match=NodeMatch(), env={"OFFLOAD_SIMULATED_GPU_MEMORY": str(total)}),),
+    )
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(11))
+    expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
+    snapshot, _ = probe_cluster(config)  # a task holding each node's free GPU measures it
+    assert [g.memory_bytes for n in snapshot.nodes for g in n.gpus] == [budget] * 3
+    with launch(config) as job:
+        stages = len(job.plan.stages)  # two or three: the planner's choice
+        assert stages >= 2 and not any(s.offloaded for s in job.plan.stages)
+        assert torch.equal(job.forward(ids), expected)
+        # Each worker wrote what it holds to its node's ledger, as the probes read it.
+        held = {}
+        for report in job.telemetry():
+            ledger = DeviceLedger(report.node_id)
+            assert ledger.holders(int(report.gpu)) == {report.pid: report.device_used_bytes}
+            held[report.stage] = report.device_used_bytes
+        # What a re-plan sees: each worker answers for its GPU, its own stage counted as free.
+        snapshot, _ = probe_cluster(
+            config,
+            probers={w.node_id: [w.actor] for w in job.workers},
+            own=[w.node_id for w in job.workers],
+        )
+        assert [g.memory_bytes for n in snapshot.nodes for g in n.gpus] == [budget] * 3
+        assert not any(n.budget_note for n in snapshot.nodes)  # each GPU measured, none assumed
+        # Stage 0's node leaves. Without the credit: the survivors' GPUs as their stages leave
+        # them, the free GPUs whole; the model does not fit.
+        survivors = [held[s] for s in range(1, stages)]
+        uncredited = [int((total - h) * GPU_BUDGET_FRACTION) for h in survivors]
+        uncredited += [budget] * (3 - stages)
+        with pytest.raises(PlanError):
+            plan(
+                index.layers,
+                ClusterSnapshot(
+                    nodes=tuple(
+                        NodeInfo(
+                            node_id=f"n{i}",
+                            gpus=(GpuInfo(index=0, memory_bytes=b),),
+                            host_budget_bytes=1,
+                        )
+                        for i, b in enumerate(uncredited)
+                    )
+                ),
+                PlanOptions(),
+            )
+
+        c.remove_node(nodes[job.workers[0].node_id])
+        assert torch.equal(job.forward(ids), expected)
+        [event] = job.events
+        assert event["event"] == "re-planned" and event["lost_stages"] == [0]
+        assert len(job.plan.stages) == 2 and not any(s.offloaded for s in job.plan.stages)
+        for report in job.telemetry():  # the ledger follows the stages of the new plan
+            assert DeviceLedger(report.node_id).holders(int(report.gpu)) == {
+                report.pid: report.device_used_bytes
+            }
+
+
 def test_a_worker_whose_load_failed_is_replaced_like_a_lost_one(cluster, tmp_path) -> None:
     """Issue 57 point 3: a worker is healthy when it is ready, not when it answers a ping. A
     worker whose load step failed (a chunk that does not exist here; on a GPU, out of memory
@@ -491,7 +571,8 @@ def test_a_worker_whose_load_failed_is_replaced_like_a_lost_one(cluster, tmp_pat
         assert torch.equal(job.forward(ids), expected) and job.dead_stages() == []
         assert job.events[-1]["event"] == "replaced workers" and job.events[-1]["stages"] == [1]
     finally:
-        job.close()
+        job.close()  # a named load on a cluster: close() only detaches
+        assert main(["unload", "mended", "--address", c.address]) == 0
 
 
 def test_survivors_are_matched_to_the_stages_they_share_most_with() -> None:

@@ -422,3 +422,41 @@ def test_a_worker_whose_load_failed_is_broken_until_a_load_finishes(index) -> No
         assert torch.isfinite(actor.forward(torch.randint(0, 64, (1, 4)))).all()
     finally:
         actor.close()
+
+
+def test_a_simulated_gpu_with_a_size_holds_what_its_stage_does(index, tmp_path, monkeypatch):
+    """Issue 57 point 1: on a simulated GPU with a size (OFFLOAD_SIMULATED_GPU_MEMORY), a loaded
+    stage must fit beside what other processes hold there, as a CUDA allocation must; once
+    loaded its bytes are in the node's ledger for the probes, and closing takes them back."""
+    import os
+
+    import worker.worker as worker_module
+    from offload.simulated import DeviceLedger
+
+    ledger = DeviceLedger("node-a", root=tmp_path)
+    monkeypatch.setattr(worker_module, "simulated_place", lambda: (ledger, [1]))
+    spec = spec_for(index, offloaded=())
+    probe = StageWorker(spec, device="cpu")
+    try:
+        needed = probe.load().device_used_bytes
+    finally:
+        probe.close()
+    total = needed * 2
+    monkeypatch.setenv("OFFLOAD_SIMULATED_GPU_MEMORY", str(total))
+    ledger.hold(1, total - needed + 1, pid=os.getppid())  # another load's stage, one byte too many
+    crowded = StageWorker(spec, device="cpu")
+    try:
+        with pytest.raises(
+            WorkerError,
+            match=rf"holds {needed} bytes on simulated GPU 1, of which other processes hold "
+            rf"{total - needed + 1} of its {total}",
+        ):
+            crowded.load()
+        assert ledger.holders(1) == {os.getppid(): total - needed + 1}
+        ledger.hold(1, total - needed, pid=os.getppid())  # room for it exactly
+        crowded.load()
+        assert ledger.holders(1) == {os.getppid(): total - needed, os.getpid(): needed}
+        assert ledger.free(1, total, credit=[os.getpid()]) == needed  # a re-plan's view
+    finally:
+        crowded.close()
+    assert ledger.holders(1) == {os.getppid(): total - needed}

@@ -11,10 +11,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import sys
+from collections.abc import Iterable
 
 from offload import decide_pinning, probe_node
 from offload.errors import ConfigError
 from offload.probe import cuda_available, simulated_gpu_kind
+from offload.simulated import DeviceLedger, simulated_gpu_memory
 from worker.startup import settle
 
 
@@ -45,17 +48,20 @@ def probe_here(
     model: tuple[dict, str, int] | None = None,
     *,
     cached_only: bool = False,
+    credit: Iterable[int] = (),
 ) -> dict:
     """This node's probe and pin decision; `env` set over this process's environment (what a
     job's overrides would give its workers here). With `model` (config.json, dtype, worker
     threads), also how fast this node's device runs its decoder layer (`compute`: a
     `worker.compute_probe.ComputeProfile`, or the reason it could not be measured);
-    `cached_only`: only what this node measured before."""
+    `cached_only`: only what this node measured before. Simulated GPUs with a size
+    (`offload.simulated`) report the ones this process holds, what the processes in `credit`
+    (pids) hold there counted as free."""
     probe = probe_node()
     try:
         environ = {**os.environ, **(env or {})}
         if not probe.cuda_available:  # `env` may set it (a job override, in `offloadctl plan`)
-            probe = dataclasses.replace(probe, simulated_gpu=simulated_gpu_kind(environ))
+            probe = _simulated(probe, environ, credit)
         decision = decide_pinning(environ, probe, planned_bytes=planned_bytes).to_dict()
         error = None
     except ConfigError as exc:
@@ -70,6 +76,31 @@ def probe_here(
     if model is not None:
         result["compute"] = _compute(probe, *model, cached_only=cached_only)
     return result
+
+
+def _simulated(probe, environ: dict[str, str], credit: Iterable[int]):
+    """`probe` with the kind of GPU the CPU stands in for and, where the simulated GPUs have a
+    size, the ones this process holds (none outside a Ray worker: `offloadctl plan`)."""
+    probe = dataclasses.replace(probe, simulated_gpu=simulated_gpu_kind(environ))
+    total = simulated_gpu_memory(environ)
+    if total is None:
+        return probe
+    place = simulated_place()
+    devices = place[0].devices(place[1], total, credit) if place is not None else ()
+    return dataclasses.replace(probe, simulated_gpu_memory_bytes=total, simulated_devices=devices)
+
+
+def simulated_place() -> tuple[DeviceLedger, list[int]] | None:
+    """This node's ledger of simulated GPU memory and the GPUs Ray gave this process (a task's
+    or an actor's); None outside a Ray worker."""
+    if "ray" not in sys.modules:
+        return None
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    node = ray.get_runtime_context().get_node_id()
+    return DeviceLedger(node), [int(i) for i in ray.get_gpu_ids()]
 
 
 def _compute(probe, config: dict, dtype: str, threads: int, *, cached_only: bool):

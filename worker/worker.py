@@ -28,12 +28,13 @@ from offload.host_store import decide_for_device
 from offload.policy import PIN_ENV, VLLM_DISABLE_PIN_ENV
 from offload.probe import DECISION_STEPS, host_memory, process_rss
 from offload.resident import StoredResidency
+from offload.simulated import DeviceLedger, simulated_gpu_memory
 from offload.stats import OffloadStats
 from worker.batched import BatchRunner
 from worker.guided import GuideBook
 from worker.layout import hf_config_from_dict, model_class_for
 from worker.loader import TensorReader, hang_if_asked, hold_if_asked
-from worker.node import probe_here
+from worker.node import probe_here, simulated_place
 from worker.placement import Placement, held, materialize
 from worker.reporting import Snapshots, device_memory, pin_decision, pin_origin, storage_bytes
 from worker.snapshot import CopyCounters, StageSnapshot
@@ -97,6 +98,7 @@ class StageWorker:
         )
         self._layer_specs = {layer.name: layer for layer in spec.layers}
         self._chunks: list[list[str]] = []  # layer names per chunk, to read from disk
+        self._simulated = self._simulated_gpu()
         self._ready = False
         self._load_s = 0.0
         self._forward_s = 0.0
@@ -119,6 +121,36 @@ class StageWorker:
             return decide_for_device(os.environ, self.probe, 0, self.device).pin
         except ConfigError:  # a bad value, or pinning forced where it cannot work
             return False
+
+    def _simulated_gpu(self) -> tuple[DeviceLedger, int, int] | None:
+        """The simulated GPU with a size that this worker's CPU stands in for
+        (`offload.simulated`): its node's ledger, its index and its total; None on a real GPU,
+        for simulated GPUs without a size, and outside a Ray actor."""
+        if self.device.type != "cpu":
+            return None
+        total = simulated_gpu_memory(os.environ)
+        place = simulated_place() if total is not None else None
+        if place is None or not place[1]:
+            return None
+        ledger, indexes = place
+        return ledger, indexes[0], total
+
+    def _hold_simulated(self) -> None:
+        """On a simulated GPU with a size, the loaded stage must fit beside what the other
+        processes there hold, as on a real GPU (where CUDA would fail the allocation); its bytes
+        then go to the node's ledger, which the probes read."""
+        if self._simulated is None:
+            return
+        ledger, index, total = self._simulated
+        held = self.device_bytes()
+        free = ledger.free(index, total, credit=(os.getpid(),))
+        if held > free:
+            raise WorkerError(
+                f"{self._where()}: holds {held} bytes on simulated GPU {index}, of which other "
+                f"processes hold {total - free} of its {total}; another load plans on the same "
+                "GPU, or the plan's budget is too high: lower --gpu-memory"
+            )
+        ledger.hold(index, held)
 
     @property
     def offloader(self):
@@ -371,6 +403,7 @@ class StageWorker:
                 "more layers, lower --max-batch or --max-seq-len, or raise --gpu-memory"
             )
         self._check_reserve()
+        self._hold_simulated()
         self._ready = True
         return self.report()
 
@@ -591,8 +624,24 @@ class StageWorker:
 
     def node_probe(self, model: tuple[dict, str, int] | None = None) -> dict:
         """This node's probe and pin decision (and, with `model`, its compute profile), as the
-        runtime's probe task reports them."""
-        return probe_here(model=model, cached_only=True)  # no layer allocated beside the stage
+        runtime's probe task reports them, with this worker's GPU as a re-plan sees it: what
+        its own stage holds there counts as free, since the new plan replaces it."""
+        # cached_only: no layer allocated beside the stage
+        result = probe_here(model=model, cached_only=True, credit=(os.getpid(),))
+        probe = result["probe"]
+        if self.device.type == "cuda" and probe.devices:
+            index = self.device.index if self.device.index is not None else 0
+            own = torch.cuda.memory_reserved(self.device)
+            result["probe"] = dataclasses.replace(
+                probe,
+                devices=tuple(
+                    dataclasses.replace(d, free_memory_bytes=d.free_memory_bytes + own)
+                    if d.index == index and d.free_memory_bytes is not None
+                    else d
+                    for d in probe.devices
+                ),
+            )
+        return result
 
     def ping(self) -> int:
         """Liveness check for the driver: answers with this process's pid."""
@@ -600,6 +649,8 @@ class StageWorker:
 
     def close(self) -> None:
         self._snapshots.stop()
+        if self._simulated is not None:
+            self._simulated[0].release(self._simulated[1])
         self._reader.close()
         if self.offloader is not None:
             self.offloader.detach(restore=False)  # the stage goes with it: nothing to restore

@@ -6,14 +6,15 @@ Ray node, probed by a task on it), so the plan printed is the plan loaded. No Ra
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from coordinator.config import ConfigError, JobConfig
 from coordinator.planning.formats import format_bytes
 from coordinator.planning.snapshot import GpuInfo, NodeInfo
 from offload.policy import PIN_HEADROOM_FRACTION, resolve_backend
-from offload.probe import NodeProbe
+from offload.probe import DeviceInfo, NodeProbe
+from offload.simulated import simulated_device
 
 # Default share of a node's available host memory the job may fill with offloaded weights.
 HOST_BUDGET_FRACTION = 0.8
@@ -42,9 +43,11 @@ def node_info(
     override, node label), named in an error they caused.
 
     Budgets: per real GPU, GPU_BUDGET_FRACTION of the memory its probe found free, capped by
-    `--gpu-memory` (a cap, never more than the device has); per simulated GPU, `--gpu-memory`.
-    A probe sees only the GPUs it holds (a surviving worker answering for its node: its one),
-    so the node's other GPUs are taken to be like the smallest it saw. Host: HOST_BUDGET_FRACTION
+    `--gpu-memory` (a cap, never more than the device has); the same per simulated GPU with a
+    size (`offload.simulated`), else `--gpu-memory`. A probe sees only the GPUs it holds; the
+    runtime merges a node's probes (`coordinator.runtime.probing`: its free GPUs, each surviving
+    worker's own) into one result, and GPUs none of them saw are taken to be like the smallest
+    seen (said in the budget note). Host: HOST_BUDGET_FRACTION
     of available host memory, or `--host-memory` capped by what is available; pinned,
     PIN_HEADROOM_FRACTION of it (the pin policy's own limit). The link rate is the one measured
     from the memory the node will offload to (pinned or pageable); None when not measured. A
@@ -63,7 +66,7 @@ def node_info(
     probe: NodeProbe = result["probe"]
     notes: list[str] = []
     if probe.devices:
-        budgets = _device_budgets(config, probe, num_gpus, notes)
+        budgets = _device_budgets(config, probe.devices, num_gpus, notes)
     elif probe.nvidia_gpus_present:
         raise ConfigError(
             f"{where} has {probe.nvidia_gpus_present} NVIDIA GPU(s) but CUDA does not start "
@@ -71,6 +74,10 @@ def node_info(
             "): fix its driver, CUDA runtime or CUDA_VISIBLE_DEVICES, or take it out of the "
             "cluster; it is never run as simulated GPUs"
         )
+    elif probe.simulated_gpu_memory_bytes is not None:  # sized: budgeted as real ones
+        total = probe.simulated_gpu_memory_bytes
+        seen = probe.simulated_devices or tuple(simulated_device(i, total) for i in range(num_gpus))
+        budgets = _device_budgets(config, seen, num_gpus, notes)
     elif config.gpu_memory_bytes is not None:
         budgets = [config.gpu_memory_bytes] * num_gpus
     else:
@@ -116,16 +123,16 @@ def node_info(
 
 
 def _device_budgets(
-    config: JobConfig, probe: NodeProbe, num_gpus: int, notes: list[str]
+    config: JobConfig, seen: Sequence[DeviceInfo], num_gpus: int, notes: list[str]
 ) -> list[int]:
-    """Per real GPU: GPU_BUDGET_FRACTION of its free memory (total when not measured), capped
-    by --gpu-memory."""
-    devices = list(probe.devices[:num_gpus])
-    if len(devices) < num_gpus:  # the probe holds fewer: the others are like the smallest
+    """Per GPU the probes saw (real, or simulated with a size): GPU_BUDGET_FRACTION of its
+    free memory (total when not measured), capped by --gpu-memory."""
+    devices = list(seen[:num_gpus])
+    if len(devices) < num_gpus:  # the probes held fewer: the others are like the smallest
         smallest = min(devices, key=lambda d: d.free_memory_bytes or d.total_memory_bytes)
         devices += [smallest] * (num_gpus - len(devices))
         notes.append(
-            f"{num_gpus} GPUs, {len(probe.devices)} seen by the probe: the others taken to be "
+            f"{num_gpus} GPUs, {len(seen)} seen by the probes: the others taken to be "
             f"like GPU {smallest.index} ({smallest.name})"
         )
     budgets = []

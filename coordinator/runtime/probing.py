@@ -6,11 +6,16 @@ become the planner's `ClusterSnapshot` through the same budget function `offload
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import Counter
 from collections.abc import Iterable
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
 from coordinator.config import JobConfig, node_env
 from coordinator.planning.budgets import node_info
@@ -83,19 +88,25 @@ def held_elsewhere() -> str:
 def probe_cluster(
     config: JobConfig,
     held_bytes: dict[str, int] | None = None,
-    probers: dict[str, ray.actor.ActorHandle] | None = None,
+    probers: dict[str, list[ray.actor.ActorHandle]] | None = None,
     exclude: frozenset[str] = frozenset(),
     model: tuple[dict, str, int] | None = None,
     own: Iterable[str] = (),
+    bundles: dict[str, list[tuple[PlacementGroup, int]]] | None = None,
 ) -> tuple[ClusterSnapshot, dict[str, tuple[dict, dict]]]:
     """A snapshot of every alive GPU node, and per node the env its workers get from the job
-    (labels and overrides) with the origin of each variable. When re-planning: `held_bytes`,
-    host memory this job's own workers already hold on a node (their arenas), counted as
-    available since the new plan replaces them; `probers`, a live worker per node that answers
-    for its node instead of a probe task (no process to start); `exclude`, nodes left out;
-    `model` (config.json, dtype, worker threads): each node also times the model's decoder
-    layer on its device (`worker.compute_probe`), for the planner's compute rate. Only the GPUs
-    that are free or the job's own (`own`, see `usable_gpus`) are planned on."""
+    (labels and overrides) with the origin of each variable. Each node is probed by a task that
+    holds its free GPUs (as long as it measures) and, when re-planning, also by each of the
+    job's surviving workers there (`probers`: its own GPU, what its stage holds counted as
+    free) and by a task in each bundle the job keeps there (`bundles`: placement group and
+    bundle index of a lost worker's GPU); a node's answers are merged (`merge_results`), so
+    every GPU a plan may take is measured, none assumed. `held_bytes`: host memory this job's
+    own workers already hold on a node (their arenas), counted as available since the new plan
+    replaces them; `exclude`, nodes left out; `model` (config.json, dtype, worker threads):
+    each node also times the model's decoder layer on its device (`worker.compute_probe`), for
+    the planner's compute rate. Only the GPUs that are free or the job's own (`own`, see
+    `usable_gpus`) are planned on."""
+    probers, bundles = probers or {}, bundles or {}
     nodes = gpu_nodes(exclude)
     allowed = config.node_gpus()
     if allowed:  # the job's own nodes only (a replica of a served model)
@@ -113,13 +124,13 @@ def probe_cluster(
     free = free_gpus()
     usable = usable_gpus(own, free)
     total = sum(int(n["Resources"]["GPU"]) for n in nodes)
-    # A node is probed by a live worker of the job, or by a task holding its free GPUs; one
-    # whose usable GPUs are all bundles of lost workers (neither) is left out of this plan.
+    # A node with nothing to probe it (its usable GPUs all bundles of lost workers that the
+    # caller did not give) is left out of this plan.
     nodes = [
         n
         for n in nodes
         if usable.get(n["NodeID"], 0) > 0
-        and (n["NodeID"] in (probers or {}) or free.get(n["NodeID"], 0) > 0)
+        and (probers.get(n["NodeID"]) or bundles.get(n["NodeID"]) or free.get(n["NodeID"], 0))
     ]
     if not nodes:
         raise LaunchError(
@@ -128,35 +139,50 @@ def probe_cluster(
             "NAME) or add GPUs"
         )
     envs = {}
+    asks: list[
+        tuple[str, dict | None]
+    ] = []  # per ref: its node, its task's options (None: a worker)
     refs = []
-    options_of: dict[str, dict] = {}
     for node in nodes:
+        node_id = node["NodeID"]
         env, origins = node_env(
             config.overrides,
-            node_id=node["NodeID"],
+            node_id=node_id,
             hostname=node["NodeManagerHostname"],
             labels=_user_labels(node),
         )
-        envs[node["NodeID"]] = (env, origins)
-        options = {
-            "scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
-            "num_gpus": free.get(node["NodeID"], 0),
-        }
-        if env:
-            options["runtime_env"] = {"env_vars": env}
-        if node["NodeID"] in (probers or {}):
-            refs.append(probers[node["NodeID"]].node_probe.remote(model))
-        else:
-            task = _probe_task if node["NodeID"] in _CUDA_NODES else _probe_task_reused
+        envs[node_id] = (env, origins)
+        runtime = {"runtime_env": {"env_vars": env}} if env else {}
+        for actor in probers.get(node_id, ()):
+            refs.append(actor.node_probe.remote(model))
+            asks.append((node_id, None))
+        tasks = [
+            {
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=bundle
+                ),
+                "num_gpus": 1,
+                **runtime,
+            }
+            for group, bundle in bundles.get(node_id, ())
+        ]
+        if free.get(node_id, 0) or not (probers.get(node_id) or tasks):
+            tasks.append(
+                {
+                    "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
+                    "num_gpus": free.get(node_id, 0),
+                    **runtime,
+                }
+            )
+        for options in tasks:
+            task = _probe_task if node_id in _CUDA_NODES else _probe_task_reused
             refs.append(task.options(**options).remote(0, model))
-        options_of[node["NodeID"]] = options
+            asks.append((node_id, options))
     try:
         results = ray.get(refs, timeout=PROBE_TIMEOUT_S)
-        again = {
-            i: n["NodeID"] for i, (n, r) in enumerate(zip(nodes, results, strict=True)) if r is None
-        }
-        _CUDA_NODES.update(again.values())
-        refs = [_probe_task.options(**options_of[n]).remote(0, model) for n in again.values()]
+        again = [i for i, r in enumerate(results) if r is None]
+        _CUDA_NODES.update(asks[i][0] for i in again)
+        refs = [_probe_task.options(**asks[i][1]).remote(0, model) for i in again]
         for i, result in zip(again, ray.get(refs, timeout=PROBE_TIMEOUT_S), strict=True):
             results[i] = result
     except ray.exceptions.RayActorError as exc:
@@ -169,14 +195,46 @@ def probe_cluster(
             f"the probes of {len(nodes)} node(s) did not answer within {PROBE_TIMEOUT_S:.0f} s "
             "(PROBE_TIMEOUT_S): a node is overloaded, or its free GPUs were taken meanwhile"
         ) from None
+    answers: dict[str, list[dict]] = {}
+    for (node_id, _), result in zip(asks, results, strict=True):
+        answers.setdefault(node_id, []).append(result)
     infos = []
-    for node, result in zip(nodes, results, strict=True):
-        held = (held_bytes or {}).get(node["NodeID"], 0)
+    for node in nodes:
+        node_id = node["NodeID"]
         info = probed_node_info(
-            config, node, result, held, envs[node["NodeID"]][1], usable[node["NodeID"]]
+            config,
+            node,
+            merge_results(answers[node_id]),
+            (held_bytes or {}).get(node_id, 0),
+            envs[node_id][1],
+            usable[node_id],
         )
         infos.append(info)
     return ClusterSnapshot(nodes=tuple(infos)), envs
+
+
+def merge_results(results: list[dict]) -> dict:
+    """One node's probe answers (`worker.node.probe_here`, each from a process holding some of
+    its GPUs) as one: the node's facts from the first (host memory, pin decision, rates), the
+    GPUs of all, the first error any of them met, and the first measured compute profile."""
+    first = results[0]
+    if len(results) == 1:
+        return first
+    probe = first["probe"]
+    merged = {
+        **first,
+        "probe": dataclasses.replace(
+            probe,
+            devices=tuple(d for r in results for d in r["probe"].devices),
+            simulated_devices=tuple(d for r in results for d in r["probe"].simulated_devices),
+        ),
+        "error": next((r["error"] for r in results if r["error"]), None),
+    }
+    if "compute" in first:
+        answered = [r["compute"] for r in results if "compute" in r]
+        measured = [c for c in answered if not isinstance(c, str)]
+        merged["compute"] = measured[0] if measured else first["compute"]
+    return merged
 
 
 def model_of(index, config: JobConfig) -> tuple[dict, str, int]:

@@ -26,7 +26,7 @@ import ray
 from coordinator.planning.planner import Plan, PlanError, StagePlan, plan
 from coordinator.planning.reserve import job_options
 from coordinator.runtime.errors import LaunchError, WorkerLostError
-from coordinator.runtime.group import WorkerGroup
+from coordinator.runtime.group import WorkerGroup, kill
 from coordinator.runtime.probing import gpu_nodes, model_of, probe_cluster
 from worker.snapshot import StageSnapshot
 
@@ -96,21 +96,28 @@ def decide(group: WorkerGroup, dead: list[int], left_out: frozenset[str] = froze
             x.unit_bytes(h.spec.offload_unit) for x in h.spec.layers if x.name in h.spec.offloaded
         )
     start = time.perf_counter()
-    probers = {h.node_id: h.actor for _, h in survivors}  # they answer for their nodes
+    probers: dict[str, list] = defaultdict(list)  # each survivor answers for its own GPU
+    for _, h in survivors:
+        probers[h.node_id].append(h.actor)
     # The GPUs this job may plan on: free ones, its survivors' and the bundles of its workers
-    # lost on nodes still alive (apply reuses those); never another load's (a replica's
-    # `nodes` are its old GPUs: the re-plan may take any free one).
-    own = [h.node_id for _, h in survivors] + [
-        h.node_id for h in lost if h.node_id in alive and h.slot is not None and h.slot.group
-    ]
+    # lost on nodes still alive (apply reuses those; a task in each measures its GPU, so a
+    # broken worker's process is stopped first); never another load's (a replica's `nodes` are
+    # its old GPUs: the re-plan may take any free one).
+    kept = [h for h in lost if h.node_id in alive and h.slot is not None and h.slot.group]
+    kill(kept)
+    bundles: dict[str, list] = defaultdict(list)
+    for h in kept:
+        bundles[h.node_id].append((h.slot.group, h.slot.bundle))
+    own = [h.node_id for _, h in survivors] + [h.node_id for h in kept]
     config = dataclasses.replace(group.config, nodes="") if group.config.nodes else group.config
     snapshot, envs = probe_cluster(
         config,
         held_bytes=held,
-        probers=probers,
+        probers=dict(probers),
         exclude=left_out,
         model=model_of(group.index, config),
         own=own,
+        bundles=dict(bundles),
     )
     probe_s = time.perf_counter() - start
     try:
