@@ -219,3 +219,21 @@ def test_invalid_pin_label_names_the_node_and_label() -> None:
         node_env(
             (), node_id="abcdef1234", hostname="gh-3", labels={"offload-pin-memory": "sometimes"}
         )
+
+
+def test_a_named_loads_record_keeps_every_kind_of_override() -> None:
+    """A load's record stores its config, and its keeper and every `attach` read it back: an
+    override that matches by labels only (or every node) must come back as it was. It came
+    back with `hostname: null`, which the reader refuses, so the keeper never started."""
+    from coordinator.config import job_config_from_dict
+    from coordinator.runtime.registry import _config_dict
+
+    config = JobConfig(
+        checkpoint="c",
+        overrides=(
+            Override(match=NodeMatch(), env={"OFFLOAD_SIMULATED_GPU_MEMORY": "2GiB"}),
+            Override(match=NodeMatch(labels={"pool": "gh200"}), env={"OFFLOAD_PIN_MEMORY": "0"}),
+            Override(match=NodeMatch(hostname="gpu-*", node_id="ab"), env={"OFFLOAD_X": "1"}),
+        ),
+    )
+    assert job_config_from_dict(_config_dict(config)) == config

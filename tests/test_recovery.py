@@ -18,7 +18,7 @@ import time
 import pytest
 import ray
 import torch
-from helpers import assert_probe_decided_pin, tiny_shape, wait_gpus_free
+from helpers import assert_probe_decided_pin, kill_actor, tiny_shape, wait_gpus_free
 from ray.cluster_utils import Cluster
 from ray_head import HEAD_ARGS
 
@@ -573,6 +573,69 @@ def test_a_worker_whose_load_failed_is_replaced_like_a_lost_one(cluster, tmp_pat
     finally:
         job.close()  # a named load on a cluster: close() only detaches
         assert main(["unload", "mended", "--address", c.address]) == 0
+
+
+def test_a_load_whose_recoveries_keep_failing_is_failed_then_recovers(cluster, tmp_path) -> None:
+    """Issue 57 point 3: bounded retries, then the load reports failed. Another process holds
+    all of stage 1's simulated GPU (as a foreign CUDA process would), so each replacement's load
+    fails on memory; after three losses there its node is left out, and the GPU left cannot
+    hold the model. After MAX_FAILED_RECOVERIES failures in a row the record's state is
+    "failed", an event says why, and health says so; once a node joins, a recovery asked for
+    succeeds and the load is loaded again, with the same output. (The replacements fail only
+    because they get the job's variables for their node: a named load's group, rebuilt from its
+    record, started them with none, so they ignored the job's overrides and node labels, their
+    pin decisions included.)"""
+    import os
+
+    from coordinator.runtime import registry
+    from coordinator.runtime.keeper import MAX_FAILED_RECOVERIES
+    from offload.simulated import DeviceLedger
+
+    c = cluster
+    gpu_nodes(c, 2)
+    checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
+    index = load_index(checkpoint)
+    total = int(index.total_bytes * 0.7)  # two GPUs hold the model, one does not
+    config = JobConfig(
+        checkpoint=checkpoint,
+        address=c.address,
+        host_memory_bytes=1,
+        watch_interval_s=0,  # recoveries only when asked: the test counts them
+        overrides=(Override(match=NodeMatch(), env={"OFFLOAD_SIMULATED_GPU_MEMORY": str(total)}),),
+    )
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
+    job = launch(config, name="gives-up")
+    try:
+        assert len(job.plan.stages) == 2 and torch.equal(job.forward(ids), expected)
+        [report] = [r for r in job.telemetry() if r.stage == 1]
+        foreign = DeviceLedger(report.node_id)
+        foreign.hold(int(report.gpu), total, pid=os.getpid())  # this process holds it all
+        kill_actor(job.workers[1].actor)
+        errors = []
+        for _ in range(MAX_FAILED_RECOVERIES):
+            # out of memory on the GPU held by this process, then no plan without its node
+            with pytest.raises((LaunchError, PlanError)) as failure:
+                job.recover()
+            errors.append(str(failure.value))
+        assert "other processes hold" in errors[0] and "cannot hold the model" in errors[-1]
+        _, record = registry.load_record("gives-up")
+        assert record["state"] == "failed"
+        [failed] = [e for e in record["events"] if e["event"] == "load failed"]
+        assert failed["reason"].startswith(f"{MAX_FAILED_RECOVERIES} recoveries failed in a row")
+        keeper = job.keeper
+        assert ray.get(keeper.health.remote(), timeout=60).startswith("load 'gives-up' failed")
+
+        foreign.release(int(report.gpu), pid=os.getpid())
+        c.add_node(num_cpus=2, num_gpus=1)
+        job.recover()
+        assert torch.equal(job.forward(ids), expected)
+        _, record = registry.load_record("gives-up")
+        assert record["state"] == "loaded" and record["events"][-1]["event"] == "re-planned"
+        assert ray.get(keeper.health.remote(), timeout=60) is None
+    finally:
+        job.close()
+        assert main(["unload", "gives-up", "--address", c.address]) == 0
 
 
 def test_survivors_are_matched_to_the_stages_they_share_most_with() -> None:

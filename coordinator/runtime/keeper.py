@@ -17,8 +17,12 @@ epoch) before its next step.
 
 A node whose workers keep dying is left out: after NODE_LOSS_LIMIT losses there within
 NODE_LOSS_WINDOW_S, the next recovery plans without it (an event says so) even though Ray calls
-it alive. A recovery that fails (say, what is left cannot hold the model) is retried with
-exponential back-off, from the watch interval up to BACKOFF_MAX_S.
+it alive. A recovery that fails (say, what is left cannot hold the model, or a replacement's
+load runs out of memory each time) is retried with exponential back-off, from the watch
+interval up to BACKOFF_MAX_S, at most MAX_FAILED_RECOVERIES times in a row: then the load is
+failed (its record's state, a "load failed" event with the last error; `health` says so) and
+the watch stops trying. A recovery asked for (`recover`: a driver's forward, `run NAME`) still
+tries, and one that succeeds makes the load loaded again.
 
 A load may be leased (`launch(..., lease_s=...)`; `serve` leases the loads it starts): its
 holder calls `renew()` well within every `lease_s`, and once no renewal came for `lease_s` the
@@ -49,6 +53,7 @@ from worker.startup import settle
 NODE_LOSS_LIMIT = 3
 NODE_LOSS_WINDOW_S = 600.0
 BACKOFF_MAX_S = 300.0
+MAX_FAILED_RECOVERIES = 5  # in a row: then the load is failed and the watch stops trying
 EXPORT_TIMEOUT_S = 30.0  # the workers' latest snapshots are in memory: they answer between calls
 # Calls at once: each client process of the load keeps one fetch of its tokens waiting here,
 # beside submits, cancels, stats and recoveries.
@@ -73,6 +78,12 @@ class LoadKeeper:
         self._counted: set[str | None] = set()  # workers whose loss was counted
         record = registry.load_record(name)[1]
         config = registry.config_of(record)
+        self._failures = 0  # recoveries failed in a row
+        # why the load is failed (its record says so: a restarted keeper keeps it), else None
+        self.failed: str | None = None
+        if record.get("state") == "failed":
+            reasons = [e.get("reason", "") for e in record["events"] if e["event"] == "load failed"]
+            self.failed = reasons[-1] if reasons else "failed"
         self.group = registry.group_of(record, index)  # the load now: a recovery replaces it
         self._engine_lock = threading.Lock()
         self._host: EngineHost | None = None
@@ -169,8 +180,19 @@ class LoadKeeper:
 
         try:
             recovery.recover(group, record_event, dead=dead, left_out=frozenset(self.left_out))
+        except Exception as exc:
+            self._failures += 1
+            if self._failures >= MAX_FAILED_RECOVERIES and self.failed is None:
+                self.failed = f"{self._failures} recoveries failed in a row, the last: {exc}"
+                recovery.add_event(events, {"event": "load failed", "reason": self.failed})
+                registry.update(self.name, group, events, state="failed")
+            raise
         finally:
             self.group = group  # what the workers are now, even after a failed recovery
+        self._failures = 0
+        if self.failed is not None:  # recovered after all: loaded again
+            self.failed = None
+            registry.update(self.name, group, events, state="loaded")
         return dead
 
     def _count_losses(self, group: WorkerGroup, dead: list[int]) -> set[str]:
@@ -195,6 +217,8 @@ class LoadKeeper:
         """One look of the watch: the record read and every worker pinged outside the gate, so
         the engine's steps never wait on these cluster-wide calls; the gate only for a
         recovery, which looks again inside it (the loss may be recovered meanwhile)."""
+        if self.failed is not None:  # given up: only a recovery asked for tries again
+            return
         _, record = registry.load_record(self.name)
         if registry.group_of(record, self.index).dead_stages():
             self.recover()
@@ -276,6 +300,8 @@ class LoadKeeper:
 
     def health(self) -> str | None:
         """None while the load's engine serves; else why not."""
+        if self.failed is not None:
+            return f"load {self.name!r} failed: {self.failed}"
         try:
             return self.host().health()
         except Exception as exc:  # no engine could start (a worker lost, say)

@@ -145,13 +145,8 @@ def probe_cluster(
     refs = []
     for node in nodes:
         node_id = node["NodeID"]
-        env, origins = node_env(
-            config.overrides,
-            node_id=node_id,
-            hostname=node["NodeManagerHostname"],
-            labels=_user_labels(node),
-        )
-        envs[node_id] = (env, origins)
+        envs[node_id] = _env_of(config, node)
+        env = envs[node_id][0]
         runtime = {"runtime_env": {"env_vars": env}} if env else {}
         for actor in probers.get(node_id, ()):
             refs.append(actor.node_probe.remote(model))
@@ -235,6 +230,25 @@ def merge_results(results: list[dict]) -> dict:
         measured = [c for c in answered if not isinstance(c, str)]
         merged["compute"] = measured[0] if measured else first["compute"]
     return merged
+
+
+def node_envs(config: JobConfig, node_ids: Iterable[str]) -> dict[str, tuple[dict, dict]]:
+    """Per alive node of `node_ids`: the env the job gives its workers there (its overrides,
+    the node's labels) and the origin of each variable, as `probe_cluster` gives them. What a
+    named load's group, rebuilt from its record, starts its replacement workers with."""
+    wanted = set(node_ids)
+    return {
+        n["NodeID"]: _env_of(config, n) for n in ray.nodes() if n["Alive"] and n["NodeID"] in wanted
+    }
+
+
+def _env_of(config: JobConfig, node: dict) -> tuple[dict, dict]:
+    return node_env(
+        config.overrides,
+        node_id=node["NodeID"],
+        hostname=node["NodeManagerHostname"],
+        labels=_user_labels(node),
+    )
 
 
 def model_of(index, config: JobConfig) -> tuple[dict, str, int]:

@@ -129,11 +129,14 @@ def next_worker_number(record: dict) -> int:
     return 1 + max((int(n.rpartition("-")[2]) for n in names), default=-1)
 
 
-def update(name: str, group: WorkerGroup, events: list[dict]) -> None:
+def update(name: str, group: WorkerGroup, events: list[dict], state: str | None = None) -> None:
     """After a recovery: the group's new plan, workers and bundles, its config (a replica's GPUs
-    change with its plan), and the events (waits, so a later attach sees them)."""
+    change with its plan), the events, and its `state` when given ("failed" when its keeper
+    gave up recovering it, "loaded" again after; waits, so a later attach sees them)."""
     actor, _ = load_record(name)
     changes = {**_state(group), "config": _config_dict(group.config), "events": events}
+    if state is not None:
+        changes["state"] = state
     ray.get(actor.update.remote(changes), timeout=ATTACH_TIMEOUT_S)
 
 
@@ -142,11 +145,14 @@ def group_of(record: dict, index) -> WorkerGroup:
     is gone) in their bundles, and every placement group of the load."""
     from coordinator.planning.planner import Plan
     from coordinator.runtime.group import Slot, WorkerGroup, WorkerHandle, stage_specs
+    from coordinator.runtime.probing import node_envs
 
     config = config_of(record)
     the_plan = Plan.from_json(record["plan"])
     groups = named_groups(record["name"])
-    specs = stage_specs(config, index, the_plan, {})
+    # each worker's env as the job gives it on its node: a replacement starts with it too
+    envs = node_envs(config, (s.node_id for s in the_plan.stages))
+    specs = stage_specs(config, index, the_plan, envs)
     slots = record.get("slots") or [None] * len(specs)
     handles = []
     rows = zip(
@@ -185,8 +191,12 @@ def load_of_group(group_name: str) -> str | None:
 
 def _config_dict(config: JobConfig) -> dict:
     data = dataclasses.asdict(config)
-    data["overrides"] = [
-        {"match": dataclasses.asdict(o.match), "env": dict(o.env)} for o in config.overrides
+    data["overrides"] = [  # the criteria given only: a job file's reader refuses a null one
+        {
+            "match": {k: v for k, v in dataclasses.asdict(o.match).items() if v is not None},
+            "env": dict(o.env),
+        }
+        for o in config.overrides
     ]
     return data
 
