@@ -3,8 +3,8 @@
 lists what to remove, so a worker or placement group the keeper starts meanwhile is removed
 too; a restarted keeper numbers new workers past every worker alive, recorded or not; a start
 that fails gives back the placement group it reserved; an interrupted keeper start kills the
-keeper; a clean-up sweep can keep the name claimed; the keeper's watch pings outside the gate.
-No Ray: the cluster calls are stood in for, in the order they are made."""
+keeper; a clean-up sweep can keep the name claimed; the keeper's watch pings outside the gate
+(and stops once the load is failed); replicas claim their names before the probe. No Ray: the cluster calls are stood in for, in the order they are made."""
 
 from __future__ import annotations
 
@@ -132,10 +132,12 @@ def test_the_keepers_watch_pings_outside_the_gate(monkeypatch) -> None:
             looked.append(stepping())  # a step passes while the watch pings
             return self.dead
 
+    given_up = types.SimpleNamespace(failed="5 recoveries failed in a row")
+    keeper_module.LoadKeeper.__ray_metadata__.modified_class._watch_once(given_up)  # no look
     for dead in ([], [1]):
         monkeypatch.setattr(registry, "load_record", lambda name: (None, {"name": name}))
         monkeypatch.setattr(registry, "group_of", lambda record, index, d=dead: Group(d))
-        fake = types.SimpleNamespace(name="a", index=None, gate=gate)
+        fake = types.SimpleNamespace(name="a", index=None, gate=gate, failed=None)
         fake.recover = lambda: recovered.append(True)
         keeper_module.LoadKeeper.__ray_metadata__.modified_class._watch_once(fake)
     assert looked == [True, True] and recovered == [True]  # recovered only what was lost
@@ -203,3 +205,107 @@ def test_a_keeper_start_that_is_interrupted_kills_the_keeper(monkeypatch, failur
     with pytest.raises(failure):
         keeper_module.start("a", index=None)
     assert killed == [made]
+
+
+def _stand_in_launch(monkeypatch, claim, plans: int, started: list) -> list:
+    """`launch_replicas` with the cluster stood in for: no Ray, no checkpoint; `claim` answers
+    for the records; the search makes `plans` pipelines. Returns the calls, in order."""
+    from coordinator.runtime import launch as launch_module
+
+    calls: list = []
+
+    def claimed(name):
+        calls.append(("claim", name))
+        return claim(name)
+
+    def probe(*args, **kwargs):
+        calls.append(("probe",))
+        return None, {}
+
+    def search(config, index, snapshot):
+        calls.append(("plan",))
+        options = types.SimpleNamespace(max_batch=1, micro_batches=1, pool_tokens=0)
+        return types.SimpleNamespace(plans=[types.SimpleNamespace(options=options)] * plans)
+
+    def start(config, index, plan, envs, session, load, progress, record, lease_s):
+        started.append(load)
+        return types.SimpleNamespace(close=lambda: None)
+
+    monkeypatch.setattr(launch_module, "_checked_index", lambda config: object())
+    session = types.SimpleNamespace(close=lambda: None)
+    monkeypatch.setattr(launch_module, "connect", lambda config: session)
+    monkeypatch.setattr(launch_module, "RaySession", lambda owned: session)
+    monkeypatch.setattr(launch_module, "model_of", lambda index, config: None)
+    monkeypatch.setattr(launch_module.registry, "claim", claimed)
+    monkeypatch.setattr(
+        launch_module.registry, "release", lambda rec: calls.append(("release", rec.name))
+    )
+    monkeypatch.setattr(
+        launch_module.registry,
+        "forget",
+        lambda load, keep_record=False: calls.append(("forget", load, keep_record)),
+    )
+    monkeypatch.setattr(launch_module, "probe_cluster", probe)
+    monkeypatch.setattr(launch_module, "plan_replicas", search)
+    monkeypatch.setattr(launch_module.recovery, "nodes_of", lambda plan: "n=1")
+    monkeypatch.setattr(launch_module, "_start", start)
+    return calls
+
+
+def test_replicas_claim_their_names_before_the_probe(monkeypatch) -> None:
+    """Issue 57 point 6: `launch_replicas` probed and planned before it claimed its names, so
+    a clash was found only after the cluster was probed, and another load could take a name
+    meanwhile. Now every name is claimed first; one taken fails before any probe, and what
+    was claimed goes back."""
+    from coordinator.config import ConfigError, JobConfig
+    from coordinator.runtime.launch import launch_replicas
+
+    def claim(name):
+        if name == "m-1":
+            raise ConfigError("a load named 'm-1' exists")
+        return types.SimpleNamespace(name=name)
+
+    calls = _stand_in_launch(monkeypatch, claim, plans=2, started=[])
+    with pytest.raises(ConfigError, match="'m-1' exists"):
+        launch_replicas(JobConfig(checkpoint="c", replicas=2, objective="throughput"), "m")
+    assert calls == [
+        ("claim", "m-0"),
+        ("claim", "m-1"),
+        ("forget", "m-0", True),
+        ("forget", "m-0", False),
+    ]
+
+
+def test_an_automatic_replica_count_holds_the_name_until_it_is_known(monkeypatch) -> None:
+    """With replicas 0 the search sets the count: the name itself is claimed before the probe,
+    then each replica's, and the name is given back (by its handle) once they are held."""
+    from coordinator.config import JobConfig
+    from coordinator.runtime.launch import launch_replicas
+
+    started: list = []
+    calls = _stand_in_launch(monkeypatch, lambda n: types.SimpleNamespace(name=n), 2, started)
+    launch_replicas(JobConfig(checkpoint="c", replicas=0, objective="throughput"), "m")
+    assert calls == [
+        ("claim", "m"),
+        ("probe",),
+        ("plan",),
+        ("claim", "m-0"),
+        ("claim", "m-1"),
+        ("release", "m"),
+    ]
+    assert sorted(started) == ["m-0", "m-1"]
+    calls.clear()
+    started.clear()
+    monkeypatch.setattr(  # one pipeline: the name itself is the load
+        __import__("coordinator.runtime.launch", fromlist=["x"]),
+        "plan_replicas",
+        lambda *a: types.SimpleNamespace(
+            plans=[
+                types.SimpleNamespace(
+                    options=types.SimpleNamespace(max_batch=1, micro_batches=1, pool_tokens=0)
+                )
+            ]
+        ),
+    )
+    launch_replicas(JobConfig(checkpoint="c", replicas=0, objective="throughput"), "m")
+    assert calls == [("claim", "m"), ("probe",)] and started == ["m"]

@@ -63,6 +63,11 @@ def launch(
         raise
 
 
+def replica_names(name: str, count: int) -> list[str]:
+    """The loads of `count` replicas named `name`: `name` itself for one."""
+    return [f"{name}-{r}" for r in range(count)] if count > 1 else [name]
+
+
 def launch_replicas(
     config: JobConfig,
     name: str,
@@ -86,12 +91,19 @@ def launch_replicas(
     futures: list[Future] = []
     pool = None
     try:
+        # The names first, before the probe: a clash fails at once, and no other load takes a
+        # name this call will use while it probes and plans. With the count left to the
+        # search (replicas 0), `name` itself is held until the count is known.
+        for load in replica_names(name, config.replicas):
+            records[load] = registry.claim(load)
         snapshot, envs = probe_cluster(config, model=model_of(index, config))
         chosen = plan_replicas(config, index, snapshot)
-        many = len(chosen.plans) > 1
-        loads = [f"{name}-{r}" if many else name for r in range(len(chosen.plans))]
-        for load in loads:  # every name first: a clash fails before any GPU is taken
-            records[load] = registry.claim(load)
+        loads = replica_names(name, len(chosen.plans))
+        for load in loads:  # every name before any GPU is taken
+            if load not in records:
+                records[load] = registry.claim(load)
+        for load in [load for load in records if load not in loads]:  # held for the count
+            registry.release(records.pop(load))  # ours, by handle
         combined = _CombinedProgress(progress, len(loads)) if progress is not None else None
         # not `with`: its exit would wait for every load, also on an interrupt (Ctrl-C)
         pool = ThreadPoolExecutor(len(loads), thread_name_prefix="offload-replica")
@@ -102,7 +114,7 @@ def launch_replicas(
                 max_batch=the_plan.options.max_batch,
                 micro_batches=the_plan.options.micro_batches,
                 kv_cache_tokens=the_plan.options.pool_tokens,
-                nodes=recovery.nodes_of(the_plan) if many else "",
+                nodes=recovery.nodes_of(the_plan) if len(loads) > 1 else "",
             )
             futures.append(
                 pool.submit(
