@@ -34,6 +34,8 @@ PIN_VARIABLES = (PIN_ENV, VLLM_DISABLE_PIN_ENV)  # what says anything about pinn
 PIN_NEUTRAL = {PIN_ENV: "auto", VLLM_DISABLE_PIN_ENV: "0"}  # says: the next rule decides
 # Prefixes of variables a job may set on its workers.
 OVERRIDE_ALLOWED_PREFIXES = ("OFFLOAD_", "VLLM_WEIGHT_OFFLOADING_")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NodeMatch:
     """Selects nodes; every given criterion must hold."""

@@ -227,7 +227,7 @@ def _stand_in_launch(monkeypatch, claim, plans: int, started: list) -> list:
         options = types.SimpleNamespace(max_batch=1, micro_batches=1, pool_tokens=0)
         return types.SimpleNamespace(plans=[types.SimpleNamespace(options=options)] * plans)
 
-    def start(config, index, plan, envs, session, load, progress, record, lease_s):
+    def start(config, index, plan, envs, session, load, progress, record, lease_s, turn):
         started.append(load)
         return types.SimpleNamespace(close=lambda: None)
 
@@ -249,6 +249,22 @@ def _stand_in_launch(monkeypatch, claim, plans: int, started: list) -> list:
     monkeypatch.setattr(launch_module, "plan_replicas", search)
     monkeypatch.setattr(launch_module.recovery, "nodes_of", lambda plan: "n=1")
     monkeypatch.setattr(launch_module, "_start", start)
+
+    class Turn:  # the desk's turn, without Ray's key-value store
+        def __init__(self, what: str) -> None:
+            self.parts = 1
+
+        def __enter__(self):
+            calls.append(("turn",))
+            return self
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+        def reserved_elsewhere(self) -> dict:
+            return {}
+
+    monkeypatch.setattr(launch_module, "Turn", Turn)
     return calls
 
 
@@ -287,6 +303,7 @@ def test_an_automatic_replica_count_holds_the_name_until_it_is_known(monkeypatch
     launch_replicas(JobConfig(checkpoint="c", replicas=0, objective="throughput"), "m")
     assert calls == [
         ("claim", "m"),
+        ("turn",),
         ("probe",),
         ("plan",),
         ("claim", "m-0"),
@@ -308,4 +325,4 @@ def test_an_automatic_replica_count_holds_the_name_until_it_is_known(monkeypatch
         ),
     )
     launch_replicas(JobConfig(checkpoint="c", replicas=0, objective="throughput"), "m")
-    assert calls == [("claim", "m"), ("probe",)] and started == ["m"]
+    assert calls == [("claim", "m"), ("turn",), ("probe",)] and started == ["m"]

@@ -12,6 +12,7 @@ the whole suite, bench/RESULTS.md) on a 2-core machine."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -24,14 +25,14 @@ from ray_head import HEAD_ARGS
 
 from coordinator.cli import main
 from coordinator.config import JobConfig, NodeMatch, Override
-from coordinator.planning.budgets import GPU_BUDGET_FRACTION
+from coordinator.planning.budgets import GPU_BUDGET_FRACTION, HOST_BUDGET_FRACTION
 from coordinator.planning.checkpoint import load_index
 from coordinator.planning.planner import PlanError, PlanOptions, plan
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from coordinator.runtime import telemetry
 from coordinator.runtime.errors import LaunchError
 from coordinator.runtime.launch import launch
-from coordinator.runtime.probing import probe_cluster
+from coordinator.runtime.probing import probe_cluster, probed_node_info
 from coordinator.runtime.recovery import match_survivors
 from coordinator.tools.make_checkpoint import make_checkpoint
 from coordinator.tools.reference import reference_logits
@@ -636,6 +637,100 @@ def test_a_load_whose_recoveries_keep_failing_is_failed_then_recovers(cluster, t
     finally:
         job.close()
         assert main(["unload", "gives-up", "--address", c.address]) == 0
+
+
+def test_two_loads_launched_together_share_a_node(cluster, tmp_path) -> None:
+    """Issue 57 point 5: two loads launched at the same moment, each planned on 2 of one node's
+    4 GPUs. The second failed: it looked while the first one's probe task held every GPU of
+    the node to measure them ("every GPU of the cluster's ... is held"). Here the first load's
+    probe is held mid-measure (OFFLOAD_TEST_HOLD_PROBE) while the second starts. With the
+    desk's turn (`coordinator.runtime.desk`) the second probes, plans and reserves once the
+    first has reserved its GPUs: both load, on the node's four GPUs, with the same logits."""
+    import concurrent.futures
+
+    c = cluster
+    gpu_nodes(c, 2)  # the one-GPU nodes stay out of it: the loads run on `nodes`
+    big = c.add_node(num_cpus=4, num_gpus=4)
+    checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
+    index = load_index(checkpoint)
+    gpu, host = budgets(index)
+    config = JobConfig(
+        checkpoint=checkpoint,
+        address=c.address,
+        gpu_memory_bytes=gpu,
+        host_memory_bytes=host,
+        nodes=f"{big.node_id}=2",
+    )
+    measured = tmp_path / "measured"  # the first load's probe holds the GPUs until it exists
+    held = dataclasses.replace(
+        config,
+        overrides=(Override(match=NodeMatch(), env={"OFFLOAD_TEST_HOLD_PROBE": str(measured)}),),
+    )
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(13))
+    expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
+    jobs = []
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(launch, held)
+            deadline = time.monotonic() + 60
+            while ray.available_resources().get("GPU", 0) > 2:  # its probe holds the four
+                assert time.monotonic() < deadline and not first.done(), first
+                time.sleep(0.1)
+            second = pool.submit(launch, config)
+            time.sleep(2.0)  # the second looks now, or waits for its turn
+            measured.touch()
+            for future in (first, second):
+                try:
+                    jobs.append(future.result(timeout=300))
+                except Exception as exc:  # the other's job is still closed below
+                    jobs.append(exc)
+        failed = [j for j in jobs if isinstance(j, BaseException)]
+        assert not failed, failed
+        assert [len(j.plan.stages) for j in jobs] == [2, 2]
+        assert {s.node_id for j in jobs for s in j.plan.stages} == {big.node_id}
+        assert ray.available_resources().get("GPU", 0) == 2  # the one-GPU nodes' only
+        for job in jobs:
+            assert torch.equal(job.forward(ids), expected)
+    finally:
+        measured.touch()
+        for job in jobs:
+            if not isinstance(job, BaseException):
+                job.close()
+        wait_gpus_free(6)
+        c.remove_node(big)
+
+
+def test_the_desk_gives_one_turn_at_a_time_and_reserves_host_memory(cluster) -> None:
+    """A turn is held by one load at a time (a second waits, or fails after its wait naming the
+    holder); the host bytes a load left reserved count against every other load's budgets on
+    that node until it exits, and never against its own."""
+    from coordinator.runtime.desk import Turn, reserved_host
+
+    with Turn("load 'a'") as a:
+        with (
+            pytest.raises(LaunchError, match=r"waited 0 s \(TURN_WAIT_S\) for load 'a'"),
+            Turn("load 'b'", wait_s=0.3),
+        ):
+            pass
+        a.leave([("node-1", 1000), ("node-2", 5)])
+        with Turn("load 'b'", wait_s=5) as b:  # a left its turn: b gets one at once
+            assert b.reserved_elsewhere() == {"node-1": 1000, "node-2": 5}
+            b.leave([("node-1", 24)])
+            assert a.reserved_elsewhere() == {"node-1": 24}
+            assert reserved_host() == {"node-1": 1024, "node-2": 5}
+        assert reserved_host() == {"node-1": 1000, "node-2": 5}
+    assert reserved_host() == {}
+    probed = {"hostname": "h", "error": None, "pin": {"pin": False}}
+    from offload import NodeProbe
+
+    probed["probe"] = NodeProbe(host_available_bytes=10_000, cpu_count=4)
+    info = probed_node_info(
+        JobConfig(checkpoint="c", gpu_memory_bytes=1000),
+        {"NodeID": "node-1", "Resources": {"GPU": 1.0}, "Labels": {}},
+        probed,
+        reserved_bytes=1000,
+    )
+    assert info.host_budget_bytes == int(9000 * HOST_BUDGET_FRACTION)
 
 
 def test_survivors_are_matched_to_the_stages_they_share_most_with() -> None:

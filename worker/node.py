@@ -12,6 +12,7 @@ import dataclasses
 import os
 import socket
 import sys
+import time
 from collections.abc import Iterable
 
 from offload import decide_pinning, probe_node
@@ -20,11 +21,21 @@ from offload.probe import cuda_available, simulated_gpu_kind
 from offload.simulated import DeviceLedger, simulated_gpu_memory
 from worker.startup import settle
 
+# Tests only: a file path; a probe task waits until that file exists (at most
+# PROBE_HOLD_MAX_S), holding the GPUs it measures: a load's probe caught mid-measure, as a
+# second load launched at that moment finds it (on CUDA a probe holds them for seconds).
+PROBE_HOLD_ENV = "OFFLOAD_TEST_HOLD_PROBE"
+PROBE_HOLD_MAX_S = 120.0
+
 
 def probe_task(planned_bytes: int = 0, model: tuple[dict, str, int] | None = None) -> dict:
     """The probe as a Ray task runs it: `probe_here`, then the GC's own thresholds back
     (`worker.startup`: the process's imports are done)."""
     try:
+        path = os.environ.get(PROBE_HOLD_ENV)
+        deadline = time.monotonic() + PROBE_HOLD_MAX_S
+        while path and not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return probe_here(planned_bytes, model=model)
     finally:
         settle()

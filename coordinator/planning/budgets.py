@@ -33,14 +33,16 @@ def node_info(
     labels: Mapping[str, str] | None = None,
     held_bytes: int = 0,
     origins: Mapping[str, str] | None = None,
+    reserved_bytes: int = 0,
 ) -> NodeInfo:
     """The planner's view of one node with `num_gpus` GPUs.
 
     `result` is what `worker.node.probe_here()` returned on the node: its hostname, its
     `NodeProbe`, its pin decision and the error that prevented one. `held_bytes` is host memory
     this job's own workers hold there (their arenas), counted as available because a re-plan
-    replaces them. `origins`: where the variables set for the node's workers come from (job
-    override, node label), named in an error they caused.
+    replaces them; `reserved_bytes`, host memory other loads planned there and do not hold
+    yet (`coordinator.runtime.desk`), counted as taken. `origins`: where the variables set for
+    the node's workers come from (job override, node label), named in an error they caused.
 
     Budgets: per real GPU, GPU_BUDGET_FRACTION of the memory its probe found free, capped by
     `--gpu-memory` (a cap, never more than the device has); the same per simulated GPU with a
@@ -85,7 +87,7 @@ def node_info(
             f"{where} has {num_gpus} GPUs that are not CUDA devices (simulated); give their "
             "memory with --gpu-memory"
         )
-    available = (probe.host_available_bytes or 0) + held_bytes
+    available = max(0, (probe.host_available_bytes or 0) + held_bytes - reserved_bytes)
     host_budget = int(available * HOST_BUDGET_FRACTION)
     if config.host_memory_bytes is not None:
         host_budget = config.host_memory_bytes

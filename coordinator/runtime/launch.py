@@ -16,6 +16,7 @@ from coordinator.planning.checkpoint import load_index
 from coordinator.planning.context import check_max_seq_len
 from coordinator.planning.planner import Plan
 from coordinator.runtime import recovery, registry
+from coordinator.runtime.desk import Turn, host_bytes_of
 from coordinator.runtime.group import WorkerGroup
 from coordinator.runtime.job import Job
 from coordinator.runtime.keeper import find as find_keeper
@@ -53,9 +54,16 @@ def launch(
     try:
         if name is not None:  # first: a second load of the name fails now, not after its wait
             record = registry.claim(name)
-        snapshot, envs = probe_cluster(config, model=model_of(index, config))
-        config, the_plan = plan_job(config, index, snapshot)
-        return _start(config, index, the_plan, envs, session, name, progress, record, lease_s)
+        # One load at a time probes, plans and reserves; its host bytes stay reserved for it
+        # until its workers hold them (`coordinator.runtime.desk`)
+        with Turn(f"load {name!r}" if name else "a job") as turn:
+            snapshot, envs = probe_cluster(
+                config, model=model_of(index, config), reserved=turn.reserved_elsewhere()
+            )
+            config, the_plan = plan_job(config, index, snapshot)
+            return _start(
+                config, index, the_plan, envs, session, name, progress, record, lease_s, turn
+            )
     except BaseException:
         if record is not None:
             registry.release(record)  # ours, by handle: never another load's record
@@ -90,13 +98,17 @@ def launch_replicas(
     records: dict[str, object] = {}  # load name -> its record, claimed by this call
     futures: list[Future] = []
     pool = None
+    turn = Turn(f"replicas of {name!r}")
     try:
         # The names first, before the probe: a clash fails at once, and no other load takes a
         # name this call will use while it probes and plans. With the count left to the
         # search (replicas 0), `name` itself is held until the count is known.
         for load in replica_names(name, config.replicas):
             records[load] = registry.claim(load)
-        snapshot, envs = probe_cluster(config, model=model_of(index, config))
+        turn.__enter__()  # left once every replica has reserved its GPUs
+        snapshot, envs = probe_cluster(
+            config, model=model_of(index, config), reserved=turn.reserved_elsewhere()
+        )
         chosen = plan_replicas(config, index, snapshot)
         loads = replica_names(name, len(chosen.plans))
         for load in loads:  # every name before any GPU is taken
@@ -104,6 +116,7 @@ def launch_replicas(
                 records[load] = registry.claim(load)
         for load in [load for load in records if load not in loads]:  # held for the count
             registry.release(records.pop(load))  # ours, by handle
+        turn.parts = len(loads)
         combined = _CombinedProgress(progress, len(loads)) if progress is not None else None
         # not `with`: its exit would wait for every load, also on an interrupt (Ctrl-C)
         pool = ThreadPoolExecutor(len(loads), thread_name_prefix="offload-replica")
@@ -129,6 +142,7 @@ def launch_replicas(
                     combined.of(r) if combined is not None else None,
                     records[load],
                     lease_s,
+                    turn,
                 )
             )
         return [future.result() for future in futures]
@@ -150,6 +164,7 @@ def launch_replicas(
             session.close()  # not closed with the first replica's job
         raise
     finally:
+        turn.__exit__(None, None, None)  # left, and its reservations dropped: loaded or failed
         if pool is not None:
             pool.shutdown(wait=False)  # its threads are done, or end once their loads fail
 
@@ -196,12 +211,14 @@ def _start(
     progress: Callable[[int, int], None] | None,
     record=None,
     lease_s: float | None = None,
+    turn: Turn | None = None,
 ) -> Job:
     """Reserve the plan's GPUs, start and load its workers: a Job (named: detached, recorded,
-    kept by a keeper). `record`: the name's record, claimed by the caller (`registry.claim`).
-    On failure what this started is released: its workers, its placement groups, its keeper
-    and the record; never anything found by name, which may be another load's. The session is
-    the caller's to close."""
+    kept by a keeper). `record`: the name's record, claimed by the caller (`registry.claim`);
+    `turn`: the caller's turn at the desk, left (with the plan's host bytes reserved) once the
+    GPUs are. On failure what this started is released: its workers, its placement groups, its
+    keeper and the record; never anything found by name, which may be another load's. The
+    session is the caller's to close."""
     job = None
     keeper = None
     try:
@@ -209,7 +226,11 @@ def _start(
         job = Job(group=group, session=session, name=name)
         if name is not None:
             group.names = job.new_worker_names
-        group.start(envs)
+        try:
+            group.start(envs)
+        finally:  # reserved or not: the next load's turn
+            if turn is not None:
+                turn.leave(host_bytes_of(the_plan) if group.handles else ())
         if name is not None:  # recorded first, so `unload` finds a load interrupted midway
             registry.store(record, config, group, [], state="loading")
         job.load_reports = recovery.load_recovering(group, job.record_event, progress)

@@ -93,6 +93,7 @@ def probe_cluster(
     model: tuple[dict, str, int] | None = None,
     own: Iterable[str] = (),
     bundles: dict[str, list[tuple[PlacementGroup, int]]] | None = None,
+    reserved: dict[str, int] | None = None,
 ) -> tuple[ClusterSnapshot, dict[str, tuple[dict, dict]]]:
     """A snapshot of every alive GPU node, and per node the env its workers get from the job
     (labels and overrides) with the origin of each variable. Each node is probed by a task that
@@ -102,7 +103,8 @@ def probe_cluster(
     bundle index of a lost worker's GPU); a node's answers are merged (`merge_results`), so
     every GPU a plan may take is measured, none assumed. `held_bytes`: host memory this job's
     own workers already hold on a node (their arenas), counted as available since the new plan
-    replaces them; `exclude`, nodes left out; `model` (config.json, dtype, worker threads):
+    replaces them; `reserved`: host memory other loads planned on a node and do not hold yet
+    (`coordinator.runtime.desk`), counted as taken; `exclude`, nodes left out; `model` (config.json, dtype, worker threads):
     each node also times the model's decoder layer on its device (`worker.compute_probe`), for
     the planner's compute rate. Only the GPUs that are free or the job's own (`own`, see
     `usable_gpus`) are planned on."""
@@ -203,6 +205,7 @@ def probe_cluster(
             (held_bytes or {}).get(node_id, 0),
             envs[node_id][1],
             usable[node_id],
+            (reserved or {}).get(node_id, 0),
         )
         infos.append(info)
     return ClusterSnapshot(nodes=tuple(infos)), envs
@@ -263,6 +266,7 @@ def probed_node_info(
     held_bytes: int = 0,
     origins: dict[str, str] | None = None,
     usable: int | None = None,
+    reserved_bytes: int = 0,
 ) -> NodeInfo:
     """The budgets of the Ray node `node` (an entry of `ray.nodes()`) from its probe result;
     `usable`: how many of its GPUs the job may plan on (free or its own)."""
@@ -278,6 +282,7 @@ def probed_node_info(
         labels=_user_labels(node),
         held_bytes=held_bytes,
         origins=origins,
+        reserved_bytes=reserved_bytes,
     )
 
 

@@ -25,6 +25,7 @@ import ray
 
 from coordinator.planning.planner import Plan, PlanError, StagePlan, plan
 from coordinator.planning.reserve import job_options
+from coordinator.runtime.desk import Turn
 from coordinator.runtime.errors import LaunchError, WorkerLostError
 from coordinator.runtime.group import WorkerGroup, kill
 from coordinator.runtime.probing import gpu_nodes, model_of, probe_cluster
@@ -198,7 +199,8 @@ def load_recovering(group: WorkerGroup, record: Record, progress=None) -> list[S
             dead = group.dead_stages()
             if round_ == MAX_RECOVERY_ROUNDS or not dead:
                 raise
-            record(apply(group, decide(group, dead)))
+            with Turn(f"recovery of {group.load_name!r}" if group.load_name else "a job's load"):
+                record(apply(group, decide(group, dead)))
     raise AssertionError("unreachable")
 
 
@@ -216,7 +218,9 @@ def recover(
     if not dead:
         return [], []
     try:
-        event = apply(group, decide(group, dead, left_out))
+        # a re-plan probes and reserves GPUs: one at a time with the cluster's other loads
+        with Turn(f"recovery of {group.load_name!r}" if group.load_name else "a job's recovery"):
+            event = apply(group, decide(group, dead, left_out))
     except (PlanError, LaunchError) as exc:  # no plan, or its GPUs not reserved: unchanged
         record({"event": "re-plan failed", "lost_stages": dead, "error": str(exc)})
         raise

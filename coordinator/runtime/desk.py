@@ -1,0 +1,136 @@
+"""The cluster's planning desk: one load at a time probes, plans and reserves its GPUs, and the
+host memory a load planned on each node stays reserved until its workers hold it.
+
+Two loads launched together raced: each one's probe task holds the free GPUs it measures, so
+the other saw none free and failed ("every GPU ... is held"), or both planned the same free
+GPUs and one waited out its placement timeout; and both planned the same host memory, since a
+node's available memory drops only once a load's workers allocate their arenas. So a load
+takes its **turn** before it probes and leaves it once its placement groups are reserved (the
+GPUs are then held for it), and it leaves a **reservation** of the host bytes its plan puts on
+each node, which the next loads' budgets subtract until its workers have loaded (their arenas
+then show in the probes' available memory) or it failed.
+
+Both live in Ray's internal key-value store (in the GCS: shared by every driver, keeper and
+server of the cluster; its create-if-absent is atomic). A turn or a reservation whose holder
+died (killed with -9) expires: after TURN_LEASE_S and RESERVATION_LEASE_S.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterable
+
+from ray.experimental import internal_kv
+
+from coordinator.runtime.errors import LaunchError
+
+KV_NAMESPACE = "offload-coordinator"
+TURN_KEY = "planning-turn"
+RESERVATION_PREFIX = "host-reservation:"
+TURN_WAIT_S = 300.0  # a load waits this long for its turn, then fails naming the holder
+TURN_LEASE_S = 300.0  # a turn not left by then is taken to be a dead holder's
+RESERVATION_LEASE_S = 3600.0  # a reservation not released by then is a dead holder's
+POLL_S = 0.2
+
+
+def _get(key: str) -> dict | None:
+    raw = internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE)
+    return json.loads(raw) if raw else None
+
+
+class Turn:
+    """One load's turn at the desk (`with Turn(what) as turn:`), and its host reservation.
+
+    Entering waits for the turn; `leave(host_bytes)` reserves the host bytes per node and
+    leaves the turn, once the caller's GPUs are reserved (`parts` callers each leave once: the
+    turn is left when the last has); exiting leaves it if still held and drops the
+    reservation."""
+
+    def __init__(self, what: str, parts: int = 1, wait_s: float = TURN_WAIT_S) -> None:
+        self.what = what
+        self.key = f"{what} ({socket.gethostname()}, pid {os.getpid()}, {uuid.uuid4().hex[:8]})"
+        self.parts = parts
+        self._wait_s = wait_s
+        self._reserved: Counter = Counter()
+        self._holding = False
+
+    def __enter__(self) -> Turn:
+        start = time.monotonic()
+        value = json.dumps({"holder": self.key, "until": time.time() + TURN_LEASE_S})
+        while internal_kv._internal_kv_put(
+            TURN_KEY, value, overwrite=False, namespace=KV_NAMESPACE
+        ):
+            held = _get(TURN_KEY)
+            if held is not None and held["until"] < time.time():  # its holder died
+                internal_kv._internal_kv_del(TURN_KEY, namespace=KV_NAMESPACE)
+                continue
+            if time.monotonic() - start > self._wait_s:
+                holder = held["holder"] if held else "another load"
+                raise LaunchError(
+                    f"{self.what}: waited {self._wait_s:.0f} s (TURN_WAIT_S) for {holder} to "
+                    "finish probing and reserving its GPUs; try again, or unload it"
+                )
+            time.sleep(POLL_S)
+        self._value = value
+        self._holding = True
+        return self
+
+    def reserved_elsewhere(self) -> dict[str, int]:
+        """Host bytes per node that other loads planned and do not hold yet."""
+        return reserved_host(exclude=self.key)
+
+    def leave(self, host_bytes: Iterable[tuple[str, int]] = ()) -> None:
+        """Reserve `host_bytes` ((node id, bytes) pairs) and, once every part has left, leave
+        the turn."""
+        for node, nbytes in host_bytes:
+            self._reserved[node] += int(nbytes)
+        if self._reserved:
+            internal_kv._internal_kv_put(
+                RESERVATION_PREFIX + self.key,
+                json.dumps(
+                    {"nodes": dict(self._reserved), "until": time.time() + RESERVATION_LEASE_S}
+                ),
+                namespace=KV_NAMESPACE,
+            )
+        self.parts -= 1
+        if self.parts <= 0:
+            self._leave_turn()
+
+    def _leave_turn(self) -> None:
+        if not self._holding:
+            return
+        self._holding = False
+        held = internal_kv._internal_kv_get(TURN_KEY, namespace=KV_NAMESPACE)
+        if held is not None and held.decode() == self._value:  # ours: not a later holder's
+            internal_kv._internal_kv_del(TURN_KEY, namespace=KV_NAMESPACE)
+
+    def __exit__(self, *exc) -> None:
+        self._leave_turn()
+        internal_kv._internal_kv_del(RESERVATION_PREFIX + self.key, namespace=KV_NAMESPACE)
+
+
+def reserved_host(exclude: str | None = None) -> dict[str, int]:
+    """Host bytes per node reserved by loads that do not hold them yet (but `exclude`'s)."""
+    total: Counter = Counter()
+    for key in internal_kv._internal_kv_list(RESERVATION_PREFIX, namespace=KV_NAMESPACE):
+        name = key.decode()
+        if name == RESERVATION_PREFIX + (exclude or ""):
+            continue
+        entry = _get(name)
+        if entry is None:
+            continue
+        if entry["until"] < time.time():  # its holder died
+            internal_kv._internal_kv_del(name, namespace=KV_NAMESPACE)
+            continue
+        total.update(entry["nodes"])
+    return dict(total)
+
+
+def host_bytes_of(the_plan) -> list[tuple[str, int]]:
+    """The host bytes a plan's workers allocate, per node: their arenas (offloaded bytes)."""
+    return [(s.node_id, s.offloaded_bytes) for s in the_plan.stages if s.offloaded_bytes]
