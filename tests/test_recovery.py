@@ -533,6 +533,7 @@ def test_a_replan_on_simulated_gpus_that_hold_memory_credits_the_survivors(
                 PlanOptions(),
             )
 
+        wait_gpus_free(3 - stages)  # the probes' GPUs back in the cluster's view of them
         c.remove_node(nodes[job.workers[0].node_id])
         assert torch.equal(job.forward(ids), expected)
         [event] = job.events
@@ -704,6 +705,9 @@ def test_the_desk_gives_one_turn_at_a_time_and_reserves_host_memory(cluster) -> 
     """A turn is held by one load at a time (a second waits, or fails after its wait naming the
     holder); the host bytes a load left reserved count against every other load's budgets on
     that node until it exits, and never against its own."""
+    from ray.experimental import internal_kv
+
+    from coordinator.runtime import desk
     from coordinator.runtime.desk import Turn, reserved_host
 
     with Turn("load 'a'") as a:
@@ -720,6 +724,20 @@ def test_the_desk_gives_one_turn_at_a_time_and_reserves_host_memory(cluster) -> 
             assert reserved_host() == {"node-1": 1024, "node-2": 5}
         assert reserved_host() == {"node-1": 1000, "node-2": 5}
     assert reserved_host() == {}
+    # A holder killed with -9 renews nothing: its turn and reservation expire, and go.
+    dead = json.dumps({"holder": "load 'gone'", "until": time.time() - 1})
+    internal_kv._internal_kv_put(desk.TURN_KEY, dead, namespace=desk.KV_NAMESPACE)
+    gone = json.dumps({"nodes": {"node-1": 7}, "until": time.time() - 1})
+    internal_kv._internal_kv_put(
+        desk.RESERVATION_PREFIX + "load 'gone'", gone, namespace=desk.KV_NAMESPACE
+    )
+    with Turn("load 'c'", wait_s=1) as c:
+        assert c.reserved_elsewhere() == {}
+        c.leave([("node-1", 3)])
+        time.sleep(desk.RENEW_S * 1.5)  # renewed meanwhile: still reserved, the lease ahead
+        [key] = internal_kv._internal_kv_list(desk.RESERVATION_PREFIX, namespace=desk.KV_NAMESPACE)
+        entry = json.loads(internal_kv._internal_kv_get(key, namespace=desk.KV_NAMESPACE))
+        assert entry["until"] > time.time() + desk.RESERVATION_LEASE_S - desk.RENEW_S * 1.5
     probed = {"hostname": "h", "error": None, "pin": {"pin": False}}
     from offload import NodeProbe
 

@@ -11,15 +11,18 @@ each node, which the next loads' budgets subtract until its workers have loaded 
 then show in the probes' available memory) or it failed.
 
 Both live in Ray's internal key-value store (in the GCS: shared by every driver, keeper and
-server of the cluster; its create-if-absent is atomic). A turn or a reservation whose holder
-died (killed with -9) expires: after TURN_LEASE_S and RESERVATION_LEASE_S.
+server of the cluster; its create-if-absent is atomic). Each carries a lease that its holder
+renews every RENEW_S while it lives: a turn or a reservation whose holder died (killed with -9)
+expires within TURN_LEASE_S or RESERVATION_LEASE_S, and never blocks the cluster longer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+import threading
 import time
 import uuid
 from collections import Counter
@@ -33,8 +36,9 @@ KV_NAMESPACE = "offload-coordinator"
 TURN_KEY = "planning-turn"
 RESERVATION_PREFIX = "host-reservation:"
 TURN_WAIT_S = 300.0  # a load waits this long for its turn, then fails naming the holder
-TURN_LEASE_S = 300.0  # a turn not left by then is taken to be a dead holder's
-RESERVATION_LEASE_S = 3600.0  # a reservation not released by then is a dead holder's
+TURN_LEASE_S = 20.0  # a turn not renewed for this long is a dead holder's
+RESERVATION_LEASE_S = 60.0  # the same for a reservation
+RENEW_S = 2.0
 POLL_S = 0.2
 
 
@@ -58,12 +62,16 @@ class Turn:
         self._wait_s = wait_s
         self._reserved: Counter = Counter()
         self._holding = False
+        self._lock = threading.Lock()  # leaves (replicas' threads) and the renewals
+        self._stop = threading.Event()
+
+    def _turn_value(self) -> str:
+        return json.dumps({"holder": self.key, "until": time.time() + TURN_LEASE_S})
 
     def __enter__(self) -> Turn:
         start = time.monotonic()
-        value = json.dumps({"holder": self.key, "until": time.time() + TURN_LEASE_S})
         while internal_kv._internal_kv_put(
-            TURN_KEY, value, overwrite=False, namespace=KV_NAMESPACE
+            TURN_KEY, self._turn_value(), overwrite=False, namespace=KV_NAMESPACE
         ):
             held = _get(TURN_KEY)
             if held is not None and held["until"] < time.time():  # its holder died
@@ -76,8 +84,8 @@ class Turn:
                     "finish probing and reserving its GPUs; try again, or unload it"
                 )
             time.sleep(POLL_S)
-        self._value = value
         self._holding = True
+        threading.Thread(target=self._renew_loop, daemon=True, name="offload-turn").start()
         return self
 
     def reserved_elsewhere(self) -> dict[str, int]:
@@ -87,31 +95,53 @@ class Turn:
     def leave(self, host_bytes: Iterable[tuple[str, int]] = ()) -> None:
         """Reserve `host_bytes` ((node id, bytes) pairs) and, once every part has left, leave
         the turn."""
-        for node, nbytes in host_bytes:
-            self._reserved[node] += int(nbytes)
-        if self._reserved:
-            internal_kv._internal_kv_put(
-                RESERVATION_PREFIX + self.key,
-                json.dumps(
-                    {"nodes": dict(self._reserved), "until": time.time() + RESERVATION_LEASE_S}
-                ),
-                namespace=KV_NAMESPACE,
-            )
-        self.parts -= 1
-        if self.parts <= 0:
+        with self._lock:
+            for node, nbytes in host_bytes:
+                self._reserved[node] += int(nbytes)
+            if self._reserved:
+                self._write_reservation()
+            self.parts -= 1
+            if self.parts <= 0:
+                self._leave_turn()
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        with self._lock:
             self._leave_turn()
+            self._reserved.clear()
+            internal_kv._internal_kv_del(RESERVATION_PREFIX + self.key, namespace=KV_NAMESPACE)
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(RENEW_S):
+            with contextlib.suppress(Exception):  # the GCS away a moment: the next tick
+                self._renew()
+
+    def _renew(self) -> None:
+        """Extend the leases of what this holder still holds."""
+        with self._lock:
+            if self._holding and self._holds_turn():
+                internal_kv._internal_kv_put(
+                    TURN_KEY, self._turn_value(), overwrite=True, namespace=KV_NAMESPACE
+                )
+            if self._reserved:
+                self._write_reservation()
+
+    def _holds_turn(self) -> bool:
+        held = _get(TURN_KEY)
+        return held is not None and held["holder"] == self.key
 
     def _leave_turn(self) -> None:
         if not self._holding:
             return
         self._holding = False
-        held = internal_kv._internal_kv_get(TURN_KEY, namespace=KV_NAMESPACE)
-        if held is not None and held.decode() == self._value:  # ours: not a later holder's
+        if self._holds_turn():  # ours, not a later holder's (had ours expired)
             internal_kv._internal_kv_del(TURN_KEY, namespace=KV_NAMESPACE)
 
-    def __exit__(self, *exc) -> None:
-        self._leave_turn()
-        internal_kv._internal_kv_del(RESERVATION_PREFIX + self.key, namespace=KV_NAMESPACE)
+    def _write_reservation(self) -> None:
+        entry = {"nodes": dict(self._reserved), "until": time.time() + RESERVATION_LEASE_S}
+        internal_kv._internal_kv_put(
+            RESERVATION_PREFIX + self.key, json.dumps(entry), namespace=KV_NAMESPACE
+        )
 
 
 def reserved_host(exclude: str | None = None) -> dict[str, int]:

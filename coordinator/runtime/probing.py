@@ -21,6 +21,7 @@ from coordinator.config import JobConfig, node_env
 from coordinator.planning.budgets import node_info
 from coordinator.planning.snapshot import ClusterSnapshot, NodeInfo
 from coordinator.runtime.errors import LaunchError, WorkerLostError
+from coordinator.runtime.record import load_of_group
 from worker.node import probe_task, probe_unless_cuda
 
 PROBE_TIMEOUT_S = 120.0  # one probe task per node; includes starting a Ray worker process
@@ -74,8 +75,6 @@ def usable_gpus(own: Iterable[str] = (), free: dict[str, int] | None = None) -> 
 
 def held_elsewhere() -> str:
     """Who holds the cluster's GPUs, for an error: the named loads' placement groups."""
-    from coordinator.runtime.registry import load_of_group
-
     counts: Counter = Counter()
     for entry in ray.util.placement_group_table().values():
         if entry.get("state") == "CREATED":

@@ -174,3 +174,10 @@ class LoadRecord:
 
     def update(self, changes: dict) -> None:
         self.record.update(changes)
+
+
+def load_of_group(group_name: str) -> str | None:
+    """The load a placement group named `load:NAME:pg-N` belongs to (None: not a load's)."""
+    if not group_name.startswith(RECORD_PREFIX) or ":pg-" not in group_name:
+        return None
+    return group_name[len(RECORD_PREFIX) :].rpartition(":pg-")[0]

@@ -182,13 +182,6 @@ def group_of(record: dict, index) -> WorkerGroup:
     )
 
 
-def load_of_group(group_name: str) -> str | None:
-    """The load a placement group named `load:NAME:pg-N` belongs to (None: not a load's)."""
-    if not group_name.startswith(RECORD_PREFIX) or ":pg-" not in group_name:
-        return None
-    return group_name[len(RECORD_PREFIX) :].rpartition(":pg-")[0]
-
-
 def _config_dict(config: JobConfig) -> dict:
     data = dataclasses.asdict(config)
     data["overrides"] = [  # the criteria given only: a job file's reader refuses a null one
