@@ -460,3 +460,59 @@ def test_a_simulated_gpu_with_a_size_holds_what_its_stage_does(index, tmp_path, 
     finally:
         crowded.close()
     assert ledger.holders(1) == {os.getppid(): total - needed}
+
+
+def test_a_reconfigure_frees_the_old_arena_first_where_the_host_cannot_hold_both(
+    index, monkeypatch
+) -> None:
+    """Issue 57 point 7: a reconfigure allocated the new arena before freeing the old one, so a
+    survivor of a re-plan that offloads more held both (and on a full host was OOM-killed).
+    Where the host has too little memory available for the new arena beside the old one, the
+    old goes first and the layers it held are read again from disk; with room, they move in
+    memory (as the test above). The logits equal transformers' both ways."""
+    import worker.worker as worker_module
+    from coordinator.tools.reference import reference_logits
+
+    order = []
+    create = worker_module.create_offloader
+
+    def create_logged(*args, **kwargs):
+        order.append("create")
+        offloader = create(*args, **kwargs)
+        detach = offloader.detach
+
+        def detach_logged(**kw):
+            order.append("detach")
+            detach(**kw)
+
+        offloader.detach = detach_logged
+        return offloader
+
+    monkeypatch.setattr(worker_module, "create_offloader", create_logged)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(8))
+    expected = reference_logits(str(index.root), ids)
+    everything = [layer.name for layer in index.layers]
+    worker = StageWorker(stage_spec(index, everything, offloaded=("layers.1",)), device="cpu")
+    try:
+        worker.load()
+        arena = nbytes(index, ["layers.1", "layers.2"])  # what the new stage offloads
+        monkeypatch.setattr(worker_module, "host_memory", lambda: (1 << 40, arena))  # < arena/0.9
+        order.clear()
+        chunks = worker.reconfigure(
+            stage_spec(index, everything, offloaded=("layers.1", "layers.2"))
+        )
+        assert order[:2] == ["detach", "create"]  # the old arena went first
+        assert sum(chunks.values()) == nbytes(index, ["layers.1"])  # what it held: read again
+        for chunk in chunks:
+            worker.load_chunk(chunk)
+        worker.finish_load()
+        assert torch.equal(worker.forward(ids), expected)
+
+        monkeypatch.setattr(worker_module, "host_memory", lambda: (1 << 40, 1 << 40))
+        order.clear()
+        assert worker.reconfigure(stage_spec(index, everything, offloaded=("layers.2",))) == {}
+        assert order == ["create", "detach"]  # room for both: layers.2 moved in memory
+        worker.finish_load()
+        assert torch.equal(worker.forward(ids), expected)
+    finally:
+        worker.close()

@@ -53,6 +53,11 @@ from worker.wire import Packed, pack, unpack
 LOAD_CHUNK_BYTES = 64 * 2**20  # progress granularity
 
 
+# A reconfigure allocates its new arena beside the old one only where the host has this share
+# of its bytes available beyond them (the rest: page cache, the process's own growth).
+HOST_HEADROOM_FRACTION = 0.9
+
+
 class WorkerError(LaunchError):
     """A worker could not load or run its stage; the message says which stage and why."""
 
@@ -220,6 +225,12 @@ class StageWorker:
         # memory) is read again: neither way round is exact (a resident FP8 layer holds its
         # dequantized weights, an 8-bit one lost what quantizing dropped)
         carried = {n for n in carried if previous.held_formats(n) == held(formats, stored, n)}
+        # Host memory: the new arena is allocated while the old one still holds what it hands
+        # over, unless the node cannot hold both (a survivor of a re-plan that offloads more
+        # was OOM-killed so): then the old arena goes first, and its layers are read again.
+        host_first = previous is not None and self._frees_host_first(previous)
+        if host_first:
+            carried -= set(previous.spec.offloaded)
         # adopted as they are: resident layers at width (stored ones are copied: their
         # parameters view the old stage's dequantization buffer)
         kept_resident = {
@@ -233,6 +244,8 @@ class StageWorker:
             # then the old prefetch slots (copies of the old arena, which the moves read)
             self._batches.reset()
             previous.offloader.release_device_buffers()
+            if host_first:  # its arena and slots go now: nothing is copied from them
+                previous.offloader.detach(restore=False)
             for name, module in previous.modules.items():
                 if name not in carried and name not in previous.spec.offloaded:
                     module.to("meta")
@@ -287,6 +300,16 @@ class StageWorker:
         self._chunks = self._make_chunks([n for n in names if n not in carried])
         self._ready = False
         self._snapshots.restart()
+
+    def _frees_host_first(self, previous: Placement) -> bool:
+        """Whether the old stage's arena must go before the new one is allocated: this host
+        has less memory available than HOST_HEADROOM_FRACTION of the new arena's bytes."""
+        if not previous.spec.offloaded or not self.spec.offloaded:
+            return False
+        unit = self.spec.offload_unit
+        new = sum(self._layer_specs[n].unit_bytes(unit) for n in self.spec.offloaded)
+        _, available = host_memory()
+        return new > available * HOST_HEADROOM_FRACTION
 
     def _offload_formats(self, stage: Stage, config: OffloadConfig) -> dict[str, dict]:
         """The offloaded parameters kept in 8 bits (`worker.spec.parameter_formats` under the
