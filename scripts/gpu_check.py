@@ -1390,6 +1390,75 @@ def section_pinning(s: Section) -> None:
                 )
 
 
+def section_recovery(s: Section) -> None:
+    """Issue 57 points 1 and 2 on this device: what a re-plan budgets for a survivor's GPU. A
+    stage loaded here answers the probe as a surviving worker does (`StageWorker.node_probe`):
+    its GPU's free memory with its own stage counted as free, since the new plan replaces it.
+    That budget must be about what the GPU had free before the stage (the CUDA context aside),
+    not what the stage leaves: before, survivors' budgets collapsed to about the reserve. On
+    the CPU, the same on a simulated GPU with a size (`offload.simulated`: its ledger)."""
+    import torch
+
+    import worker.node as node_module
+    import worker.worker as worker_module
+    from coordinator.config import JobConfig
+    from coordinator.planning.budgets import GPU_BUDGET_FRACTION, node_info
+    from offload.simulated import DeviceLedger
+
+    with tempfile.TemporaryDirectory() as tmp:
+        index = _checkpoint(s, Path(tmp), "llama", "bfloat16")
+        spec = _two_stages(index, "prefetch")[0]
+        previous = os.environ.get("OFFLOAD_SIMULATED_GPU_MEMORY")
+        place = worker_module.simulated_place
+        if not s.cuda:  # a simulated GPU of 1 GiB, its ledger in this folder
+            os.environ["OFFLOAD_SIMULATED_GPU_MEMORY"] = str(1 << 30)
+            ledger = DeviceLedger("gpu-check", root=Path(tmp) / "ledger")
+            worker_module.simulated_place = node_module.simulated_place = lambda: (ledger, [0])
+            free_before = 1 << 30
+        else:
+            torch.cuda.init()
+            torch.empty(1, device=s.device)  # this process's CUDA context first
+            free_before = torch.cuda.mem_get_info(s.device)[0]
+        worker = worker_module.StageWorker(spec, device=str(s.device))
+        try:
+            worker.load()
+            held = worker.device_bytes()
+            left = torch.cuda.mem_get_info(s.device)[0] if s.cuda else ledger.free(0, 1 << 30)
+            answered = worker.node_probe()
+        finally:
+            worker.close()
+            if not s.cuda:
+                worker_module.simulated_place = node_module.simulated_place = place
+                if previous is None:
+                    os.environ.pop("OFFLOAD_SIMULATED_GPU_MEMORY", None)
+                else:
+                    os.environ["OFFLOAD_SIMULATED_GPU_MEMORY"] = previous
+        probe = answered["probe"]
+        devices = probe.devices if s.cuda else probe.simulated_devices
+        credited = devices[0].free_memory_bytes if devices else None
+        s.data["free before / left by the stage / credited (bytes)"] = [free_before, left, credited]
+        s.data["the stage holds (bytes)"] = held
+        s.check(
+            "a survivor's GPU counts its own stage as free",
+            credited is not None and credited - left >= held,
+            f"credited {credited}, left {left}, stage {held}",
+        )
+        slack = 256 << 20 if s.cuda else 0  # cuBLAS' workspace and the like: not the stage's
+        s.check(
+            "the credited free memory is what the GPU had before the stage",
+            credited is not None and credited >= free_before - slack,
+            f"credited {credited}, before {free_before}",
+        )
+        info = node_info(JobConfig(checkpoint="c"), answered, node_id="survivor", num_gpus=1)
+        budget = info.gpus[0].memory_bytes
+        s.data["re-plan budget (bytes)"] = budget
+        s.check(
+            "the re-plan budgets 90% of it",
+            credited is not None and budget == int(credited * GPU_BUDGET_FRACTION),
+            f"budget {budget}",
+        )
+
+
 def section_pytest_gpu(s: Section) -> None:
     if s.dry:
         raise Skip("dry run: the suite runs tests/test_gpu.py itself (skipped without CUDA)")
@@ -1435,6 +1504,7 @@ SECTIONS: dict[str, tuple[Callable[[Section], None], float]] = {
     "quantized_moe": (section_quantized_moe, 90),
     "resident_stored": (section_resident_stored, 60),
     "pinning": (section_pinning, 45),
+    "recovery": (section_recovery, 45),
     "pytest_gpu": (section_pytest_gpu, 240),
 }
 
