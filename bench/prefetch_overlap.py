@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from offload import OffloadConfig, PrefetchOffloader, create_offloader
 from offload.arena import HostArena, TensorSpec
-from offload.copy_engine import make_copy_engine
+from offload.copy_engines import make_copy_engine
 
 
 def make_stack(num_layers: int, hidden: int, device: torch.device) -> list[nn.Module]:

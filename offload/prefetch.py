@@ -74,7 +74,8 @@ from torch import nn
 from offload.arena import HostArena, align_up
 from offload.base import BaseOffloader, param_bytes, require_inference
 from offload.config import OffloadConfig
-from offload.copy_engine import CopyEngine, make_copy_engine
+from offload.copy_engine import CopyEngine
+from offload.copy_engines import make_copy_engine
 from offload.host_store import (
     OffloadedLayer,
     decide_for_device,

@@ -556,7 +556,8 @@ def section_prefetch_timing(s: Section) -> None:
     import torch
 
     from offload import HostArena, OffloadConfig, PrefetchOffloader, TensorSpec
-    from offload.copy_engine import CudaCopyEngine, make_copy_engine
+    from offload.copy_engine import CudaCopyEngine
+    from offload.copy_engines import make_copy_engine
 
     num_layers, hidden = (4, 64) if s.dry else (8, 4096)
     dtype = torch.float16 if s.cuda else torch.float32

@@ -114,7 +114,7 @@ def test_pageable_copies_bounce_through_pinned_chunks_only_where_the_node_pins()
     """Issue 57: the staged engine's bounce chunks are pinned memory, so it serves only nodes
     whose decision pins; with pinning off the copies read pageable memory (a CUDA side stream:
     each copy then blocks the host), and nothing is pinned."""
-    from offload.copy_engine import copy_engine_kind
+    from offload.copy_engines import copy_engine_kind
 
     assert copy_engine_kind("cuda", pinned_source=False, may_pin=True) == "staged"
     assert copy_engine_kind("cuda", pinned_source=False, may_pin=False) == "cuda"

@@ -157,16 +157,16 @@ def test_prefetch_through_the_staged_engine_matches_resident(layers, step: int) 
 
 
 def test_cuda_prefetch_from_pageable_memory_takes_the_staged_engine(monkeypatch) -> None:
-    import offload.staging as staging_module
+    import offload.copy_engines as engines
 
-    monkeypatch.setattr(staging_module, "CudaStaging", lambda device: LazyStream())
-    made = copy_engine_module.make_copy_engine(torch.device("cuda", 0), pinned_source=False)
+    monkeypatch.setattr(engines, "CudaStaging", lambda device: LazyStream())
+    made = engines.make_copy_engine(torch.device("cuda", 0), pinned_source=False)
     try:
         assert isinstance(made, StagedCopyEngine) and made.pinned_bytes == 2 * 8 * 2**20
     finally:
         made.close()
     assert isinstance(
-        copy_engine_module.make_copy_engine(torch.device("cpu"), pinned_source=False),
+        engines.make_copy_engine(torch.device("cpu"), pinned_source=False),
         copy_engine_module.ThreadCopyEngine,
     )
 

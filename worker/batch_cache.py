@@ -39,16 +39,7 @@ from worker.spec import DEFAULT_BLOCK_SIZE, blocks_for
 if TYPE_CHECKING:
     from worker.batch_view import BatchView
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "KvPool", "blocks_for", "row_positions"]
-
-
-def row_positions(starts: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
-    """Position ids (rows, width) of rows left-padded to `width`: each real token its place in
-    its sequence (row r's `counts[r]` tokens from `starts[r]` on), padding 0."""
-    if width == 1:  # one token a row (a decode step): at its start
-        return starts[:, None]
-    column = torch.arange(width, device=starts.device)
-    return (starts[:, None] + column - (width - counts[:, None])).clamp(min=0)
+__all__ = ["DEFAULT_BLOCK_SIZE", "KvPool", "blocks_for"]
 
 
 class KvPool:

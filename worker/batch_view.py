@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import Cache
 
-from worker.batch_cache import KvPool, row_positions
+from worker.positions import row_positions
 from worker.spec import blocks_for
+
+if TYPE_CHECKING:
+    from worker.batch_cache import KvPool
 
 # A mask function other than the two `worker.stage` routes here reached the cache: this family
 # builds its masks some other way, and a mask sized as one sequence would be silently wrong.

@@ -22,9 +22,10 @@ from dataclasses import replace
 
 import torch
 
-from worker.batch_cache import KvPool, row_positions
+from worker.batch_cache import KvPool
 from worker.decode import RowSettings, logprobs_of, sample_rows
 from worker.guided import GuideBook, Guided, GuideError, words_for
+from worker.positions import row_positions
 from worker.steps import (
     NO_TOKEN,
     Chosen,

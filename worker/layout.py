@@ -430,6 +430,28 @@ def measure_cache_writes(hf_config) -> CacheWrites:
     return _MEASURED[key]
 
 
+class PassThrough(nn.Module):
+    """Stands in for a module another stage holds: returns the hidden states it is given. In
+    place of a decoder block whose forward returns a tuple (Falcon, GPT-J, Bloom: `(hidden,
+    attn_weights)`, the model taking `outputs[0]`), it returns a tuple of as many entries, the
+    hidden states first: a bare tensor would be indexed by the model, losing its batch dim."""
+
+    def __init__(self, tuple_length: int = 0) -> None:
+        super().__init__()
+        self.tuple_length = tuple_length
+
+    def forward(self, *args, **kwargs):
+        if args:
+            hidden = args[0]
+        elif "hidden_states" in kwargs:
+            hidden = kwargs["hidden_states"]
+        else:
+            hidden = next(iter(kwargs.values()))
+        if self.tuple_length:
+            return (hidden, *(None,) * (self.tuple_length - 1))
+        return hidden
+
+
 _MEASURED: dict[str, CacheWrites] = {}  # config.json text -> measure_cache_writes
 # An MLP or MoE block by its class (Nemotron-H calls every block's one child `mixer`)
 _MLP_CLASS = re.compile(r"(MLP|Mlp|MoE|Moe|Experts)(Block)?$")
@@ -439,7 +461,6 @@ def _measure_cache_writes(hf_config) -> CacheWrites:
     from transformers import DynamicCache
 
     from worker.spec import MLP_NAMES
-    from worker.stage import PassThrough
 
     written: dict[int, int] = {}
     states: dict[tuple[str, int, int], int] = {}  # (kind, layer, state index) -> bytes

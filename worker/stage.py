@@ -29,29 +29,7 @@ import torch
 from torch import nn
 
 from worker.batch_view import BatchView
-from worker.layout import EMBED, HEAD, build_meta_model, find_layout
-
-
-class PassThrough(nn.Module):
-    """Stands in for a module another stage holds: returns the hidden states it is given. In
-    place of a decoder block whose forward returns a tuple (Falcon, GPT-J, Bloom: `(hidden,
-    attn_weights)`, the model taking `outputs[0]`), it returns a tuple of as many entries, the
-    hidden states first: a bare tensor would be indexed by the model, losing its batch dim."""
-
-    def __init__(self, tuple_length: int = 0) -> None:
-        super().__init__()
-        self.tuple_length = tuple_length
-
-    def forward(self, *args, **kwargs):
-        if args:
-            hidden = args[0]
-        elif "hidden_states" in kwargs:
-            hidden = kwargs["hidden_states"]
-        else:
-            hidden = next(iter(kwargs.values()))
-        if self.tuple_length:
-            return (hidden, *(None,) * (self.tuple_length - 1))
-        return hidden
+from worker.layout import EMBED, HEAD, PassThrough, build_meta_model, find_layout
 
 
 class ZeroEmbedding(nn.Module):
