@@ -115,6 +115,23 @@ def budgets(index, backend: str = "prefetch") -> tuple[int, int]:
     return gpu, host
 
 
+def budgeted_job(c: Cluster, tmp_path, backend: str = "prefetch", **changes):
+    """A checkpoint of SHAPE, its index, and a job on `c` with the `budgets` for it (and
+    `changes` to its config): what most tests here load."""
+    checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
+    index = load_index(checkpoint)
+    gpu, host = budgets(index, backend)
+    config = JobConfig(
+        checkpoint=checkpoint,
+        address=c.address,
+        gpu_memory_bytes=gpu,
+        host_memory_bytes=host,
+        **({"backend": backend} if backend != "prefetch" else {}),
+        **changes,
+    )
+    return checkpoint, index, config
+
+
 def wait_events(name: str, count: int, timeout_s: float = 90.0) -> list[dict]:
     """The named load's events once it has `count` of them (its keeper adds them)."""
     from coordinator.runtime import registry
@@ -257,16 +274,7 @@ def test_a_named_load_heals_itself_and_leaves_out_a_node_that_keeps_failing(
 
     c = cluster
     gpu_nodes(c, 3)
-    checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
-    index = load_index(checkpoint)
-    gpu, host = budgets(index)
-    config = JobConfig(
-        checkpoint=checkpoint,
-        address=c.address,
-        gpu_memory_bytes=gpu,
-        host_memory_bytes=host,
-        watch_interval_s=0.5,
-    )
+    checkpoint, index, config = budgeted_job(c, tmp_path, watch_interval_s=0.5)
     ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(8))
     expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
     launch(config, name="healing").close()  # detached: nobody attached from here on
@@ -388,16 +396,7 @@ def test_lost_nodes_replan_fail_with_numbers_then_recover(cluster, tmp_path, cap
     between the device and the arena the UVA parameters are views of."""
     c = cluster
     nodes = gpu_nodes(c, 3)
-    checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
-    index = load_index(checkpoint)
-    gpu, host = budgets(index, "uva")
-    config = JobConfig(
-        checkpoint=checkpoint,
-        address=c.address,
-        gpu_memory_bytes=gpu,
-        host_memory_bytes=host,
-        backend="uva",
-    )
+    checkpoint, index, config = budgeted_job(c, tmp_path, "uva")
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(7))
     expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
     nbytes = {layer.name: layer.file_bytes for layer in index.layers}
@@ -552,12 +551,7 @@ def test_a_worker_whose_load_failed_is_replaced_like_a_lost_one(cluster, tmp_pat
     output is the same."""
     c = cluster
     gpu_nodes(c, 3)
-    checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
-    index = load_index(checkpoint)
-    gpu, host = budgets(index)
-    config = JobConfig(
-        checkpoint=checkpoint, address=c.address, gpu_memory_bytes=gpu, host_memory_bytes=host
-    )
+    checkpoint, _, config = budgeted_job(c, tmp_path)
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
     expected = reference_logits(checkpoint, ids, num_threads=config.cpus_per_worker)
     job = launch(config, name="mended")
@@ -652,16 +646,7 @@ def test_two_loads_launched_together_share_a_node(cluster, tmp_path) -> None:
     c = cluster
     gpu_nodes(c, 2)  # the one-GPU nodes stay out of it: the loads run on `nodes`
     big = c.add_node(num_cpus=4, num_gpus=4)
-    checkpoint = str(make_checkpoint(tmp_path / "ckpt", SHAPE))
-    index = load_index(checkpoint)
-    gpu, host = budgets(index)
-    config = JobConfig(
-        checkpoint=checkpoint,
-        address=c.address,
-        gpu_memory_bytes=gpu,
-        host_memory_bytes=host,
-        nodes=f"{big.node_id}=2",
-    )
+    checkpoint, _, config = budgeted_job(c, tmp_path, nodes=f"{big.node_id}=2")
     measured = tmp_path / "measured"  # the first load's probe holds the GPUs until it exists
     held = dataclasses.replace(
         config,
