@@ -22,7 +22,7 @@ per token <= 1.3x the ideal at batch 1 with a cold cache; routed tokens/s >= 3x 
 batch 1 on this machine's CPU stand-in. At batch 1 every routed text must equal the layer run's
 (both are transformers' numbers; a difference is a bug and exits 1). At larger batches the
 requests join as their threads reach the engine, so the two runs' steps may batch different
-rows, which in bfloat16 may round differently (README: bf16 batches): there the count of texts
+rows, which in bfloat16 may round differently (docs/serving.md, on bfloat16 batches): there the count of texts
 that differ is reported, not judged.
 
     .venv/bin/python bench/moe_offload.py [--batches 1,4,16,64] [--new-tokens 32] [--json F]

@@ -431,9 +431,9 @@ def test_every_request_field_is_applied_or_refused_by_name() -> None:
                 check_fields({name: "any"}, endpoint)  # applied: its own checks come later
     with pytest.raises(BadRequest, match="unknown field 'temprature'"):
         check_fields({"temprature": 0}, COMPLETIONS)
-    # the README's table of request fields names every one, and no other
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    table = readme[readme.index("| Field | Endpoints |") :].split("\n\n", 1)[0]
+    # the serving page's table of request fields names every one, and no other
+    page = (Path(__file__).parent.parent / "docs" / "serving.md").read_text()
+    table = page[page.index("| Field | Endpoints |") :].split("\n\n", 1)[0]
     named = set(re.findall(r"`([a-z_]+)`", "\n".join(r.split("|")[1] for r in table.splitlines())))
     assert named == set(FIELDS), (set(FIELDS) - named, named - set(FIELDS))
 

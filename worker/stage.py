@@ -231,7 +231,7 @@ def avoid_per_shape_attention_graphs(device: torch.device) -> bool:
     lengths ran at 100 tokens/s with cuDNN and 592 without it, warm 551-665 and 643-648. The
     flash kernel builds nothing per shape. Process-wide, because the flag is torch's and a
     worker's process is its stage's; a stage driven in-process changes its caller's torch too
-    (stated in the README)."""
+    (stated in docs/formats-and-families.md)."""
     if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
         return False
     torch.backends.cuda.enable_cudnn_sdp(False)

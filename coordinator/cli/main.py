@@ -526,7 +526,28 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch", type=_positive, default=16)
     demo.add_argument("--step", type=_prefetch_step, default=2, help="prefetch slots")
     demo.add_argument("--repeats", type=_positive, default=15)
+    for name, sub in commands.choices.items():
+        sub.epilog = f"More: docs/{DOCS_PAGES[name]}; its errors: docs/troubleshooting.md."
+    pages = sorted({*DOCS_PAGES.values(), "troubleshooting.md", "benchmarks.md"})
+    parser.epilog = "More: README.md, then " + ", ".join(f"docs/{p}" for p in pages) + "."
+
     return parser
+
+
+# The docs page that covers each command (`offloadctl COMMAND --help` names it)
+DOCS_PAGES = {
+    "make-checkpoint": "formats-and-families.md",
+    "plan": "loading-and-planning.md",
+    "load": "loading-and-planning.md",
+    "run": "loading-and-planning.md",
+    "generate": "serving.md",
+    "serve": "serving.md",
+    "status": "operations.md",
+    "unload": "operations.md",
+    "list": "operations.md",
+    "check-cluster": "cluster-and-pinning.md",
+    "node-demo": "architecture.md",
+}
 
 
 _bar: dict[str, object] = {}  # the load's progress bar while it runs

@@ -224,5 +224,5 @@ def _token_refused(address: str) -> ClusterUnreachableError:
         f"the Ray cluster at {address} refused this client's token (RAY_AUTH_MODE="
         f"{os.environ.get('RAY_AUTH_MODE', 'unset')}): it uses token authentication; set "
         "RAY_AUTH_MODE=token and give the cluster's token in ~/.ray/auth_token, "
-        "RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN (see README: Run on a cluster)"
+        "RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN (see docs/cluster-and-pinning.md)"
     )
