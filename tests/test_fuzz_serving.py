@@ -569,6 +569,9 @@ def chosen_bodies() -> list[Sent]:
         # a number there, and pushes the scores past float32's largest
         (True, {**talk, "logprobs": True, "stream": True, "repetition_penalty": 3.2e-69}),
         (False, {**ok, "repetition_penalty": 1.2e-38, "temperature": 1e-5}),
+        # found by it under load: a 50,000-character regex compiled for minutes (no answer
+        # within 120 s); a 400 naming the field and the limit now
+        (True, {**talk, "max_tokens": 3, "guided_regex": "\u00e9" * 50_000}),
     ]
     sent = []
     for chat, body in bodies:

@@ -19,7 +19,7 @@ from coordinator.engine import Engine, EngineConfig
 from coordinator.engine.engine import model_steps
 from coordinator.engine.pipelines import LocalPipeline
 from coordinator.planning.checkpoint import load_index
-from coordinator.serving.app import BadRequest, guide_of
+from coordinator.serving.app import MAX_GUIDE_REGEX_CHARS, BadRequest, guide_of
 from coordinator.serving.text import load_tokenizer
 from coordinator.tools.make_checkpoint import make_checkpoint
 from coordinator.tools.reference import reference_generate
@@ -257,3 +257,13 @@ def test_guide_fields_are_read_as_vllm_reads_them() -> None:
         with pytest.raises(BadRequest) as caught:
             guide_of(body)
         assert caught.value.param == param, body
+    # a regex past MAX_GUIDE_REGEX_CHARS: its compile takes the square of its length
+    long = "\u00e9" * (MAX_GUIDE_REGEX_CHARS + 1)
+    for body, param in (
+        ({"guided_regex": long}, "guided_regex"),
+        ({"guided_choice": [long]}, "guided_choice"),
+        ({"structured_outputs": {"regex": long}}, "structured_outputs"),
+    ):
+        with pytest.raises(BadRequest, match=rf"'{param}': its regex has \d+ characters, over"):
+            guide_of(body)
+    assert guide_of({"guided_regex": "a" * MAX_GUIDE_REGEX_CHARS})  # the limit itself: taken

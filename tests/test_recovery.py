@@ -8,7 +8,7 @@ The cluster's four nodes differ in labels and environment, for the first test: e
 pin decision comes from the level the precedence says (job override > node label > node
 environment > probe). One cluster for both concerns: a second one cost ~30-40 CPU-s of Ray
 processes (five raylets and their agents, a GCS, four probes: per-process costs sampled over
-the whole suite, bench/RESULTS.md) on a 2-core machine."""
+the whole suite, in bench/RESULTS.md's history) on a 2-core machine."""
 
 from __future__ import annotations
 

@@ -143,8 +143,8 @@ class TensorReader:
     """Reads tensor bytes of one checkpoint directory into given tensors.
 
     CPU destinations are filled by `threads` threads in 8 MiB pieces: filling fresh memory is
-    bound by page faults, which a second core nearly halves (1.0 -> 1.7 GB/s here, see
-    bench/RESULTS.md). GPU destinations go through a staging buffer, page-locked when the
+    bound by page faults, which a second core nearly halves (~1.0 GB/s per thread here:
+    bench/RESULTS.md, distributed load). GPU destinations go through a staging buffer, page-locked when the
     node's decision pins (`pin`).
     """
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections import Counter
 from collections.abc import Iterable
 
@@ -25,6 +26,8 @@ from coordinator.runtime.record import load_of_group
 from worker.node import probe_task, probe_unless_cuda
 
 PROBE_TIMEOUT_S = 120.0  # one probe task per node; includes starting a Ray worker process
+SETTLE_TIMEOUT_S = 15.0  # GPUs held by tasks (probes) are waited for this long before a plan
+SETTLE_POLL_S = 0.2
 
 
 # The task holds the GPUs it measures (num_gpus, set per node): with none, Ray leaves every GPU
@@ -61,6 +64,37 @@ def free_gpus() -> dict[str, int]:
         for node, resources in ray_state.state.available_resources_per_node().items()
         if node in alive
     }
+
+
+def settled_free_gpus(timeout_s: float = SETTLE_TIMEOUT_S) -> dict[str, int]:
+    """`free_gpus`, once no GPU of an alive node is held outside a placement group, or after
+    `timeout_s`. Loads hold their GPUs in placement groups; a GPU held outside one is held by a
+    task, which here is a probe: another load's (which will end in seconds), or one that
+    ended and that the cluster's view of free resources does not show ended yet (it lags the
+    nodes, by seconds on a busy machine). A plan made meanwhile would leave those GPUs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        free = free_gpus()
+        if not held_by_tasks(free) or time.monotonic() > deadline:
+            return free
+        time.sleep(SETTLE_POLL_S)
+
+
+def held_by_tasks(free: dict[str, int]) -> dict[str, int]:
+    """GPUs per alive node that are neither free (`free`) nor reserved by a placement group."""
+    in_groups: Counter = Counter()
+    for entry in ray.util.placement_group_table().values():
+        if entry.get("state") == "CREATED":
+            nodes = entry.get("bundles_to_node_id", {})
+            for index, bundle in entry.get("bundles", {}).items():
+                in_groups[nodes.get(index)] += int(bundle.get("GPU", 0))
+    held = {}
+    for node in gpu_nodes():
+        node_id = node["NodeID"]
+        rest = int(node["Resources"]["GPU"]) - free.get(node_id, 0) - in_groups[node_id]
+        if rest > 0:
+            held[node_id] = rest
+    return held
 
 
 def usable_gpus(own: Iterable[str] = (), free: dict[str, int] | None = None) -> dict[str, int]:
@@ -122,7 +156,7 @@ def probe_cluster(
             "the Ray cluster has no GPU nodes; on a machine without GPUs use --gpus N with "
             "--gpu-memory to simulate them"
         )
-    free = free_gpus()
+    free = settled_free_gpus()
     usable = usable_gpus(own, free)
     total = sum(int(n["Resources"]["GPU"]) for n in nodes)
     # A node with nothing to probe it (its usable GPUs all bundles of lost workers that the
