@@ -84,7 +84,8 @@ def held_by_tasks(free: dict[str, int]) -> dict[str, int]:
     """GPUs per alive node that are neither free (`free`) nor reserved by a placement group."""
     in_groups: Counter = Counter()
     for entry in ray.util.placement_group_table().values():
-        if entry.get("state") == "CREATED":
+        # a group whose node left is RESCHEDULING: its bundles on the nodes alive still hold
+        if entry.get("state") in ("CREATED", "RESCHEDULING"):
             nodes = entry.get("bundles_to_node_id", {})
             for index, bundle in entry.get("bundles", {}).items():
                 in_groups[nodes.get(index)] += int(bundle.get("GPU", 0))
