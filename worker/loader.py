@@ -27,6 +27,7 @@ from offload.quant import (
     quantize_into,
     scales_as_float32,
 )
+from worker.node import hold_while_missing
 from worker.spec import MAX_HEADER_BYTES, FileIdentity, TensorSlice, file_format
 
 STAGING_BYTES = 64 * 2**20  # GPU loads go through this much host memory at a time
@@ -114,10 +115,7 @@ HOLD_MAX_S = 60.0
 
 
 def hold_if_asked() -> None:
-    path = os.environ.get(HOLD_ENV)
-    deadline = time.monotonic() + HOLD_MAX_S
-    while path and not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    hold_while_missing(HOLD_ENV, HOLD_MAX_S)
 
 
 # Tests only: a file path; a worker whose process id that file holds blocks each generation
@@ -144,8 +142,8 @@ class TensorReader:
 
     CPU destinations are filled by `threads` threads in 8 MiB pieces: filling fresh memory is
     bound by page faults, which a second core nearly halves (~1.0 GB/s per thread here:
-    bench/RESULTS.md, distributed load). GPU destinations go through a staging buffer, page-locked when the
-    node's decision pins (`pin`).
+    bench/RESULTS.md, distributed load). GPU destinations go through a staging buffer,
+    page-locked when the node's decision pins (`pin`).
     """
 
     def __init__(

@@ -28,14 +28,21 @@ PROBE_HOLD_ENV = "OFFLOAD_TEST_HOLD_PROBE"
 PROBE_HOLD_MAX_S = 120.0
 
 
+def hold_while_missing(variable: str, max_s: float) -> None:
+    """Tests only: wait while the file that environment `variable` names does not exist (at
+    most `max_s`); at once where it is not set. A test's hook to act while the work it holds is
+    certainly under way (`PROBE_HOLD_ENV`, `worker.loader.HOLD_ENV`)."""
+    path = os.environ.get(variable)
+    deadline = time.monotonic() + max_s
+    while path and not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def probe_task(planned_bytes: int = 0, model: tuple[dict, str, int] | None = None) -> dict:
     """The probe as a Ray task runs it: `probe_here`, then the GC's own thresholds back
     (`worker.startup`: the process's imports are done)."""
     try:
-        path = os.environ.get(PROBE_HOLD_ENV)
-        deadline = time.monotonic() + PROBE_HOLD_MAX_S
-        while path and not os.path.exists(path) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        hold_while_missing(PROBE_HOLD_ENV, PROBE_HOLD_MAX_S)
         return probe_here(planned_bytes, model=model)
     finally:
         settle()

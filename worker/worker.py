@@ -140,14 +140,13 @@ class StageWorker:
         ledger, indexes = place
         return ledger, indexes[0], total
 
-    def _hold_simulated(self) -> None:
-        """On a simulated GPU with a size, the loaded stage must fit beside what the other
-        processes there hold, as on a real GPU (where CUDA would fail the allocation); its bytes
-        then go to the node's ledger, which the probes read."""
+    def _hold_simulated(self, held: int) -> None:
+        """On a simulated GPU with a size, the loaded stage (`held` device bytes) must fit beside
+        what the other processes there hold, as on a real GPU (where CUDA would fail the
+        allocation); its bytes then go to the node's ledger, which the probes read."""
         if self._simulated is None:
             return
         ledger, index, total = self._simulated
-        held = self.device_bytes()
         free = ledger.free(index, total, credit=(os.getpid(),))
         if held > free:
             raise WorkerError(
@@ -426,7 +425,7 @@ class StageWorker:
                 "more layers, lower --max-batch or --max-seq-len, or raise --gpu-memory"
             )
         self._check_reserve()
-        self._hold_simulated()
+        self._hold_simulated(device_bytes)
         self._ready = True
         return self.report()
 

@@ -138,10 +138,10 @@ def probe_cluster(
     every GPU a plan may take is measured, none assumed. `held_bytes`: host memory this job's
     own workers already hold on a node (their arenas), counted as available since the new plan
     replaces them; `reserved`: host memory other loads planned on a node and do not hold yet
-    (`coordinator.runtime.desk`), counted as taken; `exclude`, nodes left out; `model` (config.json, dtype, worker threads):
-    each node also times the model's decoder layer on its device (`worker.compute_probe`), for
-    the planner's compute rate. Only the GPUs that are free or the job's own (`own`, see
-    `usable_gpus`) are planned on."""
+    (`coordinator.runtime.desk`), counted as taken; `exclude`, nodes left out; `model`
+    (config.json, dtype, worker threads): each node also times the model's decoder layer on
+    its device (`worker.compute_probe`), for the planner's compute rate. Only the GPUs that
+    are free or the job's own (`own`, see `usable_gpus`) are planned on."""
     probers, bundles = probers or {}, bundles or {}
     nodes = gpu_nodes(exclude)
     allowed = config.node_gpus()
@@ -175,9 +175,8 @@ def probe_cluster(
             "NAME) or add GPUs"
         )
     envs = {}
-    asks: list[
-        tuple[str, dict | None]
-    ] = []  # per ref: its node, its task's options (None: a worker)
+    # per ref: its node, and its task's options (None: a surviving worker answers)
+    asks: list[tuple[str, dict | None]] = []
     refs = []
     for node in nodes:
         node_id = node["NodeID"]

@@ -176,6 +176,13 @@ def apply(group: WorkerGroup, decision: Decision) -> dict:
     }
 
 
+def replan(group: WorkerGroup, dead: list[int], left_out: frozenset[str] = frozenset()) -> dict:
+    """`decide`, then `apply`, in the desk's turn (`coordinator.runtime.desk`): a re-plan probes
+    and reserves GPUs, one at a time with the cluster's other loads. Returns the event."""
+    with Turn(f"recovery of {group.load_name!r}" if group.load_name else "a job's recovery"):
+        return apply(group, decide(group, dead, left_out))
+
+
 Record = Callable[[dict], None]  # keeps an event (the job's record_event)
 
 
@@ -199,8 +206,7 @@ def load_recovering(group: WorkerGroup, record: Record, progress=None) -> list[S
             dead = group.dead_stages()
             if round_ == MAX_RECOVERY_ROUNDS or not dead:
                 raise
-            with Turn(f"recovery of {group.load_name!r}" if group.load_name else "a job's load"):
-                record(apply(group, decide(group, dead)))
+            record(replan(group, dead))
     raise AssertionError("unreachable")
 
 
@@ -218,9 +224,7 @@ def recover(
     if not dead:
         return [], []
     try:
-        # a re-plan probes and reserves GPUs: one at a time with the cluster's other loads
-        with Turn(f"recovery of {group.load_name!r}" if group.load_name else "a job's recovery"):
-            event = apply(group, decide(group, dead, left_out))
+        event = replan(group, dead, left_out)
     except (PlanError, LaunchError) as exc:  # no plan, or its GPUs not reserved: unchanged
         record({"event": "re-plan failed", "lost_stages": dead, "error": str(exc)})
         raise
