@@ -13,7 +13,13 @@ completely, 0.0 hides nothing. Target on the CPU: >= 0.5 where copy <= compute.
 
 GPU variant (skipped without CUDA): host-to-device bandwidth from the pinned arena, from
 pageable memory and from `tensor.pin_memory()`, the host bytes each costs, and the same
-overlap efficiency on a CUDA side stream (target >= 0.9).
+overlap efficiency on a CUDA side stream (target >= 0.9). Then a pageable arena (a node that
+does not pin) through each engine that can copy from it, prefetch time over resident:
+  cuda    - the side stream alone, as before issue 57: the driver blocks the compute thread
+            for each pageable copy (the baseline)
+  direct  - the copies issued from a copy thread, nothing pinned (pinning off)
+  staged  - through 2 x 8 MiB pinned bounce chunks on a copy thread
+with the engine the node's measured rates would choose (`NodeProbe.pageable_engine`).
 
     python bench/prefetch_overlap.py [--json out.json]
 """
@@ -234,6 +240,50 @@ def bandwidth_rows(args: argparse.Namespace, device: torch.device) -> list[dict]
     return rows
 
 
+def pageable_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """GPU only: a pageable arena's prefetch through each engine (module doc), against the
+    resident stack, interleaved in one process."""
+    from offload.copy_engine import CudaCopyEngine
+    from offload.staging import CudaStaging, StagedCopyEngine
+
+    engines = {
+        "cuda": lambda: CudaCopyEngine(device),
+        "direct": lambda: StagedCopyEngine(CudaStaging(device), num_chunks=0),
+        "staged": lambda: StagedCopyEngine(CudaStaging(device)),
+    }
+    stacks = {"resident": make_stack(args.layers, args.hidden, device)}
+    offloaders = {}
+    for name, make in engines.items():
+        stacks[name] = make_stack(args.layers, args.hidden, device)
+        offloaders[name] = PrefetchOffloader(
+            OffloadConfig(layers=tuple(range(args.layers)), prefetch_step=args.step),
+            device=device,
+            env={"OFFLOAD_PIN_MEMORY": "off"},
+            copy_engine=make(),
+        )
+        offloaders[name].wrap_modules(stacks[name])
+        offloaders[name].post_init()
+    rows = []
+    try:
+        for batch in args.batch:
+            x = torch.randn(batch, args.hidden, device=device)
+            fns = {
+                name: (lambda layers=layers, x=x: forward(layers, x))
+                for name, layers in stacks.items()
+            }
+            t = interleaved_medians(fns, device, repeats=args.repeats, iters=args.iters)
+            row = {"batch": batch, "resident_ms": t["resident"] * 1e3}
+            for name in engines:
+                row[f"{name}_ms"] = t[name] * 1e3
+                row[f"{name}_over_resident"] = t[name] / t["resident"]
+            row["direct_over_cuda"] = t["direct"] / t["cuda"]
+            rows.append(row)
+    finally:
+        for offloader in offloaders.values():
+            offloader.detach()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -261,6 +311,16 @@ def main(argv: list[str] | None = None) -> int:
         result["gpu"] = torch.cuda.get_device_name(cuda)
         result["gpu_overlap"] = overlap_rows(args, cuda)
         result["gpu_bandwidth"] = bandwidth_rows(args, cuda)
+        result["gpu_pageable"] = pageable_rows(args, cuda)
+        from offload.probe import probe_node
+
+        probe = probe_node()
+        result["gpu_link_rates"] = {
+            "pinned": probe.link_pinned_bytes_per_s,
+            "pageable": probe.link_pageable_bytes_per_s,
+            "staged": probe.link_staged_bytes_per_s,
+            "chosen_where_chunks_may_pin": probe.pageable_engine(may_pin=True)[0],
+        }
     else:
         result["gpu"] = "skipped: no CUDA device"
 
@@ -296,6 +356,21 @@ def main(argv: list[str] | None = None) -> int:
     for r in result.get("gpu_bandwidth", []):
         ratio = f"{r['host_over_payload']:.3f}x" if r["host_over_payload"] else "n/a"
         print(f"H2D {r['source']:>22}: {r['gb_per_s']:6.1f} GB/s, host bytes {ratio} of payload")
+    if "gpu_pageable" in result:
+        print(f"\npageable arena, prefetch step {args.step}: time over resident per engine")
+        print(f"{'batch':>6} {'resident':>9} {'cuda':>7} {'direct':>7} {'staged':>7} {'d/cuda':>7}")
+        for r in result["gpu_pageable"]:
+            print(
+                f"{r['batch']:>6} {r['resident_ms']:>7.2f}ms {r['cuda_over_resident']:>7.2f} "
+                f"{r['direct_over_resident']:>7.2f} {r['staged_over_resident']:>7.2f} "
+                f"{r['direct_over_cuda']:>7.2f}"
+            )
+        rates = result["gpu_link_rates"]
+        print(
+            "link rates (GB/s): "
+            + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in rates.items() if isinstance(v, float))
+            + f"; a pageable arena that may pin chunks takes {rates['chosen_where_chunks_may_pin']}"
+        )
     if isinstance(result["gpu"], str):
         print(f"\ngpu: {result['gpu']}")
     if args.json:

@@ -50,6 +50,11 @@ class CopyTotals:
 
 
 class CopyEngine(ABC):
+    # Which engine it is, as `offload.copy_engines.copy_engine_kind` names them, and the pinned
+    # host bytes it holds of its own (bounce chunks; not the arena it copies from).
+    kind = ""
+    pinned_bytes = 0
+
     def __init__(self) -> None:
         self.totals = CopyTotals()
         # The counters: the engine's user (or its copy thread) writes, a snapshot thread reads.
@@ -85,6 +90,8 @@ class CopyEngine(ABC):
 class ThreadCopyEngine(CopyEngine):
     """Copies on one daemon thread. Compute on the CPU is synchronous in the caller's thread, so
     by the time a copy is submitted the compute before it is done: `fence()` is None."""
+
+    kind = "thread"
 
     def __init__(self) -> None:
         super().__init__()
@@ -215,7 +222,10 @@ class CudaCopyEngine(CopyEngine):
     copy stream waits on the compute fence -> copies -> records `done`; the compute stream
     waits on `done` before the layer's kernels. Timing events are folded in `read_totals()`
     from completed events only (see `EventTimes`), so neither the hot path nor a reader of the
-    totals ever blocks on them."""
+    totals ever blocks on them. It serves pinned sources only: from pageable memory the driver
+    blocks the calling thread for each copy (`offload.staging`)."""
+
+    kind = "cuda"
 
     def __init__(self, device: torch.device, *, timing: bool = True) -> None:
         super().__init__()

@@ -95,6 +95,43 @@ def measure_host_to_device(
     return num_bytes / best_s
 
 
+def measure_staged(
+    device: torch.device, *, num_bytes: int = CUDA_PROBE_BYTES, repeats: int = PROBE_REPEATS
+) -> float:
+    """Bytes per second of copies into the CUDA `device` from a pageable host buffer through the
+    staged engine's pinned bounce chunks (`offload.staging`), as a pageable arena's copies would
+    take them: the host's time from handing the copy to the engine until it has landed (the
+    engine's copy thread does the memcpy, so events on one stream would miss it)."""
+    import torch
+
+    from offload.arena import HostArena, TensorSpec
+    from offload.staging import CudaStaging, StagedCopyEngine
+
+    _check(num_bytes, repeats)
+    if device.type != "cuda":
+        raise ValueError(f"device={device} is not a CUDA device; use measure_cpu_copy()")
+    with torch.cuda.device(device):
+        was_empty = torch.cuda.memory_reserved(device) == 0
+        engine = StagedCopyEngine(CudaStaging(device))
+        try:
+            with HostArena([TensorSpec("probe", (num_bytes,), torch.uint8)], pin=False) as arena:
+                host = arena["probe"]
+                host.fill_(1)
+                dst = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+                best_s = float("inf")
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    engine.wait(engine.submit(dst, host, after=None))
+                    engine.synchronize()
+                    best_s = min(best_s, time.perf_counter() - start)
+                del dst
+        finally:
+            engine.close()
+        if was_empty:
+            torch.cuda.empty_cache()
+    return num_bytes / best_s
+
+
 DEQUANT_PROBE_ENTRIES = 2**20  # one 1 Mi-entry weight: ~4 ms of float8 on a CPU thread
 
 

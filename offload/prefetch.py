@@ -60,6 +60,7 @@ Copies to one slot are FIFO on one stream/thread, so the latest copy is what the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -84,7 +85,7 @@ from offload.host_store import (
     select_offloaded,
     set_param_data,
 )
-from offload.probe import DECISION_STEPS, NodeProbe, probe_node
+from offload.probe import DECISION_STEPS, PROBE_STEPS, NodeProbe, probe_node
 from offload.quant import SCALE_KEY_SUFFIX, QuantizedTensor
 from offload.routed import ExpertsModule, experts_modules, routed_experts, routing_of
 from offload.stats import OffloadStats
@@ -236,10 +237,8 @@ class PrefetchOffloader(BaseOffloader):
                 self._staging = torch.empty(staging, dtype=torch.uint8, device=self.device)
             if self.config.expert_cache:
                 self._make_caches(layers)
-            if self._engine is None:  # pageable arena on CUDA: pinned bounce chunks if allowed
-                self._engine = make_copy_engine(
-                    self.device, pinned_source=arena.pinned, may_pin=self.pin_decision.pin
-                )
+            if self._engine is None:
+                self._engine = self._copy_engine(arena.pinned, probe)
         except BaseException:
             self._slots, self._staging = [], None
             self._caches, self._scratch = {}, {}
@@ -295,6 +294,24 @@ class PrefetchOffloader(BaseOffloader):
                             shape, dtype=param.dtype, device=self.device
                         )
                 self._caches[layer.index, entry.path] = _ExpertCache(rows)
+
+    def _copy_engine(self, pinned: bool, probe: NodeProbe) -> CopyEngine:
+        """The engine for this arena (`offload.copy_engines`). A pageable arena on a node whose
+        decision pins small buffers (it ruled out pinning only the arena's bytes) may take the
+        pinned bounce chunks: staged or direct by this node's link rates, measured here where
+        the probe given did not carry them."""
+        may_pin = self.pin_decision.pin
+        if not pinned and not may_pin and self.device.type == "cuda":
+            may_pin = decide_for_device(self._env, probe, 0, self.device).pin
+            if may_pin and probe.link_pageable_bytes_per_s is None:
+                with torch.cuda.device(self.device):
+                    rates = probe_node({"link": PROBE_STEPS["link"]})
+                probe = dataclasses.replace(
+                    probe,
+                    link_pageable_bytes_per_s=rates.link_pageable_bytes_per_s,
+                    link_staged_bytes_per_s=rates.link_staged_bytes_per_s,
+                )
+        return make_copy_engine(self.device, pinned_source=pinned, may_pin=may_pin, probe=probe)
 
     def _lay_out_slot(self, layer: OffloadedLayer, arena: HostArena) -> int:
         """Each parameter's offset in the layer's slot; returns the bytes the slot needs. A
@@ -706,6 +723,8 @@ class PrefetchOffloader(BaseOffloader):
             host_bytes=self._arena.host_bytes,
             pinned_bytes=offloaded if self._arena.pinned else 0,
             pageable_bytes=0 if self._arena.pinned else offloaded,
+            copy_engine=self._engine.kind,
+            engine_pinned_bytes=self._engine.pinned_bytes,
             copies=totals.copies,
             copied_bytes=totals.copied_bytes,
             copy_s=totals.copy_s,

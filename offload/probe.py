@@ -127,6 +127,9 @@ class NodeProbe:
     # pinned memory only on CUDA; without CUDA "pageable" is the CPU stand-in's memcpy rate.
     link_pinned_bytes_per_s: float | None = None
     link_pageable_bytes_per_s: float | None = None
+    # On CUDA: from pageable memory through the staged engine's pinned bounce chunks
+    # (`offload.staging`), the other way a pageable arena's copies may take.
+    link_staged_bytes_per_s: float | None = None
     # How fast the device makes bfloat16 weights from 8-bit ones (bytes made per second), per
     # 8-bit format ("fp8", "int8"): what dequantizing offloaded weights after each copy costs.
     dequant_bytes_per_s: tuple[tuple[str, float], ...] = ()
@@ -154,8 +157,29 @@ class NodeProbe:
         )
 
     def link_bytes_per_s(self, *, pin: bool) -> float | None:
-        """The rate the offloader's copies get: from pinned memory when the node pins."""
-        return self.link_pinned_bytes_per_s if pin else self.link_pageable_bytes_per_s
+        """The rate the offloader's copies get: from pinned memory when the node pins; else
+        from pageable memory, by the engine a node that pins nothing uses."""
+        if pin:
+            return self.link_pinned_bytes_per_s
+        return self.pageable_engine(may_pin=False)[1]
+
+    def pageable_engine(self, *, may_pin: bool) -> tuple[str, float | None]:
+        """(engine, rate) for copies from a pageable arena (`offload.copy_engines`): on CUDA
+        "staged" through pinned bounce chunks, where the node may pin them (`may_pin`) and the
+        measured rates say it is the faster, else "direct" (the driver stages the copies; nothing
+        pinned); without CUDA the CPU's copy "thread". Where neither rate was measured, staged
+        (its rate is the lower of a host memcpy and the pinned link, which the driver's own
+        staging does not beat by design); where one was, the one measured."""
+        direct, staged = self.link_pageable_bytes_per_s, self.link_staged_bytes_per_s
+        if not self.cuda_available:
+            return "thread", direct
+        if not may_pin:
+            return "direct", direct
+        if staged is not None and (direct is None or staged > direct):
+            return "staged", staged
+        if staged is None and direct is None:
+            return "staged", None
+        return "direct", direct
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -283,11 +307,23 @@ def _probe_link(fields: dict, errors: list[str]) -> None:
     import torch
 
     device = torch.device("cuda", torch.cuda.current_device())
-    for name, pin in (("link_pinned_bytes_per_s", True), ("link_pageable_bytes_per_s", False)):
+    measures = (
+        (
+            "link_pinned_bytes_per_s",
+            "pinned",
+            lambda: link.measure_host_to_device(device, pin=True),
+        ),
+        (
+            "link_pageable_bytes_per_s",
+            "pageable",
+            lambda: link.measure_host_to_device(device, pin=False),
+        ),
+        ("link_staged_bytes_per_s", "staged", lambda: link.measure_staged(device)),
+    )
+    for name, kind, measure in measures:
         try:  # each on its own: a node that cannot pin still copies from pageable memory
-            fields[name] = link.measure_host_to_device(device, pin=pin)
+            fields[name] = measure()
         except Exception as exc:
-            kind = "pinned" if pin else "pageable"
             errors.append(f"link ({kind}, {device}): {type(exc).__name__}: {exc}")
 
 

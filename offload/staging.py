@@ -20,6 +20,13 @@ submission order, as with `CudaCopyEngine`):
   and recorded its `done` marker, then makes the compute stream wait on it: a stream told to
   wait on an event not yet recorded does not wait at all.
 
+Where nothing may be pinned (the node's decision is off), the same engine runs with no chunks
+(`num_chunks=0`, the "direct" engine): the copy thread issues each job's copy from the pageable
+arena itself, and the driver stages it through buffers of its own. The copy thread, not the
+compute thread, is the one the driver blocks, so the copies still overlap compute, at the
+pageable rate the probe measures. Which of the two serves a pageable arena, where both may, is
+the faster by the probe's rates (`NodeProbe.pageable_engine`).
+
 The device operations are a small `Staging` object, so the chunking and ordering run and are
 tested on the CPU with a stand-in stream (tests/test_staging.py); `CudaStaging` is the real one.
 """
@@ -91,7 +98,7 @@ class CudaStaging:
         torch.cuda.set_device(self.device)  # a new thread starts on device 0
 
     def new_chunk(self, nbytes: int) -> torch.Tensor:
-        # pinned: this engine serves only nodes whose decision pins (`make_copy_engine`)
+        # pinned: chunks are made only where the node's decision pins (`make_copy_engine`)
         return host_buffer(nbytes, pin=True)
 
     def fence(self) -> torch.cuda.Event:
@@ -151,7 +158,8 @@ class StagedTicket:
 
 
 class StagedCopyEngine(CopyEngine):
-    """Copies from pageable host memory through pinned chunks, on a copy thread.
+    """Copies from pageable host memory through pinned chunks, on a copy thread; with
+    `num_chunks=0`, straight from the source, on the copy thread (the module doc's "direct").
 
     Timings: `copy_s` is the copy thread's time per job (memcpy into the chunks, issuing their
     copies, waiting for a free chunk), the staged path's bottleneck; `stall_s` is the time the
@@ -166,8 +174,10 @@ class StagedCopyEngine(CopyEngine):
         num_chunks: int = NUM_STAGING_CHUNKS,
     ) -> None:
         super().__init__()
-        if chunk_bytes <= 0 or num_chunks < 1:
-            raise ValueError(f"chunk_bytes={chunk_bytes} and num_chunks={num_chunks} must be > 0")
+        if chunk_bytes <= 0 or num_chunks < 0:
+            raise ValueError(
+                f"chunk_bytes={chunk_bytes} must be > 0 and num_chunks={num_chunks} >= 0"
+            )
         self.staging = staging
         self.chunk_bytes = chunk_bytes
         self.chunks = [staging.new_chunk(chunk_bytes) for _ in range(num_chunks)]
@@ -177,6 +187,10 @@ class StagedCopyEngine(CopyEngine):
         self._last: StagedTicket | None = None
         self._thread = threading.Thread(target=self._run, name="offload-stage", daemon=True)
         self._thread.start()
+
+    @property
+    def kind(self) -> str:
+        return "staged" if self.chunks else "direct"
 
     @property
     def pinned_bytes(self) -> int:
@@ -215,6 +229,9 @@ class StagedCopyEngine(CopyEngine):
         if dst.numel() != src.numel():
             raise ValueError(f"staged copy of {src.numel()} bytes into {dst.numel()} bytes")
         self.staging.wait_fence(after)
+        if not self.chunks:  # direct: the driver stages pageable memory itself
+            self.staging.copy_async(dst, src)
+            return
         for offset, length in chunk_spans(src.numel(), self.chunk_bytes):
             index = self._next_chunk
             self._next_chunk = (index + 1) % len(self.chunks)

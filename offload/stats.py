@@ -18,6 +18,11 @@ class OffloadStats:
     host_bytes: int = 0  # host bytes allocated for the offloaded weights (arena + page slack)
     pinned_bytes: int = 0
     pageable_bytes: int = 0
+    # How the copies reach the device (`offload.copy_engines.copy_engine_kind`: "cuda",
+    # "staged", "direct", "thread"; "" where nothing is copied), and the pinned bytes of its
+    # own bounce chunks ("staged"), apart from the weights' `pinned_bytes`
+    copy_engine: str = ""
+    engine_pinned_bytes: int = 0
     copies: int = 0  # host-to-device copies issued
     copied_bytes: int = 0
     copy_s: float = 0.0  # time the copy engine spent copying

@@ -112,12 +112,102 @@ def test_cuda_totals_are_read_without_synchronising_the_device(monkeypatch) -> N
 
 def test_pageable_copies_bounce_through_pinned_chunks_only_where_the_node_pins() -> None:
     """Issue 57: the staged engine's bounce chunks are pinned memory, so it serves only nodes
-    whose decision pins; with pinning off the copies read pageable memory (a CUDA side stream:
-    each copy then blocks the host), and nothing is pinned."""
+    whose decision pins; with pinning off the copies read pageable memory (the direct engine:
+    the driver stages them on a copy thread), and nothing is pinned. Where both may serve, the
+    faster by the node's measured rates."""
     from offload.copy_engines import copy_engine_kind
+    from offload.probe import NodeProbe
 
-    assert copy_engine_kind("cuda", pinned_source=False, may_pin=True) == "staged"
-    assert copy_engine_kind("cuda", pinned_source=False, may_pin=False) == "cuda"
+    def kind(may_pin: bool, direct: float | None, staged: float | None) -> str:
+        probe = NodeProbe(
+            cuda_available=True, link_pageable_bytes_per_s=direct, link_staged_bytes_per_s=staged
+        )
+        return copy_engine_kind("cuda", pinned_source=False, may_pin=may_pin, probe=probe)
+
+    assert copy_engine_kind("cuda", pinned_source=False, may_pin=True) == "staged"  # no rates
+    assert copy_engine_kind("cuda", pinned_source=False, may_pin=False) == "direct"
     assert copy_engine_kind("cuda", pinned_source=True, may_pin=True) == "cuda"
+    assert kind(True, direct=10e9, staged=20e9) == "staged"
+    assert kind(True, direct=30e9, staged=20e9) == "direct"  # a coherent part's C2C link
+    assert kind(True, direct=20e9, staged=20e9) == "direct"  # a tie pins nothing
+    assert kind(True, direct=10e9, staged=None) == "direct"  # the chunks could not be pinned
+    assert kind(True, direct=None, staged=5e9) == "staged"
+    assert kind(False, direct=10e9, staged=20e9) == "direct"  # faster, but pinning is off
     for may_pin in (True, False):
         assert copy_engine_kind("cpu", pinned_source=False, may_pin=may_pin) == "thread"
+
+
+@pytest.mark.parametrize(
+    ("env", "measured", "may_pin", "engine"),
+    [
+        # the arena is too big to pin, but bounce chunks may be: the rates measured here decide
+        ({}, (8e9, 20e9), True, "staged"),
+        ({}, (30e9, 20e9), True, "direct"),
+        # pinning off by the user: nothing pinned, nothing measured
+        ({"OFFLOAD_PIN_MEMORY": "off"}, None, False, "direct"),
+        ({"VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY": "1"}, None, False, "direct"),
+    ],
+)
+def test_a_pageable_arena_takes_the_engine_its_nodes_rates_choose(
+    monkeypatch, env, measured, may_pin: bool, engine: str
+) -> None:
+    """Issue 57 point 7: the prefetch offloader's engine for a pageable CUDA arena. Where the
+    node's decision rules out pinning only the arena's bytes (more than the host's headroom),
+    its bounce chunks may still be pinned, and the faster of staged and direct by this node's
+    link rates (measured here, since the worker's probe does not carry them) serves it."""
+    import contextlib
+    import dataclasses
+    from types import SimpleNamespace
+
+    import offload.prefetch as prefetch
+    from offload.copy_engines import copy_engine_kind
+    from offload.host_store import decide_for_device
+    from offload.probe import DeviceInfo, NodeProbe
+
+    gib = 2**30
+    probe = NodeProbe(
+        cuda_available=True,
+        devices=(
+            DeviceInfo(
+                index=0,
+                name="NVIDIA H100 80GB HBM3",
+                capability=(9, 0),
+                total_memory_bytes=80 * gib,
+                integrated=False,
+                host_register_supported=True,
+            ),
+        ),
+        host_available_bytes=10 * gib,
+    )
+    device = torch.device("cuda", 0)
+    decision = decide_for_device(env, probe, 9 * gib, device)
+    assert not decision.pin  # 9 GiB do not fit the headroom of 10 GiB (or the user said off)
+    measures: list[set] = []
+
+    def probe_node(steps):
+        measures.append(set(steps))
+        direct, staged = measured
+        return NodeProbe(link_pageable_bytes_per_s=direct, link_staged_bytes_per_s=staged)
+
+    chosen: dict = {}
+
+    def make(device, *, pinned_source, may_pin, probe):
+        chosen.update(may_pin=may_pin, probe=probe)
+        return copy_engine_kind(
+            device.type, pinned_source=pinned_source, may_pin=may_pin, probe=probe
+        )
+
+    monkeypatch.setattr(prefetch, "probe_node", probe_node)
+    monkeypatch.setattr(prefetch, "make_copy_engine", make)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    offloader = SimpleNamespace(pin_decision=decision, device=device, _env=env)
+    assert prefetch.PrefetchOffloader._copy_engine(offloader, False, probe) == engine
+    assert chosen["may_pin"] is may_pin
+    assert measures == ([{"link"}] if measured else [])
+    # the node's facts are kept: only the rates were added
+    assert (
+        dataclasses.replace(
+            chosen["probe"], link_pageable_bytes_per_s=None, link_staged_bytes_per_s=None
+        )
+        == probe
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -22,6 +23,7 @@ import offload.link as link_mod
 import offload.probe as probe_mod
 from coordinator.tools.make_checkpoint import make_checkpoint
 from offload import probe_node
+from offload.probe import NodeProbe
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -105,6 +107,7 @@ def test_cuda_device_with_ats_attributes(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (90 << 30, props.total_memory))
     monkeypatch.setattr(link_mod, "measure_host_to_device", lambda device, *, pin: 4e11)
+    monkeypatch.setattr(link_mod, "measure_staged", lambda device: 3e10)
     monkeypatch.setattr(link_mod, "measure_dequantize", lambda device, dtype: 2e12)
     monkeypatch.setattr(
         probe_mod,
@@ -117,6 +120,8 @@ def test_cuda_device_with_ats_attributes(monkeypatch: pytest.MonkeyPatch) -> Non
     )
     probe = probe_node()
     assert probe.any_coherent_unified_memory and probe.errors == ()
+    # the GPU reads pageable memory over its C2C link faster than pinned chunks could bounce it
+    assert probe.pageable_engine(may_pin=True) == ("direct", 4e11)
     assert probe.devices[0].free_memory_bytes == 90 << 30  # what the budget is taken from
     assert probe.link_bytes_per_s(pin=True) == probe.link_bytes_per_s(pin=False) == 4e11
     assert probe.dequant_bytes_per_s == (("fp8", 2e12), ("int8", 2e12))
@@ -161,16 +166,44 @@ def test_cuda_link_without_pinning_keeps_the_pageable_rate(monkeypatch: pytest.M
             raise RuntimeError("cudaHostRegister of 67108864 bytes failed with cudaError 1")
         return 6e9
 
+    def staged(device: torch.device) -> float:
+        raise RuntimeError("cudaHostAlloc of 8388608 bytes failed")
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(link_mod, "measure_host_to_device", measure)
+    monkeypatch.setattr(link_mod, "measure_staged", staged)
     probe = probe_node({"link": probe_mod._probe_link})
     assert (probe.link_pinned_bytes_per_s, probe.link_pageable_bytes_per_s) == (None, 6e9)
+    assert probe.link_staged_bytes_per_s is None
     assert probe.link_bytes_per_s(pin=True) is None and probe.link_bytes_per_s(pin=False) == 6e9
+    # a pageable arena's copies go direct: the bounce chunks could not be pinned either
+    on_cuda = dataclasses.replace(probe, cuda_available=True)  # (the cuda step did not run)
+    assert on_cuda.pageable_engine(may_pin=True) == ("direct", 6e9)
     assert probe.errors == (
         "link (pinned, cuda:0): RuntimeError: cudaHostRegister of 67108864 bytes failed with "
         "cudaError 1",
+        "link (staged, cuda:0): RuntimeError: cudaHostAlloc of 8388608 bytes failed",
     )
+
+
+def test_a_pageable_arena_is_priced_at_the_engine_it_will_use() -> None:
+    """Issue 57 point 7: the rate the planner charges a node that does not pin is the direct
+    engine's (nothing pinned), whatever the staged one measured; the staged rate is the one of a
+    pageable arena on a node that may pin its chunks, where it is the faster."""
+    probe = NodeProbe(
+        cuda_available=True,
+        link_pinned_bytes_per_s=50e9,
+        link_pageable_bytes_per_s=8e9,
+        link_staged_bytes_per_s=20e9,
+    )
+    assert probe.link_bytes_per_s(pin=True) == 50e9
+    assert probe.link_bytes_per_s(pin=False) == 8e9
+    assert probe.pageable_engine(may_pin=False) == ("direct", 8e9)
+    assert probe.pageable_engine(may_pin=True) == ("staged", 20e9)
+    cpu = NodeProbe(link_pageable_bytes_per_s=14e9, link_staged_bytes_per_s=99e9)
+    assert cpu.pageable_engine(may_pin=True) == ("thread", 14e9)
+    assert cpu.link_bytes_per_s(pin=False) == 14e9
 
 
 @pytest.mark.gpu
@@ -179,7 +212,11 @@ def test_host_to_device_rates_on_cuda() -> None:
     allocated = torch.cuda.memory_allocated(device)
     pinned = link_mod.measure_host_to_device(device, pin=True, num_bytes=16 * 2**20)
     pageable = link_mod.measure_host_to_device(device, pin=False, num_bytes=16 * 2**20)
-    assert math.isfinite(pinned) and math.isfinite(pageable) and pinned > 0 and pageable > 0
+    staged = link_mod.measure_staged(device, num_bytes=16 * 2**20)
+    for rate in (pinned, pageable, staged):
+        assert math.isfinite(rate) and rate > 0
+    # through pinned chunks, never faster than from pinned memory itself (5% for the noise)
+    assert staged < pinned * 1.05
     assert torch.cuda.memory_allocated(device) == allocated  # the device buffer is freed
 
 

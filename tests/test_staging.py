@@ -104,6 +104,27 @@ def test_bytes_land_in_order_through_reused_chunks(num_chunks: int) -> None:
     assert not engine._thread.is_alive()
 
 
+def test_the_direct_engine_copies_from_the_source_itself_after_each_fence() -> None:
+    """No chunks (`num_chunks=0`: a node that pins nothing): each job is one copy from the
+    pageable source, issued on the copy thread after its fence, in order; nothing pinned."""
+    stream = LazyStream()
+    stream.new_chunk = None  # a chunk asked for would fail the test
+    engine = StagedCopyEngine(stream, num_chunks=0)
+    assert (engine.kind, engine.pinned_bytes, engine.chunks) == ("direct", 0, [])
+    g = torch.Generator().manual_seed(1)
+    sources = [torch.randint(0, 256, (1000,), dtype=torch.uint8, generator=g) for _ in range(3)]
+    dst = torch.zeros(1000, dtype=torch.uint8)
+    tickets = [engine.submit(dst, src, after=f"fence{i}") for i, src in enumerate(sources)]
+    engine.wait(tickets[0])
+    assert torch.equal(dst, sources[0])  # the lazy stream ran only up to the first job
+    engine.wait(tickets[-1])
+    assert torch.equal(dst, sources[-1])
+    assert stream.fences == [(f"fence{i}", i) for i in range(3)]  # one copy per job
+    read = [chunk.data_ptr() for _, chunk in stream._pending]
+    assert read == [src.data_ptr() for src in sources]  # no bounce buffer in between
+    engine.close()
+
+
 def test_a_chunk_refilled_before_its_copy_ran_would_show() -> None:
     """The control: without the wait for a chunk's last copy, the lazy stream copies bytes of a
     later chunk, so the test above would fail."""
@@ -163,8 +184,14 @@ def test_cuda_prefetch_from_pageable_memory_takes_the_staged_engine(monkeypatch)
     made = engines.make_copy_engine(torch.device("cuda", 0), pinned_source=False)
     try:
         assert isinstance(made, StagedCopyEngine) and made.pinned_bytes == 2 * 8 * 2**20
+        assert made.kind == "staged"
     finally:
         made.close()
+    direct = engines.make_copy_engine(torch.device("cuda", 0), pinned_source=False, may_pin=False)
+    try:
+        assert (direct.kind, direct.pinned_bytes) == ("direct", 0)
+    finally:
+        direct.close()
     assert isinstance(
         engines.make_copy_engine(torch.device("cpu"), pinned_source=False),
         copy_engine_module.ThreadCopyEngine,

@@ -64,6 +64,7 @@ def report(stage: int, host: str, *, offloaded: int, pinned: bool, rss: int) -> 
             expert_misses=5,
             expert_predicted=4,
             expert_predicted_correct=3,
+            copy_engine="cuda" if pinned else "direct",
         ),
         offload_format="int8 (1x128 blocks) x 7",
         resident_format="fp8 (128x128 blocks) x 2",
@@ -121,6 +122,8 @@ def test_render_shows_every_gpu_and_node() -> None:
     assert "(5 experts fetched, 3 hits, prediction 75% right)" in text
     assert "stage 0 routed experts by layer: layers.0 3 hits, 5 fetched, 5.00 MiB copied" in text
     assert "810.00 MiB" in text  # node a: both workers' RSS
+    # the pageable arena's engine is named (its rate depends on it); the pinned one's is not
+    assert "prefetch (direct)" in text and "prefetch (cuda)" not in text
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
@@ -211,6 +214,7 @@ def test_rows_read_every_number_from_the_snapshot() -> None:
         expert_predicted=4,
         expert_predicted_correct=3,
         resident_format="fp8 (128x128 blocks) x 2",
+        copy_engine="cuda",
         kv_cache_bytes=MIB,
         requests=1,
         pin=True,
@@ -273,6 +277,7 @@ def test_status_json_keys_are_unchanged_and_a_lost_stage_is_listed() -> None:
         "expert_predicted",
         "expert_predicted_correct",
         "resident_format",
+        "copy_engine",
     ]
     assert list(data["nodes"][0]) == [
         "hostname",

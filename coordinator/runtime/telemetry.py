@@ -40,6 +40,11 @@ class LostStage:
 Report = StageSnapshot | LostStage  # what `collect` returns per planned stage
 
 
+# The copy engines of pageable arenas (`offload.copy_engines`): named in the status table, where
+# the copies' rate depends on which one it is.
+PAGEABLE_ENGINES = ("staged", "direct")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GpuRow:
     stage: int
@@ -78,6 +83,8 @@ class GpuRow:
     expert_predicted_correct: int
     # resident quantized matrices kept as stored on the device ("" dequantized at load)
     resident_format: str
+    # how the offloaded weights' copies reach the device (`OffloadStats.copy_engine`)
+    copy_engine: str
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -165,6 +172,7 @@ def gpu_rows(reports: Sequence[Report]) -> list[GpuRow]:
                 expert_predicted=stats.expert_predicted,
                 expert_predicted_correct=stats.expert_predicted_correct,
                 resident_format=r.resident_format,
+                copy_engine=stats.copy_engine,
                 kv_cache_bytes=r.kv_cache_bytes,
                 requests=r.requests,
                 pin=pin.pin,
@@ -249,7 +257,7 @@ def render(reports: Sequence[Report], events: list[dict] = ()) -> str:
                 g.hostname,
                 g.gpu,
                 g.layers,
-                g.backend,
+                g.backend + (f" ({g.copy_engine})" if g.copy_engine in PAGEABLE_ENGINES else ""),
                 f"{format_bytes(g.device_used_bytes)} / {format_bytes(g.device_total_bytes)}",
                 format_bytes(g.resident_bytes)
                 + (f" ({g.resident_format} as stored)" if g.resident_format else ""),
