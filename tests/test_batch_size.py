@@ -106,18 +106,23 @@ def test_a_pool_needs_a_sequence_length_and_one_sequence_that_fits() -> None:
 
 
 def test_a_job_config_is_planned_with_its_pool_and_batch_resolved() -> None:
-    """Auto max_batch: the sequences the pool holds at the expected length (a quarter of
-    max_seq_len: 5, one block each); a given max_batch: a pool of at most each at max_seq_len, and no more
-    than the weights leave; a given pool is kept."""
+    """Auto max_batch: the sequences the pool beside all the weights holds at the expected
+    length (a quarter of max_seq_len: 5, one block each); the pool then grows as far as the
+    cost model finds it cheap (here, with a step overhead of 3 ms and 4 KB of weights, to all
+    that fits with every decoder offloaded); a given max_batch: a pool of at most each at
+    max_seq_len, and no more than the weights leave; a given pool is kept."""
     from types import SimpleNamespace
 
     index = SimpleNamespace(layers=layers())
     memory = cluster(5000 + 7 * PER_SEQUENCE + 5)
     auto = JobConfig(checkpoint="x", max_batch=0, max_seq_len=20)
     sized, the_plan = plan_job(auto, index, memory)
-    assert sized.kv_cache_tokens == 7 * 32 == the_plan.options.pool_tokens
-    assert sized.max_batch == 14 == the_plan.options.max_batch
-    assert sum(s.kv_bytes for s in the_plan.stages) == 7 * 32 * PER_TOKEN
+    assert sized.max_batch == 14 == the_plan.options.max_batch  # 7 * 32 tokens / 1 block
+    # 13965 bytes - 1000 resident - one 1000-byte slot = 11965: 299 tokens, 18 whole blocks
+    assert sized.kv_cache_tokens == 18 * BLOCK == the_plan.options.pool_tokens
+    assert sum(s.kv_bytes for s in the_plan.stages) == 18 * BLOCK * PER_TOKEN
+    assert offloaded_bytes(the_plan) == 4000
+    assert "224: " in the_plan.pool_note and "288: " in the_plan.pool_note
     sized, _ = plan_job(auto, index, cluster(10**9))  # room for everything: capped
     assert (sized.max_batch, sized.kv_cache_tokens) == (AUTO_MAX_BATCH, AUTO_MAX_BATCH * 32)
     given = JobConfig(checkpoint="x", max_batch=3, max_seq_len=20)

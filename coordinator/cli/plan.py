@@ -73,6 +73,8 @@ def cmd_plan(args: argparse.Namespace, job_config) -> int:
     print(the_plan.summary())
     for note in sorted({n.budget_note for n in cluster.nodes if n.budget_note}):
         print(f"budgets: {note}")
+    if the_plan.pool_note:
+        print(the_plan.pool_note)
     if config.max_batch == 0 or config.objective == "throughput":
         why = (
             "chosen for the most decode tokens/s"

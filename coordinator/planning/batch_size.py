@@ -24,7 +24,7 @@ import dataclasses
 
 from coordinator.planning import planner
 from coordinator.planning.options import AUTO_MAX_BATCH, PlanOptions
-from coordinator.planning.pool import capped, largest_pool
+from coordinator.planning.pool import Lengths, capped, choose_pool, largest_pool
 from coordinator.planning.reserve import job_options
 from coordinator.planning.snapshot import ClusterSnapshot
 from offload.errors import PlanError
@@ -37,7 +37,7 @@ def batch_for_pool(pool_tokens: int, options: PlanOptions, cap: int = AUTO_MAX_B
     return max(1, min(cap, options.sequences_held(options.expected_len, pool_tokens)))
 
 
-def plan_job(config, index, snapshot: ClusterSnapshot):
+def plan_job(config, index, snapshot: ClusterSnapshot, lengths: Lengths | None = None):
     """(config, plan) of a job (`coordinator.config.JobConfig`) on `snapshot`, as `launch` and
     `offloadctl plan` both plan, with the KV pool (`kv_cache_tokens`) and max_batch resolved in
     the config returned, so that a re-plan keeps them. Objective throughput: max_batch (when
@@ -45,13 +45,18 @@ def plan_job(config, index, snapshot: ClusterSnapshot):
     (`coordinator.planning.throughput`), each batch with a pool for its sequences at the
     expected length. Objective latency: the pool is a given max_batch at the expected length
     and what the weights leave beside it (or `kv_cache_tokens`), and max_batch 0 is what the
-    weights leave beside one max_seq_len sequence holds at the expected length."""
+    weights leave beside one max_seq_len sequence holds at the expected length. Either way the
+    pool then grows by the cost model (`pool.choose_pool`: for `lengths` where traffic brought
+    them, else to hold every sequence to max_seq_len where that costs little), unless it is
+    given or is already all the budget leaves."""
     options = job_options(config, index, snapshot)
     if config.objective == "throughput":
         from coordinator.planning.throughput import choose
 
         try:
-            the_plan = choose(index.layers, snapshot, options, **_search_space(config))
+            the_plan = choose(
+                index.layers, snapshot, options, **_search_space(config), lengths=lengths
+            )
         except PlanError as exc:  # a given max_batch is a cap, never a reason to refuse
             capped_options = _capped_options(config, index, snapshot, options, exc)
             space = {**_search_space(config), "batches": [capped_options.max_batch]}
@@ -70,6 +75,7 @@ def plan_job(config, index, snapshot: ClusterSnapshot):
                 "set --max-seq-len, or give --max-batch"
             )
         return config, planner.plan(index.layers, snapshot, options)
+    capped_pool = bool(config.kv_cache_tokens)  # the pool given, or all the budget leaves
     if config.kv_cache_tokens:
         tokens = options.pool_tokens
     else:  # a given batch at the expected length, and what the weights leave beside it
@@ -84,6 +90,7 @@ def plan_job(config, index, snapshot: ClusterSnapshot):
                 raise
             batch, tokens = capped(index.layers, snapshot, options, config.max_batch)
             config = dataclasses.replace(config, max_batch=batch)
+            capped_pool = True
     batch = config.max_batch or batch_for_pool(tokens, options)
     while True:  # auto: fewer sequences when their recurrent states do not fit beside
         try:
@@ -98,6 +105,10 @@ def plan_job(config, index, snapshot: ClusterSnapshot):
             if config.max_batch or batch == 1:
                 raise
             batch = max(1, batch // 2)
+    if not capped_pool:
+        choice = choose_pool(index.layers, snapshot, the_plan.options, tokens, lengths)
+        the_plan = dataclasses.replace(choice.plan, pool_note=choice.text())
+        tokens = choice.tokens
     return dataclasses.replace(config, max_batch=batch, kv_cache_tokens=tokens), the_plan
 
 

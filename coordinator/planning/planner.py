@@ -143,6 +143,9 @@ class Plan:
     # What each stage step costs besides compute and copies in cycle_s: the options' runtime
     # overhead and the stage's own fixed part the nodes measured.
     step_overhead_s: float = 0.0
+    # The KV pools the plan weighed and why it took this one (`pool.choose_pool`); "" where the
+    # pool was given or is what the budget leaves
+    pool_note: str = ""
 
     @property
     def bottleneck_stage(self) -> int:
@@ -192,6 +195,7 @@ class Plan:
             cycle_s=data.get("cycle_s", 0.0),
             cycle_bound_s=data.get("cycle_bound_s", 0.0),
             step_overhead_s=data.get("step_overhead_s", 0.0),
+            pool_note=data.get("pool_note", ""),
         )
 
     def summary(self) -> str:

@@ -24,6 +24,7 @@ from coordinator.planning.checkpoint import LayerSpec
 from coordinator.planning.formats import format_seconds
 from coordinator.planning.options import PlanOptions
 from coordinator.planning.planner import Plan
+from coordinator.planning.pool import Lengths, choose_pool
 from coordinator.planning.snapshot import ClusterSnapshot
 from offload.errors import PlanError
 
@@ -108,8 +109,11 @@ def choose(
     batches: Sequence[int] = BATCHES,
     micro_batches: int = 0,
     max_token_latency_s: float = 0.0,
+    lengths: Lengths | None = None,
 ) -> Plan:
-    """The plan with the most predicted decode tokens/s (see the module doc). A given batch
+    """The plan with the most predicted decode tokens/s (see the module doc), its KV pool then
+    chosen by the cost model (`pool.choose_pool`, for `lengths` where traffic brought them;
+    not where `options.kv_tokens` gives it). A given batch
     (`batches` of one size, no latency bound) that does not fit is taken as a cap
     (`pool.capped`: its slots with the largest pool the budget leaves). PlanError when nothing fits, or nothing meets the latency bound (naming the
     shortest cycle there is)."""
@@ -122,10 +126,14 @@ def choose(
         max_token_latency_s=max_token_latency_s,
     )
     if plans:
-        return max(
+        best = max(
             plans.values(),
             key=lambda p: (p.tokens_per_s, -p.options.max_batch, -p.options.micro_batches),
         )
+        if options.kv_tokens or not options.max_seq_len:  # a pool given (or none): kept
+            return best
+        choice = choose_pool(layers, cluster, best.options, best.options.pool_tokens, lengths)
+        return dataclasses.replace(choice.plan, pool_note=choice.text())
     if max_token_latency_s:
         unbounded = best_plans(
             layers, cluster, options, batches=[min(batches)], micro_batches=micro_batches

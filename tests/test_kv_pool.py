@@ -1,0 +1,150 @@
+"""The KV pool chosen by the cost model (issue 59 point 1): every pool size planned and priced
+by brute force, against `choose_pool`'s bisection over the steps of the time per token; with
+lengths observed, the most tokens/s; without, the largest pool within POOL_SHARE of the
+guess's time per token."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from test_batch_size import BLOCK, PER_SEQUENCE, cluster, layers
+
+from coordinator.planning.options import PlanOptions
+from coordinator.planning.planner import plan
+from coordinator.planning.pool import POOL_SHARE, Lengths, choose_pool, price
+from offload.errors import PlanError
+from worker.names import blocks_for
+
+# 0.5 s of compute per token for all 5000 bytes; each offloaded 1000-byte decoder copies in
+# 0.5 s (2e3), 0.25 s (4e3) or 0.17 s (6e3) under it: pushing layers off for a larger pool
+# costs nothing at first, then more and more.
+LINKS = [2e3, 4e3, 6e3]
+RATES = dict(compute_bytes_per_s=1e4, step_overhead_s=0.01)
+
+
+def every_pool(specs, snapshot, options, lengths, low_tokens: int):
+    """(tokens, plan, price) of every pool in whole blocks from `low_tokens` to max_batch
+    sequences of max_seq_len, that fits."""
+    out = []
+    low = max(blocks_for(low_tokens), blocks_for(options.max_seq_len))
+    for blocks in range(low, options.max_batch * blocks_for(options.max_seq_len) + 1):
+        try:
+            the_plan = plan(specs, snapshot, dataclasses.replace(options, kv_tokens=blocks * BLOCK))
+        except PlanError:
+            continue
+        out.append(
+            (
+                blocks * BLOCK,
+                the_plan,
+                price(the_plan, lengths, options.max_batch, options.max_seq_len),
+            )
+        )
+    return out
+
+
+MEMORIES = [5000 + 3 * PER_SEQUENCE + 5, 5000 + 8 * PER_SEQUENCE, 4200, 9000, 12_000]
+LENGTHS = [
+    Lengths(((3, 2),) * 5),  # short: a block each
+    Lengths(((4, 16),) * 3),  # to max_seq_len: two blocks for most of their life
+    Lengths(((2, 1), (10, 10), (3, 15), (1, 1))),  # mixed
+]
+
+
+@pytest.mark.parametrize("memory", MEMORIES)
+@pytest.mark.parametrize("lengths", LENGTHS, ids=["short", "long", "mixed"])
+@pytest.mark.parametrize("batch", [2, 6, 12])
+@pytest.mark.parametrize("link", LINKS)
+def test_with_lengths_the_pool_has_the_most_tokens_per_s_of_every_size(
+    memory: int, lengths: Lengths, batch: int, link: float
+) -> None:
+    specs, snapshot = layers(), cluster(memory)
+    options = PlanOptions(max_seq_len=20, max_batch=batch, default_link_bytes_per_s=link, **RATES)
+    guess = options.pool_for(batch)
+    pools = every_pool(specs, snapshot, options, lengths, guess)
+    if not pools:
+        with pytest.raises(PlanError):
+            choose_pool(specs, snapshot, options, guess, lengths)
+        return
+    best = max(pools, key=lambda p: (round(p[2].tokens_per_s, 9), p[0]))
+    choice = choose_pool(specs, snapshot, options, guess, lengths)
+    assert choice.tokens == best[0] and choice.plan == best[1]
+    assert choice.plan.options.kv_tokens == best[0]
+    chosen = [p for p in choice.weighed if p.tokens == choice.tokens]
+    assert chosen == [best[2]]  # priced as the brute force priced it
+    assert "the most predicted tokens/s for the lengths observed" in choice.text()
+
+
+@pytest.mark.parametrize("memory", MEMORIES)
+@pytest.mark.parametrize("batch", [2, 6, 12])
+@pytest.mark.parametrize("overhead_s", [0.01, 10.0])
+@pytest.mark.parametrize("link", LINKS)
+def test_without_lengths_the_largest_pool_within_the_share_of_the_guess(
+    memory: int, batch: int, overhead_s: float, link: float
+) -> None:
+    """A long fixed step (10 s) makes offloading cheap (within 5%): the pool grows to every
+    sequence at max_seq_len, or all that fits; a short one keeps the guess's pool and what
+    costs nothing more."""
+    specs, snapshot = layers(), cluster(memory)
+    rates = {**RATES, "step_overhead_s": overhead_s, "default_link_bytes_per_s": link}
+    options = PlanOptions(max_seq_len=20, max_batch=batch, **rates)
+    guess = options.pool_for(batch)
+    pools = every_pool(specs, snapshot, options, None, guess)
+    if not pools or pools[0][0] != max(blocks_for(guess), 2) * BLOCK:
+        with pytest.raises(PlanError):
+            choose_pool(specs, snapshot, options, guess)
+        return
+    limit = pools[0][1].cycle_s * (1 + POOL_SHARE)
+    expected = max(tokens for tokens, the_plan, _ in pools if the_plan.cycle_s <= limit)
+    choice = choose_pool(specs, snapshot, options, guess)
+    assert choice.tokens == expected
+    assert choice.plan.cycle_s <= limit
+    assert "no lengths observed yet" in choice.text()
+
+
+def test_the_issue_probe_holds_every_sequence_for_a_few_percent_more() -> None:
+    """Issue 59's probe in small: 8 sequences of up to 33 tokens on a link-bound stage (40
+    decoders of 10 kB, 40 bytes of KV per token), where the guess (a quarter of max_seq_len)
+    and what is free beside it hold 4 sequences of max_seq_len. Holding all 8 pushes one more
+    layer off, +3.3% per token: taken, and said. With 72 fewer tokens of room, all 8 would
+    cost +6.7%: the largest pool within 5% (7 of them) instead."""
+    from test_planner import layer
+
+    specs = [layer("embed", "embed", 500)]
+    specs += [
+        dataclasses.replace(layer(f"layers.{i}", "decoder", 10_000), kv_bytes_per_token=1)
+        for i in range(40)
+    ]
+    specs.append(layer("head", "head", 500))
+    options = PlanOptions(
+        max_seq_len=33,
+        max_batch=8,
+        compute_bytes_per_s=1e9,
+        default_link_bytes_per_s=1e6,
+        step_overhead_s=0.0,
+    )
+    guess = options.pool_for(8)  # 8 sequences of 8 tokens: a block each
+    resident = 1000 + 10 * 10_000 + 10_000  # embed and head, 10 decoders, one slot
+    choice = choose_pool(specs, cluster(resident + 200 * 40), options, guess)
+    assert [(p.tokens, p.offloaded_bytes) for p in choice.weighed] == [
+        (192, 300_000),
+        (384, 310_000),
+    ]
+    assert choice.tokens == 384 and choice.plan.options.sequences_held(33) == 8
+    assert "Every one of 8 sequences may run to max_seq_len (33) for +3.3% per token" in (
+        choice.text()
+    )
+    tight = choose_pool(specs, cluster(resident + 128 * 40 + 50), options, guess)
+    assert [p.tokens for p in tight.weighed] == [128, 368, 384] and tight.tokens == 368
+    assert "would cost +6.7% per token: the largest pool within 5%" in tight.text()
+
+
+def test_lengths_are_validated_and_their_footprint_is_time_weighted() -> None:
+    with pytest.raises(ValueError, match="at least one sequence"):
+        Lengths(())
+    with pytest.raises(ValueError, match="0 prompt"):
+        Lengths(((0, 4),))
+    # 15 prompt tokens + 2: step 0 holds 16 (1 block), step 1 holds 17 (2 blocks): 24 on average
+    assert Lengths(((15, 2),)).footprint_tokens(64) == 24
+    # cut at max_seq_len: 30 + 10 with max_seq_len 32 decodes 3 steps at 2 blocks
+    assert Lengths(((30, 10),)).footprint_tokens(32) == 32
