@@ -570,6 +570,24 @@ def test_the_stats_count_a_request_gone_once_it_is_done(make) -> None:
     assert snapshot["generation_tokens"] == 5
 
 
+def test_the_engine_records_each_ended_sequences_lengths(make) -> None:
+    """Issue 59 point 2: the lengths the planner prices a pool for are what each sequence's
+    prompt and output came to, including one ended early by its end token;
+    one that failed gives none."""
+    engine, pipeline = make(num_slots=2)
+    submit(engine, [3, 4, 5], 6).result(WAIT_S)
+    submit(engine, [7], 2).result(WAIT_S)
+    tokens = expected([9, 9], 20)
+    eos = tokens[2]
+    out = submit(engine, [9, 9], 20, eos_token_ids=(eos,)).result(WAIT_S)
+    assert len(out[0]) == tokens.index(eos) + 1 < 20  # ended early, on its end token
+    pipeline.fail = [RuntimeError("broken step")]
+    with pytest.raises(RuntimeError, match="broken step"):
+        submit(engine, [1, 2], 4).result(WAIT_S)
+    assert engine.stats.observed_lengths() == ((3, 6), (1, 2), (2, len(out[0])))
+    assert engine.stats.snapshot()["observed_sequences"] == 3
+
+
 def test_a_request_that_ended_in_a_burst_that_then_fails_completes_once(make) -> None:
     """A burst in which one request ends, then a worker is lost: that request completes (its
     client is woken, once), the other goes on after the recovery with the text an

@@ -350,3 +350,35 @@ def test_the_serving_line_shows_the_kv_blocks_used_and_free() -> None:
     assert "KV blocks 3 used / 7 free of 10 on every GPU" in line and "40 tokens held" in line
     assert "2 preemption(s)" in line
     assert stats.snapshot()["kv_cache_usage"] == 0.3
+
+
+def test_the_engine_records_lengths_and_the_preemption_rate_and_status_shows_them() -> None:
+    """Issue 59 points 2 and 3: each sequence that ends gives its prompt and generated lengths
+    (not one that ended on an error: its lengths say nothing of the traffic), preemptions are
+    counted per minute over the last 5 minutes, and the serving line shows both."""
+    import time
+
+    from coordinator.engine.stats import PREEMPTION_WINDOW_S, EngineStats
+    from coordinator.runtime.telemetry import serving_line
+
+    stats = EngineStats(num_slots=4, num_blocks=10)
+    assert stats.snapshot()["observed_sequences"] == 0
+    assert "lengths of the last" not in serving_line({**stats.snapshot(), "time": time.time()})
+    for prompt, generated in ((8, 24), (8, 20), (40, 480)):
+        stats.finished(prompt, generated)
+    stats.finished()  # an error
+    assert stats.ended == 4 and stats.observed_lengths() == ((8, 24), (8, 20), (40, 480))
+    now = time.monotonic()
+    stats.preempted(3, now - PREEMPTION_WINDOW_S - 1)  # three, long ago
+    stats.preempted(5, now - 10)  # two, lately
+    stats.preempted(5, now)  # none more
+    assert stats.preemptions == 5 and stats.preemptions_per_min(now) == 2 * 60 / PREEMPTION_WINDOW_S
+    snap = stats.snapshot()
+    assert (snap["observed_prompt_p50"], snap["observed_generated_p50"]) == (8, 24)
+    assert snap["observed_total_p90"] == 520
+    line = serving_line({**snap, "time": time.time()})
+    assert "5 preemption(s) (0.4 a minute lately)" in line
+    assert (
+        "lengths of the last 3 sequences: prompt p50 8, generated p50 24, prompt + generated "
+        "p90 520 tokens"
+    ) in line

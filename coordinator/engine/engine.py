@@ -379,12 +379,15 @@ class Engine:
         self.stats.running = len(scheduler.running)
         self.stats.waiting = len(scheduler.waiting)
         self._pool_stats()
-        self.stats.preemptions = scheduler.preemptions
+        self.stats.preempted(scheduler.preemptions, time.monotonic())
         self.stats.prefix_queries = scheduler.blocks.queries
         self.stats.prefix_hits = scheduler.blocks.hits
         for request in done:
-            for _ in request.sequences:
-                self.stats.finished()
+            for seq in request.sequences:
+                if seq.finish is Finish.ERROR:
+                    self.stats.finished()
+                else:
+                    self.stats.finished(len(seq.prompt), len(seq.generated))
             try:
                 request.end()
             except Exception as exc:  # the client's callback: never the loop's end

@@ -6,6 +6,7 @@ updates it, `snapshot()` reads it); `export` publishes it as Ray metrics (Promet
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -55,7 +56,9 @@ ITL_BUCKETS_S = (
     40.0,
     80.0,
 )
-RECENT = 4096  # latency samples kept for percentiles
+RECENT = 4096  # latency samples kept for percentiles (and sequences' lengths)
+# The window over which preemptions per minute are counted.
+PREEMPTION_WINDOW_S = 300.0
 
 
 class Histogram:
@@ -119,6 +122,11 @@ class EngineStats:
     engine_restarts: int = 0
     engine_state: str = "serving"
     engine_stopped: str = ""
+    # (prompt tokens, generated tokens) of the latest sequences that ended (errors aside):
+    # the lengths the planner prices a KV pool for (`coordinator.planning.pool.Lengths`)
+    lengths: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+    # when the latest preemptions happened (time.monotonic()), for their rate
+    preempted_at: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     ttft_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     itl_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
@@ -142,9 +150,45 @@ class EngineStats:
             (self.ttft if into is self.ttft_s else self.itl).observe(sample)
             seq.last_token_s = now
 
-    def finished(self) -> None:
+    def finished(self, prompt_tokens: int | None = None, generated_tokens: int = 0) -> None:
+        """A sequence ended; with its lengths where they tell what traffic brings (not where
+        it ended on an error)."""
         with self._lock:
             self.ended += 1
+            if prompt_tokens:
+                self.lengths.append((prompt_tokens, generated_tokens))
+
+    def preempted(self, total: int, now: float) -> None:
+        """The scheduler's preemption count is `total` at `now` (monotonic seconds)."""
+        with self._lock:
+            for _ in range(max(0, total - self.preemptions)):
+                self.preempted_at.append(now)
+            self.preemptions = total
+
+    def preemptions_per_min(self, now: float) -> float:
+        """Preemptions per minute over the last PREEMPTION_WINDOW_S seconds (or since the
+        first one, where that is sooner)."""
+        with self._lock:
+            recent = [t for t in self.preempted_at if now - t <= PREEMPTION_WINDOW_S]
+        return len(recent) * 60.0 / PREEMPTION_WINDOW_S
+
+    def observed_lengths(self) -> tuple[tuple[int, int], ...]:
+        with self._lock:
+            return tuple(self.lengths)
+
+    def _length_summary(self) -> dict:
+        """The observed lengths in a few numbers (under the lock)."""
+        if not self.lengths:
+            return {"observed_sequences": 0}
+        prompts = [p for p, _ in self.lengths]
+        outputs = [g for _, g in self.lengths]
+        totals = [p + g for p, g in self.lengths]
+        return {
+            "observed_sequences": len(self.lengths),
+            "observed_prompt_p50": percentile(prompts, 50),
+            "observed_generated_p50": percentile(outputs, 50),
+            "observed_total_p90": percentile(totals, 90),
+        }
 
     def occupancy(self) -> float:
         """Mean sequences per step over max_batch: how full the batches ran."""
@@ -157,9 +201,12 @@ class EngineStats:
         return self.used_blocks / self.num_blocks if self.num_blocks else 0.0
 
     def snapshot(self) -> dict:
+        rate = self.preemptions_per_min(time.monotonic())
         with self._lock:
             ttft, itl = list(self.ttft_s), list(self.itl_s)
             return {
+                **self._length_summary(),
+                "preemptions_per_min": round(rate, 3),
                 "requests_running": self.running,
                 "requests_waiting": self.waiting,
                 "kv_slots": self.num_slots,

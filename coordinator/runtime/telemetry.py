@@ -335,8 +335,16 @@ def serving_line(stats: dict | None) -> str:
     pool = (
         f"KV blocks {stats['kv_blocks_used']} used / {blocks - stats['kv_blocks_used']} free of "
         f"{blocks} on every GPU (each keeps its layers' part of each block; "
-        f"{stats['kv_tokens_used']} tokens held), {stats['preemptions']} preemption(s), "
+        f"{stats['kv_tokens_used']} tokens held), {stats['preemptions']} preemption(s) "
+        f"({stats.get('preemptions_per_min', 0.0):.1f} a minute lately), "
         if blocks
+        else ""
+    )
+    lengths = (
+        f"\nlengths of the last {stats['observed_sequences']} sequences: prompt p50 "
+        f"{stats['observed_prompt_p50']}, generated p50 {stats['observed_generated_p50']}, "
+        f"prompt + generated p90 {stats['observed_total_p90']} tokens"
+        if stats.get("observed_sequences")
         else ""
     )
     return (
@@ -346,7 +354,7 @@ def serving_line(stats: dict | None) -> str:
         f"{stats['generation_tokens']} tokens generated, {stats['requests']} requests "
         f"({stats['rejected']} refused: queue full); time to first token p50 "
         f"{ms('ttft_p50_s')} p99 {ms('ttft_p99_s')}, inter-token p50 {ms('itl_p50_s')} "
-        f"p99 {ms('itl_p99_s')}{engine}"
+        f"p99 {ms('itl_p99_s')}{lengths}{engine}"
     )
 
 
