@@ -12,7 +12,7 @@ from test_batch_size import BLOCK, PER_SEQUENCE, cluster, layers
 
 from coordinator.planning.options import PlanOptions
 from coordinator.planning.planner import plan
-from coordinator.planning.pool import POOL_SHARE, Lengths, choose_pool, price
+from coordinator.planning.pool import POOL_SHARE, Lengths, choose_pool, offloaded_bytes, price
 from offload.errors import PlanError
 from worker.names import blocks_for
 
@@ -148,3 +148,39 @@ def test_lengths_are_validated_and_their_footprint_is_time_weighted() -> None:
     assert Lengths(((15, 2),)).footprint_tokens(64) == 24
     # cut at max_seq_len: 30 + 10 with max_seq_len 32 decodes 3 steps at 2 blocks
     assert Lengths(((30, 10),)).footprint_tokens(32) == 32
+
+
+def test_a_rebalance_keeps_every_stage_and_rechooses_what_it_offloads() -> None:
+    """Issue 59 point 2's re-plan: the stages (GPUs, layer ranges) of the running plan stay, each
+    offloads what the new pool leaves no room for, and a pool that cannot fit is refused
+    naming the stage (point 5: a re-balance refused when it would not fit)."""
+    specs = layers(num_decoders=6)
+    snapshot = cluster(3500, 3500)
+    options = PlanOptions(max_seq_len=20, max_batch=2, **RATES, default_link_bytes_per_s=4e3)
+    small = plan(specs, snapshot, dataclasses.replace(options, kv_tokens=32))
+    assert len(small.stages) == 2
+    for tokens in (32, 48, 64):
+        grown = plan(specs, snapshot, dataclasses.replace(options, kv_tokens=tokens), keep=small)
+        assert [(s.node_id, s.gpu_index, s.layers) for s in grown.stages] == [
+            (s.node_id, s.gpu_index, s.layers) for s in small.stages
+        ]
+        assert all(s.device_bytes <= 3500 for s in grown.stages)
+        assert sum(s.kv_bytes for s in grown.stages) == 6 * 10 * tokens  # 10 B a token, layer
+        if tokens == 32:
+            assert grown == small  # nothing changed: the same plan
+    bigger = plan(specs, snapshot, dataclasses.replace(options, kv_tokens=64), keep=small)
+    assert offloaded_bytes(bigger) > offloaded_bytes(small)
+    one = cluster(9000)
+    alone = plan(specs, one, dataclasses.replace(options, kv_tokens=32))
+    for tokens in (32, 64, 96):  # one GPU: the kept plan is the plan
+        opts = dataclasses.replace(options, kv_tokens=tokens)
+        assert plan(specs, one, opts, keep=alone) == plan(specs, one, opts)
+    with pytest.raises(PlanError, match=r"stage 0 \(n GPU 0\) cannot hold its layers"):
+        plan(specs, snapshot, dataclasses.replace(options, kv_tokens=160), keep=small)
+    # a fresh plan would move layers to the larger GPU; a re-balance may not: refused
+    uneven = cluster(2600, 6000)
+    first = plan(specs, uneven, dataclasses.replace(options, kv_tokens=32))
+    larger = dataclasses.replace(options, kv_tokens=64)
+    assert plan(specs, uneven, larger).stages  # fits, with the layers placed anew
+    with pytest.raises(PlanError, match=r"stage 0 \(n GPU 0\) cannot hold its layers embed"):
+        plan(specs, uneven, larger, keep=first)

@@ -340,6 +340,7 @@ def plan(
     options: PlanOptions = DEFAULT_OPTIONS,
     *,
     memo: dict | None = None,
+    keep: Plan | None = None,
 ) -> Plan:
     """The placement that is best for `options.objective` under the cost model above: the
     smallest bottleneck stage time (latency), or the shortest decode cycle of
@@ -359,6 +360,9 @@ def plan(
     of the two (`_merit`).
     `memo`: a dict kept across calls on the same layers and cluster (the throughput search's
     many micro-batch counts): the bottleneck search runs once per distinct budgets and rates.
+    `keep`: a plan whose stages (GPUs, layer ranges, resident weights kept as stored or not)
+    stay as they are, only what each offloads chosen anew for `options` (a running load's
+    re-balance: its workers keep their layers); PlanError naming the stage that no longer fits.
     """
     check_layers(layers)
     if not cluster.num_gpus:
@@ -388,6 +392,9 @@ def plan(
     ]
     kv = [kv_bytes(layer, options) for layer in layers]
     jit = _jit_bytes(layers, memo)
+    if keep is not None:
+        stored = any(s.resident_stored for s in keep.stages)
+        return _kept(layers, cluster, options, limits, kv, jit if stored else 0, keep)
     mode = options.resident_weights
     if (
         mode == "wide"
@@ -454,45 +461,7 @@ def _plan(
         options.rows_per_step if stored else 0,  # the step's dequantization (compute_bytes)
     )
     if memo is None or key not in memo:
-        weights = [layer.resident_bytes(stored) for layer in layers]
-        gpus = [(node, gpu) for node in cluster.nodes for gpu in node.gpus]
-        check_largest_layer(layers, gpus, options, weights, jit)
-        unit_names = [*sub_layer_units(layers), "layer"]
-        # offloaded weights kept in 8 bits: asked for, or as a block-FP8 checkpoint stores them
-        eight_bit = options.offload_dtype in ("fp8", "int8") or (
-            options.offload_dtype == "auto"
-            and any(t.scale is not None for layer in layers for t in layer.tensors)
-        )
-        # what offloading each layer by each unit frees: less than its slot holds (the unit at
-        # width) where resident matrices are kept as stored
-        freed = [[layer.freed_bytes(name, stored) for layer in layers] for name in unit_names]
-        search = Search(
-            weights,
-            [layer.kind == "decoder" for layer in layers],
-            limits,
-            reserve_bytes=options.reserve_bytes,
-            compute_bytes_per_s=options.compute_bytes_per_s,
-            kv_sizes=kv,
-            compute_sizes=[compute_bytes(layer, stored, options.rows_per_step) for layer in layers],
-            units=freed[:-1],
-            offload_sizes=freed[-1],
-            slot_units=[[layer.unit_bytes(name) for layer in layers] for name in unit_names]
-            if stored
-            else None,
-            stored_units=[
-                [layer.stored_bytes(name, options.offload_dtype) for layer in layers]
-                for name in unit_names
-            ]
-            if eight_bit
-            else None,
-            staging_units=[
-                [layer.staging_bytes(name, options.offload_dtype) for layer in layers]
-                for name in unit_names
-            ]
-            if eight_bit
-            else None,
-            jit_bytes=jit,
-        )
+        search, unit_names = _search(layers, cluster, options, limits, kv, jit)
         solved = (search, unit_names, *search.solve())
         if memo is not None:
             memo[key] = solved
@@ -504,6 +473,107 @@ def _plan(
     found = min_cycle(search, options.micro_batches, _overhead_s(cluster, options), best)
     assert found is not None  # solve placed every layer
     return _build(layers, cluster, options, search, unit_names, found.placements, found.bound_s)
+
+
+def _kept(
+    layers: Sequence[LayerSpec],
+    cluster: ClusterSnapshot,
+    options: PlanOptions,
+    limits: Sequence[NodeLimits],
+    kv: Sequence[int],
+    jit: int,
+    keep: Plan,
+) -> Plan:
+    """`plan` with `keep`'s stages (see there)."""
+    search, unit_names = _search(layers, cluster, options, limits, kv, jit)
+    position = {layer.name: i for i, layer in enumerate(layers)}
+    nodes = {node.node_id: n for n, node in enumerate(cluster.nodes)}
+    placements = []
+    for stage in keep.stages:
+        where = f"stage {stage.stage} ({stage.hostname} GPU {stage.gpu_index})"
+        n = nodes.get(stage.node_id)
+        gpus = cluster.nodes[n].gpus if n is not None else ()
+        g = next((i for i, gpu in enumerate(gpus) if gpu.index == stage.gpu_index), None)
+        missing = [name for name in stage.layers if name not in position]
+        if g is None or missing:
+            raise PlanError(
+                f"{where} cannot be kept: "
+                + (f"layers {missing[:3]} are not the model's" if missing else "its GPU is gone")
+            )
+        start, end = position[stage.layers[0]], position[stage.layers[-1]] + 1
+        node = cluster.nodes[n]
+        fits = search.offload_bytes(
+            start, end, gpus[g].memory_bytes, slot_count(node, options), limits[n].packed
+        )
+        if fits is None:
+            raise PlanError(
+                f"{where} cannot hold its layers {stage.layers[0]}..{stage.layers[-1]} beside a "
+                f"KV pool of {options.pool_tokens} tokens in its {format_bytes(gpus[g].memory_bytes)}"
+                ", even with every one it may offload offloaded"
+            )
+        placements.append(LayerRange(n, g, start, end))
+    the_plan = _build(layers, cluster, options, search, unit_names, placements)
+    for node in cluster.nodes:
+        host = sum(s.offloaded_bytes for s in the_plan.stages if s.node_id == node.node_id)
+        if host > node.offload_budget_bytes:
+            raise PlanError(
+                f"node {node.hostname} would keep {format_bytes(host)} of offloaded weights, "
+                f"over its host budget of {format_bytes(node.offload_budget_bytes)}"
+            )
+    return the_plan
+
+
+def _search(
+    layers: Sequence[LayerSpec],
+    cluster: ClusterSnapshot,
+    options: PlanOptions,
+    limits: Sequence[NodeLimits],
+    kv: Sequence[int],
+    jit: int,
+) -> tuple[Search, list[str]]:
+    """The bottleneck search over these layers and nodes (not solved), and the names of its
+    offload units in order."""
+    stored = bool(jit)
+    weights = [layer.resident_bytes(stored) for layer in layers]
+    gpus = [(node, gpu) for node in cluster.nodes for gpu in node.gpus]
+    check_largest_layer(layers, gpus, options, weights, jit)
+    unit_names = [*sub_layer_units(layers), "layer"]
+    # offloaded weights kept in 8 bits: asked for, or as a block-FP8 checkpoint stores them
+    eight_bit = options.offload_dtype in ("fp8", "int8") or (
+        options.offload_dtype == "auto"
+        and any(t.scale is not None for layer in layers for t in layer.tensors)
+    )
+    # what offloading each layer by each unit frees: less than its slot holds (the unit at
+    # width) where resident matrices are kept as stored
+    freed = [[layer.freed_bytes(name, stored) for layer in layers] for name in unit_names]
+    search = Search(
+        weights,
+        [layer.kind == "decoder" for layer in layers],
+        limits,
+        reserve_bytes=options.reserve_bytes,
+        compute_bytes_per_s=options.compute_bytes_per_s,
+        kv_sizes=kv,
+        compute_sizes=[compute_bytes(layer, stored, options.rows_per_step) for layer in layers],
+        units=freed[:-1],
+        offload_sizes=freed[-1],
+        slot_units=[[layer.unit_bytes(name) for layer in layers] for name in unit_names]
+        if stored
+        else None,
+        stored_units=[
+            [layer.stored_bytes(name, options.offload_dtype) for layer in layers]
+            for name in unit_names
+        ]
+        if eight_bit
+        else None,
+        staging_units=[
+            [layer.staging_bytes(name, options.offload_dtype) for layer in layers]
+            for name in unit_names
+        ]
+        if eight_bit
+        else None,
+        jit_bytes=jit,
+    )
+    return search, unit_names
 
 
 def _fetch(
