@@ -589,6 +589,84 @@ def test_micro_batches_on_every_stage_burst_actor_to_actor(embedded_ray, checkpo
     wait_gpus_free(NUM_GPUS)
 
 
+def test_a_rebalance_mid_generation_grows_the_pool_and_every_text_equals_transformers(
+    embedded_ray, checkpoints
+) -> None:
+    """Issue 59 points 2 and 5: a one-stage load whose pool holds one sequence of max_seq_len,
+    three requests of 20 tokens at once (so they wait, or are preempted, for blocks). At the
+    engine's third submit, with sequences running (checked there, in the engine's thread: an
+    order by events, not by time), the load re-balances for the lengths of such requests: the
+    stage keeps its layers, offloads more and takes a pool for all three. Every text equals
+    transformers' on its prompt alone, nothing is dropped, and the engine runs on the new
+    pool's blocks."""
+    import contextlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from coordinator.planning.pool import Lengths
+    from coordinator.tools.reference import reference_generate
+
+    checkpoint = checkpoints["qwen2"]
+    index = load_index(checkpoint)
+    max_seq_len, new = 32, 20
+    one = sum(x.kv_bytes(1, max_seq_len) for x in index.layers)
+    config = JobConfig(
+        checkpoint=checkpoint,
+        gpu_memory_bytes=index.total_bytes + one + 4096,  # everything and one sequence
+        max_batch=3,
+        max_seq_len=max_seq_len,
+        kv_cache_tokens=max_seq_len,
+        nodes=f"{ray.get_runtime_context().get_node_id()}=1",
+    )
+    g = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(3, 128, (1, 4 + i), generator=g) for i in range(3)]
+    expected = [
+        reference_generate(
+            checkpoint, p, num_threads=1, max_new_tokens=new, do_sample=False, eos_token_id=None
+        )[0, p.shape[1] :].tolist()
+        for p in prompts
+    ]
+    events: list[dict] = []
+    running_then: list[int] = []
+    with launch(config) as job, ThreadPoolExecutor(3) as pool:
+        assert len(job.plan.stages) == 1 and not job.plan.stages[0].offloaded
+        gate, submits = job.passes, []
+
+        @contextlib.contextmanager
+        def passes():  # the engine's gate, entered in its thread at every submit
+            submits.append(1)
+            if len(submits) == 3:
+                engine = job.engine().local
+                running_then.append(len(engine.scheduler.running))
+                events.append(job.rebalance(Lengths(((6, new),) * 8)))
+            with gate() as epoch:
+                yield epoch
+
+        job.passes = passes  # before the engine is made (at the first request)
+
+        def request(i: int) -> list[int]:
+            out = job.generate(prompts[i], max_new_tokens=new, do_sample=False, eos_token_id=None)
+            return out[0, prompts[i].shape[1] :].tolist()
+
+        outs = list(pool.map(request, range(3)))
+        assert outs == expected
+        [event] = events
+        assert running_then[0] >= 1  # sequences were running: a re-balance mid-generation
+        assert event["event"] == "re-balanced", event
+        assert event["kv_pool_tokens"][0] == max_seq_len < event["kv_pool_tokens"][1]
+        assert job.config.kv_cache_tokens == event["kv_pool_tokens"][1]
+        assert job.plan.stages[0].offloaded  # the weights made room for the pool
+        engine = job.engine().local
+        assert engine.scheduler.num_blocks == job.config.kv_blocks() > 2  # 2: one sequence
+        assert engine.stats.restarts == 1 and engine.stats.num_blocks == job.config.kv_blocks()
+        assert job.events[-1]["event"] == "re-balanced"
+        assert len(engine.stats.observed_lengths()) == 3  # the lengths it learned
+        # for them, the pool it has is the best: kept
+        kept = job.rebalance()
+        assert kept["event"] == "kept the KV pool", kept
+        assert list(pool.map(request, range(3))) == expected  # and the new pool serves
+    wait_gpus_free(NUM_GPUS)
+
+
 def test_offloadctl_generate_streams_the_greedy_text(
     embedded_ray, checkpoints, capsys, tmp_path
 ) -> None:

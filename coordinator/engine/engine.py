@@ -144,6 +144,7 @@ class Engine:
         recover: Callable[[BaseException, int], None] | None = None,
         gate: Callable[[], contextlib.AbstractContextManager[int]] = _unchanging_workers,
         micro_batches: Callable[[], int] | None = None,
+        num_blocks: Callable[[], int] | None = None,
         name: str = "engine",
         take_over: bool = False,
         stats: EngineStats | None = None,
@@ -152,13 +153,16 @@ class Engine:
         replace lost workers, or raise (nothing was lost: the step itself failed). `gate()`: a
         context inside which the workers do not change, yielding their epoch (which changes
         when they are replaced, by `recover` or anyone else). `micro_batches()`: how many
-        micro-batches the current plan wants (asked at start and after every change).
+        micro-batches the current plan wants (asked at start and after every change);
+        `num_blocks()`, the KV pool's blocks it has now (asked after every change: a
+        re-balance resizes the pool; by default the config's, for good).
         `take_over`: claim workers another engine holds (that engine is being replaced);
         otherwise such workers refuse this engine and it does not start. `stats`: those of
         the engine this one replaces, counted on (its host's restart after a failure)."""
         self.pipeline, self.config = pipeline, config
         self._recover, self._gate = recover, gate
         self._micro_batches = micro_batches or (lambda: config.micro_batches or pipeline.num_stages)
+        self._num_blocks = num_blocks or (lambda: config.num_blocks)
         self.id = f"{name}-{uuid.uuid4().hex[:12]}"
         self.scheduler = Scheduler(
             num_slots=config.num_slots,
@@ -403,7 +407,8 @@ class Engine:
         """The workers changed: what is in flight is dropped, the workers are claimed under a
         new epoch, and every running sequence starts its caches again."""
         self._in_flight.clear()
-        self.scheduler.restart(self._micro_batches())
+        self.scheduler.restart(self._micro_batches(), num_blocks=self._num_blocks())
+        self.stats.num_blocks = self.scheduler.num_blocks
         self.stats.restarts += 1
         try:
             self._claim_workers(take=False)

@@ -356,11 +356,12 @@ class Scheduler:
         self._free_blocks_of(seq)
         seq.slot = seq.group = None
 
-    def restart(self, num_groups: int) -> None:
+    def restart(self, num_groups: int, num_blocks: int = 0) -> None:
         """Every running sequence's keys and values are gone (workers replaced or re-planned):
         the ended ones free their slots, the others go back to the head of the queue, in the
         order they were admitted, to feed their prompt and their tokens so far again; the
-        micro-batches are re-formed to `num_groups` (the plan may have changed)."""
+        micro-batches are re-formed to `num_groups` (the plan may have changed), and the KV
+        pool takes `num_blocks` blocks where given (a re-balance resized it)."""
         requeue = []
         for group in self.groups:
             group.in_flight = False
@@ -373,6 +374,19 @@ class Scheduler:
                 else:
                     self._release(seq)
         self.blocks.clear()  # the workers hold no keys: no cached prefix is true any more
+        if num_blocks and num_blocks != self.num_blocks:
+            if num_blocks < blocks_for(self.max_seq_len, self.block_size):
+                raise ValueError(
+                    f"a KV pool of {num_blocks} blocks cannot hold one sequence of "
+                    f"max_seq_len {self.max_seq_len}"
+                )
+            self.num_blocks = num_blocks
+            self.blocks = BlockPool(
+                num_blocks,
+                self.block_size,
+                num_slots=self.num_slots,
+                prefix_caching=self.blocks.prefix_caching,
+            )
         self.reform(num_groups)
         self.waiting.extendleft(reversed(requeue))
         self._sent.clear()  # the workers are claimed again: they hold no settings

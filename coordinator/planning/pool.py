@@ -200,13 +200,15 @@ def choose_pool(
     lengths: Lengths | None = None,
     *,
     memo: dict | None = None,
+    keep: Plan | None = None,
 ) -> PoolChoice:
     """The pool for `options.max_batch` sequences, from `guess_tokens` (the pool the expected
     length gives, whose plan must fit: PlanError otherwise) up to max_batch sequences of
     max_seq_len, by the cost model (module doc). Each candidate is planned with `options`
     (objective, micro-batches) and `kv_tokens` set; the time per token is taken to grow with
     the pool (a larger pool never leaves more room for weights), so each step of it is found
-    by bisection, not by planning every size."""
+    by bisection, not by planning every size. `keep`: a running plan whose stages stay
+    (`planner.plan`'s, for a re-balance)."""
     if options.max_seq_len < 1 or options.max_batch < 1:
         raise PlanError("choosing a KV pool needs max_seq_len and max_batch")
     memo = {} if memo is None else memo
@@ -217,7 +219,11 @@ def choose_pool(
             tokens = blocks * DEFAULT_BLOCK_SIZE
             try:
                 plans[blocks] = planner.plan(
-                    layers, cluster, dataclasses.replace(options, kv_tokens=tokens), memo=memo
+                    layers,
+                    cluster,
+                    dataclasses.replace(options, kv_tokens=tokens),
+                    memo=None if keep else memo,
+                    keep=keep,
                 )
             except PlanError:
                 plans[blocks] = None
@@ -228,7 +234,10 @@ def choose_pool(
     guess = planned(low)
     if guess is None:  # the error, with its numbers
         planner.plan(
-            layers, cluster, dataclasses.replace(options, kv_tokens=low * DEFAULT_BLOCK_SIZE)
+            layers,
+            cluster,
+            dataclasses.replace(options, kv_tokens=low * DEFAULT_BLOCK_SIZE),
+            keep=keep,
         )
         raise AssertionError("unreachable: the guess's pool was planned above")
 

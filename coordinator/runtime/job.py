@@ -38,7 +38,7 @@ from coordinator.runtime.loops import Loops
 from coordinator.runtime.probing import PROBE_TIMEOUT_S
 from coordinator.runtime.session import RaySession
 from coordinator.runtime.telemetry import MetricsExporter, Report, collect
-from offload.errors import NeverFitsError
+from offload.errors import NeverFitsError, PlanError
 from worker.snapshot import StageSnapshot
 from worker.wire import unpack
 
@@ -323,6 +323,41 @@ class Job:
             if dead:
                 self._gate.epoch += 1
             return dead
+
+    def rebalance(self, lengths=None) -> dict:
+        """Re-balance the KV pool against the resident weights for `lengths`
+        (`coordinator.planning.pool.Lengths`; by default what this job's engine observed):
+        the stages stay, what each offloads and the pool change where the cost model predicts
+        at least `rebalance.GAIN` more tokens/s (`coordinator.runtime.rebalance`). Requests in
+        flight go on, their sequences fed again into the new pool. Returns the event ("kept"
+        where nothing moved); PlanError where the lengths are unknown or the pool cannot fit.
+        A named load is re-balanced by its keeper (not yet: refused)."""
+        from coordinator.planning.pool import Lengths
+        from coordinator.runtime import rebalance
+
+        self.require_open()
+        if self.keeper is not None:
+            raise LaunchError(f"load {self.name!r}: a named load's re-balance is not built yet")
+        if lengths is None:
+            observed = self._engines.observed_lengths()
+            if not observed:
+                raise PlanError("no sequence has ended yet: no lengths to re-balance the pool for")
+            lengths = Lengths(observed)
+        running = self.group.plan
+        proposal = rebalance.decide(self.group, lengths)  # probes, outside the gate
+        if proposal.plan is None:
+            event = {"event": "kept the KV pool", "why": proposal.text()}
+            self.record_event(event)
+            return event
+        with self._gate.alone():
+            if self.group.plan is not running:  # changed meanwhile (a recovery): next time
+                return {"event": "kept the KV pool", "why": "the workers changed meanwhile"}
+            try:
+                event = rebalance.apply(self.group, proposal, self.record_event)
+            finally:
+                self._gate.epoch += 1  # the workers' pools changed (or went), whatever happened
+        self.record_event(event)
+        return event
 
     def _recover_since(self, epoch: int, *, hung: bool = False) -> bool:
         """For a pass that failed in `epoch`: recover, unless another thread changed the

@@ -73,6 +73,7 @@ def build_engine(
         recover=recover,
         gate=gate,
         micro_batches=lambda: micro_batches(config(), plan()),
+        num_blocks=lambda: config().kv_blocks(),  # a re-balance resizes the pool
         name=name,
         take_over=take_over,
         stats=stats,
@@ -161,6 +162,10 @@ class JobEngine:
 
             self._metrics = EngineMetrics(Path(self.job.config.checkpoint).name)
         self._metrics.export(self._host.engine.stats)
+
+    def observed_lengths(self) -> tuple[tuple[int, int], ...]:
+        """(prompt, generated) tokens of the sequences the in-process engine ended lately."""
+        return self._host.engine.stats.observed_lengths() if self._host is not None else ()
 
     def stats(self) -> dict | None:
         """The engine's stats: this job's, or its load's (None: no engine answers)."""
