@@ -232,6 +232,10 @@ class JobConfig:
     # A named load's keeper checks its workers this often and recovers lost ones with no
     # driver attached (0: only when a driver finds one lost).
     watch_interval_s: float = 5.0
+    # A load whose KV pool the cost model chose re-balances it against its resident weights
+    # for the lengths its requests come to, at most once per this many seconds and never
+    # while requests wait (coordinator.runtime.rebalance; 0: never on its own).
+    rebalance_interval_s: float = 600.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -278,6 +282,7 @@ class JobConfig:
             "placement_timeout_s",
             "snapshot_interval_s",
             "watch_interval_s",
+            "rebalance_interval_s",
         ):
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(
@@ -363,6 +368,11 @@ class JobConfig:
         if self.watch_interval_s < 0:
             raise ConfigError(
                 f"watch_interval_s={self.watch_interval_s} must be >= 0 (0: no keeper checks)"
+            )
+        if self.rebalance_interval_s < 0:
+            raise ConfigError(
+                f"rebalance_interval_s={self.rebalance_interval_s} must be >= 0 (0: the KV pool "
+                "is re-balanced only when asked)"
             )
         if self.snapshot_interval_s < 0:
             raise ConfigError(

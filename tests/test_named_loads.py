@@ -309,6 +309,69 @@ def test_every_client_of_a_load_goes_through_its_one_engine(cluster, tmp_path) -
     wait_gpus_free(3)
 
 
+def test_a_named_loads_keeper_rebalances_its_pool_and_the_texts_stay(cluster, tmp_path) -> None:
+    """Issue 59 point 2 through a named load: a client asks the load to re-balance for long
+    sequences; its keeper (the one process that changes a named load) grows the pool with the
+    stage kept, records the event and the new pool in the load's record, and its engine serves
+    from the new pool's blocks, every text still transformers' on its prompt alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from coordinator.config import JobConfig
+    from coordinator.planning.pool import Lengths
+    from coordinator.runtime.launch import attach, launch
+    from coordinator.tools.reference import reference_generate
+
+    checkpoint = make_checkpoint(tmp_path / "ckpt", tiny_shape(4))
+    index = load_index(checkpoint)
+    one = sum(x.kv_bytes(1, 32) for x in index.layers)
+    config = JobConfig(
+        checkpoint=str(checkpoint),
+        address=cluster.address,
+        gpu_memory_bytes=index.total_bytes + one + 4096,  # everything and one sequence
+        nodes=f"{ray.get_runtime_context().get_node_id()}=1",
+        max_batch=3,
+        max_seq_len=32,
+        kv_cache_tokens=32,
+    )
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 128, (1, 4 + i), generator=g) for i in range(3)]
+    expected = [
+        reference_generate(
+            str(checkpoint), p, num_threads=1, max_new_tokens=20, do_sample=False, eos_token_id=None
+        )[0, p.shape[1] :].tolist()
+        for p in prompts
+    ]
+
+    def texts(job) -> list[list[int]]:
+        with ThreadPoolExecutor(3) as pool:
+            outs = pool.map(
+                lambda p: job.generate(p, max_new_tokens=20, do_sample=False, eos_token_id=None),
+                prompts,
+            )
+            return [o[0, p.shape[1] :].tolist() for o, p in zip(outs, prompts, strict=True)]
+
+    launch(config, name="balanced").close()
+    try:
+        with attach("balanced", address=cluster.address) as job:
+            assert texts(job) == expected
+            event = job.rebalance(Lengths(((6, 20),) * 8))
+            assert event["event"] == "re-balanced", event
+            assert event["kv_pool_tokens"][0] == 32 < event["kv_pool_tokens"][1]
+            record = registry.load_record("balanced")[1]
+            assert record["events"][-1]["event"] == "re-balanced"
+            assert registry.config_of(record).kv_cache_tokens == event["kv_pool_tokens"][1]
+            assert texts(job) == expected
+            stats = job.serving_stats()
+            assert (
+                stats["rebalances"] == 1 and stats["kv_blocks"] == event["kv_pool_tokens"][1] // 16
+            )
+    finally:
+        registry.unload("balanced")
+    wait_gpus_free(3)
+
+
 def _holdings() -> tuple[set[str], dict[str, str]]:
     """The cluster's named actors and its placement groups that are not removed (id -> state)."""
     actors = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}

@@ -268,6 +268,15 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
         "most tokens/s)",
     )
     parser.add_argument(
+        "--rebalance-interval",
+        type=float,
+        dest="rebalance_interval_s",
+        metavar="SECONDS",
+        help="a load whose KV pool the plan chose re-balances it against the resident "
+        "weights for the lengths its requests come to, at most this often (default 600; 0: "
+        "never on its own)",
+    )
+    parser.add_argument(
         "--snapshot-interval",
         type=float,
         dest="snapshot_interval_s",
@@ -295,6 +304,7 @@ _JOB_FLAGS = {
     "dtype": "--dtype",
     "cpus_per_worker": "--cpus-per-worker",
     "snapshot_interval_s": "--snapshot-interval",
+    "rebalance_interval_s": "--rebalance-interval",
     "max_batch": "--max-batch",
     "max_seq_len": "--max-seq-len",
     "kv_cache_tokens": "--kv-cache-tokens",

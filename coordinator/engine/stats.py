@@ -118,6 +118,8 @@ class EngineStats:
     # the load's engine itself (its host's): loops that ended on an error, new engines started
     # after one, and now "serving", "restarting" (a new engine is being started) or "failed"
     # (no more restarts: the load cannot serve), with why the last one stopped
+    # the load's KV pool re-balanced against its resident weights (coordinator.runtime.rebalance)
+    rebalances: int = 0
     engine_failures: int = 0
     engine_restarts: int = 0
     engine_state: str = "serving"
@@ -225,6 +227,7 @@ class EngineStats:
                 "calls": self.calls,
                 "generation_tokens": self.generated,
                 "restarts": self.restarts,
+                "rebalances": self.rebalances,
                 "engine_state": self.engine_state,
                 "engine_failures": self.engine_failures,
                 "engine_restarts": self.engine_restarts,
@@ -254,6 +257,7 @@ class EngineStats:
                 ("offload:batch_occupancy", "gauge", self.occupancy()),
                 ("vllm:generation_tokens_total", "counter", self.generated),
                 ("vllm:request_success_total", "counter", self.ended),
+                ("offload:kv_pool_rebalances_total", "counter", self.rebalances),
                 ("offload:engine_failures_total", "counter", self.engine_failures),
                 ("offload:engine_restarts_total", "counter", self.engine_restarts),
                 ("offload:engine_serving", "gauge", int(self.engine_state == "serving")),

@@ -331,32 +331,32 @@ class Job:
         at least `rebalance.GAIN` more tokens/s (`coordinator.runtime.rebalance`). Requests in
         flight go on, their sequences fed again into the new pool. Returns the event ("kept"
         where nothing moved); PlanError where the lengths are unknown or the pool cannot fit.
-        A named load is re-balanced by its keeper (not yet: refused)."""
+        A named load is re-balanced by its keeper, which also does it on its own
+        (`JobConfig.rebalance_interval_s`), as this job's engine does for an unnamed one."""
         from coordinator.planning.pool import Lengths
         from coordinator.runtime import rebalance
 
         self.require_open()
-        if self.keeper is not None:
-            raise LaunchError(f"load {self.name!r}: a named load's re-balance is not built yet")
+        if self.keeper is not None:  # the one process that changes a named load
+            sequences = None if lengths is None else lengths.sequences
+            timeout_s = self.config.load_timeout_s + PROBE_TIMEOUT_S
+            try:
+                return ray.get(self.keeper.rebalance.remote(sequences), timeout=timeout_s)
+            except ray.exceptions.RayTaskError as exc:
+                cause = getattr(exc, "cause", None)
+                raise (cause if isinstance(cause, Exception) else LaunchError(str(exc))) from None
+            except ray.exceptions.GetTimeoutError:
+                raise LaunchError(
+                    f"load {self.name!r}: its keeper did not re-balance within {timeout_s:.0f} s"
+                ) from None
         if lengths is None:
             observed = self._engines.observed_lengths()
             if not observed:
                 raise PlanError("no sequence has ended yet: no lengths to re-balance the pool for")
             lengths = Lengths(observed)
-        running = self.group.plan
-        proposal = rebalance.decide(self.group, lengths)  # probes, outside the gate
-        if proposal.plan is None:
-            event = {"event": "kept the KV pool", "why": proposal.text()}
-            self.record_event(event)
-            return event
-        with self._gate.alone():
-            if self.group.plan is not running:  # changed meanwhile (a recovery): next time
-                return {"event": "kept the KV pool", "why": "the workers changed meanwhile"}
-            try:
-                event = rebalance.apply(self.group, proposal, self.record_event)
-            finally:
-                self._gate.epoch += 1  # the workers' pools changed (or went), whatever happened
-        self.record_event(event)
+        event = rebalance.rebalance(self.group, self._gate, lengths, self.record_event)
+        if event["event"] == "re-balanced":
+            self._engines.count_rebalance()
         return event
 
     def _recover_since(self, epoch: int, *, hung: bool = False) -> bool:

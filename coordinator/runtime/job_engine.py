@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from coordinator.engine.host import CALL_TIMEOUT_S, EngineClient, EngineHost
 from coordinator.engine.ray_pipeline import RayPipeline
 from coordinator.planning.checkpoint import CheckpointIndex
 from coordinator.planning.planner import Plan
+from coordinator.runtime.rebalance import CHECK_S, Rebalancer
 from offload.errors import LaunchError
 
 DRAIN_TIMEOUT_S = 10.0  # a closing job's client hears the engine's last words for this long
@@ -108,6 +110,7 @@ class JobEngine:
         self._host: EngineHost | None = None
         self._lock = threading.Lock()
         self._metrics = None
+        self._rebalancer: Rebalancer | None = None
 
     def get(self) -> EngineClient:
         """The client of the load's engine; an unnamed job's engine is started now if it is
@@ -143,6 +146,10 @@ class JobEngine:
                     )
                     if job.config.snapshot_interval_s > 0:
                         job.loops.every("engine", job.config.snapshot_interval_s, self.publish)
+                    interval_s = job.config.rebalance_interval_s
+                    if interval_s > 0:
+                        self._rebalancer = Rebalancer(interval_s, time.monotonic())
+                        job.loops.every("rebalance", min(CHECK_S, interval_s), self.rebalance_due)
             return self._client
 
     @staticmethod
@@ -162,6 +169,27 @@ class JobEngine:
 
             self._metrics = EngineMetrics(Path(self.job.config.checkpoint).name)
         self._metrics.export(self._host.engine.stats)
+
+    def rebalance_due(self) -> None:
+        """The loop's check (`rebalance.Rebalancer`): re-balance the pool when it is due; what
+        came of it is one of the job's events."""
+        host, rebalancer = self._host, self._rebalancer
+        now = time.monotonic()
+        if (
+            host is None
+            or rebalancer is None
+            or not rebalancer.due(self.job.plan, host.stats(), now)
+        ):
+            return
+        rebalancer.attempted(now)
+        try:
+            self.job.rebalance()
+        except Exception as exc:  # the next check tries again, an interval later
+            self.job.record_event({"event": "re-balance failed", "error": str(exc)})
+
+    def count_rebalance(self) -> None:
+        if self._host is not None:
+            self._host.engine.stats.rebalances += 1
 
     def observed_lengths(self) -> tuple[tuple[int, int], ...]:
         """(prompt, generated) tokens of the sequences the in-process engine ended lately."""

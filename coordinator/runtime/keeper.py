@@ -43,11 +43,14 @@ import ray
 from coordinator.engine.host import EngineHost
 from coordinator.engine.pipelines import StepTimeoutError
 from coordinator.planning.checkpoint import CheckpointIndex
-from coordinator.runtime import recovery, registry
+from coordinator.planning.pool import Lengths
+from coordinator.runtime import rebalance, recovery, registry
 from coordinator.runtime.gate import Gate
 from coordinator.runtime.group import WorkerGroup, worker_failure
 from coordinator.runtime.job_engine import build_engine
+from coordinator.runtime.rebalance import CHECK_S, Rebalancer
 from coordinator.runtime.record import NAMESPACE, keeper_name
+from offload.errors import PlanError
 from worker.startup import settle
 
 NODE_LOSS_LIMIT = 3
@@ -90,9 +93,11 @@ class LoadKeeper:
         with contextlib.suppress(Exception):  # a worker lost now: the first request retries
             self.host()
         self._engine_metrics = None
+        self._rebalancer = Rebalancer(config.rebalance_interval_s, time.monotonic())
         for target, interval_s in (
             (self._watch_loop, config.watch_interval_s),
             (self._export_loop, config.snapshot_interval_s),
+            (self._rebalance_loop, min(CHECK_S, config.rebalance_interval_s)),
         ):
             if interval_s > 0:
                 threading.Thread(
@@ -236,6 +241,43 @@ class LoadKeeper:
                     f"load {self.name!r}: recovery failed, next try in {delay:.0f} s: {exc}",
                     file=sys.stderr,
                 )
+
+    # the KV pool against the resident weights (coordinator.runtime.rebalance)
+    def rebalance(self, sequences: tuple[tuple[int, int], ...] | None = None) -> dict:
+        """Re-balance the load's KV pool for `sequences` ((prompt, generated) tokens each; by
+        default what its engine observed); returns the event. Requests in flight go on."""
+        host = self._host
+        if sequences is None:
+            sequences = host.engine.stats.observed_lengths() if host is not None else ()
+        if not sequences:
+            raise PlanError("no sequence has ended yet: no lengths to re-balance the pool for")
+        _, record = registry.load_record(self.name)
+        events = list(record["events"])
+        group = registry.group_of(record, self.index)
+        group.names = _namer(record)
+
+        def record_event(event: dict) -> None:
+            recovery.add_event(events, event)
+            registry.update(self.name, group, events)
+
+        self.group = group  # the engine takes the new pool from it once the gate opens
+        event = rebalance.rebalance(group, self.gate, Lengths(tuple(sequences)), record_event)
+        if event["event"] == "re-balanced" and host is not None:
+            host.engine.stats.rebalances += 1
+        return event
+
+    def _rebalance_loop(self, interval_s: float) -> None:
+        while True:
+            time.sleep(interval_s)
+            host, now = self._host, time.monotonic()
+            stats = host.stats() if host is not None else None
+            if self.failed or not self._rebalancer.due(self.group.plan, stats, now):
+                continue
+            self._rebalancer.attempted(now)
+            try:
+                self.rebalance()
+            except Exception as exc:  # the next check tries again, an interval later
+                print(f"load {self.name!r}: re-balance failed: {exc}", file=sys.stderr)
 
     # metrics
     def _export_loop(self, interval_s: float) -> None:

@@ -29,6 +29,7 @@ from coordinator.planning.planner import Plan, plan
 from coordinator.planning.pool import Lengths, PoolChoice, PoolPrice, choose_pool, price
 from coordinator.planning.reserve import job_options
 from coordinator.runtime import recovery
+from coordinator.runtime.gate import Gate
 from coordinator.runtime.group import WorkerGroup
 from coordinator.runtime.probing import model_of, probe_cluster
 from offload.errors import PlanError
@@ -136,3 +137,53 @@ def apply(group: WorkerGroup, proposal: Proposal, record: recovery.Record) -> di
         "reconfigure_s": round(reconfigure_s, 3),
         "rebalance_s": round(time.perf_counter() - start, 3),
     }
+
+
+def rebalance(group: WorkerGroup, gate: Gate, lengths: Lengths, record: recovery.Record) -> dict:
+    """`decide` (outside the gate: it only probes), then `apply` alone in the gate, the epoch
+    moved on so that the engine feeds its sequences again into the new pool. Records and
+    returns the event ("kept the KV pool" where nothing moves)."""
+    running = group.plan
+    proposal = decide(group, lengths)
+    if proposal.plan is None:
+        event = {"event": "kept the KV pool", "why": proposal.text()}
+        record(event)
+        return event
+    with gate.alone():
+        if group.plan is not running:  # changed meanwhile (a recovery): next time
+            return {"event": "kept the KV pool", "why": "the workers changed meanwhile"}
+        try:
+            event = apply(group, proposal, record)
+        finally:
+            gate.epoch += 1  # the workers' pools changed (or went), whatever happened
+    record(event)
+    return event
+
+
+# How often a load asks whether a re-balance is due (the interval itself bounds how often one
+# happens): at most this, or the interval where it is shorter.
+CHECK_S = 30.0
+
+
+class Rebalancer:
+    """When a load re-balances on its own (bounded churn): once `interval_s` has passed since
+    its start or its last attempt (moved or kept), with no request waiting (never in a burst:
+    the queue is what a burst fills) and at least MIN_OBSERVED sequences ended; only where the
+    plan chose the pool (`Plan.pool_note`: not one given with --kv-cache-tokens, nor all the
+    budget leaves)."""
+
+    def __init__(self, interval_s: float, now: float) -> None:
+        self.interval_s = interval_s
+        self.last = now
+
+    def due(self, the_plan: Plan, stats: dict | None, now: float) -> bool:
+        if self.interval_s <= 0 or not the_plan.pool_note or not stats:
+            return False
+        return (
+            now - self.last >= self.interval_s
+            and stats.get("requests_waiting", 0) == 0
+            and stats.get("observed_sequences", 0) >= MIN_OBSERVED
+        )
+
+    def attempted(self, now: float) -> None:
+        self.last = now
