@@ -658,6 +658,7 @@ def test_a_rebalance_mid_generation_grows_the_pool_and_every_text_equals_transfo
         engine = job.engine().local
         assert engine.scheduler.num_blocks == job.config.kv_blocks() > 2  # 2: one sequence
         assert engine.stats.restarts == 1 and engine.stats.num_blocks == job.config.kv_blocks()
+        assert 'offload:kv_pool_rebalances_total{model_name="m"} 1' in engine.stats.prometheus("m")
         assert job.events[-1]["event"] == "re-balanced"
         assert len(engine.stats.observed_lengths()) == 3  # the lengths it learned
         # for them, the pool it has is the best: kept

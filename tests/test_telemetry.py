@@ -382,3 +382,9 @@ def test_the_engine_records_lengths_and_the_preemption_rate_and_status_shows_the
         "lengths of the last 3 sequences: prompt p50 8, generated p50 24, prompt + generated "
         "p90 520 tokens"
     ) in line
+    assert "KV pool for those lengths" not in line  # not checked yet
+    stats.rebalanced({"event": "re-balanced", "why": "KV pool 64 -> 256 tokens: +40.0%"})
+    stats.rebalanced({"event": "kept the KV pool", "why": "the KV pool of 256 tokens stays"})
+    line = serving_line({**stats.snapshot(), "time": time.time()})
+    assert "KV pool for those lengths (checked 0 s ago): the KV pool of 256 tokens stays" in line
+    assert "1 re-balance(s)" in line and stats.snapshot()["rebalances"] == 1

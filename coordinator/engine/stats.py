@@ -118,8 +118,11 @@ class EngineStats:
     # the load's engine itself (its host's): loops that ended on an error, new engines started
     # after one, and now "serving", "restarting" (a new engine is being started) or "failed"
     # (no more restarts: the load cannot serve), with why the last one stopped
-    # the load's KV pool re-balanced against its resident weights (coordinator.runtime.rebalance)
+    # the load's KV pool re-balanced against its resident weights (coordinator.runtime.rebalance),
+    # and what the last check found the planner would choose, with when (time.time())
     rebalances: int = 0
+    pool_advice: str = ""
+    pool_advice_at: float = 0.0
     engine_failures: int = 0
     engine_restarts: int = 0
     engine_state: str = "serving"
@@ -159,6 +162,13 @@ class EngineStats:
             self.ended += 1
             if prompt_tokens:
                 self.lengths.append((prompt_tokens, generated_tokens))
+
+    def rebalanced(self, event: dict) -> None:
+        """A re-balance check's event (`coordinator.runtime.rebalance.rebalance`): counted
+        where the pool moved, and what it found kept for `status`."""
+        with self._lock:
+            self.rebalances += event.get("event") == "re-balanced"
+            self.pool_advice, self.pool_advice_at = event.get("why", ""), time.time()
 
     def preempted(self, total: int, now: float) -> None:
         """The scheduler's preemption count is `total` at `now` (monotonic seconds)."""
@@ -228,6 +238,8 @@ class EngineStats:
                 "generation_tokens": self.generated,
                 "restarts": self.restarts,
                 "rebalances": self.rebalances,
+                "pool_advice": self.pool_advice,
+                "pool_advice_at": self.pool_advice_at,
                 "engine_state": self.engine_state,
                 "engine_failures": self.engine_failures,
                 "engine_restarts": self.engine_restarts,

@@ -355,8 +355,7 @@ class Job:
                 raise PlanError("no sequence has ended yet: no lengths to re-balance the pool for")
             lengths = Lengths(observed)
         event = rebalance.rebalance(self.group, self._gate, lengths, self.record_event)
-        if event["event"] == "re-balanced":
-            self._engines.count_rebalance()
+        self._engines.rebalanced(event)
         return event
 
     def _recover_since(self, epoch: int, *, hung: bool = False) -> bool:

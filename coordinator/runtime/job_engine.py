@@ -187,9 +187,10 @@ class JobEngine:
         except Exception as exc:  # the next check tries again, an interval later
             self.job.record_event({"event": "re-balance failed", "error": str(exc)})
 
-    def count_rebalance(self) -> None:
+    def rebalanced(self, event: dict) -> None:
+        """A re-balance check's event, for the in-process engine's stats."""
         if self._host is not None:
-            self._host.engine.stats.rebalances += 1
+            self._host.engine.stats.rebalanced(event)
 
     def observed_lengths(self) -> tuple[tuple[int, int], ...]:
         """(prompt, generated) tokens of the sequences the in-process engine ended lately."""

@@ -262,8 +262,8 @@ class LoadKeeper:
 
         self.group = group  # the engine takes the new pool from it once the gate opens
         event = rebalance.rebalance(group, self.gate, Lengths(tuple(sequences)), record_event)
-        if event["event"] == "re-balanced" and host is not None:
-            host.engine.stats.rebalances += 1
+        if host is not None:
+            host.engine.stats.rebalanced(event)
         return event
 
     def _rebalance_loop(self, interval_s: float) -> None:

@@ -130,6 +130,7 @@ def apply(group: WorkerGroup, proposal: Proposal, record: recovery.Record) -> di
         raise
     return {
         "event": "re-balanced",
+        "why": proposal.text(),
         "kv_pool_tokens": [before, proposal.choice.tokens],
         "offloaded_bytes": sum(s.offloaded_bytes for s in proposal.plan.stages),
         "predicted_gain": round(proposal.gain, 4),
@@ -141,14 +142,12 @@ def apply(group: WorkerGroup, proposal: Proposal, record: recovery.Record) -> di
 
 def rebalance(group: WorkerGroup, gate: Gate, lengths: Lengths, record: recovery.Record) -> dict:
     """`decide` (outside the gate: it only probes), then `apply` alone in the gate, the epoch
-    moved on so that the engine feeds its sequences again into the new pool. Records and
-    returns the event ("kept the KV pool" where nothing moves)."""
+    moved on so that the engine feeds its sequences again into the new pool. Returns the event,
+    recorded where the pool moved ("kept the KV pool", with why, where it did not)."""
     running = group.plan
     proposal = decide(group, lengths)
-    if proposal.plan is None:
-        event = {"event": "kept the KV pool", "why": proposal.text()}
-        record(event)
-        return event
+    if proposal.plan is None:  # not recorded: a load checks every interval (stats show it)
+        return {"event": "kept the KV pool", "why": proposal.text()}
     with gate.alone():
         if group.plan is not running:  # changed meanwhile (a recovery): next time
             return {"event": "kept the KV pool", "why": "the workers changed meanwhile"}

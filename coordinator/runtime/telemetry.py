@@ -347,6 +347,12 @@ def serving_line(stats: dict | None) -> str:
         if stats.get("observed_sequences")
         else ""
     )
+    if stats.get("pool_advice"):
+        checked = time.time() - stats.get("pool_advice_at", time.time())
+        lengths += (
+            f"\nKV pool for those lengths (checked {checked:.0f} s ago): {stats['pool_advice']}; "
+            f"{stats.get('rebalances', 0)} re-balance(s)"
+        )
     return (
         f"\nserving ({age:.0f} s ago): {stats['requests_running']} running (at most "
         f"{stats['kv_slots']}), {stats['requests_waiting']} waiting, {pool}batch occupancy "
