@@ -6,10 +6,12 @@ load's keeper in test_named_loads.py."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from types import SimpleNamespace
 
 import pytest
 
+from coordinator.engine.stats import EngineStats
 from coordinator.planning.options import PlanOptions
 from coordinator.planning.planner import Plan
 from coordinator.runtime.job_engine import JobEngine
@@ -17,50 +19,72 @@ from coordinator.runtime.rebalance import MIN_OBSERVED, Rebalancer
 
 CHOSEN = Plan(stages=(), options=PlanOptions(), bottleneck_s=0.0, total_bytes=0, pool_note="x")
 GIVEN = dataclasses.replace(CHOSEN, pool_note="")  # --kv-cache-tokens, or all the budget left
-QUIET = {"requests_waiting": 0, "observed_sequences": MIN_OBSERVED}
+
+
+def stats_with(ended: int, waiting: int = 0) -> EngineStats:
+    stats = EngineStats(waiting=waiting)
+    for i in range(ended):
+        stats.finished(8, 100 + i)
+    return stats
 
 
 @pytest.mark.parametrize(
     ("plan", "stats", "elapsed", "due"),
     [
-        (CHOSEN, QUIET, 600.0, True),
-        (CHOSEN, QUIET, 599.0, False),  # at most one per interval
-        (CHOSEN, {**QUIET, "requests_waiting": 1}, 600.0, False),  # a burst
-        (CHOSEN, {**QUIET, "observed_sequences": MIN_OBSERVED - 1}, 600.0, False),
-        (GIVEN, QUIET, 600.0, False),  # the user's pool, or the largest there is
+        (CHOSEN, stats_with(MIN_OBSERVED), 600.0, True),
+        (CHOSEN, stats_with(MIN_OBSERVED), 599.0, False),  # at most one per interval
+        (CHOSEN, stats_with(MIN_OBSERVED, waiting=1), 600.0, False),  # in a burst
+        (CHOSEN, stats_with(MIN_OBSERVED - 1), 600.0, False),  # too few lengths
+        (GIVEN, stats_with(MIN_OBSERVED), 600.0, False),  # the user's pool, or the largest
         (CHOSEN, None, 600.0, False),  # no engine yet
     ],
 )
 def test_a_rebalance_is_due_only_between_bursts_once_an_interval(plan, stats, elapsed, due):
-    rebalancer = Rebalancer(600.0, now=100.0)
-    assert rebalancer.due(plan, stats, 100.0 + elapsed) is due
-    assert not Rebalancer(0.0, now=100.0).due(plan, stats, 10**9)  # 0: never on its own
+    start = time.monotonic() - 1000  # every length above ended after it
+    lengths = Rebalancer(600.0, now=start).lengths(plan, stats, start + elapsed)
+    assert (lengths is not None) is due
+    if due:
+        assert lengths.sequences == tuple((8, 100 + i) for i in range(MIN_OBSERVED))
+    assert Rebalancer(0.0, now=start).lengths(plan, stats, start + 10**9) is None  # 0: never
+
+
+def test_only_the_lengths_since_the_last_check_count() -> None:
+    """A load whose traffic shifted re-balances for what it gets now: the sequences that ended
+    before the last attempt are left out (and too few after it: not yet)."""
+    stats = stats_with(MIN_OBSERVED)  # before the check
+    rebalancer = Rebalancer(600.0, now=time.monotonic() - 1000)
+    rebalancer.attempted(time.monotonic())
+    later = rebalancer.last + 600
+    assert rebalancer.lengths(CHOSEN, stats, later) is None
+    for _ in range(MIN_OBSERVED):
+        stats.finished(30, 480)
+    assert rebalancer.lengths(CHOSEN, stats, later).sequences == ((30, 480),) * MIN_OBSERVED
 
 
 def test_the_engines_loop_rebalances_when_due_and_records_a_failure() -> None:
-    calls: list[str] = []
+    calls: list = []
     events: list[dict] = []
 
-    def rebalance():
-        calls.append("rebalance")
+    def rebalance(lengths):
+        calls.append(lengths.sequences)
         if len(calls) == 2:
             raise RuntimeError("the pool does not fit")
         return {"event": "re-balanced"}
 
     job = SimpleNamespace(plan=CHOSEN, rebalance=rebalance, record_event=events.append)
     engines = JobEngine(job)
-    stats = dict(QUIET)
-    engines._host = SimpleNamespace(stats=lambda: stats)
-    engines._rebalancer = Rebalancer(600.0, now=-(10**9))  # long ago: due at once
+    stats = stats_with(MIN_OBSERVED)
+    engines._host = SimpleNamespace(engine=SimpleNamespace(stats=stats))
+    engines._rebalancer = Rebalancer(600.0, now=time.monotonic() - 10**6)  # long ago: due
     engines.rebalance_due()
-    assert calls == ["rebalance"] and events == []
+    assert len(calls) == 1 and len(calls[0]) == MIN_OBSERVED and events == []
     engines.rebalance_due()  # attempted just now: not again within the interval
-    assert calls == ["rebalance"]
-    engines._rebalancer.last = -(10**9)
+    assert len(calls) == 1
+    engines._rebalancer.last -= 10**6  # long ago again, every length after it
     engines.rebalance_due()
-    assert calls == ["rebalance"] * 2
+    assert len(calls) == 2
     assert events == [{"event": "re-balance failed", "error": "the pool does not fit"}]
-    engines._rebalancer.last = -(10**9)
-    stats["requests_waiting"] = 3  # a burst: not now
+    engines._rebalancer.last -= 10**6
+    stats.waiting = 3  # a burst: not now
     engines.rebalance_due()
     assert len(calls) == 2

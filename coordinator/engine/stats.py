@@ -161,7 +161,7 @@ class EngineStats:
         with self._lock:
             self.ended += 1
             if prompt_tokens:
-                self.lengths.append((prompt_tokens, generated_tokens))
+                self.lengths.append((prompt_tokens, generated_tokens, time.monotonic()))
 
     def rebalanced(self, event: dict) -> None:
         """A re-balance check's event (`coordinator.runtime.rebalance.rebalance`): counted
@@ -184,17 +184,19 @@ class EngineStats:
             recent = [t for t in self.preempted_at if now - t <= PREEMPTION_WINDOW_S]
         return len(recent) * 60.0 / PREEMPTION_WINDOW_S
 
-    def observed_lengths(self) -> tuple[tuple[int, int], ...]:
+    def observed_lengths(self, since: float | None = None) -> tuple[tuple[int, int], ...]:
+        """(prompt, generated) tokens of the latest sequences that ended; with `since`
+        (time.monotonic()), of those that ended after it only (traffic since a check)."""
         with self._lock:
-            return tuple(self.lengths)
+            return tuple((p, g) for p, g, t in self.lengths if since is None or t >= since)
 
     def _length_summary(self) -> dict:
         """The observed lengths in a few numbers (under the lock)."""
         if not self.lengths:
             return {"observed_sequences": 0}
-        prompts = [p for p, _ in self.lengths]
-        outputs = [g for _, g in self.lengths]
-        totals = [p + g for p, g in self.lengths]
+        prompts = [p for p, _, _ in self.lengths]
+        outputs = [g for _, g, _ in self.lengths]
+        totals = [p + g for p, g, _ in self.lengths]
         return {
             "observed_sequences": len(self.lengths),
             "observed_prompt_p50": percentile(prompts, 50),

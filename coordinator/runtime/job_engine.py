@@ -174,16 +174,15 @@ class JobEngine:
         """The loop's check (`rebalance.Rebalancer`): re-balance the pool when it is due; what
         came of it is one of the job's events."""
         host, rebalancer = self._host, self._rebalancer
+        if host is None or rebalancer is None:
+            return
         now = time.monotonic()
-        if (
-            host is None
-            or rebalancer is None
-            or not rebalancer.due(self.job.plan, host.stats(), now)
-        ):
+        lengths = rebalancer.lengths(self.job.plan, host.engine.stats, now)
+        if lengths is None:
             return
         rebalancer.attempted(now)
         try:
-            self.job.rebalance()
+            self.job.rebalance(lengths)
         except Exception as exc:  # the next check tries again, an interval later
             self.job.record_event({"event": "re-balance failed", "error": str(exc)})
 

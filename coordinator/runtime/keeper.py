@@ -270,12 +270,13 @@ class LoadKeeper:
         while True:
             time.sleep(interval_s)
             host, now = self._host, time.monotonic()
-            stats = host.stats() if host is not None else None
-            if self.failed or not self._rebalancer.due(self.group.plan, stats, now):
+            stats = host.engine.stats if host is not None else None
+            lengths = self._rebalancer.lengths(self.group.plan, stats, now)
+            if self.failed or lengths is None:
                 continue
             self._rebalancer.attempted(now)
             try:
-                self.rebalance()
+                self.rebalance(lengths.sequences)
             except Exception as exc:  # the next check tries again, an interval later
                 print(f"load {self.name!r}: re-balance failed: {exc}", file=sys.stderr)
 

@@ -165,24 +165,26 @@ CHECK_S = 30.0
 
 
 class Rebalancer:
-    """When a load re-balances on its own (bounded churn): once `interval_s` has passed since
-    its start or its last attempt (moved or kept), with no request waiting (never in a burst:
-    the queue is what a burst fills) and at least MIN_OBSERVED sequences ended; only where the
-    plan chose the pool (`Plan.pool_note`: not one given with --kv-cache-tokens, nor all the
-    budget leaves)."""
+    """When a load re-balances on its own (bounded churn), and for which lengths: once
+    `interval_s` has passed since its start or its last attempt (moved or kept), with no request
+    waiting (never in a burst: the queue is what a burst fills), for the sequences that ended
+    since the last attempt (traffic as it is now, not as it was), at least MIN_OBSERVED of
+    them; only where the plan chose the pool (`Plan.pool_note`: not one given with
+    --kv-cache-tokens, nor all the budget leaves). Times are time.monotonic()'s."""
 
     def __init__(self, interval_s: float, now: float) -> None:
         self.interval_s = interval_s
         self.last = now
 
-    def due(self, the_plan: Plan, stats: dict | None, now: float) -> bool:
-        if self.interval_s <= 0 or not the_plan.pool_note or not stats:
-            return False
-        return (
-            now - self.last >= self.interval_s
-            and stats.get("requests_waiting", 0) == 0
-            and stats.get("observed_sequences", 0) >= MIN_OBSERVED
-        )
+    def lengths(self, the_plan: Plan, engine_stats, now: float) -> Lengths | None:
+        """The lengths to re-balance for now (`engine_stats`: the load's `EngineStats`), or
+        None where no re-balance is due."""
+        if self.interval_s <= 0 or not the_plan.pool_note or engine_stats is None:
+            return None
+        if now - self.last < self.interval_s or engine_stats.waiting:
+            return None
+        observed = engine_stats.observed_lengths(since=self.last)
+        return Lengths(observed) if len(observed) >= MIN_OBSERVED else None
 
     def attempted(self, now: float) -> None:
         self.last = now
