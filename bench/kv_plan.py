@@ -22,7 +22,8 @@ Part 2, phases: 8 requests at once of short chats (64 + 64 tokens), then long ge
 bytes resident beside room for the short phase. Static plans, each launched once and run
 through the three phases: the default plan, and a search over pools (the cost model's choice
 for each phase's lengths, and even steps up to every sequence at max_seq_len). Per phase:
-tokens/s and bytes per token against the ideal (offloaded / sequences at once); the best
+tokens/s and bytes per token against the ideal (offloaded / 8: every step shared by all 8
+requests); the best
 static pool per phase is the search's. Then the re-balancing load: the default plan, which per
 phase learns the lengths from one wave of its requests, re-balances for them
 (`Job.rebalance`, what its own check does after --rebalance-interval), and is measured on a
@@ -198,8 +199,7 @@ def phases(checkpoint: str, index, args) -> dict:
                 for name, prompts, new in work:
                     result = run_batch(job, pool, prompts, new)
                     del result["outputs"]
-                    held = min(BATCH, job.plan.options.sequences_held(prompts[0].shape[1] + new))
-                    ideal = offloaded(job) / max(1, held)
+                    ideal = offloaded(job) / BATCH  # one copy per step for all 8
                     result["over_ideal"] = result["bytes_per_token"] / ideal if ideal else None
                     row[name] = result
         except Exception as exc:  # a pool that does not fit the budget
@@ -229,8 +229,7 @@ def rebalancing(config: JobConfig, work) -> dict:
             row["pool_tokens"].append(job.plan.options.kv_tokens)
             result = run_batch(job, pool, prompts, new)
             del result["outputs"]
-            held = min(BATCH, job.plan.options.sequences_held(prompts[0].shape[1] + new))
-            ideal = offloaded(job) / max(1, held)
+            ideal = offloaded(job) / BATCH  # one copy per step for all 8
             result["over_ideal"] = result["bytes_per_token"] / ideal if ideal else None
             result["offloaded_bytes"] = offloaded(job)
             row[name] = result

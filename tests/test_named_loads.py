@@ -362,6 +362,7 @@ def test_a_named_loads_keeper_rebalances_its_pool_and_the_texts_stay(cluster, tm
             record = registry.load_record("balanced")[1]
             assert record["events"][-1]["event"] == "re-balanced"
             assert registry.config_of(record).kv_cache_tokens == event["kv_pool_tokens"][1]
+            assert job.config.kv_cache_tokens == event["kv_pool_tokens"][1]  # this handle too
             assert texts(job) == expected
             stats = job.serving_stats()
             assert (

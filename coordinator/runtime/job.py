@@ -340,15 +340,9 @@ class Job:
         if self.keeper is not None:  # the one process that changes a named load
             sequences = None if lengths is None else lengths.sequences
             timeout_s = self.config.load_timeout_s + PROBE_TIMEOUT_S
-            try:
-                return ray.get(self.keeper.rebalance.remote(sequences), timeout=timeout_s)
-            except ray.exceptions.RayTaskError as exc:
-                cause = getattr(exc, "cause", None)
-                raise (cause if isinstance(cause, Exception) else LaunchError(str(exc))) from None
-            except ray.exceptions.GetTimeoutError:
-                raise LaunchError(
-                    f"load {self.name!r}: its keeper did not re-balance within {timeout_s:.0f} s"
-                ) from None
+            event = self._ask_keeper("rebalance", sequences, timeout_s=timeout_s, what="re-balance")
+            self.refresh()  # its plan and pool as the keeper left them
+            return event
         if lengths is None:
             observed = self._engines.observed_lengths()
             if not observed:
@@ -392,15 +386,7 @@ class Job:
 
     def _recover_by_keeper(self) -> list[int]:
         timeout_s = self.config.load_timeout_s + self.config.placement_timeout_s + PROBE_TIMEOUT_S
-        try:
-            dead = ray.get(self.keeper.recover.remote(), timeout=timeout_s)
-        except ray.exceptions.RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            raise (cause if isinstance(cause, Exception) else LaunchError(str(exc))) from None
-        except ray.exceptions.GetTimeoutError:
-            raise LaunchError(
-                f"the load's keeper did not recover it within {timeout_s:.0f} s"
-            ) from None
+        dead = self._ask_keeper("recover", timeout_s=timeout_s, what="recover it")
         before = [h.name for h in self.group.handles]
         self._take_record()
         # The keeper may have recovered before this job noticed: its stages changed all the same.
@@ -408,6 +394,18 @@ class Job:
             s for s, h in enumerate(self.group.handles) if s >= len(before) or h.name != before[s]
         ]
         return dead or changed
+
+    def _ask_keeper(self, method: str, *args, timeout_s: float, what: str):
+        """`method(*args)` of the load's keeper, within `timeout_s`; its own error raised."""
+        try:
+            return ray.get(getattr(self.keeper, method).remote(*args), timeout=timeout_s)
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            raise (cause if isinstance(cause, Exception) else LaunchError(str(exc))) from None
+        except ray.exceptions.GetTimeoutError:
+            raise LaunchError(
+                f"the load's keeper did not {what} within {timeout_s:.0f} s"
+            ) from None
 
     def refresh(self) -> None:
         """A named load changes in its keeper (which recovers it while its engine runs the

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 
 from coordinator.planning.planner import Plan, plan
@@ -72,17 +71,11 @@ class Proposal:
 def decide(group: WorkerGroup, lengths: Lengths) -> Proposal:
     """The pool for `lengths` on the group's GPUs as they stand (module doc)."""
     start = time.perf_counter()
-    held: dict[str, int] = defaultdict(int)
-    probers: dict[str, list] = defaultdict(list)
-    for h in group.handles:
-        held[h.node_id] += sum(
-            x.unit_bytes(h.spec.offload_unit) for x in h.spec.layers if x.name in h.spec.offloaded
-        )
-        probers[h.node_id].append(h.actor)
+    held, probers = recovery.holdings(group.handles)
     snapshot, envs = probe_cluster(
         group.config,
         held_bytes=held,
-        probers=dict(probers),
+        probers=probers,
         model=model_of(group.index, group.config),
         own=[h.node_id for h in group.handles],
     )

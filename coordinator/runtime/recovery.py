@@ -27,7 +27,7 @@ from coordinator.planning.planner import Plan, PlanError, StagePlan, plan
 from coordinator.planning.reserve import job_options
 from coordinator.runtime.desk import Turn
 from coordinator.runtime.errors import LaunchError, WorkerLostError
-from coordinator.runtime.group import WorkerGroup, kill
+from coordinator.runtime.group import WorkerGroup, WorkerHandle, kill
 from coordinator.runtime.probing import gpu_nodes, model_of, probe_cluster
 from worker.snapshot import StageSnapshot
 
@@ -74,6 +74,20 @@ def match_survivors(
     return matched
 
 
+def holdings(handles: Sequence[WorkerHandle]) -> tuple[dict[str, int], dict[str, list]]:
+    """Per node, what these (surviving) workers hold that a new plan replaces rather than adds
+    to: the host bytes of their arenas, and the workers themselves, each of which answers a
+    probe for its own GPU with its stage's bytes counted as free (`probe_cluster`)."""
+    held: dict[str, int] = defaultdict(int)
+    probers: dict[str, list] = defaultdict(list)
+    for h in handles:
+        held[h.node_id] += sum(
+            x.unit_bytes(h.spec.offload_unit) for x in h.spec.layers if x.name in h.spec.offloaded
+        )
+        probers[h.node_id].append(h.actor)
+    return dict(held), dict(probers)
+
+
 def decide(group: WorkerGroup, dead: list[int], left_out: frozenset[str] = frozenset()) -> Decision:
     """The policy: in place when every lost worker's node is alive, else a new plan on the GPU
     nodes left, their budgets crediting what the survivors already hold. Nodes in `left_out`
@@ -91,15 +105,8 @@ def decide(group: WorkerGroup, dead: list[int], left_out: frozenset[str] = froze
     survivors = [
         (i, h) for i, h in enumerate(group.handles) if i not in dead and h.node_id not in left_out
     ]
-    held: dict[str, int] = defaultdict(int)  # the survivors' arenas are replaced, not added
-    for _, h in survivors:
-        held[h.node_id] += sum(
-            x.unit_bytes(h.spec.offload_unit) for x in h.spec.layers if x.name in h.spec.offloaded
-        )
+    held, probers = holdings([h for _, h in survivors])
     start = time.perf_counter()
-    probers: dict[str, list] = defaultdict(list)  # each survivor answers for its own GPU
-    for _, h in survivors:
-        probers[h.node_id].append(h.actor)
     # The GPUs this job may plan on: free ones, its survivors' and the bundles of its workers
     # lost on nodes still alive (apply reuses those; a task in each measures its GPU, so a
     # broken worker's process is stopped first); never another load's (a replica's `nodes` are
@@ -114,7 +121,7 @@ def decide(group: WorkerGroup, dead: list[int], left_out: frozenset[str] = froze
     snapshot, envs = probe_cluster(
         config,
         held_bytes=held,
-        probers=dict(probers),
+        probers=probers,
         exclude=left_out,
         model=model_of(group.index, config),
         own=own,
