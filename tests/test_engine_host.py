@@ -87,15 +87,32 @@ def test_a_cancel_from_the_client_frees_the_slot(host) -> None:
 
 def test_a_client_that_goes_silent_has_its_requests_cancelled() -> None:
     """A client process that dies mid-request stops fetching: after the lease its requests
-    end (aborted) and their slots go to the others."""
+    end (aborted) and their slots go to the others. Ordered by events (issue 60): the steps
+    wait until the lease has cancelled the silent request, so its 4000 tokens cannot have
+    ended it first; then it ends aborted, with almost none of them made."""
     pipeline = FakePipeline()
     engine = Engine(pipeline, EngineConfig(num_slots=1, max_seq_len=4096, burst_steps=1))
     host = EngineHost(engine, lease_s=0.4)
+    silent_cancelled = threading.Event()
+    cancel = engine.cancel
+
+    def watched_cancel(request) -> None:
+        if request is host._requests.get(("gone", 1)):
+            silent_cancelled.set()
+        cancel(request)
+
+    engine.cancel = watched_cancel
     try:
+        pipeline.gate.clear()  # no step runs until the lease has cancelled the silent request
         host.submit("gone", 1, [[3, 4]], sampling=GREEDY, max_new_tokens=4000)
+        gone = host._requests[("gone", 1)]
         alive = client_of(host).submit([[5]], sampling=GREEDY, max_new_tokens=3)
-        # the silent client's 4000 tokens would take far longer than this: its slot is freed
+        assert silent_cancelled.wait(WAIT_S), "the lease never cancelled the silent client"
+        pipeline.gate.set()
         assert alive.result(WAIT_S) == [expected([5], 3)]
+        assert gone.wait(WAIT_S) and gone.finish_reasons == [Finish.ABORT]
+        assert len(gone.sequences[0].generated) < 4000
         assert host.engine.stats.requests == 2 and not host.engine.scheduler.running
     finally:
+        pipeline.gate.set()
         host.close()

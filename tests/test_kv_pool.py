@@ -139,15 +139,15 @@ def test_the_issue_probe_holds_every_sequence_for_a_few_percent_more() -> None:
     assert "would cost +6.7% per token: the largest pool within 5%" in tight.text()
 
 
-def test_lengths_are_validated_and_their_footprint_is_time_weighted() -> None:
+def test_lengths_are_validated_and_their_footprint_is_each_at_its_end() -> None:
     with pytest.raises(ValueError, match="at least one sequence"):
         Lengths(())
     with pytest.raises(ValueError, match="0 prompt"):
         Lengths(((0, 4),))
-    # 15 prompt tokens + 2: step 0 holds 16 (1 block), step 1 holds 17 (2 blocks): 24 on average
-    assert Lengths(((15, 2),)).footprint_tokens(64) == 24
-    # cut at max_seq_len: 30 + 10 with max_seq_len 32 decodes 3 steps at 2 blocks
-    assert Lengths(((30, 10),)).footprint_tokens(32) == 32
+    # 15 prompt tokens + 2: 17 positions at its end, 2 blocks
+    assert Lengths(((15, 2),)).footprint_tokens(64) == 32
+    # cut at max_seq_len: 30 + 10 with max_seq_len 32 ends at 32, 2 blocks; the mean of two
+    assert Lengths(((30, 10), (1, 0))).footprint_tokens(32) == (32 + 16) / 2
 
 
 def test_a_rebalance_keeps_every_stage_and_rechooses_what_it_offloads() -> None:
