@@ -91,12 +91,24 @@ def mutate_file(path: Path, how: str, data: st.DataObject) -> None:
         path.write_text(json.dumps(value))
 
 
-def run_plan(argv: list[str], capsys) -> None:
+# Mutations that leave no file the plan could read: of a file it reads (the config, the
+# safetensors index, a shard), each must be refused. Truncating a shard too (its header's sizes
+# say so); not a JSON file, which may end in a newline that a truncation only drops.
+BREAKING = {"directory", "dangling link", "link loop", "delete"}
+
+
+def read_by_plan(name: str) -> bool:
+    return name == "config.json" or name.endswith((".safetensors", ".safetensors.index.json"))
+
+
+def run_plan(argv: list[str], capsys, *, must_fail: bool = False) -> None:
+    """`offloadctl plan`: exit 0, or 2 with one line that starts with "error: " (and 2 where
+    the input cannot be planned from, `must_fail`); no traceback, no process left."""
     children = {p.pid for p in psutil.Process().children(recursive=True)}
     code = main(argv)
     captured = capsys.readouterr()
     event(f"exit {code}")
-    assert code in (0, 2), (code, captured.err[-MAX_MESSAGE_CHARS:])
+    assert code in ((2,) if must_fail else (0, 2)), (code, captured.err[-MAX_MESSAGE_CHARS:])
     if code == 2:
         message = captured.err.strip()
         assert message.startswith("error: ") and "Traceback" not in message, message
@@ -117,8 +129,13 @@ def test_a_mutated_checkpoint_gives_one_line(valid: Path, capsys, data) -> None:
         kinds = ["truncate", "overwrite", "directory", "dangling link", "link loop", "delete"]
         if name.endswith(".json"):
             kinds += ["json value", "json document"]
-        mutate_file(root / name, data.draw(st.sampled_from(kinds), label="how"), data)
-        run_plan(["plan", "--checkpoint", str(root), "--gpus", "2", "--gpu-memory", "1MiB"], capsys)
+        how = data.draw(st.sampled_from(kinds), label="how")
+        mutate_file(root / name, how, data)
+        broken = read_by_plan(name) and (
+            how in BREAKING or (how == "truncate" and name.endswith(".safetensors"))
+        )
+        argv = ["plan", "--checkpoint", str(root), "--gpus", "2", "--gpu-memory", "1MiB"]
+        run_plan(argv, capsys, must_fail=broken)
 
 
 @settings(
