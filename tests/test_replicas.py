@@ -83,6 +83,8 @@ def test_two_replicas_or_one_deeper_pipeline() -> None:
     assert len(large.plans) == 1 and len(large.plans[0].stages) == 2
     assert large.plans[0].options.max_batch == 30
     assert "1 replicas" not in large.summary() and "2 replicas" in small.summary()
+    # each replica's pool was chosen by the cost model, and its summary says what it weighed
+    assert small.summary().count("KV pool tokens weighed: 64: ") == 2
 
 
 def test_a_node_shared_by_replicas_splits_its_host_budget() -> None:

@@ -52,7 +52,7 @@ class Replicas:
         )
         parts = [head]
         for r, p in enumerate(self.plans):
-            parts += [f"\nreplica {r}:", p.summary()]
+            parts += [f"\nreplica {r}:", p.summary()] + ([p.pool_note] if p.pool_note else [])
         return "\n".join(parts)
 
 
