@@ -85,6 +85,11 @@ def forward(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def forwards(stacks: dict[str, list[nn.Module]], x: torch.Tensor) -> dict[str, Callable]:
+    """Per stack, a forward of `x` through it (what `interleaved_medians` times)."""
+    return {name: (lambda layers=layers: forward(layers, x)) for name, layers in stacks.items()}
+
+
 def copy_alone_fn(layers: list[nn.Module], device: torch.device) -> tuple[Callable, Callable]:
     """A function that copies every layer's bytes through the copy engine as the synchronous
     mode does (one layer, wait, the next), with nothing computed; and its clean-up."""
@@ -107,19 +112,30 @@ def copy_alone_fn(layers: list[nn.Module], device: torch.device) -> tuple[Callab
     return run, close
 
 
+def offloaded_stack(
+    args: argparse.Namespace, device: torch.device, step: int, env: dict, copy_engine=None
+) -> tuple[list[nn.Module], PrefetchOffloader]:
+    """A stack of the benchmark's layers, every one offloaded by a prefetch offloader with
+    `step` slots (0: each copied just before it runs), started."""
+    stack = make_stack(args.layers, args.hidden, device)
+    offloader = PrefetchOffloader(
+        OffloadConfig(backend="prefetch", layers=tuple(range(args.layers)), prefetch_step=step),
+        device=device,
+        env=env,
+        copy_engine=copy_engine,
+    )
+    offloader.wrap_modules(stack)
+    offloader.post_init()
+    return stack, offloader
+
+
 def overlap_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
     # Three copies of the same stack, live at once: resident, synchronous, prefetch.
     resident = make_stack(args.layers, args.hidden, device)
     offloaders = {}
     stacks = {"resident": resident}
     for mode, step in (("sync", 0), ("prefetch", args.step)):
-        stacks[mode] = make_stack(args.layers, args.hidden, device)
-        config = OffloadConfig(
-            backend="prefetch", layers=tuple(range(args.layers)), prefetch_step=step
-        )
-        offloaders[mode] = PrefetchOffloader(config, device=device, env={})
-        offloaders[mode].wrap_modules(stacks[mode])
-        offloaders[mode].post_init()
+        stacks[mode], offloaders[mode] = offloaded_stack(args, device, step, {})
     stacks["uva"] = make_stack(args.layers, args.hidden, device)
     uva = create_offloader(
         OffloadConfig(backend="uva", layers=tuple(range(args.layers))), device=device, env={}
@@ -130,16 +146,12 @@ def overlap_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
     try:
         for batch in args.batch:
             x = torch.randn(batch, args.hidden, device=device)
-            fns = {
-                mode: (lambda layers=layers, x=x: forward(layers, x))
-                for mode, layers in stacks.items()
-            }
-            fns["copy"] = copy_fn
+            fns = {**forwards(stacks, x), "copy": copy_fn}
             stall_before = {m: o.stats().stall_s for m, o in offloaders.items()}
             t = interleaved_medians(fns, device, repeats=args.repeats, iters=args.iters)
-            forwards = 1 + args.repeats * args.iters
+            passes = 1 + args.repeats * args.iters
             stall = {
-                m: (o.stats().stall_s - stall_before[m]) / forwards for m, o in offloaders.items()
+                m: (o.stats().stall_s - stall_before[m]) / passes for m, o in offloaders.items()
             }
             hidden_s = min(t["copy"], t["resident"])
             rows.append(
@@ -254,23 +266,14 @@ def pageable_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
     stacks = {"resident": make_stack(args.layers, args.hidden, device)}
     offloaders = {}
     for name, make in engines.items():
-        stacks[name] = make_stack(args.layers, args.hidden, device)
-        offloaders[name] = PrefetchOffloader(
-            OffloadConfig(layers=tuple(range(args.layers)), prefetch_step=args.step),
-            device=device,
-            env={"OFFLOAD_PIN_MEMORY": "off"},
-            copy_engine=make(),
+        stacks[name], offloaders[name] = offloaded_stack(
+            args, device, args.step, {"OFFLOAD_PIN_MEMORY": "off"}, make()
         )
-        offloaders[name].wrap_modules(stacks[name])
-        offloaders[name].post_init()
     rows = []
     try:
         for batch in args.batch:
             x = torch.randn(batch, args.hidden, device=device)
-            fns = {
-                name: (lambda layers=layers, x=x: forward(layers, x))
-                for name, layers in stacks.items()
-            }
+            fns = forwards(stacks, x)
             t = interleaved_medians(fns, device, repeats=args.repeats, iters=args.iters)
             row = {"batch": batch, "resident_ms": t["resident"] * 1e3}
             for name in engines:

@@ -33,7 +33,7 @@ from coordinator.runtime.errors import LaunchError, WorkerLostError
 from coordinator.runtime.gate import Gate
 from coordinator.runtime.group import WorkerGroup, WorkerHandle, worker_failure
 from coordinator.runtime.inputs import check_inputs
-from coordinator.runtime.job_engine import JobEngine
+from coordinator.runtime.job_engine import JobEngine, remote_call
 from coordinator.runtime.loops import Loops
 from coordinator.runtime.probing import PROBE_TIMEOUT_S
 from coordinator.runtime.session import RaySession
@@ -340,7 +340,8 @@ class Job:
         if self.keeper is not None:  # the one process that changes a named load
             sequences = None if lengths is None else lengths.sequences
             timeout_s = self.config.load_timeout_s + PROBE_TIMEOUT_S
-            event = self._ask_keeper("rebalance", sequences, timeout_s=timeout_s, what="re-balance")
+            keeper = remote_call(self.keeper, f"the keeper of load {self.name!r}", timeout_s)
+            event = keeper("rebalance", sequences)
             self.refresh()  # its plan and pool as the keeper left them
             return event
         if lengths is None:
@@ -386,7 +387,7 @@ class Job:
 
     def _recover_by_keeper(self) -> list[int]:
         timeout_s = self.config.load_timeout_s + self.config.placement_timeout_s + PROBE_TIMEOUT_S
-        dead = self._ask_keeper("recover", timeout_s=timeout_s, what="recover it")
+        dead = remote_call(self.keeper, f"the keeper of load {self.name!r}", timeout_s)("recover")
         before = [h.name for h in self.group.handles]
         self._take_record()
         # The keeper may have recovered before this job noticed: its stages changed all the same.
@@ -394,18 +395,6 @@ class Job:
             s for s, h in enumerate(self.group.handles) if s >= len(before) or h.name != before[s]
         ]
         return dead or changed
-
-    def _ask_keeper(self, method: str, *args, timeout_s: float, what: str):
-        """`method(*args)` of the load's keeper, within `timeout_s`; its own error raised."""
-        try:
-            return ray.get(getattr(self.keeper, method).remote(*args), timeout=timeout_s)
-        except ray.exceptions.RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            raise (cause if isinstance(cause, Exception) else LaunchError(str(exc))) from None
-        except ray.exceptions.GetTimeoutError:
-            raise LaunchError(
-                f"the load's keeper did not {what} within {timeout_s:.0f} s"
-            ) from None
 
     def refresh(self) -> None:
         """A named load changes in its keeper (which recovers it while its engine runs the

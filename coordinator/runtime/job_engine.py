@@ -82,13 +82,14 @@ def build_engine(
     )
 
 
-def remote_call(actor, what: str) -> Callable:
-    """`call(method, *args, **kwargs)` on `actor` through Ray, bounded, raising the actor's own
-    error (a full queue is a BusyError here as in process)."""
+def remote_call(actor, what: str, timeout_s: float = CALL_TIMEOUT_S) -> Callable:
+    """`call(method, *args, **kwargs)` on `actor` (a load's keeper) through Ray, within
+    `timeout_s`, raising the actor's own error (a full queue is a BusyError here as in
+    process)."""
 
     def call(method: str, *args, **kwargs):
         try:
-            return ray.get(getattr(actor, method).remote(*args, **kwargs), timeout=CALL_TIMEOUT_S)
+            return ray.get(getattr(actor, method).remote(*args, **kwargs), timeout=timeout_s)
         except ray.exceptions.RayTaskError as exc:
             cause = getattr(exc, "cause", None)
             raise (cause if isinstance(cause, Exception) else LaunchError(str(exc))) from None
@@ -98,7 +99,7 @@ def remote_call(actor, what: str) -> Callable:
                 "record, up to 3 times): retry shortly, or unload and load again"
             ) from None
         except ray.exceptions.GetTimeoutError:
-            raise LaunchError(f"{what} did not answer within {CALL_TIMEOUT_S:.0f} s") from None
+            raise LaunchError(f"{what} did not answer within {timeout_s:.0f} s") from None
 
     return call
 
