@@ -88,3 +88,29 @@ def test_the_engines_loop_rebalances_when_due_and_records_a_failure() -> None:
     stats.waiting = 3  # a burst: not now
     engines.rebalance_due()
     assert len(calls) == 2
+
+
+def test_a_rebalance_decided_before_a_recovery_is_not_applied(monkeypatch) -> None:
+    """The workers changed while the re-balance probed (a recovery moved the gate's epoch): its
+    decision is stale, so nothing is applied or adopted; with no change it is."""
+    from coordinator.runtime import rebalance as module
+    from coordinator.runtime.gate import Gate
+
+    gate, applied, adopted = Gate(), [], []
+    proposal = SimpleNamespace(plan=object(), text=lambda: "KV pool 32 -> 96 tokens")
+
+    def recovered_meanwhile(group, lengths):
+        gate.epoch += 1  # as a recovery does, alone in the gate
+        return proposal
+
+    monkeypatch.setattr(module, "apply", lambda *a: applied.append(a) or {"event": "re-balanced"})
+    monkeypatch.setattr(module, "decide", recovered_meanwhile)
+    event = module.rebalance(object(), gate, None, print, adopt=lambda: adopted.append(1))
+    assert event == {"event": "kept the KV pool", "why": "the workers changed meanwhile"}
+    assert applied == [] and adopted == []
+    monkeypatch.setattr(module, "decide", lambda group, lengths: proposal)
+    recorded: list[dict] = []
+    before = gate.epoch
+    event = module.rebalance(object(), gate, None, recorded.append, adopt=lambda: adopted.append(1))
+    assert event == {"event": "re-balanced"} and recorded == [event]
+    assert len(applied) == 1 and adopted == [1] and gate.epoch == before + 1

@@ -251,6 +251,7 @@ class LoadKeeper:
             sequences = host.engine.stats.observed_lengths() if host is not None else ()
         if not sequences:
             raise PlanError("no sequence has ended yet: no lengths to re-balance the pool for")
+        epoch = self.gate.epoch  # before the record: a recovery after it makes this stale
         _, record = registry.load_record(self.name)
         events = list(record["events"])
         group = registry.group_of(record, self.index)
@@ -260,8 +261,11 @@ class LoadKeeper:
             recovery.add_event(events, event)
             registry.update(self.name, group, events)
 
-        self.group = group  # the engine takes the new pool from it once the gate opens
-        event = rebalance.rebalance(group, self.gate, Lengths(tuple(sequences)), record_event)
+        def adopt() -> None:  # in the gate: the engine takes the new pool once it opens
+            self.group = group
+
+        lengths = Lengths(tuple(sequences))
+        event = rebalance.rebalance(group, self.gate, lengths, record_event, epoch, adopt)
         if host is not None:
             host.engine.stats.rebalanced(event)
         return event

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator.planning.planner import Plan, plan
@@ -133,17 +134,30 @@ def apply(group: WorkerGroup, proposal: Proposal, record: recovery.Record) -> di
     }
 
 
-def rebalance(group: WorkerGroup, gate: Gate, lengths: Lengths, record: recovery.Record) -> dict:
+def rebalance(
+    group: WorkerGroup,
+    gate: Gate,
+    lengths: Lengths,
+    record: recovery.Record,
+    epoch: int | None = None,
+    adopt: Callable[[], None] | None = None,
+) -> dict:
     """`decide` (outside the gate: it only probes), then `apply` alone in the gate, the epoch
     moved on so that the engine feeds its sequences again into the new pool. Returns the event,
-    recorded where the pool moved ("kept the KV pool", with why, where it did not)."""
-    running = group.plan
+    recorded where the pool moved ("kept the KV pool", with why, where it did not). `epoch`:
+    the gate's when `group` was taken (now, by default); the workers changed since (a recovery)
+    means the decision is stale: nothing is applied, the next check decides again. `adopt()`:
+    called alone in the gate before `apply`, where the caller makes `group` the one its engine
+    reads (a keeper's group is rebuilt from the load's record)."""
+    epoch = gate.epoch if epoch is None else epoch
     proposal = decide(group, lengths)
     if proposal.plan is None:  # not recorded: a load checks every interval (stats show it)
         return {"event": "kept the KV pool", "why": proposal.text()}
     with gate.alone():
-        if group.plan is not running:  # changed meanwhile (a recovery): next time
+        if gate.epoch != epoch:  # changed meanwhile (a recovery): next time
             return {"event": "kept the KV pool", "why": "the workers changed meanwhile"}
+        if adopt is not None:
+            adopt()
         try:
             event = apply(group, proposal, record)
         finally:
