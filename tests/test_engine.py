@@ -425,16 +425,27 @@ def test_requests_a_step_apart_share_their_prefill_with_the_decodes(make) -> Non
 
 @pytest.mark.parametrize("wait_s", [0.0, WAIT_S])
 def test_an_idle_engine_waits_for_requests_sent_together_to_start_together(make, wait_s) -> None:
-    """Three requests reach an idle engine ~20 ms apart. With a window, the engine waits for
-    them and prefills all three in one step, and they decode in step (every step carries all
-    three); the window ends as soon as they fill the batch (not after WAIT_S). Without one,
-    the first starts alone."""
+    """Three requests reach an idle engine one after another. With a window, the engine waits
+    for them and prefills all three in one step, and they decode in step (every step carries
+    all three); the window ends as soon as they fill the batch (not after WAIT_S). Without one,
+    the first starts alone: its step is sent (an event the test waits for, its steps held)
+    before the others are submitted, never a matter of time."""
     engine, pipeline = make(num_slots=3, burst_steps=1, batch_wait_s=wait_s)
     prompts = [[3, 4], [5, 6], [7, 8]]
-    requests = []
-    for prompt in prompts:
-        requests.append(submit(engine, prompt, 4))
-        threading.Event().wait(0.02)
+    sent, send = threading.Event(), pipeline.submit
+
+    def seen(steps):
+        sent.set()
+        return send(steps)
+
+    pipeline.submit = seen
+    if not wait_s:
+        pipeline.gate.clear()  # the first step waits there, its rows already chosen
+    requests = [submit(engine, prompts[0], 4)]
+    if not wait_s:
+        assert sent.wait(WAIT_S), "the first request did not start on its own"
+    requests += [submit(engine, prompt, 4) for prompt in prompts[1:]]
+    pipeline.gate.set()
     for request, prompt in zip(requests, prompts, strict=True):
         assert request.result(WAIT_S / 3) == [expected(prompt, 4)]
     first = pipeline.steps[0]
