@@ -38,7 +38,7 @@ from coordinator.runtime.loops import Loops
 from coordinator.runtime.probing import PROBE_TIMEOUT_S
 from coordinator.runtime.session import RaySession
 from coordinator.runtime.telemetry import MetricsExporter, Report, collect
-from offload.errors import NeverFitsError, PlanError
+from offload.errors import NeverFitsError
 from worker.snapshot import StageSnapshot
 from worker.wire import unpack
 
@@ -333,7 +333,6 @@ class Job:
         where nothing moved); PlanError where the lengths are unknown or the pool cannot fit.
         A named load is re-balanced by its keeper, which also does it on its own
         (`JobConfig.rebalance_interval_s`), as this job's engine does for an unnamed one."""
-        from coordinator.planning.pool import Lengths
         from coordinator.runtime import rebalance
 
         self.require_open()
@@ -345,10 +344,7 @@ class Job:
             self.refresh()  # its plan and pool as the keeper left them
             return event
         if lengths is None:
-            observed = self._engines.observed_lengths()
-            if not observed:
-                raise PlanError("no sequence has ended yet: no lengths to re-balance the pool for")
-            lengths = Lengths(observed)
+            lengths = rebalance.observed(self._engines.observed_lengths())
         event = rebalance.rebalance(self.group, self._gate, lengths, self.record_event)
         self._engines.rebalanced(event)
         return event

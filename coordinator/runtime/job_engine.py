@@ -174,18 +174,14 @@ class JobEngine:
     def rebalance_due(self) -> None:
         """The loop's check (`rebalance.Rebalancer`): re-balance the pool when it is due; what
         came of it is one of the job's events."""
-        host, rebalancer = self._host, self._rebalancer
-        if host is None or rebalancer is None:
-            return
-        now = time.monotonic()
-        lengths = rebalancer.lengths(self.job.plan, host.engine.stats, now)
-        if lengths is None:
-            return
-        rebalancer.attempted(now)
-        try:
-            self.job.rebalance(lengths)
-        except Exception as exc:  # the next check tries again, an interval later
-            self.job.record_event({"event": "re-balance failed", "error": str(exc)})
+        host, rebalancer, job = self._host, self._rebalancer, self.job
+        if host is not None and rebalancer is not None:
+            rebalancer.check(
+                job.plan,
+                host.engine.stats,
+                job.rebalance,
+                lambda exc: job.record_event({"event": "re-balance failed", "error": str(exc)}),
+            )
 
     def rebalanced(self, event: dict) -> None:
         """A re-balance check's event, for the in-process engine's stats."""

@@ -43,14 +43,12 @@ import ray
 from coordinator.engine.host import EngineHost
 from coordinator.engine.pipelines import StepTimeoutError
 from coordinator.planning.checkpoint import CheckpointIndex
-from coordinator.planning.pool import Lengths
 from coordinator.runtime import rebalance, recovery, registry
 from coordinator.runtime.gate import Gate
 from coordinator.runtime.group import WorkerGroup, worker_failure
 from coordinator.runtime.job_engine import build_engine
 from coordinator.runtime.rebalance import CHECK_S, Rebalancer
 from coordinator.runtime.record import NAMESPACE, keeper_name
-from offload.errors import PlanError
 from worker.startup import settle
 
 NODE_LOSS_LIMIT = 3
@@ -249,8 +247,7 @@ class LoadKeeper:
         host = self._host
         if sequences is None:
             sequences = host.engine.stats.observed_lengths() if host is not None else ()
-        if not sequences:
-            raise PlanError("no sequence has ended yet: no lengths to re-balance the pool for")
+        lengths = rebalance.observed(sequences)
         epoch = self.gate.epoch  # before the record: a recovery after it makes this stale
         _, record = registry.load_record(self.name)
         events = list(record["events"])
@@ -264,7 +261,6 @@ class LoadKeeper:
         def adopt() -> None:  # in the gate: the engine takes the new pool once it opens
             self.group = group
 
-        lengths = Lengths(tuple(sequences))
         event = rebalance.rebalance(group, self.gate, lengths, record_event, epoch, adopt)
         if host is not None:
             host.engine.stats.rebalanced(event)
@@ -273,16 +269,15 @@ class LoadKeeper:
     def _rebalance_loop(self, interval_s: float) -> None:
         while True:
             time.sleep(interval_s)
-            host, now = self._host, time.monotonic()
-            stats = host.engine.stats if host is not None else None
-            lengths = self._rebalancer.lengths(self.group.plan, stats, now)
-            if self.failed or lengths is None:
+            host = self._host
+            if self.failed or host is None:
                 continue
-            self._rebalancer.attempted(now)
-            try:
-                self.rebalance(lengths.sequences)
-            except Exception as exc:  # the next check tries again, an interval later
-                print(f"load {self.name!r}: re-balance failed: {exc}", file=sys.stderr)
+            self._rebalancer.check(
+                self.group.plan,
+                host.engine.stats,
+                lambda lengths: self.rebalance(lengths.sequences),
+                lambda exc: print(f"load {self.name!r}: re-balance failed: {exc}", file=sys.stderr),
+            )
 
     # metrics
     def _export_loop(self, interval_s: float) -> None:

@@ -195,3 +195,31 @@ class Rebalancer:
 
     def attempted(self, now: float) -> None:
         self.last = now
+
+    def check(
+        self,
+        the_plan: Plan,
+        engine_stats,
+        rebalance: Callable[[Lengths], object],
+        failed: Callable[[Exception], None],
+    ) -> None:
+        """A load's periodic check: where one is due (`lengths`), `rebalance(lengths)`, once
+        for this interval whatever comes of it; its error goes to `failed` (the next check
+        tries again, an interval later)."""
+        now = time.monotonic()
+        lengths = self.lengths(the_plan, engine_stats, now)
+        if lengths is None:
+            return
+        self.attempted(now)
+        try:
+            rebalance(lengths)
+        except Exception as exc:
+            failed(exc)
+
+
+def observed(sequences) -> Lengths:
+    """The lengths an engine observed ((prompt, generated) tokens each), as the planner prices
+    them; PlanError where none has ended yet."""
+    if not sequences:
+        raise PlanError("no sequence has ended yet: no lengths to re-balance the pool for")
+    return Lengths(tuple(sequences))
