@@ -572,6 +572,26 @@ def chosen_bodies() -> list[Sent]:
         # found by it under load: a 50,000-character regex compiled for minutes (no answer
         # within 120 s); a 400 naming the field and the limit now
         (True, {**talk, "max_tokens": 3, "guided_regex": "\u00e9" * 50_000}),
+        # found by it under load: a guide complete before max_tokens with ignore_eos chose its
+        # end token, which did not end the row, and the automaton failed at the next token
+        # (a 500 mid-stream); the row now runs to its limit on the end token. Eight tokens
+        # always pass a four-letter guide's end; the original (sampled, streamed) as sent
+        (
+            False,
+            {"prompt": "once", "max_tokens": 8, "ignore_eos": True, "guided_regex": "none"},
+        ),
+        (
+            False,
+            {
+                "prompt": "once upon a time",
+                "max_tokens": 4,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "guided_regex": "none",
+                "seed": 3,
+            },
+        ),
     ]
     sent = []
     for chat, body in bodies:

@@ -96,7 +96,14 @@ def test_a_guides_mask_follows_its_automaton_and_starts_over_when_a_position_rep
         any(c.encode().startswith(token_bytes(tokenizer)[t]) for c in CHOICES) for t in first
     )
     spelled = tokenizer("the cat", add_special_tokens=False)["input_ids"]
-    assert {int(t) for t in options(prompt + spelled)} == {tokenizer.eos_token_id}
+    end = tokenizer.eos_token_id
+    assert {int(t) for t in options(prompt + spelled)} == {end}
+    # an end token that did not end the row (ignore_eos): the end token alone, as long as it
+    # runs; anything else after it is refused by name
+    assert {int(t) for t in options(prompt + spelled + [end])} == {end}
+    assert {int(t) for t in options(prompt + spelled + [end, end])} == {end}
+    with pytest.raises(ValueError, match="follows its guide's end"):
+        options(prompt + spelled + [end, end, spelled[0]])
     assert {int(t) for t in options(prompt)} == first  # the same position again: from the start
     with pytest.raises(GuideError, match="cannot be used"):
         book.index("(unclosed")  # not a regex
@@ -160,6 +167,37 @@ def test_greedy_guided_text_equals_transformers_constrained_to_the_same_tokens(
             eos_token_id=None,
         )[0, len(other) :].tolist()
     )
+
+
+def test_a_guided_row_its_end_token_does_not_end_runs_to_its_limit_on_the_end_token(
+    index, tokenizer
+) -> None:
+    """`ignore_eos` (no end tokens) on a guided row whose text is complete before its limit:
+    the guide allows only the end token, which no longer ends the row. It runs to its limit
+    on the end token (its text the guide's, as transformers' constrained greedy writes it)
+    instead of failing at the token after the end."""
+    regex = regex_of("guided_choice", CHOICES)
+    prompt = tokenizer("The boats went out", add_special_tokens=False)["input_ids"]
+    new = 12
+    pipeline = Pipeline(index, *TWO_STAGES)
+    try:
+        engine = Engine(
+            LocalPipeline(pipeline.workers),
+            EngineConfig(num_slots=1, max_seq_len=MAX_SEQ_LEN, **model_steps(index)),
+        )
+        try:
+            ours = engine.submit(
+                [prompt], sampling=Sampling(guide=regex), max_new_tokens=new, eos_token_ids=()
+            ).result(WAIT_S)[0]
+        finally:
+            engine.close()
+    finally:
+        pipeline.close()
+    expected = constrained(index, tokenizer, prompt, regex, new)
+    end = tokenizer.eos_token_id
+    assert expected[-1] == end and len(expected) < new  # the guide's text ends first
+    assert ours == expected + [end] * (new - len(expected))
+    assert tokenizer.decode(ours, skip_special_tokens=True) in CHOICES
 
 
 def constrained(index, tokenizer, prompt: list[int], regex: str, new: int) -> list[int]:

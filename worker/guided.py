@@ -135,24 +135,45 @@ class Guided:
 
     def __init__(self, book: GuideBook, regex: str) -> None:
         self._guide = _outlines().Guide(book.index(regex))
+        self._end = book.vocabulary().get_eos_token_id()
         self.fed = 0
+        self.ended = False  # the end token was chosen: the text is complete
 
     def mask(self, tokens: Sequence[int], start: int, words: int) -> torch.Tensor:
         """The tokens allowed after `tokens` (the sequence's so far; its output from `start`
         on) as a bitmask (words,) int32 (bit i of word w: token 32 w + i). The automaton
         moves along the output tokens it has not seen; a position chosen again (a step the
-        engine dropped) starts it over."""
+        engine dropped) starts it over.
+
+        The end token (allowed only where the text is complete) has no state after it in the
+        automaton. A row whose end token does not end it (`ignore_eos`, or end tokens of its
+        own that leave it out) goes on choosing the end token alone until its limit: its text
+        stays the guide's, and it still runs to max_tokens as `ignore_eos` asks."""
         import torch
 
         if self.fed > len(tokens) - start:
             self._guide.reset()
-            self.fed = 0
+            self.fed, self.ended = 0, False
         for position in range(start + self.fed, len(tokens)):
-            self._guide.advance(int(tokens[position]), return_tokens=False)
+            token = int(tokens[position])
+            if self.ended or token == self._end:
+                if token != self._end:  # nothing but the end token follows it
+                    raise ValueError(f"token {token} follows its guide's end")
+                self.ended = True
+            else:
+                self._guide.advance(token, return_tokens=False)
             self.fed += 1
         bits = torch.zeros(words, dtype=torch.int32)
-        self._guide.write_mask_into(bits.data_ptr(), bits.numel(), bits.element_size())
+        if self.ended:
+            bits[self._end // 32] = _bit(self._end % 32)
+        else:
+            self._guide.write_mask_into(bits.data_ptr(), bits.numel(), bits.element_size())
         return bits
+
+
+def _bit(index: int) -> int:
+    """Bit `index` (0..31) of an int32 word, as the word's value (bit 31: the sign)."""
+    return -(2**31) if index == 31 else 1 << index
 
 
 def allowed(masks: torch.Tensor, vocab: int) -> torch.Tensor:
