@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from offload import NodeProbe, PinningUnavailableError, decide_pinning
-from offload.policy import PIN_ENV, PIN_HEADROOM_FRACTION, VLLM_DISABLE_PIN_ENV, parse_pin_mode
+from offload.policy import (
+    PIN_ENV,
+    PIN_HEADROOM_FRACTION,
+    VLLM_DISABLE_PIN_ENV,
+    parse_pin_mode,
+    resolve_backend,
+)
 from offload.probe import DeviceInfo
 
 GIB = 2**30
@@ -168,3 +174,138 @@ def test_ray_tests_expect_what_the_policy_decides(probe: NodeProbe, planned: int
         assert_probe_decided_pin("cuda", on_cuda)
         with pytest.raises(AssertionError):
             assert_probe_decided_pin("cpu", on_cuda)
+
+
+@pytest.mark.parametrize(
+    ("env", "probe", "planned", "reason"),
+    [
+        ({}, NO_CUDA, 0, "no CUDA device: nothing to pin for"),
+        ({}, WSL, 0, "running under WSL, where pinned memory is capped and registration fails"),
+        (
+            {},
+            NodeProbe(
+                cuda_available=True,
+                devices=(gpu("Orin", integrated=True), gpu("Orin NX", integrated=True)),
+            ),
+            0,
+            "integrated GPU shares host memory (Orin, Orin NX): pinning only takes memory away "
+            "from it",
+        ),
+        (
+            {},
+            NodeProbe(cuda_available=True, devices=GH200.devices * 2),
+            0,
+            "coherent unified memory (NVIDIA GH200 480GB, NVIDIA GH200 480GB): the GPU reads "
+            "pageable memory "
+            "through the host page tables, so pinning costs memory and buys nothing",
+        ),
+        (
+            {},
+            X86_H100,
+            300 * GIB,
+            "planned pinned bytes 300.00 GiB exceed 50% of available host memory (400.00 GiB)",
+        ),
+        ({}, X86_H100, 0, "discrete CUDA GPU with host memory headroom: pinned copies are fastest"),
+        ({PIN_ENV: " Off "}, X86_H100, 0, f"{PIN_ENV}=Off"),
+        (
+            {PIN_ENV: "0", VLLM_DISABLE_PIN_ENV: "1"},
+            X86_H100,
+            0,
+            f"{PIN_ENV}=0 (overrides {VLLM_DISABLE_PIN_ENV}=1)",
+        ),
+        ({PIN_ENV: "on"}, X86_H100, 0, f"{PIN_ENV}=on"),
+        (
+            {PIN_ENV: "yes"},
+            WSL,
+            0,
+            f"{PIN_ENV}=yes; the probe would not pin: running under WSL, where pinned memory is "
+            "capped and registration fails",
+        ),
+        ({VLLM_DISABLE_PIN_ENV: "1"}, X86_H100, 0, f"{VLLM_DISABLE_PIN_ENV}=1 (vLLM setting)"),
+    ],
+    ids=[
+        "no-cuda",
+        "wsl",
+        "integrated",
+        "coherent",
+        "headroom",
+        "discrete",
+        "off",
+        "off-over-vllm",
+        "on",
+        "on-against-probe",
+        "vllm",
+    ],
+)
+def test_each_rule_says_why_in_the_words_an_operator_reads(env, probe, planned, reason) -> None:
+    """The reason is the policy's answer to "why" (`offloadctl status`, telemetry): each rule's
+    words, the devices and the setting as the operator wrote it, and nothing else."""
+    assert decide_pinning(env, probe, planned_bytes=planned).reason == reason
+
+
+def test_the_headroom_rule_counts_every_planned_byte_and_only_planned_ones() -> None:
+    """One planned byte on a node with one available byte is past the 50% headroom; no planned
+    bytes (the default) never are."""
+    tiny = NodeProbe(cuda_available=True, devices=(gpu(),), host_available_bytes=1)
+    assert decide_pinning({}, tiny, planned_bytes=1).source == "probe.host_memory"
+    assert decide_pinning({}, tiny).pin is True
+
+
+def test_errors_name_every_device_and_every_allowed_value() -> None:
+    two = NodeProbe(
+        cuda_available=True,
+        devices=(
+            gpu("A100", host_register_supported=False),
+            gpu("L4", host_register_supported=False),
+        ),
+    )
+    with pytest.raises(PinningUnavailableError) as info:
+        decide_pinning({PIN_ENV: "1"}, two)
+    assert str(info.value).startswith(f"{PIN_ENV}=1 forces pinned host memory, but A100, L4 cannot")
+    with pytest.raises(ValueError) as info:
+        parse_pin_mode("maybe")
+    assert "allowed values (case-insensitive): auto, on, off, 1, 0, true, false, yes, no" in str(
+        info.value
+    )
+
+
+@pytest.mark.parametrize(
+    ("requested", "probe", "device", "expected"),
+    [
+        ("uva", X86_H100, "cuda", ("uva", "backend=uva requested")),
+        (
+            "auto",
+            GH200,
+            "cuda",
+            (
+                "uva",
+                "auto: the GPU reads host memory through its page tables (coherent unified "
+                "memory), so zero-copy access beats copying weights in",
+            ),
+        ),
+        (
+            "auto",
+            GH200,
+            "cpu",
+            (
+                "uva",
+                "auto: the simulated coherent GPU reads host memory through its page tables "
+                "(coherent unified memory), so zero-copy access beats copying weights in",
+            ),
+        ),
+        (
+            "auto",
+            X86_H100,
+            "cuda",
+            ("prefetch", "auto: discrete GPU, weights are copied in ahead of use on a side stream"),
+        ),
+        (
+            "auto",
+            X86_H100,
+            "cpu",
+            ("prefetch", "auto: CPU device, weights are copied in ahead of use on a copy thread"),
+        ),
+    ],
+)
+def test_the_backend_auto_chooses_and_why(requested, probe, device, expected) -> None:
+    assert resolve_backend(requested, probe, device_type=device) == expected
