@@ -64,6 +64,9 @@ class Served:
     log_path: Path
     spawned: list[psutil.Process]  # the processes the command had started once it served
     session: str  # its embedded Ray's session directory ("" on a cluster it joined)
+    # its engine's token gate (coordinator.engine.engine.HOLD_TOKENS_ENV), open while the file
+    # exists; None: not gated
+    gate: Path | None = None
 
     def log(self) -> str:
         return self.log_path.read_text()[-3000:]
@@ -94,16 +97,19 @@ def serving(
     load: str | None = None,
     checkpoint: str | None = None,
     ray_env: dict[str, str] | None = None,
+    extra_env: dict[str, str] | None = None,
 ):
     """`offloadctl serve` with these flags: of the named `load`, or of `checkpoint` (default:
     the tiny checkpoint written under `root`); on its own embedded Ray, or on the cluster that
-    `ray_env` joins (RAY_ADDRESS and its token). Stopped on leaving (SIGTERM, then its whole
+    `ray_env` joins (RAY_ADDRESS and its token); `extra_env`: more variables for it (its embedded
+    Ray's processes inherit them). Stopped on leaving (SIGTERM, then its whole
     process group killed), so nothing outlives the caller."""
     if load is None:
         checkpoint = checkpoint or tiny_checkpoint(root)
     port, key = free_ports(1)[0], secrets.token_hex(16)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(ray_env or {})
+    env.update(extra_env or {})
     env["OFFLOAD_API_KEY"] = key
     log_path = root / f"serve-{port}.log"
     log = open(log_path, "w")  # noqa: SIM115 - closed in finally
@@ -149,9 +155,15 @@ def serving(
 def served(tmp_path_factory):
     """One GPU, so one stage: its worker runs several decode steps per call when no request
     waits (stop strings and clients that leave end their request at the next step boundary).
-    The module's last test stops it; if a test fails before, it is stopped here."""
+    Its engine's token gate is open (its file exists) but for the test that closes it. The
+    module's last test stops it; if a test fails before, it is stopped here."""
+    from coordinator.engine.engine import HOLD_TOKENS_ENV
+
+    root = tmp_path_factory.mktemp("serve")
+    gate = root / "tokens-open"
+    gate.touch()
     with serving(
-        tmp_path_factory.mktemp("serve"),
+        root,
         "--gpus",
         "1",
         "--gpu-memory",
@@ -160,7 +172,9 @@ def served(tmp_path_factory):
         "64",
         "--max-batch",
         "2",
+        extra_env={HOLD_TOKENS_ENV: str(gate)},
     ) as server:
+        server.gate = gate
         yield server
 
 
@@ -1250,22 +1264,42 @@ def test_clients_beyond_max_batch_wait_their_turn_and_get_their_text(server) -> 
     assert after["vllm:kv_cache_usage_perc"] <= 1.0
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_request(server) -> None:
-    """A client that drops a stream: its request ends and its KV slot is free within a bounded
-    wait (the server cancels it at the next token it cannot send), and the server goes on."""
+def test_a_client_that_leaves_mid_stream_frees_its_request(served) -> None:
+    """A client that drops a stream after its first token, while its request certainly still
+    runs (the engine's token gate is closed: it applies no second token until a request is
+    cancelled): the server cancels the request, which ends with that one token of the 50 it
+    asked for (ignore_eos: nothing else ends it sooner) and frees its KV slot; the server goes
+    on. Were the request not cancelled, it would hold its slot until the gate opens, then run
+    to 50 tokens."""
     import openai
 
-    base, key, _ = server
+    base, key = served.base, served.key
     client = openai.OpenAI(base_url=base, api_key=key, max_retries=0)
-    stream = client.completions.create(
-        model="tiny-llama", prompt="once upon", max_tokens=50, temperature=0, stream=True
-    )
-    next(iter(stream))
-    stream.close()  # gone mid-stream
-    deadline = time.monotonic() + 60
-    while metrics(base, key)["vllm:num_requests_running"] > 0:
-        assert time.monotonic() < deadline, "the dropped stream kept its KV slot"
-        time.sleep(0.2)
+    before = metrics(base, key)
+    served.gate.unlink()  # closed: no token after a request's first, until a cancel
+    try:
+        stream = client.completions.create(
+            model="tiny-llama",
+            prompt="once upon",
+            max_tokens=50,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        next(iter(stream))  # the first token: the engine now holds the request's second
+        stream.close()  # gone mid-stream
+        ended = before["vllm:request_success_total"] + 1
+        deadline = time.monotonic() + 60  # a bound on failing only: the cancel ends the hold
+        while (after := metrics(base, key))["vllm:request_success_total"] < ended:
+            assert time.monotonic() < deadline, "the dropped stream was not cancelled: it runs"
+            time.sleep(0.2)
+    finally:
+        served.gate.touch()  # open again, whatever happened: the module's other requests
+    assert after["vllm:request_success_total"] == ended
+    assert after["vllm:num_requests_running"] == 0
+    assert after["offload:kv_cache_blocks_used"] == 0  # its slot's blocks are free
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert generated == 1, f"{generated} tokens: the request was not cut after its first"
     done = client.completions.create(model="tiny-llama", prompt="a b", max_tokens=5, temperature=0)
     assert done.choices[0].finish_reason in ("stop", "length")
 

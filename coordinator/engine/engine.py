@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import secrets
 import threading
 import time
@@ -58,6 +59,12 @@ DEFAULT_BATCH_WAIT_S = 0.005
 # its tokens were dropped): short bursts, so a request waits at most this many decode steps.
 UNIFORM_MAX_BURST = 8
 CLOSE_TIMEOUT_S = 30.0
+# Tests only: a file path; while that file does not exist, the loop applies no token after a
+# request's first until a request is cancelled or the engine closes (at most HOLD_TOKENS_MAX_S):
+# a test's client that leaves after its first token certainly leaves while its request runs,
+# and the hold ends with the cancel that leaving sends (tests/test_serving.py).
+HOLD_TOKENS_ENV = "OFFLOAD_TEST_HOLD_TOKENS"
+HOLD_TOKENS_MAX_S = 120.0
 
 
 def model_steps(index) -> dict[str, bool]:
@@ -184,6 +191,7 @@ class Engine:
         self._incoming: list[Request] = []
         self._cancelled: list[Request] = []
         self._closed = False
+        self._hold_path = os.environ.get(HOLD_TOKENS_ENV)  # tests only
         # why the loop ended on an error (None: it runs, or was closed), and who hears it once
         self.failure: EngineStoppedError | None = None
         self.on_stopped: Callable[[EngineStoppedError], None] | None = None
@@ -526,6 +534,8 @@ class Engine:
         try:
             for m, tokens in handle.results(self.config.step_timeout_s):
                 step = steps[m]
+                if self._hold_path:  # tests only: OFFLOAD_TEST_HOLD_TOKENS
+                    self._hold_unless_cancelled(step)
                 self._end_cancelled()
                 added = self.scheduler.update(step, read[m], tokens)
                 read[m] += 1
@@ -542,6 +552,18 @@ class Engine:
             return
         for step in steps:
             self.scheduler.complete(step)
+
+    def _hold_unless_cancelled(self, step: Step) -> None:
+        """Tests only (`HOLD_TOKENS_ENV`): before a token after a running request's first, wait
+        while the file is missing, nothing was cancelled and the engine is open."""
+        if not any(s.generated and s.finish is None for s in step.sequences):
+            return
+        deadline = time.monotonic() + HOLD_TOKENS_MAX_S
+        with self._cond:
+            while not (self._cancelled or self._closed or os.path.exists(self._hold_path)):
+                if time.monotonic() >= deadline:
+                    return
+                self._cond.wait(0.05)
 
     def _end_cancelled(self) -> None:
         """End the requests cancelled since the loop last looked (`Finish.ABORT`): a step
