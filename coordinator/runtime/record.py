@@ -157,6 +157,11 @@ class LoadRecord:
             try:
                 if self.record.get("state") != "loading" or driver_alive(self.record["owner_job"]):
                     continue
+                # its state again, now that its loader is known gone: a loader that finished
+                # the load (state "loaded") and then exited while the job table was asked is
+                # gone too, and its load is not to be removed
+                if self.record.get("state") != "loading":
+                    continue
             except Exception as exc:  # look again later
                 print(
                     f"load {self.record['name']!r}: cannot check its loader: {exc}", file=sys.stderr

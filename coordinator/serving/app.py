@@ -923,6 +923,9 @@ class OpenAIServer:
             except OffloadCoordinatorError as exc:
                 _cancel_all(runs)
                 return _error_for(exc)
+            except BaseException:  # its client went away: the prompts already queued end too
+                _cancel_all(runs)
+                raise
             if not await runs[0].started(request):  # no byte until the request runs
                 _cancel_all(runs)
                 return _error(499, "the client went away while the request waited")

@@ -4,6 +4,7 @@
 import asyncio
 import functools
 import logging
+import threading
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -102,6 +103,8 @@ class Run:
         self._pending: dict[int, list] = {}  # row -> Logprobs of the token about to come
         self._first_sent = False
         self._request = None
+        self._submitting = threading.Lock()  # the submit's thread against an abandoning client
+        self._abandoned = False
         self._first = _NOTHING  # an item `started` took from the queue
         self._queue: asyncio.Queue | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -114,16 +117,31 @@ class Run:
         self._queue = asyncio.Queue()
         wants_scores = self.options["logprobs"] is not None
         wants_scores |= self.options["prompt_logprobs"] is not None
-        self._request = await asyncio.to_thread(
-            functools.partial(
-                self.job.submit,
-                self.ids.repeat(len(self.choices), 1),  # n rows, each its own seed (seed + row)
-                on_token=self._on_token,
-                on_finish=lambda: self._put(None),
-                on_logprobs=self._on_logprobs if wants_scores else None,
-                **self.options,
-            )
+        submit = functools.partial(
+            self.job.submit,
+            self.ids.repeat(len(self.choices), 1),  # n rows, each its own seed (seed + row)
+            on_token=self._on_token,
+            on_finish=lambda: self._put(None),
+            on_logprobs=self._on_logprobs if wants_scores else None,
+            **self.options,
         )
+        try:
+            await asyncio.to_thread(self._submit, submit)
+        except asyncio.CancelledError:  # the client went away while the submit was in flight
+            with self._submitting:
+                self._abandoned = True  # a submit still running cancels what it queues
+            self.cancel()  # one that has returned: its request is known
+            raise
+
+    def _submit(self, submit) -> None:
+        """The submit, on its thread: its request is this run's, or is cancelled at once when
+        the run was abandoned meanwhile (nobody would read it; it would hold its KV blocks and
+        run to its limit)."""
+        request = submit()
+        with self._submitting:
+            self._request, abandoned = request, self._abandoned
+        if abandoned:
+            _cancel(self.job, request)
 
     async def finish(self) -> None:
         await self.start()
