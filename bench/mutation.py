@@ -14,7 +14,7 @@ an in-process test reaches the same code. It writes, in --out:
   summary.md    - per module: mutants, killed, survived, timed out, no test reaches it
   survivors.md  - each survivor's diff (`mutmut show`), grouped by module and function
 
-    python bench/mutation.py [--out DIR] [--jobs 2] [--only offload/policy.py ...]
+    python bench/mutation.py [--out DIR [--resume]] [--jobs 2] [--only offload/policy.py ...]
 
 Time: about 7 mutants/s on 2 cores for the pure-Python modules, less for decode.
 """
@@ -60,6 +60,11 @@ TESTS = (
     "tests/test_telemetry.py",
     "tests/test_worker.py",
 )
+# -x: a mutant's first failing test is its kill; --timeout: a test a mutant hangs (the
+# engine's stop, a wait) fails after this many seconds (no clean test takes 5)
+PYTEST_ARGS = ("-p", "no:cacheprovider", "-q", "-x", "--timeout=30")
+TIMEOUT_MULTIPLIER = 3.0  # a mutant's tests may take this many times their clean time
+TIMEOUT_CONSTANT_S = 10.0  # ... plus this (a busy machine's noise)
 NAME = re.compile(r"^\s*([\w.]+)__mutmut_\d+: (\w[\w ]*)$")
 
 
@@ -92,7 +97,11 @@ def write_config(out: Path, only: list[str], tests: list[str]) -> None:
         f"source_paths ={listing(PACKAGES)}\n"
         f"only_mutate ={listing(only)}\n"
         f"pytest_add_cli_args_test_selection ={listing(tests)}\n"
-        f"pytest_add_cli_args ={listing(['-p', 'no:cacheprovider', '-q', '-x'])}\n"
+        f"pytest_add_cli_args ={listing(PYTEST_ARGS)}\n"
+        # a mutant that hangs the engine's stop or a wait is a kill, not a reason to wait
+        # mutmut's default 15x its tests' time (minutes, for the engine's tests)
+        f"timeout_multiplier = {TIMEOUT_MULTIPLIER}\n"
+        f"timeout_constant = {TIMEOUT_CONSTANT_S}\n"
     )
 
 
@@ -157,15 +166,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="mutants tested at once")
     parser.add_argument("--only", nargs="+", default=list(TARGETS), help="globs to mutate")
     parser.add_argument("--tests", nargs="+", default=list(TESTS), help="test files to run")
+    parser.add_argument(
+        "--resume", action="store_true", help="go on with --out's run (mutants not yet tested)"
+    )
     args = parser.parse_args(argv)
     mutmut = shutil.which("mutmut", path=str(Path(sys.executable).parent))
     if mutmut is None:
         parser.error(f"mutmut is not installed beside {sys.executable}: pip install 'mutmut>=3.8'")
     out = args.out or Path(tempfile.mkdtemp(prefix="offload-mutation-"))
-    if out.exists() and any(out.iterdir()):
-        parser.error(f"--out {out} is not empty: mutmut resumes from what is there; give a new one")
-    out.mkdir(parents=True, exist_ok=True)
-    copy_tree(out)
+    if args.resume:
+        if not (out / "mutants").is_dir():
+            parser.error(f"--resume: {out} holds no mutmut run")
+    elif out.exists() and any(out.iterdir()):
+        parser.error(f"--out {out} is not empty: give a new one, or --resume its run")
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        copy_tree(out)
     write_config(out, args.only, args.tests)
     print(f"mutating {', '.join(args.only)} in {out} ({args.jobs} at once)", flush=True)
     start = time.monotonic()
