@@ -1,4 +1,5 @@
-"""offloadctl without Ray: make-checkpoint, plan, node-demo, and errors without tracebacks."""
+"""offloadctl without Ray: make-checkpoint, plan, node-demo, and errors without tracebacks; and
+`run --check` for real on the embedded Ray, in bf16, where it allows rounding."""
 
 from __future__ import annotations
 
@@ -188,14 +189,21 @@ def test_bad_flag_values_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> 
     assert "--resident-weights: invalid choice: 'fp4'" in capsys.readouterr().err
 
 
-def test_run_check_mismatch_exits_1(monkeypatch, capsys, tmp_path) -> None:
-    """The --check plumbing on its own: a job whose logits differ from the reference."""
+def test_run_check_in_float32_allows_no_difference(monkeypatch, capsys, tmp_path) -> None:
+    """A float32 job's logits one unit in the last place off the reference's fail the check:
+    float32 has no tolerance (2 units of rounding at the logits' scale, bf16's rule, would pass
+    this one). The job and the reference are stood in for; the check for real, in bf16:
+    `test_run_check_of_a_bf16_job_allows_its_rounding_only`."""
     import contextlib
 
     import torch
 
     import coordinator.runtime.launch
     import coordinator.tools.reference
+
+    logits = torch.full((2, 16, 10), 8.0)
+    expected = logits.clone()
+    expected[1, 5, 3] = torch.nextafter(torch.tensor(8.0), torch.tensor(9.0))
 
     class FakeJob:
         index = type(
@@ -222,21 +230,84 @@ def test_run_check_mismatch_exits_1(monkeypatch, capsys, tmp_path) -> None:
         session = type("Session", (), {"owned": True})()
 
         def forward(self, ids):
-            return torch.zeros(ids.shape[0], ids.shape[1], 10)
+            return logits
 
     monkeypatch.setattr(
         coordinator.runtime.launch,
         "launch",
         lambda config, progress, name: contextlib.nullcontext(FakeJob()),
     )
-    monkeypatch.setattr(
-        coordinator.tools.reference,
-        "reference_logits",
-        lambda *a, **k: torch.full((2, 16, 10), 1e-3),
-    )
+    monkeypatch.setattr(coordinator.tools.reference, "reference_logits", lambda *a, **k: expected)
     (tmp_path / "config.json").write_text("{}")  # read before loading: no context window
+    diff = 8.0 * torch.finfo(torch.float32).eps  # one unit in the last place of 8
     assert main(["run", "--checkpoint", str(tmp_path), "--check"]) == 1
-    assert "check FAILED: max abs difference 1.000e-03" in capsys.readouterr().out
+    assert f"check FAILED: max abs difference {diff:.3e}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("steps", "passes"), [(4, True), (8, False)])
+def test_run_check_of_a_bf16_job_allows_its_rounding_only(
+    tmp_path, monkeypatch, capsys, steps: int, passes: bool
+) -> None:
+    """`offloadctl run --check` for real, on the embedded Ray, on a bf16 checkpoint written by
+    transformers: the job's logits are those of the files it loaded (bitwise: the digest it
+    prints), and its reference, transformers' real one, reads a copy of the checkpoint whose
+    final norm has one weight `steps` bf16 steps larger, so the logits differ a little (the
+    job's logits are otherwise bitwise transformers': test_named_loads). Within 2 units of
+    bf16 rounding at the logits' scale the check passes, naming the difference and the
+    tolerance; past it, it fails with exit 1."""
+    import hashlib
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    import coordinator.tools.reference
+
+    checkpoint = tmp_path / "ckpt"
+    assert main(["make-checkpoint", str(checkpoint), *TINY, "--dtype", "bfloat16"]) == 0
+    altered = tmp_path / "altered"
+    shutil.copytree(checkpoint, altered)
+    weights = load_file(altered / "model.safetensors")
+    norm = weights["model.norm.weight"].clone()
+    assert norm.dtype == torch.bfloat16 and float(norm[0]) > 0
+    # a positive bf16's bits, as an integer, count its steps: `steps` representable values up
+    norm[:1] = (norm[:1].view(torch.int16) + steps).view(torch.bfloat16)
+    weights["model.norm.weight"] = norm
+    save_file(weights, altered / "model.safetensors", metadata={"format": "pt"})
+
+    real_reference = coordinator.tools.reference.reference_logits
+    seen = {}
+
+    def reference_of_the_altered_copy(path, ids, **kwargs):
+        assert Path(path) == checkpoint and kwargs["dtype"] == "bfloat16"
+        seen["files"] = real_reference(path, ids, **kwargs)  # what the job loaded
+        seen["altered"] = real_reference(str(altered), ids, **kwargs)
+        return seen["altered"]
+
+    monkeypatch.setattr(
+        coordinator.tools.reference, "reference_logits", reference_of_the_altered_copy
+    )
+    argv = ["run", "--checkpoint", str(checkpoint), "--gpus", "1", "--gpu-memory", "1MiB"]
+    code = main([*argv, "--check"])
+    out = capsys.readouterr().out
+    assert "model: llama, bfloat16, 4 blocks" in out
+    files, expected = seen["files"], seen["altered"]
+    digest = hashlib.sha256(files.contiguous().view(torch.uint8).numpy()).hexdigest()[:16]
+    assert f"bfloat16: sum {float(files.double().sum()):.6f}, sha256 {digest};" in out
+    diff = float((files.float() - expected.float()).abs().max())
+    tolerance = 2 * torch.finfo(torch.bfloat16).eps * float(expected.float().abs().max())
+    where = "transformers in one process (bfloat16)"
+    if passes:
+        assert 0 < diff <= tolerance  # the case: not bitwise, within rounding
+        assert code == 0, out
+        assert (
+            f"check: logits within bfloat16 rounding of {where} "
+            f"(max abs difference {diff:.3e} <= {tolerance:.3e})"
+        ) in out
+    else:
+        assert diff > tolerance  # the case: past rounding
+        assert code == 1, out
+        assert f"check FAILED: max abs difference {diff:.3e} from {where}" in out
 
 
 def test_an_address_where_nothing_listens_fails_at_once(capsys) -> None:
