@@ -80,24 +80,34 @@ def test_one_layer_shape_is_measured_once_whatever_the_depth_or_vocabulary(
 
 def test_probes_of_one_host_at_once_measure_it_once(index, tmp_path, monkeypatch) -> None:
     """Three probes of one host (its Ray nodes) asking at once: one measures, holding the
-    shape's lock; the others wait for it and read what it wrote (the same profile)."""
+    shape's lock; the others wait for it and read what it wrote (the same profile). Ordered by
+    an event (issue 60): the measurement starts only once all three have found no profile and
+    gone for the lock, so none can have come late enough to find the first one's."""
     import threading
-    import time
     from concurrent.futures import ThreadPoolExecutor
 
     monkeypatch.setenv(node_cache.CACHE_ENV, str(tmp_path))
-    real = compute_probe._measure
+    real, real_lock = compute_probe._measure, node_cache.measuring
     measuring: list[int] = []
+    arrived: list[int] = []
+    all_arrived = threading.Event()
 
-    def slow_measure(*args):
+    def arriving(path):  # a probe that found no profile, going for the shape's lock
+        arrived.append(threading.get_ident())
+        if len(arrived) == 3:
+            all_arrived.set()
+        return real_lock(path)
+
+    def measure_once_all_arrived(*args):
         measuring.append(threading.get_ident())
-        time.sleep(0.5)  # the others arrive meanwhile
+        assert all_arrived.wait(60), f"only {len(arrived)} of the 3 probes came for the lock"
         return real(*args)
 
-    monkeypatch.setattr(compute_probe, "_measure", slow_measure)
+    monkeypatch.setattr(node_cache, "measuring", arriving)
+    monkeypatch.setattr(compute_probe, "_measure", measure_once_all_arrived)
     with ThreadPoolExecutor(3) as pool:
         profiles = list(pool.map(lambda _: measure(index.config, "float32", threads=1), range(3)))
-    assert len(measuring) == 1, measuring
+    assert len(arrived) == 3 and len(measuring) == 1, (arrived, measuring)
     assert profiles[0] is not None and profiles.count(profiles[0]) == 3
 
 

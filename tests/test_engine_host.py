@@ -6,7 +6,6 @@ same host in a named load's keeper is in test_named_loads.py."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from test_engine import GREEDY, WAIT_S, FakePipeline, expected
@@ -61,25 +60,36 @@ def test_refusals_reach_the_client_as_they_are(host) -> None:
 
 
 def test_a_cancel_from_the_client_frees_the_slot(host) -> None:
+    """Ordered by events (issue 60): once the client has heard a token, no step runs until
+    the engine holds the client's cancel, so the request's 1000 tokens cannot have ended it
+    first; it ends aborted, with at most the tokens of the burst in flight after the cancel."""
     client = client_of(host)
-    pipeline, submit = host.engine.pipeline, host.engine.pipeline.submit
+    engine = host.engine
+    pipeline, submit = engine.pipeline, engine.pipeline.submit
+    cancel, cancelled = engine.cancel, threading.Event()
+    made_at_cancel: list[int] = []
 
-    def slow(steps):  # 2 ms a step: the client hears its tokens long before the 1000th
-        time.sleep(0.002)
+    def held(steps):  # the engine's thread: a step after the first token waits for the cancel
+        if any(s.generated for step in steps for s in step.sequences):
+            assert cancelled.wait(WAIT_S), "the client's cancel never reached the engine"
         return submit(steps)
 
-    pipeline.submit = slow
-    cancelled = []
+    def watched_cancel(request) -> None:
+        made_at_cancel.append(len(request.sequences[0].generated))
+        cancel(request)
+        cancelled.set()
 
-    def cancel_at_the_second(row, token):
-        if len(long.sequences[0].generated) == 2 and not cancelled:
-            cancelled.append(True)
+    def cancel_at_the_first(row, token):
+        if not made_at_cancel:
             client.cancel(long)
 
+    pipeline.submit, engine.cancel = held, watched_cancel
     long = client.submit(
-        [[3, 4]], sampling=GREEDY, max_new_tokens=1000, on_token=cancel_at_the_second
+        [[3, 4]], sampling=GREEDY, max_new_tokens=1000, on_token=cancel_at_the_first
     )
     assert long.wait(WAIT_S) and long.finish_reasons == [Finish.ABORT]
+    [made] = made_at_cancel
+    assert made <= len(long.sequences[0].generated) <= made + engine.config.burst_steps
     assert client.submit([[5]], sampling=GREEDY, max_new_tokens=3).result(WAIT_S) == [
         expected([5], 3)
     ]
