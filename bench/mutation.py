@@ -61,8 +61,8 @@ TESTS = (
     "tests/test_worker.py",
 )
 # -x: a mutant's first failing test is its kill; --timeout: a test a mutant hangs (the
-# engine's stop, a wait) fails after this many seconds (no clean test takes 5)
-PYTEST_ARGS = ("-p", "no:cacheprovider", "-q", "-x", "--timeout=30")
+# engine's stop, a wait) fails after this many seconds (no clean test takes 3 alone)
+PYTEST_ARGS = ("-p", "no:cacheprovider", "-q", "-x", "--timeout=8")
 TIMEOUT_MULTIPLIER = 3.0  # a mutant's tests may take this many times their clean time
 TIMEOUT_CONSTANT_S = 10.0  # ... plus this (a busy machine's noise)
 NAME = re.compile(r"^\s*([\w.]+)__mutmut_\d+: (\w[\w ]*)$")
