@@ -860,22 +860,23 @@ def test_replicas_each_on_their_own_gpu_and_a_lost_worker_stays_in_its_replica(
         registry.release(taken)
     real_start = launching._start
     # The first replica's workers hold their load at the first chunk until file `released`
-    # appears (worker.loader.HOLD_ENV), and the second fails once the first has asked for its
-    # chunks, then lets them go: it fails while the first loads, ordered by events (issue 60).
+    # appears (worker.loader.HOLD_ENV, at most 60 s), and the second fails once the first has
+    # asked for its chunks: it fails while the first loads, ordered by events (issue 60). The
+    # failure stops the first where it is held: it never loads all its bytes (it did, after
+    # the hold's 60 s, when the failures were read in the replicas' order).
     released = tmp_path / "released"
     hold = Override(match=NodeMatch(), env={HOLD_ENV: str(released)})
     held = dataclasses.replace(config, overrides=(hold,))
     loading = threading.Event()
+    first_told: list[tuple[int, int]] = []
 
     def second_fails(replica, index, plan, envs, session, load, progress, *rest):
         if load.endswith("-1"):
             assert loading.wait(120), "the first replica never started to load"
-            try:
-                raise LaunchError(f"{load}: failed on purpose")
-            finally:
-                released.touch()
+            raise LaunchError(f"{load}: failed on purpose")
 
         def told(done: int, total: int) -> None:  # the chunks are asked for (and held)
+            first_told.append((done, total))
             loading.set()
             if progress is not None:
                 progress(done, total)
@@ -889,6 +890,8 @@ def test_replicas_each_on_their_own_gpu_and_a_lost_worker_stays_in_its_replica(
             launch_replicas(held, "fail")
     finally:
         launching._start = real_start
+        released.touch()  # nothing is held any more, whatever happened
+    assert first_told and all(done < total for done, total in first_told), first_told
     assert settles_to(before), holdings()  # no load, record or placement group of any replica
     wait_gpus_free(NUM_GPUS)
 

@@ -13,6 +13,7 @@ of the group, whatever state it is in.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -107,6 +108,9 @@ class WorkerGroup:
     names: Callable[[int], list[str]] | None = None
     load_name: str | None = None  # the named load this group belongs to
     placement_groups: list[tuple[str | None, PlacementGroup]] = field(default_factory=list)
+    # set by whoever started it when its load is abandoned (another replica of the launch
+    # failed): a worker lost from then on is not replaced, so the load's wait ends at once
+    abandoned: threading.Event = field(default_factory=threading.Event)
 
     # starting
     def start(self, envs: dict[str, tuple[dict, dict]]) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 from coordinator.config import ConfigError, JobConfig
 from coordinator.family_check import check_family
@@ -97,6 +97,7 @@ def launch_replicas(
     session = connect(config)
     records: dict[str, object] = {}  # load name -> its record, claimed by this call
     futures: list[Future] = []
+    abandoned = threading.Event()  # set at a failure: the replicas still loading stop
     pool = None
     turn = Turn(f"replicas of {name!r}")
     try:
@@ -143,8 +144,15 @@ def launch_replicas(
                     records[load],
                     lease_s,
                     turn,
+                    abandoned,
                 )
             )
+        # the first failure as it happens, not in the replicas' order: the others still
+        # loading are stopped at once (below), not after they loaded for nothing
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for future in futures:
+            if future.done() and future.exception() is not None:
+                future.result()  # raises it
         return [future.result() for future in futures]
     except BaseException:
         # What finished is ours to release; what still loads is stopped by name (its workers
@@ -152,6 +160,7 @@ def launch_replicas(
         # keeper started meanwhile goes too). Only names this call claimed, and their records
         # kept until the last sweep: no other load can claim a name between the two sweeps
         # and lose what it made to the second.
+        abandoned.set()  # a replica still loading replaces no worker killed next
         for load in records:
             registry.forget(load, keep_record=True)
         wait(futures, timeout=REPLICA_STOP_TIMEOUT_S)
@@ -212,17 +221,21 @@ def _start(
     record=None,
     lease_s: float | None = None,
     turn: Turn | None = None,
+    abandoned: threading.Event | None = None,
 ) -> Job:
     """Reserve the plan's GPUs, start and load its workers: a Job (named: detached, recorded,
     kept by a keeper). `record`: the name's record, claimed by the caller (`registry.claim`);
     `turn`: the caller's turn at the desk, left (with the plan's host bytes reserved) once the
     GPUs are. On failure what this started is released: its workers, its placement groups, its
     keeper and the record; never anything found by name, which may be another load's. The
-    session is the caller's to close."""
+    session is the caller's to close. `abandoned`: set by the caller when the load is no
+    longer wanted (another replica failed); lost workers are then not replaced."""
     job = None
     keeper = None
     try:
         group = WorkerGroup(config=config, index=index, plan=the_plan, load_name=name)
+        if abandoned is not None:
+            group.abandoned = abandoned
         job = Job(group=group, session=session, name=name)
         if name is not None:
             group.names = job.new_worker_names

@@ -205,13 +205,14 @@ def add_event(events: list[dict], event: dict) -> None:
 
 def load_recovering(group: WorkerGroup, record: Record, progress=None) -> list[StageSnapshot]:
     """Load every worker of `group`; a worker lost meanwhile is replaced (bounded rounds) and
-    the load finishes where it stopped: workers that finished read nothing again."""
+    the load finishes where it stopped: workers that finished read nothing again. Not in an
+    abandoned group: its workers were killed on purpose."""
     for round_ in range(MAX_RECOVERY_ROUNDS + 1):
         try:
             return group.load(progress)
         except WorkerLostError:
             dead = group.dead_stages()
-            if round_ == MAX_RECOVERY_ROUNDS or not dead:
+            if round_ == MAX_RECOVERY_ROUNDS or not dead or group.abandoned.is_set():
                 raise
             record(replan(group, dead))
     raise AssertionError("unreachable")
