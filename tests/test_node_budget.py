@@ -373,3 +373,172 @@ def test_a_simulated_gpu_size_comes_from_the_nodes_environment_and_a_typo_is_an_
     assert "OFFLOAD_SIMULATED_GPU_MEMORY='2 gigs' is not a size" in bad["error"]
     with pytest.raises(ConfigError, match="OFFLOAD_SIMULATED_GPU_MEMORY='2 gigs'"):
         node_info(JobConfig(checkpoint="c"), bad, node_id="n", num_gpus=1)
+
+
+def test_an_error_names_each_variable_it_mentions_and_who_set_it() -> None:
+    """A probe's error that names variables set for the node's workers says, for each one named,
+    who set it (the job's override, a node label) and to change it there; the node is named by
+    its hostname and the first 8 characters of its id. A node whose CUDA does not start lists
+    every error its probe saw."""
+    origins = {
+        "OFFLOAD_PIN_MEMORY": "node label",
+        "CUDA_VISIBLE_DEVICES": "job override",  # not in the error: not named
+        "OFFLOAD_SIMULATED_GPU_MEMORY": "job override",
+    }
+    error = (
+        "OFFLOAD_PIN_MEMORY='maybe' is not valid; "
+        "OFFLOAD_SIMULATED_GPU_MEMORY='2 gigs' is not a size"
+    )
+    config = JobConfig(checkpoint="c", gpu_memory_bytes=GiB)
+    with pytest.raises(ConfigError) as err:
+        node_info(
+            config,
+            result(NodeProbe(), pin=False, error=error),
+            node_id="0123456789abcdef",
+            num_gpus=1,
+            origins=origins,
+        )
+    assert str(err.value) == (
+        f"node gpu-a (01234567): {error} (OFFLOAD_PIN_MEMORY is set by the node label for this "
+        "node; OFFLOAD_SIMULATED_GPU_MEMORY is set by the job override for this node: change it "
+        "there)"
+    )
+    unrelated = {"CUDA_VISIBLE_DEVICES": "job override"}
+    with pytest.raises(ConfigError) as err:
+        node_info(
+            config,
+            result(NodeProbe(), pin=False, error=error),
+            node_id="n",
+            num_gpus=1,
+            origins=unrelated,
+        )
+    assert str(err.value) == f"node gpu-a (n): {error}"
+    failed = NodeProbe(nvidia_gpus_present=1, errors=("cuInit: 999", "nvml: driver mismatch"))
+    with pytest.raises(ConfigError) as err:
+        node_info(config, result(failed, pin=False), node_id="n", num_gpus=1)
+    assert "in its processes (cuInit: 999; nvml: driver mismatch): fix its driver" in str(err.value)
+
+
+def test_host_budget_takes_off_what_other_loads_reserved() -> None:
+    """Host memory other loads planned on the node and do not hold yet is taken; what this
+    job's own workers hold is available again; available memory not measured counts as none.
+    --host-memory up to what is available is the budget as given (no note); beyond it, capped,
+    down to nothing where reservations take it all."""
+    config = JobConfig(checkpoint="c")
+    probe = cuda_probe(host_available_bytes=400 * GiB)
+    info = node_info(
+        config, result(probe, pin=True), node_id="n", num_gpus=1, reserved_bytes=100 * GiB
+    )
+    assert info.host_budget_bytes == int(300 * GiB * HOST_BUDGET_FRACTION)
+    assert info.pinned_budget_bytes == int(300 * GiB * PIN_HEADROOM_FRACTION)
+    unmeasured = cuda_probe(host_available_bytes=None)
+    info = node_info(config, result(unmeasured, pin=True), node_id="n", num_gpus=1, held_bytes=GiB)
+    assert info.host_budget_bytes == int(GiB * HOST_BUDGET_FRACTION)
+    assert info.pinned_budget_bytes == int(GiB * PIN_HEADROOM_FRACTION)
+    exact = node_info(
+        JobConfig(checkpoint="c", host_memory_bytes=300 * GiB),
+        result(probe, pin=True),
+        node_id="n",
+        num_gpus=1,
+        reserved_bytes=100 * GiB,
+    )
+    assert exact.host_budget_bytes == 300 * GiB and exact.budget_note == ""
+    taken = node_info(
+        JobConfig(checkpoint="c", host_memory_bytes=10 * GiB),
+        result(probe, pin=True),
+        node_id="n",
+        num_gpus=1,
+        reserved_bytes=500 * GiB,
+    )
+    assert (taken.host_budget_bytes, taken.pinned_budget_bytes) == (0, 0)
+    assert taken.budget_note == "--host-memory 10.00 GiB capped at the 0 B of host memory available"
+
+
+def test_the_node_carries_its_name_gpus_rates_and_measured_compute() -> None:
+    """The NodeInfo names the node and numbers its GPUs from 0, carries the probe's dequantize
+    rates and the probe's timing of the model's layer, or the reason there is none; "auto"
+    resolves to prefetch on a discrete CUDA GPU and says so."""
+    from worker.compute_probe import ComputeProfile
+
+    profile = ComputeProfile(
+        family="llama",
+        dtype="bfloat16",
+        device="NVIDIA H100 80GB HBM3",
+        rows=(1, 4),
+        layer_s=(1e-3, 2e-3),
+        fixed_s=(1e-4, 1e-4),
+        layer_bytes=GiB,
+    )
+    rates = (("fp8", 400e9), ("int8", 300e9))
+    probed = {
+        **result(cuda_probe(dequant_bytes_per_s=rates), pin=True, hostname="gpu-b"),
+        "compute": profile,
+    }
+    info = node_info(JobConfig(checkpoint="c"), probed, node_id="n", num_gpus=2)
+    assert (info.hostname, [g.index for g in info.gpus]) == ("gpu-b", [0, 1])
+    assert info.dequant_bytes_per_s == rates
+    assert (info.compute, info.compute_source) == (profile, "")
+    assert (info.backend, info.backend_reason) == (
+        "prefetch",
+        "auto: discrete GPU, weights are copied in ahead of use on a side stream",
+    )
+    reason = "not measured: ValueError: unknown model family"
+    unmeasured = node_info(
+        JobConfig(checkpoint="c"), {**probed, "compute": reason}, node_id="n", num_gpus=1
+    )
+    assert (unmeasured.compute, unmeasured.compute_source) == (None, reason)
+    assert unmeasured.compute_rate(4) == (None, reason)
+
+
+@pytest.mark.parametrize(
+    ("cpu_count", "cpus_per_worker", "stages"),
+    [(9, 2, 4), (8, 2, 3), (8, 1, 7), (2, 1, 1), (1, 1, 1), (0, 1, None)],
+)
+def test_simulated_gpus_compute_at_once_as_the_cores_allow(
+    cpu_count: int, cpus_per_worker: int, stages: int | None
+) -> None:
+    """GPUs simulated on the CPU: its cores less one over each worker's threads compute at once
+    (at least one); unknown cores: no limit said. Real GPUs: each its own device, never."""
+    config = JobConfig(checkpoint="c", gpu_memory_bytes=GiB, cpus_per_worker=cpus_per_worker)
+    simulated = NodeProbe(host_available_bytes=10 * GiB, cpu_count=cpu_count)
+    info = node_info(config, result(simulated, pin=False), node_id="n", num_gpus=2)
+    assert info.concurrent_stages == stages
+    assert type(info.concurrent_stages) is type(stages)
+    real = node_info(
+        config, result(cuda_probe(cpu_count=cpu_count), pin=True), node_id="n", num_gpus=2
+    )
+    assert real.concurrent_stages is None
+
+
+def test_gpus_the_probes_did_not_see_are_like_the_one_with_least_free() -> None:
+    """Two GPUs of four seen, alike but for what is free: the other two are budgeted like the
+    one with less free, and the note names it. --gpu-memory at exactly what the device gives is
+    the budget, with nothing to say; below it, every GPU's budget."""
+    roomy = dataclasses.replace(H100, free_memory_bytes=79 * GiB)
+    busy = dataclasses.replace(H100, index=1, free_memory_bytes=10 * GiB)
+    probe = cuda_probe(devices=(roomy, busy))
+    info = node_info(JobConfig(checkpoint="c"), result(probe, pin=True), node_id="n", num_gpus=4)
+    least = int(10 * GiB * GPU_BUDGET_FRACTION)
+    assert [g.memory_bytes for g in info.gpus] == [
+        int(79 * GiB * GPU_BUDGET_FRACTION),
+        least,
+        least,
+        least,
+    ]
+    assert info.budget_note == (
+        "4 GPUs, 2 seen by the probes: the others taken to be like GPU 1 (NVIDIA H100 80GB HBM3)"
+    )
+    exact = node_info(
+        JobConfig(checkpoint="c", gpu_memory_bytes=least),
+        result(cuda_probe(devices=(busy,)), pin=True),
+        node_id="n",
+        num_gpus=1,
+    )
+    assert [g.memory_bytes for g in exact.gpus] == [least] and exact.budget_note == ""
+    under = node_info(
+        JobConfig(checkpoint="c", gpu_memory_bytes=GiB),
+        result(probe, pin=True),
+        node_id="n",
+        num_gpus=2,
+    )
+    assert [g.memory_bytes for g in under.gpus] == [GiB, GiB] and under.budget_note == ""
