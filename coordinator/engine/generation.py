@@ -198,9 +198,13 @@ def resolve(
         max_new_tokens = configured
     if max_new_tokens is None:
         max_length = values.get("max_length")
-        max_new_tokens = (
-            max(max_length - prompt_length, 0) if max_length else DEFAULT_MAX_NEW_TOKENS
-        )
+        if max_length and prompt_length >= max_length:  # generate refuses it too
+            raise GenerationError(
+                f"the {prompt_length}-token prompt reaches generation_config.json's max_length "
+                f"{max_length}: nothing is left to generate; give max_new_tokens",
+                "max_new_tokens",
+            )
+        max_new_tokens = max_length - prompt_length if max_length else DEFAULT_MAX_NEW_TOKENS
     total = prompt_length + int(max_new_tokens)
     if context := beyond_context(model_config, total):
         raise GenerationError(
@@ -222,11 +226,14 @@ def resolve(
     else:
         do_sample = bool(_or(do_sample, values.get("do_sample")) or False)
         top_k = _or(values.get("top_k"), 50) if top_k is FROM_CHECKPOINT else top_k
+    temperature = 1.0 if temperature is None else float(temperature)
+    if not do_sample and temperature <= 0:  # greedy: generate ignores the temperature
+        temperature = 1.0
     sampling = Sampling(
         do_sample=do_sample,
-        temperature=float(temperature or 1.0),
+        temperature=temperature,  # 0 when sampling: refused by Settings, as generate does
         top_k=top_k,
-        top_p=float(_or(top_p, values.get("top_p")) or 1.0),
+        top_p=float(_or(_or(top_p, values.get("top_p")), 1.0)),  # 0: refused, not "off"
         min_p=_or(_or(min_p, values.get("min_p")), 0.0),
         repetition_penalty=_or(_or(repetition_penalty, values.get("repetition_penalty")), 1.0),
         frequency_penalty=_or(frequency_penalty, 0.0),
@@ -266,7 +273,9 @@ def _logit_bias(given: dict | None, sequence_bias) -> tuple[tuple[int, float], .
     for pair in pairs:
         try:
             ids, bias = pair
-            ids = [ids] if isinstance(ids, int) else list(ids)
+            ids = list(ids)  # a bare id, or a JSON object's string key: refused, as generate does
+            if not all(_token_id(i) for i in ids):
+                raise TypeError
         except (TypeError, ValueError):
             raise GenerationError(
                 f"generation_config.json: sequence_bias entry {pair!r} is not ([token ids], bias)"
@@ -285,11 +294,18 @@ def _bad_words(words, suppress_tokens, eos_ids) -> tuple[tuple[int, ...], ...]:
     suppress_tokens (each a one-token word, as SuppressTokensLogitsProcessor bans them).
     Without a word that is one of `eos_ids` alone: generate drops those
     (NoBadWordsLogitsProcessor)."""
-    if words is not None and not isinstance(words, list | tuple):
+    if words is not None and not (
+        isinstance(words, list | tuple)
+        and all(isinstance(w, list | tuple) and all(_token_id(t) for t in w) for w in words)
+    ):
         raise GenerationError("bad_words_ids must be a list of token id lists", "bad_words_ids")
-    out = [tuple(w) if isinstance(w, list | tuple) else w for w in words or ()]
+    out = [tuple(w) for w in words or ()]
     out = [w for w in out if not (isinstance(w, tuple) and len(w) == 1 and w[0] in eos_ids)]
     return tuple(out + [(t,) for t in suppress_tokens or ()])
+
+
+def _token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def sampling_options(
