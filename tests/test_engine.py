@@ -868,6 +868,42 @@ def test_a_shared_prompt_prefix_reuses_the_full_blocks_and_every_text_is_right(m
     assert 'vllm:prefix_cache_hits_total{model_name="m"} 48' in text
 
 
+def test_the_stats_counters_go_on_growing_across_engines_and_pools(make) -> None:
+    """The stats outlive an engine (a host restarts it with them) and a pool (a re-balance
+    takes another): their preemption and prefix counters go on from their totals, never back
+    to what the new scheduler or pool counted (vllm:*_total are counters)."""
+    first, _ = make(num_slots=4, max_seq_len=64, num_blocks=6, burst_steps=4, prefill_tokens=64)
+    prefix = list(range(3, 43))
+    with first._cond:  # three at once in a pool too small for them: preemptions
+        requests = [submit(first, p, 40) for p in ([3, 4, 5], [6, 7], [8, 9, 10, 11])]
+    for request in requests:
+        request.result(WAIT_S)
+    assert submit(first, [*prefix, 50], 3).result(WAIT_S)
+    assert submit(first, [*prefix, 60], 3).result(WAIT_S)  # its prefix's blocks reused
+    stats = first.stats
+    before = (stats.preemptions, stats.prefix_queries, stats.prefix_hits)
+    assert before[0] >= 1 and before[2] >= 32
+    first.close()
+    config = EngineConfig(num_slots=2, max_seq_len=64, prefill_tokens=64)
+    pipeline = FakePipeline()
+    second = Engine(
+        pipeline, config, gate=lambda: contextlib.nullcontext(pipeline.epoch), stats=stats
+    )
+    try:
+        assert submit(second, [*prefix, 70], 3).result(WAIT_S)
+        assert submit(second, [*prefix, 80], 3).result(WAIT_S)  # 32 hits in the new pool
+        assert stats.preemptions == before[0]
+        assert stats.prefix_queries == before[1] + 41 + 41
+        assert stats.prefix_hits == before[2] + 32
+        with second._cond:  # the loop idles on it: a re-balance's restart, with a new pool
+            second.scheduler.restart(len(second.scheduler.groups), num_blocks=8)
+        after = (stats.prefix_queries, stats.prefix_hits)
+        assert submit(second, [*prefix, 90], 3).result(WAIT_S)  # nothing cached in it yet
+        assert (stats.prefix_queries, stats.prefix_hits) == (after[0] + 41, after[1])
+    finally:
+        second.close()
+
+
 def test_running_sequences_share_blocks_and_a_restart_forgets_every_cached_prefix(make) -> None:
     """Two sequences with one prefix run at once, sharing its blocks; a worker is lost: the new
     worker holds no keys, so nothing cached before is reused after (a read of a cleared block

@@ -183,6 +183,11 @@ class Engine:
             prefix_caching=config.prefix_caching,
         )
         self.stats = stats or EngineStats(num_slots=config.num_slots)
+        # The stats outlive an engine (a host's restart hands them to the next) and their
+        # counters only grow, while this engine's scheduler counts from 0, and so does each
+        # block pool it takes (a re-balance's): the stats' totals when each began are added.
+        self._preemptions_base = self.stats.preemptions
+        self._pool_counted: tuple[object, int, int] = (None, 0, 0)  # pool, queries, hits base
         self.stats.num_slots = config.num_slots
         self.stats.num_blocks = self.scheduler.num_blocks
         # what could never fit: the same refusals (and words) as Job.check_request's
@@ -391,9 +396,13 @@ class Engine:
         self.stats.running = len(scheduler.running)
         self.stats.waiting = len(scheduler.waiting)
         self._pool_stats()
-        self.stats.preempted(scheduler.preemptions, time.monotonic())
-        self.stats.prefix_queries = scheduler.blocks.queries
-        self.stats.prefix_hits = scheduler.blocks.hits
+        self.stats.preempted(self._preemptions_base + scheduler.preemptions, time.monotonic())
+        pool, queries, hits = self._pool_counted
+        if pool is not scheduler.blocks:  # this engine's first pool, or a re-balance's
+            queries, hits = self.stats.prefix_queries, self.stats.prefix_hits
+            self._pool_counted = (scheduler.blocks, queries, hits)
+        self.stats.prefix_queries = queries + scheduler.blocks.queries
+        self.stats.prefix_hits = hits + scheduler.blocks.hits
         for request in done:
             for seq in request.sequences:
                 if seq.finish is Finish.ERROR:
