@@ -361,7 +361,14 @@ class Scheduler:
         the ended ones free their slots, the others go back to the head of the queue, in the
         order they were admitted, to feed their prompt and their tokens so far again; the
         micro-batches are re-formed to `num_groups` (the plan may have changed), and the KV
-        pool takes `num_blocks` blocks where given (a re-balance resized it)."""
+        pool takes `num_blocks` blocks where given (a re-balance resized it). A size the pool
+        cannot take is refused before anything moves."""
+        resize = bool(num_blocks) and num_blocks != self.num_blocks
+        if resize and num_blocks < blocks_for(self.max_seq_len, self.block_size):
+            raise ValueError(
+                f"a KV pool of {num_blocks} blocks cannot hold one sequence of "
+                f"max_seq_len {self.max_seq_len}"
+            )
         requeue = []
         for group in self.groups:
             group.in_flight = False
@@ -374,12 +381,7 @@ class Scheduler:
                 else:
                     self._release(seq)
         self.blocks.clear()  # the workers hold no keys: no cached prefix is true any more
-        if num_blocks and num_blocks != self.num_blocks:
-            if num_blocks < blocks_for(self.max_seq_len, self.block_size):
-                raise ValueError(
-                    f"a KV pool of {num_blocks} blocks cannot hold one sequence of "
-                    f"max_seq_len {self.max_seq_len}"
-                )
+        if resize:
             self.num_blocks = num_blocks
             self.blocks = BlockPool(
                 num_blocks,
@@ -388,6 +390,7 @@ class Scheduler:
                 prefix_caching=self.blocks.prefix_caching,
             )
         self.reform(num_groups)
+        requeue.sort(key=lambda seq: seq.admitted)  # across micro-batches: the oldest first
         self.waiting.extendleft(reversed(requeue))
         self._sent.clear()  # the workers are claimed again: they hold no settings
         self._held.clear()  # nor tables

@@ -97,8 +97,35 @@ def resolve_reserve(config, index, snapshot: ClusterSnapshot) -> Reserve:
         prefill_tokens=max(config.prefill_tokens, config.max_seq_len)
         if not index.chunks_continue
         else config.prefill_tokens,
-        attn_implementation=config.attn_implementation,
+        attn_implementation=config.attn_implementation or default_attention(index.config),
     )
+
+
+def default_attention(model: dict) -> str | None:
+    """The attention transformers runs the model with where none is asked for: sdpa for most,
+    eager for some (Gemma 2), whose scores then need their room. The model's class settles it
+    when built, so one layer of it is built on the meta device, from the config as the workers
+    read it (`worker.layout`). None where transformers cannot say."""
+    import torch
+
+    from worker.layout import hf_config_from_dict, model_class_for
+
+    def one_layer(values: dict) -> dict:
+        out = {**values, "num_hidden_layers": 1}
+        if isinstance(values.get("layer_types"), list):
+            out["layer_types"] = values["layer_types"][:1]
+        return out
+
+    try:
+        one = one_layer(model)
+        if isinstance(model.get("text_config"), dict):
+            one["text_config"] = one_layer(model["text_config"])
+        config = hf_config_from_dict(one, dtype=torch.float32)
+        with torch.device("meta"):
+            built = model_class_for(config)(config)
+        return getattr(built.config, "_attn_implementation", None)
+    except Exception:  # a config transformers cannot build is refused where the model is
+        return None
 
 
 def job_options(config, index, snapshot: ClusterSnapshot) -> PlanOptions:

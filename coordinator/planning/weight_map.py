@@ -382,6 +382,13 @@ def _fused_views(
             stacked.insert(merge_dim, len(experts))
             view_prefix = (("narrow", dim, offset, stacked[dim]),)
             offset += stacked[dim]
+        count = apply_view(param, view_prefix).shape[merge_dim]
+        if len(experts) > count:  # numbered past config.json's count
+            extra = experts[count]
+            raise WeightMapError(
+                f"{extra.file}: tensor {extra.name!r} is one of {len(experts)} experts, but "
+                f"config.json implies {count} for {target!r}"
+            )
         for e, tensor in enumerate(experts):
             out.append(_placed(tensor, target, (*view_prefix, ("select", merge_dim, e)), param))
     return out
