@@ -227,7 +227,7 @@ def _stand_in_launch(monkeypatch, claim, plans: int, started: list) -> list:
         options = types.SimpleNamespace(max_batch=1, micro_batches=1, pool_tokens=0)
         return types.SimpleNamespace(plans=[types.SimpleNamespace(options=options)] * plans)
 
-    def start(config, index, plan, envs, session, load, progress, record, lease_s, turn):
+    def start(config, index, plan, envs, session, load, progress, record, lease_s, turn, abandoned):
         started.append(load)
         return types.SimpleNamespace(close=lambda: None)
 
