@@ -353,6 +353,8 @@ def test_settings_whose_fields_do_not_match_the_rows_are_refused_by_name():
         RowSettings.of([Sampling()], [1, 2], [0, 1])
     with pytest.raises(ValueError, match=r"^banned needs 2 row\(s\), got 1$"):
         RowSettings.of([Sampling()] * 2, [None] * 2, [0, 0], banned=[[1]])
+    with pytest.raises(ValueError, match=r"^histories needs 2 row\(s\), got 1$"):
+        RowSettings.of([Sampling()] * 2, [None] * 2, [0, 0], histories=[[1]])
 
 
 @pytest.mark.parametrize(
