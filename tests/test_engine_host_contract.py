@@ -523,6 +523,45 @@ def test_a_callback_that_raises_ends_its_request_with_that_error_and_cancels_it(
     assert cancelled == made and made[0].finish_reasons == [Finish.ABORT]
 
 
+def test_a_callback_whose_cancel_fails_or_an_on_finish_that_raises_ends_only_its_own_request(
+    hosted, caplog
+) -> None:
+    """One client, three requests in one delivery: the first's on_token raises and the cancel
+    it sends fails too (the host is unreachable for cancels); the second's on_finish raises.
+    Each ends with its own error; the third, beside them, ends with its tokens, and the
+    client's fetch thread goes on serving a request submitted afterwards."""
+    host, pipeline = hosted()
+    made, _ = watch(host.engine)
+    unreachable = ConnectionError("cancel cannot reach the host")
+
+    def before(method) -> None:
+        if method == "cancel":
+            raise unreachable
+
+    client = client_of(host, before)
+    pipeline.gate.clear()  # all three are queued before the first step runs
+    broken = ValueError("the client's on_token broke")
+
+    def on_token(row, token):
+        raise broken
+
+    def on_finish():
+        raise RuntimeError("the client's on_finish broke")
+
+    first = client.submit([[3, 4]], sampling=GREEDY, max_new_tokens=3, on_token=on_token)
+    second = client.submit([[5, 6]], sampling=GREEDY, max_new_tokens=3, on_finish=on_finish)
+    caplog.set_level("WARNING")
+    pipeline.gate.set()
+    assert first.wait(WAIT_S) and first.error is broken
+    assert second.wait(WAIT_S) and second.result() == [expected([5, 6], 3)]
+    third = client.submit([[7, 8]], sampling=GREEDY, max_new_tokens=3)
+    assert third.result(WAIT_S) == [expected([7, 8], 3)]
+    assert all(request.wait(WAIT_S) for request in made)
+    said = [record.getMessage() for record in caplog.records]  # neither passed over silently
+    assert f"request {first.id}: its cancel failed (cancel cannot reach the host)" in said
+    assert f"request {second.id}: its on_finish callback raised" in said
+
+
 def test_close_ends_the_open_requests_here_and_cancels_them_at_the_engine(hosted) -> None:
     host, pipeline = hosted()
     made, cancelled = watch(host.engine)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import pickle
 import threading
 import time
@@ -37,6 +38,8 @@ from coordinator.engine.sequences import Finish, Request
 from coordinator.engine.stats import EngineStats
 from offload.errors import LaunchError
 from worker.steps import Logprobs
+
+logger = logging.getLogger(__name__)
 
 POLL_WAIT_S = 1.0  # how long one fetch of a client's outbox waits for something to come
 CLIENT_LEASE_S = 30.0  # a client that has not fetched for this long is gone
@@ -435,7 +438,7 @@ class EngineClient:
                     self._fetcher = None
                     return
             try:
-                delivery = self._call("fetch", self.id, POLL_WAIT_S)
+                self._apply(self._call("fetch", self.id, POLL_WAIT_S))
             except Exception as exc:  # the engine is gone: every open request ends with it
                 with self._lock:
                     requests, self._requests = list(self._requests.values()), {}
@@ -443,7 +446,6 @@ class EngineClient:
                 for request in requests:
                     self._end(request, None, exc)
                 return
-            self._apply(delivery)
 
     def _apply(self, delivery: Delivery) -> None:
         with self._lock:
@@ -465,7 +467,10 @@ class EngineClient:
                     request.on_token(row, token)
                 except Exception as exc:  # the client's own callback: its request ends
                     request.error = exc
-                    self._call("cancel", self.id, rid)
+                    try:
+                        self._call("cancel", self.id, rid)
+                    except Exception as gone:  # it runs on; the next fetch says if all is gone
+                        logger.warning("request %s: its cancel failed (%s)", rid, gone)
         for rid, reasons, error in delivery.ended:
             with self._lock:
                 request = self._requests.pop(rid, None)

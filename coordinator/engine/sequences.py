@@ -6,12 +6,15 @@ micro-batch) -> finished; a request is done when all its sequences are."""
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from worker.steps import Logprobs, Sampling, SlotSettings
+
+logger = logging.getLogger(__name__)
 
 
 class Status(enum.Enum):
@@ -199,4 +202,7 @@ class Request:
         assert not self._done.is_set(), "a request ended twice"
         self._done.set()
         if self.on_finish is not None:
-            self.on_finish()
+            try:
+                self.on_finish()
+            except Exception:  # the client's own: the request has ended, its result stands
+                logger.exception("request %s: its on_finish callback raised", self.id)
