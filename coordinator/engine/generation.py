@@ -4,8 +4,8 @@
 The engine (`coordinator.engine`) runs the steps: each sequence greedy or sampled with the same
 warpers as `transformers` (temperature, top-k, top-p), drawing from its own generator seeded by
 `seed`, so a seeded request is reproducible whatever else is in the batch. Settings that would
-change what `generate` returns and that the engine does not apply (repetition penalty, beams,
-...) are refused by name: never a different answer without an error.
+change what `generate` returns and that the engine does not apply (beams, n-gram bans, ...)
+are refused by name: never a different answer without an error.
 """
 
 from __future__ import annotations
@@ -42,6 +42,24 @@ UNSUPPORTED = {
     "guidance_scale": None,
     "encoder_repetition_penalty": 1.0,
 }
+# the keys of a generation config this module reads (with UNSUPPORTED: every one it looks at)
+GENERATION_KEYS = (
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "max_new_tokens",
+    "max_length",
+    "min_new_tokens",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "bad_words_ids",
+    "suppress_tokens",
+    "sequence_bias",
+)
 # The styles of defaults: "generate" takes generation_config.json as transformers' generate
 # does (greedy unless it samples, top_k 50 when sampling, every processor it sets); "vllm" as
 # vLLM's server does (its get_diff_sampling_param): only VLLM_KEYS (and the end and pad
@@ -127,10 +145,29 @@ def _checkpoint_generation_config(root: Path, model_config: dict) -> dict:
     path = root / "generation_config.json"
     try:
         stat = path.stat()
-    except OSError:
-        keys = ("bos_token_id", "eos_token_id", "pad_token_id")
-        return {k: model_config.get(k) for k in keys}
+    except OSError:  # generate's settings are then config.json's (older checkpoints carry them)
+        return _from_model_config(model_config)
     return dict(_read_generation_config(str(path), stat.st_size, stat.st_mtime_ns))
+
+
+def _from_model_config(model_config: dict) -> dict:
+    """The generation settings `from_pretrained` takes from config.json when a checkpoint has
+    no generation_config.json (transformers' GenerationConfig.from_model_config): every key
+    read or refused here, at the top level, else in the decoder's own config (a multimodal
+    model's text_config)."""
+    inner = next(
+        (
+            model_config[name]
+            for name in ("decoder", "generator", "text_config")
+            if isinstance(model_config.get(name), dict)
+        ),
+        {},
+    )
+    values = {}
+    for key in (*GENERATION_KEYS, *UNSUPPORTED):
+        value = model_config.get(key)
+        values[key] = inner.get(key) if value is None else value
+    return values
 
 
 @functools.lru_cache(maxsize=16)
