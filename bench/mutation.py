@@ -59,6 +59,12 @@ TESTS = (
     "tests/test_errors.py",
     "tests/test_telemetry.py",
     "tests/test_worker.py",
+    "tests/test_scheduler.py",
+    "tests/test_engine_host_contract.py",
+    "tests/test_engine_stats.py",
+    "tests/test_decode_contract.py",
+    "tests/test_generation_settings.py",
+    "tests/test_checkpoint_settings_parity.py",
 )
 # -x: a mutant's first failing test is its kill; --timeout: a test a mutant hangs (the
 # engine's stop, a wait) fails after this many seconds (no clean test takes 3 alone)
