@@ -17,15 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_families import VOCAB, Pipeline, family_shape
-from test_generation import MAX_SEQ_LEN, TWO_STAGES, WAIT_S
+from test_engine_edges_parity import Running, assert_scored_as_transformers, prompt_of
+from test_families import VOCAB, family_shape
+from test_generation import WAIT_S, alone
 
-from coordinator.engine import Engine, EngineConfig, generation
-from coordinator.engine.engine import model_steps
-from coordinator.engine.pipelines import LocalPipeline
-from coordinator.planning.checkpoint import CheckpointIndex, load_index
+from coordinator.engine import generation
+from coordinator.planning.checkpoint import load_index
 from coordinator.tools.make_checkpoint import make_checkpoint
-from coordinator.tools.reference import reference_generate, reference_logits
+from coordinator.tools.reference import reference_generate
 from worker.steps import Sampling
 
 NEW = 10  # new tokens of each request
@@ -58,23 +57,9 @@ def copy_with(source: Path, where: Path, generation_config: dict | None, **confi
     return root
 
 
-def prompt_of(seed: int, length: int = 7) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (length,), generator=generator).tolist()
-
-
 def greedy(root: Path, prompt: list[int], new: int = NEW) -> list[int]:
     """transformers' greedy tokens, no end token: what the settings below are chosen from."""
-    out = reference_generate(
-        str(root),
-        torch.tensor([prompt]),
-        num_threads=1,
-        max_new_tokens=new,
-        do_sample=False,
-        eos_token_id=None,
-        repetition_penalty=1.0,
-    )
-    return out[0, len(prompt) :].tolist()
+    return alone(load_index(root), prompt, new)
 
 
 def generate_reading_the_files(root: Path, prompt: list[int]) -> list[int]:
@@ -83,39 +68,25 @@ def generate_reading_the_files(root: Path, prompt: list[int]) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def engine_over(index: CheckpointIndex, pipeline: Pipeline, **config) -> Engine:
-    return Engine(
-        LocalPipeline(pipeline.workers),
-        EngineConfig(num_slots=3, max_seq_len=MAX_SEQ_LEN, **model_steps(index), **config),
-    )
-
-
 def ours_reading_the_files(root: Path, prompts: list[list[int]], **config) -> list:
     """Each prompt's request as `generation.resolve` sets it from the files alone, all in one
     engine over two stages: (tokens, finish reason) per prompt."""
     index = load_index(root)
-    pipeline = Pipeline(index, *TWO_STAGES)
-    try:
-        engine = engine_over(index, pipeline, **config)
-        try:
-            requests = []
-            for prompt in prompts:
-                settings = generation.resolve(root, index.config, len(prompt))
-                requests.append(
-                    engine.submit(
-                        [prompt],
-                        sampling=settings.sampling,
-                        max_new_tokens=settings.max_new_tokens,
-                        eos_token_ids=settings.eos_token_ids,
-                        seed=settings.seed if settings.seed is not None else 5,
-                        min_new_tokens=settings.min_new_tokens,
-                    )
+    with Running(index, **config) as engine:
+        requests = []
+        for prompt in prompts:
+            settings = generation.resolve(root, index.config, len(prompt))
+            requests.append(
+                engine.submit(
+                    [prompt],
+                    sampling=settings.sampling,
+                    max_new_tokens=settings.max_new_tokens,
+                    eos_token_ids=settings.eos_token_ids,
+                    seed=settings.seed if settings.seed is not None else 5,
+                    min_new_tokens=settings.min_new_tokens,
                 )
-            return [(r.result(WAIT_S)[0], r.finish_reasons[0].value) for r in requests]
-        finally:
-            engine.close()
-    finally:
-        pipeline.close()
+            )
+        return [(r.result(WAIT_S)[0], r.finish_reasons[0].value) for r in requests]
 
 
 def first_new(tokens: list[int], start: int = 2) -> int:
@@ -131,7 +102,7 @@ def test_a_checkpoints_generation_config_gives_the_tokens_generate_gives_reading
     sequence bias, two end ids and max_new_tokens, as Qwen's and Llama's files do: each of two
     prompts, batched, makes what generate makes reading the file, to the same stop."""
     source = made(family)
-    prompts = [prompt_of(1), prompt_of(2, length=5)]
+    prompts = [prompt_of(1, 7), prompt_of(2, 5)]
     plain = [greedy(source, p) for p in prompts]
     first, second = plain
     file = {
@@ -165,7 +136,7 @@ def test_generation_settings_named_only_in_config_json_are_those_generate_applie
     a repetition penalty, max_length), and so must we. Of two prompts, one stops at that end
     id and the other at max_length, each where generate stops it, with the penalty's text."""
     source = made(family)
-    prompts = [prompt_of(3), prompt_of(10, length=5)]
+    prompts = [prompt_of(3, 7), prompt_of(10, 5)]
     legacy = {"repetition_penalty": 1.5, "max_length": 19, "eos_token_id": VOCAB - 1}
     unended = copy_with(source, tmp_path / "a", None, **legacy)
     unstopped = [generate_reading_the_files(unended, p) for p in prompts]
@@ -186,7 +157,7 @@ def test_max_length_in_generation_config_counts_the_prompt_as_generate_does(
     """max_length (no max_new_tokens) bounds prompt and text together: prompts of 4 and 9
     tokens under max_length 15 get 11 and 6 new tokens, as generate gives them."""
     source = made(family)
-    prompts = [prompt_of(4, length=4), prompt_of(5, length=9)]
+    prompts = [prompt_of(4, 4), prompt_of(5, 9)]
     root = copy_with(source, tmp_path / "ckpt", {"max_length": 15, "eos_token_id": VOCAB - 1})
     ours = ours_reading_the_files(root, prompts)
     for prompt, (tokens, reason) in zip(prompts, ours, strict=True):
@@ -208,7 +179,7 @@ def test_sampling_the_file_narrows_to_one_token_equals_generate_sampling_it(
     they do only if the penalty comes before the warpers in both. The penalty changes the
     text, so the order matters."""
     source = made("llama")
-    prompt = prompt_of(6)
+    prompt = prompt_of(6, 7)
     file = {"do_sample": True, "temperature": 0.7, "repetition_penalty": 1.6, **narrowing}
     file |= {"max_new_tokens": 12, "eos_token_id": VOCAB - 1}
     root = copy_with(source, tmp_path / "ckpt", file)
@@ -228,48 +199,22 @@ def test_logprobs_of_routed_and_recurrent_families_equal_transformers_log_softma
     3) in a family whose layers route tokens to experts or carry a recurrent state: every
     value equals transformers' log_softmax of its float32 logits over prompt and text, and
     the top ids are its top ids."""
-    root = made(family)
-    index = load_index(root)
-    prompt = prompt_of(7, length=9)
+    index = load_index(made(family))
+    prompt = prompt_of(7, 9)
     got = []
-    pipeline = Pipeline(index, *TWO_STAGES)
-    try:
-        engine = engine_over(index, pipeline, prefill_tokens=4)  # the prompt in three chunks
-        try:
-            request = engine.submit(
-                [prompt],
-                sampling=Sampling(),
-                max_new_tokens=6,
-                logprobs=3,
-                prompt_logprobs=2,
-                on_logprobs=lambda row, scores: got.append(scores),
-                on_token=lambda row, token: None,
-            )
-            tokens = request.result(WAIT_S)[0]
-        finally:
-            engine.close()
-    finally:
-        pipeline.close()
-    logits = reference_logits(str(root), torch.tensor([prompt + tokens]), num_threads=1)[0]
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    assert tokens == logp[len(prompt) - 1 : -1].argmax(-1).tolist()  # greedy on those logits
-    prompt_scores = [s for s in got if s.start < len(prompt)]
-    token_scores = [s for s in got if s.start >= len(prompt)]
-    ids = [t for s in prompt_scores for t in s.token_ids]
-    values = torch.tensor([v for s in prompt_scores for v in s.logprobs])
-    assert ids == prompt[1:]
-    rows = torch.arange(len(prompt) - 1)
-    assert torch.allclose(values, logp[rows, torch.tensor(prompt[1:])], atol=1e-5, rtol=0)
-    top = torch.topk(logp[rows], 2, dim=-1)
-    assert [list(t) for s in prompt_scores for t in s.top_ids] == top.indices.tolist()
-    assert [s.start for s in token_scores] == list(range(len(prompt), len(prompt) + 6))
-    rows = torch.arange(len(prompt) - 1, len(prompt) + 5)
-    values = torch.tensor([s.logprobs[0] for s in token_scores])
-    assert torch.allclose(values, logp[rows, torch.tensor(tokens)], atol=1e-5, rtol=0)
-    top = torch.topk(logp[rows], 3, dim=-1)
-    assert [list(s.top_ids[0]) for s in token_scores] == top.indices.tolist()
-    tops = torch.tensor([s.top_logprobs[0] for s in token_scores])
-    assert torch.allclose(tops, top.values, atol=1e-5, rtol=0)
+    with Running(index, prefill_tokens=4) as engine:  # the prompt in three chunks
+        request = engine.submit(
+            [prompt],
+            sampling=Sampling(),
+            max_new_tokens=6,
+            logprobs=3,
+            prompt_logprobs=2,
+            on_logprobs=lambda row, scores: got.append(scores),
+            on_token=lambda row, token: None,
+        )
+        tokens = request.result(WAIT_S)[0]
+    assert tokens == alone(index, prompt, 6)
+    assert_scored_as_transformers(index, prompt, tokens, got, top=3, prompt_top=2)
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "qwen3_next", "bamba", "jamba"])
@@ -279,19 +224,12 @@ def test_a_prompt_fed_in_many_small_chunks_equals_generate(made, family: str) ->
     texts equal generate's on each prompt alone."""
     root = made(family)
     index = load_index(root)
-    long, short = prompt_of(8, length=22), prompt_of(9, length=3)
-    pipeline = Pipeline(index, *TWO_STAGES)
-    try:
-        engine = engine_over(index, pipeline, prefill_tokens=3)
-        try:
-            requests = [
-                engine.submit([p], sampling=Sampling(), max_new_tokens=8) for p in (short, long)
-            ]
-            tokens = [r.result(WAIT_S)[0] for r in requests]
-            steps = engine.stats.steps
-        finally:
-            engine.close()
-    finally:
-        pipeline.close()
+    long, short = prompt_of(8, 22), prompt_of(9, 3)
+    with Running(index, prefill_tokens=3) as engine:
+        requests = [
+            engine.submit([p], sampling=Sampling(), max_new_tokens=8) for p in (short, long)
+        ]
+        tokens = [r.result(WAIT_S)[0] for r in requests]
+        steps = engine.stats.steps
     assert tokens == [greedy(root, short, 8), greedy(root, long, 8)]
     assert steps >= len(long) // 3 + 8  # the prompt did go in small chunks

@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 from test_families import VOCAB, Pipeline, family_shape
-from test_generation import MAX_SEQ_LEN, PREEMPTING, REQUESTS, TWO_STAGES, WAIT_S
+from test_generation import MAX_SEQ_LEN, PREEMPTING, REQUESTS, TWO_STAGES, WAIT_S, alone
 
 from coordinator.engine import Engine, EngineConfig
 from coordinator.engine.engine import model_steps
 from coordinator.engine.pipelines import LocalPipeline
 from coordinator.planning.checkpoint import CheckpointIndex, load_index
 from coordinator.tools.make_checkpoint import make_checkpoint
-from coordinator.tools.reference import reference_generate, reference_logits
+from coordinator.tools.reference import reference_logits
 from worker.steps import Sampling
 
 
@@ -37,18 +37,6 @@ def index_of(tmp_path_factory):
 def prompt_of(seed: int, length: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (length,), generator=generator).tolist()
-
-
-def alone(index: CheckpointIndex, prompt: list[int], new: int) -> list[int]:
-    out = reference_generate(
-        str(index.root),
-        torch.tensor([prompt]),
-        num_threads=1,
-        max_new_tokens=new,
-        do_sample=False,
-        eos_token_id=None,
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 def log_softmax_of(index: CheckpointIndex, tokens: list[int]) -> torch.Tensor:
