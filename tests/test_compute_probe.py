@@ -5,11 +5,12 @@ reaching the plan through the node's probe."""
 from __future__ import annotations
 
 import pytest
+from helpers import tiny_shape
 
 from coordinator.config import JobConfig
 from coordinator.planning.budgets import node_info
 from coordinator.planning.checkpoint import load_index
-from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.tools.make_checkpoint import make_checkpoint
 from offload import node_cache
 from worker import compute_probe
 from worker.compute_probe import ComputeProfile, measure
@@ -22,14 +23,7 @@ def index(tmp_path_factory):
     return load_index(
         make_checkpoint(
             root,
-            CheckpointShape(
-                num_layers=2,
-                hidden_size=64,
-                num_heads=4,
-                num_kv_heads=2,
-                intermediate_size=128,
-                vocab_size=128,
-            ),
+            tiny_shape(2),
         )
     )
 

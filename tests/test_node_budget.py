@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from helpers import tiny_shape
 
 from coordinator.cli import plan_cluster
 from coordinator.config import ConfigError, JobConfig
@@ -257,17 +258,9 @@ def test_plan_shows_the_reserve_computed_for_real_gpus_given_or_none(tmp_path) -
     is made of; --reserve replaces it; simulated GPUs keep none unless given."""
     from coordinator.planning.batch_size import plan_job
     from coordinator.planning.checkpoint import load_index
-    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+    from coordinator.tools.make_checkpoint import make_checkpoint
 
-    shape = CheckpointShape(
-        num_layers=2,
-        hidden_size=64,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        vocab_size=128,
-        dtype="bfloat16",
-    )
+    shape = tiny_shape(2, dtype="bfloat16")
     index = load_index(make_checkpoint(tmp_path / "ckpt", shape))
     config = JobConfig(
         checkpoint="c", max_batch=4, max_seq_len=64, attn_implementation="eager", gpus=1

@@ -12,6 +12,7 @@ import re
 
 import numpy as np
 import pytest
+from helpers import tiny_shape
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,7 +31,7 @@ from coordinator.planning.reserve import (
     step_reserve,
 )
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
-from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from coordinator.tools.make_checkpoint import make_checkpoint
 from offload import DeviceInfo, NodeProbe
 from worker.steps import NO_TOKEN, Sampling
 
@@ -57,16 +58,7 @@ def reserve(model=None, dtype="bfloat16", **step) -> Reserve:
 
 @pytest.fixture(scope="module")
 def index(tmp_path_factory):
-    shape = CheckpointShape(
-        num_layers=2,
-        hidden_size=64,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        vocab_size=128,
-        dtype="bfloat16",
-        tokenizer=False,
-    )
+    shape = tiny_shape(2, dtype="bfloat16", tokenizer=False)
     return load_index(make_checkpoint(tmp_path_factory.mktemp("reserve") / "ckpt", shape))
 
 
@@ -334,17 +326,7 @@ def covers(reserve: Reserve) -> dict[str, int]:
 def test_the_reserve_is_for_the_attention_the_model_runs(tmp_path) -> None:
     """A model that transformers runs with eager attention when none is asked for (Gemma 2)
     has its scores reserved as when eager is asked for."""
-    shape = CheckpointShape(
-        arch="gemma2",
-        num_layers=2,
-        hidden_size=64,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        vocab_size=128,
-        dtype="bfloat16",
-        tokenizer=False,
-    )
+    shape = tiny_shape(2, arch="gemma2", dtype="bfloat16", tokenizer=False)
     gemma = load_index(make_checkpoint(tmp_path / "gemma2", shape))
     default = resolve_reserve(job(max_seq_len=4096), gemma, GPUS)
     eager = resolve_reserve(job(max_seq_len=4096, attn_implementation="eager"), gemma, GPUS)
