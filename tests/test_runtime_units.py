@@ -31,6 +31,38 @@ Keeper = keeper_module.LoadKeeper.__ray_metadata__.modified_class
 Record = record.LoadRecord.__ray_metadata__.modified_class
 
 
+def _functions_in(value) -> list:
+    """The functions a class attribute runs: itself, and those its closure holds (Ray wraps
+    each method of an actor class in a tracing function that holds the method)."""
+    found, todo = [], [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, (staticmethod, classmethod)):
+            item = item.__func__
+        if isinstance(item, types.FunctionType) and item not in found:
+            found.append(item)
+            todo += [cell.cell_contents for cell in item.__closure__ or ()]
+    return found
+
+
+def stand_in(monkeypatch, module: types.ModuleType, name: str, value) -> None:
+    """`module.name` is `value` for the test: in the module, and in each copy of its globals
+    that a method of the keeper or the record reads. A copy exists once this process has
+    called `ray.get_actor` on an actor of a class it exported (another test's load): Ray
+    loads the class from the GCS, and cloudpickle, knowing the class, sets the unpickled
+    methods on it, each with globals of its own; the module's no longer reach them."""
+    monkeypatch.setattr(module, name, value)
+    for actor_class in (Keeper, Record):
+        for cls in actor_class.__mro__[:-1]:
+            for attribute in vars(cls).values():
+                for function in _functions_in(attribute):
+                    globals_ = function.__globals__
+                    if globals_ is vars(module) or name not in globals_:
+                        continue
+                    if globals_.get("__name__") == module.__name__:
+                        monkeypatch.setitem(globals_, name, value)
+
+
 class Clock:
     """time.monotonic and time.sleep of a module: a sleep moves the clock on at once, then
     calls `on_sleep(now)` (what happens meanwhile). Too many sleeps: the loop never ended."""
@@ -101,7 +133,7 @@ class Cluster:
         def no_engine(*args, **kwargs):
             raise WorkerLostError("no engine in these tests")
 
-        monkeypatch.setattr(keeper_module, "build_engine", no_engine)
+        stand_in(monkeypatch, keeper_module, "build_engine", no_engine)
 
     def _read(self, name: str) -> dict:
         assert name == "a"
@@ -125,11 +157,6 @@ class Cluster:
         return [e for e in self.record["events"] if e["event"] == kind]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="passes alone, fails in `make test` beside other modules (a real Ray is reached "
-    "where the stand-ins should answer): to be found; not strict until then",
-)
 def test_a_leased_keeper_unloads_once_no_renewal_came_for_lease_s(monkeypatch) -> None:
     """Renewals push the end of the lease; once none came for `lease_s` the load is unloaded
     (by name, the keeper not stopped by it: it ends itself), with no step in the gate, and
@@ -145,14 +172,15 @@ def test_a_leased_keeper_unloads_once_no_renewal_came_for_lease_s(monkeypatch) -
             calls.append(("renewed", now))
 
     clock = Clock(on_sleep, limit=200)
-    monkeypatch.setattr(keeper_module, "time", clock)
+    stand_in(monkeypatch, keeper_module, "time", clock)
 
     def unload(name: str, *, keeper: bool) -> None:
         calls.append(("unload", name, keeper, clock.now, gate._alone == threading.get_ident()))
 
     monkeypatch.setattr(registry, "unload", unload)
     me = object()
-    monkeypatch.setattr(
+    stand_in(
+        monkeypatch,
         keeper_module,
         "ray",
         types.SimpleNamespace(
@@ -171,21 +199,17 @@ def test_a_leased_keeper_unloads_once_no_renewal_came_for_lease_s(monkeypatch) -
     assert calls[3:] == [("kill", True, True)]  # itself, for good, after the rest
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="passes alone, fails in `make test` beside other modules (a real Ray is reached "
-    "where the stand-ins should answer): to be found; not strict until then",
-)
 def test_a_keeper_whose_unload_failed_still_ends_itself(monkeypatch) -> None:
     Cluster(monkeypatch)
-    monkeypatch.setattr(keeper_module, "time", Clock(limit=200))
+    stand_in(monkeypatch, keeper_module, "time", Clock(limit=200))
     killed: list = []
 
     def unload(name: str, *, keeper: bool) -> None:
         raise RuntimeError("placement group table unavailable")
 
     monkeypatch.setattr(registry, "unload", unload)
-    monkeypatch.setattr(
+    stand_in(
+        monkeypatch,
         keeper_module,
         "ray",
         types.SimpleNamespace(
@@ -278,17 +302,12 @@ def test_a_restarted_keeper_keeps_its_loads_failure(monkeypatch) -> None:
     assert Keeper("a", index=None).failed == "the last"
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="passes alone, fails in `make test` beside other modules (a real Ray is reached "
-    "where the stand-ins should answer): to be found; not strict until then",
-)
 def test_a_node_that_keeps_losing_workers_is_left_out(monkeypatch) -> None:
     """NODE_LOSS_LIMIT losses on one node within NODE_LOSS_WINDOW_S: the next recovery plans
     without it, and an event names its host. A loss whose recovery is retried counts once,
     and losses further apart than the window do not add up."""
     clock = Clock()
-    monkeypatch.setattr(keeper_module, "time", clock)
+    stand_in(monkeypatch, keeper_module, "time", clock)
     cluster = Cluster(monkeypatch)
     keeper = Keeper("a", index=None)
 
@@ -437,7 +456,8 @@ def _stand_in_ray(monkeypatch, actor: Actor | None = None, **util) -> None:
             raise ray.exceptions.GetTimeoutError("busy")
         return None
 
-    monkeypatch.setattr(
+    stand_in(
+        monkeypatch,
         record,
         "ray",
         types.SimpleNamespace(
@@ -452,7 +472,7 @@ def _stand_in_ray(monkeypatch, actor: Actor | None = None, **util) -> None:
 
 def test_stop_actor_kills_then_returns_once_the_actor_is_gone(monkeypatch) -> None:
     clock = Clock()
-    monkeypatch.setattr(record, "time", clock)
+    stand_in(monkeypatch, record, "time", clock)
     actor = Actor([True, False, True])
     _stand_in_ray(monkeypatch, actor)
     record.stop_actor(actor)
@@ -462,7 +482,7 @@ def test_stop_actor_kills_then_returns_once_the_actor_is_gone(monkeypatch) -> No
 
 def test_stop_actor_gives_up_on_an_actor_that_never_goes(monkeypatch) -> None:
     clock = Clock(limit=1000)
-    monkeypatch.setattr(record, "time", clock)
+    stand_in(monkeypatch, record, "time", clock)
     actor = Actor([True] * 10_000)
     _stand_in_ray(monkeypatch, actor)
     record.stop_actor(actor, timeout_s=3.0)
@@ -507,11 +527,6 @@ def test_a_driver_is_alive_unless_the_job_table_says_it_is_dead(monkeypatch) -> 
     assert [record.driver_alive(j) for j in ("01", "02", "03")] == [False, True, True]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="passes alone, fails in `make test` beside other modules (a real Ray is reached "
-    "where the stand-ins should answer): to be found; not strict until then",
-)
 def test_a_record_whose_loader_died_mid_load_removes_what_the_load_made(monkeypatch, capsys):
     """The record owns a load while it loads: once the loading process is gone (the job table
     says so) it removes the load, once; a check that fails is said and made again later; a
@@ -525,9 +540,9 @@ def test_a_record_whose_loader_died_mid_load_removes_what_the_load_made(monkeypa
             raise answer
         return answer
 
-    monkeypatch.setattr(record, "driver_alive", driver_alive)
-    monkeypatch.setattr(record, "remove_all", removed.append)
-    monkeypatch.setattr(record, "time", Clock(limit=50))
+    stand_in(monkeypatch, record, "driver_alive", driver_alive)
+    stand_in(monkeypatch, record, "remove_all", removed.append)
+    stand_in(monkeypatch, record, "time", Clock(limit=50))
     loading = Record({"name": "a", "state": "loading"})  # no owner: no watch thread
     loading.update({"owner_job": "01"})
     loading._watch_loader()
@@ -537,18 +552,13 @@ def test_a_record_whose_loader_died_mid_load_removes_what_the_load_made(monkeypa
     loaded = Record({"name": "b", "state": "loading"})
     loaded.update({"owner_job": "02"})
     clock = Clock(lambda now: loaded.update({"state": "loaded"}), limit=50)
-    monkeypatch.setattr(record, "time", clock)
+    stand_in(monkeypatch, record, "time", clock)
     # its loader finished the load, then ended: not a loader that died mid-load
-    monkeypatch.setattr(record, "driver_alive", lambda job_id: False)
+    stand_in(monkeypatch, record, "driver_alive", lambda job_id: False)
     loaded._watch_loader()  # once loaded, the watch ends
     assert removed == ["a"] and loaded.get()["state"] == "loaded"
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="passes alone, fails in `make test` beside other modules (a real Ray is reached "
-    "where the stand-ins should answer): to be found; not strict until then",
-)
 def test_a_load_that_finished_while_its_loader_was_looked_at_is_not_removed(monkeypatch):
     """The loader finishes the load and exits while the record asks the job table about it:
     its state is read again once the loader is known gone, and a loaded load stays. Found by
@@ -561,23 +571,18 @@ def test_a_load_that_finished_while_its_loader_was_looked_at_is_not_removed(monk
         finishing.update({"state": "loaded"})  # meanwhile: loaded, and its loader ended
         return False
 
-    monkeypatch.setattr(record, "driver_alive", driver_alive)
-    monkeypatch.setattr(record, "remove_all", removed.append)
-    monkeypatch.setattr(record, "time", Clock(limit=50))
+    stand_in(monkeypatch, record, "driver_alive", driver_alive)
+    stand_in(monkeypatch, record, "remove_all", removed.append)
+    stand_in(monkeypatch, record, "time", Clock(limit=50))
     finishing._watch_loader()
     assert removed == []
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="passes alone, fails in `make test` beside other modules (a real Ray is reached "
-    "where the stand-ins should answer): to be found; not strict until then",
-)
 def test_a_record_made_by_a_loader_watches_it_on_a_thread(monkeypatch) -> None:
     gone = threading.Event()
-    monkeypatch.setattr(record, "time", Clock(limit=50))
-    monkeypatch.setattr(record, "driver_alive", lambda job_id: False)
-    monkeypatch.setattr(record, "remove_all", lambda name: gone.set())
+    stand_in(monkeypatch, record, "time", Clock(limit=50))
+    stand_in(monkeypatch, record, "driver_alive", lambda job_id: False)
+    stand_in(monkeypatch, record, "remove_all", lambda name: gone.set())
     Record({"name": "a", "state": "loading", "owner_job": "01"})
     assert gone.wait(WAIT_S), "the record never looked at its loader"
 
@@ -586,8 +591,8 @@ def test_releasing_what_is_already_gone_is_no_error(monkeypatch, capsys) -> None
     def fails(*args, **kwargs):
         raise ValueError("no such placement group")
 
-    monkeypatch.setattr(record, "remove_placement_group", fails)
-    monkeypatch.setattr(record, "ray", types.SimpleNamespace(kill=fails))
+    stand_in(monkeypatch, record, "remove_placement_group", fails)
+    stand_in(monkeypatch, record, "ray", types.SimpleNamespace(kill=fails))
     record.remove_group(types.SimpleNamespace(id=types.SimpleNamespace(hex=lambda: "abcdef0123")))
     record.release(object())
     assert "note: could not remove placement group abcdef01" in capsys.readouterr().err
