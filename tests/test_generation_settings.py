@@ -107,6 +107,36 @@ def test_without_a_file_the_end_and_pad_tokens_come_from_config_json(tmp_path) -
     assert settings.pad_token_id == 3  # as generate pads: the first end token
 
 
+def test_without_a_file_config_json_and_its_text_config_give_generates_settings(tmp_path):
+    """No generation_config.json, and a config.json that carries generation settings (older
+    checkpoints), some only in its decoder's text_config (a multimodal model's): the values
+    `GenerationConfig.from_model_config` makes of it, which `from_pretrained` gives the
+    model; one that generate would apply and this loop does not is refused by name."""
+    config = {
+        "vocab_size": 32,
+        "repetition_penalty": 1.3,
+        "max_length": 30,
+        "do_sample": True,
+        "temperature": 0.5,
+        "top_k": 7,
+        "text_config": {"eos_token_id": 5, "top_p": 0.9, "repetition_penalty": 2.0},
+    }
+    theirs = GenerationConfig.from_model_config(json.loads(json.dumps(config)))
+    settings = generation.resolve(tmp_path, config, 4)
+    sampling = settings.sampling
+    assert sampling.repetition_penalty == theirs.repetition_penalty == 1.3  # the top level's
+    assert settings.eos_token_ids == (theirs.eos_token_id,) == (5,)  # only in text_config
+    assert sampling.top_p == theirs.top_p == 0.9
+    assert (sampling.do_sample, sampling.temperature, sampling.top_k) == (True, 0.5, 7)
+    assert (theirs.do_sample, theirs.temperature, theirs.top_k) == (True, 0.5, 7)
+    assert settings.max_new_tokens == theirs.max_length - 4 == 26
+    named = r"^config\.json \(there is no generation_config\.json\) sets num_beams=4, .* to 1"
+    with pytest.raises(GenerationError, match=named):
+        generation.resolve(tmp_path, {**config, "num_beams": 4}, 4)
+    with pytest.raises(GenerationError, match=r"max_length 30 of config\.json \(there is no"):
+        generation.resolve(tmp_path, config, 30)
+
+
 def test_a_rewritten_file_is_read_again(tmp_path) -> None:
     """The file is read once per version: a new size with the same mtime, or the same size
     with a new mtime, is a new version and its values are taken."""

@@ -218,6 +218,9 @@ def resolve(
         raise GenerationError(f"style={style!r}: expected one of {', '.join(STYLES)}")
     vllm = style == "vllm"
     values = _checkpoint_generation_config(Path(root), model_config)
+    source = "generation_config.json"
+    if not (Path(root) / source).is_file():
+        source = "config.json (there is no generation_config.json)"
     if vllm:
         values = {k: values.get(k) for k in (*VLLM_KEYS, "eos_token_id", "pad_token_id")}
     else:
@@ -225,7 +228,7 @@ def resolve(
             value = values.get(key)
             if value is not None and value != neutral:
                 raise GenerationError(
-                    f"generation_config.json sets {key}={value!r}, which this generator does "
+                    f"{source} sets {key}={value!r}, which this generator does "
                     f"not apply (it would change the tokens); set it to {neutral!r} or remove it"
                 )
     configured = values.get("max_new_tokens")
@@ -237,8 +240,8 @@ def resolve(
         max_length = values.get("max_length")
         if max_length and prompt_length >= max_length:  # generate refuses it too
             raise GenerationError(
-                f"the {prompt_length}-token prompt reaches generation_config.json's max_length "
-                f"{max_length}: nothing is left to generate; give max_new_tokens",
+                f"the {prompt_length}-token prompt reaches the max_length {max_length} of "
+                f"{source}: nothing is left to generate; give max_new_tokens",
                 "max_new_tokens",
             )
         max_new_tokens = max_length - prompt_length if max_length else DEFAULT_MAX_NEW_TOKENS
