@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+import threading
 import time
 
 import pytest
@@ -634,7 +636,7 @@ def test_a_load_whose_recoveries_keep_failing_is_failed_then_recovers(cluster, t
         assert main(["unload", "gives-up", "--address", c.address]) == 0
 
 
-def test_two_loads_launched_together_share_a_node(cluster, tmp_path) -> None:
+def test_two_loads_launched_together_share_a_node(cluster, tmp_path, monkeypatch) -> None:
     """Issue 57 point 5: two loads launched at the same moment, each planned on 2 of one node's
     4 GPUs. The second failed: it looked while the first one's probe task held every GPU of
     the node to measure them ("every GPU of the cluster's ... is held"). Here the first load's
@@ -643,7 +645,18 @@ def test_two_loads_launched_together_share_a_node(cluster, tmp_path) -> None:
     first has reserved its GPUs: both load, on the node's four GPUs, with the same logits."""
     import concurrent.futures
 
+    from coordinator.runtime import desk
+
     c = cluster
+    waiting = threading.Event()  # a load found the turn held by another and waits for it
+    read = desk._get
+
+    def watched(key: str):
+        if key == desk.TURN_KEY and sys._getframe(1).f_code is desk.Turn.__enter__.__code__:
+            waiting.set()  # read by a Turn that could not take the turn: it waits
+        return read(key)
+
+    monkeypatch.setattr(desk, "_get", watched)
     gpu_nodes(c, 2)  # the one-GPU nodes stay out of it: the loads run on `nodes`
     big = c.add_node(num_cpus=4, num_gpus=4)
     checkpoint, _, config = budgeted_job(c, tmp_path, nodes=f"{big.node_id}=2")
@@ -662,8 +675,9 @@ def test_two_loads_launched_together_share_a_node(cluster, tmp_path) -> None:
             while ray.available_resources().get("GPU", 0) > 2:  # its probe holds the four
                 assert time.monotonic() < deadline and not first.done(), first
                 time.sleep(0.1)
+            assert not waiting.is_set()  # the first took the turn at once
             second = pool.submit(launch, config)
-            time.sleep(2.0)  # the second looks now, or waits for its turn
+            assert waiting.wait(120), "the second load never found the first's turn held"
             measured.touch()
             for future in (first, second):
                 try:
@@ -719,10 +733,18 @@ def test_the_desk_gives_one_turn_at_a_time_and_reserves_host_memory(cluster) -> 
     with Turn("load 'c'", wait_s=1) as c:
         assert c.reserved_elsewhere() == {}
         c.leave([("node-1", 3)])
-        time.sleep(desk.RENEW_S * 1.5)  # renewed meanwhile: still reserved, the lease ahead
         [key] = internal_kv._internal_kv_list(desk.RESERVATION_PREFIX, namespace=desk.KV_NAMESPACE)
-        entry = json.loads(internal_kv._internal_kv_get(key, namespace=desk.KV_NAMESPACE))
-        assert entry["until"] > time.time() + desk.RESERVATION_LEASE_S - desk.RENEW_S * 1.5
+
+        def until() -> float:
+            return json.loads(internal_kv._internal_kv_get(key, namespace=desk.KV_NAMESPACE))[
+                "until"
+            ]
+
+        written, deadline = until(), time.monotonic() + 120
+        while until() == written:  # the holder's next renewal pushes the lease on
+            assert time.monotonic() < deadline, "the reservation was never renewed"
+            time.sleep(0.1)
+        assert until() > written and reserved_host() == {"node-1": 3}
     probed = {"hostname": "h", "error": None, "pin": {"pin": False}}
     from offload import NodeProbe
 
