@@ -88,36 +88,38 @@ def check_request(
 def _sampling(sampling: Sampling, vocab: int, name) -> Sampling:
     if not isinstance(sampling, Sampling):
         raise RequestError(
-            f"sampling must be a worker.steps.Sampling, got {type(sampling).__name__}",
+            f"{name('sampling')} must be a worker.steps.Sampling, got {type(sampling).__name__}",
             name("sampling"),
         )
     if sampling.do_sample not in (True, False):
-        raise RequestError(f"do_sample={sampling.do_sample!r} must be a bool", name("do_sample"))
+        raise RequestError(
+            f"{name('do_sample')}={sampling.do_sample!r} must be a bool", name("do_sample")
+        )
     temperature = _float(sampling.temperature, name("temperature"))
     if temperature < 0:
         raise RequestError(
-            f"temperature={temperature} must be >= 0 (0: greedy)", name("temperature")
+            f"{name('temperature')}={temperature} must be >= 0 (0: greedy)", name("temperature")
         )
     if temperature > FLOAT32_MAX:  # the logits are divided in float32: it would be inf there
         raise RequestError(
-            f"temperature={temperature} is beyond float32's range, in which the logits are "
+            f"{name('temperature')}={temperature} is beyond float32's range, in which the logits are "
             f"divided by it: at most {FLOAT32_MAX:.4g}",
             name("temperature"),
         )
     top_p = _float(sampling.top_p, name("top_p"))
     if not 0 < top_p <= 1:
-        raise RequestError(f"top_p={top_p} must be in (0, 1]", name("top_p"))
+        raise RequestError(f"{name('top_p')}={top_p} must be in (0, 1]", name("top_p"))
     top_k = 0 if sampling.top_k is None else _int(sampling.top_k, name("top_k"), 0)
     if vocab and top_k >= vocab:
         top_k = 0  # keeps every token: the same as off
     do_sample = bool(sampling.do_sample) and temperature >= SAMPLING_EPS
     min_p = _float(sampling.min_p, name("min_p"))
     if not 0 <= min_p <= 1:
-        raise RequestError(f"min_p={min_p} must be in [0, 1] (0: off)", name("min_p"))
+        raise RequestError(f"{name('min_p')}={min_p} must be in [0, 1] (0: off)", name("min_p"))
     repetition = _float(sampling.repetition_penalty, name("repetition_penalty"))
     if not FLOAT32_TINY <= repetition <= FLOAT32_MAX:  # the logits are divided in float32
         raise RequestError(
-            f"repetition_penalty={repetition} must be > 0 (1: off) and within float32's "
+            f"{name('repetition_penalty')}={repetition} must be > 0 (1: off) and within float32's "
             f"normal range, [{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}]",
             name("repetition_penalty"),
         )
@@ -125,7 +127,7 @@ def _sampling(sampling: Sampling, vocab: int, name) -> Sampling:
     for field in ("frequency_penalty", "presence_penalty"):
         value = _float(getattr(sampling, field), name(field))
         if not -2 <= value <= 2:
-            raise RequestError(f"{field}={value} must be in [-2, 2] (0: off)", name(field))
+            raise RequestError(f"{name(field)}={value} must be in [-2, 2] (0: off)", name(field))
         penalties[field] = value
     return Sampling(
         do_sample=do_sample,
@@ -227,8 +229,8 @@ def _int(
     `param` is `field` unless given (a prompt's id: the prompt field, not its row)."""
     param = param or field
     label = f"{field}: {what} {value!r}" if what else f"{field}={value!r}"
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
-        raise RequestError(f"{label} must be an integer, not a bool", param)
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+        raise RequestError(f"{label} must be an integer, not a bool", param)  # numpy's, torch's
     try:
         number = operator.index(value)
     except TypeError:
