@@ -9,10 +9,15 @@ reads its keys back through its table before it chooses, so a block handed to tw
 at once, a table that misses a block, or keys the row never wrote fail where they happen; and
 the stand-in model's next token is a function of every key it read, so each request's text is
 checked against generation without a scheduler (`reference`), through preemption, bursts cut
-short, steps never sent, cancellations and restarts.
+short, steps never sent, cancellations and restarts. The direct tests also pin down what that
+check cannot see: how each step is cut (prompt chunks, bursts, the blocks and settings it
+carries), the pool's margin and prefix cache, and what the last stage returns besides the
+tokens (`Chosen`: log-probabilities, rows it failed).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -31,7 +36,7 @@ from coordinator.engine.scheduler import Scheduler, Step
 from coordinator.engine.sequences import Finish, Request, Sequence, Status
 from worker.batched import BatchRunner
 from worker.names import blocks_for
-from worker.steps import NO_TOKEN, Sampling
+from worker.steps import NO_TOKEN, Chosen, Logprobs, RowFailedError, Sampling
 
 EOS = 5
 EMPTY = -1  # a KV position nothing wrote since the workers (re)started
@@ -140,9 +145,13 @@ class Harness:
         self.preempted_seen = 0
 
     # what clients and the engine do
-    def submit(self, prompts: list[list[int]], max_new_tokens: int, eos=()) -> Request:
+    def submit(self, prompts: list[list[int]], max_new_tokens: int, eos=(), **scoring) -> Request:
         request = Request.of(
-            prompts, sampling=Sampling(), max_new_tokens=max_new_tokens, eos_token_ids=eos
+            prompts,
+            sampling=Sampling(),
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=eos,
+            **scoring,
         )
         for seq in request.sequences:
             self.enqueued[id(seq)] = len(self.enqueued)
@@ -157,7 +166,7 @@ class Harness:
         flying = {step.group for step in self.in_flight}
         for seq in request.sequences:  # freed at once, unless its micro-batch has a step out
             if seq.group is None or seq.group not in flying:
-                assert seq.status is Status.FINISHED and seq.slot is None and not seq.blocks
+                assert seq.status is Status.FINISHED and seq.slot is None and seq.blocks == []
         self.take_done()
 
     def admit(self) -> list[Sequence]:
@@ -233,6 +242,13 @@ class Harness:
     def check_step(self, step: Step, g: int, before: dict) -> None:
         s, rows = self.scheduler, step.rows
         assert step.group == g and step.sequences
+        assert step.x.dtype == np.int64, f"token ids of dtype {step.x.dtype}"
+        assert (rows.num_slots, rows.num_blocks, rows.block_size, rows.owner) == (
+            s.num_slots,
+            s.num_blocks,
+            s.block_size,
+            s.owner,
+        ), f"a step that tells the stages another pool or owner: {rows}"
         assert list(rows.slots) == sorted(rows.slots), "rows not in slot order"
         assert list(rows.slots) == [q.slot for q in step.sequences]
         width = step.x.shape[1]
@@ -260,13 +276,21 @@ class Harness:
         if s.uniform:
             assert set(rows.counts) == {width}, f"padded rows {rows.counts} in a uniform step"
 
-    def run(self, step: Step, ran: int | None = None, cancel_after: Request | None = None) -> None:
+    def run(
+        self,
+        step: Step,
+        ran: int | None = None,
+        cancel_after: Request | None = None,
+        answer: Callable[[Step, int, np.ndarray], object] | None = None,
+    ) -> None:
         """The step comes back having run `ran` of its `count` steps (all: None); with
-        `cancel_after`, that request is cancelled after the first one's tokens."""
+        `cancel_after`, that request is cancelled after the first one's tokens; `answer`
+        makes what the last stage returns of step i's tokens (a `Chosen`)."""
         s = self.scheduler
         ran = step.count if ran is None else ran
         for i, tokens in enumerate(self.stages.run(step, ran)):
-            for seq, token in s.update(step, i, tokens):
+            returned = tokens if answer is None else answer(step, i, tokens)
+            for seq, token in s.update(step, i, returned):
                 self.streams[id(seq)].append(token)
                 assert self.streams[id(seq)] == seq.generated, "tokens out of order or lost"
             if i == 0 and cancel_after is not None:
@@ -275,7 +299,7 @@ class Harness:
         self.in_flight.remove(step)
         for seq in step.sequences:  # those that ended in it have left their slots now
             if seq.finish is not None:
-                assert seq.status is Status.FINISHED and seq.slot is None and not seq.blocks
+                assert seq.status is Status.FINISHED and seq.slot is None and seq.blocks == []
         self.take_done()
 
     def unplan(self, step: Step) -> None:
@@ -384,7 +408,7 @@ class Harness:
         waiting = list(s.waiting)
         assert len({id(q) for q in waiting}) == len(waiting)
         assert all(q.status is Status.WAITING and q.finish is None for q in waiting)
-        assert all(q.slot is None and not q.blocks for q in waiting)
+        assert all(q.slot is None and not q.blocks and q.cached == 0 for q in waiting)
         live = {id(q) for r in self.requests for q in r.sequences if q.finish is None}
         assert live == {id(q) for q in waiting} | {id(q) for q in running if q.finish is None}, (
             "a sequence that has not ended is neither waiting nor running"
@@ -402,12 +426,14 @@ def prompt_of(n: int, salt: int) -> list[int]:
 def test_admission_is_bounded_by_the_slots_and_the_block_pool_in_arrival_order() -> None:
     """At most `num_slots` run, whatever the pool holds; a head the pool has no blocks for
     (with 1% of it left for the running ones to grow into) waits, and a short one behind it
-    waits too though it would fit; blocks freed go to the head at once."""
+    waits too though it would fit; blocks freed go to the head at once. `can_admit()` (a
+    sequence of one block, for one not queued yet) says the same."""
     h = Harness(num_slots=2, max_seq_len=16, num_groups=1, prefill_tokens=64, block_size=4)
     s = h.scheduler
     a, b, c = (h.submit([prompt_of(2, n)], max_new_tokens=4) for n in range(3))
     assert h.admit() == [*a.sequences, *b.sequences]
     assert list(s.waiting) == c.sequences and s.blocks.available == 6  # no slot for c
+    assert not s.can_admit()
     h.cancel(a)
     assert h.admit() == c.sequences and c.sequences[0].slot == 0
 
@@ -419,6 +445,7 @@ def test_admission_is_bounded_by_the_slots_and_the_block_pool_in_arrival_order()
     d = h.submit([prompt_of(1, 3)], max_new_tokens=4)  # 1 block
     assert h.admit() == [*a.sequences, *b.sequences]
     assert s.blocks.available == 2 and s.free_slots == [2, 3]
+    assert s.can_admit()  # one block, and one left: the margin
     assert list(s.waiting) == [*c.sequences, *d.sequences]  # d would fit, but c is first
     h.run(h.plan()[0])
     h.cancel(b)
@@ -429,6 +456,7 @@ def test_admission_is_bounded_by_the_slots_and_the_block_pool_in_arrival_order()
     # ones' margin (1% of the pool, at least one block), so it waits
     e = h.submit([prompt_of(4, 4)], max_new_tokens=4)
     assert s.blocks.available == 1 and not h.admit() and list(s.waiting) == e.sequences
+    assert not s.can_admit()
     h.drain()
     assert [r.finish_reasons for r in (a, c, d, e)] == [[Finish.LENGTH]] * 4
 
@@ -450,6 +478,63 @@ def test_micro_batches_own_contiguous_slots_and_take_new_sequences_evenly() -> N
     for step in steps:
         h.run(step)
     h.drain()
+
+
+def test_admission_leaves_one_percent_of_the_pool_free_and_none_when_nothing_runs() -> None:
+    """With nothing running, a sequence may take the whole pool (one of max_seq_len always
+    fits); with one running, admission leaves 1% of the pool (rounded down, at least one
+    block) for it to grow into: of 201 blocks, 2."""
+    h = Harness(
+        num_slots=2, max_seq_len=16, num_groups=1, prefill_tokens=64, num_blocks=4, block_size=4
+    )
+    whole = h.submit([prompt_of(15, 0)], max_new_tokens=1)  # 4 blocks: the whole pool
+    assert h.admit() == whole.sequences and h.scheduler.blocks.available == 0
+    h.drain()
+
+    h = Harness(
+        num_slots=2, max_seq_len=128, num_groups=1, prefill_tokens=256, num_blocks=201, block_size=1
+    )
+    s = h.scheduler
+    h.submit([prompt_of(100, 0)], max_new_tokens=2)
+    h.admit()
+    assert s.blocks.available == 101
+    over = h.submit([prompt_of(100, 1)], max_new_tokens=2)  # would leave 1 block
+    assert not h.admit()
+    h.cancel(over)
+    fits = h.submit([prompt_of(99, 2)], max_new_tokens=2)  # leaves 2
+    assert h.admit() == fits.sequences and s.blocks.available == 2
+    h.drain()
+
+
+def test_prefix_caching_reuses_full_blocks_but_never_the_last_prompt_token() -> None:
+    """A prompt that starts like an ended sequence's tokens starts past the full blocks they
+    share, but never past its own last token (its first token needs that position's
+    logits); the pool counts the prompt tokens looked up and those found. A restart empties
+    the cache; a pool resized by one caches as before."""
+    h = Harness(
+        num_slots=2,
+        max_seq_len=16,
+        num_groups=1,
+        prefill_tokens=64,
+        block_size=4,
+        prefix_caching=True,
+    )
+    s = h.scheduler
+    prompt = prompt_of(9, 0)
+
+    def first_step(tokens: list[int]) -> tuple:
+        h.submit([tokens], max_new_tokens=2)
+        [step] = h.plan()
+        h.drain()
+        return step.rows.starts, step.rows.counts
+
+    assert first_step(prompt) == ((0,), (9,))
+    assert first_step(prompt) == ((8,), (1,))  # both full blocks
+    assert first_step(prompt[:8]) == ((4,), (4,))  # the second would leave nothing to feed
+    assert (s.blocks.queries, s.blocks.hits) == (9 + 9 + 8, 0 + 8 + 4)
+    h.restart(1, num_blocks=6)
+    assert first_step(prompt) == ((0,), (9,))
+    assert first_step(prompt) == ((8,), (1,))
 
 
 # 2. every way out frees the slot and the blocks once
@@ -481,7 +566,8 @@ def test_a_cancel_frees_the_slot_and_blocks_at_once_or_when_the_step_out_comes_b
 def test_a_request_of_several_sequences_is_done_once_when_its_last_one_ends() -> None:
     """Three rows, two slots: the row left waiting is cancelled (it leaves the queue), a
     running one is cancelled, the last runs to its end: the request is handed out once,
-    then, and every row's slot is free."""
+    then, and every row's slot is free. A request ended before it was ever queued (the
+    engine's loop had not taken it in) is handed out at once."""
     h = Harness(
         num_slots=2, max_seq_len=16, num_groups=1, prefill_tokens=64, num_blocks=16, block_size=4
     )
@@ -502,6 +588,11 @@ def test_a_request_of_several_sequences_is_done_once_when_its_last_one_ends() ->
     assert r.finish_reasons == [Finish.ABORT, Finish.LENGTH, Finish.ABORT]
     assert len(r.sequences[1].generated) == 6 and s.free_slots == [0, 1]
 
+    never = Request.of([prompt_of(3, 4)], sampling=Sampling(), max_new_tokens=6)
+    s.finish_request(never, Finish.ABORT)
+    assert never.sequences[0].status is Status.FINISHED and s.take_done() == [never]
+    assert not s.waiting and not s.running
+
 
 def test_a_failed_row_ends_its_request_with_the_error_and_frees_its_slot() -> None:
     """A row the last stage could not choose for ends its request alone, with its first
@@ -521,6 +612,91 @@ def test_a_failed_row_ends_its_request_with_the_error_and_frees_its_slot() -> No
     assert h.done == [r] and s.free_slots == [0]
     h.drain()
     assert other.finish_reasons == [Finish.LENGTH]
+
+
+def test_a_row_the_last_stage_could_not_choose_for_ends_its_request_alone() -> None:
+    """A row the last stage failed (`Chosen.failed`, its token a placeholder) ends its request
+    with that row's reason, and its token is never handed out; every other row of the step,
+    those after it and after a row cancelled while the step was out too, gets its token."""
+    h = Harness(
+        num_slots=4, max_seq_len=16, num_groups=1, prefill_tokens=64, num_blocks=16, block_size=4
+    )
+    s = h.scheduler
+    gone = h.submit([prompt_of(3, 1)], max_new_tokens=6)
+    failing = h.submit([prompt_of(3, 2), prompt_of(4, 3)], max_new_tokens=6)
+    other = h.submit([prompt_of(5, 4)], max_new_tokens=6)
+    [step] = h.plan()
+    assert step.rows.slots == (0, 1, 2, 3)
+    h.cancel(gone)
+
+    def answer(step: Step, i: int, tokens: np.ndarray) -> Chosen:
+        tokens = tokens.copy()
+        tokens[2] = 0
+        return Chosen(tokens=tokens, chosen={}, prompt={}, failed={2: "its logits are not numbers"})
+
+    h.run(step, answer=answer)
+    assert isinstance(failing.error, RowFailedError)
+    assert str(failing.error) == "sequence 1: its logits are not numbers"
+    assert failing.finish_reasons == [Finish.ERROR] * 2 and failing.sequences[1].generated == []
+    [seq] = other.sequences
+    assert seq.generated == reference(seq.prompt, 6, frozenset())[:1]
+    assert h.done == [gone, failing] and s.free_slots == [0, 1, 2]
+    h.drain()
+    assert other.finish_reasons == [Finish.LENGTH]
+
+
+def logprobs_of(start: int, ids) -> Logprobs:
+    """Stand-in scores of the tokens `ids` at positions `start`.. (each its own top one)."""
+    ids = tuple(int(i) for i in ids)
+    return Logprobs(
+        start=start,
+        token_ids=ids,
+        logprobs=tuple(-0.5 for _ in ids),
+        top_ids=tuple((i,) for i in ids),
+        top_logprobs=tuple((-0.5,) for _ in ids),
+    )
+
+
+def test_tokens_come_with_their_logprobs_and_the_prompt_scores_chunk_by_chunk() -> None:
+    """What the last stage returns besides the tokens (`Chosen`) goes to its rows: each chosen
+    token's log-probabilities, in order, and the prompt's scores by first position as its
+    chunks come (joined once all came); a row that asked for none gets none."""
+    h = Harness(num_slots=2, max_seq_len=16, num_groups=1, prefill_tokens=4, block_size=4)
+    s = h.scheduler
+    scored = h.submit([prompt_of(7, 0)], max_new_tokens=3, logprobs=1, prompt_logprobs=1)
+    plain = h.submit([prompt_of(2, 1)], max_new_tokens=3)
+    [seq], [other] = scored.sequences, plain.sequences
+
+    def answer(step: Step, i: int, tokens: np.ndarray) -> Chosen:
+        """Scores for `seq` only: of the prompt positions its chunk fed (from 1), and of the
+        token it chose."""
+        chosen, prompt = {}, {}
+        for r, q in enumerate(step.sequences):
+            if q is not seq:
+                continue
+            start = step.rows.starts[r] + (0 if i == 0 else step.rows.counts[r] + i - 1)
+            end = start + (step.rows.counts[r] if i == 0 else 1)
+            if start < len(seq.prompt):
+                first = max(start, 1)
+                prompt[r] = logprobs_of(first, seq.prompt[first:end])
+            if tokens[r] != NO_TOKEN:
+                chosen[r] = logprobs_of(end, [tokens[r]])
+        return Chosen(tokens=tokens, chosen=chosen, prompt=prompt)
+
+    rows = []
+    while s.running or s.waiting:
+        for step in h.plan():
+            rows.append((step.sequences, step.rows.counts))
+            h.run(step, answer=answer)
+    assert rows[:3] == [([seq], (4,)), ([seq], (3,)), ([seq, other], (1, 2))]
+    assert seq.prompt_chunks == {
+        1: logprobs_of(1, seq.prompt[1:4]),
+        4: logprobs_of(4, seq.prompt[4:7]),
+    }
+    assert seq.prompt_logprobs() == logprobs_of(1, seq.prompt[1:])
+    assert seq.logprobs == [logprobs_of(7 + k, [t]) for k, t in enumerate(seq.generated)]
+    assert len(seq.generated) == 3 and other.logprobs == [] and other.prompt_chunks == {}
+    assert h.done == [scored, plain]
 
 
 # 3. preemption, restarts
@@ -598,7 +774,166 @@ def test_a_refused_restart_loses_no_sequence() -> None:
     h.check()  # every sequence that has not ended still waits or runs
 
 
-# 4. any interleaving: a state machine
+def test_a_preempted_sequence_starts_again_as_new_in_its_slot() -> None:
+    """A sequence preempted and admitted again into the slot it had (nobody took it between)
+    starts there as a new one: its first step sends its settings and its whole block table
+    again, as at its first admission; its other steps send neither."""
+    h = Harness(
+        num_slots=2, max_seq_len=16, num_groups=1, prefill_tokens=64, num_blocks=4, block_size=4
+    )
+    s = h.scheduler
+    h.submit([prompt_of(2, 0)], max_new_tokens=2)  # ends, leaving slot 0 to `young`
+    old = h.submit([prompt_of(2, 1)], max_new_tokens=13)
+    for _ in range(2):
+        for step in h.plan():
+            h.run(step)
+    young = h.submit([prompt_of(2, 2)], max_new_tokens=13)
+    [seq] = young.sequences
+    seen: list[list] = [[], []]  # before and after its preemption: each step of `seq`'s
+    while young not in h.done:
+        for step in h.plan():
+            if seq in step.sequences:
+                r = step.sequences.index(seq)
+                sent = [slot for slot, _ in step.draw.settings]
+                seen[s.preemptions].append((step.rows.slots[r], sent, step.rows.table_from[r]))
+            h.run(step)
+    assert s.preemptions == 1 and old.finish_reasons == [Finish.LENGTH]
+    for steps in seen:
+        assert len(steps) > 1 and steps[0] == (0, [0], 0)
+        assert all(sent == [] and held > 0 for _, sent, held in steps[1:])
+
+
+def test_the_pool_holds_one_sequence_of_max_seq_len_or_is_refused() -> None:
+    """A pool of fewer blocks than one sequence of max_seq_len is refused when the scheduler is
+    made; one of exactly that many is taken, made or by a restart. A sequence that outgrows
+    it all the same (past max_seq_len, which the engine refuses) fails naming the pool."""
+    config = dict(num_slots=1, max_seq_len=8, num_groups=1, prefill_tokens=64, block_size=4)
+    with pytest.raises(AssertionError):
+        Scheduler(**config, num_blocks=1)
+    h = Harness(**config, num_blocks=2)
+    h.restart(1, num_blocks=3)
+    h.restart(1, num_blocks=2)
+    h.submit([prompt_of(3, 0)], max_new_tokens=10)
+    with pytest.raises(
+        RuntimeError,
+        match=r"the KV pool \(2 blocks\) cannot hold its one running sequence of 8 tokens",
+    ):
+        for _ in range(10):
+            for step in h.plan():
+                h.run(step)
+
+
+# 4. steps: chunks, bursts, block tables
+def test_a_long_prompt_goes_in_chunks_with_the_others_decodes_between_them() -> None:
+    """A prompt longer than `prefill_tokens` goes in chunks of that many, each its own step,
+    and a decoding sequence of the micro-batch steps between them (one chunk's delay at
+    most); the last chunk, shorter, takes the decode along while the padded tokens fit."""
+    h = Harness(num_slots=2, max_seq_len=16, num_groups=1, prefill_tokens=4, block_size=4)
+    a = h.submit([prompt_of(2, 0)], max_new_tokens=8)
+    h.run(h.plan()[0])
+    b = h.submit([prompt_of(10, 1)], max_new_tokens=2)
+    [decoding], [prompt] = a.sequences, b.sequences
+    steps = []
+    for _ in range(5):
+        [step] = h.plan()
+        steps.append((step.sequences, step.rows.counts, step.prefill, step.draw.choose))
+        h.run(step)
+    assert steps == [
+        ([prompt], (4,), True, (False,)),
+        ([decoding], (1,), False, (True,)),
+        ([prompt], (4,), True, (False,)),
+        ([decoding], (1,), False, (True,)),
+        ([decoding, prompt], (1, 2), True, (True, True)),
+    ]
+    h.drain()
+
+
+def test_a_uniform_step_takes_only_chunks_as_long_as_the_first() -> None:
+    """With `uniform` (recurrent state: no padded row), a prefill step takes the prompts whose
+    chunk is as long as the first one's, passing over the others, and no decode rides along
+    a chunk longer than one token."""
+    h = Harness(
+        num_slots=3, max_seq_len=16, num_groups=1, prefill_tokens=64, uniform=True, block_size=4
+    )
+    a, b, c = (h.submit([prompt_of(n, i)], max_new_tokens=3) for i, n in enumerate((4, 2, 4)))
+    [step] = h.plan()
+    assert step.sequences == [*a.sequences, *c.sequences] and step.rows.counts == (4, 4)
+    h.run(step)
+    [step] = h.plan()
+    assert step.sequences == b.sequences and step.rows.counts == (2,)
+    h.run(step)
+    [step] = h.plan()
+    assert not step.prefill and step.sequences == [*a.sequences, *b.sequences, *c.sequences]
+    h.run(step)
+    h.drain()
+
+
+def test_a_burst_takes_blocks_ahead_only_while_the_pool_is_not_in_demand() -> None:
+    """A burst asked for n steps runs them all, its blocks taken ahead (and sent with its first
+    step), while no sequence waits and they are at most half of the free blocks; else it runs
+    to the end of each row's last block, taking none. A pool with no free block runs a burst
+    that needs none."""
+    config = dict(num_slots=1, max_seq_len=16, num_groups=1, prefill_tokens=64, block_size=4)
+    h = Harness(**config, num_blocks=8)
+    h.submit([prompt_of(2, 0)], max_new_tokens=14)
+    [step] = h.plan(burst=13)  # 3 blocks ahead of 7 free
+    assert step.count == 13 and step.rows.tables == ((0, 1, 2, 3),)
+    assert h.scheduler.blocks.available == 4
+    h.drain()
+    h.submit([prompt_of(2, 1)], max_new_tokens=14)
+    h.submit([prompt_of(2, 2)], max_new_tokens=14)  # waits for the slot
+    [step] = h.plan(burst=5)
+    assert step.count == 3 and step.rows.tables == ((0,),)  # positions 2-3 of block 0
+    h.drain()
+
+    # a prompt that fills its block: in demand, the burst goes through one block more
+    h.submit([prompt_of(4, 5)], max_new_tokens=14)
+    h.submit([prompt_of(2, 6)], max_new_tokens=14)  # waits for the slot
+    [step] = h.plan(burst=6)
+    assert step.count == 5 and len(step.rows.tables[0]) == 2  # positions 4-7: block 1 whole
+    h.drain()
+
+    h = Harness(**config, num_blocks=4)
+    h.submit([prompt_of(2, 3)], max_new_tokens=14)
+    [step] = h.plan(burst=9)  # 2 blocks ahead of 3 free
+    assert step.count == 3 and step.rows.tables == ((0,),)
+    h.drain()
+    h.submit([prompt_of(13, 4)], max_new_tokens=3)
+    [step] = h.plan(burst=3)  # positions 13-15: in its fourth block, the pool's last
+    assert step.count == 3 and h.scheduler.blocks.available == 0
+    h.drain()
+
+
+def test_a_sequence_fills_its_slots_home_blocks_and_steps_carry_only_what_changed() -> None:
+    """Each slot has a home run of blocks (the pool's share of one slot, from slot x that on),
+    which its sequence takes in order. A sequence's first step in its slot carries its whole
+    table, every later one only the blocks it gained (`table_from`: how many the stages
+    hold), and after a burst cut short gave back the blocks it took ahead, how many stay."""
+    h = Harness(
+        num_slots=2, max_seq_len=16, num_groups=1, prefill_tokens=64, num_blocks=8, block_size=4
+    )
+    a = h.submit([prompt_of(6, 0)], max_new_tokens=9)
+    b = h.submit([prompt_of(3, 1)], max_new_tokens=9)
+    [seq_a], [seq_b] = a.sequences, b.sequences
+    tables = []
+    for burst, ran in ((1, 1), (1, 1), (1, 1), (4, 1), (1, 1)):
+        [step] = h.plan(burst)
+        tables.append((step.rows.table_from, step.rows.tables))
+        h.run(step, ran)
+        if burst > 1:
+            assert step.count == burst and ran < burst  # cut after its first step
+    assert tables == [
+        ((0, 0), ((0, 1), (4,))),  # prompts: positions 0-5 and 0-2
+        ((2, 1), ((), ())),  # positions 6 and 3
+        ((2, 1), ((), (5,))),  # 7 and 4: b's second block
+        ((2, 2), ((2,), (6,))),  # 8 and 5, a burst through 11 and 8: b takes block 6 ahead
+        ((3, 2), ((), ())),  # 9 and 6: the stages keep b's first 2 blocks, block 6 is free
+    ]
+    assert (seq_a.blocks, seq_b.blocks) == ([0, 1, 2], [4, 5])
+    h.drain()
+
+
+# 5. any interleaving: a state machine
 
 
 @st.composite

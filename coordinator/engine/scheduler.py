@@ -292,7 +292,10 @@ class Scheduler:
         size = self.block_size
         ahead = sum(self._blocks_needed(s, base + count) for s, base in rows)
         if self.waiting or ahead > self.blocks.available // 2:
-            count = min([count] + [len(s.blocks) * size - base or size for s, base in rows])
+            # after the planned step a row holds base + 1 keys: it runs to its last block's
+            # end, and where that step fills the block, through one block more
+            room = [len(s.blocks) * size - base for s, base in rows]
+            count = min([count] + [r if r > 1 else 1 + size for r in room])
         while count > 1:
             need = sum(self._blocks_needed(s, base + count) for s, base in rows)
             if need <= self.blocks.available:
