@@ -130,11 +130,25 @@ def test_without_a_file_config_json_and_its_text_config_give_generates_settings(
     assert (sampling.do_sample, sampling.temperature, sampling.top_k) == (True, 0.5, 7)
     assert (theirs.do_sample, theirs.temperature, theirs.top_k) == (True, 0.5, 7)
     assert settings.max_new_tokens == theirs.max_length - 4 == 26
+    for inner in ("decoder", "generator"):  # an encoder-decoder's, a RAG model's
+        nested = {"vocab_size": 32, inner: {"eos_token_id": 6, "top_k": 3}}
+        theirs = GenerationConfig.from_model_config(json.loads(json.dumps(nested)))
+        settings = generation.resolve(tmp_path, nested, 4)
+        assert settings.eos_token_ids == (theirs.eos_token_id,) == (6,)
+        assert settings.sampling.top_k == theirs.top_k == 3
     named = r"^config\.json \(there is no generation_config\.json\) sets num_beams=4, .* to 1"
     with pytest.raises(GenerationError, match=named):
         generation.resolve(tmp_path, {**config, "num_beams": 4}, 4)
     with pytest.raises(GenerationError, match=r"max_length 30 of config\.json \(there is no"):
         generation.resolve(tmp_path, config, 30)
+    # with a generation_config.json, a refusal names it, and the length's names max_new_tokens
+    write(tmp_path, {"num_beams": 2, "max_length": 10})
+    with pytest.raises(GenerationError, match=r"^generation_config\.json sets num_beams=2, "):
+        generation.resolve(tmp_path, config, 4)
+    write(tmp_path, {"max_length": 10})
+    with pytest.raises(GenerationError, match=r"max_length 10 of generation_config\.json:") as e:
+        generation.resolve(tmp_path, config, 10)
+    assert e.value.param == "max_new_tokens"
 
 
 def test_a_rewritten_file_is_read_again(tmp_path) -> None:
