@@ -233,3 +233,52 @@ def test_a_prompt_fed_in_many_small_chunks_equals_generate(made, family: str) ->
         steps = engine.stats.steps
     assert tokens == [greedy(root, short, 8), greedy(root, long, 8)]
     assert steps >= len(long) // 3 + 8  # the prompt did go in small chunks
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_the_files_min_new_tokens_holds_the_end_token_back_as_generate_does(
+    made, tmp_path, family: str
+) -> None:
+    """The file names an end token greedy makes at its third step and min_new_tokens 6:
+    the token cannot end the text before 6 new tokens (generate's
+    MinNewTokensLengthLogitsProcessor), and the text is generate's reading the file."""
+    source = made(family)
+    prompt = prompt_of(11, 6)
+    plain = greedy(source, prompt, 12)
+    end = plain[2]
+    file = {"min_new_tokens": 6, "eos_token_id": [end], "max_new_tokens": 12}
+    root = copy_with(source, tmp_path / "ckpt", file)
+    [(tokens, reason)] = ours_reading_the_files(root, [prompt])
+    assert tokens == generate_reading_the_files(root, prompt)
+    assert end not in tokens[:6] and tokens[:2] == plain[:2] and tokens[2] != end
+    assert reason == ("stop" if tokens[-1] == end else "length")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+def test_each_row_of_a_request_stops_at_the_files_end_token_where_generate_stops_it(
+    made, tmp_path, family: str
+) -> None:
+    """One request of three prompts, the file's end ids chosen from two of their greedy
+    texts (at different steps): each row ends where generate, reading the file, ends that
+    prompt alone, the third at max_new_tokens."""
+    source = made(family)
+    prompts = [prompt_of(12, 5), prompt_of(13, 8), prompt_of(14, 3)]
+    plain = [greedy(source, p) for p in prompts]
+    ends = [plain[0][first_new(plain[0], 2)], plain[1][first_new(plain[1], 5)]]
+    ends = [e for e in ends if e not in plain[2]] or [VOCAB - 1]
+    root = copy_with(source, tmp_path / "ckpt", {"eos_token_id": ends, "max_new_tokens": NEW})
+    index = load_index(root)
+    settings = generation.resolve(root, index.config, max(len(p) for p in prompts))
+    with Running(index) as engine:
+        request = engine.submit(
+            prompts,
+            sampling=settings.sampling,
+            max_new_tokens=settings.max_new_tokens,
+            eos_token_ids=settings.eos_token_ids,
+        )
+        rows = request.result(WAIT_S)
+    reasons = [r.value for r in request.finish_reasons]
+    for prompt, tokens, reason in zip(prompts, rows, reasons, strict=True):
+        assert tokens == generate_reading_the_files(root, prompt)
+        assert reason == ("stop" if tokens[-1] in ends else "length")
+    assert reasons[2] == "length" and "stop" in reasons[:2]
