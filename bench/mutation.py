@@ -65,6 +65,10 @@ TESTS = (
     "tests/test_decode_contract.py",
     "tests/test_generation_settings.py",
     "tests/test_checkpoint_settings_parity.py",
+    "tests/test_engine_contract.py",
+    "tests/test_request_checks.py",
+    "tests/test_blocks.py",
+    "tests/test_sequences.py",
 )
 # -x: a mutant's first failing test is its kill; --timeout: a test a mutant hangs (the
 # engine's stop, a wait) fails after this many seconds (no clean test takes 3 alone)

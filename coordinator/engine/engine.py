@@ -392,6 +392,16 @@ class Engine:
         """Wake the clients of the requests that ended (each once), after the stats count
         them (a client that reads the stats as soon as its request is done sees it gone)."""
         done = self.scheduler.take_done()
+        try:
+            self._count_done(done)
+        finally:  # taken from the scheduler: ended here, or never (counting them failed)
+            for request in done:
+                try:
+                    request.end()
+                except Exception as exc:  # the client's callback: never the loop's end
+                    request.error = request.error or exc
+
+    def _count_done(self, done: list[Request]) -> None:
         scheduler = self.scheduler
         self.stats.running = len(scheduler.running)
         self.stats.waiting = len(scheduler.waiting)
@@ -409,10 +419,6 @@ class Engine:
                     self.stats.finished()
                 else:
                     self.stats.finished(len(seq.prompt), len(seq.generated))
-            try:
-                request.end()
-            except Exception as exc:  # the client's callback: never the loop's end
-                request.error = request.error or exc
 
     def _pool_stats(self) -> None:
         """The KV pool's blocks in use (a burst's, taken before it ran, included) and the
