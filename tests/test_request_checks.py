@@ -10,6 +10,8 @@ Written from mutation testing (issue 60): each assertion here kills mutants of
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -355,6 +357,20 @@ def test_names_renames_every_field_in_the_param_and_where_the_message_names_it()
     assert refusal(names={"vocab_size": "v"}, vocab_size=-1).param == "vocab_size"
 
 
+# every sampling value at an inclusive edge of its range
+EDGES = Sampling(
+    do_sample=True,
+    temperature=FLOAT32_MAX,
+    top_p=1.0,
+    min_p=1.0,
+    repetition_penalty=FLOAT32_TINY,
+    frequency_penalty=-2.0,
+    presence_penalty=2.0,
+    logit_bias=((0, -MAX_BIAS), (VOCAB - 1, MAX_BIAS)),
+    bad_words=((0,), (VOCAB - 1, 0)),
+)
+
+
 def test_each_range_holds_its_bounds_and_nothing_past_them() -> None:
     """The bounds the messages state: inclusive ones are taken, one step past is refused."""
     taken = checked(
@@ -364,31 +380,13 @@ def test_each_range_holds_its_bounds_and_nothing_past_them() -> None:
         seed=SEED_RANGE[0],
         logprobs=VOCAB,
         prompt_logprobs=0,
-        sampling=Sampling(
-            do_sample=True,
-            temperature=FLOAT32_MAX,
-            top_p=1.0,
-            min_p=1.0,
-            repetition_penalty=FLOAT32_TINY,
-            frequency_penalty=-2.0,
-            presence_penalty=2.0,
-            logit_bias=((0, -MAX_BIAS), (VOCAB - 1, MAX_BIAS)),
-            bad_words=((0,), (VOCAB - 1, 0)),
-        ),
+        sampling=EDGES,
     )
     assert taken.prompts == [[0, VOCAB - 1]]
     assert (taken.max_new_tokens, taken.min_new_tokens, taken.seed) == (0, 0, -(2**63))
     assert (taken.logprobs, taken.prompt_logprobs) == (VOCAB, 0)
-    assert taken.sampling == Sampling(
-        do_sample=True,
-        temperature=FLOAT32_MAX,
-        top_p=1.0,
-        min_p=1.0,
-        repetition_penalty=FLOAT32_TINY,
-        frequency_penalty=-2.0,
-        presence_penalty=2.0,
-        logit_bias=((0, -100.0), (VOCAB - 1, 100.0)),
-        bad_words=((0,), (VOCAB - 1, 0)),
+    assert taken.sampling == dataclasses.replace(  # the biases as floats
+        EDGES, logit_bias=((0, -100.0), (VOCAB - 1, 100.0))
     )
     other_ends = checked(
         seed=2**64 - 1,

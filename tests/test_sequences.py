@@ -12,6 +12,7 @@ dropped or always sent, the chunks not joined, a bounded wait that waits forever
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -38,7 +39,7 @@ def test_a_sequence_s_settings_carry_its_request_s_choices() -> None:
     )
     [seq] = scored.sequences
     seq.seed = 42
-    assert seq.settings() == SlotSettings(
+    first = SlotSettings(
         sampling=PENALISED,
         seed=42,
         end_ids=(2, 7),
@@ -49,17 +50,10 @@ def test_a_sequence_s_settings_carry_its_request_s_choices() -> None:
         prompt_ids=(4, 8, 15, 16),
         history=(4, 8, 15, 16),
     )
-    seq.generated.extend([23, 42])
-    assert seq.settings() == SlotSettings(
-        sampling=PENALISED,
-        seed=42,
-        end_ids=(2, 7),
-        prompt_length=4,
-        min_tokens=3,
-        logprobs=2,
-        prompt_logprobs=None,
-        prompt_ids=(),
-        history=(4, 8, 15, 16, 23, 42),
+    assert seq.settings() == first
+    seq.generated.extend([23, 42])  # the prompt is scored: its ids go no more
+    assert seq.settings() == dataclasses.replace(
+        first, prompt_logprobs=None, prompt_ids=(), history=(4, 8, 15, 16, 23, 42)
     )
 
     greedy = Sampling()
