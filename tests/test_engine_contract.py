@@ -25,6 +25,7 @@ import ray
 from test_engine import GREEDY, WAIT_S, FakePipeline, expected
 from test_engine_host_contract import LastStage
 
+import coordinator.engine.engine as engine_module
 from coordinator.engine import Engine, EngineConfig, Finish, QueueFullError
 from coordinator.engine.engine import (
     HOLD_TOKENS_ENV,
@@ -791,6 +792,25 @@ def test_a_loop_that_stops_while_ending_requests_still_ends_them(started) -> Non
     assert stopped.wait(WAIT_S)
     engine.stats.preempted = record
     assert request.done()
+
+
+def test_a_request_cancelled_while_the_engine_goes_idle_ends_without_the_idle_wait(
+    started, monkeypatch
+) -> None:
+    """A request cancelled from its first token's callback: the next turn finds nothing
+    else to run. Its client hears the end at once, not after the idle wait (made longer
+    than the test's bound here), and the engine then serves the next request."""
+    monkeypatch.setattr(engine_module, "IDLE_WAIT_S", 10 * WAIT_S)
+    engine, _ = started(burst_steps=1)
+
+    def cancel_at_first(row, token) -> None:
+        engine.cancel(request)
+
+    with engine._cond:  # named before its callback can run
+        request = submit(engine, [3, 4], 40, on_token=cancel_at_first)
+    assert request.wait(WAIT_S), "the cancelled request waited out the idle wait"
+    assert request.finish_reasons == [Finish.ABORT] and len(request.sequences[0].generated) < 40
+    assert submit(engine, [5, 6], 3).result(WAIT_S) == [expected([5, 6], 3)]
 
 
 # --- tests only: the token hold -------------------------------------------------------------------

@@ -352,7 +352,7 @@ class Engine:
             self._cancelled.clear()
             scheduler.admit()
             idle = not self._in_flight and not scheduler.idle_groups()
-            if idle:
+            if idle and not scheduler.has_done:  # a cancel's end is told first, not after
                 self._cond.wait(IDLE_WAIT_S)
         self._end_done()
         if idle:

@@ -338,6 +338,11 @@ class Scheduler:
             request.error = error
         self.finish_request(request, Finish.ERROR)
 
+    @property
+    def has_done(self) -> bool:
+        """Whether requests have ended that `take_done` has not handed out yet."""
+        return bool(self._done)
+
     def take_done(self) -> list[Request]:
         """The requests that ended since the last call, each once."""
         done, self._done = self._done, []
