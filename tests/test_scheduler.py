@@ -886,6 +886,11 @@ def test_a_burst_takes_blocks_ahead_only_while_the_pool_is_not_in_demand() -> No
     assert step.count == 3 and step.rows.tables == ((0,),)  # positions 2-3 of block 0
     h.drain()
 
+    h.submit([prompt_of(3, 7)], max_new_tokens=14)
+    h.submit([prompt_of(2, 8)], max_new_tokens=14)  # waits for the slot
+    [step] = h.plan(burst=6)
+    assert step.count == 2 and step.rows.tables == ((0,),)  # position 3 left in block 0
+    h.drain()
     # a prompt that fills its block: in demand, the burst goes through one block more
     h.submit([prompt_of(4, 5)], max_new_tokens=14)
     h.submit([prompt_of(2, 6)], max_new_tokens=14)  # waits for the slot
