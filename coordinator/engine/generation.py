@@ -138,16 +138,17 @@ class Settings:
             raise GenerationError(f"min_new_tokens={self.min_new_tokens} must be >= 0")
 
 
-def _checkpoint_generation_config(root: Path, model_config: dict) -> dict:
+def _checkpoint_generation_config(root: Path, model_config: dict) -> tuple[dict, str]:
     """generation_config.json's values (None where unset), else those of config.json, as
-    `from_pretrained` builds a model's generation_config. Read once per version of the file
-    (its size and mtime), not once per request."""
+    `from_pretrained` builds a model's generation_config, and the file they came from (what
+    a refusal names). Read once per version of the file (its size and mtime), not once per
+    request."""
     path = root / "generation_config.json"
     try:
         stat = path.stat()
     except OSError:  # generate's settings are then config.json's (older checkpoints carry them)
-        return _from_model_config(model_config)
-    return dict(_read_generation_config(str(path), stat.st_size, stat.st_mtime_ns))
+        return _from_model_config(model_config), "config.json (there is no generation_config.json)"
+    return dict(_read_generation_config(str(path), stat.st_size, stat.st_mtime_ns)), path.name
 
 
 def _from_model_config(model_config: dict) -> dict:
@@ -217,10 +218,7 @@ def resolve(
     if style not in STYLES:
         raise GenerationError(f"style={style!r}: expected one of {', '.join(STYLES)}")
     vllm = style == "vllm"
-    values = _checkpoint_generation_config(Path(root), model_config)
-    source = "generation_config.json"
-    if not (Path(root) / source).is_file():
-        source = "config.json (there is no generation_config.json)"
+    values, source = _checkpoint_generation_config(Path(root), model_config)
     if vllm:
         values = {k: values.get(k) for k in (*VLLM_KEYS, "eos_token_id", "pad_token_id")}
     else:
