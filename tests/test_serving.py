@@ -1262,6 +1262,9 @@ def test_clients_beyond_max_batch_wait_their_turn_and_get_their_text(server) -> 
     assert after["vllm:request_success_total"] - before["vllm:request_success_total"] == 8
     assert after["vllm:time_to_first_token_seconds_bucket[+Inf]"] >= 8
     assert after["vllm:kv_cache_usage_perc"] <= 1.0
+    # the offloaders' counters follow the engine's (its one stage holds every layer: nothing
+    # crossed), with the per-token gauge once tokens were generated
+    assert after["offload:copied_bytes_total"] == after["offload:copied_bytes_per_token"] == 0
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_request(served) -> None:

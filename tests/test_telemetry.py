@@ -17,6 +17,7 @@ from coordinator.runtime.telemetry import (
     gpu_rows,
     node_rows,
     plot,
+    prometheus_lines,
     render,
     summary,
 )
@@ -323,6 +324,58 @@ def test_gauges_are_set_from_the_snapshots(monkeypatch) -> None:
     assert values[("offload_stage_up", stage0)] == 1.0
     assert values[("offload_stage_up", (("gpu", "-"), ("node", "c"), ("stage", "3")))] == 0.0
     assert values[("offload_recovery_events", (("event", "replaced workers"),))] == 1.0
+
+
+def scrape(text: str) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels) -> value, read by prometheus_client's own parser (which
+    refuses a family whose samples are not together under one TYPE line)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_give_bytes_per_token_and_expert_hits_by_layer() -> None:
+    """A server's /metrics lines for the offloaders: every live stage's copied bytes (total
+    and per generated token), each routed layer's hits, misses and expert bytes per token;
+    nothing for a lost stage, and no per-token series before the first token."""
+    reports = [
+        *REPORTS,
+        LOST,
+        dataclasses.replace(
+            report(4, "c", offloaded=MIB, pinned=True, rss=MIB),
+            expert_layers=(("layers.4", 0, 2, 3 * MIB), ("layers.5", 7, 1, MIB)),
+        ),
+    ]
+    text = prometheus_lines(reports, "m", 10)
+    values = scrape(text)
+
+    def at(stage: int, layer: str | None = None) -> tuple:
+        labels = {"model_name": "m", "stage": str(stage)}
+        return tuple(sorted({**labels, **({"layer": layer} if layer else {})}.items()))
+
+    for stage in (0, 1, 2, 4):
+        assert values[("offload:copied_bytes_total", at(stage))] == 70
+        assert values[("offload:copied_bytes_per_token", at(stage))] == 7.0
+    assert not any(labels == at(3) for _, labels in values)  # the lost stage
+    assert values[("offload:expert_cache_hits_total", at(0, "layers.0"))] == 3
+    assert values[("offload:expert_cache_misses_total", at(0, "layers.0"))] == 5
+    assert values[("offload:expert_copied_bytes_per_token", at(0, "layers.0"))] == MIB / 2
+    assert values[("offload:expert_cache_hits_total", at(4, "layers.5"))] == 7
+    assert values[("offload:expert_cache_misses_total", at(4, "layers.4"))] == 2
+    assert values[("offload:expert_copied_bytes_per_token", at(4, "layers.4"))] == 0.3 * MIB
+    assert text.count("# TYPE offload:expert_cache_hits_total counter") == 1
+    before = scrape(prometheus_lines(reports, "m", 0))
+    assert not any("per_token" in name for name, _ in before)
+    assert before[("offload:expert_cache_misses_total", at(4, "layers.4"))] == 2
+    # `offloadctl status` shows the same per token where the engine says how many it made
+    assert "layers.0 3 hits, 5 fetched, 5.00 MiB copied (512.00 KiB per token)" in render(
+        reports, generated_tokens=10
+    )
+    assert "per token" not in render(reports)
 
 
 def test_the_load_table_reads_the_snapshots() -> None:

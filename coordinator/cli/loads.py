@@ -272,7 +272,7 @@ def cmd_named(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({**telemetry.summary(reports, events), "serving": serving}, indent=1))
         else:
-            print(telemetry.render(reports, events))
+            print(telemetry.render(reports, events, (serving or {}).get("generation_tokens")))
             print(telemetry.serving_line(serving))
         if args.plot:
             telemetry.plot(reports, args.plot)

@@ -232,7 +232,12 @@ def _node_label(row: NodeRow) -> str:
     return f"{row.hostname} ({row.node_id[:8]})" if row.node_id else row.hostname
 
 
-def render(reports: Sequence[Report], events: list[dict] = ()) -> str:
+def render(
+    reports: Sequence[Report], events: list[dict] = (), generated_tokens: int | None = None
+) -> str:
+    """The status table of every GPU and node, each routed stage's experts by layer (with the
+    expert bytes copied per generated token where the load's engine says how many it
+    generated: `generated_tokens`), lost stages and the job's events."""
     gpus = [
         (
             "stage",
@@ -298,6 +303,11 @@ def render(reports: Sequence[Report], events: list[dict] = ()) -> str:
         if isinstance(r, StageSnapshot) and r.expert_layers:
             out += f"\nstage {r.stage} routed experts by layer: " + "; ".join(
                 f"{name} {hits} hits, {misses} fetched, {format_bytes(nbytes)} copied"
+                + (
+                    f" ({format_bytes(round(nbytes / generated_tokens))} per token)"
+                    if generated_tokens
+                    else ""
+                )
                 for name, hits, misses, nbytes in r.expert_layers
             )
     for r in lost_stages(reports):
@@ -308,6 +318,44 @@ def render(reports: Sequence[Report], events: list[dict] = ()) -> str:
     if events:
         out += "\n\nevents:\n" + "\n".join(_event_line(e) for e in events)
     return out
+
+
+def prometheus_lines(reports: Sequence[Report], model_name: str, generated_tokens: int) -> str:
+    """The offloaders' counters in Prometheus' text format, for a server's `GET /metrics`
+    beside the engine's (`EngineStats.prometheus`), labelled by model and stage:
+
+    - `offload:copied_bytes_total`: host-to-device bytes each stage's offloader copied;
+    - `offload:copied_bytes_per_token`: the same over the tokens the load's engine generated
+      (`generated_tokens`; absent before the first);
+    - per offloaded layer of a routed stage (labelled `layer` too):
+      `offload:expert_cache_hits_total` (routed experts found on the device),
+      `offload:expert_cache_misses_total` (copied when routed to) and
+      `offload:expert_copied_bytes_per_token`.
+
+    A lost stage has no series until its worker is back."""
+    families: dict[str, tuple[str, list[tuple[str, float]]]] = {}
+
+    def add(name: str, kind: str, labels: str, value: float) -> None:
+        families.setdefault(name, (kind, []))[1].append((labels, value))
+
+    for r in sorted((r for r in reports if isinstance(r, StageSnapshot)), key=lambda r: r.stage):
+        labels = f'model_name="{model_name}",stage="{r.stage}"'
+        add("offload:copied_bytes_total", "counter", labels, r.stats.copied_bytes)
+        if generated_tokens:
+            per_token = r.stats.copied_bytes / generated_tokens
+            add("offload:copied_bytes_per_token", "gauge", labels, per_token)
+        for name, hits, misses, nbytes in r.expert_layers:
+            layer = f'{labels},layer="{name}"'
+            add("offload:expert_cache_hits_total", "counter", layer, hits)
+            add("offload:expert_cache_misses_total", "counter", layer, misses)
+            if generated_tokens:
+                per_token = nbytes / generated_tokens
+                add("offload:expert_copied_bytes_per_token", "gauge", layer, per_token)
+    lines = []
+    for name, (kind, series) in families.items():
+        lines.append(f"# TYPE {name} {kind}")
+        lines += [f"{name}{{{labels}}} {value}" for labels, value in series]
+    return "".join(line + "\n" for line in lines)
 
 
 def serving_line(stats: dict | None) -> str:
@@ -398,7 +446,7 @@ GPU_GAUGES = (
     ),
     (
         "expert_predictions",
-        "Routed experts predicted for a call (its layer's previous routing), so far",
+        "Routed experts predicted for a call (by its router ahead, or its last routing), so far",
         "expert_predicted",
     ),
     (

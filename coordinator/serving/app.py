@@ -787,10 +787,28 @@ class OpenAIServer:
                 "authentication_error",
             )
         try:
-            text = await asyncio.to_thread(self.job.engine().prometheus, self.model_name)
+            text = await asyncio.to_thread(self._metrics_text)
         except OffloadCoordinatorError as exc:  # the engine cannot answer: say why, by kind
             return _error_for(exc)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    def _metrics_text(self) -> str:
+        """The engine's metrics, then the offloaders' (`telemetry.prometheus_lines`: bytes
+        copied per stage and per generated token, routed experts' hits and misses per layer).
+        Workers that do not answer in time cost only their own lines: the scrape still gets
+        the engine's, and a comment says why the rest are missing."""
+        from coordinator.runtime import telemetry
+
+        engine = self.job.engine()
+        text = engine.prometheus(self.model_name)
+        try:
+            reports = self.job.telemetry()
+            tokens = engine.snapshot()["generation_tokens"]
+        except OffloadCoordinatorError as exc:
+            logger.warning("/metrics without the offloaders' counters: %s", exc)
+            why = " ".join(str(exc).split())  # one comment line
+            return text + f"# offload: the workers' counters are missing: {why}\n"
+        return text + telemetry.prometheus_lines(reports, self.model_name, tokens)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
