@@ -43,12 +43,18 @@ Every experts implementation then does what it does with the original weights, i
 order, so the numbers are the same bit for bit. A call that routes to more (a prefill) uses
 its layer's slot as above.
 
-Predicted experts. A layer's experts are predicted to be the ones its previous call routed to
-(routing statistics: consecutive tokens of a text tend to reuse experts). Each call measures
-that prediction against what its router chose (`OffloadStats.expert_predicted` / `_correct`),
-and per layer a running accuracy decides whether to act on it: at or above PREDICT_ACCURACY,
-loading a layer's slot (ahead of use, while earlier layers compute) also copies its predicted
-experts, so a correct one is a hit when the router has chosen instead of a copy on the
+Predicted experts. Where the layer's router is resident and an earlier offloaded layer of the
+same forward has experts, the layer's experts are predicted by its own router applied to that
+layer's experts input (pre-gating, as Pre-gated MoE and ProMoE do: the residual stream changes
+little from one layer to the next), when that earlier layer's experts are called; the copies
+start then, while the earlier layer's experts and the layers between compute. In a slot the
+earlier layer still holds (one slot, layers laid out alike), the experts that layer's call
+reads are left for the slot's load after it. Other layers' experts are predicted to be the
+ones their previous call routed to (routing statistics: consecutive tokens of a text tend to
+reuse experts), copied when their slot is loaded. Each call measures its prediction against
+what its router chose (`OffloadStats.expert_predicted` / `_correct`), and per layer a running
+accuracy decides whether to act on it: at or above PREDICT_ACCURACY the predicted experts are
+copied ahead, so a correct one is a hit when the router has chosen instead of a copy on the
 critical path. A wrong one cost link bytes, never a number: what the slot holds is tracked,
 and the misses are fetched after the router as before.
 
@@ -62,6 +68,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import logging
 import math
 import os
 from collections import Counter
@@ -92,6 +100,8 @@ from offload.stats import OffloadStats
 
 if TYPE_CHECKING:
     from offload.quant import WeightFormat
+
+logger = logging.getLogger(__name__)
 
 
 # Predicted experts (module doc): a layer's last routing is copied ahead while its running
@@ -138,6 +148,23 @@ class _ExpertCache:
             self.row_of[expert] = row
             placed.append((expert, row))
         return placed
+
+
+def _router_choice(routed: object, num_experts: int, routing: torch.Tensor) -> torch.Tensor | None:
+    """The experts a router's output (`routed`: a tensor or a tuple of them) chooses per row:
+    its integer tensor (transformers 5's routers return their top-k indices), else its top-k of
+    a logit per expert (a router that is one linear map), k as in `routing` (the routing of the
+    call being predicted from); None: neither."""
+    outputs = routed if isinstance(routed, tuple | list) else (routed,)
+    tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+    for t in tensors:
+        if not t.dtype.is_floating_point and t.dtype != torch.bool:
+            return t
+    for t in tensors:
+        if t.dtype.is_floating_point and t.dim() >= 1 and t.shape[-1] == num_experts:
+            top = min(routing.shape[-1] if routing.dim() else 1, num_experts)
+            return t.reshape(-1, num_experts).topk(top, dim=-1).indices
+    return None
 
 
 class PrefetchOffloader(BaseOffloader):
@@ -192,6 +219,14 @@ class PrefetchOffloader(BaseOffloader):
         self._predicted = 0
         self._predicted_correct = 0
         self._prefetched = 0
+        # pre-gating (module doc): per layer its resident routers by experts path; which layer
+        # each layer's experts calls predict (by layer index); the routers' predictions not
+        # measured yet; per slot the experts copied into it ahead of its next layer's load
+        self._routers: dict[int, dict[str, nn.Module]] = {}
+        self._ahead: dict[int, OffloadedLayer] = {}
+        self._gated: dict[int, dict[str, list[int]]] = {}
+        self._early: dict[int, tuple[int, set[tuple[str, int]]]] = {}
+        self._gated_layers: set[int] = set()  # the layers `_ahead` points to
         # expert caches (module doc) by (layer index, experts module path), and the scratch
         # buffers a call's experts are gathered into, by (row shape, dtype)
         self._caches: dict[tuple[int, str], _ExpertCache] = {}
@@ -202,6 +237,12 @@ class PrefetchOffloader(BaseOffloader):
     @property
     def num_slots(self) -> int:
         return len(self._slots)
+
+    @property
+    def pregated_layers(self) -> frozenset[int]:
+        """The offloaded layers (by index) whose experts their own router predicts, applied to
+        the input of the layer before's experts (pre-gating, module doc)."""
+        return frozenset(self._gated_layers)
 
     # lifecycle
     def _wrap(self, modules: list[nn.Module]) -> None:
@@ -219,6 +260,7 @@ class PrefetchOffloader(BaseOffloader):
                 self._experts = {
                     layer.index: found for layer in layers if (found := self._routable(layer))
                 }
+                self._find_routers(layers)
             new = torch.zeros if self._experts else torch.empty  # module doc: routed experts
             self._slots = [
                 new(align_up(max(sizes)), dtype=torch.uint8, device=self.device)
@@ -275,6 +317,35 @@ class PrefetchOffloader(BaseOffloader):
                 )
                 if (layer.index, entry.path) in self._caches:
                     self._hooks.append(entry.module.register_forward_hook(self._restore_experts))
+
+    def _find_routers(self, layers: list[OffloadedLayer]) -> None:
+        """Pre-gating (module doc): each offloaded layer's routers, one per experts module (the
+        one other child of its parent whose 2-D `weight` has a row per expert) and resident
+        (an offloaded router's weights are not on the device before its layer's load), and for
+        each layer with experts the next offloaded layer of the forward whose routers it runs."""
+        for layer in layers:
+            offloaded = {id(param) for _, param in layer.params}
+            found = {}
+            for entry in self._experts.get(layer.index, ()):
+                parent = layer.module.get_submodule(entry.path.rpartition(".")[0])
+                routers = [
+                    child
+                    for child in parent.children()
+                    if child is not entry.module
+                    and isinstance(weight := getattr(child, "weight", None), torch.Tensor)
+                    and weight.dim() == 2
+                    and weight.shape[0] == entry.num_experts
+                ]
+                if len(routers) == 1 and not any(
+                    id(param) in offloaded for param in routers[0].parameters()
+                ):
+                    found[entry.path] = routers[0]
+            if found:
+                self._routers[layer.index] = found
+        for before, layer in itertools.pairwise(layers):
+            if before.index in self._experts and layer.index in self._routers:
+                self._ahead[before.index] = layer
+        self._gated_layers = {layer.index for layer in self._ahead.values()}
 
     def _make_caches(self, layers: list[OffloadedLayer]) -> None:
         """The expert caches of the layers' experts modules (`expert_cache` rows each, never
@@ -518,18 +589,33 @@ class PrefetchOffloader(BaseOffloader):
                 self._ticket[slot] = self._engine.submit(dst, src, after=after, then=work)
                 after = None
         self._owner[slot] = layer
-        self._present[slot].clear()  # none of its routed experts yet
+        # none of its routed experts yet, but those copied ahead of this load (pre-gating)
+        early = self._early.pop(slot, None)
+        self._present[slot] = early[1] if early is not None and early[0] == layer.index else set()
         if self._accuracy.get(layer.index, 0.0) >= PREDICT_ACCURACY:  # module doc
             for entry in self._experts.get(layer.index, ()):
                 if (layer.index, entry.path) in self._caches:  # its decode steps use the cache
                     continue
-                for expert in self._last_routed[layer.index].get(entry.path, ()):
+                for expert in self._prediction(layer.index, entry.path):
+                    if (entry.path, expert) in self._present[slot]:
+                        continue
                     for dst, src, work in self._copies_of_expert(layer, entry, expert):
                         self._ticket[slot] = self._engine.submit(dst, src, after=after, then=work)
                         self._count(layer.index, nbytes=src.nbytes)
                         after = None
                     self._present[slot].add((entry.path, expert))
                     self._prefetched += 1
+
+    def _pregated(self, index: int) -> bool:
+        """Whether layer `index`'s experts are predicted by its router (pre-gating)."""
+        return index in self._gated_layers
+
+    def _prediction(self, index: int, path: str) -> list[int]:
+        """Layer `index`'s predicted experts for experts module `path` (module doc): its
+        router's, on an earlier layer's input, of this forward; else its last routing."""
+        if self._pregated(index):
+            return self._gated.get(index, {}).get(path, [])
+        return self._last_routed.get(index, {}).get(path, [])
 
     def _make_pre_hook(self, layer: OffloadedLayer):
         slot = self._slot_of[layer.index]
@@ -558,7 +644,9 @@ class PrefetchOffloader(BaseOffloader):
             wanted = routed_experts(entry.num_experts, args, kwargs)
             self._measure_prediction(layer.index, entry.path, wanted)
             if cache is not None and len(wanted) <= cache.size:
-                return self._from_cache(layer, entry, cache, wanted, args, kwargs)
+                called = self._from_cache(layer, entry, cache, wanted, args, kwargs)
+                self._predict_ahead(layer, entry, args, kwargs, ())
+                return called
             present = self._present[slot]
             missing = [e for e in wanted if (entry.path, e) not in present]
             self._count(layer.index, hits=len(wanted) - len(missing), misses=len(missing))
@@ -572,8 +660,80 @@ class PrefetchOffloader(BaseOffloader):
                 present.add((entry.path, expert))
             if self._ticket[slot] is not None:
                 self._engine.wait(self._ticket[slot])
+            self._predict_ahead(layer, entry, args, kwargs, wanted)
 
         return experts_hook
+
+    def _predict_ahead(
+        self,
+        layer: OffloadedLayer,
+        entry: ExpertsModule,
+        args: tuple,
+        kwargs: dict,
+        reading: list[int] | tuple,
+    ) -> None:
+        """Pre-gating (module doc), after experts module `entry` of `layer` has what it reads
+        (`reading`: the experts of its slot it reads): the next layer's router applied to this
+        call's input predicts that layer's experts, and while its accuracy holds they are
+        copied now, into its slot where that is free, else into the rows of this slot the call
+        does not read (identical layouts only), the rest left to that layer's load."""
+        nxt = self._ahead.get(layer.index)
+        if nxt is None:
+            return
+        router = self._routers[nxt.index].get(entry.path)
+        target = next((e for e in self._experts[nxt.index] if e.path == entry.path), None)
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if router is None or target is None or not isinstance(hidden, torch.Tensor):
+            return
+        try:
+            index = _router_choice(router(hidden), target.num_experts, routing_of(args, kwargs)[0])
+        except Exception as exc:  # a prediction never fails a step: this layer stops making it
+            index, why = None, f"its router failed: {exc}"
+        else:
+            why = "its router gives neither expert indices nor a logit per expert"
+        if index is None:  # the layer's experts are predicted from its last routing again
+            logger.warning("pre-gating of %s.%s off: %s", nxt.index, entry.path, why)
+            del self._ahead[layer.index]
+            self._gated_layers.discard(nxt.index)
+            return
+        predicted = [e for e in torch.unique(index).tolist() if 0 <= e < target.num_experts]
+        self._gated.setdefault(nxt.index, {})[entry.path] = predicted
+        if self._accuracy.get(nxt.index, 0.0) < PREDICT_ACCURACY or (
+            (nxt.index, entry.path) in self._caches
+        ):
+            return
+        slot, slot_next = self._slot_of[layer.index], self._slot_of[nxt.index]
+        busy: set[int] = set()
+        if slot_next != slot:
+            if self._owner[slot_next] is not nxt:
+                return
+            present = self._present[slot_next]
+        else:
+            if not self._alike(layer, nxt):
+                return
+            early = self._early.get(slot)
+            present = early[1] if early is not None and early[0] == nxt.index else set()
+            self._early[slot] = (nxt.index, present)
+            busy = set(reading)
+        after = self._engine.fence()
+        for expert in predicted:
+            if expert in busy or (entry.path, expert) in present:
+                continue
+            for dst, src, work in self._copies_of_expert(nxt, target, expert):
+                self._ticket[slot_next] = self._engine.submit(dst, src, after=after, then=work)
+                self._count(nxt.index, nbytes=src.nbytes)
+                after = None
+            present.add((entry.path, expert))
+            if slot_next == slot:  # this layer's copy of that expert is gone
+                self._present[slot].discard((entry.path, expert))
+            self._prefetched += 1
+
+    def _alike(self, a: OffloadedLayer, b: OffloadedLayer) -> bool:
+        """Whether two offloaded layers sit alike in a slot: the same parameters (by name,
+        shape and dtype) at the same offsets, so an expert's rows are the same bytes."""
+        return self._slot_offsets[a.index] == self._slot_offsets[b.index] and [
+            (name, p.shape, p.dtype) for name, p in a.params
+        ] == [(name, p.shape, p.dtype) for name, p in b.params]
 
     def _from_cache(
         self,
@@ -647,10 +807,14 @@ class PrefetchOffloader(BaseOffloader):
         counts[2] += nbytes
 
     def _measure_prediction(self, index: int, path: str, wanted: list[int]) -> None:
-        """Score layer `index`'s prediction for experts module `path` (its last routing)
-        against the experts this call routes to, and keep this routing as the next one."""
+        """Score layer `index`'s prediction for experts module `path` (`_prediction`: its
+        router's on an earlier input, or its last routing) against the experts this call
+        routes to, and keep this routing for the next."""
         last = self._last_routed.setdefault(index, {})
-        predicted = last.get(path)
+        if self._pregated(index):
+            predicted = self._gated.get(index, {}).pop(path, None)
+        else:
+            predicted = last.get(path)
         if predicted:
             correct = len(set(predicted) & set(wanted))
             self._predicted += len(predicted)
@@ -695,6 +859,11 @@ class PrefetchOffloader(BaseOffloader):
         self._expert_copies.clear()
         self._last_routed.clear()
         self._accuracy.clear()
+        self._routers.clear()
+        self._ahead.clear()
+        self._gated.clear()
+        self._early.clear()
+        self._gated_layers = set()
         self._caches.clear()
         self._scratch.clear()
         self._present = []

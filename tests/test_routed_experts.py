@@ -10,6 +10,9 @@ are the routed experts' only: what crossed equals the experts fetched times an e
 
 from __future__ import annotations
 
+import copy
+import itertools
+
 import pytest
 import torch
 from helpers import run_stack
@@ -81,8 +84,13 @@ def test_routed_experts_give_transformers_logits_and_move_only_routed_bytes(
         first, second = pipeline(ids), pipeline(ids)
         reports = [worker.report() for worker in pipeline.workers]
         stats = [report.stats for report in reports]
+        # the family's router was found: a moved layer after another in its stage is
+        # predicted by it (pre-gating); its predictions never change a number (below)
+        pregated = [len(w.offloader.pregated_layers) for w in pipeline.workers]
     finally:
         pipeline.close()
+    per_stage = [sum(n in group for n in moved) for group in (names[:3], names[3:])]
+    assert pregated == [max(count - 1, 0) for count in per_stage], family
     # each moved layer's routed experts counted under its name
     assert [c[0] for r in reports for c in r.expert_layers] == list(moved)
     expected = reference(index, ids)
@@ -400,9 +408,14 @@ def test_releasing_the_device_buffers_lets_the_slots_go() -> None:
 
 
 class ChosenBlock(Block):
-    """A Block whose router's choice is the test's (`route`: each row's experts)."""
+    """A Block whose routing is the test's (`route`: each row's experts), with no router (so
+    nothing predicts its experts but their last routing)."""
 
     route = torch.tensor([0, 1])
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.gate
 
     def forward(self, x):
         index = self.route.expand(x.shape[0], -1)
@@ -441,6 +454,92 @@ def test_a_layer_whose_routing_changes_is_not_predicted(monkeypatch) -> None:
     stats = _predicting_run([[0, 1], [2, 3]] * 3, monkeypatch, accuracy=0.5)
     assert stats.expert_predicted == 5 * 3 * 2 and stats.expert_predicted_correct == 0
     assert stats.expert_prefetched == 0
+
+
+class UnusableRouterBlock(Block):
+    """A Block whose router's weight has a row per expert but cannot take the hidden state
+    (one input too many): the offloader takes it for the router, and calling it fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(H + 1, E, bias=False)
+
+    def forward(self, x):
+        index = torch.stack([torch.arange(TOP)] * len(x))
+        return x + self.experts(x, index, torch.full(index.shape, 0.5))
+
+
+def _pregating_run(layers: list[nn.Module], slots: int, passes: int = 12):
+    """Layers 1-3 of `layers` offloaded over `slots` slots, their experts routed; `passes`
+    passes of a fresh one-row input each, outputs against a resident copy; the stats, their
+    bytes checked (every byte copied is one expert's)."""
+    resident = copy.deepcopy(layers)
+    offloader = PrefetchOffloader(
+        OffloadConfig(
+            backend="prefetch",
+            layers=(1, 2, 3),
+            prefetch_step=slots,
+            param_filter=r"experts\.",
+            routed_experts=True,
+        ),
+        device="cpu",
+    )
+    offloader.wrap_modules(layers)
+    offloader.post_init()
+    try:
+        for _ in range(passes):
+            x = torch.randn(1, H)
+            assert torch.equal(run_stack(layers, x), run_stack(resident, x))
+        stats = offloader.stats()
+    finally:
+        offloader.detach()
+    per_expert = (2 * INNER * H + H * INNER) * 4
+    assert stats.copied_bytes == (stats.expert_misses + stats.expert_prefetched) * per_expert
+    return stats
+
+
+@pytest.mark.parametrize(("slots", "shift"), [(1, 0), (1, 3), (2, 3)])
+def test_a_layers_router_predicts_its_experts_from_the_layer_before(slots, shift) -> None:
+    """Pre-gating: each layer's router is the one before's with its experts renumbered
+    (`shift`), and the experts change the hidden state little, so a router applied to the
+    previous layer's input chooses what it will choose. A fresh input every pass, so the last
+    routing predicts little. Layers 2 and 3, predicted by their routers during the call of the
+    layer before, find most of their experts copied ahead; layer 1, predicted by its last
+    routing, finds few. With one slot and the same experts (shift 0) the copies wait for the
+    slot's load, since layer 1 still reads those rows; otherwise they start during its call.
+    The output is the resident model's every pass."""
+    torch.manual_seed(0)
+    layers = [Block() for _ in range(4)]
+    with torch.no_grad():
+        for before, layer in itertools.pairwise(layers):
+            layer.gate.weight.copy_(before.gate.weight.roll(shift, 0))
+        for layer in layers:
+            layer.experts.down_proj.mul_(1e-3)
+    passes = 12
+    stats = _pregating_run(layers, slots, passes)
+    hits = {index: found for index, found, _, _ in stats.expert_layers}
+    routed = passes * TOP
+    assert hits[2] >= 0.75 * routed and hits[3] >= 0.75 * routed, hits
+    assert hits[1] <= 0.5 * routed, hits
+    assert stats.expert_predicted_correct >= 0.6 * stats.expert_predicted
+    # each predicted expert crossed once at most (those copied ahead of its layer's load stay
+    # there); the last pass's predictions for the next pass are never measured
+    assert stats.expert_prefetched <= stats.expert_predicted + 3 * TOP
+
+
+def test_a_router_that_fails_leaves_prediction_to_the_last_routing(caplog) -> None:
+    """A layer's router that cannot be called on the layer before's input: pre-gating stops
+    for that layer, said in a warning that names it; its experts are predicted from its last
+    routing again (always the same experts here, so right after the first pass), and every
+    output is the resident model's."""
+    torch.manual_seed(0)
+    layers = [UnusableRouterBlock() for _ in range(4)]
+    with caplog.at_level("WARNING", logger="offload.prefetch"):
+        stats = _pregating_run(layers, slots=1, passes=6)
+    assert "pre-gating of 2.experts off: its router failed" in caplog.text
+    # the last routing predicted layers 1-3 from the second pass on, rightly
+    assert stats.expert_predicted == stats.expert_predicted_correct == 5 * 3 * TOP
+    assert stats.expert_prefetched > 0
 
 
 def _routed_run(routes: list[list[int]], cache: int, rows: int = 1):
