@@ -51,9 +51,10 @@ start then, while the earlier layer's experts and the layers between compute. In
 earlier layer still holds (one slot, layers laid out alike), the experts that layer's call
 reads are left for the slot's load after it. Other layers' experts are predicted to be the
 ones their previous call routed to (routing statistics: consecutive tokens of a text tend to
-reuse experts), copied when their slot is loaded. Each call measures its prediction against
-what its router chose (`OffloadStats.expert_predicted` / `_correct`), and per layer a running
-accuracy decides whether to act on it: at or above PREDICT_ACCURACY the predicted experts are
+reuse experts), copied when their slot is loaded. Each call measures its predictions against
+what its router chose (`OffloadStats.expert_predicted` / `_correct` count the one acted on);
+a pre-gated layer keeps a running accuracy for both and acts on the better, so it is never
+predicted worse than by its last routing; and the running accuracy decides whether to act: at or above PREDICT_ACCURACY the predicted experts are
 copied ahead, so a correct one is a hit when the router has chosen instead of a copy on the
 critical path. A wrong one cost link bytes, never a number: what the slot holds is tracked,
 and the misses are fetched after the router as before.
@@ -215,7 +216,8 @@ class PrefetchOffloader(BaseOffloader):
         # predicted experts (module doc): each layer's last routing by experts module, its
         # running accuracy, and the totals measured
         self._last_routed: dict[int, dict[str, list[int]]] = {}
-        self._accuracy: dict[int, float] = {}
+        # running accuracy by (layer index, predictor: "router" or "routing")
+        self._accuracy: dict[tuple[int, str], float] = {}
         self._predicted = 0
         self._predicted_correct = 0
         self._prefetched = 0
@@ -592,7 +594,7 @@ class PrefetchOffloader(BaseOffloader):
         # none of its routed experts yet, but those copied ahead of this load (pre-gating)
         early = self._early.pop(slot, None)
         self._present[slot] = early[1] if early is not None and early[0] == layer.index else set()
-        if self._accuracy.get(layer.index, 0.0) >= PREDICT_ACCURACY:  # module doc
+        if self._acting(layer.index):  # module doc
             for entry in self._experts.get(layer.index, ()):
                 if (layer.index, entry.path) in self._caches:  # its decode steps use the cache
                     continue
@@ -610,10 +612,24 @@ class PrefetchOffloader(BaseOffloader):
         """Whether layer `index`'s experts are predicted by its router (pre-gating)."""
         return index in self._gated_layers
 
+    def _predictor(self, index: int) -> str:
+        """Which prediction of layer `index` is acted on: its router's ("router", pre-gated
+        layers) unless its last routing ("routing") has been right more often lately."""
+        if self._pregated(index) and self._accuracy.get(
+            (index, "router"), 0.0
+        ) >= self._accuracy.get((index, "routing"), 0.0):
+            return "router"
+        return "routing"
+
+    def _acting(self, index: int) -> bool:
+        """Whether layer `index`'s prediction is right often enough to copy it ahead."""
+        return self._accuracy.get((index, self._predictor(index)), 0.0) >= PREDICT_ACCURACY
+
     def _prediction(self, index: int, path: str) -> list[int]:
-        """Layer `index`'s predicted experts for experts module `path` (module doc): its
-        router's, on an earlier layer's input, of this forward; else its last routing."""
-        if self._pregated(index):
+        """Layer `index`'s predicted experts for experts module `path` (module doc), by its
+        predictor: its router's on an earlier layer's input of this forward (none yet where
+        that layer has not run), or its last routing."""
+        if self._predictor(index) == "router":
             return self._gated.get(index, {}).get(path, [])
         return self._last_routed.get(index, {}).get(path, [])
 
@@ -698,8 +714,10 @@ class PrefetchOffloader(BaseOffloader):
             return
         predicted = [e for e in torch.unique(index).tolist() if 0 <= e < target.num_experts]
         self._gated.setdefault(nxt.index, {})[entry.path] = predicted
-        if self._accuracy.get(nxt.index, 0.0) < PREDICT_ACCURACY or (
-            (nxt.index, entry.path) in self._caches
+        if (
+            self._predictor(nxt.index) != "router"
+            or not self._acting(nxt.index)
+            or ((nxt.index, entry.path) in self._caches)
         ):
             return
         slot, slot_next = self._slot_of[layer.index], self._slot_of[nxt.index]
@@ -807,22 +825,27 @@ class PrefetchOffloader(BaseOffloader):
         counts[2] += nbytes
 
     def _measure_prediction(self, index: int, path: str, wanted: list[int]) -> None:
-        """Score layer `index`'s prediction for experts module `path` (`_prediction`: its
-        router's on an earlier input, or its last routing) against the experts this call
-        routes to, and keep this routing for the next."""
+        """Score layer `index`'s predictions for experts module `path` against the experts
+        this call routes to: its last routing, and on a pre-gated layer its router's on an
+        earlier input. Each keeps a running accuracy (`_predictor` acts on the better); the
+        totals count the one acted on. Keeps this routing for the next call."""
         last = self._last_routed.setdefault(index, {})
+        used = self._predictor(index)
+        guesses = {"routing": last.get(path)}
         if self._pregated(index):
-            predicted = self._gated.get(index, {}).pop(path, None)
-        else:
-            predicted = last.get(path)
-        if predicted:
+            guesses["router"] = self._gated.get(index, {}).pop(path, None)
+        for kind, predicted in guesses.items():
+            if not predicted:
+                continue
             correct = len(set(predicted) & set(wanted))
-            self._predicted += len(predicted)
-            self._predicted_correct += correct
-            previous = self._accuracy.get(index, correct / len(predicted))
-            self._accuracy[index] = (1 - PREDICT_SMOOTHING) * previous + PREDICT_SMOOTHING * (
-                correct / len(predicted)
-            )
+            right = correct / len(predicted)
+            if kind == used:
+                self._predicted += len(predicted)
+                self._predicted_correct += correct
+            previous = self._accuracy.get((index, kind), right)
+            self._accuracy[index, kind] = (
+                1 - PREDICT_SMOOTHING
+            ) * previous + PREDICT_SMOOTHING * right
         last[path] = wanted
 
     def _make_post_hook(self, layer: OffloadedLayer):

@@ -527,6 +527,27 @@ def test_a_layers_router_predicts_its_experts_from_the_layer_before(slots, shift
     assert stats.expert_prefetched <= stats.expert_predicted + 3 * TOP
 
 
+class RouterAsideBlock(ChosenBlock):
+    """A ChosenBlock with a router that does not decide its routing: its predictions are
+    wrong where the last routing (always the same experts) is right."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+
+
+def test_a_layer_acts_on_whichever_prediction_is_right_more_often() -> None:
+    """Layers routing to the same experts every pass whatever their routers say: the router's
+    prediction (pre-gating) is mostly wrong, the last routing always right, so after the first
+    passes layers 2 and 3 act on the last routing and find their experts copied ahead; the
+    totals count the prediction acted on."""
+    torch.manual_seed(0)
+    stats = _pregating_run([RouterAsideBlock() for _ in range(4)], slots=1, passes=8)
+    hits = {index: found for index, found, _, _ in stats.expert_layers}
+    assert hits[2] >= 6 * TOP and hits[3] >= 6 * TOP, hits
+    assert stats.expert_predicted_correct >= 0.75 * stats.expert_predicted
+
+
 def test_a_router_that_fails_leaves_prediction_to_the_last_routing(caplog) -> None:
     """A layer's router that cannot be called on the layer before's input: pre-gating stops
     for that layer, said in a warning that names it; its experts are predicted from its last
