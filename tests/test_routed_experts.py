@@ -203,39 +203,13 @@ def test_a_slot_keeps_its_layers_experts_until_it_takes_another_layer(slots: int
     with fewer slots, a slot that took another layer fetches again. The output is the
     resident model's every time, and each fetched expert crossed exactly once per miss."""
     torch.manual_seed(0)
-    layers = [Block() for _ in range(4)]
-    resident = [Block() for _ in range(4)]
-    for a, b in zip(resident, layers, strict=True):
-        a.load_state_dict(b.state_dict())
     x = torch.randn(1, H)
-    expected = run_stack(resident, x)
-    offloader = PrefetchOffloader(
-        OffloadConfig(
-            backend="prefetch",
-            layers=(1, 2, 3),
-            prefetch_step=slots,
-            param_filter=r"experts\.",
-            routed_experts=True,
-        ),
-        device="cpu",
-    )
-    offloader.wrap_modules(layers)
-    offloader.post_init()
-    try:
-        for _ in range(3):
-            assert torch.equal(run_stack(layers, x), expected)
-        stats = offloader.stats()
-    finally:
-        offloader.detach()
-    per_expert = (2 * INNER * H + H * INNER) * 4
-    assert stats.copied_bytes == (stats.expert_misses + stats.expert_prefetched) * per_expert
+    stats = _three_offloaded([Block() for _ in range(4)], slots, [x] * 3)
     assert stats.expert_hits + stats.expert_misses == 3 * 3 * TOP
     if slots == 3:
         assert stats.expert_misses == 3 * TOP and stats.expert_hits == 2 * 3 * TOP
     else:
         assert stats.expert_hits < 2 * 3 * TOP
-    for a, b in zip(resident, layers, strict=True):  # detach restored the weights
-        assert torch.equal(a.experts.down_proj, b.experts.down_proj)
 
 
 def test_experts_modules_are_found_by_their_per_expert_weights() -> None:
@@ -469,10 +443,10 @@ class UnusableRouterBlock(Block):
         return x + self.experts(x, index, torch.full(index.shape, 0.5))
 
 
-def _pregating_run(layers: list[nn.Module], slots: int, passes: int = 12):
-    """Layers 1-3 of `layers` offloaded over `slots` slots, their experts routed; `passes`
-    passes of a fresh one-row input each, outputs against a resident copy; the stats, their
-    bytes checked (every byte copied is one expert's)."""
+def _three_offloaded(layers: list[nn.Module], slots: int, inputs: list[torch.Tensor]):
+    """Layers 1-3 of `layers` offloaded over `slots` slots, their experts routed; a pass per
+    input, its output against a resident copy's; the stats, their bytes checked (every byte
+    copied is one expert's) and the weights restored by detach."""
     resident = copy.deepcopy(layers)
     offloader = PrefetchOffloader(
         OffloadConfig(
@@ -487,14 +461,15 @@ def _pregating_run(layers: list[nn.Module], slots: int, passes: int = 12):
     offloader.wrap_modules(layers)
     offloader.post_init()
     try:
-        for _ in range(passes):
-            x = torch.randn(1, H)
+        for x in inputs:
             assert torch.equal(run_stack(layers, x), run_stack(resident, x))
         stats = offloader.stats()
     finally:
         offloader.detach()
     per_expert = (2 * INNER * H + H * INNER) * 4
     assert stats.copied_bytes == (stats.expert_misses + stats.expert_prefetched) * per_expert
+    for a, b in zip(resident, layers, strict=True):
+        assert torch.equal(a.experts.down_proj, b.experts.down_proj)
     return stats
 
 
@@ -516,7 +491,7 @@ def test_a_layers_router_predicts_its_experts_from_the_layer_before(slots, shift
         for layer in layers:
             layer.experts.down_proj.mul_(1e-3)
     passes = 12
-    stats = _pregating_run(layers, slots, passes)
+    stats = _three_offloaded(layers, slots, [torch.randn(1, H) for _ in range(passes)])
     hits = {index: found for index, found, _, _ in stats.expert_layers}
     routed = passes * TOP
     assert hits[2] >= 0.75 * routed and hits[3] >= 0.75 * routed, hits
@@ -542,7 +517,8 @@ def test_a_layer_acts_on_whichever_prediction_is_right_more_often() -> None:
     passes layers 2 and 3 act on the last routing and find their experts copied ahead; the
     totals count the prediction acted on."""
     torch.manual_seed(0)
-    stats = _pregating_run([RouterAsideBlock() for _ in range(4)], slots=1, passes=8)
+    layers = [RouterAsideBlock() for _ in range(4)]
+    stats = _three_offloaded(layers, 1, [torch.randn(1, H) for _ in range(8)])
     hits = {index: found for index, found, _, _ in stats.expert_layers}
     assert hits[2] >= 6 * TOP and hits[3] >= 6 * TOP, hits
     assert stats.expert_predicted_correct >= 0.75 * stats.expert_predicted
@@ -556,7 +532,7 @@ def test_a_router_that_fails_leaves_prediction_to_the_last_routing(caplog) -> No
     torch.manual_seed(0)
     layers = [UnusableRouterBlock() for _ in range(4)]
     with caplog.at_level("WARNING", logger="offload.prefetch"):
-        stats = _pregating_run(layers, slots=1, passes=6)
+        stats = _three_offloaded(layers, 1, [torch.randn(1, H) for _ in range(6)])
     assert "pre-gating of 2.experts off: its router failed" in caplog.text
     # the last routing predicted layers 1-3 from the second pass on, rightly
     assert stats.expert_predicted == stats.expert_predicted_correct == 5 * 3 * TOP
