@@ -23,6 +23,7 @@ from worker.names import (
     COMPUTE_DTYPE_NAMES,
     DEFAULT_BLOCK_SIZE,
     EXPERT_FETCHES,
+    HOST_EXPERTS,
     OFFLOAD_DTYPES,
     RESIDENT_WEIGHTS,
     blocks_for,
@@ -215,6 +216,10 @@ class JobConfig:
     # Rows each offloaded experts module of a routed stage caches on the device: -1 (auto) as
     # many as the memory the plan leaves holds, 0 none, N at most N (PlanOptions.expert_cache).
     expert_cache: int = -1
+    # Routed stages' small experts calls computed on the host, reading the experts where they
+    # are in host memory (HOST_EXPERTS): "auto" where the node's measured rates say the host is
+    # sooner than the link (PlanOptions.host_experts), "off" never.
+    host_experts: str = "off"
     # The dtype the model loads and computes in: "auto" (the checkpoint's: config.json's dtype,
     # else its tensors'), or float32 / bfloat16 / float16, converted while reading.
     dtype: str = "auto"
@@ -346,6 +351,10 @@ class JobConfig:
                 f"expert_cache={self.expert_cache} must be >= -1 (-1: as many rows as the "
                 "memory the plan leaves holds, 0: none)"
             )
+        if self.host_experts not in HOST_EXPERTS:
+            raise ConfigError(
+                f"host_experts={self.host_experts!r} must be one of {', '.join(HOST_EXPERTS)}"
+            )
         if self.resident_weights not in RESIDENT_WEIGHTS:
             raise ConfigError(
                 f"resident_weights={self.resident_weights!r} must be one of "
@@ -417,6 +426,7 @@ class JobConfig:
             expert_fetch=self.expert_fetch,
             resident_weights=self.resident_weights,
             expert_cache=self.expert_cache,
+            host_experts=self.host_experts,
         )
 
 
@@ -497,6 +507,8 @@ def job_config_from_dict(raw: dict, *, where: str = "job config") -> JobConfig:
             raise _unknown_key(key, FIELD_NAMES, where)
         if key in _SIZE_FIELDS and value is not None:
             value = parse_bytes(value, field_name=key)
+        elif key == "host_experts" and value is False:  # YAML reads `off` (and `no`) so
+            value = "off"
         elif key == "overrides":
             if not isinstance(value, list | tuple | type(None)):
                 raise ConfigError(

@@ -33,6 +33,11 @@ class OffloadConfig:
     device across steps, whichever layer its slot holds: the most used experts of that layer
     (`offload.prefetch`'s module doc, expert cache); 0: none, a slot keeps its layer's experts
     only until it takes another layer.
+
+    `host_expert_rows` (with `routed_experts`): an experts call of at most this many rows runs
+    on the host, its routed experts read where they are in host memory (no copy): the hidden
+    state goes down and the result comes back (Fiddler's choice, where the node's CPU computes
+    a few rows' experts sooner than its link moves them); 0: never.
     """
 
     backend: Backend = "auto"
@@ -43,8 +48,18 @@ class OffloadConfig:
     param_filter: str | None = None
     routed_experts: bool = False
     expert_cache: int = 0
+    host_expert_rows: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.host_expert_rows, bool) or not isinstance(self.host_expert_rows, int):
+            raise ValueError(
+                f"OffloadConfig.host_expert_rows={self.host_expert_rows!r} must be an int"
+            )
+        if self.host_expert_rows < 0 or (self.host_expert_rows and not self.routed_experts):
+            raise ValueError(
+                f"OffloadConfig.host_expert_rows={self.host_expert_rows} must be >= 0, and "
+                "needs routed_experts=True (the host computes the experts the router chose)"
+            )
         if isinstance(self.expert_cache, bool) or not isinstance(self.expert_cache, int):
             raise ValueError(f"OffloadConfig.expert_cache={self.expert_cache!r} must be an int")
         if self.expert_cache < 0 or (self.expert_cache and not self.routed_experts):

@@ -132,7 +132,31 @@ def measure_staged(
     return num_bytes / best_s
 
 
+# 16 Mi bfloat16 entries (32 MiB, beyond the caches): ~3 ms a step at the 10 GB/s of one thread
+HOST_MATMUL_ENTRIES = 2**24
 DEQUANT_PROBE_ENTRIES = 2**20  # one 1 Mi-entry weight: ~4 ms of float8 on a CPU thread
+
+
+def measure_host_matmul(
+    rows: int, *, entries: int = HOST_MATMUL_ENTRIES, repeats: int = 3
+) -> float:
+    """Weight bytes per second the host's CPU computes through, with this process's torch
+    threads, for a step of `rows` rows: a bfloat16 linear map of `entries` weights (beyond the
+    caches) applied to `rows` rows, as an MoE layer's expert computed on the host does
+    (`OffloadConfig.host_expert_rows`)."""
+    import torch
+
+    _check(entries, repeats)
+    cols = 4096
+    weight = torch.full((max(1, entries // cols), cols), 0.5, dtype=torch.bfloat16)
+    x = torch.full((rows, cols), 0.25, dtype=torch.bfloat16)
+    torch.nn.functional.linear(x, weight)  # the first call's set-up is no part of the rate
+    best_s = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.nn.functional.linear(x, weight)
+        best_s = min(best_s, time.perf_counter() - start)
+    return weight.numel() * weight.element_size() / best_s
 
 
 def measure_dequantize(

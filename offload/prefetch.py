@@ -59,6 +59,13 @@ copied ahead, so a correct one is a hit when the router has chosen instead of a 
 critical path. A wrong one cost link bytes, never a number: what the slot holds is tracked,
 and the misses are fetched after the router as before.
 
+Experts on the host (`OffloadConfig.host_expert_rows` = R). An experts call of at most R rows
+whose per-expert weights are all kept at the model's width runs on the host: its weights view
+their place in the host arena for the call (no copy), its inputs go to the host and its output
+comes back to the device (`_restore_experts`). The same module computes, so on the host the
+numbers are those of its experts implementation there. Nothing is copied ahead for a layer
+whose calls run there (`expert_host` counts the routed experts computed so).
+
 Robustness. Each slot records which layer its latest copy brings (`_owner`). A layer whose slot
 holds something else when it is called (first forward without `post_init`, an aborted forward,
 layers called out of order) is loaded on demand and counted in `sync_loads`: slower, never wrong.
@@ -233,8 +240,13 @@ class PrefetchOffloader(BaseOffloader):
         # buffers a call's experts are gathered into, by (row shape, dtype)
         self._caches: dict[tuple[int, str], _ExpertCache] = {}
         self._scratch: dict[tuple, torch.Tensor] = {}
-        # experts modules running on their cache: their layer, and the slot views to restore
-        self._active: dict[nn.Module, tuple[OffloadedLayer, ExpertsModule, list]] = {}
+        # experts modules running on their cache or on the host: their layer, the slot views
+        # to restore, and the device their output goes back to (None: where it is)
+        self._active: dict[
+            nn.Module, tuple[OffloadedLayer, ExpertsModule, list, torch.device | None]
+        ] = {}
+        self._host_computed = 0
+        self._host_layers: set[int] = set()  # layers with an experts module on the host
 
     @property
     def num_slots(self) -> int:
@@ -263,6 +275,11 @@ class PrefetchOffloader(BaseOffloader):
                     layer.index: found for layer in layers if (found := self._routable(layer))
                 }
                 self._find_routers(layers)
+                self._host_layers = {
+                    layer.index
+                    for layer in layers
+                    if any(self._on_host(layer, e) for e in self._experts.get(layer.index, ()))
+                }
             new = torch.zeros if self._experts else torch.empty  # module doc: routed experts
             self._slots = [
                 new(align_up(max(sizes)), dtype=torch.uint8, device=self.device)
@@ -317,7 +334,7 @@ class PrefetchOffloader(BaseOffloader):
                         self._make_experts_hook(layer, entry), with_kwargs=True
                     )
                 )
-                if (layer.index, entry.path) in self._caches:
+                if (layer.index, entry.path) in self._caches or self._on_host(layer, entry):
                     self._hooks.append(entry.module.register_forward_hook(self._restore_experts))
 
     def _find_routers(self, layers: list[OffloadedLayer]) -> None:
@@ -622,7 +639,10 @@ class PrefetchOffloader(BaseOffloader):
         return "routing"
 
     def _acting(self, index: int) -> bool:
-        """Whether layer `index`'s prediction is right often enough to copy it ahead."""
+        """Whether layer `index`'s prediction is right often enough to copy it ahead (never
+        where its small calls run on the host: they need no copy)."""
+        if index in self._host_layers:
+            return False
         return self._accuracy.get((index, self._predictor(index)), 0.0) >= PREDICT_ACCURACY
 
     def _prediction(self, index: int, path: str) -> list[int]:
@@ -652,6 +672,7 @@ class PrefetchOffloader(BaseOffloader):
         slot = self._slot_of[layer.index]
 
         cache = self._caches.get((layer.index, entry.path))
+        host = self._on_host(layer, entry)
 
         def experts_hook(module: nn.Module, args: tuple, kwargs: dict):
             if self._owner[slot] is not layer:  # called outside its layer's forward
@@ -659,6 +680,8 @@ class PrefetchOffloader(BaseOffloader):
                 self._load(layer, after=self._engine.fence())
             wanted = routed_experts(entry.num_experts, args, kwargs)
             self._measure_prediction(layer.index, entry.path, wanted)
+            if host and len(routing_of(args, kwargs)[0]) <= self.config.host_expert_rows:
+                return self._from_host(layer, entry, wanted, args, kwargs)
             if cache is not None and len(wanted) <= cache.size:
                 called = self._from_cache(layer, entry, cache, wanted, args, kwargs)
                 self._predict_ahead(layer, entry, args, kwargs, ())
@@ -798,21 +821,56 @@ class PrefetchOffloader(BaseOffloader):
             count, dtype=index.dtype, device=index.device
         )
         entry.module.num_experts = count
-        self._active[entry.module] = (layer, entry, slot_views)
+        self._active[entry.module] = (layer, entry, slot_views, None)
         if name is None:
             return (args[0], renumber[index], *args[2:]), kwargs
         return args, {**kwargs, name: renumber[index]}
 
-    def _restore_experts(self, module: nn.Module, args: tuple, output: object) -> None:
-        """After an experts call run on its cache: the module's weights view its layer's slot
-        again, and it has all its experts."""
+    def _on_host(self, layer: OffloadedLayer, entry: ExpertsModule) -> bool:
+        """Whether experts module `entry`'s small calls run on the host (module doc): asked
+        for, and every per-expert weight at the model's width in the arena."""
+        return self.config.host_expert_rows > 0 and all(
+            layer.keys[position] not in layer.formats for position in entry.positions
+        )
+
+    def _from_host(
+        self,
+        layer: OffloadedLayer,
+        entry: ExpertsModule,
+        wanted: list[int],
+        args: tuple,
+        kwargs: dict,
+    ) -> tuple[tuple, dict]:
+        """Run experts module `entry` of `layer` on the host (module doc): its per-expert
+        weights view the arena, its tensor arguments go to the host; `_restore_experts` points
+        the weights back at the slot and brings the output to the device. Returns the call's
+        new arguments."""
+        host = torch.device("cpu")
+        slot_views = [layer.params[position][1].data for position in entry.positions]
+        for position in entry.positions:
+            set_param_data(layer, position, self._host[layer.keys[position]])
+        self._active[entry.module] = (layer, entry, slot_views, self.device)
+        self._host_computed += len(wanted)
+
+        def down(value: object) -> object:
+            return value.to(host) if isinstance(value, torch.Tensor) else value
+
+        return tuple(down(a) for a in args), {k: down(v) for k, v in kwargs.items()}
+
+    def _restore_experts(self, module: nn.Module, args: tuple, output: object) -> object:
+        """After an experts call run on its cache or on the host: the module's weights view its
+        layer's slot again, it has all its experts, and a host call's output is brought back
+        to the device."""
         active = self._active.pop(module, None)
         if active is None:
-            return
-        layer, entry, slot_views = active
+            return None
+        layer, entry, slot_views, device = active
         for position, view in zip(entry.positions, slot_views, strict=True):
             set_param_data(layer, position, view)
         module.num_experts = entry.num_experts
+        if device is not None and isinstance(output, torch.Tensor):
+            return output.to(device)
+        return None
 
     def _count(self, index: int, *, hits: int = 0, misses: int = 0, nbytes: int = 0) -> None:
         """Count routed experts of offloaded layer `index` found on the device (`hits`),
@@ -887,6 +945,7 @@ class PrefetchOffloader(BaseOffloader):
         self._gated.clear()
         self._early.clear()
         self._gated_layers = set()
+        self._host_layers = set()
         self._caches.clear()
         self._scratch.clear()
         self._present = []
@@ -928,5 +987,6 @@ class PrefetchOffloader(BaseOffloader):
             expert_predicted=self._predicted,
             expert_predicted_correct=self._predicted_correct,
             expert_prefetched=self._prefetched,
+            expert_host=self._host_computed,
             expert_layers=tuple((i, *counts) for i, counts in sorted(self._by_layer.items())),
         )

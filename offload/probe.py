@@ -133,6 +133,10 @@ class NodeProbe:
     # How fast the device makes bfloat16 weights from 8-bit ones (bytes made per second), per
     # 8-bit format ("fp8", "int8"): what dequantizing offloaded weights after each copy costs.
     dequant_bytes_per_s: tuple[tuple[str, float], ...] = ()
+    # How fast the host's CPU computes a few rows through bfloat16 weights in host memory
+    # (weight bytes per second), per rows of a step (HOST_MATMUL_ROWS): what running an MoE
+    # layer's experts on the host instead of copying them costs (`host_expert_rows`).
+    host_matmul_bytes_per_s: tuple[tuple[int, float], ...] = ()
     # Without CUDA: the kind of GPU the CPU stands in for (see SIMULATED_GPU_ENV); None with CUDA.
     simulated_gpu: str | None = None
     # Without CUDA, where OFFLOAD_SIMULATED_GPU_MEMORY is set: each simulated GPU's total, and
@@ -379,6 +383,41 @@ def _measure_dequantize(errors: list[str]) -> tuple[tuple[str, float], ...]:
     return tuple(rates)
 
 
+HOST_MATMUL_ROWS = (1, 16)
+
+
+def _probe_host_matmul(fields: dict, errors: list[str]) -> None:
+    if cuda_available():
+        fields["host_matmul_bytes_per_s"] = _measure_host_matmul(errors)
+        return
+    # As `_probe_dequantize` on a node without GPUs, whether this process has torch or not (a
+    # step before may have imported it): the rates this node measured before, measured and
+    # kept where there are none. They are the host CPU's, the same for every process here.
+    path = node_cache.cache_file("host_matmul", _cpu_dequantize_key())
+    with node_cache.measuring(path):
+        cached = node_cache.read(path) or {}
+        if set(cached) == {str(rows) for rows in HOST_MATMUL_ROWS}:
+            fields["host_matmul_bytes_per_s"] = tuple(
+                (rows, float(cached[str(rows)])) for rows in HOST_MATMUL_ROWS
+            )
+            return
+        failed = len(errors)
+        rates = _measure_host_matmul(errors)
+        if len(errors) == failed:
+            node_cache.write(path, {str(rows): rate for rows, rate in rates})
+    fields["host_matmul_bytes_per_s"] = rates
+
+
+def _measure_host_matmul(errors: list[str]) -> tuple[tuple[int, float], ...]:
+    rates = []
+    for rows in HOST_MATMUL_ROWS:
+        try:
+            rates.append((rows, link.measure_host_matmul(rows)))
+        except Exception as exc:
+            errors.append(f"host matmul ({rows} rows): {type(exc).__name__}: {exc}")
+    return tuple(rates)
+
+
 ProbeStep = Callable[[dict, list], None]
 PROBE_STEPS: dict[str, ProbeStep] = {
     "cuda": _probe_cuda,
@@ -389,12 +428,13 @@ PROBE_STEPS: dict[str, ProbeStep] = {
     "cpu_arch": _probe_arch,
     "link": _probe_link,
     "dequantize": _probe_dequantize,
+    "host_matmul": _probe_host_matmul,
 }
 # What a process that only needs the pin decision probes: the link and dequantization rates
 # are for the planner, and measuring them costs tens of milliseconds (and a device buffer on
 # CUDA) per process.
 DECISION_STEPS: dict[str, ProbeStep] = {
-    k: v for k, v in PROBE_STEPS.items() if k not in ("link", "dequantize")
+    k: v for k, v in PROBE_STEPS.items() if k not in ("link", "dequantize", "host_matmul")
 }
 
 

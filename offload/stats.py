@@ -33,13 +33,16 @@ class OffloadStats:
     # their slot already (hits) or were copied then (misses)
     expert_hits: int = 0
     expert_misses: int = 0
-    # the experts predicted for a call (its layer's previous routing), and of those the ones
-    # it routed to: the prediction's accuracy is their ratio (`offload.prefetch` module doc)
+    # the experts predicted for a call (its router's ahead, or its previous routing), and of
+    # those the ones it routed to: the prediction's accuracy is their ratio (`offload.prefetch` module doc)
     expert_predicted: int = 0
     expert_predicted_correct: int = 0
     # predicted experts copied ahead (where the layer's accuracy was high enough): right or
     # wrong, their bytes are in copied_bytes; the right ones count as hits when routed to
     expert_prefetched: int = 0
+    # routed experts computed on the host, in place in host memory (`host_expert_rows`): no
+    # hit, no miss, no byte copied
+    expert_host: int = 0
     # per offloaded layer whose experts are routed: (its index among the wrapped modules,
     # hits, misses, expert bytes copied), in layer order
     expert_layers: tuple[tuple[int, int, int, int], ...] = ()

@@ -123,11 +123,13 @@ class Pipeline:
         expert_fetch: str = "layer",
         resident_weights: str = "auto",
         expert_cache: int = 0,
+        host_expert_rows: int = 0,
     ) -> None:
         """The planner's split (offloaded weights kept as `offload_dtype` says, resident ones
         as `resident_weights` does), or `groups` of layers with `offloaded` ones offloaded
         (their `unit`: all of them, or their experts or MLP); their experts fetched as
-        `expert_fetch` says (routed: with caches of `expert_cache` rows)."""
+        `expert_fetch` says (routed: with caches of `expert_cache` rows, calls of at most
+        `host_expert_rows` rows on the host)."""
         self.index = index
         if groups is None:
             self.plan = offloading_plan(index, offload_dtype, expert_fetch, resident_weights)
@@ -139,6 +141,7 @@ class Pipeline:
                     offload_dtype=offload_dtype,
                     expert_fetch=expert_fetch,
                     expert_cache=expert_cache,
+                    host_expert_rows=host_expert_rows,
                 )
                 for stage in range(len(groups))
             ]

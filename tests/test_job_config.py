@@ -106,6 +106,10 @@ def test_command_line_values_win_over_the_file(tmp_path: Path) -> None:
             "checkpoint: a/\nresident_weights: fp4\n",
             "resident_weights='fp4' must be one of auto, stored, wide",
         ),
+        (
+            "checkpoint: a/\nhost_experts: always\n",
+            "host_experts='always' must be one of off, auto",
+        ),
         ("checkpoint: a/\ngpus: 2\naddress: auto\n", "cannot be combined"),
         ("checkpoint: [unclosed\n", "cannot read job config"),
         ("checkpoint: a/\nmax_batch: -1\n", "max_batch=-1 must be >= 1"),
@@ -117,6 +121,16 @@ def test_bad_job_files_name_the_key(tmp_path: Path, text: str, message: str) -> 
     with pytest.raises(ConfigError) as info:
         load_job_config(write(tmp_path, text))
     assert message in str(info.value)
+
+
+def test_yaml_off_is_off_where_a_key_takes_off(tmp_path: Path) -> None:
+    """YAML reads `off` as false: `host_experts: off` still means "off"."""
+    assert load_job_config(write(tmp_path, "checkpoint: a/\nhost_experts: off\n")).host_experts == (
+        "off"
+    )
+    assert load_job_config(
+        write(tmp_path, "checkpoint: a/\nhost_experts: auto\n")
+    ).host_experts == ("auto")
 
 
 def test_env_for_node_matches_and_later_overrides_win() -> None:

@@ -464,12 +464,17 @@ def test_the_node_carries_its_name_gpus_rates_and_measured_compute() -> None:
     )
     rates = (("fp8", 400e9), ("int8", 300e9))
     probed = {
-        **result(cuda_probe(dequant_bytes_per_s=rates), pin=True, hostname="gpu-b"),
+        **result(
+            cuda_probe(dequant_bytes_per_s=rates, host_matmul_bytes_per_s=((1, 9e9), (16, 7e9))),
+            pin=True,
+            hostname="gpu-b",
+        ),
         "compute": profile,
     }
     info = node_info(JobConfig(checkpoint="c"), probed, node_id="n", num_gpus=2)
     assert (info.hostname, [g.index for g in info.gpus]) == ("gpu-b", [0, 1])
     assert info.dequant_bytes_per_s == rates
+    assert info.host_matmul_bytes_per_s == ((1, 9e9), (16, 7e9))
     assert (info.compute, info.compute_source) == (profile, "")
     assert (info.backend, info.backend_reason) == (
         "prefetch",

@@ -134,6 +134,17 @@ def test_dequantize_rates_are_measured_on_the_cpu() -> None:
     assert set(rates) == {"fp8", "int8"} and all(r > 0 for r in rates.values())
 
 
+def test_host_matmul_rates_are_measured_per_rows() -> None:
+    """What computing a few rows through bfloat16 weights in host memory costs this CPU, at
+    each of the probe's row counts (what `--host-experts auto` weighs against the link)."""
+    probe = probe_node({"host_matmul": probe_mod.PROBE_STEPS["host_matmul"]})
+    rates = dict(probe.host_matmul_bytes_per_s)
+    assert tuple(rates) == probe_mod.HOST_MATMUL_ROWS and all(r > 0 for r in rates.values())
+    assert probe.errors == ()
+    with pytest.raises(ValueError, match="num_bytes=0 must be > 0"):
+        link_mod.measure_host_matmul(1, entries=0)
+
+
 def test_cpu_copy_rate_is_measured() -> None:
     rate = link_mod.measure_cpu_copy(num_bytes=2**20, repeats=2)
     assert math.isfinite(rate) and rate > 0
@@ -235,6 +246,7 @@ probe = result["probe"]
 print(json.dumps({
     "torch": "torch" in sys.modules,
     "dequant": dict(probe.dequant_bytes_per_s),
+    "host_matmul": probe.host_matmul_bytes_per_s,
     "link": probe.link_pageable_bytes_per_s,
     "compute": repr(result["compute"]),
     "pin": result["pin"],
@@ -280,10 +292,12 @@ def test_a_probe_without_gpus_reads_what_its_node_measured_without_importing_tor
     assert first["torch"] or other["torch"]
     assert first["errors"] == other["errors"] == []
     assert (other["dequant"], other["compute"]) == (first["dequant"], first["compute"])
+    assert other["host_matmul"] == first["host_matmul"] and len(first["host_matmul"]) == 2
     assert set(first["dequant"]) == {"fp8", "int8"} and first["compute"].startswith("Compute")
     second = probe()
     assert not second["torch"], "a probe with its node's measurements cached imported torch"
     assert second["link"] > 0  # measured again: a memmove needs no torch
+    assert second["host_matmul"] == first["host_matmul"]
     assert (second["dequant"], second["compute"], second["pin"], second["errors"]) == (
         first["dequant"],
         first["compute"],

@@ -293,6 +293,69 @@ def test_the_plan_fetches_experts_by_routing_where_its_cost_model_says_so(
         assert ", routed)" in the_plan.summary() and "fetched by routing" in the_plan.summary()
 
 
+@pytest.mark.parametrize(
+    ("host", "rates", "batch", "expected"),
+    [
+        ("auto", ((1, 1e9), (16, 1e9)), 4, 4),  # the host far sooner: every decode step
+        ("auto", ((1, 3e6), (16, 3e6)), 64, 48),  # past 16 rows it slows: 3e6 x 16 / 48 = link
+        ("auto", ((1, 1e5), (16, 1e5)), 4, 0),  # the host slower than the link
+        ("auto", (), 4, 0),  # not measured
+        ("off", ((1, 1e9), (16, 1e9)), 4, 0),
+    ],
+)
+def test_the_plan_computes_small_steps_experts_on_the_host_where_its_rates_say_sooner(
+    moe, host: str, rates: tuple, batch: int, expected: int
+) -> None:
+    """qwen3_moe's experts offloaded over a 1 MB/s link, GPUs computing 1 TB/s: a routed
+    expert costs the GPU about 1 us a byte (copy and compute), the host 1/rate. Steps of as
+    many rows as the host stays sooner at (its rate at the nearest measured rows at or above,
+    slowing in proportion past the largest) run there: where that covers the plan's step, the
+    stage copies nothing of its experts and its time counts the host's compute of the
+    expected routed experts. Said in the plan, given to the workers."""
+    index = moe("qwen3_moe")
+    base = offloading_plan(index, expert_fetch="layer")
+    options = PlanOptions(
+        expert_fetch="routed",
+        host_experts=host,
+        expert_cache=0,
+        max_batch=batch,
+        default_link_bytes_per_s=1e6,
+        compute_bytes_per_s=1e12,
+    )
+    gpus = tuple(
+        GpuInfo(index=i, memory_bytes=s.device_bytes + 1) for i, s in enumerate(base.stages)
+    )
+    node = NodeInfo(
+        node_id="node",
+        gpus=gpus,
+        host_budget_bytes=10**9,
+        pinned_budget_bytes=10**9,
+        host_matmul_bytes_per_s=rates,
+    )
+    the_plan = plan(index.layers, ClusterSnapshot(nodes=(node,)), options)
+    routed = [s for s in the_plan.stages if s.expert_fetch == "routed"]
+    assert routed and all(s.offload_unit == "experts" for s in routed)
+    for s in routed:
+        assert s.host_expert_rows == expected
+        if expected >= batch:  # the plan's own steps run on the host: no expert copied
+            layers = {layer.name: layer for layer in index.layers}
+            chosen = sum(
+                layers[n].unit_bytes("experts")
+                * expected_experts(layers[n].experts, layers[n].experts_per_token, batch)
+                / layers[n].experts
+                for n in s.offloaded
+            )
+            assert s.copied_bytes == 0 and s.transfer_s == 0
+            assert s.time_s == pytest.approx(s.compute_s + chosen / dict(rates)[1])
+        else:
+            assert s.copied_bytes > 0
+    specs = stage_specs(JobConfig(checkpoint=str(index.root)), index, the_plan, {})
+    assert [sp.host_expert_rows for sp in specs] == [s.host_expert_rows for s in the_plan.stages]
+    summary = the_plan.summary()
+    assert ("experts on the host (host experts auto): stage" in summary) == bool(expected)
+    assert ("experts on the host: none" in summary) == (host == "auto" and not expected)
+
+
 @pytest.mark.parametrize(("cache", "rows"), [(-1, 2), (1, 0), (0, 0)])
 def test_the_plan_gives_routed_stages_the_memory_left_as_an_expert_cache(
     tmp_path, cache: int, rows: int
@@ -443,10 +506,11 @@ class UnusableRouterBlock(Block):
         return x + self.experts(x, index, torch.full(index.shape, 0.5))
 
 
-def _three_offloaded(layers: list[nn.Module], slots: int, inputs: list[torch.Tensor]):
-    """Layers 1-3 of `layers` offloaded over `slots` slots, their experts routed; a pass per
-    input, its output against a resident copy's; the stats, their bytes checked (every byte
-    copied is one expert's) and the weights restored by detach."""
+def _three_offloaded(layers: list[nn.Module], slots: int, inputs: list[torch.Tensor], **config):
+    """Layers 1-3 of `layers` offloaded over `slots` slots, their experts routed (`config`:
+    more of the OffloadConfig); a pass per input, its output against a resident copy's; the
+    stats, their bytes checked (every byte copied is one expert's) and the weights restored
+    by detach."""
     resident = copy.deepcopy(layers)
     offloader = PrefetchOffloader(
         OffloadConfig(
@@ -455,6 +519,7 @@ def _three_offloaded(layers: list[nn.Module], slots: int, inputs: list[torch.Ten
             prefetch_step=slots,
             param_filter=r"experts\.",
             routed_experts=True,
+            **config,
         ),
         device="cpu",
     )
@@ -500,6 +565,52 @@ def test_a_layers_router_predicts_its_experts_from_the_layer_before(slots, shift
     # each predicted expert crossed once at most (those copied ahead of its layer's load stay
     # there); the last pass's predictions for the next pass are never measured
     assert stats.expert_prefetched <= stats.expert_predicted + 3 * TOP
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_experts_computed_on_the_host_give_transformers_logits(moe, family, dtype) -> None:
+    """Three layers' experts offloaded and every call (3 rows) run on the host, reading the
+    experts in host memory: logits bitwise transformers', nothing copied."""
+    index = moe(family, dtype)
+    names = [layer.name for layer in index.layers]
+    by_name = {layer.name: layer for layer in index.layers}
+    moved = tuple(n for n in MOVED if by_name[n].unit_bytes("experts"))
+    ids = torch.randint(2, VOCAB, (1, 3), generator=torch.Generator().manual_seed(9))
+    pipeline = Pipeline(
+        index,
+        [names[:3], names[3:]],
+        offloaded=moved,
+        unit="experts",
+        expert_fetch="routed",
+        host_expert_rows=3,
+    )
+    try:
+        logits = pipeline(ids)
+        stats = [worker.report().stats for worker in pipeline.workers]
+    finally:
+        pipeline.close()
+    assert torch.equal(logits, reference(index, ids)), family
+    assert sum(s.expert_host for s in stats) > 0
+    assert sum(s.copied_bytes + s.expert_misses + s.expert_hits for s in stats) == 0
+
+
+def test_calls_of_few_rows_run_their_experts_on_the_host_without_a_copy() -> None:
+    """host_expert_rows=2: the one- and two-row passes run every routed expert where it is in
+    host memory (nothing copied, no hit, no miss, nothing copied ahead however right the
+    predictions); a three-row pass fetches its experts into the slot as before. Every output
+    is the resident model's."""
+    torch.manual_seed(0)
+    layers = [Block() for _ in range(4)]
+    inputs = [torch.randn(1, H), torch.randn(2, H), torch.randn(1, H)]
+    stats = _three_offloaded(layers, 1, inputs * 2, host_expert_rows=2)
+    assert stats.copied_bytes == stats.expert_hits == stats.expert_misses == 0
+    assert stats.expert_prefetched == 0
+    assert 6 * 3 * TOP <= stats.expert_host <= 6 * 3 * 2 * TOP
+    wide = _three_offloaded(layers, 1, [torch.randn(3, H)], host_expert_rows=2)
+    assert wide.expert_host == 0 and wide.expert_misses > 0
+    with pytest.raises(ValueError, match=r"host_expert_rows=1 .* needs routed_experts=True"):
+        OffloadConfig(backend="prefetch", layers=(1,), host_expert_rows=1)
 
 
 class RouterAsideBlock(ChosenBlock):

@@ -22,6 +22,11 @@ OFFLOAD_DTYPES: tuple[str, ...] = ("auto", "none", "fp8", "int8")
 # stage, whichever its cost model says is faster at the plan's batch.
 EXPERT_FETCHES: tuple[str, ...] = ("auto", "layer", "routed")
 
+# Where a routed stage computes a step of few rows' experts (`--host-experts`): "off" on the
+# GPU, copied in; "auto" on the host, read where they are in host memory, where the node's
+# measured rates say that is sooner (Fiddler's choice; `offload.prefetch`, experts on the host).
+HOST_EXPERTS: tuple[str, ...] = ("off", "auto")
+
 # How a quantized checkpoint's resident weights sit on the GPU (`--resident-weights`): "stored"
 # as the checkpoint stores them (FP8 blocks, MXFP4: 1 byte or half a byte an entry), each
 # layer's dequantized into one buffer just before it runs (`offload.resident`); "wide"

@@ -455,6 +455,9 @@ class StageSpec:
     expert_fetch: str = "layer"  # how offloaded experts cross the link: "layer" or "routed"
     # routed: rows each offloaded experts module keeps on the device across steps (0: none)
     expert_cache: int = 0
+    # routed: an experts call of at most this many rows runs on the host, reading its experts
+    # in host memory (OffloadConfig.host_expert_rows; 0: never)
+    host_expert_rows: int = 0
     # Device-resident quantized matrices kept as stored (`stored_formats`), each layer's
     # dequantized just in time (`offload.resident`); False: dequantized at load
     resident_stored: bool = False

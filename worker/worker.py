@@ -214,6 +214,7 @@ class StageWorker:
                 param_filter=unit,
                 routed_experts=spec.expert_fetch == "routed",
                 expert_cache=spec.expert_cache if spec.expert_fetch == "routed" else 0,
+                host_expert_rows=spec.host_expert_rows if spec.expert_fetch == "routed" else 0,
             )
         else:
             config = OffloadConfig(backend="none")

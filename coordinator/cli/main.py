@@ -37,7 +37,13 @@ from coordinator.tools.make_checkpoint import (
     SLIDING_ARCHITECTURES,
 )
 from offload.errors import OffloadCoordinatorError
-from worker.names import COMPUTE_DTYPE_NAMES, EXPERT_FETCHES, OFFLOAD_DTYPES, RESIDENT_WEIGHTS
+from worker.names import (
+    COMPUTE_DTYPE_NAMES,
+    EXPERT_FETCHES,
+    HOST_EXPERTS,
+    OFFLOAD_DTYPES,
+    RESIDENT_WEIGHTS,
+)
 from worker.startup import quiet_imports, settle
 
 EXIT_ERROR = 2
@@ -155,6 +161,14 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
         help="rows each offloaded MoE experts module of a routed stage keeps on the GPU across "
         "steps, its most used experts: auto (default: as many as the memory the plan leaves "
         "holds), 0 (none) or a number (at most that many)",
+    )
+    parser.add_argument(
+        "--host-experts",
+        choices=HOST_EXPERTS,
+        dest="host_experts",
+        help="where a routed MoE stage computes the experts of a step of few rows: off "
+        "(default: on the GPU, copied in) or auto (on the host, reading them in host memory, "
+        "where the node's measured host rate beats copying them over its link)",
     )
     parser.add_argument(
         "--resident-weights",
@@ -301,6 +315,7 @@ _JOB_FLAGS = {
     "expert_fetch": "--expert-fetch",
     "resident_weights": "--resident-weights",
     "expert_cache": "--expert-cache",
+    "host_experts": "--host-experts",
     "dtype": "--dtype",
     "cpus_per_worker": "--cpus-per-worker",
     "snapshot_interval_s": "--snapshot-interval",

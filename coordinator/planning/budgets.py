@@ -111,6 +111,7 @@ def node_info(
         pin=pin,
         link_bytes_per_s=probe.link_bytes_per_s(pin=pin),
         dequant_bytes_per_s=probe.dequant_bytes_per_s,
+        host_matmul_bytes_per_s=probe.host_matmul_bytes_per_s,
         backend=backend,
         backend_reason=backend_reason,
         concurrent_stages=None

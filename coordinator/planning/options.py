@@ -11,6 +11,7 @@ from offload.errors import ConfigError
 from worker.names import (
     DEFAULT_BLOCK_SIZE,
     EXPERT_FETCHES,
+    HOST_EXPERTS,
     OFFLOAD_DTYPES,
     RESIDENT_WEIGHTS,
     blocks_for,
@@ -87,6 +88,11 @@ class PlanOptions:
     # of a routed stage keeps on the device across steps. -1 (auto): as many as the memory the
     # plan leaves on that GPU (after weights, slots, KV and reserve) holds; 0: none; N: at most N.
     expert_cache: int = -1
+    # Routed stages' experts computed on the host (`OffloadConfig.host_expert_rows`, Fiddler's
+    # choice): "auto" where the node's measured host rate (`NodeInfo.host_matmul_bytes_per_s`)
+    # computes an expert for a step's rows sooner than its link copies it and its GPU computes
+    # it (`_host_rows`), for steps of up to the rows where that holds; "off" never.
+    host_experts: str = "off"
 
     @property
     def pool_tokens(self) -> int:
@@ -167,6 +173,11 @@ class PlanOptions:
             raise ConfigError(
                 f"PlanOptions.expert_cache={self.expert_cache!r} must be an int >= -1 (-1: as "
                 "many rows as the memory left holds, 0: none)"
+            )
+        if self.host_experts not in HOST_EXPERTS:
+            raise ConfigError(
+                f"PlanOptions.host_experts={self.host_experts!r} must be one of "
+                f"{', '.join(HOST_EXPERTS)}"
             )
         if self.resident_weights not in RESIDENT_WEIGHTS:
             raise ConfigError(

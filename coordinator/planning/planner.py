@@ -113,6 +113,10 @@ class StagePlan:
     # the plan left on the GPU
     expert_cache: int = 0
     expert_cache_bytes: int = 0
+    # Routed: its experts calls of at most this many rows run on the host, reading the experts
+    # in host memory (PlanOptions.host_experts, `_host_rows`); where that covers the plan's
+    # rows per step, its times count the host's compute instead of the routed copies
+    host_expert_rows: int = 0
     # What a step is expected to copy: its offloaded bytes as stored, or with routed fetch the
     # rest of the unit and the expected routed experts not cached (`_fetch`)
     copied_bytes: int = 0
@@ -297,6 +301,24 @@ class Plan:
                 f"{self.options.rows_per_step} row(s) routes to cross, after the router, "
                 "E (1 - (1 - k/E)^rows) of E expected under uniform routing, their copy added "
                 "to the stage's time"
+            )
+        hosted = [s for s in self.stages if s.host_expert_rows]
+        if hosted:
+            notes.append(
+                "experts on the host (host experts "
+                f"{self.options.host_experts}): "
+                + ", ".join(
+                    f"stage {s.stage} for steps of up to {s.host_expert_rows} row(s)"
+                    for s in hosted
+                )
+                + ", where the node's host computes a routed expert sooner than its link "
+                "copies it and its GPU computes it (its measured rates); such a step reads "
+                "them in host memory and copies none"
+            )
+        elif self.options.host_experts == "auto" and routed:
+            notes.append(
+                "experts on the host: none, the GPUs have a routed expert copied and computed "
+                "sooner than their hosts compute it (or a host's rate was not measured)"
             )
         kept = [s for s in self.stages if s.resident_stored]
         if kept:
@@ -585,8 +607,8 @@ def _fetch(
     node,
     options: PlanOptions,
     cache_rows: int = 0,
-) -> tuple[str, float, float, int]:
-    """(expert fetch, transfer seconds, stage seconds, bytes a step copies) of a stage
+) -> tuple[str, float, float, int, int]:
+    """(expert fetch, transfer seconds, stage seconds, bytes a step copies, host rows) of a stage
     offloading `moved` by `unit` (`stored`: each one's bytes as it crosses), whose whole-unit
     copies take `transfer_s`.
 
@@ -599,12 +621,15 @@ def _fetch(
     shares the cores with compute (`NodeInfo.concurrent_stages`), so a copy is not hidden
     under compute there: the choice weighs compute + copy either way. "auto" takes the
     faster; the placement itself was searched with whole-unit copies. UVA nodes read the
-    experts in place: nothing to fetch."""
+    experts in place: nothing to fetch. A routed stage's small steps may run its experts on
+    the host (`_host_rows`); where its rows cover the plan's step, the routed copies' time is
+    the host's compute of every routed expert instead, and a step copies only the rest."""
     whole = max(compute_s, transfer_s)
     total = sum(stored)
     if options.expert_fetch == "layer" or node.backend != "prefetch" or not moved:
-        return "layer", transfer_s, whole, total
-    experts = routed = 0.0
+        return "layer", transfer_s, whole, total, 0
+    experts = routed = chosen = 0.0
+    wide = True  # every MoE layer's experts cross at the model's width (the host reads them so)
     for layer, nbytes in zip(moved, stored, strict=True):
         if not layer.experts or not total:
             continue
@@ -615,25 +640,66 @@ def _fetch(
         rows = options.rows_per_step
         # a cache of C rows holds the most used experts: under uniform routing C of E of them
         misses = 1.0 - min(cache_rows, layer.experts) / layer.experts
-        routed += (
-            part
-            * expected_experts(layer.experts, layer.experts_per_token, rows)
-            / layer.experts
-            * misses
+        share_routed = (
+            expected_experts(layer.experts, layer.experts_per_token, rows) / layer.experts
         )
+        chosen += part * share_routed
+        routed += part * share_routed * misses
+        wide &= nbytes == layer.unit_bytes(unit)
     if not experts:
-        return "layer", transfer_s, whole, total
+        return "layer", transfer_s, whole, total, 0
     per_byte = transfer_s / total
     rest_s, routed_s = (total - experts) * per_byte, routed * per_byte
     time_s = max(compute_s, rest_s) + routed_s
     shared = node.concurrent_stages is not None  # copies take the cores compute needs
     against = compute_s + transfer_s if shared else whole
+    host_rows = _host_rows(node, options, routed / chosen if chosen else 1.0) if wide else 0
+    if host_rows >= options.rows_per_step:  # the plan's steps compute the experts on the host
+        host_s = chosen / _host_rate(node, options.rows_per_step)
+        host_time = max(compute_s, rest_s) + host_s
+        if (
+            options.expert_fetch == "routed"
+            or (compute_s + rest_s + host_s if shared else host_time) < against
+        ):
+            return "routed", rest_s, host_time, math.ceil(total - experts), host_rows
     if (
         options.expert_fetch == "routed"
         or (compute_s + rest_s + routed_s if shared else time_s) < against
     ):
-        return "routed", rest_s + routed_s, time_s, math.ceil(total - experts + routed)
-    return "layer", transfer_s, whole, total
+        copied = math.ceil(total - experts + routed)
+        return "routed", rest_s + routed_s, time_s, copied, host_rows
+    return "layer", transfer_s, whole, total, 0
+
+
+def _host_rate(node, rows: int) -> float:
+    """Weight bytes per second `node`'s host computes through for a step of `rows` rows, from
+    its measured rates (`NodeInfo.host_matmul_bytes_per_s`): as the nearest measured rows at
+    or above `rows` measured it (more rows never compute faster per row), beyond the largest
+    that rate slowed in proportion to the rows (the host is then bound by its arithmetic)."""
+    rates = sorted(node.host_matmul_bytes_per_s)
+    for measured, rate in rates:
+        if rows <= measured:
+            return rate
+    measured, rate = rates[-1]
+    return rate * measured / rows
+
+
+def _host_rows(node, options: PlanOptions, miss: float) -> int:
+    """The most rows (at most `options.max_batch`, the steps decode takes) for which `node`'s
+    host computes a routed expert sooner than the GPU has it copied in (`miss`: the share not
+    cached) and computed: per expert byte, 1 / host rate < miss / link rate + 1 / compute rate,
+    each at that many rows. 0 where `options.host_experts` is off, the host's rate was not
+    measured, or the GPU is sooner at one row."""
+    if options.host_experts != "auto" or not node.host_matmul_bytes_per_s:
+        return 0
+    link = node.link_bytes_per_s or options.default_link_bytes_per_s
+    best = 0
+    for rows in range(1, max(options.max_batch, 1) + 1):
+        device = node.compute_rate(rows)[0] or options.compute_bytes_per_s
+        if 1.0 / _host_rate(node, rows) >= miss / link + 1.0 / device:
+            break
+        best = rows
+    return best
 
 
 def _cache_rows(moved: Sequence[LayerSpec], room: int, options: PlanOptions) -> tuple[int, int]:
@@ -779,7 +845,7 @@ def _build(
         rows, row_bytes = _cache_rows(
             [layers[j] for j in moved], gpu.memory_bytes - device, options
         )
-        fetch, transfer_s, time_s, copied = _fetch(
+        fetch, transfer_s, time_s, copied, host_rows = _fetch(
             [layers[j] for j in moved],
             unit_names[unit] if moved else "layer",
             [units.stored[j] if packed else units.slot[j] for j in moved],
@@ -816,6 +882,7 @@ def _build(
                 expert_fetch=fetch,
                 expert_cache=rows,
                 expert_cache_bytes=cache_bytes,
+                host_expert_rows=host_rows,
                 copied_bytes=copied,
                 link_bytes_per_s=node.link_bytes_per_s,
                 compute_bytes_per_s=rate,

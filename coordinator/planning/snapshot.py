@@ -37,6 +37,10 @@ class NodeInfo:
     # bfloat16 bytes its GPUs make per second from 8-bit weights, per format ("fp8", "int8"),
     # when measured: what dequantizing offloaded weights after each copy costs there
     dequant_bytes_per_s: tuple[tuple[str, float], ...] = ()
+    # Weight bytes per second its host CPU computes through for a step of so many rows, per
+    # rows measured (offload.probe.HOST_MATMUL_ROWS): what computing an MoE layer's experts on
+    # the host costs there (PlanOptions.host_experts); empty: not measured
+    host_matmul_bytes_per_s: tuple[tuple[int, float], ...] = ()
     # How fast this node's GPUs run the model: its probe's timing of the model's own decoder
     # layer (a `worker.compute_probe.ComputeProfile`: the plan takes the rate for its batch), or
     # a rate given outright (weight bytes per second); neither: the plan's default rate, and

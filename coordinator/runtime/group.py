@@ -84,6 +84,7 @@ def stage_specs(
             offload_dtype=the_plan.options.offload_dtype,
             expert_fetch=s.expert_fetch,  # the plan's, per stage
             expert_cache=s.expert_cache,
+            host_expert_rows=s.host_expert_rows,
             resident_stored=s.resident_stored,  # the plan's, per stage
             kv_slots=config.max_batch if config.max_seq_len else 0,
             kv_blocks=config.kv_blocks(),
