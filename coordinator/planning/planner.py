@@ -655,7 +655,7 @@ def _fetch(
     against = compute_s + transfer_s if shared else whole
     host_rows = _host_rows(node, options, routed / chosen if chosen else 1.0) if wide else 0
     if host_rows >= options.rows_per_step:  # the plan's steps compute the experts on the host
-        host_s = chosen / _host_rate(node, options.rows_per_step)
+        host_s = chosen / _host_rate(node, options, options.rows_per_step)
         host_time = max(compute_s, rest_s) + host_s
         if (
             options.expert_fetch == "routed"
@@ -671,12 +671,18 @@ def _fetch(
     return "layer", transfer_s, whole, total, 0
 
 
-def _host_rate(node, rows: int) -> float:
-    """Weight bytes per second `node`'s host computes through for a step of `rows` rows, from
-    its measured rates (`NodeInfo.host_matmul_bytes_per_s`): as the nearest measured rows at
-    or above `rows` measured it (more rows never compute faster per row), beyond the largest
-    that rate slowed in proportion to the rows (the host is then bound by its arithmetic)."""
+def _host_rate(node, options: PlanOptions, rows: int) -> float | None:
+    """Weight bytes per second `node`'s host computes through for a step of `rows` rows. Where
+    its GPUs are simulated on its CPU, the host is what computes them: their compute rate.
+    Else from its measured rates (`NodeInfo.host_matmul_bytes_per_s`; None: not measured): as
+    the nearest measured rows at or above `rows` measured it (more rows never compute faster
+    per row), beyond the largest that rate slowed in proportion to the rows (the host is then
+    bound by its arithmetic)."""
+    if not node.cuda:
+        return node.compute_rate(rows)[0] or options.compute_bytes_per_s
     rates = sorted(node.host_matmul_bytes_per_s)
+    if not rates:
+        return None
     for measured, rate in rates:
         if rows <= measured:
             return rate
@@ -689,14 +695,16 @@ def _host_rows(node, options: PlanOptions, miss: float) -> int:
     host computes a routed expert sooner than the GPU has it copied in (`miss`: the share not
     cached) and computed: per expert byte, 1 / host rate < miss / link rate + 1 / compute rate,
     each at that many rows. 0 where `options.host_experts` is off, the host's rate was not
-    measured, or the GPU is sooner at one row."""
-    if options.host_experts != "auto" or not node.host_matmul_bytes_per_s:
+    measured, or the GPU is sooner at one row. On a node whose GPUs are simulated on its CPU
+    the host computes as fast as they do, so every step of up to max_batch rows runs there
+    (what a copy costs is never saved otherwise)."""
+    if options.host_experts != "auto" or _host_rate(node, options, 1) is None:
         return 0
     link = node.link_bytes_per_s or options.default_link_bytes_per_s
     best = 0
     for rows in range(1, max(options.max_batch, 1) + 1):
         device = node.compute_rate(rows)[0] or options.compute_bytes_per_s
-        if 1.0 / _host_rate(node, rows) >= miss / link + 1.0 / device:
+        if 1.0 / _host_rate(node, options, rows) >= miss / link + 1.0 / device:
             break
         best = rows
     return best
