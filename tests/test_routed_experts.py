@@ -301,17 +301,19 @@ def test_the_plan_fetches_experts_by_routing_where_its_cost_model_says_so(
         ("auto", ((1, 1e5), (16, 1e5)), 4, 0),  # the host slower than the link
         ("auto", (), 4, 0),  # not measured
         ("off", ((1, 1e9), (16, 1e9)), 4, 0),
+        ("auto", None, 4, 4),  # GPUs simulated on the CPU: the host computes as they do
     ],
 )
 def test_the_plan_computes_small_steps_experts_on_the_host_where_its_rates_say_sooner(
     moe, host: str, rates: tuple, batch: int, expected: int
 ) -> None:
-    """qwen3_moe's experts offloaded over a 1 MB/s link, GPUs computing 1 TB/s: a routed
+    """qwen3_moe's experts offloaded over a 1 MB/s link, CUDA GPUs computing 1 TB/s: a routed
     expert costs the GPU about 1 us a byte (copy and compute), the host 1/rate. Steps of as
     many rows as the host stays sooner at (its rate at the nearest measured rows at or above,
     slowing in proportion past the largest) run there: where that covers the plan's step, the
     stage copies nothing of its experts and its time counts the host's compute of the
-    expected routed experts. Said in the plan, given to the workers."""
+    expected routed experts. GPUs simulated on the CPU (`rates` None) compute at the host's
+    rate, so a copy never pays there. Said in the plan, given to the workers."""
     index = moe("qwen3_moe")
     base = offloading_plan(index, expert_fetch="layer")
     options = PlanOptions(
@@ -330,7 +332,8 @@ def test_the_plan_computes_small_steps_experts_on_the_host_where_its_rates_say_s
         gpus=gpus,
         host_budget_bytes=10**9,
         pinned_budget_bytes=10**9,
-        host_matmul_bytes_per_s=rates,
+        host_matmul_bytes_per_s=rates or (),
+        cuda=rates is not None,
     )
     the_plan = plan(index.layers, ClusterSnapshot(nodes=(node,)), options)
     routed = [s for s in the_plan.stages if s.expert_fetch == "routed"]
@@ -346,7 +349,8 @@ def test_the_plan_computes_small_steps_experts_on_the_host_where_its_rates_say_s
                 for n in s.offloaded
             )
             assert s.copied_bytes == 0 and s.transfer_s == 0
-            assert s.time_s == pytest.approx(s.compute_s + chosen / dict(rates)[1])
+            host = dict(rates)[1] if rates else options.compute_bytes_per_s
+            assert s.time_s == pytest.approx(s.compute_s + chosen / host)
         else:
             assert s.copied_bytes > 0
     specs = stage_specs(JobConfig(checkpoint=str(index.root)), index, the_plan, {})
