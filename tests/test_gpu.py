@@ -502,6 +502,61 @@ def test_bf16_stages_on_cuda_match_transformers_on_cuda(tmp_path, arch: str, bac
     assert torch.equal(x, expected), f"{arch} {backend}: max abs diff {diff:.3e}"
 
 
+def test_moe_experts_computed_on_the_host_beside_a_cuda_stage(tmp_path) -> None:
+    """Issue 55 point 5 on a GPU: mixtral's experts offloaded from two CUDA stages, routed,
+    and every call (2 x 8 rows) run on the host (`host_expert_rows`): the experts read in host
+    memory, nothing of them copied to the GPU, the output brought back. The host computes
+    them with the CPU's kernels, so the logits are transformers' on the GPU within bfloat16
+    rounding of the expert outputs (not bitwise: other kernels, other sums)."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from coordinator.planning.checkpoint import load_index
+    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+    from worker.worker import StageWorker
+
+    index = load_index(
+        make_checkpoint(
+            tmp_path / "mixtral",
+            CheckpointShape(
+                arch="mixtral",
+                num_layers=4,
+                hidden_size=256,
+                num_heads=8,
+                num_kv_heads=4,
+                intermediate_size=512,
+                vocab_size=512,
+                dtype="bfloat16",
+            ),
+        )
+    )
+    ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(0))
+    x, stats = ids, []
+    for spec in two_cuda_stages(index, "prefetch"):
+        spec = dataclasses.replace(
+            spec, offload_unit="experts", expert_fetch="routed", host_expert_rows=16
+        )
+        worker = StageWorker(spec, device="cuda")
+        try:
+            worker.load()
+            x = worker.forward(x)
+            stats.append(worker.report().stats)
+        finally:
+            worker.close()
+    model = AutoModelForCausalLM.from_pretrained(
+        index.root, dtype=torch.bfloat16, device_map="cuda"
+    )
+    with torch.no_grad():
+        expected = model(ids.to(CUDA)).logits.cpu()
+    assert sum(s.expert_host for s in stats) > 0
+    assert sum(s.expert_hits + s.expert_misses for s in stats) == 0
+    assert x.device.type == "cpu" and x.dtype == torch.bfloat16
+    scale = float(expected.float().abs().max())
+    diff = float((x.float() - expected.float()).abs().max())
+    assert diff <= 0.05 * scale, f"max abs diff {diff:.3e} of {scale:.3e}"
+
+
 @pytest.mark.parametrize("backend", ["prefetch", "uva"])
 def test_batched_generation_on_cuda_equals_transformers_alone(tmp_path, backend: str) -> None:
     """The engine's batched steps on the GPU (slot pool, per-row masks and positions on CUDA,
