@@ -54,10 +54,11 @@ ones their previous call routed to (routing statistics: consecutive tokens of a 
 reuse experts), copied when their slot is loaded. Each call measures its predictions against
 what its router chose (`OffloadStats.expert_predicted` / `_correct` count the one acted on);
 a pre-gated layer keeps a running accuracy for both and acts on the better, so it is never
-predicted worse than by its last routing; and the running accuracy decides whether to act: at or above PREDICT_ACCURACY the predicted experts are
-copied ahead, so a correct one is a hit when the router has chosen instead of a copy on the
-critical path. A wrong one cost link bytes, never a number: what the slot holds is tracked,
-and the misses are fetched after the router as before.
+predicted worse than by its last routing. The running accuracy decides whether to act: at or
+above PREDICT_ACCURACY the predicted experts are copied ahead, so a correct one is a hit when
+the router has chosen instead of a copy on the critical path. A wrong one cost link bytes,
+never a number: what the slot holds is tracked, and the misses are fetched after the router
+as before.
 
 Experts on the host (`OffloadConfig.host_expert_rows` = R). An experts call of at most R rows
 whose per-expert weights are all kept at the model's width runs on the host: its weights view
@@ -828,9 +829,13 @@ class PrefetchOffloader(BaseOffloader):
 
     def _on_host(self, layer: OffloadedLayer, entry: ExpertsModule) -> bool:
         """Whether experts module `entry`'s small calls run on the host (module doc): asked
-        for, and every per-expert weight at the model's width in the arena."""
-        return self.config.host_expert_rows > 0 and all(
-            layer.keys[position] not in layer.formats for position in entry.positions
+        for, every per-expert weight at the model's width in the arena, and no other weight of
+        the module left on the device (the host could not read it)."""
+        own = {id(param) for param in entry.module.parameters()}
+        return (
+            self.config.host_expert_rows > 0
+            and own == {id(layer.params[position][1]) for position in entry.positions}
+            and all(layer.keys[position] not in layer.formats for position in entry.positions)
         )
 
     def _from_host(
