@@ -617,6 +617,42 @@ def test_calls_of_few_rows_run_their_experts_on_the_host_without_a_copy() -> Non
         OffloadConfig(backend="prefetch", layers=(1,), host_expert_rows=1)
 
 
+def test_a_host_call_leaves_the_weights_viewing_their_slot() -> None:
+    """During a host call the experts' weights view host memory; after it they view their
+    slot again (on a GPU the next call could not read host tensors), and the module has all
+    its experts."""
+    torch.manual_seed(0)
+    layers = [Block() for _ in range(4)]
+    offloader = PrefetchOffloader(
+        OffloadConfig(
+            backend="prefetch",
+            layers=(1, 2, 3),
+            param_filter=r"experts\.",
+            routed_experts=True,
+            host_expert_rows=1,
+        ),
+        device="cpu",
+    )
+    offloader.wrap_modules(layers)
+    offloader.post_init()
+    try:
+        slot = [(b.experts.gate_up_proj.data_ptr(), b.experts.down_proj.data_ptr()) for b in layers]
+        seen = []
+        hook = layers[2].experts.register_forward_pre_hook(
+            lambda module, args: seen.append(module.down_proj.data_ptr())
+        )
+        run_stack(layers, torch.randn(1, H))
+        hook.remove()
+        after = [
+            (b.experts.gate_up_proj.data_ptr(), b.experts.down_proj.data_ptr()) for b in layers
+        ]
+        stats = offloader.stats()
+    finally:
+        offloader.detach()
+    assert stats.expert_host == 3 * TOP and after == slot
+    assert seen and seen[0] != slot[2][1]  # the call itself read host memory
+
+
 class RouterAsideBlock(ChosenBlock):
     """A ChosenBlock with a router that does not decide its routing: its predictions are
     wrong where the last routing (always the same experts) is right."""
