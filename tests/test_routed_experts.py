@@ -145,11 +145,17 @@ def test_routed_4_bit_and_8_bit_experts_cross_as_stored(moe) -> None:
 
 
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "gpt_oss"])
-def test_requests_with_routed_experts_equal_transformers_alone(moe, family: str) -> None:
+@pytest.mark.parametrize("host_rows", [0, 4])
+def test_requests_with_routed_experts_equal_transformers_alone(
+    moe, family: str, host_rows: int
+) -> None:
     """Continuous batching with routed experts: requests joining and leaving, each step
-    fetching the experts its rows route to; each text equals transformers alone."""
+    fetching the experts its rows route to (or, `host_rows`, computing a step of at most that
+    many rows on the host); each text equals transformers alone."""
     index = moe(family)
-    pipeline = Pipeline(index, *TWO_STAGES, unit="experts", expert_fetch="routed")
+    pipeline = Pipeline(
+        index, *TWO_STAGES, unit="experts", expert_fetch="routed", host_expert_rows=host_rows
+    )
     try:
         ids = prompts(seed=4)
         ours, _ = run_joining(pipeline, ids, micro_batches=1)
@@ -158,7 +164,8 @@ def test_requests_with_routed_experts_equal_transformers_alone(moe, family: str)
         pipeline.close()
     for prompt, (_, new, _), tokens in zip(ids, REQUESTS, ours, strict=True):
         assert tokens == alone(index, prompt, new), family
-    assert sum(s.expert_misses for s in stats) > 0
+    assert sum(s.expert_misses for s in stats) > 0  # prompts of more rows copy
+    assert (sum(s.expert_host for s in stats) > 0) == bool(host_rows)
 
 
 # --- the offloader on its own ---------------------------------------------------------------
