@@ -15,6 +15,12 @@ an in-process test reaches the same code. It writes, in --out:
   survivors.md  - each survivor's diff (`mutmut show`), grouped by module and function
 
     python bench/mutation.py [--out DIR [--resume]] [--jobs 2] [--only offload/policy.py ...]
+        [--tests FILE_OR_NODE_ID ...] [--test-timeout 8] [--isolation fork] [--mutants NAME ...]
+
+A Ray test (driver-side code: coordinator/engine/ray_pipeline.py) takes longer than the
+in-process tests' 8 s: give --test-timeout, --isolation forkserver (mutmut forks the mutants
+from a process that never ran a test, not from one that ran Ray and torch) and, to sample,
+--mutants with the names of the mutants to run (the summary then counts only those).
 
 Time: about 7 mutants/s on 2 cores for the pure-Python modules, less for decode.
 """
@@ -72,7 +78,8 @@ TESTS = (
 )
 # -x: a mutant's first failing test is its kill; --timeout: a test a mutant hangs (the
 # engine's stop, a wait) fails after this many seconds (no clean test takes 3 alone)
-PYTEST_ARGS = ("-p", "no:cacheprovider", "-q", "-x", "--timeout=8")
+PYTEST_ARGS = ("-p", "no:cacheprovider", "-q", "-x")
+TEST_TIMEOUT_S = 8
 TIMEOUT_MULTIPLIER = 3.0  # a mutant's tests may take this many times their clean time
 TIMEOUT_CONSTANT_S = 10.0  # ... plus this (a busy machine's noise)
 NAME = re.compile(r"^\s*([\w.]+)__mutmut_\d+: (\w[\w ]*)$")
@@ -98,7 +105,14 @@ def copy_tree(out: Path) -> None:
         shutil.copy2(source, target)
 
 
-def write_config(out: Path, only: list[str], tests: list[str]) -> None:
+def write_config(
+    out: Path,
+    only: list[str],
+    tests: list[str],
+    *,
+    test_timeout_s: float = TEST_TIMEOUT_S,
+    isolation: str = "fork",
+) -> None:
     def listing(values) -> str:
         return "".join(f"\n    {v}" for v in values)
 
@@ -107,11 +121,12 @@ def write_config(out: Path, only: list[str], tests: list[str]) -> None:
         f"source_paths ={listing(PACKAGES)}\n"
         f"only_mutate ={listing(only)}\n"
         f"pytest_add_cli_args_test_selection ={listing(tests)}\n"
-        f"pytest_add_cli_args ={listing(PYTEST_ARGS)}\n"
+        f"pytest_add_cli_args ={listing((*PYTEST_ARGS, f'--timeout={test_timeout_s:g}'))}\n"
         # a mutant that hangs the engine's stop or a wait is a kill, not a reason to wait
         # mutmut's default 15x its tests' time (minutes, for the engine's tests)
         f"timeout_multiplier = {TIMEOUT_MULTIPLIER}\n"
         f"timeout_constant = {TIMEOUT_CONSTANT_S}\n"
+        f"process_isolation = {isolation}\n"
     )
 
 
@@ -175,7 +190,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="where the copy and the reports go")
     parser.add_argument("--jobs", type=int, default=2, help="mutants tested at once")
     parser.add_argument("--only", nargs="+", default=list(TARGETS), help="globs to mutate")
-    parser.add_argument("--tests", nargs="+", default=list(TESTS), help="test files to run")
+    parser.add_argument(
+        "--tests", nargs="+", default=list(TESTS), help="test files (or node ids) to run"
+    )
+    parser.add_argument(
+        "--test-timeout", type=float, default=TEST_TIMEOUT_S, help="seconds one test may take"
+    )
+    parser.add_argument(
+        "--isolation",
+        choices=("fork", "forkserver"),
+        default="fork",
+        help="mutmut's process_isolation: forkserver for Ray tests",
+    )
+    parser.add_argument(
+        "--mutants", nargs="+", default=[], help="run only these mutants (a sample), by name"
+    )
     parser.add_argument(
         "--resume", action="store_true", help="go on with --out's run (mutants not yet tested)"
     )
@@ -192,11 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         out.mkdir(parents=True, exist_ok=True)
         copy_tree(out)
-    write_config(out, args.only, args.tests)
+    write_config(
+        out, args.only, args.tests, test_timeout_s=args.test_timeout, isolation=args.isolation
+    )
     print(f"mutating {', '.join(args.only)} in {out} ({args.jobs} at once)", flush=True)
     start = time.monotonic()
     run = subprocess.run(
-        [mutmut, "run", "--max-children", str(args.jobs)],
+        [mutmut, "run", "--max-children", str(args.jobs), *args.mutants],
         cwd=out,
         stdout=(out / "run.log").open("w"),
         stderr=subprocess.STDOUT,
@@ -206,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mutmut run exited {run.returncode}: see {out / 'run.log'}", file=sys.stderr)
         return run.returncode
     found = results(out, mutmut)
+    if args.mutants:  # a sample: the others were never run
+        sample = set(args.mutants)
+        found = {m: [(n, s) for n, s in found[m] if n in sample] for m in found}
     summary = summarize(found)
     (out / "summary.md").write_text(summary + f"\n{took:.0f} s, {args.jobs} at once\n")
     (out / "survivors.md").write_text(survivors(out, mutmut, found))
