@@ -309,6 +309,14 @@ def test_a_claim_reaches_every_stage_as_asked_and_a_refusal_is_the_workers_own_e
     with pytest.raises(ray.exceptions.RayTaskError):
         pipeline.claim(("engine", 1), take=False)
 
+    # a stage that never answers: the claim ends at the load's bound (forward_timeout_s)
+    never = Ref(hung=True)
+    fake.hung.append(never)
+    stages[1].claim.answer = lambda owner, take: never
+    bounded = rp.RayPipeline(lambda: [handle(a) for a in stages], lambda: 0.2)
+    with pytest.raises(ray.exceptions.GetTimeoutError):
+        within(QUICK_S, lambda: bounded.claim(("engine", 1), take=False))
+
 
 def test_a_load_that_lost_a_worker_runs_nothing_and_says_so(fake) -> None:
     alive = Actor("s0")
