@@ -450,6 +450,35 @@ def two_cuda_stages(index, backend: str) -> list:
     ]
 
 
+def small_bf16_checkpoint(tmp_path, arch: str):
+    """A 4-layer bf16 checkpoint of `arch` (hidden 256, vocab 512) under `tmp_path`, indexed."""
+    from coordinator.planning.checkpoint import load_index
+    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+
+    shape = CheckpointShape(
+        arch=arch,
+        num_layers=4,
+        hidden_size=256,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=512,
+        vocab_size=512,
+        dtype="bfloat16",
+    )
+    return load_index(make_checkpoint(tmp_path / arch, shape))
+
+
+def cuda_reference_logits(index, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' bf16 logits for `ids` on the GPU, the same files, on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        index.root, dtype=torch.bfloat16, device_map="cuda"
+    )
+    with torch.no_grad():
+        return model(ids.to(CUDA)).logits.cpu()
+
+
 @pytest.mark.parametrize(
     ("arch", "backend"), [("llama", "prefetch"), ("mixtral", "prefetch"), ("llama", "uva")]
 )
@@ -462,27 +491,10 @@ def test_bf16_stages_on_cuda_match_transformers_on_cuda(tmp_path, arch: str, bac
     attention they turned off for this process (`avoid_per_shape_attention_graphs`). Measured
     on an H200: max abs difference 0 in all four cases (bench/RESULTS.md, gpu_check's stage
     section)."""
-    from transformers import AutoModelForCausalLM
 
-    from coordinator.planning.checkpoint import load_index
-    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
     from worker.worker import StageWorker
 
-    index = load_index(
-        make_checkpoint(
-            tmp_path / arch,
-            CheckpointShape(
-                arch=arch,
-                num_layers=4,
-                hidden_size=256,
-                num_heads=8,
-                num_kv_heads=4,
-                intermediate_size=512,
-                vocab_size=512,
-                dtype="bfloat16",
-            ),
-        )
-    )
+    index = small_bf16_checkpoint(tmp_path, arch)
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     x = ids
     for spec in two_cuda_stages(index, backend):
@@ -492,11 +504,7 @@ def test_bf16_stages_on_cuda_match_transformers_on_cuda(tmp_path, arch: str, bac
             x = worker.forward(x)
         finally:
             worker.close()
-    model = AutoModelForCausalLM.from_pretrained(
-        index.root, dtype=torch.bfloat16, device_map="cuda"
-    )
-    with torch.no_grad():
-        expected = model(ids.to(CUDA)).logits.cpu()
+    expected = cuda_reference_logits(index, ids)
     diff = float((x.float() - expected.float()).abs().max())
     assert x.dtype == torch.bfloat16
     assert torch.equal(x, expected), f"{arch} {backend}: max abs diff {diff:.3e}"
@@ -510,27 +518,9 @@ def test_moe_experts_computed_on_the_host_beside_a_cuda_stage(tmp_path) -> None:
     rounding of the expert outputs (not bitwise: other kernels, other sums)."""
     import dataclasses
 
-    from transformers import AutoModelForCausalLM
-
-    from coordinator.planning.checkpoint import load_index
-    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
     from worker.worker import StageWorker
 
-    index = load_index(
-        make_checkpoint(
-            tmp_path / "mixtral",
-            CheckpointShape(
-                arch="mixtral",
-                num_layers=4,
-                hidden_size=256,
-                num_heads=8,
-                num_kv_heads=4,
-                intermediate_size=512,
-                vocab_size=512,
-                dtype="bfloat16",
-            ),
-        )
-    )
+    index = small_bf16_checkpoint(tmp_path, "mixtral")
     ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(0))
     x, stats = ids, []
     for spec in two_cuda_stages(index, "prefetch"):
@@ -544,11 +534,7 @@ def test_moe_experts_computed_on_the_host_beside_a_cuda_stage(tmp_path) -> None:
             stats.append(worker.report().stats)
         finally:
             worker.close()
-    model = AutoModelForCausalLM.from_pretrained(
-        index.root, dtype=torch.bfloat16, device_map="cuda"
-    )
-    with torch.no_grad():
-        expected = model(ids.to(CUDA)).logits.cpu()
+    expected = cuda_reference_logits(index, ids)
     assert sum(s.expert_host for s in stats) > 0
     assert sum(s.expert_hits + s.expert_misses for s in stats) == 0
     assert x.device.type == "cpu" and x.dtype == torch.bfloat16
