@@ -326,6 +326,40 @@ def test_a_replica_that_fails_is_a_503_and_an_app_without_a_response_a_500() -> 
     assert "no response" in error["message"]
 
 
+def test_what_a_route_did_not_catch_is_a_500_in_openai_shape_with_its_traceback_logged(
+    caplog,
+) -> None:
+    """The serving app's handler for what no route caught: through the front and run_asgi as
+    in a replica, the client gets a 500 in OpenAI's error shape naming only the exception's
+    kind, and the log gets its traceback (Starlette alone answers a bare "Internal Server
+    Error" and logs nothing: a replica's run swallows what it re-raises)."""
+    from coordinator.serving.app import app as serving_app
+
+    handler = serving_app.exception_handlers[Exception]
+    app = FastAPI()
+    app.add_exception_handler(Exception, handler)
+
+    @app.get("/v1/models")
+    async def broken(request: Request):
+        raise KeyError("a route's own bug")
+
+    front, port = _front(Handle(app))
+    try:
+        with caplog.at_level(logging.ERROR, logger="coordinator.serving.app"):
+            status, error = _status_and_error(port)
+    finally:
+        front.close()
+    assert status == 500
+    assert error == {
+        "message": "internal error (KeyError); see the server log",
+        "type": "internal_error",
+        "param": None,
+        "code": 500,
+    }
+    failed = [r for r in caplog.records if r.name == "coordinator.serving.app"]
+    assert failed and failed[0].exc_info[0] is KeyError, caplog.text
+
+
 def test_a_bound_port_refuses_clients_until_the_front_starts_and_a_port_in_use_is_named() -> None:
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]

@@ -339,6 +339,13 @@ def _error_for(exc: BaseException) -> JSONResponse:
     return _error(status, str(exc), kind, getattr(exc, "param", None))
 
 
+@app.exception_handler(Exception)
+async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
+    """What a route did not catch: a 500 in OpenAI's shape, its traceback in the log (without
+    this, Starlette answers a bare "Internal Server Error" and nothing says why)."""
+    return _error_for(exc)
+
+
 def _field(body: dict, name: str, kinds: tuple[type, ...], default=None, check=None, param=None):
     """`body[name]` (`default` when absent or null) if of one of `kinds` and in range
     (`check`); else a 400 naming it (`param`, default `name`). A number must be finite, an
