@@ -735,7 +735,7 @@ def test_fuzzed_bodies_get_2xx_or_a_4xx_in_openai_shape_and_never_harm_innocents
         f"{dict(sorted(tally.statuses.items(), key=str))}, slowest {max(tally.seconds):.2f} s; "
         f"innocent rounds {innocents.rounds()}"
     )
-    assert not tally.broken, tally.report()
+    assert not tally.broken, f"{tally.report()}\nthe server's logs:\n{fuzz_server.errors()}"
     assert tally.sent >= MIN_BODIES
     # the fuzzing reached both sides: bodies that ran and bodies refused
     assert tally.statuses[200] >= tally.sent // 50 and tally.statuses[400] >= tally.sent // 2

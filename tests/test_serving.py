@@ -71,6 +71,25 @@ class Served:
     def log(self) -> str:
         return self.log_path.read_text()[-3000:]
 
+    def errors(self, limit: int = 6000) -> str:
+        """The error lines and tracebacks of its log and of its embedded Ray's Serve and worker
+        logs (a replica's own log says what a route raised): what a failed test shows."""
+        logs = [self.log_path]
+        if self.session:
+            logs += sorted(Path(self.session, "logs").glob("serve/replica_*.log"))
+            logs += sorted(Path(self.session, "logs").glob("worker-*.err"))
+        found = []
+        for path in logs:
+            with contextlib.suppress(OSError):
+                lines = path.read_text(errors="replace").splitlines()
+                starts = [i for i, line in enumerate(lines) if re.search(r"ERROR|Traceback", line)]
+                shown = 0
+                for i in starts:  # the record and what follows it (its traceback), once
+                    if i >= shown:
+                        found.append(f"{path.name}: " + "\n".join(lines[i : i + 30]))
+                        shown = i + 30
+        return "\n".join(found)[-limit:] or "(no error in the server's logs)"
+
 
 def tiny_checkpoint(root: Path) -> str:
     """The tiny llama checkpoint these tests serve, written under `root`."""
