@@ -16,7 +16,7 @@ import torch
 
 from coordinator.config import JobConfig
 from coordinator.planning.checkpoint import CheckpointIndex, load_index
-from coordinator.planning.planner import Plan, PlanOptions, plan
+from coordinator.planning.planner import Plan, PlanOptions, plan, stored_expert_capacity
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from coordinator.runtime.group import stage_specs
 from coordinator.runtime.inputs import check_inputs
@@ -86,7 +86,8 @@ def offloading_plan(
     stored = resident_weights == "stored"
     total = sum(layer.resident_bytes(stored) for layer in index.layers)
     held = max(layer.resident_bytes(stored) for layer in index.layers if layer.kind == "decoder")
-    jit = max(layer.jit_bytes() for layer in index.layers) if stored else 0
+    capacity = stored_expert_capacity(index.layers, options)  # experts in compact rows
+    jit = max(layer.jit_bytes(capacity) for layer in index.layers) if stored else 0
     for num_gpus in (NUM_GPUS, 2):
         # at least the largest layer and a little
         budget = max(total // num_gpus - held // 4, decoder + decoder // 16) + jit

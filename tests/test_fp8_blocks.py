@@ -113,7 +113,7 @@ def saved(root: Path, config, block: tuple[int, int], scales: str) -> Path:
     return root
 
 
-def deepseek_v3(root: Path, scales: str) -> Path:
+def deepseek_v3(root: Path, scales: str, num_layers: int = 3) -> Path:
     """DeepSeek-V3's attention at its real latent sizes (kv_lora_rank 512 + qk_rope_head_dim
     64: a 576-row `kv_a_proj_with_mqa`, 5 block rows, the last of 64) on hidden 256, so that
     tensor is the issue's [576, 256] with a [5, 2] grid; 128 x 128 blocks as published, and
@@ -126,7 +126,7 @@ def deepseek_v3(root: Path, scales: str) -> Path:
         hidden_size=256,
         intermediate_size=320,
         moe_intermediate_size=96,
-        num_hidden_layers=3,
+        num_hidden_layers=num_layers,
         num_attention_heads=2,
         num_key_value_heads=2,
         n_shared_experts=1,
@@ -266,12 +266,18 @@ def test_block_fp8_loads_with_the_numbers_its_format_defines(tmp_path, case: str
 
 
 def matches_reference(
-    fp8: Path, reference: Path, case: str, check_held=None, resident_weights: str = "auto"
+    fp8: Path,
+    reference: Path,
+    case: str,
+    check_held=None,
+    resident_weights: str = "auto",
+    check_stored=None,
 ) -> None:
     """`fp8` over the planner's offloading stages (offloaded FP8 weights kept in 8 bits, which
-    `check_held` is asked about; resident ones as `resident_weights` says) gives logits
-    bitwise those of transformers loading the bf16 checkpoint `reference`, plain and
-    left-padded, and greedy generation token for token."""
+    `check_held` is asked about; resident ones as `resident_weights` says, the workers that
+    keep them as stored `check_stored` is asked about once they ran) gives logits bitwise
+    those of transformers loading the bf16 checkpoint `reference`, plain and left-padded, and
+    greedy generation token for token."""
     index = load_index(fp8)
     generator = torch.Generator().manual_seed(5)
     ids = torch.randint(3, VOCAB, (2, 9), generator=generator)
@@ -299,6 +305,8 @@ def matches_reference(
             assert check_held(held)
         logits, padded = pipeline(ids), pipeline(ids, mask)
         ours = [generate_each(pipeline, [prompt], new)[0] for prompt in prompts]
+        if check_stored is not None:
+            assert check_stored(stored)
     finally:
         pipeline.close()
     expected = reference_logits(str(reference), ids, dtype="bfloat16", num_threads=1)

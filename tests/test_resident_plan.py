@@ -15,7 +15,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.planning.planner import Plan, PlanError, PlanOptions, plan
+from coordinator.planning.planner import (
+    Plan,
+    PlanError,
+    PlanOptions,
+    plan,
+    stored_expert_capacity,
+)
 from coordinator.planning.search import NodeLimits, Search
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from worker.spec import LayerSpec, TensorSlice
@@ -198,7 +204,9 @@ def check_stored_stages(the_plan: Plan, layers: list[LayerSpec], snap: ClusterSn
     """Each stage's numbers as the worker will find them: resident layers with their quantized
     matrices as stored, slots at width, and the just-in-time buffer, within its GPU."""
     by_name = {layer.name: layer for layer in layers}
-    jit = max(layer.jit_bytes() for layer in layers)
+    # an MoE model's experts hold compact rows of the buffer (stored_expert_capacity's test)
+    capacity = stored_expert_capacity(layers, the_plan.options)
+    jit = max(layer.jit_bytes(capacity) for layer in layers)
     memory = {(n.node_id, g.index): g.memory_bytes for n in snap.nodes for g in n.gpus}
     for s in the_plan.stages:
         mine = [by_name[name] for name in s.layers]
@@ -206,6 +214,7 @@ def check_stored_stages(the_plan: Plan, layers: list[LayerSpec], snap: ClusterSn
         freed = sum(layer.freed_bytes(s.offload_unit, True) for layer in moved)
         wide = [layer.unit_bytes(s.offload_unit) for layer in moved]
         assert s.resident_stored and s.jit_bytes == jit
+        assert s.stored_expert_capacity == capacity
         assert s.resident_bytes == sum(layer.resident_bytes(True) for layer in mine) - freed
         assert s.resident_wide_bytes == sum(layer.nbytes for layer in mine) - sum(wide)
         assert s.offloaded_wide_bytes == sum(wide)
@@ -391,3 +400,58 @@ def test_the_exact_cycle_search_counts_8_bit_copies_as_stored() -> None:
             assert time_s == max(search.stage_times(LayerRange(0, 0, start, end)))
             checked += search.offload_bytes(start, end, memory, 1) > 0
     assert checked  # ranges that offload, whose copies differ at width
+
+
+def moe_model(num_decoders: int = 4, experts: int = 256, top: int = 8) -> list[LayerSpec]:
+    """`fp8_model`'s shape with DeepSeek-V3's routing (`experts` routed experts, `top` per
+    token): each decoder's MLP one block-FP8 gate, up and down matrix per expert, as
+    DeepSeek's files hold them, beside a bfloat16 router."""
+    width = 128
+    dense = fp8_model(num_decoders)
+    layers = [dense[0]]
+    for layer in dense[1:-1]:
+        prefix = f"model.layers.{layer.index}."
+        attention = [t for t in layer.tensors if ".mlp." not in t.name]
+        routed = [
+            tensor(f"{prefix}mlp.experts.{e}.{m}.weight", shape, True)
+            for e in range(experts)
+            for m, shape in (
+                ("gate_proj", (width, HIDDEN)),
+                ("up_proj", (width, HIDDEN)),
+                ("down_proj", (HIDDEN, width)),
+            )
+        ]
+        router = tensor(f"{prefix}mlp.gate.weight", (experts, HIDDEN))
+        layers.append(
+            dataclasses.replace(
+                layer,
+                tensors=(*attention, *routed, router),
+                experts=experts,
+                experts_per_token=top,
+            )
+        )
+    return [*layers, dense[-1]]
+
+
+def test_stored_experts_hold_the_rows_a_decode_step_routes_to_and_a_quarter_at_least() -> None:
+    """Kept as stored, DeepSeek-V3's routing (8 of 256) holds max(max_batch x 8, 64) experts'
+    rows of the buffer (every expert from 32 sequences on; a dense model: all of them), and a
+    layer's buffer is its attention at width plus that share of its experts at width; the
+    plan's stages carry it and the summary says it."""
+    layers = moe_model()
+    assert [
+        stored_expert_capacity(layers, PlanOptions(max_batch=b)) for b in (1, 8, 12, 31, 32)
+    ] == [64, 64, 96, 248, 0]
+    assert stored_expert_capacity(fp8_model(), PlanOptions(max_batch=1)) == 0
+    layer = layers[1]
+    attention = 4 * HIDDEN * HIDDEN * 2  # q, k, v, o at bfloat16 width
+    experts = 256 * 3 * 128 * HIDDEN * 2
+    assert layer.jit_bytes() == attention + experts
+    assert layer.jit_bytes(64) == attention + experts // 4
+    assert layer.jit_bytes(256) == layer.jit_bytes(0) == attention + experts
+    snap = two_gpus(layers[1].resident_bytes(True) * 3)
+    the_plan = plan(layers, snap, PlanOptions(resident_weights="stored", max_batch=1))
+    check_stored_stages(the_plan, layers, snap)
+    assert {s.stored_expert_capacity for s in the_plan.stages} == {64}
+    assert {s.jit_bytes for s in the_plan.stages} == {attention + experts // 4}
+    assert "its experts' matrices holding 64 experts' rows at a time" in the_plan.summary()

@@ -17,13 +17,21 @@ from pathlib import Path
 import pytest
 import torch
 from test_families import VOCAB, split_spec
-from test_fp8_blocks import CASES, dequantized_copy, llama, matches_reference, random_fp8
+from test_fp8_blocks import (
+    CASES,
+    deepseek_v3,
+    dequantized_copy,
+    llama,
+    matches_reference,
+    random_fp8,
+)
 from test_mxfp4 import gpt_oss
 from torch import nn
 
 from coordinator.planning.checkpoint import load_index
 from coordinator.runtime.inputs import check_inputs
 from coordinator.tools.reference import reference_logits
+from offload.errors import OffloadError
 from offload.quant import BlockFormat, QuantizedTensor
 from offload.resident import StoredResidency
 from worker.spec import stored_formats
@@ -99,32 +107,49 @@ class Held:
     device_bytes: int
     stored_bytes: int
     buffer_bytes: int
+    split_calls: int = 0  # compact experts calls split into runs of rows
 
 
-@pytest.mark.parametrize("case", ["llama-192", "gpt_oss-mxfp4"])
+@pytest.mark.parametrize("case", ["llama-192", "gpt_oss-mxfp4", "deepseek_v3"])
 def test_the_planners_stored_stages_give_transformers_numbers(tmp_path, case: str) -> None:
     """The planner's offloading split with resident weights "stored" (12 layers: kept as
     stored, a GPU offloads only where what three layers free pays for the buffer and a slot
     at width): every stage keeps its resident quantized matrices as stored, beside 8-bit (or
     4-bit) offloaded layers; logits (plain and left-padded) bitwise transformers' on the
-    dequantized files, and greedy generation under the engine's batching token for token."""
+    dequantized files, and greedy generation under the engine's batching token for token.
+    DeepSeek-V3's experts (top 2 of 4) hold the planner's compact rows (2: one sequence's
+    step), so its prompts run in split calls and its steps in one."""
     if case == "gpt_oss-mxfp4":
         root = reference = gpt_oss(tmp_path / "mxfp4", num_layers=12)
+    elif case == "deepseek_v3":
+        root = deepseek_v3(tmp_path / "fp8", "float32", num_layers=8)
+        reference = dequantized_copy(root, tmp_path / "bf16")
     else:  # the partial 128-blocks of a 192-wide llama
         root = llama(
             tmp_path / "fp8", "float32", hidden=192, intermediate=384, block=128, num_layers=12
         )
         reference = dequantized_copy(root, tmp_path / "bf16")
-    matches_reference(root, reference, case, resident_weights="stored")
+
+    def compact(workers) -> bool:  # DeepSeek's experts: 2 rows of 4, prompts split
+        capacities = {w.spec.stored_expert_capacity for w in workers}
+        splits = sum(w._placement.residency.split_calls for w in workers)
+        return capacities == {2} and splits > 0 if case == "deepseek_v3" else capacities == {0}
+
+    matches_reference(root, reference, case, resident_weights="stored", check_stored=compact)
 
 
-def _run(index, groups, offloaded, unit, stored: bool, ids) -> tuple[torch.Tensor, list[Held]]:
-    """`ids` through in-process workers of a hand-made split; their logits (run twice: the
-    second pass must agree) and what each held."""
+def _run(
+    index, groups, offloaded, unit, stored: bool, ids, capacity: int = 0
+) -> tuple[torch.Tensor, list[Held]]:
+    """`ids` through in-process workers of a hand-made split (`capacity`: the experts' rows
+    its stored experts modules hold); their logits (run twice: the second pass must agree)
+    and what each held."""
     workers = [
         StageWorker(
             dataclasses.replace(
-                split_spec(index, s, groups, offloaded, unit), resident_stored=stored
+                split_spec(index, s, groups, offloaded, unit),
+                resident_stored=stored,
+                stored_expert_capacity=capacity,
             ),
             device="cpu",
             num_threads=1,
@@ -147,6 +172,7 @@ def _run(index, groups, offloaded, unit, stored: bool, ids) -> tuple[torch.Tenso
                 w.device_bytes(),
                 w._placement.residency.stored_bytes,
                 w._placement.residency.buffer_bytes,
+                w._placement.residency.split_calls,
             )
             for w in workers
         ]
@@ -264,6 +290,102 @@ def test_an_moe_layer_dequantizes_only_the_experts_a_step_routes_to(tmp_path, mo
     assert torch.equal(
         logits, reference_logits(str(reference), ids, dtype="bfloat16", num_threads=1)
     )
+
+
+@pytest.mark.parametrize(
+    ("case", "capacity"), [("deepseek_v3", 2), ("kimi_k2-e8m0", 8), ("gpt_oss-mxfp4", 4)]
+)
+def test_experts_in_compact_rows_give_the_formats_numbers(tmp_path, case, capacity) -> None:
+    """Stored experts modules holding only `capacity` experts' rows (the fewest a token routes
+    to): a prompt whose calls route to more is split into runs of rows, a one-token step is
+    not; logits bitwise transformers' on the dequantized files (gpt-oss: its per-expert
+    biases gathered with the rows); the buffer is smaller than with every expert's rows."""
+    if case == "gpt_oss-mxfp4":  # its top 4 of 8 (the shrunk default routes to all 4 of 4)
+        root = reference = gpt_oss(tmp_path / "mxfp4", num_experts=8)
+    else:
+        root, reference = _checkpoint(case, tmp_path)
+    index = load_index(root)
+    names = [layer.name for layer in index.layers]
+    groups = [names[: len(names) // 2], names[len(names) // 2 :]]
+    decoders = [n for n in names if n.startswith("layers.")]
+    assert capacity < max(layer.experts for layer in index.layers)
+    prompt = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(7))
+    one = torch.tensor([[11]])
+    for ids, split in ((prompt, True), (one, False)):
+        expected = reference_logits(str(reference), ids, dtype="bfloat16", num_threads=1)
+        logits, stages = _run(index, groups, tuple(decoders[-1:]), "layer", True, ids, capacity)
+        assert torch.equal(logits, expected), (case, ids.shape)
+        assert bool(sum(held.split_calls for held in stages)) == split
+    _, full = _run(index, groups, tuple(decoders[-1:]), "layer", True, one)
+    assert sum(h.buffer_bytes for h in stages) < sum(h.buffer_bytes for h in full)
+
+
+def test_a_compact_experts_call_is_run_on_the_routed_experts_rows_in_expert_order() -> None:
+    """The module's own forward sees its experts' rows renumbered in expert order (rows 0.. of
+    the compact buffer, each the expert's weights), its other per-expert tensors gathered the
+    same way and num_experts the capacity, all put back after; a call routing to more experts
+    than the rows hold runs in consecutive runs of rows, their outputs joined in order; a call
+    without routing indices is refused, naming the module."""
+    fmt = BlockFormat(FP8, (8, 32))
+    seen: list[tuple] = []
+
+    class Biased(Experts):
+        num_experts = 5
+
+        def __init__(self) -> None:
+            nn.Module.__init__(self)
+            self.gate_up_proj = nn.Parameter(
+                torch.empty(5, 8, 32, dtype=torch.bfloat16, device="meta")
+            )
+            self.bias = nn.Parameter(torch.arange(5, dtype=torch.bfloat16)[:, None].repeat(1, 8))
+
+        def forward(self, x, top_k_index=None):
+            seen.append(
+                (
+                    top_k_index.tolist(),
+                    self.num_experts,
+                    self.gate_up_proj.clone(),
+                    self.bias[:, 0].tolist(),
+                )
+            )
+            # each row: its experts' first weight and bias entries, summed in index order
+            w = self.gate_up_proj[top_k_index, 0, 0] + self.bias[top_k_index, 0]
+            return x + w.sum(dim=-1, keepdim=True)
+
+    layer = MoeLayer()
+    layer.experts = Biased()
+    residency = StoredResidency(torch.device("cpu"), expert_capacity=3)
+    [kept] = residency.keep({layer: {"experts.gate_up_proj": fmt}}).values()
+    source = random_fp8((5, 8, 32), fmt, seed=5)
+    kept["experts.gate_up_proj"].copy_(source)
+    wide = source.dequantized(torch.bfloat16)
+    assert tuple(layer.experts.gate_up_proj.shape) == (3, 8, 32)
+    x = torch.zeros(3, 1, dtype=torch.bfloat16)
+    out = layer(x, torch.tensor([[4, 1], [1, 4], [1, 2]]))  # experts 1, 2, 4: one run
+    index, count, weights, bias = seen[-1]
+    assert index == [[2, 0], [0, 2], [0, 1]] and count == 3 and bias == [1.0, 2.0, 4.0]
+    assert torch.equal(weights, wide[[1, 2, 4]])
+    expected = wide[:, 0, 0] + torch.arange(5, dtype=torch.bfloat16)
+    assert torch.equal(
+        out[:, 0],
+        torch.stack([expected[[4, 1]].sum(), expected[[1, 4]].sum(), expected[[1, 2]].sum()]),
+    )
+    assert layer.experts.num_experts == 5 and layer.experts.bias.shape == (5, 8)
+    assert residency.split_calls == 0
+    seen.clear()
+    out = layer(x, torch.tensor([[0, 1], [2, 3], [3, 4]]))  # 5 experts: rows {0}, {1, 2}
+    assert [s[0] for s in seen] == [[[0, 1]], [[0, 1], [1, 2]]]
+    assert [s[3][:2] for s in seen] == [[0.0, 1.0], [2.0, 3.0]]
+    assert residency.split_calls == 1
+    assert torch.equal(
+        out[:, 0],
+        torch.stack([expected[[0, 1]].sum(), expected[[2, 3]].sum(), expected[[3, 4]].sum()]),
+    )
+    with pytest.raises(OffloadError, match="'experts' keeps 3 of its 5 experts' rows"):
+        layer(x, None)
+    residency.close()
+    assert tuple(layer.experts.gate_up_proj.shape) == (5, 8, 32)
+    assert "forward" not in vars(layer.experts)  # its class's own forward again
 
 
 class Experts(nn.Module):

@@ -386,11 +386,19 @@ class LayerSpec:
         holds it at the model's width either way: `unit_bytes`.)"""
         return self._device_bytes(self.unit_tensors(unit), stored)
 
-    def jit_bytes(self) -> int:
+    def jit_bytes(self, expert_capacity: int = 0) -> int:
         """Bytes at the model's width of this layer's matrices kept as stored when resident
-        (`stored_formats`): what the buffer they are dequantized into just in time holds."""
+        (`stored_formats`): what the buffer they are dequantized into just in time holds. Its
+        experts' matrices hold `expert_capacity` experts' rows of it where that is fewer than
+        the layer has (`offload.resident`'s compact rows; 0: all of them)."""
         formats = stored_formats(self.tensors)
-        return sum(t.loaded_bytes for t in self.tensors if (t.target or t.name) in formats)
+        kept = [t for t in self.tensors if (t.target or t.name) in formats]
+        if not (self.experts and 0 < expert_capacity < self.experts):
+            return sum(t.loaded_bytes for t in kept)
+        experts = re.compile(OFFLOAD_UNITS["experts"])
+        per_expert = [t for t in kept if experts.search(local_name(self.index, t.target or t.name))]
+        rest = sum(t.loaded_bytes for t in kept if t not in per_expert)
+        return rest + sum(t.loaded_bytes for t in per_expert) * expert_capacity // self.experts
 
     def _device_bytes(self, tensors: list[TensorSlice], stored: bool) -> int:
         formats = stored_formats(self.tensors) if stored else {}
@@ -461,6 +469,9 @@ class StageSpec:
     # Device-resident quantized matrices kept as stored (`stored_formats`), each layer's
     # dequantized just in time (`offload.resident`); False: dequantized at load
     resident_stored: bool = False
+    # Of those, an experts module's per-expert matrices hold this many experts' rows at width
+    # at once (`offload.resident`: a call's experts dequantized into compact rows; 0: all)
+    stored_expert_capacity: int = 0
     # The KV pool the plan reserved, allocated at load inside the budget check: `kv_blocks`
     # blocks of `kv_block_size` positions, and recurrent states for `kv_slots` sequences (the
     # plan's max_batch); 0: allocated at the first generation step (no KV planned)

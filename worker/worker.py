@@ -263,7 +263,7 @@ class StageWorker:
                     lambda param, kept=kept: not re.search(unit, param) and param not in kept,
                     self.device,
                 )
-        residency = StoredResidency(self.device)
+        residency = StoredResidency(self.device, spec.stored_expert_capacity)
         residency.keep({modules[name]: kept for name, kept in stored.items() if kept})
         stage.init_buffers(self.device)
         offloader = create_offloader(

@@ -57,6 +57,9 @@ from worker.names import expected_experts
 from worker.spec import OFFLOAD_UNITS, LayerSpec, stored_formats
 
 _JSON_VERSION = 1
+# Kept as stored, an experts module holds at least 1/STORED_EXPERTS_FLOOR of its experts' rows
+# in the buffer (`stored_expert_capacity`)
+STORED_EXPERTS_FLOOR = 4
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -128,6 +131,10 @@ class StagePlan:
     resident_stored: bool = False
     resident_wide_bytes: int = 0
     jit_bytes: int = 0
+    # Kept as stored, each experts module's per-expert matrices take this many experts' rows
+    # of the buffer (`offload.resident`'s compact rows: max_batch x experts per token, the
+    # experts a decode step can route to; 0: every expert)
+    stored_expert_capacity: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -330,6 +337,11 @@ class Plan:
                 f"{format_bytes(sum(s.resident_wide_bytes for s in kept))} at the model's width; "
                 "each layer dequantized just in time into a buffer of "
                 f"{format_bytes(max(s.jit_bytes for s in kept))} (counted in device)"
+                + (
+                    f", its experts' matrices holding {capacity} experts' rows at a time"
+                    if (capacity := max(s.stored_expert_capacity for s in kept))
+                    else ""
+                )
             )
         stored = sum(s.offloaded_bytes for s in self.stages)
         wide = sum(s.offloaded_wide_bytes for s in self.stages)
@@ -413,7 +425,7 @@ def plan(
         for node in cluster.nodes
     ]
     kv = [kv_bytes(layer, options) for layer in layers]
-    jit = _jit_bytes(layers, memo)
+    jit = _jit_bytes(layers, options, memo)
     if keep is not None:
         stored = any(s.resident_stored for s in keep.stages)
         return _kept(layers, cluster, options, limits, kv, jit if stored else 0, keep)
@@ -448,17 +460,33 @@ def _merit(the_plan: Plan) -> tuple[float, int]:
     return time_s, sum(s.offloaded_bytes for s in the_plan.stages)
 
 
-def _jit_bytes(layers: Sequence[LayerSpec], memo: dict | None) -> int:
+def stored_expert_capacity(layers: Sequence[LayerSpec], options: PlanOptions) -> int:
+    """The experts' rows each experts module of a GPU keeping its resident quantized matrices
+    as stored holds at width in the buffer (`offload.resident`'s compact rows; 0: all): what
+    a decode step of max_batch rows can route to, max_batch x experts per token, and at least
+    a quarter of the experts, which bounds the runs a prefill's call is split into (each runs
+    its experts' dequantization again). DeepSeek-V3 at max_batch 1: 64 of 256, a buffer of
+    5.4 GiB rather than 21.4 GiB."""
+    moe = [layer for layer in layers if layer.experts and layer.experts_per_token]
+    if not moe:
+        return 0
+    experts = max(layer.experts for layer in moe)
+    decode = max(options.max_batch, 1) * max(layer.experts_per_token for layer in moe)
+    capacity = max(decode, math.ceil(experts / STORED_EXPERTS_FLOOR))
+    return 0 if capacity >= experts else capacity
+
+
+def _jit_bytes(layers: Sequence[LayerSpec], options: PlanOptions, memo: dict | None) -> int:
     """The buffer a GPU keeping resident quantized matrices as stored dequantizes each layer
-    into: the model's largest such layer at width (0: the checkpoint has none). Once per memo:
-    it reads every tensor's format."""
-    if memo is not None and "jit_bytes" in memo:
-        return memo["jit_bytes"]
-    quantized = any(t.scale is not None for layer in layers for t in layer.tensors)
-    jit = max(layer.jit_bytes() for layer in layers) if quantized else 0
-    if memo is not None:
-        memo["jit_bytes"] = jit
-    return jit
+    into: the model's largest such layer at width, its experts' matrices in compact rows
+    (`stored_expert_capacity`); 0: the checkpoint has none. Once per memo and capacity: it
+    reads every tensor's format."""
+    capacity = stored_expert_capacity(layers, options)
+    known = memo.setdefault("jit_bytes", {}) if memo is not None else {}
+    if capacity not in known:
+        quantized = any(t.scale is not None for layer in layers for t in layer.tensors)
+        known[capacity] = max(layer.jit_bytes(capacity) for layer in layers) if quantized else 0
+    return known[capacity]
 
 
 def _plan(
@@ -903,6 +931,9 @@ def _build(
                 if search.jit_bytes
                 else weights - freed,
                 jit_bytes=search.jit_bytes,
+                stored_expert_capacity=stored_expert_capacity(layers, options)
+                if search.jit_bytes
+                else 0,
             )
         )
     overhead = _overhead_s(cluster, options)

@@ -86,6 +86,7 @@ def stage_specs(
             expert_cache=s.expert_cache,
             host_expert_rows=s.host_expert_rows,
             resident_stored=s.resident_stored,  # the plan's, per stage
+            stored_expert_capacity=s.stored_expert_capacity,
             kv_slots=config.max_batch if config.max_seq_len else 0,
             kv_blocks=config.kv_blocks(),
             reserve_bytes=the_plan.options.reserve_bytes,
