@@ -34,9 +34,9 @@ same order, the module's other per-expert tensors (biases) are gathered to the s
 its `num_experts` reads C for the call. An order-preserving renumbering leaves every
 implementation (eager loops over the experts hit, `batched_mm`, `grouped_mm`) doing the same
 arithmetic in the same order on the same rows. A call that routes to more than C experts (a
-prefill) is split into consecutive runs of rows, each routing to at most C, and their outputs
-are joined: each row's output is computed from its own experts as before, and each run
-dequantizes again the experts it needs. A decode step of the plan's max batch fits one call
+prefill) is split into groups of rows, each routing to at most C (rows that share experts go
+together), and each group's output is put back at its rows: each row's output is computed
+from its own experts as before, and each group dequantizes again the experts it needs. A decode step of the plan's max batch fits one call
 (the planner sizes C to max_batch x experts per token); a call whose routing cannot be read
 cannot be served from C rows and is refused, naming the module.
 """
@@ -193,18 +193,22 @@ class StoredResidency:
                     "without knowing which; keep every expert (expert_capacity 0) or the "
                     "resident weights wide"
                 ) from None
-            runs = _runs(index, entry.num_experts, rows, entry.path)
-            if len(runs) > 1:
-                self.split_calls += 1
-            outputs = []
-            for start, stop, experts in runs:
-                part = (args, kwargs)
-                if len(runs) > 1:
-                    part = _rows_of(args, kwargs, index.shape[0], start, stop)
-                outputs.append(
-                    self._compact_call(layer, entry, names, rows, experts, forward, *part, key)
+            groups = _groups(index, entry.num_experts, rows, entry.path)
+            if len(groups) == 1:
+                experts = groups[0][1]
+                return self._compact_call(
+                    layer, entry, names, rows, experts, forward, args, kwargs, key
                 )
-            return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+            self.split_calls += 1
+            out = None
+            for picked, experts in groups:
+                where = torch.tensor(picked, dtype=torch.long, device=index.device)
+                part = _rows_of(args, kwargs, index.shape[0], where)
+                got = self._compact_call(layer, entry, names, rows, experts, forward, *part, key)
+                if out is None:
+                    out = got.new_empty((index.shape[0], *got.shape[1:]))
+                out[where] = got
+            return out
 
         return compact
 
@@ -326,31 +330,41 @@ class StoredResidency:
         self._buffer = None
 
 
-def _runs(index: torch.Tensor, count: int, rows: int, path: str) -> list[tuple[int, int, list]]:
-    """A call's rows (the first dim of its routing `index`) cut into consecutive runs that
-    each route to at most `rows` experts: (start, stop, the run's experts sorted). Indices
-    outside 0..count-1 route nowhere. Reading them waits for the router's kernels."""
-    per_row = index.reshape(index.shape[0], -1).tolist()
-    runs, start, hit = [], 0, set()
-    for i, row in enumerate(per_row):
-        own = {e for e in row if 0 <= e < count}
-        if len(own) > rows:
-            raise OffloadError(
-                f"'{path}': a row routes to {len(own)} experts, more than the {rows} rows its "
-                "experts keep on the device (StoredResidency.expert_capacity)"
-            )
-        if len(hit | own) > rows:
-            runs.append((start, i, sorted(hit)))
-            start, hit = i, set()
-        hit |= own
-    runs.append((start, len(per_row), sorted(hit)))
-    return runs
+def _groups(index: torch.Tensor, count: int, rows: int, path: str) -> list[tuple[list, list]]:
+    """A call's rows (the first dim of its routing `index`) in groups that each route to at
+    most `rows` experts: (its rows ascending, its experts sorted), one group when they all
+    fit. Greedy: each pass takes, in order, every row left whose experts still fit, so rows
+    that share experts go together (a prompt's rows mostly do) and each group's experts are
+    dequantized once. Indices outside 0..count-1 route nowhere. Reading them waits for the
+    router's kernels."""
+    per_row = [
+        {e for e in row if 0 <= e < count} for row in index.reshape(index.shape[0], -1).tolist()
+    ]
+    widest = max(per_row, key=len, default=set())
+    if len(widest) > rows:
+        raise OffloadError(
+            f"'{path}': a row routes to {len(widest)} experts, more than the {rows} rows its "
+            "experts keep on the device (StoredResidency.expert_capacity)"
+        )
+    groups, left = [], list(range(len(per_row)))
+    while left:
+        hit, taken, rest = set(), [], []
+        for i in left:
+            union = hit | per_row[i]
+            if len(union) <= rows:
+                hit = union
+                taken.append(i)
+            else:
+                rest.append(i)
+        groups.append((taken, sorted(hit)))
+        left = rest
+    return groups
 
 
-def _rows_of(args: tuple, kwargs: dict, total: int, start: int, stop: int):
-    """An experts call's arguments for its rows start..stop: every tensor argument that leads
-    with one entry per row (hidden states, routing indices and weights) narrowed to them; a
-    tensor argument of any other length cannot be split, and is refused."""
+def _rows_of(args: tuple, kwargs: dict, total: int, where: torch.Tensor):
+    """An experts call's arguments for its rows `where`: every tensor argument that leads with
+    one entry per row (hidden states, routing indices and weights) indexed by them; a tensor
+    argument of any other length cannot be split, and is refused."""
 
     def part(value):
         if not isinstance(value, torch.Tensor):
@@ -361,7 +375,7 @@ def _rows_of(args: tuple, kwargs: dict, total: int, start: int, stop: int):
                 f"tensor argument of shape {list(value.shape)} that is not one entry per row "
                 f"({total}): it cannot be split; raise StoredResidency.expert_capacity"
             )
-        return value[start:stop]
+        return value[where]
 
     return tuple(part(a) for a in args), {k: part(v) for k, v in kwargs.items()}
 

@@ -297,7 +297,7 @@ def test_an_moe_layer_dequantizes_only_the_experts_a_step_routes_to(tmp_path, mo
 )
 def test_experts_in_compact_rows_give_the_formats_numbers(tmp_path, case, capacity) -> None:
     """Stored experts modules holding only `capacity` experts' rows (the fewest a token routes
-    to): a prompt whose calls route to more is split into runs of rows, a one-token step is
+    to): a prompt whose calls route to more is split into groups of rows, a one-token step is
     not; logits bitwise transformers' on the dequantized files (gpt-oss: its per-expert
     biases gathered with the rows); the buffer is smaller than with every expert's rows."""
     if case == "gpt_oss-mxfp4":  # its top 4 of 8 (the shrunk default routes to all 4 of 4)
@@ -324,8 +324,9 @@ def test_a_compact_experts_call_is_run_on_the_routed_experts_rows_in_expert_orde
     """The module's own forward sees its experts' rows renumbered in expert order (rows 0.. of
     the compact buffer, each the expert's weights), its other per-expert tensors gathered the
     same way and num_experts the capacity, all put back after; a call routing to more experts
-    than the rows hold runs in consecutive runs of rows, their outputs joined in order; a call
-    without routing indices is refused, naming the module."""
+    than the rows hold runs in groups of rows (rows that share experts together), each
+    group's output put back at its rows; a call without routing indices is refused, naming
+    the module."""
     fmt = BlockFormat(FP8, (8, 32))
     seen: list[tuple] = []
 
@@ -377,6 +378,14 @@ def test_a_compact_experts_call_is_run_on_the_routed_experts_rows_in_expert_orde
     assert [s[0] for s in seen] == [[[0, 1]], [[0, 1], [1, 2]]]
     assert [s[3][:2] for s in seen] == [[0.0, 1.0], [2.0, 3.0]]
     assert residency.split_calls == 1
+    seen.clear()
+    shared = layer(x, torch.tensor([[0, 1], [2, 3], [1, 0]]))  # rows 0 and 2 go together
+    assert [s[0] for s in seen] == [[[0, 1], [1, 0]], [[0, 1]]]
+    assert residency.split_calls == 2
+    assert torch.equal(
+        shared[:, 0],
+        torch.stack([expected[[0, 1]].sum(), expected[[2, 3]].sum(), expected[[1, 0]].sum()]),
+    )
     assert torch.equal(
         out[:, 0],
         torch.stack([expected[[0, 1]].sum(), expected[[2, 3]].sum(), expected[[3, 4]].sum()]),
