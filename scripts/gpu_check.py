@@ -1312,6 +1312,7 @@ def section_resident_stored(s: Section) -> None:
         "MXFP4 gpt-oss": dict(
             arch="gpt_oss",
             quantization="mxfp4",
+            num_experts=8,  # its top 4: compact rows of 4 hold fewer than every expert
             **(
                 dict(hidden_size=64, intermediate_size=96)
                 if s.dry
@@ -1339,6 +1340,23 @@ def section_resident_stored(s: Section) -> None:
                 f"{kept_held} < {wide_held}",
             )
             s.data[f"{case}: stored run s (load + forward)"] = time.perf_counter() - start
+            if any(x.experts for x in index.layers):  # the experts in compact rows
+                top = max(x.experts_per_token for x in index.layers)
+                _, compact, _, compact_held = _run_stages(
+                    s, index, resident_stored=True, stored_expert_capacity=top
+                )
+                s.data[f"{case}: device bytes, experts in {top} compact rows"] = compact_held
+                s.check(
+                    f"{case}: experts in compact rows = dequantized at load (logits; the "
+                    "prompt's calls split into runs of rows, so kernels of other row counts)",
+                    torch.equal(compact, wide),
+                    f"max abs diff {float((compact.float() - wide.float()).abs().max()):.3e}",
+                )
+                s.check(
+                    f"{case}: compact rows hold fewer device bytes than every expert's",
+                    compact_held[-1] < kept_held[-1],
+                    f"{compact_held} < {kept_held}",
+                )
 
 
 def section_pinning(s: Section) -> None:
