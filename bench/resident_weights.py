@@ -1,7 +1,9 @@
 """FP8 kept as stored on the GPU (issue 54, point 4): what the planner offloads for DeepSeek-V3
 as published, with its resident FP8 weights dequantized at load (`--resident-weights wide`,
 the baseline) and kept as stored (`stored`: 1 byte an entry and a float32 scale per 128x128
-block, each layer dequantized just in time into one buffer); and what the just-in-time
+block, each layer dequantized just in time into one buffer), that buffer holding every
+expert's rows at width ("stored-all", the planner patched in this process) or the planner's
+compact rows (`stored_expert_capacity`: 64 of 256 at max_batch 1); and what the just-in-time
 dequantization costs a step, measured.
 
 1. Plan: DeepSeek-V3's real shapes (61 layers, the first 3 dense, 256 routed experts of width
@@ -24,6 +26,7 @@ dequantization costs a step, measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -31,15 +34,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.generate import machine
+from coordinator.planning import planner
 from coordinator.planning.checkpoint import load_index
 from coordinator.planning.formats import format_bytes, format_seconds
-from coordinator.planning.planner import PlanOptions, plan
+from coordinator.planning.planner import PlanOptions, plan, stored_expert_capacity
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from coordinator.runtime.inputs import check_inputs
 from worker.spec import LayerSpec, StageSpec, TensorSlice
@@ -178,14 +183,22 @@ def plans(num_gpus: list[int], gpu_gib: float) -> list[dict]:
             fp8_compute=True,
         )
         row: dict = {"gpus": n}
-        for mode in ("wide", "stored", "auto"):
+        for mode in ("wide", "stored-all", "stored", "auto"):
             start = time.perf_counter()
-            made = plan(layers, ClusterSnapshot(nodes=(node,)), PlanOptions(resident_weights=mode))
+            options = PlanOptions(resident_weights=mode.removesuffix("-all"), max_batch=1)
+            with contextlib.ExitStack() as stack:
+                if mode == "stored-all":  # the baseline: every expert's rows at width
+                    stack.enter_context(
+                        mock.patch.object(planner, "stored_expert_capacity", lambda *_: 0)
+                    )
+                made = plan(layers, ClusterSnapshot(nodes=(node,)), options)
             row[mode] = {
                 "offloaded_bytes": sum(s.offloaded_bytes for s in made.stages),
                 "offloaded_wide_bytes": sum(s.offloaded_wide_bytes for s in made.stages),
                 "bottleneck_s": made.bottleneck_s,
                 "stored_stages": sum(s.resident_stored for s in made.stages),
+                "jit_bytes": max(s.jit_bytes for s in made.stages),
+                "expert_capacity": max(s.stored_expert_capacity for s in made.stages),
                 "plan_s": time.perf_counter() - start,
             }
         rows.append(row)
@@ -194,7 +207,9 @@ def plans(num_gpus: list[int], gpu_gib: float) -> list[dict]:
 
 def step_times(repeats: int) -> dict:
     """Median forward seconds of one CPU stage of a small DeepSeek-V3-shaped FP8 checkpoint,
-    dequantized at load and kept as stored: a decode step (1 row, 1 token) and a prefill."""
+    dequantized at load ("wide"), kept as stored with every expert's rows in the buffer
+    ("stored-all") and with the planner's compact rows at max_batch 1 (2 of its 4 experts,
+    "stored": a prefill's calls split): a decode step (1 row, 1 token) and a prefill."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from test_fp8_blocks import deepseek_v3 as small_deepseek_v3
 
@@ -210,9 +225,16 @@ def step_times(repeats: int) -> dict:
             layers=index.layers,
         )
         vocab = index.config["vocab_size"]
-        for stored in (False, True):
+        capacity = stored_expert_capacity(index.layers, PlanOptions(max_batch=1))
+        for mode, stored, rows in (
+            ("wide", False, 0),
+            ("stored-all", True, 0),
+            ("stored", True, capacity),
+        ):
             worker = StageWorker(
-                dataclasses.replace(spec, resident_stored=stored), device="cpu", num_threads=1
+                dataclasses.replace(spec, resident_stored=stored, stored_expert_capacity=rows),
+                device="cpu",
+                num_threads=1,
             )
             try:
                 worker.load()
@@ -225,8 +247,9 @@ def step_times(repeats: int) -> dict:
                         start = time.perf_counter()
                         worker.forward(x, mask, positions, keep)
                         times.append(time.perf_counter() - start)
-                    out[f"{'stored' if stored else 'wide'} {name}"] = statistics.median(times)
-                out[f"{'stored' if stored else 'wide'} device bytes"] = worker.device_bytes()
+                    out[f"{mode} {name}"] = statistics.median(times)
+                out[f"{mode} device bytes"] = worker.device_bytes()
+                out[f"{mode} split calls"] = worker._placement.residency.split_calls
             finally:
                 worker.close()
     return out
@@ -243,29 +266,50 @@ def main(argv: list[str] | None = None) -> int:
     rows = plans([int(n) for n in args.gpus.split(",")], args.gpu_gib)
     total = sum(layer.nbytes for layer in deepseek_v3())
     print(f"DeepSeek-V3 FP8 as published: {format_bytes(total)} at bf16 width")
-    print("gpus | offloaded wide | offloaded stored | ratio | bottleneck wide -> stored | auto")
+    stored_total = sum(layer.resident_bytes(True) for layer in deepseek_v3())
+    print(f"as stored: {format_bytes(stored_total)}")
+    print(
+        "gpus | offloaded wide | stored, all experts (x wide) | stored, compact (x wide) | "
+        "model resident wide -> compact | buffer all -> compact | "
+        "bottleneck wide -> all -> compact | auto"
+    )
     for row in rows:
-        wide, stored, auto = row["wide"], row["stored"], row["auto"]
-        ratio = (
-            stored["offloaded_bytes"] / wide["offloaded_bytes"] if wide["offloaded_bytes"] else 0
-        )
+        wide, every, stored, auto = row["wide"], row["stored-all"], row["stored"], row["auto"]
+
+        def ratio(of: dict, wide=wide) -> float:
+            return of["offloaded_bytes"] / wide["offloaded_bytes"] if wide["offloaded_bytes"] else 0
+
         print(
             f"{row['gpus']:>4} | {format_bytes(wide['offloaded_bytes']):>14} | "
-            f"{format_bytes(stored['offloaded_bytes']):>16} | {ratio:5.3f} | "
-            f"{format_seconds(wide['bottleneck_s'])} -> {format_seconds(stored['bottleneck_s'])}"
-            f" | {'stored' if auto['stored_stages'] else 'wide'}"
+            f"{format_bytes(every['offloaded_bytes'])} ({ratio(every):.3f}) | "
+            f"{format_bytes(stored['offloaded_bytes'])} ({ratio(stored):.3f}) | "
+            f"{1 - wide['offloaded_bytes'] / stored_total:.1%} -> "
+            f"{1 - stored['offloaded_bytes'] / stored_total:.1%} | "
+            f"{format_bytes(every['jit_bytes'])} -> {format_bytes(stored['jit_bytes'])} "
+            f"({stored['expert_capacity']} of {EXPERTS} experts) | "
+            f"{format_seconds(wide['bottleneck_s'])} -> {format_seconds(every['bottleneck_s'])}"
+            f" -> {format_seconds(stored['bottleneck_s'])} | "
+            f"{'stored' if auto['stored_stages'] else 'wide'}"
         )
     steps = step_times(args.repeats)
     for name in ("decode", "prefill"):
-        wide, stored = steps[f"wide {name}"], steps[f"stored {name}"]
+        wide = steps[f"wide {name}"]
         print(
-            f"CPU stage, {name}: wide {format_seconds(wide)}, stored {format_seconds(stored)} "
-            f"({stored / wide:.2f}x)"
+            f"CPU stage, {name}: wide {format_seconds(wide)}, "
+            + ", ".join(
+                f"{mode} {format_seconds(steps[f'{mode} {name}'])} "
+                f"({steps[f'{mode} {name}'] / wide:.2f}x)"
+                for mode in ("stored-all", "stored")
+            )
         )
     print(
-        f"CPU stage device bytes: wide {format_bytes(steps['wide device bytes'])}, stored "
-        f"{format_bytes(steps['stored device bytes'])} "
-        f"({steps['stored device bytes'] / steps['wide device bytes']:.3f}x)"
+        f"CPU stage device bytes: wide {format_bytes(steps['wide device bytes'])}, "
+        + ", ".join(
+            f"{mode} {format_bytes(steps[f'{mode} device bytes'])} "
+            f"({steps[f'{mode} device bytes'] / steps['wide device bytes']:.3f}x)"
+            for mode in ("stored-all", "stored")
+        )
+        + f"; compact calls split: {steps['stored split calls']}"
     )
     if args.json:
         args.json.write_text(json.dumps({"plans": rows, "steps": steps}, indent=1))
