@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoTokenizer
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from coordinator.cli import main
 from coordinator.tools.make_checkpoint import (
@@ -442,3 +442,12 @@ def test_fp8_checkpoints_are_written_as_deepseek_publishes_them(tmp_path: Path, 
     for name, tensor in reference.items():
         bound = tensor.float().abs().max() / 16 + 1e-2 * tensor.float().abs().max()
         assert (theirs[name].float() - tensor.float()).abs().max() <= bound, name
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_each_moe_family_routes_the_experts_per_token_asked(tmp_path: Path, arch: str) -> None:
+    """`experts_per_token` reaches every MoE family's config, gpt-oss's too (it was left at
+    transformers' default of 4: 4 of 4 experts, or a top-k past the experts with fewer)."""
+    out = write(tmp_path, arch, num_experts=3, experts_per_token=1)
+    config = AutoConfig.from_pretrained(out)
+    assert config.num_experts_per_tok == 1

@@ -249,6 +249,7 @@ class CheckpointShape:
             "gpt_oss": {
                 **window,
                 "num_local_experts": self.num_experts,
+                "num_experts_per_tok": self.experts_per_token,
                 # YaRN's published factor of 32, over a context shrunk with max_positions
                 "rope_parameters": {
                     "rope_type": "yarn",
