@@ -1312,7 +1312,7 @@ def section_resident_stored(s: Section) -> None:
         "MXFP4 gpt-oss": dict(
             arch="gpt_oss",
             quantization="mxfp4",
-            num_experts=8,  # its top 4: compact rows of 4 hold fewer than every expert
+            num_experts=8,  # top 2 of 8: compact rows of 2 hold fewer than every expert
             **(
                 dict(hidden_size=64, intermediate_size=96)
                 if s.dry
