@@ -179,8 +179,8 @@ class StoredResidency:
 
     def _compact_forward(self, layer: nn.Module, entry: ExpertsModule, names: list[str], rows: int):
         """The forward of an experts module whose matrices `names` (within `layer`) view
-        `rows` rows of the buffer: its own forward, on the experts each run of its call's
-        rows routes to (the module doc)."""
+        `rows` rows of the buffer: its own forward, on the experts its call routes to, or
+        on each group of its rows (`_groups`) where they route to more (the module doc)."""
         forward = entry.module.forward  # its class's, bound
 
         def compact(*args, **kwargs):
@@ -213,9 +213,9 @@ class StoredResidency:
         return compact
 
     def _compact_call(self, layer, entry, names, rows, experts, forward, args, kwargs, key):
-        """One run of a compact call: `experts` (sorted) dequantized into rows 0.., the
-        routing indices renumbered to them, the module's other per-expert tensors gathered
-        to them, its num_experts `rows`; then its own forward."""
+        """A compact call, or one group of its rows: `experts` (sorted) dequantized into rows
+        0.., the routing indices renumbered to them, the module's other per-expert tensors
+        gathered to them, its num_experts `rows`; then its own forward."""
         module, count = entry.module, entry.num_experts
         with torch.no_grad():
             for name in names:
