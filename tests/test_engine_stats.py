@@ -76,7 +76,7 @@ SCALARS = {
     "vllm:prefix_cache_queries_total": "counter",
     "vllm:prefix_cache_hits_total": "counter",
     "vllm:generation_tokens_total": "counter",
-    "vllm:request_success_total": "counter",
+    **{f"vllm:request_success_total[{r}]": "counter" for r in ("stop", "length", "abort", "error")},
     "offload:kv_cache_blocks": "gauge",
     "offload:kv_cache_blocks_used": "gauge",
     "offload:kv_cache_tokens_used": "gauge",
@@ -134,8 +134,8 @@ def busy_stats() -> EngineStats:
     tokens(stats, times)  # the first token at 0 s: time to first token 0
     for k in range(1, N):
         tokens(stats, [float(k)])
-    for k in range(N):
-        stats.finished(k + 1, k)
+    for k in range(N):  # one cut at its length, one cancelled, the rest at an end token
+        stats.finished(k + 1, k, reason={0: "length", 1: "abort"}.get(k, "stop"))
     return stats
 
 
@@ -150,8 +150,11 @@ def parse(text: str) -> dict:
                 le = labels.pop("le")
                 out.setdefault(sample.name, (family.type, []))[1].append((le, labels, sample.value))
             else:
-                assert sample.name not in out, f"{sample.name} twice"
-                out[sample.name] = (family.type, labels, sample.value)
+                name = sample.name
+                if "finished_reason" in labels:  # one series per reason: NAME[reason]
+                    name = f"{name}[{labels.pop('finished_reason')}]"
+                assert name not in out, f"{name} twice"
+                out[name] = (family.type, labels, sample.value)
     return out
 
 
@@ -314,7 +317,10 @@ def test_metrics_text_has_vllms_names_types_and_labels_and_the_stats_values() ->
         "vllm:prefix_cache_queries_total": 40,
         "vllm:prefix_cache_hits_total": 16,
         "vllm:generation_tokens_total": 2 * N,
-        "vllm:request_success_total": N,
+        "vllm:request_success_total[stop]": N - 2,
+        "vllm:request_success_total[length]": 1,
+        "vllm:request_success_total[abort]": 1,
+        "vllm:request_success_total[error]": 0,
         "offload:kv_cache_blocks": 3,
         "offload:kv_cache_blocks_used": 1,
         "offload:kv_cache_tokens_used": 12,
@@ -346,7 +352,7 @@ def test_metrics_counters_only_grow_and_the_engine_state_is_a_gauge() -> None:
     tokens(stats, [0.001])  # time to first token 0.001 s: on a bound
     tokens(stats, [1.0, 1.5, 1.75])  # 1 s, then inter-token 0.5 s (a bound) and 0.25 s
     stats.finished(2, 3)
-    stats.finished()  # an error: it ended, all the same
+    stats.finished(reason="error")  # it ended, all the same
     stats.preempted(1, 5.0)
     stats.rebalanced({"event": "re-balanced", "why": "grown"})
     stats.engine_failures, stats.engine_restarts, stats.engine_state = 1, 1, "restarting"
@@ -361,7 +367,8 @@ def test_metrics_counters_only_grow_and_the_engine_state_is_a_gauge() -> None:
     }
     assert grew == {
         "vllm:generation_tokens_total": 4,
-        "vllm:request_success_total": 2,
+        "vllm:request_success_total[stop]": 1,
+        "vllm:request_success_total[error]": 1,
         "vllm:num_preemptions_total": 1,
         "offload:kv_pool_rebalances_total": 1,
         "offload:engine_failures_total": 1,

@@ -1227,7 +1227,8 @@ def test_an_independent_harness_and_load_generator_at_1_8_and_32_streams(server)
 
 
 def metrics(base: str, key: str) -> dict[str, float]:
-    """The server's /metrics (Prometheus text), unlabelled: name -> value."""
+    """The server's /metrics (Prometheus text), unlabelled: name -> value (a histogram's
+    buckets as NAME[le], a series per finished_reason as NAME[reason] and summed as NAME)."""
     request = urllib.request.Request(
         base.removesuffix("/v1") + "/metrics", headers={"Authorization": f"Bearer {key}"}
     )
@@ -1239,7 +1240,12 @@ def metrics(base: str, key: str) -> dict[str, float]:
             series, value = line.rsplit(" ", 1)
             name, labels = series.split("{", 1)
             le = re.search(r'le="([^"]+)"', labels)
-            values[f"{name}[{le.group(1)}]" if le else name] = float(value)
+            reason = re.search(r'finished_reason="([^"]+)"', labels)
+            if reason:
+                values[f"{name}[{reason.group(1)}]"] = float(value)
+                values[name] = values.get(name, 0.0) + float(value)
+            else:
+                values[f"{name}[{le.group(1)}]" if le else name] = float(value)
     return values
 
 
@@ -1318,6 +1324,8 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(served) -> None:
     finally:
         served.gate.touch()  # open again, whatever happened: the module's other requests
     assert after["vllm:request_success_total"] == ended
+    aborted = after["vllm:request_success_total[abort]"]
+    assert aborted == before["vllm:request_success_total[abort]"] + 1  # vLLM's finished_reason
     assert after["vllm:num_requests_running"] == 0
     assert after["offload:kv_cache_blocks_used"] == 0  # its slot's blocks are free
     generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]

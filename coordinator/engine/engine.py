@@ -416,9 +416,11 @@ class Engine:
         for request in done:
             for seq in request.sequences:
                 if seq.finish is Finish.ERROR:
-                    self.stats.finished()
+                    self.stats.finished(reason=seq.finish.value)
                 else:
-                    self.stats.finished(len(seq.prompt), len(seq.generated))
+                    self.stats.finished(
+                        len(seq.prompt), len(seq.generated), reason=seq.finish.value
+                    )
 
     def _pool_stats(self) -> None:
         """The KV pool's blocks in use (a burst's, taken before it ran, included) and the

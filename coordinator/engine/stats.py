@@ -10,6 +10,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from coordinator.engine.sequences import Finish
+
 # vLLM's bucket bounds (seconds) for these two histograms.
 TTFT_BUCKETS_S = (
     0.001,
@@ -56,6 +58,8 @@ ITL_BUCKETS_S = (
     40.0,
     80.0,
 )
+# why a sequence ended, as vLLM's finished_reason label names it
+FINISHED_REASONS = tuple(finish.value for finish in Finish)
 RECENT = 4096  # latency samples kept for percentiles (and sequences' lengths)
 # The window over which preemptions per minute are counted.
 PREEMPTION_WINDOW_S = 300.0
@@ -106,6 +110,8 @@ class EngineStats:
     # its later steps are cancelled, on several they run out and are applied
     generated: int = 0  # tokens
     ended: int = 0  # sequences
+    # of them, by why they ended (`Finish`'s values: vLLM's finished_reason label)
+    ended_by: dict = field(default_factory=lambda: dict.fromkeys(FINISHED_REASONS, 0))
     running: int = 0
     waiting: int = 0
     num_slots: int = 0
@@ -155,11 +161,16 @@ class EngineStats:
             (self.ttft if into is self.ttft_s else self.itl).observe(sample)
             seq.last_token_s = now
 
-    def finished(self, prompt_tokens: int | None = None, generated_tokens: int = 0) -> None:
-        """A sequence ended; with its lengths where they tell what traffic brings (not where
-        it ended on an error)."""
+    def finished(
+        self, prompt_tokens: int | None = None, generated_tokens: int = 0, *, reason: str = "stop"
+    ) -> None:
+        """A sequence ended for `reason` (FINISHED_REASONS); with its lengths where they tell
+        what traffic brings (not where it ended on an error)."""
+        if reason not in FINISHED_REASONS:
+            raise ValueError(f"finished reason {reason!r} is not one of {FINISHED_REASONS}")
         with self._lock:
             self.ended += 1
+            self.ended_by[reason] += 1
             if prompt_tokens:
                 self.lengths.append((prompt_tokens, generated_tokens, time.monotonic()))
 
@@ -270,13 +281,17 @@ class EngineStats:
                 ("offload:kv_cache_tokens_used", "gauge", self.used_tokens),
                 ("offload:batch_occupancy", "gauge", self.occupancy()),
                 ("vllm:generation_tokens_total", "counter", self.generated),
-                ("vllm:request_success_total", "counter", self.ended),
                 ("offload:kv_pool_rebalances_total", "counter", self.rebalances),
                 ("offload:engine_failures_total", "counter", self.engine_failures),
                 ("offload:engine_restarts_total", "counter", self.engine_restarts),
                 ("offload:engine_serving", "gauge", int(self.engine_state == "serving")),
             ):
                 lines += [f"# TYPE {name} {kind}", f"{name}{{{labels}}} {value}"]
+            # ended sequences by why, as vLLM labels them (a dashboard sums over the label)
+            name = "vllm:request_success_total"
+            lines.append(f"# TYPE {name} counter")
+            for reason, count in self.ended_by.items():
+                lines.append(f'{name}{{{labels},finished_reason="{reason}"}} {count}')
             for name, histogram in (
                 ("vllm:time_to_first_token_seconds", self.ttft),
                 ("vllm:inter_token_latency_seconds", self.itl),
