@@ -450,8 +450,9 @@ def two_cuda_stages(index, backend: str) -> list:
     ]
 
 
-def small_bf16_checkpoint(tmp_path, arch: str):
-    """A 4-layer bf16 checkpoint of `arch` (hidden 256, vocab 512) under `tmp_path`, indexed."""
+def small_checkpoint(tmp_path, arch: str, dtype: str = "bfloat16"):
+    """A 4-layer checkpoint of `arch` (hidden 256, vocab 512) in `dtype` under `tmp_path`,
+    indexed."""
     from coordinator.planning.checkpoint import load_index
     from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 
@@ -463,7 +464,7 @@ def small_bf16_checkpoint(tmp_path, arch: str):
         num_kv_heads=4,
         intermediate_size=512,
         vocab_size=512,
-        dtype="bfloat16",
+        dtype=dtype,
     )
     return load_index(make_checkpoint(tmp_path / arch, shape))
 
@@ -494,7 +495,7 @@ def test_bf16_stages_on_cuda_match_transformers_on_cuda(tmp_path, arch: str, bac
 
     from worker.worker import StageWorker
 
-    index = small_bf16_checkpoint(tmp_path, arch)
+    index = small_checkpoint(tmp_path, arch)
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     x = ids
     for spec in two_cuda_stages(index, backend):
@@ -520,7 +521,7 @@ def test_moe_experts_computed_on_the_host_beside_a_cuda_stage(tmp_path) -> None:
 
     from worker.worker import StageWorker
 
-    index = small_bf16_checkpoint(tmp_path, "mixtral")
+    index = small_checkpoint(tmp_path, "mixtral")
     ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(0))
     x, stats = ids, []
     for spec in two_cuda_stages(index, "prefetch"):
@@ -554,25 +555,10 @@ def test_batched_generation_on_cuda_equals_transformers_alone(tmp_path, backend:
 
     from coordinator.engine import Engine, EngineConfig
     from coordinator.engine.pipelines import LocalPipeline
-    from coordinator.planning.checkpoint import load_index
-    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
     from worker.steps import Sampling
     from worker.worker import StageWorker
 
-    index = load_index(
-        make_checkpoint(
-            tmp_path / "llama",
-            CheckpointShape(
-                arch="llama",
-                num_layers=4,
-                hidden_size=256,
-                num_heads=8,
-                num_kv_heads=4,
-                intermediate_size=512,
-                vocab_size=512,
-            ),
-        )
-    )
+    index = small_checkpoint(tmp_path, "llama", "float32")
     workers = [StageWorker(spec, device="cuda") for spec in two_cuda_stages(index, backend)]
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (9, 4, 13)]
