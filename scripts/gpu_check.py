@@ -1286,8 +1286,6 @@ def section_resident_stored(s: Section) -> None:
     device computes in FP8 (what `--resident-weights auto` asks of it)."""
     import time
 
-    import torch
-
     from coordinator.planning.checkpoint import load_index
     from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
     from offload.probe import probe_node
@@ -1326,19 +1324,11 @@ def section_resident_stored(s: Section) -> None:
                 make_checkpoint(Path(tmp) / str(i), CheckpointShape(**common, **shape))
             )
             _, wide, _, wide_held = _run_stages(s, index)
+
             start = time.perf_counter()
             _, kept, _, kept_held = _run_stages(s, index, resident_stored=True)
             s.data[f"{case}: device bytes wide / stored"] = [wide_held, kept_held]
-            s.check(
-                f"{case}: kept as stored = dequantized at load (logits)",
-                torch.equal(kept, wide),
-                f"max abs diff {float((kept.float() - wide.float()).abs().max()):.3e}",
-            )
-            s.check(
-                f"{case}: kept as stored holds fewer device bytes (3 resident layers)",
-                kept_held[-1] < wide_held[-1],
-                f"{kept_held} < {wide_held}",
-            )
+            _same_and_smaller(s, f"{case}: kept as stored", kept, wide, (kept_held, wide_held))
             s.data[f"{case}: stored run s (load + forward)"] = time.perf_counter() - start
             if any(x.experts for x in index.layers):  # the experts in compact rows
                 top = max(x.experts_per_token for x in index.layers)
@@ -1346,17 +1336,23 @@ def section_resident_stored(s: Section) -> None:
                     s, index, resident_stored=True, stored_expert_capacity=top
                 )
                 s.data[f"{case}: device bytes, experts in {top} compact rows"] = compact_held
-                s.check(
-                    f"{case}: experts in compact rows = dequantized at load (logits; the "
-                    "prompt's calls split into runs of rows, so kernels of other row counts)",
-                    torch.equal(compact, wide),
-                    f"max abs diff {float((compact.float() - wide.float()).abs().max()):.3e}",
+                # (the prompt's calls split into groups of rows: kernels of other row counts)
+                _same_and_smaller(
+                    s, f"{case}: experts in compact rows", compact, wide, (compact_held, kept_held)
                 )
-                s.check(
-                    f"{case}: compact rows hold fewer device bytes than every expert's",
-                    compact_held[-1] < kept_held[-1],
-                    f"{compact_held} < {kept_held}",
-                )
+
+
+def _same_and_smaller(s: Section, what: str, logits, wide, held: tuple[list, list]) -> None:
+    """Checks: `logits` equal `wide` (the same checkpoint dequantized at load), and the last
+    stage's device bytes are fewer than the other run's (`held`: theirs, the other's)."""
+    import torch
+
+    s.check(
+        f"{what} = dequantized at load (logits)",
+        torch.equal(logits, wide),
+        f"max abs diff {float((logits.float() - wide.float()).abs().max()):.3e}",
+    )
+    s.check(f"{what} holds fewer device bytes", held[0][-1] < held[1][-1], f"{held[0]} < {held[1]}")
 
 
 def section_pinning(s: Section) -> None:
