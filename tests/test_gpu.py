@@ -374,7 +374,8 @@ def test_resident_matrices_kept_as_stored_on_cuda(tmp_path, quantization: str) -
     """On a GPU: a stage keeping its resident FP8 (partial blocks) or MXFP4 matrices as stored
     reads the file's bytes onto the device and dequantizes each layer just in time: the logits
     of the same stage dequantized at load (same device, same numbers), in fewer device bytes,
-    what `LayerSpec.resident_bytes(stored=True)` and one layer at width say."""
+    what `LayerSpec.resident_bytes(stored=True)` and one layer at width say; gpt-oss's experts
+    in compact rows too (issue 54 point 4)."""
     import dataclasses
 
     from coordinator.planning.checkpoint import load_index
@@ -397,6 +398,7 @@ def test_resident_matrices_kept_as_stored_on_cuda(tmp_path, quantization: str) -
                 dtype="bfloat16",
                 quantization=quantization,
                 tokenizer=False,
+                num_experts=8,  # gpt-oss: top 2 of 8, so 2 compact rows hold fewer than all
             ),
         )
     )
@@ -409,14 +411,21 @@ def test_resident_matrices_kept_as_stored_on_cuda(tmp_path, quantization: str) -
         layers=index.layers,
     )
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
-    out, held = [], []
-    for stored in (False, True):
-        worker = StageWorker(dataclasses.replace(spec, resident_stored=stored), device="cuda")
+    one = ids[:1, :1]  # a one-token step: its call fits 2 compact rows, not split
+    runs = [(False, 0), (True, 0)] + ([(True, 2)] if arch == "gpt_oss" else [])
+    out, held, steps, splits = [], [], [], []
+    for stored, rows in runs:
+        worker = StageWorker(
+            dataclasses.replace(spec, resident_stored=stored, stored_expert_capacity=rows),
+            device="cuda",
+        )
         try:
             base = torch.cuda.memory_allocated()
             worker.load()
             held.append(torch.cuda.memory_allocated() - base)
             out.append(worker.forward(ids).cpu())
+            steps.append(worker.forward(one).cpu())
+            splits.append(worker._placement.residency.split_calls)
             report = worker.report()
         finally:
             worker.close()
@@ -427,6 +436,15 @@ def test_resident_matrices_kept_as_stored_on_cuda(tmp_path, quantization: str) -
     assert held[1] < held[0]
     # the stored bytes and one layer's buffer (CUDA's allocator rounds each block up a little)
     assert planned + jit <= held[1] <= (planned + jit) * 1.02 + 2**21
+    if arch == "gpt_oss":  # experts in 2 compact rows: a smaller buffer, the same numbers
+        compact = max(x.jit_bytes(2) for x in index.layers)
+        assert compact < jit and planned + compact <= held[2] <= (planned + compact) * 1.02 + 2**21
+        assert torch.equal(steps[2], steps[0])  # the same kernels on the same rows
+        # the prompt's calls ran in groups of rows: each expert's matmuls on fewer rows, which
+        # CUDA may tile otherwise; bounded by bf16's rounding of the logits
+        assert splits[2] > 0
+        bound = 2 * torch.finfo(torch.bfloat16).eps * out[0].float().abs().max()
+        assert (out[2].float() - out[0].float()).abs().max() <= bound
 
 
 def two_cuda_stages(index, backend: str) -> list:
