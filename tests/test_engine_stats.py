@@ -427,11 +427,13 @@ def test_ray_metrics_are_vllms_with_underscores_tagged_with_the_model(ray_metric
         "vllm_prefix_cache_queries": "Counter",
         "vllm_prefix_cache_hits": "Counter",
         "vllm_generation_tokens": "Counter",
+        "vllm_request_success": "Counter",
         "vllm_time_to_first_token_seconds": "Histogram",
         "vllm_inter_token_latency_seconds": "Histogram",
     }
     for name, metric in ray_metrics.items():
-        assert tuple(metric.kwargs["tag_keys"]) == ("model_name",), name
+        reason = ("finished_reason",) if name == "vllm_request_success" else ()  # vLLM's label
+        assert tuple(metric.kwargs["tag_keys"]) == ("model_name", *reason), name
         description = metric.kwargs.get("description")
         assert isinstance(description, str) and description.strip(), name  # Prometheus' HELP
     assert ray_metrics["vllm_time_to_first_token_seconds"].kwargs["boundaries"] == (
@@ -453,6 +455,7 @@ def test_ray_metrics_export_gauges_counter_increments_and_each_sample_once(ray_m
     stats.preempted(3, 1.0)
     stats.prefix_queries, stats.prefix_hits = 10, 4
     tokens(stats, [0.5, 0.75], submitted_s=0.0)
+    stats.finished(3, 2, reason="length")
 
     def totals() -> dict:
         return {
@@ -465,6 +468,8 @@ def test_ray_metrics_export_gauges_counter_increments_and_each_sample_once(ray_m
         return {name: m.calls[-1] for name, m in ray_metrics.items() if m.kind == "Gauge"}
 
     exporter.export(stats)
+    success = ray_metrics["vllm_request_success"]
+    assert success.calls == [(1, {**tags, "finished_reason": "length"})]  # no increment of 0
     assert gauges() == {
         "vllm_num_requests_running": (2, tags),
         "vllm_num_requests_waiting": (1, tags),
@@ -476,11 +481,17 @@ def test_ray_metrics_export_gauges_counter_increments_and_each_sample_once(ray_m
         "vllm_num_preemptions": 3,
         "vllm_prefix_cache_queries": 10,
         "vllm_prefix_cache_hits": 4,
+        "vllm_request_success": 1,
     }
     ttft = ray_metrics["vllm_time_to_first_token_seconds"]
     itl = ray_metrics["vllm_inter_token_latency_seconds"]
     assert (ttft.calls, itl.calls) == ([(0.5, tags)], [(0.25, tags)])
-    assert all(call_tags == tags for m in ray_metrics.values() for _, call_tags in m.calls)
+    assert all(
+        call_tags == tags
+        for m in ray_metrics.values()
+        if m is not success
+        for _, call_tags in m.calls
+    )
 
     exporter.export(stats)  # nothing new: no increment, no sample
     assert totals()["vllm_generation_tokens"] == 2 and len(ttft.calls) == len(itl.calls) == 1
@@ -489,6 +500,8 @@ def test_ray_metrics_export_gauges_counter_increments_and_each_sample_once(ray_m
     stats.running, stats.used_blocks = 1, 4
     tokens(stats, [1.0, 1.5], submitted_s=0.875)  # a second sequence: 0.125 s, then 0.5 s
     stats.prefix_hits += 2
+    stats.finished(3, 2, reason="stop")
+    stats.finished(reason="error")
     exporter.export(stats)
     assert gauges()["vllm_num_requests_running"] == (1, tags)
     assert gauges()["vllm_kv_cache_usage_perc"] == (1.0, tags)
@@ -497,7 +510,12 @@ def test_ray_metrics_export_gauges_counter_increments_and_each_sample_once(ray_m
         "vllm_num_preemptions": 3,
         "vllm_prefix_cache_queries": 10,
         "vllm_prefix_cache_hits": 6,
+        "vllm_request_success": 3,
     }
+    assert success.calls[1:] == [
+        (1, {**tags, "finished_reason": "stop"}),
+        (1, {**tags, "finished_reason": "error"}),
+    ]
     assert ray_metrics["vllm_prefix_cache_hits"].calls[-1] == (2, tags)
     assert ttft.calls == [(0.5, tags), (0.125, tags)]
     assert itl.calls == [(0.25, tags), (0.5, tags)]

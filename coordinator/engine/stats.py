@@ -353,6 +353,11 @@ class EngineMetrics:
         self.tokens = Counter(
             "vllm_generation_tokens", tag_keys=keys, description="Tokens generated"
         )
+        self.success = Counter(
+            "vllm_request_success",
+            tag_keys=(*keys, "finished_reason"),
+            description="Sequences ended, by why (stop, length, abort, error)",
+        )
         self.ttft = Histogram(
             "vllm_time_to_first_token_seconds",
             boundaries=list(TTFT_BUCKETS_S),
@@ -365,7 +370,7 @@ class EngineMetrics:
             tag_keys=keys,
             description="Time between tokens of a sequence",
         )
-        self._seen: dict = {}  # counter -> the value it was given up to
+        self._seen: dict = {}  # (counter, its tags) -> the value it was given up to
 
     def export(self, stats: EngineStats) -> None:
         self.running.set(stats.running, tags=self.tags)
@@ -378,12 +383,20 @@ class EngineMetrics:
             (self.prefix_queries, stats.prefix_queries),
             (self.prefix_hits, stats.prefix_hits),
         ):
-            seen = self._seen.get(counter, 0)
-            if value > seen:
-                counter.inc(value - seen, tags=self.tags)
-                self._seen[counter] = value
+            self._raise(counter, value, self.tags)
+        for reason, value in stats.ended_by.items():
+            self._raise(self.success, value, {**self.tags, "finished_reason": reason})
         ttft, itl = stats.drain_samples()
         for value in ttft:
             self.ttft.observe(value, tags=self.tags)
         for value in itl:
             self.itl.observe(value, tags=self.tags)
+
+    def _raise(self, counter, value: int, tags: dict) -> None:
+        """Raise `counter` (its series of `tags`) to `value`: by what it grew since the last
+        export, never lowered, never by 0 (Ray refuses that)."""
+        key = (counter, tuple(sorted(tags.items())))
+        seen = self._seen.get(key, 0)
+        if value > seen:
+            counter.inc(value - seen, tags=tags)
+            self._seen[key] = value
