@@ -1557,7 +1557,7 @@ def run_section(name: str, out: Path, device_name: str, dry: bool) -> int:
     except BaseException as exc:
         s.status, s.error = "fail", f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
-    if "ray" in sys.modules and s.status != "skip":
+    if sys.modules.get("ray") is not None and s.status != "skip":  # (None: blocked, absent)
         s.status, s.error = "fail", (s.error + "; " if s.error else "") + "imported ray"
     s.data["seconds"] = round(time.perf_counter() - start, 2)
     s.save()
