@@ -30,6 +30,7 @@ from torch import nn
 
 from coordinator.planning.checkpoint import load_index
 from coordinator.runtime.inputs import check_inputs
+from coordinator.tools.make_checkpoint import MOE_ARCHITECTURES, CheckpointShape, make_checkpoint
 from coordinator.tools.reference import reference_logits
 from offload.errors import OffloadError
 from offload.quant import BlockFormat, QuantizedTensor
@@ -321,6 +322,36 @@ def test_experts_in_compact_rows_give_the_formats_numbers(tmp_path, case, capaci
         assert bool(sum(held.split_calls for held in stages)) == split
     _, full = _run(index, groups, tuple(decoders[-1:]), "layer", True, one)
     assert sum(h.buffer_bytes for h in stages) < sum(h.buffer_bytes for h in full)
+
+
+@pytest.mark.parametrize("arch", [a for a in MOE_ARCHITECTURES if a != "gpt_oss"])
+def test_each_moe_familys_fp8_experts_in_compact_rows_give_transformers_numbers(
+    tmp_path, arch: str
+) -> None:
+    """Every MoE family written as block FP8 (32-blocks, top 2 of 6 experts), its stored
+    experts in 2 compact rows over two stages: a prompt of two rows splits into groups, and
+    the logits are bitwise transformers' on the dequantized files (gpt-oss, MXFP4:
+    `test_experts_in_compact_rows_give_the_formats_numbers`)."""
+    shape = CheckpointShape(
+        arch=arch,
+        dtype="bfloat16",
+        quantization="fp8-block",
+        fp8_block=32,
+        num_experts=6,
+        experts_per_token=2,
+        vocab_size=VOCAB,
+        tokenizer=False,
+    )
+    root = make_checkpoint(tmp_path / "fp8", shape)
+    reference = dequantized_copy(root, tmp_path / "bf16")
+    index = load_index(root)
+    names = [layer.name for layer in index.layers]
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(7))
+    expected = reference_logits(str(reference), ids, dtype="bfloat16", num_threads=1)
+    groups = [names[: len(names) // 2], names[len(names) // 2 :]]
+    logits, stages = _run(index, groups, (), "layer", True, ids, 2)
+    assert sum(held.split_calls for held in stages) > 0
+    assert torch.equal(logits, expected), arch
 
 
 def test_a_compact_experts_call_is_run_on_the_routed_experts_rows_in_expert_order() -> None:
