@@ -331,7 +331,8 @@ def test_each_moe_familys_fp8_experts_in_compact_rows_give_transformers_numbers(
     """Every MoE family written as block FP8 (32-blocks, top 2 of 6 experts), its stored
     experts in 2 compact rows over two stages: a prompt of two rows splits into groups, and
     the logits are bitwise transformers' on the dequantized files (gpt-oss, MXFP4:
-    `test_experts_in_compact_rows_give_the_formats_numbers`)."""
+    `test_experts_in_compact_rows_give_the_formats_numbers`), and each stage's buffer is what
+    the planner counts for it (`LayerSpec.jit_bytes` of the compact rows)."""
     shape = CheckpointShape(
         arch=arch,
         dtype="bfloat16",
@@ -352,6 +353,11 @@ def test_each_moe_familys_fp8_experts_in_compact_rows_give_transformers_numbers(
     logits, stages = _run(index, groups, (), "layer", True, ids, 2)
     assert sum(held.split_calls for held in stages) > 0
     assert torch.equal(logits, expected), arch
+    # the buffer each stage holds is what the planner counts for its layers in compact rows
+    by_name = {layer.name: layer for layer in index.layers}
+    for group, held in zip(groups, stages, strict=True):
+        planned = max(by_name[name].jit_bytes(2) for name in group)
+        assert planned <= held.buffer_bytes <= planned + 256 * 16, (arch, group)  # aligned
 
 
 def test_a_compact_experts_call_is_run_on_the_routed_experts_rows_in_expert_order() -> None:

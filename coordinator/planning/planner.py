@@ -133,7 +133,7 @@ class StagePlan:
     jit_bytes: int = 0
     # Kept as stored, each experts module's per-expert matrices take this many experts' rows
     # of the buffer (`offload.resident`'s compact rows: max_batch x experts per token, the
-    # experts a decode step can route to; 0: every expert)
+    # experts a decode step can route to, and a quarter of them at least; 0: every expert)
     stored_expert_capacity: int = 0
 
 
@@ -464,9 +464,9 @@ def stored_expert_capacity(layers: Sequence[LayerSpec], options: PlanOptions) ->
     """The experts' rows each experts module of a GPU keeping its resident quantized matrices
     as stored holds at width in the buffer (`offload.resident`'s compact rows; 0: all): what
     a decode step of max_batch rows can route to, max_batch x experts per token, and at least
-    a quarter of the experts, which bounds the runs a prefill's call is split into (each runs
-    its experts' dequantization again). DeepSeek-V3 at max_batch 1: 64 of 256, a buffer of
-    5.4 GiB rather than 21.4 GiB."""
+    a quarter of the experts, which bounds the groups of rows a prompt's call is split into
+    (each dequantizes its experts again). DeepSeek-V3 at max_batch 1: 64 of 256, a buffer of
+    5.7 GiB rather than 21.4 GiB."""
     moe = [layer for layer in layers if layer.experts and layer.experts_per_token]
     if not moe:
         return 0
