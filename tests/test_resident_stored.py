@@ -12,6 +12,7 @@ checks the same on a real GPU when one is lent.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -539,3 +540,240 @@ def test_the_loader_reads_stored_bytes_into_a_strided_part_through_a_temporary(t
     assert torch.equal(whole.q[:, 60:].view(torch.uint8), values.view(torch.uint8))
     assert torch.equal(whole.scales[:, 3:], scales)
     assert not whole.q[:, :60].view(torch.uint8).any()  # nothing else written
+
+
+@pytest.mark.parametrize("capacity", [-1, True, 2.5, "2"])
+def test_an_expert_capacity_that_is_not_an_integer_of_at_least_zero_is_refused(capacity) -> None:
+    """`expert_capacity` is an integer >= 0: a negative one, a bool, a float or a string is
+    refused, the message naming the value and what 0 means."""
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"expert_capacity={capacity!r} must be an integer >= 0 (0: every expert)"),
+    ):
+        StoredResidency(torch.device("cpu"), expert_capacity=capacity)
+
+
+def test_a_residency_that_keeps_nothing_holds_no_memory_and_describes_nothing() -> None:
+    """Before `keep`, and after a `keep` of layers with no quantized parameters, a residency
+    holds no stored bytes and no buffer, and describes no format."""
+    residency = StoredResidency(torch.device("cpu"))
+    assert residency.buffer_bytes == residency.stored_bytes == residency.wide_bytes == 0
+    assert residency.keep({TwoLinears(): {}}) == {}
+    assert residency.buffer_bytes == residency.stored_bytes == 0
+    assert residency.describe() == ""
+
+
+def test_stored_values_scales_and_buffer_are_on_the_residencys_device() -> None:
+    """The stored values and scales, and the buffer the parameters view, are on the device the
+    residency was made for (here the meta device, named by a string), also past a layer with
+    nothing to keep."""
+    residency = StoredResidency("meta")
+    assert residency.device == torch.device("meta")
+    empty, layer = TwoLinears(), TwoLinears()
+    fmt = BlockFormat(FP8, (32, 32))
+    kept = residency.keep({empty: {}, layer: {"up.weight": fmt, "down.weight": fmt}})
+    assert list(kept) == [layer]
+    for stored in kept[layer].values():
+        assert stored.q.is_meta and stored.scales.is_meta
+    assert layer.up.weight.is_meta and layer.down.weight.is_meta
+    assert residency.buffer_bytes >= 2 * 72 * 40 * 2
+
+
+def test_parameters_keep_their_dtype_shape_and_grad_flag_while_kept_and_after_close() -> None:
+    """A layer's parameters that need no grad view the buffer as parameters that need none
+    (a forward builds no autograd graph), and after close are meta tensors of their dtype and
+    shape that need none; the description lists each format with its count."""
+    layer = TwoLinears().requires_grad_(False)
+    residency = StoredResidency(torch.device("cpu"))
+    kept = residency.keep(
+        {layer: {"up.weight": BlockFormat(FP8, (32, 32)), "down.weight": BlockFormat(FP8, (8, 8))}}
+    )
+    kept[layer]["up.weight"].copy_(random_fp8((72, 40), BlockFormat(FP8, (32, 32)), seed=1))
+    kept[layer]["down.weight"].copy_(random_fp8((40, 72), BlockFormat(FP8, (8, 8)), seed=2))
+    layer.down.bias = nn.Parameter(torch.zeros(40, dtype=torch.bfloat16), requires_grad=False)
+    assert not layer.up.weight.requires_grad and not layer.down.weight.requires_grad
+    assert not layer(torch.randn(2, 40, dtype=torch.bfloat16)).requires_grad
+    assert residency.describe() == "fp8 (32x32 blocks) x 1, fp8 (8x8 blocks) x 1"
+    residency.close()
+    for weight, shape in ((layer.up.weight, (72, 40)), (layer.down.weight, (40, 72))):
+        assert weight.is_meta and weight.dtype == torch.bfloat16
+        assert tuple(weight.shape) == shape and not weight.requires_grad
+
+
+class RichExperts(nn.Module):
+    """An experts module of 5 experts with what real ones hold beside their matrices: an
+    instance `num_experts`, a per-expert bias (parameter) and expert ids (buffer), a shared
+    scale and a 0-d step that are not per expert, and an absent parameter. Its forward takes
+    every argument by keyword, skips indices outside 0..num_experts-1 and records what it
+    saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_experts = 5
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(5, 8, 32, dtype=torch.bfloat16, device="meta"), requires_grad=False
+        )
+        self.register_parameter("down_bias", None)
+        self.scale = nn.Parameter(torch.ones(5 + 3, dtype=torch.bfloat16), requires_grad=False)
+        self.bias = nn.Parameter(
+            torch.arange(5, dtype=torch.bfloat16)[:, None].repeat(1, 8), requires_grad=False
+        )
+        self.register_buffer("expert_ids", torch.arange(5))
+        self.register_buffer("step", torch.tensor(0.0))
+        self.seen: list[dict] = []
+
+    def forward(self, x, top_k_index=None, top_k_weights=None):
+        self.seen.append(
+            {
+                "index": top_k_index.clone(),
+                "num_experts": self.num_experts,
+                "weights": self.gate_up_proj.clone(),
+                "bias": self.bias.clone(),
+                "expert_ids": self.expert_ids.clone(),
+                "kinds": (type(self.bias), type(self.expert_ids)),
+            }
+        )
+        inside = (top_k_index >= 0) & (top_k_index < self.num_experts)
+        index = torch.where(inside, top_k_index, 0)
+        values = (self.gate_up_proj[index, 0, 0] + self.bias[index, 0]) * top_k_weights
+        return x + torch.where(inside, values, 0).sum(dim=-1)
+
+
+class KeywordMoeLayer(nn.Module):
+    """A layer that calls its experts with every argument by keyword, hidden states one entry
+    per row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = RichExperts()
+
+    def forward(self, x, index, weights):
+        return self.experts(x=x, top_k_index=index, top_k_weights=weights)
+
+
+def _rich_compact() -> tuple[KeywordMoeLayer, StoredResidency, KeywordMoeLayer]:
+    """A `KeywordMoeLayer` whose experts keep 3 compact rows, and the same layer with every
+    expert's weights dequantized (the reference)."""
+    fmt = BlockFormat(FP8, (8, 32))
+    layer = KeywordMoeLayer()
+    residency = StoredResidency(torch.device("cpu"), expert_capacity=3)
+    [kept] = residency.keep({layer: {"experts.gate_up_proj": fmt}}).values()
+    source = random_fp8((5, 8, 32), fmt, seed=6)
+    kept["experts.gate_up_proj"].copy_(source)
+    wide = KeywordMoeLayer()
+    wide.experts.gate_up_proj = nn.Parameter(source.dequantized(torch.bfloat16), False)
+    return layer, residency, wide
+
+
+def test_a_compact_call_by_keyword_sees_each_per_expert_tensor_at_its_rows() -> None:
+    """A compact call whose arguments are all keywords and whose routing indices are int32
+    with sentinels (-1, the expert count, past it): its forward sees the indices renumbered
+    in expert order, still int32, the sentinels outside the rows; each per-expert parameter
+    and buffer at the capacity's rows (the routed experts' first, a parameter still a
+    parameter, a buffer not one), num_experts the capacity; its output is the wide module's,
+    needs no grad, and the module is as it was after."""
+    layer, residency, wide = _rich_compact()
+    experts, seen = layer.experts, layer.experts.seen
+    x = torch.zeros(3, dtype=torch.bfloat16)
+    weights = torch.tensor([[1.0, 0.5], [2.0, 1.0], [1.0, 0.25]], dtype=torch.bfloat16)
+    index = torch.tensor([[4, 5], [1, -1], [99, 1]], dtype=torch.int32)  # experts 1 and 4
+    out = layer(x, index, weights)
+    assert residency.split_calls == 0
+    [call] = seen
+    assert call["index"].dtype == torch.int32
+    assert call["index"].tolist() == [[1, 3], [0, 3], [3, 0]] and call["num_experts"] == 3
+    assert torch.equal(call["weights"][:2], wide.experts.gate_up_proj[[1, 4]])
+    assert call["bias"].shape == (3, 8) and call["bias"][:2, 0].tolist() == [1.0, 4.0]
+    assert call["expert_ids"].shape == (3,) and call["expert_ids"][:2].tolist() == [1, 4]
+    assert call["kinds"] == (nn.Parameter, torch.Tensor)
+    assert torch.equal(out, wide(x, index, weights)) and not out.requires_grad
+    seen.clear()
+    one = torch.tensor([[2, 2], [2, -1], [2, 2]], dtype=torch.int32)  # expert 2 alone
+    assert torch.equal(layer(x, one, weights), wide(x, one, weights))
+    assert seen[0]["bias"].shape == (3, 8) and seen[0]["bias"][0, 0] == 2.0
+    assert seen[0]["expert_ids"].shape == (3,) and seen[0]["expert_ids"][0] == 2
+    assert experts.num_experts == 5 and "num_experts" in vars(experts)
+    assert experts.bias.shape == (5, 8) and experts.expert_ids.tolist() == list(range(5))
+    assert experts.down_bias is None and experts.step.dim() == 0
+    residency.close()
+
+
+def test_a_split_compact_call_by_keyword_gives_the_wide_modules_output() -> None:
+    """A call by keyword routing to more experts than the rows hold runs in groups of rows,
+    each with its own rows of every per-row argument (1-d hidden states, routing indices and
+    weights), and gives the wide module's output."""
+    layer, residency, wide = _rich_compact()
+    x = torch.tensor([0.5, -1.0, 2.0], dtype=torch.bfloat16)
+    weights = torch.tensor([[1.0, 0.5], [2.0, 1.0], [1.0, 0.25]], dtype=torch.bfloat16)
+    index = torch.tensor([[0, 1], [2, 3], [3, 4]])
+    out = layer(x, index, weights)
+    assert residency.split_calls == 1
+    assert [call["index"].tolist() for call in layer.experts.seen] == [[[0, 1]], [[0, 1], [1, 2]]]
+    assert torch.equal(out, wide(x, index, weights))
+    residency.close()
+
+
+def test_a_compact_call_that_cannot_be_served_from_its_rows_is_refused() -> None:
+    """Refused, naming what is wrong and the fix: a call whose routing cannot be read; a row
+    routing to more experts than the rows hold (wherever it is in the call); a call to split
+    with a tensor argument that is not one entry per row (of another length, or 0-d)."""
+    layer, residency, _ = _rich_compact()
+    x = torch.zeros(3, dtype=torch.bfloat16)
+    weights = torch.ones(3, 2, dtype=torch.bfloat16)
+    fix = "(StoredResidency.expert_capacity) and cannot run without knowing which; keep every "
+    fix += "expert (expert_capacity 0) or the resident weights wide"
+    with pytest.raises(OffloadError, match=re.escape(fix)):
+        layer(x, None, weights)
+    wide_row = torch.tensor([[0, 0, 0, 0], [1, 2, 3, 4], [0, 0, 0, 0]])
+    with pytest.raises(
+        OffloadError,
+        match=re.escape(
+            "'experts': a row routes to 4 experts, more than the 3 rows its experts keep on "
+            "the device (StoredResidency.expert_capacity)"
+        ),
+    ):
+        layer(x, wide_row, torch.ones(3, 4, dtype=torch.bfloat16))
+    split = torch.tensor([[0, 1], [2, 3], [3, 4]])
+    for other, shape in (
+        (torch.ones(5, 2, dtype=torch.bfloat16), "[5, 2]"),
+        (torch.tensor(1.0), "[]"),
+    ):
+        with pytest.raises(
+            OffloadError,
+            match=re.escape(
+                f"tensor argument of shape {shape} that is not one entry per row (3): it cannot "
+                "be split; raise StoredResidency.expert_capacity"
+            ),
+        ):
+            layer(x, split, other)
+    assert not layer.experts.seen
+    residency.close()
+
+
+class TwoExpertsLayer(nn.Module):
+    """A layer with two experts modules (of 3 experts each), called one after the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = Experts(), Experts()
+
+    def forward(self, x, index):
+        return self.second(self.first(x, index), index)
+
+
+def test_every_experts_module_of_a_layer_runs_on_its_own_compact_rows() -> None:
+    """Both experts modules of a layer keep 2 compact rows, and each call dequantizes its own
+    routed experts into its own rows."""
+    fmt = BlockFormat(FP8, (8, 32))
+    layer = TwoExpertsLayer()
+    residency = StoredResidency(torch.device("cpu"), expert_capacity=2)
+    names = ("first.gate_up_proj", "second.gate_up_proj")
+    [kept] = residency.keep({layer: dict.fromkeys(names, fmt)}).values()
+    sources = [random_fp8((3, 8, 32), fmt, seed=20 + i) for i in range(2)]
+    for name, source in zip(names, sources, strict=True):
+        kept[name].copy_(source)
+    assert layer(torch.zeros(1, 32), torch.tensor([[2, 0]])).shape == (1, 32)
+    for module, source in zip((layer.first, layer.second), sources, strict=True):
+        assert tuple(module.gate_up_proj.shape) == (2, 8, 32)
+        assert torch.equal(module.gate_up_proj, source.dequantized(torch.bfloat16)[[0, 2]])
+    residency.close()
