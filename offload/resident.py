@@ -194,8 +194,8 @@ class StoredResidency:
                     "resident weights wide"
                 ) from None
             groups = _groups(index, entry.num_experts, rows, entry.path)
-            if len(groups) == 1:
-                experts = groups[0][1]
+            if len(groups) <= 1:  # none: a call of no rows
+                experts = groups[0][1] if groups else []
                 return self._compact_call(
                     layer, entry, names, rows, experts, forward, args, kwargs, key
                 )
@@ -232,7 +232,9 @@ class StoredResidency:
             args = (args[0], renumbered, *args[2:])
         else:
             kwargs = {**kwargs, key: renumbered}
-        picked = torch.tensor(experts + experts[-1:] * (rows - len(experts)), dtype=torch.long)
+        # the rows past the experts' (all of them where the call routes nowhere): a copy of one
+        pad = (experts[-1:] or [0]) * (rows - len(experts))
+        picked = torch.tensor(experts + pad, dtype=torch.long)
         compact = {id(layer.get_parameter(name)) for name in names}
         swapped = _gather_rows(module, count, picked, compact)
         own = module.__dict__.get("num_experts", _MISSING)
@@ -338,7 +340,8 @@ def _groups(index: torch.Tensor, count: int, rows: int, path: str) -> list[tuple
     dequantized once. Indices outside 0..count-1 route nowhere. Reading them waits for the
     router's kernels."""
     per_row = [
-        {e for e in row if 0 <= e < count} for row in index.reshape(index.shape[0], -1).tolist()
+        {e for e in row if 0 <= e < count}
+        for row in index.reshape(index.shape[0], math.prod(index.shape[1:])).tolist()
     ]
     widest = max(per_row, key=len, default=set())
     if len(widest) > rows:

@@ -777,3 +777,20 @@ def test_every_experts_module_of_a_layer_runs_on_its_own_compact_rows() -> None:
         assert tuple(module.gate_up_proj.shape) == (2, 8, 32)
         assert torch.equal(module.gate_up_proj, source.dequantized(torch.bfloat16)[[0, 2]])
     residency.close()
+
+
+def test_a_compact_call_routing_to_no_expert_gives_the_wide_modules_output() -> None:
+    """A compact call whose every routing index is a sentinel (routes to no expert), and one
+    of no rows, run the module's forward with each per-expert tensor at the capacity's rows,
+    and give the wide module's output."""
+    layer, residency, wide = _rich_compact()
+    weights = torch.ones(2, 2, dtype=torch.bfloat16)
+    x = torch.tensor([0.5, -1.0], dtype=torch.bfloat16)
+    nowhere = torch.tensor([[5, 5], [-1, 5]])
+    assert torch.equal(layer(x, nowhere, weights), wide(x, nowhere, weights))
+    assert layer.experts.seen[-1]["bias"].shape == (3, 8)
+    empty = (x[:0], nowhere[:0], weights[:0])
+    assert torch.equal(layer(*empty), wide(*empty))
+    assert layer.experts.seen[-1]["bias"].shape == (3, 8)
+    assert residency.split_calls == 0
+    residency.close()
