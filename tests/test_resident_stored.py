@@ -651,12 +651,12 @@ class KeywordMoeLayer(nn.Module):
         return self.experts(x=x, top_k_index=index, top_k_weights=weights)
 
 
-def _rich_compact() -> tuple[KeywordMoeLayer, StoredResidency, KeywordMoeLayer]:
-    """A `KeywordMoeLayer` whose experts keep 3 compact rows, and the same layer with every
-    expert's weights dequantized (the reference)."""
+def _rich_compact(capacity: int = 3) -> tuple[KeywordMoeLayer, StoredResidency, KeywordMoeLayer]:
+    """A `KeywordMoeLayer` whose experts keep `capacity` compact rows, and the same layer with
+    every expert's weights dequantized (the reference)."""
     fmt = BlockFormat(FP8, (8, 32))
     layer = KeywordMoeLayer()
-    residency = StoredResidency(torch.device("cpu"), expert_capacity=3)
+    residency = StoredResidency(torch.device("cpu"), expert_capacity=capacity)
     [kept] = residency.keep({layer: {"experts.gate_up_proj": fmt}}).values()
     source = random_fp8((5, 8, 32), fmt, seed=6)
     kept["experts.gate_up_proj"].copy_(source)
@@ -695,6 +695,23 @@ def test_a_compact_call_by_keyword_sees_each_per_expert_tensor_at_its_rows() -> 
     assert experts.num_experts == 5 and "num_experts" in vars(experts)
     assert experts.bias.shape == (5, 8) and experts.expert_ids.tolist() == list(range(5))
     assert experts.down_bias is None and experts.step.dim() == 0
+    residency.close()
+
+
+def test_the_rows_past_a_calls_experts_repeat_its_last_expert() -> None:
+    """Fewer experts routed than the rows hold (3 of 4): every per-expert tensor still has
+    the capacity's rows, the routed experts' first and the last of them again after, and
+    the output is the wide module's."""
+    layer, residency, wide = _rich_compact(capacity=4)
+    x = torch.zeros(3, dtype=torch.bfloat16)
+    weights = torch.ones(3, 2, dtype=torch.bfloat16)
+    index = torch.tensor([[0, 2], [2, 3], [0, 3]])  # experts 0, 2 and 3
+    out = layer(x, index, weights)
+    [call] = layer.experts.seen
+    assert call["num_experts"] == 4 and call["bias"].shape == (4, 8)
+    assert call["bias"][:, 0].tolist() == [0.0, 2.0, 3.0, 3.0]
+    assert call["expert_ids"].tolist() == [0, 2, 3, 3]
+    assert torch.equal(out, wide(x, index, weights))
     residency.close()
 
 
