@@ -109,8 +109,7 @@ class EngineStats:
     cut: int = 0  # bursts cut for a step boundary (an arrival, a cancel, an end): on one stage
     # its later steps are cancelled, on several they run out and are applied
     generated: int = 0  # tokens
-    ended: int = 0  # sequences
-    # of them, by why they ended (`Finish`'s values: vLLM's finished_reason label)
+    # sequences ended, by why (`Finish`'s values: vLLM's finished_reason label); `ended`: all
     ended_by: dict = field(default_factory=lambda: dict.fromkeys(FINISHED_REASONS, 0))
     running: int = 0
     waiting: int = 0
@@ -161,6 +160,11 @@ class EngineStats:
             (self.ttft if into is self.ttft_s else self.itl).observe(sample)
             seq.last_token_s = now
 
+    @property
+    def ended(self) -> int:
+        """Sequences ended, whatever the reason."""
+        return sum(self.ended_by.values())
+
     def finished(
         self, prompt_tokens: int | None = None, generated_tokens: int = 0, *, reason: str = "stop"
     ) -> None:
@@ -169,7 +173,6 @@ class EngineStats:
         if reason not in FINISHED_REASONS:
             raise ValueError(f"finished reason {reason!r} is not one of {FINISHED_REASONS}")
         with self._lock:
-            self.ended += 1
             self.ended_by[reason] += 1
             if prompt_tokens:
                 self.lengths.append((prompt_tokens, generated_tokens, time.monotonic()))
