@@ -36,9 +36,10 @@ implementation (eager loops over the experts hit, `batched_mm`, `grouped_mm`) do
 arithmetic in the same order on the same rows. A call that routes to more than C experts (a
 prefill) is split into groups of rows, each routing to at most C (rows that share experts go
 together), and each group's output is put back at its rows: each row's output is computed
-from its own experts as before, and each group dequantizes again the experts it needs. A decode step of the plan's max batch fits one call
-(the planner sizes C to max_batch x experts per token); a call whose routing cannot be read
-cannot be served from C rows and is refused, naming the module.
+from its own experts as before, and each group dequantizes again the experts it needs. A
+decode step of the plan's max batch fits one call (the planner sizes C to max_batch x
+experts per token); a call whose routing cannot be read cannot be served from C rows and is
+refused, naming the module.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class StoredResidency:
         # experts modules whose forward runs on compact rows (their own forward is replaced)
         self._compact: list[nn.Module] = []
         self._buffer: torch.Tensor | None = None
-        self.split_calls = 0  # compact calls split into runs of rows (more than C experts)
+        self.split_calls = 0  # compact calls split into groups of rows (more than C experts)
 
     def keep(
         self, layers: Mapping[nn.Module, Mapping[str, WeightFormat]]
@@ -182,6 +183,7 @@ class StoredResidency:
         `rows` rows of the buffer: its own forward, on the experts its call routes to, or
         on each group of its rows (`_groups`) where they route to more (the module doc)."""
         forward = entry.module.forward  # its class's, bound
+        views = {id(layer.get_parameter(name)) for name in names}  # set by keep, then fixed
 
         def compact(*args, **kwargs):
             try:
@@ -197,14 +199,16 @@ class StoredResidency:
             if len(groups) <= 1:  # none: a call of no rows
                 experts = groups[0][1] if groups else []
                 return self._compact_call(
-                    layer, entry, names, rows, experts, forward, args, kwargs, key
+                    layer, entry, names, views, rows, experts, forward, args, kwargs, key
                 )
             self.split_calls += 1
             out = None
             for picked, experts in groups:
                 where = torch.tensor(picked, dtype=torch.long, device=index.device)
                 part = _rows_of(args, kwargs, index.shape[0], where)
-                got = self._compact_call(layer, entry, names, rows, experts, forward, *part, key)
+                got = self._compact_call(
+                    layer, entry, names, views, rows, experts, forward, *part, key
+                )
                 if out is None:
                     out = got.new_empty((index.shape[0], *got.shape[1:]))
                 out[where] = got
@@ -212,10 +216,11 @@ class StoredResidency:
 
         return compact
 
-    def _compact_call(self, layer, entry, names, rows, experts, forward, args, kwargs, key):
+    def _compact_call(self, layer, entry, names, views, rows, experts, forward, args, kwargs, key):
         """A compact call, or one group of its rows: `experts` (sorted) dequantized into rows
         0.., the routing indices renumbered to them, the module's other per-expert tensors
-        gathered to them, its num_experts `rows`; then its own forward."""
+        (all but `views`, the ids of its compact matrices) gathered to them, its num_experts
+        `rows`; then its own forward."""
         module, count = entry.module, entry.num_experts
         with torch.no_grad():
             for name in names:
@@ -235,8 +240,7 @@ class StoredResidency:
         # the rows past the experts' (all of them where the call routes nowhere): a copy of one
         pad = (experts[-1:] or [0]) * (rows - len(experts))
         picked = torch.tensor(experts + pad, dtype=torch.long)
-        compact = {id(layer.get_parameter(name)) for name in names}
-        swapped = _gather_rows(module, count, picked, compact)
+        swapped = _gather_rows(module, count, picked, views)
         own = module.__dict__.get("num_experts", _MISSING)
         module.num_experts = rows
         try:
