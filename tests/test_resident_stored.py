@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from test_fp8_blocks import (
     matches_reference,
     random_fp8,
 )
+from test_generation import REQUESTS, alone, prompts, run_joining
 from test_mxfp4 import gpt_oss
 from torch import nn
 
@@ -359,6 +361,40 @@ def test_each_moe_familys_fp8_experts_in_compact_rows_give_transformers_numbers(
     for group, held in zip(groups, stages, strict=True):
         planned = max(by_name[name].jit_bytes(2) for name in group)
         assert planned <= held.buffer_bytes <= planned + 256 * 16, (arch, group)  # aligned
+
+
+def test_joining_and_leaving_requests_over_compact_rows_equal_transformers_alone(tmp_path) -> None:
+    """Continuous batching over stages whose stored experts hold 2 of DeepSeek-V3's 4 rows:
+    requests join and leave mid-generation (test_generation's schedule), so each step's call
+    groups the rows of whichever sequences run together; each request's greedy tokens equal
+    transformers' on its prompt alone, on the dequantized files."""
+    root = CASES["deepseek_v3"](tmp_path / "fp8")
+    reference = load_index(dequantized_copy(root, tmp_path / "bf16"))
+    index = load_index(root)
+    names = [layer.name for layer in index.layers]
+    groups = [names[: len(names) // 2], names[len(names) // 2 :]]
+    workers = [
+        StageWorker(
+            dataclasses.replace(
+                split_spec(index, s, groups, ()), resident_stored=True, stored_expert_capacity=2
+            ),
+            device="cpu",
+            num_threads=1,
+        )
+        for s in range(len(groups))
+    ]
+    try:
+        for worker in workers:
+            worker.load()
+        ids = prompts(seed=4)
+        ours, _ = run_joining(SimpleNamespace(workers=workers, index=index), ids)
+        splits = sum(w._placement.residency.split_calls for w in workers)
+    finally:
+        for worker in workers:
+            worker.close()
+    assert splits > 0
+    for prompt, (_, new, _), tokens in zip(ids, REQUESTS, ours, strict=True):
+        assert tokens == alone(reference, prompt, new)
 
 
 def test_a_compact_experts_call_is_run_on_the_routed_experts_rows_in_expert_order() -> None:
