@@ -35,6 +35,7 @@ from coordinator.planning.checkpoint import (
     read_header,
 )
 from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+from worker.layout import UnsupportedModelError, check_recurrent_support
 from worker.spec import SAFETENSORS_NAMES, TensorSlice
 
 TINY = dict(hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64, vocab_size=128)
@@ -769,3 +770,52 @@ def test_the_dtype_tables_agree_with_torch() -> None:
         dtype = getattr(torch, name)
         assert dtype.itemsize == size and dtype.is_floating_point == (name in FLOATING_DTYPES)
     assert dtype_size("BF16") == 2 and dtype_size("F8_E4M3") == 1
+
+
+@pytest.mark.parametrize(
+    ("version", "refused"),
+    [
+        ("5.17.0", True),
+        ("5.20.3", True),
+        ("4.57.1", True),
+        ("5.21.0", False),
+        ("5.22.0.dev0", False),
+        ("6.0.0", False),
+    ],
+)
+def test_a_recurrent_model_under_a_transformers_older_than_its_cache_methods_is_refused(
+    version: str, refused: bool
+) -> None:
+    """The release found and the fix are named; from 5.21 on (what the suite passes on)
+    nothing is refused."""
+    if not refused:
+        check_recurrent_support("jamba", version)
+        return
+    with pytest.raises(UnsupportedModelError) as caught:
+        check_recurrent_support("jamba", version)
+    message = str(caught.value)
+    assert message.startswith("jamba keeps a recurrent state per sequence")
+    assert f"this is transformers {version}" in message
+    assert "pip install -U 'transformers>=5.21'" in message
+
+
+def test_load_index_refuses_a_recurrent_model_only_under_an_older_transformers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before any worker starts, a hybrid (jamba: mamba and attention layers) is refused in
+    one line where its layers would fail mid-step; a model without recurrent state loads. The
+    installed transformers is made too old by asking for a release after it."""
+    import transformers
+
+    from worker import layout
+
+    hybrid = make_checkpoint(
+        tmp_path / "jamba", CheckpointShape(arch="jamba", num_layers=2, **TINY)
+    )
+    plain = make_checkpoint(tmp_path / "llama", CheckpointShape(arch="llama", num_layers=2, **TINY))
+    assert load_index(hybrid).recurrent  # the suite's transformers is new enough
+    monkeypatch.setattr(layout, "RECURRENT_CACHE_TRANSFORMERS", (999, 0))
+    installed = re.escape(transformers.__version__)
+    with pytest.raises(UnsupportedModelError, match=rf"this is transformers {installed}: .*999\.0"):
+        load_index(hybrid)
+    assert not load_index(plain).recurrent

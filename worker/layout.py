@@ -412,6 +412,34 @@ class CacheWrites:
         return bool(self.per_sequence)
 
 
+# The oldest transformers whose recurrent layers (mamba mixers, gated delta-nets, short
+# convolutions) read and write their states only through the cache's methods
+# (`get_conv_state`, `update_recurrent_state`...), which the stage's per-slot pool answers
+# (`worker.batch_view`). Up to 5.20 some read `cache.layers[i].conv_states` directly, which a
+# pool has not: jamba, bamba, qwen3_next and lfm2 failed mid-step with an IndexError (the suite
+# run on 5.17 and 5.20 against 5.21 and 5.22, bench/RESULTS.md "transformers releases").
+RECURRENT_CACHE_TRANSFORMERS = (5, 21)
+
+
+def check_recurrent_support(family: str, version: str | None = None) -> None:
+    """Refuse a model with recurrent state per sequence under a transformers older than
+    `RECURRENT_CACHE_TRANSFORMERS`, naming the release found and the fix; `version` defaults
+    to the installed one."""
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    release = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    if release >= RECURRENT_CACHE_TRANSFORMERS:
+        return
+    needed = ".".join(map(str, RECURRENT_CACHE_TRANSFORMERS))
+    raise UnsupportedModelError(
+        f"{family} keeps a recurrent state per sequence, which its layers reach through the "
+        f"cache methods of transformers {needed} and later; this is transformers {version}: "
+        f"pip install -U 'transformers>={needed}'"
+    )
+
+
 def measure_cache_writes(hf_config) -> CacheWrites:
     """What the model's own layers write to their cache: its forward over two tokens on the
     meta device (no memory, no arithmetic), its MLPs and experts passed through (their routing

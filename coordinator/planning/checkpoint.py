@@ -280,6 +280,7 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
     Raises CheckpointError naming the file and tensor, before any worker starts."""
     from worker.layout import (
         UnsupportedModelError,
+        check_recurrent_support,
         check_supported,
         find_layout,
         fp8_scheme,
@@ -374,6 +375,7 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
     )
     if not index.recurrent:
         return index
+    check_recurrent_support(index.family)
     from coordinator.family_check import continues_chunks
 
     return replace(index, chunks_continue=continues_chunks(config))
