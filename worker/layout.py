@@ -417,7 +417,8 @@ class CacheWrites:
 # (`get_conv_state`, `update_recurrent_state`...), which the stage's per-slot pool answers
 # (`worker.batch_view`). Up to 5.20 some read `cache.layers[i].conv_states` directly, which a
 # pool has not: jamba, bamba, qwen3_next and lfm2 failed mid-step with an IndexError (the suite
-# run on 5.17 and 5.20 against 5.21 and 5.22, bench/RESULTS.md "transformers releases").
+# run on 5.17 and 5.20 against 5.21 and 5.22: bench/RESULTS.md, "torch and transformers
+# releases").
 RECURRENT_CACHE_TRANSFORMERS = (5, 21)
 
 
