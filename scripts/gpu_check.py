@@ -35,8 +35,16 @@ time limit, the limits capped so that the whole run ends within TOTAL_BUDGET_S):
                     cuDNN's attention (a graph built per shape) on and off
   planner_rate      the planner's compute probe on this device against the engine's steps at
                     4 and 16 concurrent requests
+  quantized_moe     MXFP4 experts offloaded in 4 bits and block FP8 dequantized after each
+                    copy (against transformers and the checkpoint dequantized while read);
+                    routed expert fetch against whole-layer fetch
+  resident_stored   resident FP8 and MXFP4 matrices kept as stored, dequantized just in time
+                    (experts in compact rows too): the logits of dequantized-at-load, fewer bytes
+  compact_prefill   what a 512-token prompt and a decode pass cost with a DeepSeek-V3-shaped
+                    MoE's experts in compact rows (a quarter of 256) against every expert's
   pinning           every host buffer a worker page-locks follows the node's decision: with
                     OFFLOAD_PIN_MEMORY=off nothing pinned, with =on the arena and staging
+  recovery          what a re-plan budgets for a survivor's GPU with its stage still loaded
   pytest_gpu        tests/test_gpu.py, where pytest and hypothesis are installed
 
 Writes DIR/summary.md (the table for bench/RESULTS.md), DIR/results.json, and per section
@@ -1342,6 +1350,123 @@ def section_resident_stored(s: Section) -> None:
                 )
 
 
+def section_compact_prefill(s: Section) -> None:
+    """Issue 54 point 4's open question on this device: what a prompt costs where a stage keeps
+    its experts as stored in compact rows (the planner's floor at max_batch 1: a quarter of the
+    experts), against every expert's rows and against the layers dequantized at load. A prompt
+    routing to more experts than the rows runs in groups of rows, each dequantizing its experts
+    again. A DeepSeek-V3-shaped block-FP8 MoE layer (256 experts, 8 per token, random routing:
+    the worst case for grouping) behind a dense one, on one stage holding both: median seconds
+    of a decode pass (1 token) and of a 512-token prefill in each mode, the calls split, and
+    the prefill's logits against every expert's rows."""
+    import dataclasses
+
+    import torch
+
+    from coordinator.planning.checkpoint import load_index
+    from coordinator.planning.planner import PlanOptions, stored_expert_capacity
+    from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
+    from worker.spec import StageSpec
+    from worker.worker import StageWorker
+
+    size = (
+        dict(hidden_size=128, intermediate_size=64, num_experts=16, fp8_block=64, vocab_size=256)
+        if s.dry
+        else dict(
+            hidden_size=1024, intermediate_size=512, num_experts=256, fp8_block=128, vocab_size=4096
+        )
+    )
+    prompt, repeats = (64, 1) if s.dry else (512, 5)
+    shape = CheckpointShape(
+        arch="deepseek_v3",
+        quantization="fp8-block",
+        dtype="bfloat16",
+        tokenizer=False,
+        num_layers=2,  # a dense layer, then the MoE one
+        num_heads=8,
+        num_kv_heads=8,
+        experts_per_token=2 if s.dry else 8,
+        **size,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        index = load_index(make_checkpoint(Path(tmp) / "ckpt", shape))
+        s.data["checkpoint s"] = round(time.perf_counter() - start, 1)
+        capacity = stored_expert_capacity(index.layers, PlanOptions(max_batch=1))
+        s.data["experts, per token, compact rows"] = [
+            shape.num_experts,
+            shape.experts_per_token,
+            capacity,
+        ]
+        spec = StageSpec(
+            stage=0,
+            num_stages=1,
+            checkpoint_dir=str(index.root),
+            config=index.config,
+            dtype=index.dtype,
+            layers=index.layers,
+        )
+        vocab = index.config["vocab_size"]
+        draw = torch.Generator().manual_seed(0)
+        inputs = {
+            "decode": torch.randint(3, vocab, (1, 1), generator=draw),
+            "prefill": torch.randint(3, vocab, (1, prompt), generator=draw),
+        }
+        logits = {}
+        for mode, stored, rows in (
+            ("wide", False, 0),
+            ("stored, every expert", True, 0),
+            ("stored, compact", True, capacity),
+        ):
+            changed = dataclasses.replace(spec, resident_stored=stored, stored_expert_capacity=rows)
+            worker = StageWorker(changed, device=str(s.device), num_threads=torch.get_num_threads())
+            try:
+                worker.load()
+                s.data[f"{mode}: device bytes"] = worker.device_bytes()
+                for name, ids in inputs.items():
+                    residency = worker._placement.residency
+                    split_before = residency.split_calls if residency else 0
+                    out = worker.forward(ids)  # warm-up
+                    _sync(s.device)
+                    split = (residency.split_calls if residency else 0) - split_before
+                    times = []
+                    for _ in range(repeats):
+                        start = time.perf_counter()
+                        worker.forward(ids)
+                        _sync(s.device)
+                        times.append(time.perf_counter() - start)
+                    s.data[f"{mode}: {name} s"] = statistics.median(times)
+                    s.data[f"{mode}: {name} calls split"] = split
+                    if name == "prefill":
+                        logits[mode] = out.float().cpu()
+            finally:
+                worker.close()
+    for name in inputs:
+        every = s.data[f"stored, every expert: {name} s"]
+        s.data[f"{name}: compact / every expert"] = s.data[f"stored, compact: {name} s"] / every
+        s.data[f"{name}: compact / wide"] = (
+            s.data[f"stored, compact: {name} s"] / s.data[f"wide: {name} s"]
+        )
+    s.data["prefill logits: max abs diff, compact vs every expert"] = float(
+        (logits["stored, compact"] - logits["stored, every expert"]).abs().max()
+    )
+    s.check(
+        "a decode pass fits the compact rows (no split)",
+        s.data["stored, compact: decode calls split"] == 0,
+        s.data["stored, compact: decode calls split"],
+    )
+    s.check(
+        "the prompt routed past the compact rows and ran in groups",
+        s.data["stored, compact: prefill calls split"] > 0,
+        s.data["stored, compact: prefill calls split"],
+    )
+    s.check(
+        "the compact rows hold fewer device bytes than every expert's",
+        s.data["stored, compact: device bytes"] < s.data["stored, every expert: device bytes"],
+        [s.data["stored, compact: device bytes"], s.data["stored, every expert: device bytes"]],
+    )
+
+
 def _same_and_smaller(s: Section, what: str, logits, wide, held: tuple[list, list]) -> None:
     """Checks: `logits` equal `wide` (the same checkpoint dequantized at load), and the last
     stage's device bytes are fewer than the other run's (`held`: theirs, the other's)."""
@@ -1532,6 +1657,7 @@ SECTIONS: dict[str, tuple[Callable[[Section], None], float]] = {
     "planner_rate": (section_planner_rate, 90),
     "quantized_moe": (section_quantized_moe, 90),
     "resident_stored": (section_resident_stored, 60),
+    "compact_prefill": (section_compact_prefill, 90),
     "pinning": (section_pinning, 45),
     "recovery": (section_recovery, 45),
     "pytest_gpu": (section_pytest_gpu, 240),
