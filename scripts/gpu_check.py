@@ -61,6 +61,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -218,6 +219,18 @@ def _time_forwards(layers, x, device, *, iters: int, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def _floor(package: str) -> str | None:
+    """The oldest release of `package` pyproject.toml's dependencies accept (`>=`), or None."""
+    text = (ROOT / "pyproject.toml").read_text()
+    found = re.search(rf'"{re.escape(package)}(?:\[[^]]*\])?>=([0-9.]+)', text)
+    return found.group(1) if found else None
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """'2.11.0+cu130' -> (2, 11, 0); '5.22.0.dev0' -> (5, 22, 0)."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
 # --------------------------------------------------------------------------------- sections
 
 
@@ -235,6 +248,17 @@ def section_env(s: Section) -> None:
         import transformers
 
         s.data["transformers"] = transformers.__version__
+    for name, version in (
+        ("torch", torch.__version__),
+        ("transformers", s.data.get("transformers")),
+    ):
+        floor = _floor(name)
+        if version and floor and _release(version) < _release(floor):
+            s.note(
+                f"{name} {version} is older than the {floor} pyproject.toml asks for (the oldest "
+                'the suite passes on): what differs there is in bench/RESULTS.md, "torch and '
+                'transformers releases"; the sections here use no recurrent family'
+            )
     s.data["torch_views_unregistered_memory"] = torch_views_unregistered_memory()
     probe = probe_node()
     s.data["probe"] = probe.to_dict()
