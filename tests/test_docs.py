@@ -99,3 +99,29 @@ def test_the_readme_is_short_and_help_names_the_docs() -> None:
     for name, sub in commands.items():
         [page, errors] = re.findall(r"docs/([\w-]+\.md)", sub.format_help())
         assert (ROOT / "docs" / page).exists() and errors == "troubleshooting.md", name
+
+
+def test_the_requirements_the_readme_states_are_pyprojects_and_the_pins_meet_them() -> None:
+    """The README's torch and transformers floors are pyproject.toml's, and every release
+    constraints/cpu.txt pins (what CI runs) is one pyproject.toml accepts."""
+    from packaging.requirements import Requirement
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = {r.name: r.specifier for r in map(Requirement, project["dependencies"]) if r.specifier}
+    readme = (ROOT / "README.md").read_text()
+    for name in ("torch", "transformers"):
+        floor = next(spec.version for spec in wanted[name] if spec.operator == ">=")
+        assert f"{name} >= {floor}" in readme, (name, floor)
+    pins = [
+        Requirement(line.split("#")[0].strip())
+        for line in (ROOT / "constraints" / "cpu.txt").read_text().splitlines()
+        if line.split("#")[0].strip()
+    ]
+    checked = [pin.name for pin in pins if pin.name in wanted]
+    assert {"torch", "transformers", "safetensors"} <= set(checked)
+    for pin in pins:
+        if pin.name in wanted:
+            (version,) = [spec.version for spec in pin.specifier]
+            assert wanted[pin.name].contains(version), (pin, wanted[pin.name])
