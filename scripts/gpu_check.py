@@ -709,6 +709,21 @@ def _checkpoint(s: Section, tmp: Path, arch: str, dtype: str):
     return load_index(make_checkpoint(tmp / arch, CheckpointShape(arch=arch, dtype=dtype, **size)))
 
 
+def _one_stage(index, **changes):
+    """One stage holding every layer of `index`, its spec changed so."""
+    from worker.spec import StageSpec
+
+    return StageSpec(
+        stage=0,
+        num_stages=1,
+        checkpoint_dir=str(index.root),
+        config=index.config,
+        dtype=index.dtype,
+        layers=index.layers,
+        **changes,
+    )
+
+
 def _two_stages(index, backend: str) -> list:
     """embed + layers 0-1 | layers 2-3 + head, each stage offloading one decoder layer."""
     from worker.spec import StageSpec
@@ -897,7 +912,6 @@ def _one_stage_engine(
     from coordinator.engine.pipelines import LocalPipeline
     from coordinator.planning.checkpoint import load_index
     from coordinator.tools.make_checkpoint import make_checkpoint
-    from worker.spec import StageSpec
     from worker.worker import StageWorker
 
     tmp = tempfile.TemporaryDirectory()
@@ -909,16 +923,7 @@ def _one_stage_engine(
     model = _reference_model(index, getattr(torch, shape.dtype), s.device)
     layers = [layer.name for layer in index.layers if layer.name.startswith("layers.")]
     offloaded = tuple(layers[: round(offload_share * len(layers))])
-    spec = StageSpec(
-        stage=0,
-        num_stages=1,
-        checkpoint_dir=str(index.root),
-        config=index.config,
-        dtype=index.dtype,
-        layers=index.layers,
-        offloaded=offloaded,
-        backend="prefetch",
-    )
+    spec = _one_stage(index, offloaded=offloaded, backend="prefetch")
     worker = StageWorker(spec, device=str(s.device), num_threads=torch.get_num_threads())
     engine = None
     try:
@@ -1383,14 +1388,12 @@ def section_compact_prefill(s: Section) -> None:
     the worst case for grouping) behind a dense one, on one stage holding both: median seconds
     of a decode pass (1 token) and of a 512-token prefill in each mode, the calls split, and
     the prefill's logits against every expert's rows."""
-    import dataclasses
 
     import torch
 
     from coordinator.planning.checkpoint import load_index
     from coordinator.planning.planner import PlanOptions, stored_expert_capacity
     from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
-    from worker.spec import StageSpec
     from worker.worker import StageWorker
 
     size = (
@@ -1422,14 +1425,6 @@ def section_compact_prefill(s: Section) -> None:
             shape.experts_per_token,
             capacity,
         ]
-        spec = StageSpec(
-            stage=0,
-            num_stages=1,
-            checkpoint_dir=str(index.root),
-            config=index.config,
-            dtype=index.dtype,
-            layers=index.layers,
-        )
         vocab = index.config["vocab_size"]
         draw = torch.Generator().manual_seed(0)
         inputs = {
@@ -1442,7 +1437,7 @@ def section_compact_prefill(s: Section) -> None:
             ("stored, every expert", True, 0),
             ("stored, compact", True, capacity),
         ):
-            changed = dataclasses.replace(spec, resident_stored=stored, stored_expert_capacity=rows)
+            changed = _one_stage(index, resident_stored=stored, stored_expert_capacity=rows)
             worker = StageWorker(changed, device=str(s.device), num_threads=torch.get_num_threads())
             try:
                 worker.load()
