@@ -3,6 +3,8 @@ since the previous snapshot, and refuses a stage that exceeds its simulated GPU 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -516,3 +518,41 @@ def test_a_reconfigure_frees_the_old_arena_first_where_the_host_cannot_hold_both
         assert torch.equal(worker.forward(ids), expected)
     finally:
         worker.close()
+
+
+def test_a_worker_refuses_a_recurrent_stage_its_own_transformers_cannot_run(
+    tmp_path, monkeypatch
+) -> None:
+    """The driver's transformers passed the check at indexing; a node whose own is older
+    refuses the stage at load, naming itself and the fix, before reading anything. A stage of
+    the same model without recurrent layers (jamba's attention layer) loads."""
+    from worker import layout
+
+    shape = CheckpointShape(
+        arch="jamba",
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        vocab_size=64,
+    )
+    index = load_index(make_checkpoint(tmp_path / "jamba", shape))
+    monkeypatch.setattr(layout, "RECURRENT_CACHE_TRANSFORMERS", (999, 0))
+    whole = spec_for(index, offloaded=())
+    recurrent = [layer.name for layer in index.layers if layer.state_bytes]
+    worker = StageWorker(whole, device="cpu")
+    try:
+        with pytest.raises(
+            WorkerError, match=r"^stage 0 on .*: jamba keeps a recurrent state .*>=999\.0"
+        ):
+            worker.load()
+        assert worker.report().bytes_read == 0
+    finally:
+        worker.close()
+    attention = [layer for layer in index.layers if layer.name not in recurrent]
+    plain = StageWorker(dataclasses.replace(whole, layers=tuple(attention)), device="cpu")
+    try:
+        plain.load()
+    finally:
+        plain.close()

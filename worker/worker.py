@@ -32,7 +32,12 @@ from offload.simulated import DeviceLedger, simulated_gpu_memory
 from offload.stats import OffloadStats
 from worker.batched import BatchRunner
 from worker.guided import GuideBook
-from worker.layout import hf_config_from_dict, model_class_for
+from worker.layout import (
+    UnsupportedModelError,
+    check_recurrent_support,
+    hf_config_from_dict,
+    model_class_for,
+)
 from worker.loader import TensorReader, hang_if_asked, hold_if_asked
 from worker.node import probe_here, simulated_place
 from worker.placement import Placement, held, materialize
@@ -199,6 +204,11 @@ class StageWorker:
 
     def _build(self, previous: Placement | None) -> None:
         spec = self.spec
+        if any(layer.state_bytes for layer in spec.layers):  # this node's transformers
+            try:
+                check_recurrent_support(spec.config.get("model_type", "?"))
+            except UnsupportedModelError as exc:
+                raise WorkerError(f"{self._where()}: {exc}") from None
         stage = Stage(self._hf_config, [layer.name for layer in spec.layers])
         modules = stage.layer_modules()
         names = list(modules)
