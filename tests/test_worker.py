@@ -13,19 +13,14 @@ from coordinator.tools.make_checkpoint import CheckpointShape, make_checkpoint
 from worker.spec import StageSpec
 from worker.worker import StageWorker, WorkerError
 
+TINY = dict(hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64, vocab_size=64)
+
 
 @pytest.fixture(scope="module")
 def index(tmp_path_factory):
     path = make_checkpoint(
         tmp_path_factory.mktemp("w") / "ckpt",
-        CheckpointShape(
-            num_layers=4,
-            hidden_size=32,
-            num_heads=4,
-            num_kv_heads=2,
-            intermediate_size=64,
-            vocab_size=64,
-        ),
+        CheckpointShape(num_layers=4, **TINY),
     )
     return load_index(path)
 
@@ -218,14 +213,7 @@ def test_a_checkpoint_rewritten_under_the_job_is_never_read(tmp_path) -> None:
     import dataclasses
     import shutil
 
-    shape = CheckpointShape(
-        num_layers=2,
-        hidden_size=32,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=64,
-        vocab_size=64,
-    )
+    shape = CheckpointShape(num_layers=2, **TINY)
     root = make_checkpoint(tmp_path / "ckpt", shape)
     index = load_index(root)
     spec = dataclasses.replace(spec_for(index, offloaded=()), files=index.identities)
@@ -528,15 +516,7 @@ def test_a_worker_refuses_a_recurrent_stage_its_own_transformers_cannot_run(
     the same model without recurrent layers (jamba's attention layer) loads."""
     from worker import layout
 
-    shape = CheckpointShape(
-        arch="jamba",
-        num_layers=2,
-        hidden_size=32,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=64,
-        vocab_size=64,
-    )
+    shape = CheckpointShape(arch="jamba", num_layers=2, **TINY)
     index = load_index(make_checkpoint(tmp_path / "jamba", shape))
     monkeypatch.setattr(layout, "RECURRENT_CACHE_TRANSFORMERS", (999, 0))
     whole = spec_for(index, offloaded=())
