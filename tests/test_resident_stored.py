@@ -145,13 +145,12 @@ def test_the_planners_stored_stages_give_transformers_numbers(tmp_path, case: st
     matches_reference(root, reference, case, resident_weights="stored", check_stored=compact)
 
 
-def _run(
-    index, groups, offloaded, unit, stored: bool, ids, capacity: int = 0
-) -> tuple[torch.Tensor, list[Held]]:
-    """`ids` through in-process workers of a hand-made split (`capacity`: the experts' rows
-    its stored experts modules hold); their logits (run twice: the second pass must agree)
-    and what each held."""
-    workers = [
+def stored_workers(
+    index, groups, offloaded, unit: str = "layer", *, stored: bool, capacity: int
+) -> list[StageWorker]:
+    """In-process CPU workers (not loaded) of a hand-made split, keeping their resident
+    matrices as stored or not, their experts modules holding `capacity` experts' rows."""
+    return [
         StageWorker(
             dataclasses.replace(
                 split_spec(index, s, groups, offloaded, unit),
@@ -163,6 +162,15 @@ def _run(
         )
         for s in range(len(groups))
     ]
+
+
+def _run(
+    index, groups, offloaded, unit, stored: bool, ids, capacity: int = 0
+) -> tuple[torch.Tensor, list[Held]]:
+    """`ids` through in-process workers of a hand-made split (`capacity`: the experts' rows
+    its stored experts modules hold); their logits (run twice: the second pass must agree)
+    and what each held."""
+    workers = stored_workers(index, groups, offloaded, unit, stored=stored, capacity=capacity)
     try:
         for worker in workers:
             worker.load()
@@ -373,16 +381,7 @@ def test_joining_and_leaving_requests_over_compact_rows_equal_transformers_alone
     index = load_index(root)
     names = [layer.name for layer in index.layers]
     groups = [names[: len(names) // 2], names[len(names) // 2 :]]
-    workers = [
-        StageWorker(
-            dataclasses.replace(
-                split_spec(index, s, groups, ()), resident_stored=True, stored_expert_capacity=2
-            ),
-            device="cpu",
-            num_threads=1,
-        )
-        for s in range(len(groups))
-    ]
+    workers = stored_workers(index, groups, (), stored=True, capacity=2)
     try:
         for worker in workers:
             worker.load()
