@@ -226,16 +226,12 @@ def _floor(package: str) -> str | None:
     return found.group(1) if found else None
 
 
-def _release(version: str) -> tuple[int, ...]:
-    """'2.11.0+cu130' -> (2, 11, 0); '5.22.0.dev0' -> (5, 22, 0)."""
-    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
-
-
 # --------------------------------------------------------------------------------- sections
 
 
 def section_env(s: Section) -> None:
     import torch
+    from packaging.version import Version  # transformers' own dependency
 
     from offload import decide_pinning, probe_node
     from offload.policy import resolve_backend
@@ -253,7 +249,7 @@ def section_env(s: Section) -> None:
         ("transformers", s.data.get("transformers")),
     ):
         floor = _floor(name)
-        if version and floor and _release(version) < _release(floor):
+        if version and floor and Version(version).release < Version(floor).release:
             s.note(
                 f"{name} {version} is older than the {floor} pyproject.toml asks for (the oldest "
                 'the suite passes on): what differs there is in bench/RESULTS.md, "torch and '

@@ -426,12 +426,13 @@ def check_recurrent_support(family: str, version: str | None = None) -> None:
     """Refuse a model with recurrent state per sequence under a transformers older than
     `RECURRENT_CACHE_TRANSFORMERS`, naming the release found and the fix; `version` defaults
     to the installed one."""
+    from packaging.version import Version  # transformers' own dependency
+
     if version is None:
         import transformers
 
         version = transformers.__version__
-    release = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
-    if release >= RECURRENT_CACHE_TRANSFORMERS:
+    if Version(version).release >= RECURRENT_CACHE_TRANSFORMERS:
         return
     needed = ".".join(map(str, RECURRENT_CACHE_TRANSFORMERS))
     raise UnsupportedModelError(
