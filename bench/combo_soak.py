@@ -1,0 +1,476 @@
+"""Random combinations of formats and offload options against transformers (not in CI).
+
+The tests check each format and each offload option against transformers, mostly one or two
+at a time. This soak draws whole combinations at random and checks each the same way, to find
+the combination nobody wrote a test for that loads and answers with other numbers.
+
+A trial draws:
+  - a family (every MoE family `make-checkpoint` writes, and a few dense ones) and its depth;
+  - a format: bf16 or float32, block FP8 (blocks that divide the widths or leave partial
+    ones; scales in float32, bf16, E8M0 or uint8), compressed-tensors FP8 (per tensor,
+    channel or block), or MXFP4 (gpt-oss);
+  - a split into 1-3 in-process stages (the workers Ray runs, without Ray), the decoder
+    layers each offloads, the unit offloaded (the layer, its experts or its MLP), the expert
+    fetch (the whole unit, or routed: only the experts a step routes to, with a cache of rows
+    and calls of few rows run on the host), resident quantized weights kept as stored or
+    dequantized at load, and the experts' compact rows;
+    or, in 2 trials of 5, the planner's split and options (as `offloadctl` plans: 1-3
+    simulated GPUs of a drawn budget, expert fetch, the routed experts' cache, resident
+    weights, prefetch slots, 8-bit offloaded weights);
+  - an engine: slots, micro-batches, KV blocks (a pool so tight that requests wait and are
+    preempted), prefix caching over prompts that share their first tokens, decode bursts.
+
+It checks, against transformers loading the same files in one process (same dtype, one thread;
+FP8 checkpoints: an independent dequantization written as a bf16 checkpoint, as the tests do;
+MXFP4: transformers' own dequantization):
+  - logits of a plain batch and of a left-padded one: bitwise;
+  - continuous batching (requests joining and leaving, tests/test_generation.py's schedule):
+    each request's greedy tokens (in 2 of 5 under generate's own processors: a repetition
+    penalty, bad words, a logit bias) those of transformers on its prompt alone. Where they part,
+    the trial reports transformers' margin between its top two scores at that position: a
+    batch sums in other shapes, so a near-tie (float rounding) may part; a clear margin is a bug.
+
+A combination a worker refuses, with an error that says why, is counted, never a failure.
+Exit status 1 when any trial differs beyond a near-tie, or fails without a refusal.
+
+    python bench/combo_soak.py [--trials 40] [--minutes 30] [--seed N] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' references and harness, as they run them
+
+import test_fp8_blocks  # noqa: E402
+import test_fp8_compressed  # noqa: E402
+import torch  # noqa: E402
+from test_families import VOCAB, family_shape, split_spec  # noqa: E402
+from test_generation import MAX_SEQ_LEN, REQUESTS, prompts, run_joining  # noqa: E402
+
+from coordinator.config import JobConfig  # noqa: E402
+from coordinator.planning.checkpoint import load_index  # noqa: E402
+from coordinator.planning.planner import PlanOptions, plan  # noqa: E402
+from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo  # noqa: E402
+from coordinator.runtime.group import stage_specs  # noqa: E402
+from coordinator.runtime.inputs import check_inputs  # noqa: E402
+from coordinator.tools.make_checkpoint import MOE_ARCHITECTURES, make_checkpoint  # noqa: E402
+from coordinator.tools.reference import reference_generate, reference_logits  # noqa: E402
+from offload.errors import OffloadCoordinatorError, PlanError  # noqa: E402
+from worker.spec import parameter_formats  # noqa: E402
+from worker.steps import Sampling  # noqa: E402
+from worker.worker import StageWorker  # noqa: E402
+
+DENSE = ("llama", "qwen3", "gemma2", "phi3")
+# A near-tie: transformers' own top two logits closer than this where our token parts from its
+# (float32 sums in other shapes differ by ~1e-6 of the logits; bf16 rounding by ~1e-2)
+NEAR_TIE = {"float32": 1e-4, "bfloat16": 0.05, "float16": 0.01}
+
+
+def draw(rng: random.Random) -> dict:
+    """One combination (only what the code may accept: refusals are counted, not failures)."""
+    family = rng.choice((*MOE_ARCHITECTURES, *DENSE))
+    moe = family in MOE_ARCHITECTURES
+    quant = rng.choice(
+        ["none", "none", "fp8-block", "fp8-compressed"]
+        + (["mxfp4"] * 2 if family == "gpt_oss" else [])
+    )
+    trial = dict(
+        family=family,
+        layers=rng.choice((3, 4)),
+        dtype="bfloat16" if quant != "none" else rng.choice(("float32", "bfloat16", "float16")),
+        quantization=quant,
+        fp8_block=rng.choice((8, 16, 24, 32)),
+        fp8_scales=rng.choice(("float32", "bfloat16", "e8m0", "uint8")),
+        fp8_strategy=rng.choice(("tensor", "channel", "block")),
+        stages=rng.choice((1, 2, 2, 3)),
+        unit=rng.choice(("layer", "layer") + (("experts",) if moe else ()) + ("mlp",)),
+        expert_fetch=rng.choice(("layer", "routed")) if moe else "layer",
+        expert_cache=rng.choice((0, 0, 1, 3)),
+        host_expert_rows=rng.choice((0, 0, 1, 2)),
+        resident_stored=quant != "none" and rng.random() < 0.6,
+        capacity=rng.choice((0, 2, 3)),  # the planner's: 0 (all) or at least top-k (2)
+        micro_batches=rng.choice((0, 1)),
+        num_slots=rng.choice((2, 3)),
+        block_size=rng.choice((4, 8, 16)),
+        tight_pool=rng.random() < 0.5,  # a KV pool of few blocks: requests wait and are preempted
+        prefix_caching=rng.random() < 0.8,
+        shared_prefix=rng.choice((0, 0, 4, 8)),  # the prompts' first tokens the same
+        burst_steps=rng.choice((0, 0, 1, 4)),
+        offload_dtype=rng.choice(("auto", "auto", "fp8", "int8")) if quant == "none" else "auto",
+        seed=rng.randrange(1000),
+    )
+    if rng.random() < 0.4:  # the planner decides the split and the options, as offloadctl does
+        trial["planned"] = dict(
+            gpus=rng.choice((1, 2, 3)),
+            budget=rng.uniform(0.3, 1.0),  # of a GPU's share of the model (raised until it fits)
+            max_batch=trial["num_slots"],
+            prefetch_step=rng.choice((1, 2)),
+            expert_fetch=rng.choice(("auto", "layer", "routed")),
+            expert_cache=rng.choice((-1, 0, 2)),
+            resident_weights=rng.choice(("auto", "stored")) if quant != "none" else "auto",
+            host_experts="off",
+        )
+    if quant == "fp8-compressed":
+        trial["fp8_scales"] = rng.choice(("float32", "bfloat16"))
+    if trial["expert_fetch"] != "routed":
+        trial["expert_cache"] = trial["host_expert_rows"] = 0
+    return trial
+
+
+def checkpoint(trial: dict, tmp: Path) -> tuple[Path, Path]:
+    """The trial's checkpoint and the reference's files (the same, or dequantized)."""
+    changes = {}
+    if trial["quantization"] == "mxfp4":
+        changes = dict(hidden_size=64, intermediate_size=64)  # MXFP4 groups of 32
+    shape = family_shape(
+        trial["family"],
+        trial["dtype"],
+        num_layers=trial["layers"],
+        quantization=trial["quantization"],
+        fp8_block=trial["fp8_block"],
+        fp8_scales=trial["fp8_scales"],
+        fp8_strategy=trial["fp8_strategy"],
+        seed=trial["seed"],
+        **changes,
+    )
+    root = make_checkpoint(tmp / "ckpt", shape)
+    if trial["quantization"] == "fp8-block":
+        return root, test_fp8_blocks.dequantized_copy(root, tmp / "reference")
+    if trial["quantization"] == "fp8-compressed":
+        return root, test_fp8_compressed.dequantized_copy(root, tmp / "reference")
+    return root, root
+
+
+def split(trial: dict, index, rng: random.Random) -> tuple[list[list[str]], tuple]:
+    names = [layer.name for layer in index.layers]
+    count = min(trial["stages"], len(names))
+    cuts = sorted(rng.sample(range(1, len(names)), count - 1))
+    groups = [names[a:b] for a, b in zip([0, *cuts], [*cuts, len(names)], strict=True)]
+    # as the planner does: a layer moves only where it has the unit (DeepSeek's dense first
+    # layer has no experts)
+    offloaded = tuple(
+        layer.name
+        for layer in index.layers
+        if layer.kind == "decoder" and layer.unit_bytes(trial["unit"]) and rng.random() < 0.6
+    )
+    return groups, offloaded
+
+
+def workers_of(trial: dict, index, groups, offloaded) -> list[StageWorker]:
+    return [
+        StageWorker(
+            dataclasses.replace(
+                split_spec(index, stage, groups, offloaded, trial["unit"]),
+                offload_dtype=trial["offload_dtype"],
+                expert_fetch=trial["expert_fetch"],
+                expert_cache=trial["expert_cache"],
+                host_expert_rows=trial["host_expert_rows"],
+                resident_stored=trial["resident_stored"],
+                stored_expert_capacity=trial["capacity"] if trial["resident_stored"] else 0,
+            ),
+            device="cpu",
+            num_threads=1,
+        )
+        for stage in range(len(groups))
+    ]
+
+
+def planned_specs(trial: dict, index) -> list:
+    """The planner's stages on `gpus` equal simulated GPUs of the drawn budget, raised by a
+    sixteenth of the largest decoder layer until a plan fits (as tests/test_families.py's
+    `offloading_plan`), with the drawn options; their specs as `offloadctl` makes them."""
+    drawn = trial["planned"]
+    options = PlanOptions(
+        max_batch=drawn["max_batch"],
+        prefetch_step=drawn["prefetch_step"],
+        offload_dtype=trial["offload_dtype"],
+        expert_fetch=drawn["expert_fetch"],
+        expert_cache=drawn["expert_cache"],
+        resident_weights=drawn["resident_weights"],
+        host_experts=drawn["host_experts"],
+    )
+    decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
+    budget = int(sum(layer.nbytes for layer in index.layers) * drawn["budget"] / drawn["gpus"])
+    for _ in range(64):
+        gpus = tuple(GpuInfo(index=i, memory_bytes=budget) for i in range(drawn["gpus"]))
+        node = NodeInfo(
+            node_id="node",
+            hostname="node",
+            gpus=gpus,
+            host_budget_bytes=10**9,
+            pinned_budget_bytes=10**9,
+        )
+        try:
+            the_plan = plan(index.layers, ClusterSnapshot(nodes=(node,)), options)
+        except PlanError:
+            budget += decoder // 16
+            continue
+        return stage_specs(JobConfig(checkpoint=str(index.root)), index, the_plan, {})
+    raise PlanError(f"no plan up to a budget of {budget} bytes per GPU")
+
+
+def described_spec(spec) -> str:
+    """A stage spec in a line: its layers and what the plan made of them."""
+    names = [layer.name for layer in spec.layers]
+    parts = [f"{names[0]}..{names[-1]}"]
+    if spec.offloaded:
+        parts.append(f"offloads {','.join(spec.offloaded)} ({spec.offload_unit})")
+    if spec.expert_fetch == "routed":
+        parts.append(f"routed cache {spec.expert_cache} host rows {spec.host_expert_rows}")
+    if spec.resident_stored:
+        parts.append(f"stored capacity {spec.stored_expert_capacity}")
+    return " ".join(parts)
+
+
+def forward(workers, ids, mask=None):
+    x, mask, positions, keep = check_inputs(ids, mask, 0, VOCAB)
+    for worker in workers:
+        x = worker.forward(x, mask, positions, keep)
+    return x
+
+
+def rounded(trial: dict, workers) -> dict:
+    """The weights the workers keep in 8 bits by `offload_dtype` (fp8, int8), with their
+    formats: the reference round-trips the same ones (`reference_logits`' `quantized`)."""
+    if trial["offload_dtype"] == "auto":
+        return {}
+    names = {}
+    for worker in workers:
+        spec = worker.spec
+        for layer in spec.layers:
+            if layer.name in spec.offloaded:
+                tensors = layer.unit_tensors(spec.offload_unit)
+                names.update(parameter_formats(tensors, trial["offload_dtype"]))
+    return names
+
+
+def penalties(rng: random.Random) -> Sampling:
+    """Greedy, and in 2 requests of 5 with generate's own processors (transformers applies
+    the same ones): a repetition penalty, words never to end on, a bias on a token."""
+    if rng.random() >= 0.4:
+        return Sampling()
+    words = tuple(
+        tuple(rng.randrange(3, VOCAB) for _ in range(rng.choice((1, 2))))
+        for _ in range(rng.choice((0, 1, 2)))
+    )
+    bias = tuple(
+        (rng.randrange(3, VOCAB), rng.choice((-4.0, 3.0, 8.0))) for _ in range(rng.choice((0, 1)))
+    )
+    return Sampling(
+        repetition_penalty=rng.choice((1.0, 0.7, 1.3, 1.8)), bad_words=words, logit_bias=bias
+    )
+
+
+def asked_for(sampling: Sampling) -> str:
+    """The settings a request changed from greedy's defaults."""
+    default = Sampling()
+    changed = [
+        f"{f.name}={getattr(sampling, f.name)}"
+        for f in dataclasses.fields(sampling)
+        if getattr(sampling, f.name) != getattr(default, f.name)
+    ]
+    return ", ".join(changed) or "greedy"
+
+
+def theirs(reference: Path, dtype: str, prompt, new: int, sampling: Sampling, quantized: dict):
+    """transformers' greedy tokens for `prompt` alone under `sampling`'s processors, and at
+    each the gap between its top two scores after them."""
+    out = reference_generate(
+        str(reference),
+        torch.tensor([prompt]),
+        dtype=dtype,
+        num_threads=1,
+        quantized=quantized,
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=None,
+        repetition_penalty=sampling.repetition_penalty,
+        bad_words_ids=[list(w) for w in sampling.bad_words] or None,
+        sequence_bias={(t,): b for t, b in sampling.logit_bias} or None,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    gaps = []
+    for scores in out.scores:
+        top = scores[0].float().topk(2).values
+        gaps.append(float(top[0] - top[1]))
+    return out.sequences[0, len(prompt) :].tolist(), gaps
+
+
+def run_trial(trial: dict, rng: random.Random) -> dict:
+    with tempfile.TemporaryDirectory(prefix="combo-") as tmp:
+        root, reference = checkpoint(trial, Path(tmp))
+        index = load_index(root)
+        if "planned" in trial:
+            try:
+                specs = planned_specs(trial, index)
+            except PlanError as error:
+                return {"result": "no plan", "why": str(error).splitlines()[0][:300]}
+            trial.update(plan=[described_spec(spec) for spec in specs])
+            workers = [StageWorker(spec, device="cpu", num_threads=1) for spec in specs]
+        else:
+            groups, offloaded = split(trial, index, rng)
+            trial.update(groups=groups, offloaded=offloaded)
+            workers = workers_of(trial, index, groups, offloaded)
+        try:
+            try:
+                for worker in workers:
+                    worker.load()
+            except OffloadCoordinatorError as error:
+                return {"result": "refused", "why": str(error).splitlines()[0][:300]}
+            g = torch.Generator().manual_seed(trial["seed"])
+            ids = torch.randint(3, VOCAB, (2, 9), generator=g)
+            mask = torch.ones_like(ids)
+            mask[1, :3] = 0
+            positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+            plain, padded = forward(workers, ids), forward(workers, ids, mask)
+            asked = prompts(seed=trial["seed"])
+            samplings = [penalties(rng) for _ in asked]
+            trial["penalized"] = sum(s != Sampling() for s in samplings)
+            for prompt in asked[1:]:
+                shared = min(trial["shared_prefix"], len(prompt) - 1, len(asked[0]))
+                prompt[:shared] = asked[0][:shared]
+            longest = -(-MAX_SEQ_LEN // trial["block_size"])  # blocks of the longest sequence
+            ours, engine = run_joining(
+                SimpleNamespace(workers=workers, index=index),
+                asked,
+                samplings=samplings,
+                num_slots=trial["num_slots"],
+                micro_batches=trial["micro_batches"],
+                block_size=trial["block_size"],
+                num_blocks=longest + rng.randrange(longest // 2 + 1) if trial["tight_pool"] else 0,
+                prefix_caching=trial["prefix_caching"],
+                burst_steps=trial["burst_steps"],
+            )
+            stats = engine.stats
+        finally:
+            for worker in workers:
+                worker.close()
+        dtype = index.dtype
+        names = rounded(trial, workers)
+        out: dict = {
+            "result": "equal",
+            "problems": [],
+            "preempted": getattr(stats, "preemptions", None),
+            "cached": getattr(stats, "prefix_hits", None),
+        }
+        expected = reference_logits(
+            str(reference), ids, dtype=dtype, num_threads=1, quantized=names
+        )
+        if not torch.equal(plain, expected):
+            diff = (plain.float() - expected.float()).abs().max().item()
+            out["problems"].append(f"plain logits {diff:.3g} off")
+        expected = reference_logits(
+            str(reference),
+            ids,
+            dtype=dtype,
+            num_threads=1,
+            quantized=names,
+            attention_mask=mask,
+            position_ids=positions,
+        )
+        if not torch.equal(padded, expected):
+            diff = (padded.float() - expected.float()).abs().max().item()
+            out["problems"].append(f"padded logits {diff:.3g} off")
+        for i, (prompt, (_, new, _), tokens, sampling) in enumerate(
+            zip(asked, REQUESTS, ours, samplings, strict=True)
+        ):
+            expected, gaps = theirs(reference, dtype, prompt, new, sampling, names)
+            if tokens == expected:
+                continue
+            parted = (k for k, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b)
+            at = next(parted, min(len(tokens), len(expected)))  # else one stopped early
+            gap = gaps[at] if at < len(gaps) else float("inf")
+            what = (
+                f"request {i} ({asked_for(sampling)}) parts at token {at} (transformers' top-2 margin "
+                f"{gap:.3g})"
+            )
+            if gap < NEAR_TIE[dtype]:
+                out.setdefault("near_ties", []).append(what)
+            else:
+                out["problems"].append(what)
+        if out["problems"]:
+            out["result"] = "differs"
+        return out
+
+
+def described(trial: dict) -> dict:
+    """The trial's fields that mattered (no FP8 fields for a bf16 checkpoint, and so on)."""
+    skip = {"groups"}
+    if "planned" in trial:  # the plan's, not the draw's
+        skip |= {"stages", "unit", "expert_fetch", "expert_cache", "host_expert_rows"}
+        skip |= {"resident_stored", "capacity", "offloaded"}
+    if trial["quantization"] not in ("fp8-block", "fp8-compressed"):
+        skip |= {"fp8_block", "fp8_scales", "fp8_strategy"}
+    elif trial["quantization"] == "fp8-block":
+        skip.add("fp8_strategy")
+    elif trial["fp8_strategy"] != "block":
+        skip.add("fp8_block")
+    if trial["expert_fetch"] != "routed":
+        skip |= {"expert_cache", "host_expert_rows"}
+    if not trial["resident_stored"]:
+        skip.add("capacity")
+    if "plan" in trial:  # a plan's stages, one line each: shown below the trial
+        skip.add("plan")
+    if trial["offload_dtype"] == "auto":
+        skip.add("offload_dtype")
+    return {k: v for k, v in trial.items() if k not in skip}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=40)
+    parser.add_argument("--minutes", type=float, default=30.0, help="stop starting trials after")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.randrange(2**31)
+    rng = random.Random(seed)
+    torch.set_num_threads(1)
+    print(f"seed {seed}", flush=True)
+    records, start = [], time.monotonic()
+    for number in range(args.trials):
+        if time.monotonic() - start > args.minutes * 60:
+            break
+        trial = draw(rng)
+        began = time.monotonic()
+        try:
+            outcome = run_trial(trial, rng)
+        except Exception:  # a failure without a refusal: the trial's traceback
+            outcome = {"result": "error", "why": traceback.format_exc(limit=6)}
+        outcome["s"] = round(time.monotonic() - began, 1)
+        records.append({"trial": trial, **outcome})
+        shown = " ".join(f"{k}={v}" for k, v in described(trial).items())
+        seen = f"preempted {outcome.get('preempted')} cache hits {outcome.get('cached')}"
+        print(
+            f"{number:3d} {outcome['result']:8s} {outcome['s']:5.1f}s {shown} ({seen})", flush=True
+        )
+        for key in ("plan", "why", "problems", "near_ties"):
+            value = trial.get(key) if key == "plan" else outcome.get(key)
+            if value:
+                print(f"    {key}: {value}", flush=True)
+    counts: dict[str, int] = {}
+    for record in records:
+        counts[record["result"]] = counts.get(record["result"], 0) + 1
+    print(f"seed {seed}: {len(records)} trials in {time.monotonic() - start:.0f} s: {counts}")
+    if args.json:
+        args.json.write_text(
+            json.dumps({"seed": seed, "counts": counts, "trials": records}, indent=1, default=str)
+        )
+    return 1 if counts.get("differs") or counts.get("error") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
