@@ -17,13 +17,15 @@ A trial draws:
     or, in 2 trials of 5, the planner's split and options (as `offloadctl` plans: 1-3
     simulated GPUs of a drawn budget, expert fetch, the routed experts' cache, resident
     weights, prefetch slots, 8-bit offloaded weights);
+    and, in some trials, a re-plan: a second split of as many stages with other options, to
+    which the loaded workers are reconfigured (what they hold moves, the rest is read);
   - an engine: slots, micro-batches, KV blocks (a pool so tight that requests wait and are
     preempted), prefix caching over prompts that share their first tokens, decode bursts.
 
 It checks, against transformers loading the same files in one process (same dtype, one thread;
 FP8 checkpoints: an independent dequantization written as a bf16 checkpoint, as the tests do;
 MXFP4: transformers' own dequantization):
-  - logits of a plain batch and of a left-padded one: bitwise;
+  - logits of a plain batch and of a left-padded one: bitwise (again after a re-plan);
   - continuous batching (requests joining and leaving, tests/test_generation.py's schedule):
     each request's greedy tokens (in 2 of 5 under generate's own processors: a repetition
     penalty, bad words, a logit bias) those of transformers on its prompt alone. Where they part,
@@ -126,6 +128,17 @@ def draw(rng: random.Random) -> dict:
         trial["fp8_scales"] = rng.choice(("float32", "bfloat16"))
     if trial["expert_fetch"] != "routed":
         trial["expert_cache"] = trial["host_expert_rows"] = 0
+    if "planned" not in trial and trial["stages"] > 1 and rng.random() < 0.3:
+        # a re-plan moves the split and changes what is offloaded and how, 8-bit offload kept
+        fetch = rng.choice(("layer", "routed")) if moe else "layer"
+        trial["replan"] = dict(
+            unit=rng.choice(("layer", "layer") + (("experts",) if moe else ()) + ("mlp",)),
+            expert_fetch=fetch,
+            expert_cache=rng.choice((0, 1, 3)) if fetch == "routed" else 0,
+            host_expert_rows=rng.choice((0, 1, 2)) if fetch == "routed" else 0,
+            resident_stored=quant != "none" and rng.random() < 0.6,
+            capacity=rng.choice((0, 2, 3)),
+        )
     return trial
 
 
@@ -168,23 +181,31 @@ def split(trial: dict, index, rng: random.Random) -> tuple[list[list[str]], tupl
     return groups, offloaded
 
 
-def workers_of(trial: dict, index, groups, offloaded) -> list[StageWorker]:
+def specs_of(trial: dict, index, groups, offloaded) -> list:
     return [
-        StageWorker(
-            dataclasses.replace(
-                split_spec(index, stage, groups, offloaded, trial["unit"]),
-                offload_dtype=trial["offload_dtype"],
-                expert_fetch=trial["expert_fetch"],
-                expert_cache=trial["expert_cache"],
-                host_expert_rows=trial["host_expert_rows"],
-                resident_stored=trial["resident_stored"],
-                stored_expert_capacity=trial["capacity"] if trial["resident_stored"] else 0,
-            ),
-            device="cpu",
-            num_threads=1,
+        dataclasses.replace(
+            split_spec(index, stage, groups, offloaded, trial["unit"]),
+            offload_dtype=trial["offload_dtype"],
+            expert_fetch=trial["expert_fetch"],
+            expert_cache=trial["expert_cache"],
+            host_expert_rows=trial["host_expert_rows"],
+            resident_stored=trial["resident_stored"],
+            stored_expert_capacity=trial["capacity"] if trial["resident_stored"] else 0,
         )
         for stage in range(len(groups))
     ]
+
+
+def replanned(trial: dict, index, workers, rng: random.Random) -> None:
+    """The workers given a second split of as many stages, with the re-plan's options, as a
+    re-plan reconfigures them: layers they hold move, the others are read."""
+    again = dict(trial, **trial["replan"], stages=len(workers))
+    groups, offloaded = split(again, index, rng)
+    trial["replan"].update(groups=groups, offloaded=offloaded)
+    for worker, spec in zip(workers, specs_of(again, index, groups, offloaded), strict=True):
+        for chunk in worker.reconfigure(spec):
+            worker.load_chunk(chunk)
+        worker.finish_load()
 
 
 def planned_specs(trial: dict, index) -> list:
@@ -323,7 +344,8 @@ def run_trial(trial: dict, rng: random.Random) -> dict:
         else:
             groups, offloaded = split(trial, index, rng)
             trial.update(groups=groups, offloaded=offloaded)
-            workers = workers_of(trial, index, groups, offloaded)
+            specs = specs_of(trial, index, groups, offloaded)
+            workers = [StageWorker(spec, device="cpu", num_threads=1) for spec in specs]
         try:
             try:
                 for worker in workers:
@@ -336,6 +358,14 @@ def run_trial(trial: dict, rng: random.Random) -> dict:
             mask[1, :3] = 0
             positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
             plain, padded = forward(workers, ids), forward(workers, ids, mask)
+            checked = [("", plain, padded, rounded(trial, workers))]
+            if "replan" in trial:
+                try:
+                    replanned(trial, index, workers, rng)
+                except OffloadCoordinatorError as error:
+                    return {"result": "refused", "why": f"re-plan: {str(error).splitlines()[0]}"}
+                again = forward(workers, ids), forward(workers, ids, mask)
+                checked.append(("after the re-plan: ", *again, rounded(trial, workers)))
             asked = prompts(seed=trial["seed"])
             samplings = [penalties(rng) for _ in asked]
             trial["penalized"] = sum(s != Sampling() for s in samplings)
@@ -359,31 +389,33 @@ def run_trial(trial: dict, rng: random.Random) -> dict:
             for worker in workers:
                 worker.close()
         dtype = index.dtype
-        names = rounded(trial, workers)
+        names = checked[-1][3]  # the weights kept in 8 bits as the engine ran
         out: dict = {
             "result": "equal",
             "problems": [],
             "preempted": getattr(stats, "preemptions", None),
             "cached": getattr(stats, "prefix_hits", None),
         }
-        expected = reference_logits(
-            str(reference), ids, dtype=dtype, num_threads=1, quantized=names
-        )
-        if not torch.equal(plain, expected):
-            diff = (plain.float() - expected.float()).abs().max().item()
-            out["problems"].append(f"plain logits {diff:.3g} off")
-        expected = reference_logits(
-            str(reference),
-            ids,
-            dtype=dtype,
-            num_threads=1,
-            quantized=names,
-            attention_mask=mask,
-            position_ids=positions,
-        )
-        if not torch.equal(padded, expected):
-            diff = (padded.float() - expected.float()).abs().max().item()
-            out["problems"].append(f"padded logits {diff:.3g} off")
+        for when, plain, padded, rounded_then in checked:
+            expected = reference_logits(
+                str(reference), ids, dtype=dtype, num_threads=1, quantized=rounded_then
+            )
+            expected_padded = reference_logits(
+                str(reference),
+                ids,
+                dtype=dtype,
+                num_threads=1,
+                quantized=rounded_then,
+                attention_mask=mask,
+                position_ids=positions,
+            )
+            for what, got, want in (
+                ("plain", plain, expected),
+                ("padded", padded, expected_padded),
+            ):
+                if not torch.equal(got, want):
+                    diff = (got.float() - want.float()).abs().max().item()
+                    out["problems"].append(f"{when}{what} logits {diff:.3g} off")
         for i, (prompt, (_, new, _), tokens, sampling) in enumerate(
             zip(asked, REQUESTS, ours, samplings, strict=True)
         ):

@@ -14,12 +14,14 @@ import pytest
 
 from worker import decode, loader
 from worker.steps import Sampling
+from worker.worker import StageWorker
 
 ROOT = Path(__file__).resolve().parent.parent
 
 # Block FP8 (E8M0 scales, partial blocks: 24 on widths of 32 and 48) over two stages, the
 # experts offloaded and fetched by routing (a cache row, calls of one row on the host), the
-# resident matrices kept as stored in compact rows, a pool tight enough to wait, shared prefixes
+# resident matrices kept as stored in compact rows, a pool tight enough to wait, shared
+# prefixes
 TRIAL = dict(
     family="mixtral",
     layers=3,
@@ -44,6 +46,15 @@ TRIAL = dict(
     burst_steps=0,
     offload_dtype="auto",
     seed=5,
+    # then re-planned: whole layers offloaded, fetched whole, resident ones at width (read again)
+    replan=dict(
+        unit="layer",
+        expert_fetch="layer",
+        expert_cache=0,
+        host_expert_rows=0,
+        resident_stored=False,
+        capacity=0,
+    ),
 )
 
 
@@ -60,6 +71,7 @@ def test_a_combination_of_formats_and_options_runs_equal(soak) -> None:
     out = soak.run_trial(trial, random.Random(0))
     assert out["result"] == "equal", out
     assert trial["offloaded"] and len(trial["groups"]) == 2  # it did offload, over two stages
+    assert len(trial["replan"]["groups"]) == 2
 
 
 def test_drawn_trials_are_run_and_counted(soak, capsys) -> None:
@@ -87,3 +99,19 @@ def test_a_repetition_penalty_the_engine_drops_is_a_difference(soak, monkeypatch
     out = soak.run_trial(plain, random.Random(0))
     assert out["result"] == "differs"
     assert all(p.startswith("request") for p in out["problems"]), out
+
+
+def test_weights_read_wrong_at_a_replan_are_a_difference(soak, monkeypatch) -> None:
+    """The block scales the workers read during the re-plan made 1% larger (its resident
+    layers go from stored to wide, so they are read again): the logits after it differ, those
+    before do not."""
+    read, reconfigure = loader.scales_as_float32, StageWorker.reconfigure
+
+    def wrong_from_now_on(self, spec):
+        monkeypatch.setattr(loader, "scales_as_float32", lambda raw: read(raw) * 1.01)
+        return reconfigure(self, spec)
+
+    monkeypatch.setattr(StageWorker, "reconfigure", wrong_from_now_on)
+    out = soak.run_trial(dict(TRIAL), random.Random(0))
+    assert out["result"] == "differs", out
+    assert out["problems"][0].startswith("after the re-plan"), out
