@@ -16,11 +16,14 @@ experts' rows of each weight into the layer's slot, after the router has run and
 experts compute, and keeps track of what the slot already holds.
 
 Torch only; nothing here depends on a model family: a module is an experts module when it has
-an integer `num_experts` and its offloaded weights all lead with that many rows.
+an integer `num_experts`, its offloaded weights all lead with that many rows, and its forward is
+handed the routing indices (`takes_routing`). One that is not (Llama 4's experts compute every
+expert on inputs the router scaled) needs every expert at every call: its experts cross whole.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,8 +48,45 @@ def experts_modules(
 ) -> list[ExpertsModule]:
     """The experts modules among `layer`'s submodules whose offloaded parameters (`params`:
     (name within the layer, parameter), as the offloader lists them) lead with one row per
-    expert, a matrix (or more) each. A module with an offloaded parameter that does not is
-    left out (it is copied whole with its layer), and so is one that only holds another."""
+    expert, a matrix (or more) each, and whose forward is handed the routing (`takes_routing`).
+    A module with an offloaded parameter that does not lead so is left out (it is copied whole
+    with its layer), and so is one that only holds another, and one that is not told which
+    experts a call routes to (`unroutable_experts`: it needs every expert)."""
+    return [entry for entry in _shaped_experts(layer, params) if takes_routing(entry.module)]
+
+
+def unroutable_experts(layer: nn.Module) -> list[str]:
+    """The paths of `layer`'s modules shaped as experts modules (a matrix per expert) whose
+    forward is not handed the routing indices: Llama 4's experts compute every expert on inputs
+    the router has scaled, JetMoe's take per-expert row counts. No call of theirs can run on
+    some experts' rows, so their experts cross and stay whole."""
+    params = list(layer.named_parameters())
+    return [e.path for e in _shaped_experts(layer, params) if not takes_routing(e.module)]
+
+
+# The parameter an experts module's forward takes its routing indices in, after the hidden
+# states (`routing_of` reads it there or by keyword): transformers 5's, gpt-oss's
+ROUTING_PARAMETERS = ("top_k_index", "router_indices")
+
+
+def takes_routing(module: nn.Module) -> bool:
+    """Whether `module`'s forward is handed the experts each row routes to, where `routing_of`
+    reads them: a parameter `ROUTING_PARAMETERS` names, second after the hidden states."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: nothing known, nothing routed
+        return False
+    positional = [
+        p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return len(positional) > 1 and positional[1] in ROUTING_PARAMETERS
+
+
+def _shaped_experts(
+    layer: nn.Module, params: Sequence[tuple[str, nn.Parameter]]
+) -> list[ExpertsModule]:
+    """`layer`'s submodules with an integer `num_experts` whose parameters among `params` all
+    lead with that many rows, a matrix (or more) among them; not one that only holds another."""
     found = []
     for path, module in layer.named_modules():
         count = getattr(module, "num_experts", None)
@@ -75,7 +115,7 @@ def routing_of(args: tuple, kwargs: dict) -> tuple[torch.Tensor, str | None]:
     """An experts call's routing indices and where they are: the second positional argument
     (`top_k_index`, gpt-oss's `router_indices`; None) or the keyword of that name."""
     index, name = (args[1] if len(args) > 1 else None), None
-    for key in ("top_k_index", "router_indices"):
+    for key in ROUTING_PARAMETERS:
         if index is None and key in kwargs:
             index, name = kwargs[key], key
     if not isinstance(index, torch.Tensor) or index.dtype.is_floating_point:

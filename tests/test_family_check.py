@@ -527,3 +527,36 @@ def test_prompts_are_chunked_only_where_the_familys_recurrence_continues_a_chunk
     assert continues_chunks(shape.hf_config().to_dict()) is continues
     index = load_index(make_checkpoint(tmp_path / family, shape))
     assert model_steps(index) == {"uniform_steps": True, "whole_prompts": not continues}
+
+
+def test_llama4s_experts_cross_whole_even_where_routing_is_asked(checkpoints) -> None:
+    """Llama 4's experts module computes every expert on inputs its router scaled: it is not
+    handed the routing. So the index gives its layers no routed experts, a plan asked to route
+    them moves them whole and says why, and workers told to route anyway fetch them whole:
+    transformers' logits either way. (The planner used to route them by default, and the load
+    failed at its first step: "an experts module was called without integer routing
+    indices".)"""
+    index = checkpoints("llama4_text")
+    moe = [layer.name for layer in index.layers if layer.unit_bytes("experts")]
+    assert moe and not any(layer.experts for layer in index.layers)
+    ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
+    planned = Pipeline(index, expert_fetch="routed")
+    try:
+        assert any(s.offloaded for s in planned.plan.stages)
+        assert {s.expert_fetch for s in planned.plan.stages} == {"layer"}
+        assert "no offloaded layer has experts that a step's routing picks" in (
+            planned.plan.summary()
+        )
+        logits = planned(ids)
+    finally:
+        planned.close()
+    names = [layer.name for layer in index.layers]
+    told = Pipeline(index, [names[:2], names[2:]], tuple(moe), "experts", expert_fetch="routed")
+    try:
+        routed = told(ids)
+        stats = [worker.offloader.stats() for worker in told.workers]
+    finally:
+        told.close()
+    expected = reference(index, ids)
+    assert torch.equal(logits, expected) and torch.equal(routed, expected)
+    assert sum(s.copies for s in stats) and not any(s.expert_misses for s in stats)

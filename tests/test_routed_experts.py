@@ -26,7 +26,13 @@ from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from coordinator.runtime.group import stage_specs
 from coordinator.tools.make_checkpoint import MOE_ARCHITECTURES
 from offload import OffloadConfig, PrefetchOffloader
-from offload.routed import RoutingUnknownError, experts_modules, routed_experts
+from offload.routed import (
+    RoutingUnknownError,
+    experts_modules,
+    routed_experts,
+    takes_routing,
+    unroutable_experts,
+)
 from worker.names import expected_experts
 
 MOE_FAMILIES = MOE_ARCHITECTURES
@@ -234,6 +240,42 @@ def test_experts_modules_are_found_by_their_per_expert_weights() -> None:
     block.experts.extra = nn.Parameter(torch.zeros(3, 4, 4))  # not per expert
     params = [(n, p) for n, p in block.named_parameters()]
     assert experts_modules(block, params) == []
+
+
+def test_experts_modules_not_handed_their_routing_are_left_to_cross_whole() -> None:
+    """transformers' experts modules are handed the routing as their second argument
+    (`top_k_index`; gpt-oss's `router_indices`), except Llama 4's (every expert computed on
+    inputs the router scaled) and JetMoe's (per-expert row counts): those are no experts
+    modules to route, but are named as such, and the layer's experts cross whole."""
+    import transformers
+
+    def experts_of(config_class: str, **settings) -> nn.Module:
+        config = getattr(transformers, config_class)(
+            hidden_size=16, intermediate_size=32, num_attention_heads=2, **settings
+        )
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        return model.model.layers[0]
+
+    routed = {
+        "mixtral": experts_of("MixtralConfig", num_local_experts=4),
+        "gpt_oss": experts_of("GptOssConfig", num_local_experts=4),
+    }
+    whole = {
+        "llama4_text": experts_of(
+            "Llama4TextConfig", num_local_experts=4, intermediate_size_mlp=32, head_dim=8
+        ),
+        "jetmoe": experts_of("JetMoeConfig", num_local_experts=4, kv_channels=8),
+    }
+    for name, layer in {**routed, **whole}.items():
+        params = list(layer.named_parameters())
+        found, unroutable = experts_modules(layer, params), unroutable_experts(layer)
+        if name in routed:
+            assert [f.path for f in found] == ["mlp.experts"] and not unroutable, name
+            assert takes_routing(found[0].module)
+        else:
+            assert found == [] and unroutable, name
+            assert not any(takes_routing(layer.get_submodule(p)) for p in unroutable)
+    assert unroutable_experts(whole["llama4_text"]) == ["feed_forward.experts"]
 
 
 def test_routing_is_read_from_the_call_or_refused() -> None:

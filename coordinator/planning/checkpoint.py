@@ -360,6 +360,7 @@ def load_index(root: str | os.PathLike, *, dtype: str = "auto") -> CheckpointInd
                 **_kv_fields(kv, _index(name)),
             ),
             config,
+            _unroutable(model, layout, name),
         )
         for name, items in by_layer.items()
     )
@@ -386,11 +387,24 @@ _EXPERT_COUNTS = ("n_routed_experts", "num_local_experts", "num_experts")
 _EXPERTS_PER_TOKEN = ("num_experts_per_tok", "experts_per_token", "moe_topk")
 
 
-def _with_routing(layer: LayerSpec, config: dict) -> LayerSpec:
+def _unroutable(model, layout, name: str) -> list[str]:
+    """The experts modules of decoder layer `name` of the meta model that are not handed their
+    routing (`offload.routed.unroutable_experts`); none for the embedding and head."""
+    if _kind(name) != "decoder":
+        return []
+    from offload.routed import unroutable_experts  # torch
+
+    (path,) = layout.module_paths(name)
+    return unroutable_experts(model.get_submodule(path))
+
+
+def _with_routing(layer: LayerSpec, config: dict, unroutable: list[str] = ()) -> LayerSpec:
     """A decoder layer with experts (`unit_bytes("experts")`) with its routing fan-out from
     config.json (its text config's, for a model that nests one): what the planner's routed
-    fetch expects a step to move."""
-    if layer.kind != "decoder" or not layer.unit_bytes("experts"):
+    fetch expects a step to move. None where its experts modules are not told the routing
+    (`unroutable`, Llama 4's: they compute every expert), so the plan moves every expert, as
+    the workers do (`offload.routed.experts_modules` leaves such modules out)."""
+    if layer.kind != "decoder" or not layer.unit_bytes("experts") or unroutable:
         return layer
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     count = next((text[k] for k in _EXPERT_COUNTS if isinstance(text.get(k), int)), 0)

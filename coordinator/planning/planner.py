@@ -309,6 +309,12 @@ class Plan:
                 "E (1 - (1 - k/E)^rows) of E expected under uniform routing, their copy added "
                 "to the stage's time"
             )
+        elif self.options.expert_fetch == "routed" and any(s.offloaded for s in self.stages):
+            notes.append(
+                "expert fetch routed: no offloaded layer has experts that a step's routing "
+                "picks (a dense model, or experts modules not handed the routing, as Llama 4's, "
+                "which compute every expert), so every offloaded unit crosses whole"
+            )
         hosted = [s for s in self.stages if s.host_expert_rows]
         if hosted:
             notes.append(
