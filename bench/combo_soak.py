@@ -5,7 +5,9 @@ at a time. This soak draws whole combinations at random and checks each the same
 the combination nobody wrote a test for that loads and answers with other numbers.
 
 A trial draws:
-  - a family (every MoE family `make-checkpoint` writes, and a few dense ones) and its depth;
+  - a family (every MoE family `make-checkpoint` writes, a few dense ones, and MoE families
+    outside the tested list that load after the pre-launch self-check, from their default
+    configs shrunk as that check shrinks them) and its depth;
   - a format: bf16 or float32, block FP8 (blocks that divide the widths or leave partial
     ones; scales in float32, bf16, E8M0 or uint8), compressed-tensors FP8 (per tensor,
     channel or block), or MXFP4 (gpt-oss);
@@ -67,7 +69,14 @@ from coordinator.planning.planner import PlanOptions, plan  # noqa: E402
 from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo  # noqa: E402
 from coordinator.runtime.group import stage_specs  # noqa: E402
 from coordinator.runtime.inputs import check_inputs  # noqa: E402
-from coordinator.tools.make_checkpoint import MOE_ARCHITECTURES, make_checkpoint  # noqa: E402
+from coordinator.small_config import shrink_config  # noqa: E402
+from coordinator.tools.make_checkpoint import (  # noqa: E402
+    MOE_ARCHITECTURES,
+    make_checkpoint,
+    perturb_constant_parameters,
+    quantize_fp8,
+    quantize_fp8_compressed,
+)
 from coordinator.tools.reference import reference_generate, reference_logits  # noqa: E402
 from offload.errors import OffloadCoordinatorError, PlanError  # noqa: E402
 from worker.spec import parameter_formats  # noqa: E402
@@ -75,6 +84,21 @@ from worker.steps import Sampling  # noqa: E402
 from worker.worker import StageWorker  # noqa: E402
 
 DENSE = ("llama", "qwen3", "gemma2", "phi3")
+# MoE families outside the tested list that load after the pre-launch self-check (float32,
+# whole against split): checkpoints of their default config shrunk as that check shrinks it
+# (2 decoder layers, tiny widths), written by transformers, made FP8 here for the formats
+SELF_CHECKED = (
+    "olmoe",
+    "phimoe",
+    "glm4_moe",
+    "minimax_m2",
+    "qwen3_5_moe_text",
+    "afmoe",
+    "jetmoe",
+    "granitemoe",
+    "kimi_linear",
+    "flex_olmo",
+)
 # A near-tie: transformers' own top two logits closer than this where our token parts from its
 # (float32 sums in other shapes differ by ~1e-6 of the logits; bf16 rounding by ~1e-2)
 NEAR_TIE = {"float32": 1e-4, "bfloat16": 0.05, "float16": 0.01}
@@ -82,8 +106,8 @@ NEAR_TIE = {"float32": 1e-4, "bfloat16": 0.05, "float16": 0.01}
 
 def draw(rng: random.Random) -> dict:
     """One combination (only what the code may accept: refusals are counted, not failures)."""
-    family = rng.choice((*MOE_ARCHITECTURES, *DENSE))
-    moe = family in MOE_ARCHITECTURES
+    family = rng.choice((*MOE_ARCHITECTURES, *DENSE, *SELF_CHECKED))
+    moe = family in MOE_ARCHITECTURES or family in SELF_CHECKED
     quant = rng.choice(
         ["none", "none", "fp8-block", "fp8-compressed"]
         + (["mxfp4"] * 2 if family == "gpt_oss" else [])
@@ -142,23 +166,59 @@ def draw(rng: random.Random) -> dict:
     return trial
 
 
+def self_checked(trial: dict, root: Path) -> Path:
+    """A checkpoint of a self-checked family as transformers writes it: its default config
+    shrunk as the pre-launch check shrinks it, random weights (constant ones perturbed), in
+    the trial's dtype and format."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    family = trial["family"]
+    small = shrink_config(AutoConfig.for_model(family).to_dict())
+    small = {k: v for k, v in small.items() if k not in ("model_type", "transformers_version")}
+    small["vocab_size"] = VOCAB
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(small.get(key), int) and small[key] >= VOCAB:
+            small[key] = 0
+    config = AutoConfig.for_model(family, **small)
+    torch.manual_seed(trial["seed"])
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, trial["dtype"]))
+    perturb_constant_parameters(model, trial["seed"])
+    model.save_pretrained(root, max_shard_size=40_000)
+    block = (trial["fp8_block"], trial["fp8_block"])
+    if trial["quantization"] == "fp8-block":
+        quantize_fp8(root, model, block=block, scales=trial["fp8_scales"])
+    elif trial["quantization"] == "fp8-compressed":
+        strategy = trial["fp8_strategy"]
+        quantize_fp8_compressed(
+            root,
+            model,
+            strategy=strategy,
+            block=block if strategy == "block" else None,
+            scales=trial["fp8_scales"],
+        )
+    return root
+
+
 def checkpoint(trial: dict, tmp: Path) -> tuple[Path, Path]:
     """The trial's checkpoint and the reference's files (the same, or dequantized)."""
-    changes = {}
-    if trial["quantization"] == "mxfp4":
-        changes = dict(hidden_size=64, intermediate_size=64)  # MXFP4 groups of 32
-    shape = family_shape(
-        trial["family"],
-        trial["dtype"],
-        num_layers=trial["layers"],
-        quantization=trial["quantization"],
-        fp8_block=trial["fp8_block"],
-        fp8_scales=trial["fp8_scales"],
-        fp8_strategy=trial["fp8_strategy"],
-        seed=trial["seed"],
-        **changes,
-    )
-    root = make_checkpoint(tmp / "ckpt", shape)
+    if trial["family"] in SELF_CHECKED:
+        root = self_checked(trial, tmp / "ckpt")
+    else:
+        changes = {}
+        if trial["quantization"] == "mxfp4":
+            changes = dict(hidden_size=64, intermediate_size=64)  # MXFP4 groups of 32
+        shape = family_shape(
+            trial["family"],
+            trial["dtype"],
+            num_layers=trial["layers"],
+            quantization=trial["quantization"],
+            fp8_block=trial["fp8_block"],
+            fp8_scales=trial["fp8_scales"],
+            fp8_strategy=trial["fp8_strategy"],
+            seed=trial["seed"],
+            **changes,
+        )
+        root = make_checkpoint(tmp / "ckpt", shape)
     if trial["quantization"] == "fp8-block":
         return root, test_fp8_blocks.dequantized_copy(root, tmp / "reference")
     if trial["quantization"] == "fp8-compressed":
