@@ -560,3 +560,43 @@ def test_llama4s_experts_cross_whole_even_where_routing_is_asked(checkpoints) ->
     expected = reference(index, ids)
     assert torch.equal(logits, expected) and torch.equal(routed, expected)
     assert sum(s.copies for s in stats) and not any(s.expert_misses for s in stats)
+
+
+@pytest.mark.parametrize("family", ["kimi_linear", "olmo_hybrid"])
+def test_convolutions_published_in_parts_load_joined_as_transformers_does(tmp_path, family) -> None:
+    """Kimi Linear and OLMo Hybrid keep each linear-attention layer's q, k and v short
+    convolutions apart in their files; transformers joins them into one `conv1d` weight
+    (`Concatenate` alone in its conversion mapping). The index reads each into its part of the
+    joined weight, and two stages, each offloading its layer, give transformers' logits
+    bitwise and its greedy tokens. (Their checkpoints were refused at indexing, "conversion
+    ['Concatenate'] is not supported", though the family check passed their configs.)"""
+    import transformers
+
+    from coordinator.tools.make_checkpoint import perturb_constant_parameters
+
+    small = shrink_config(transformers.AutoConfig.for_model(family).to_dict())
+    small = {k: v for k, v in small.items() if k not in ("model_type", "transformers_version")}
+    small.update(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = transformers.AutoConfig.for_model(family, **small)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    perturb_constant_parameters(model, 0)
+    model.save_pretrained(tmp_path / family)
+    index = load_index(tmp_path / family)
+    joined = [
+        t for layer in index.layers for t in layer.tensors if t.target.endswith(".conv1d.weight")
+    ]
+    parts = {t.name.rpartition(".")[0].rpartition(".")[2] for t in joined}
+    assert parts == {"q_conv1d", "k_conv1d", "v_conv1d"}
+    assert all(t.view[0][0] == "narrow" for t in joined)
+    ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
+    names = [layer.name for layer in index.layers]  # embed, both decoder layers, head
+    pipeline = Pipeline(index, [names[:2], names[2:]], offloaded=("layers.0", "layers.1"))
+    try:
+        logits = pipeline(ids)
+        prompts = [ids[0, :7].tolist(), ids[1, :4].tolist()]
+        tokens = generate_each(pipeline, prompts, 6)
+    finally:
+        pipeline.close()
+    assert torch.equal(logits, reference(index, ids))
+    assert tokens == [alone(index, prompt, 6) for prompt in prompts]

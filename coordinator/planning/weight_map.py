@@ -7,7 +7,8 @@ per-expert tensors into one parameter per layer (`experts.3.gate_proj.weight` an
 list to the header names, with the same functions, and turn each converter's operations into the
 view of the fused parameter that each source tensor fills: `MergeModulelist(dim=m)` stacks the
 experts (expert e is `select(m, e)`), `Concatenate(dim=c)` then joins the source patterns (the
-j-th is `narrow(c, offset_j, size_j)`). A worker reads each tensor straight into its view, so
+j-th is `narrow(c, offset_j, size_j)`); `Concatenate` alone joins one tensor per pattern so
+(linear attention's q, k and v convolutions, Kimi Linear's and OLMo Hybrid's). A worker reads each tensor straight into its view, so
 no stacked or concatenated copy is ever made. Any other operation is refused with its name.
 An FP8 checkpoint's weights (block FP8, or compressed-tensors FP8 per tensor, channel or block)
 carry their scales and block, checked against the format here (`_with_fp8_scales`), and an
@@ -363,11 +364,15 @@ def _fused_views(
 
     ops = list(converter.operations)
     kinds = [type(op) for op in ops]
-    if kinds not in ([MergeModulelist], [MergeModulelist, Concatenate]):
+    sharded = any(getattr(op, "num_shards_attribute", None) for op in ops)
+    if sharded or kinds not in ([Concatenate], [MergeModulelist], [MergeModulelist, Concatenate]):
         raise WeightMapError(
             f"{target!r}: conversion {[k.__name__ for k in kinds]} is not supported (only "
-            "MergeModulelist, optionally followed by Concatenate: fused MoE experts)"
+            "MergeModulelist, optionally followed by Concatenate: fused MoE experts; or "
+            "Concatenate alone: parts joined, as linear attention's q/k/v convolutions)"
         )
+    if kinds == [Concatenate]:
+        return _joined_views(ops[0].dim, converter, target, sources, param)
     merge_dim = ops[0].dim
     out: list[TensorSlice] = []
     offset = 0
@@ -391,4 +396,36 @@ def _fused_views(
             )
         for e, tensor in enumerate(experts):
             out.append(_placed(tensor, target, (*view_prefix, ("select", merge_dim, e)), param))
+    return out
+
+
+def _joined_views(
+    dim: int, converter, target: str, sources: dict[str, list[TensorSlice]], param: torch.Tensor
+) -> list[TensorSlice]:
+    """`Concatenate(dim)` alone: each source pattern's one tensor fills the next part of `param`
+    along `dim` (`narrow(dim, offset, its size)`), in the patterns' order. A part the
+    checkpoint lacks leaves `param` short, which `map_tensors` refuses naming it."""
+    out: list[TensorSlice] = []
+    offset = 0
+    for pattern in converter.source_patterns:  # their order is the concatenation order
+        parts = sources.get(pattern, [])
+        if len(parts) > 1:
+            raise WeightMapError(
+                f"{target!r}: {len(parts)} tensors match its part {pattern!r} "
+                f"({', '.join(repr(t.name) for t in parts[:3])}); it takes one"
+            )
+        for tensor in parts:
+            if tensor.packed or dim >= len(tensor.shape):
+                raise WeightMapError(
+                    f"{tensor.file}: tensor {tensor.name!r} of shape {list(tensor.shape)} "
+                    f"cannot be part {pattern!r} of {target!r} (joined along dim {dim})"
+                )
+            size = tensor.shape[dim]
+            if offset + size > param.shape[dim]:
+                raise WeightMapError(
+                    f"{tensor.file}: tensor {tensor.name!r} of shape {list(tensor.shape)} "
+                    f"goes past {target!r}'s {list(param.shape)} (parts joined along dim {dim})"
+                )
+            out.append(_placed(tensor, target, (("narrow", dim, offset, size),), param))
+            offset += size
     return out
