@@ -79,7 +79,7 @@ from coordinator.tools.make_checkpoint import (  # noqa: E402
 )
 from coordinator.tools.reference import reference_generate, reference_logits  # noqa: E402
 from offload.errors import OffloadCoordinatorError, PlanError  # noqa: E402
-from worker.spec import parameter_formats  # noqa: E402
+from worker.spec import file_format, parameter_formats  # noqa: E402
 from worker.steps import Sampling  # noqa: E402
 from worker.worker import StageWorker  # noqa: E402
 
@@ -134,7 +134,7 @@ def draw(rng: random.Random) -> dict:
         prefix_caching=rng.random() < 0.8,
         shared_prefix=rng.choice((0, 0, 4, 8)),  # the prompts' first tokens the same
         burst_steps=rng.choice((0, 0, 1, 4)),
-        offload_dtype=rng.choice(("auto", "auto", "fp8", "int8")) if quant == "none" else "auto",
+        offload_dtype=rng.choice(("auto", "auto", "fp8", "int8")),
         seed=rng.randrange(1000),
     )
     if rng.random() < 0.4:  # the planner decides the split and the options, as offloadctl does
@@ -333,7 +333,10 @@ def rounded(trial: dict, workers) -> dict:
         for layer in spec.layers:
             if layer.name in spec.offloaded:
                 tensors = layer.unit_tensors(spec.offload_unit)
-                names.update(parameter_formats(tensors, trial["offload_dtype"]))
+                for target, fmt in parameter_formats(tensors, trial["offload_dtype"]).items():
+                    sources = [t for t in tensors if (t.target or t.name) == target]
+                    if any(file_format(t) != fmt for t in sources):  # not the file's own bits
+                        names[target] = fmt
     return names
 
 
