@@ -202,14 +202,19 @@ def reference_logits(
     attn_implementation: str | None = None,
     num_threads: int | None = None,
     quantized: Mapping[str, BlockFormat] | None = None,
+    use_cache: bool | None = None,
 ) -> torch.Tensor:
-    """Logits of the plain Hugging Face model (see `_reference_model`)."""
+    """Logits of the plain Hugging Face model (see `_reference_model`); `use_cache` as its
+    forward takes it (None: the config's, as a plain call does). It changes the numbers of one
+    family we know of: CodeGen rounds its rotated keys to the model's dtype only when it caches
+    them, and a plain call caches."""
     with _reference_model(checkpoint, dtype, num_threads, attn_implementation, quantized) as model:
         return model(
             input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             logits_to_keep=logits_to_keep,
+            **({} if use_cache is None else {"use_cache": use_cache}),
         ).logits
 
 
