@@ -221,3 +221,62 @@ def test_an_expert_past_the_configs_count_is_refused_naming_it(tmp_path):
         raise AssertionError(f"refused with {type(exc).__name__}: {exc}") from exc
     else:
         raise AssertionError("an expert the model does not have was placed")
+
+
+def joined_checkpoint(tmp_path):
+    """OLMo Hybrid's default config shrunk as the family check shrinks it, saved by
+    transformers: its linear-attention q, k and v convolutions stored apart. (its directory,
+    config.json, every file tensor's header entry)"""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from coordinator.small_config import shrink_config
+
+    small = shrink_config(AutoConfig.for_model("olmo_hybrid").to_dict())
+    small = {k: v for k, v in small.items() if k not in ("model_type", "transformers_version")}
+    small.update(vocab_size=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("olmo_hybrid", **small))
+    root = tmp_path / "olmo_hybrid"
+    model.save_pretrained(root)
+    tensors = {}
+    for path in sorted(root.glob("*.safetensors")):
+        tensors.update(read_header(path))
+    return root, json.loads((root / "config.json").read_text()), tensors
+
+
+def test_parts_joined_by_transformers_fill_their_places_in_the_joined_weight(tmp_path):
+    """q, k and v convolutions (`Concatenate` alone in transformers' conversion) each fill
+    their part of the joined `conv1d` weight, in that order along dim 0: the values read into
+    the views are what from_pretrained makes."""
+    from transformers import AutoModelForCausalLM
+
+    root, config, tensors = joined_checkpoint(tmp_path)
+    placed, _ = map_tensors(meta_model(config), tensors)
+    parts = [t for t in placed if t.target.endswith("conv1d.weight")]
+    assert {t.name.split(".")[-2] for t in parts} == {"q_conv1d", "k_conv1d", "v_conv1d"}
+    truth = AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32).state_dict()
+    built = {name: torch.full_like(value, float("nan")) for name, value in truth.items()}
+    with safe_open(next(root.glob("*.safetensors")), "pt") as f:
+        stored = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+    for t in placed:
+        apply_view(built[t.target], t.view).copy_(stored[t.name])
+    for t in parts:
+        assert torch.equal(built[t.target], truth[t.target]), t.target
+
+
+def test_a_missing_or_oversized_part_of_a_joined_weight_is_refused_naming_it(tmp_path):
+    _, config, tensors = joined_checkpoint(tmp_path)
+    model = meta_model(config)
+    k_conv = next(name for name in tensors if name.endswith("k_conv1d.weight"))
+    joined = k_conv.replace("k_conv1d", "conv1d")
+    without = {name: t for name, t in tensors.items() if name != k_conv}
+    with pytest.raises(WeightMapError, match="lacks 1 weights") as info:
+        map_tensors(model, without)
+    assert joined in str(info.value)
+    wide = dict(tensors)
+    rows, *rest = tensors[k_conv].shape
+    wide[k_conv] = dataclasses.replace(tensors[k_conv], shape=(rows * 3, *rest))
+    with pytest.raises(WeightMapError) as info:
+        map_tensors(model, wide)
+    assert str(info.value).startswith(f"{tensors[k_conv].file}: tensor {k_conv!r}")
+    assert joined in str(info.value)
