@@ -60,14 +60,19 @@ sys.path.insert(0, str(ROOT / "tests"))  # the tests' references and harness, as
 import test_fp8_blocks  # noqa: E402
 import test_fp8_compressed  # noqa: E402
 import torch  # noqa: E402
-from test_families import VOCAB, family_shape, split_spec  # noqa: E402
-from test_generation import MAX_SEQ_LEN, REQUESTS, prompts, run_joining  # noqa: E402
+from test_families import VOCAB, family_shape, fitting_plan, split_spec  # noqa: E402
+from test_generation import (  # noqa: E402
+    MAX_SEQ_LEN,
+    REQUESTS,
+    processors,
+    prompts,
+    run_joining,
+)
 
 from coordinator.config import JobConfig  # noqa: E402
 from coordinator.family_check import check_family  # noqa: E402
 from coordinator.planning.checkpoint import load_index  # noqa: E402
-from coordinator.planning.planner import PlanOptions, plan  # noqa: E402
-from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo  # noqa: E402
+from coordinator.planning.planner import PlanOptions  # noqa: E402
 from coordinator.runtime.group import stage_specs  # noqa: E402
 from coordinator.runtime.inputs import check_inputs  # noqa: E402
 from coordinator.small_config import shrink_config  # noqa: E402
@@ -319,9 +324,9 @@ def replanned(trial: dict, index, workers, rng: random.Random) -> None:
 
 
 def planned_specs(trial: dict, index) -> list:
-    """The planner's stages on `gpus` equal simulated GPUs of the drawn budget, raised by a
-    sixteenth of the largest decoder layer until a plan fits (as tests/test_families.py's
-    `offloading_plan`), with the drawn options; their specs as `offloadctl` makes them."""
+    """The planner's stages on `gpus` equal simulated GPUs of the drawn budget, raised until a
+    plan fits (tests/test_families.py's `fitting_plan`), with the drawn options; their specs
+    as `offloadctl` makes them."""
     drawn = trial["planned"]
     options = PlanOptions(
         max_batch=drawn["max_batch"],
@@ -332,24 +337,11 @@ def planned_specs(trial: dict, index) -> list:
         resident_weights=drawn["resident_weights"],
         host_experts=drawn["host_experts"],
     )
-    decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
     budget = int(sum(layer.nbytes for layer in index.layers) * drawn["budget"] / drawn["gpus"])
-    for _ in range(64):
-        gpus = tuple(GpuInfo(index=i, memory_bytes=budget) for i in range(drawn["gpus"]))
-        node = NodeInfo(
-            node_id="node",
-            hostname="node",
-            gpus=gpus,
-            host_budget_bytes=10**9,
-            pinned_budget_bytes=10**9,
-        )
-        try:
-            the_plan = plan(index.layers, ClusterSnapshot(nodes=(node,)), options)
-        except PlanError:
-            budget += decoder // 16
-            continue
+    the_plan = fitting_plan(index, options, drawn["gpus"], budget, tries=64)
+    if the_plan is not None:
         return stage_specs(JobConfig(checkpoint=str(index.root)), index, the_plan, {})
-    raise PlanError(f"no plan up to a budget of {budget} bytes per GPU")
+    raise PlanError(f"no plan from a budget of {budget} bytes per GPU up")
 
 
 def described_spec(spec) -> str:
@@ -430,9 +422,7 @@ def theirs(reference: Path, dtype: str, prompt, new: int, sampling: Sampling, qu
         max_new_tokens=new,
         do_sample=False,
         eos_token_id=None,
-        repetition_penalty=sampling.repetition_penalty,
-        bad_words_ids=[list(w) for w in sampling.bad_words] or None,
-        sequence_bias={(t,): b for t, b in sampling.logit_bias} or None,
+        **processors(sampling),
         output_scores=True,
         return_dict_in_generate=True,
     )

@@ -91,24 +91,34 @@ def offloading_plan(
     for num_gpus in (NUM_GPUS, 2):
         # at least the largest layer and a little
         budget = max(total // num_gpus - held // 4, decoder + decoder // 16) + jit
-        for _ in range(32):
-            gpus = tuple(GpuInfo(index=i, memory_bytes=budget) for i in range(num_gpus))
-            node = NodeInfo(
-                node_id="node",
-                hostname="node",
-                gpus=gpus,
-                host_budget_bytes=10**9,
-                pinned_budget_bytes=10**9,
-            )
-            try:
-                the_plan = plan(index.layers, ClusterSnapshot(nodes=(node,)), options)
-            except PlanError:
-                budget += decoder // 16
-                continue
-            if len(the_plan.stages) >= 2 and any(s.offloaded for s in the_plan.stages):
-                return the_plan
-            break  # more memory would not offload either
+        the_plan = fitting_plan(index, options, num_gpus, budget)
+        if the_plan and len(the_plan.stages) >= 2 and any(s.offloaded for s in the_plan.stages):
+            return the_plan
+        # else no plan, or more memory would not offload either
     raise AssertionError(f"no budget gives {index.family} a split that offloads")
+
+
+def fitting_plan(
+    index: CheckpointIndex, options: PlanOptions, num_gpus: int, budget: int, tries: int = 32
+) -> Plan | None:
+    """The planner's plan of `index` on one node of `num_gpus` equal GPUs of `budget` bytes,
+    the budget raised by a sixteenth of the largest decoder layer until one fits (None after
+    `tries`); hosts of 1 GB."""
+    decoder = max(layer.nbytes for layer in index.layers if layer.kind == "decoder")
+    for _ in range(tries):
+        gpus = tuple(GpuInfo(index=i, memory_bytes=budget) for i in range(num_gpus))
+        node = NodeInfo(
+            node_id="node",
+            hostname="node",
+            gpus=gpus,
+            host_budget_bytes=10**9,
+            pinned_budget_bytes=10**9,
+        )
+        try:
+            return plan(index.layers, ClusterSnapshot(nodes=(node,)), options)
+        except PlanError:
+            budget += decoder // 16
+    return None
 
 
 class Pipeline:

@@ -141,6 +141,16 @@ def generate_each(pipeline: Pipeline, prompt_ids: list[list[int]], new: int) -> 
         engine.close()
 
 
+def processors(sampling: Sampling) -> dict:
+    """`generate`'s arguments for a greedy request's processors: its repetition penalty, bad
+    words and logit bias (one-token `sequence_bias`)."""
+    return dict(
+        repetition_penalty=sampling.repetition_penalty,
+        bad_words_ids=[list(w) for w in sampling.bad_words] or None,
+        sequence_bias={(t,): b for t, b in sampling.logit_bias} or None,
+    )
+
+
 def alone(index, prompt: list[int], new: int, quantized=None) -> list[int]:
     out = reference_generate(
         str(index.root),
@@ -602,9 +612,7 @@ def test_penalties_and_bad_words_equal_transformers_generate_through_preemptions
             max_new_tokens=new,
             do_sample=False,
             eos_token_id=None,
-            repetition_penalty=sampling.repetition_penalty,
-            bad_words_ids=[list(w) for w in sampling.bad_words] or None,
-            sequence_bias={(t,): b for t, b in sampling.logit_bias} or None,
+            **processors(sampling),
         )[0, len(prompt) :].tolist()
         assert ours[i] == expected, (family, i)
         assert ours[i] != plain[i], (family, i)
