@@ -71,15 +71,17 @@ ROUTING_PARAMETERS = ("top_k_index", "router_indices")
 
 def takes_routing(module: nn.Module) -> bool:
     """Whether `module`'s forward is handed the experts each row routes to, where `routing_of`
-    reads them: a parameter `ROUTING_PARAMETERS` names, second after the hidden states."""
+    reads them: a parameter `ROUTING_PARAMETERS` names, second after the hidden states. Read
+    from its class's forward, not the instance's, which a wrapper may have replaced
+    (`offload.resident`'s compact calls)."""
     try:
-        parameters = list(inspect.signature(module.forward).parameters.values())
+        parameters = list(inspect.signature(type(module).forward).parameters.values())
     except (TypeError, ValueError):  # no signature to read: nothing known, nothing routed
         return False
     positional = [
         p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
-    return len(positional) > 1 and positional[1] in ROUTING_PARAMETERS
+    return len(positional) > 2 and positional[2] in ROUTING_PARAMETERS  # after self, hidden
 
 
 def _shaped_experts(

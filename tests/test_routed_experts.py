@@ -276,6 +276,10 @@ def test_experts_modules_not_handed_their_routing_are_left_to_cross_whole() -> N
             assert found == [] and unroutable, name
             assert not any(takes_routing(layer.get_submodule(p)) for p in unroutable)
     assert unroutable_experts(whole["llama4_text"]) == ["feed_forward.experts"]
+    # read from the class: a wrapper on the instance (a compact call's) changes nothing
+    experts = routed["mixtral"].mlp.experts
+    experts.forward = lambda *args, **kwargs: None
+    assert takes_routing(experts)
 
 
 def test_routing_is_read_from_the_call_or_refused() -> None:
