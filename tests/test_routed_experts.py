@@ -302,6 +302,35 @@ def test_expected_distinct_experts_under_uniform_routing() -> None:
     assert expected_experts(0, 2, 4) == 0.0
 
 
+def test_a_plan_asked_to_route_on_nodes_that_read_in_place_says_why_none_routes(moe) -> None:
+    """Routed fetch asked for where the nodes read offloaded weights in place (uva): no stage
+    routes, and the plan says it is the backend, not the model (Llama 4's case,
+    tests/test_family_check.py)."""
+    index = moe("qwen3_moe")
+    base = offloading_plan(index, expert_fetch="layer")
+    gpus = tuple(
+        GpuInfo(index=i, memory_bytes=s.device_bytes + 1) for i, s in enumerate(base.stages)
+    )
+    notes = {}
+    for backend in ("uva", "prefetch"):
+        node = NodeInfo(
+            node_id="node",
+            gpus=gpus,
+            host_budget_bytes=10**9,
+            pinned_budget_bytes=10**9,
+            backend=backend,
+        )
+        the_plan = plan(
+            index.layers, ClusterSnapshot(nodes=(node,)), PlanOptions(expert_fetch="routed")
+        )
+        assert any(s.offloaded for s in the_plan.stages)
+        routes = {s.expert_fetch for s in the_plan.stages if s.offloaded}
+        assert routes == ({"layer"} if backend == "uva" else {"routed"}), backend
+        notes[backend] = the_plan.summary()
+    assert "no stage routes: their nodes read offloaded weights in place (uva)" in notes["uva"]
+    assert "no stage routes" not in notes["prefetch"]
+
+
 @pytest.mark.parametrize(("fetch", "rows"), [("auto", 1), ("auto", 64), ("routed", 64)])
 def test_the_plan_fetches_experts_by_routing_where_its_cost_model_says_so(
     moe, fetch: str, rows: int

@@ -310,11 +310,16 @@ class Plan:
                 "to the stage's time"
             )
         elif self.options.expert_fetch == "routed" and any(s.offloaded for s in self.stages):
-            notes.append(
-                "expert fetch routed: no offloaded layer has experts that a step's routing "
-                "picks (a dense model, or experts modules not handed the routing, as Llama 4's, "
-                "which compute every expert), so every offloaded unit crosses whole"
-            )
+            offloading = [s for s in self.stages if s.offloaded]
+            if all(s.backend != "prefetch" for s in offloading):
+                why = "their nodes read offloaded weights in place (uva): nothing is fetched"
+            else:
+                why = (
+                    "no offloaded layer has experts that a step's routing picks (a dense "
+                    "model, or experts modules not handed the routing, as Llama 4's, which "
+                    "compute every expert), so every offloaded unit crosses whole"
+                )
+            notes.append(f"expert fetch routed: no stage routes: {why}")
         hosted = [s for s in self.stages if s.host_expert_rows]
         if hosted:
             notes.append(
