@@ -86,7 +86,7 @@ from coordinator.tools.make_checkpoint import (  # noqa: E402
 from coordinator.tools.reference import reference_generate, reference_logits  # noqa: E402
 from offload.errors import OffloadCoordinatorError, PlanError  # noqa: E402
 from worker.layout import UnsupportedModelError  # noqa: E402
-from worker.spec import file_format, parameter_formats  # noqa: E402
+from worker.spec import requantized_formats  # noqa: E402
 from worker.steps import Sampling  # noqa: E402
 from worker.worker import StageWorker  # noqa: E402
 
@@ -374,10 +374,7 @@ def rounded(trial: dict, workers) -> dict:
         for layer in spec.layers:
             if layer.name in spec.offloaded:
                 tensors = layer.unit_tensors(spec.offload_unit)
-                for target, fmt in parameter_formats(tensors, trial["offload_dtype"]).items():
-                    sources = [t for t in tensors if (t.target or t.name) == target]
-                    if any(file_format(t) != fmt for t in sources):  # not the file's own bits
-                        names[target] = fmt
+                names.update(requantized_formats(tensors, trial["offload_dtype"]))
     return names
 
 

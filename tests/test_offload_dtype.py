@@ -16,7 +16,7 @@ from coordinator.planning.snapshot import ClusterSnapshot, GpuInfo, NodeInfo
 from coordinator.tools.make_checkpoint import make_checkpoint
 from offload.errors import ConfigError, PlanError
 from offload.quant import quantized
-from worker.spec import parameter_formats, routes
+from worker.spec import file_format, parameter_formats, requantized_formats, routes
 
 
 def offloaded_stages(the_plan):
@@ -219,3 +219,21 @@ def test_8bits_never_quantize_what_routes(tmp_path, family: str) -> None:
             assert not biases & set(found), sorted(biases & set(found))  # gpt-oss's [E, width]
             quantized |= set(found)
         assert any(".experts." in name for name in quantized)
+
+
+def test_a_block_fp8_files_own_8_bits_are_not_rounded_again_by_the_reference(tmp_path) -> None:
+    """Under `--offload-dtype fp8` a block-FP8 checkpoint's offloaded weights stay the file's
+    own 8 bits (its numbers as published): nothing for the reference (`run --check`, the soak)
+    to round. Under int8 each of them is requantized, and all are named."""
+    index = load_index(
+        make_checkpoint(
+            tmp_path / "fp8", family_shape("llama", "bfloat16", quantization="fp8-block")
+        )
+    )
+    tensors = [t for layer in index.layers if layer.kind == "decoder" for t in layer.tensors]
+    kept = parameter_formats(tensors, "fp8")
+    assert kept
+    for target, fmt in kept.items():  # each kept as the file stores it
+        assert {file_format(t) for t in tensors if (t.target or t.name) == target} == {fmt}
+    assert requantized_formats(tensors, "fp8") == {}
+    assert requantized_formats(tensors, "int8") == parameter_formats(tensors, "int8") != {}

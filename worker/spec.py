@@ -303,6 +303,19 @@ def parameter_formats(
     }
 
 
+def requantized_formats(
+    tensors: Sequence[TensorSlice], offload_dtype: str
+) -> dict[str, WeightFormat]:
+    """Of `parameter_formats`, the parameters whose 8 bits are not the file's own (a block-FP8
+    file's 8-bit weights are its numbers as published): the ones a reference must round the
+    same way to compute with the offloader's weights."""
+    return {
+        target: fmt
+        for target, fmt in parameter_formats(tensors, offload_dtype).items()
+        if any(file_format(t) != fmt for t in tensors if (t.target or t.name) == target)
+    }
+
+
 def stored_formats(tensors: Sequence[TensorSlice]) -> dict[str, WeightFormat]:
     """The parameters (by target) that `tensors` fill which a GPU keeps as the checkpoint
     stores them when resident weights are "stored" (worker.names.RESIDENT_WEIGHTS): its

@@ -140,7 +140,7 @@ def quantized_weights(job) -> dict:
     / int8` on its prefetching stages): what the reference must quantize too to compute with
     the same weights. An FP8 checkpoint kept as published needs nothing: its 8-bit weights are
     the file's, as transformers reads them."""
-    from worker.spec import file_format, parameter_formats
+    from worker.spec import requantized_formats
 
     dtype = job.plan.options.offload_dtype
     if dtype not in ("fp8", "int8"):
@@ -151,11 +151,7 @@ def quantized_weights(job) -> dict:
         if stage.backend != "prefetch":
             continue
         for name in stage.offloaded:
-            tensors = layers[name].unit_tensors(stage.offload_unit)
-            for target, fmt in parameter_formats(tensors, dtype).items():
-                sources = [t for t in tensors if (t.target or t.name) == target]
-                if any(file_format(t) != fmt for t in sources):  # not the file's own 8 bits
-                    out[target] = fmt
+            out.update(requantized_formats(layers[name].unit_tensors(stage.offload_unit), dtype))
     return out
 
 

@@ -8,8 +8,9 @@ list to the header names, with the same functions, and turn each converter's ope
 view of the fused parameter that each source tensor fills: `MergeModulelist(dim=m)` stacks the
 experts (expert e is `select(m, e)`), `Concatenate(dim=c)` then joins the source patterns (the
 j-th is `narrow(c, offset_j, size_j)`); `Concatenate` alone joins one tensor per pattern so
-(linear attention's q, k and v convolutions, Kimi Linear's and OLMo Hybrid's). A worker reads each tensor straight into its view, so
-no stacked or concatenated copy is ever made. Any other operation is refused with its name.
+(linear attention's q, k and v convolutions, Kimi Linear's and OLMo Hybrid's). A worker reads
+each tensor straight into its view, so no stacked or concatenated copy is ever made. Any other
+operation is refused with its name.
 An FP8 checkpoint's weights (block FP8, or compressed-tensors FP8 per tensor, channel or block)
 carry their scales and block, checked against the format here (`_with_fp8_scales`), and an
 MXFP4 checkpoint's packed expert weights theirs (`_with_mxfp4`), so a checkpoint that would
